@@ -1,0 +1,1 @@
+"""Framework backends behind one small contract (no Ray): see :mod:`rayinfer.adapters.base`."""

@@ -1,0 +1,57 @@
+"""The adapter contract every backend implements, and the registry that picks one."""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from rayinfer.protocol.errors import ModelConfigError, UnsupportedError
+from rayinfer.repository.model_config import ModelConfig
+
+
+class ModelAdapter(Protocol):
+    """Runs one model version in one process: ``load`` once, ``execute`` many times, ``unload``.
+
+    Adapters are plain synchronous code with no Ray inside; the deployment runs ``execute`` off
+    the event loop. Arrays passed to ``execute`` already carry the batch dimension when the
+    model batches, and are in the model's own shapes (after any ``reshape``).
+    """
+
+    def load(self, model_dir: Path, version: int, config: ModelConfig, auto_complete: bool) -> None:
+        """Load the model file of ``version``; with ``auto_complete``, fill gaps in ``config``."""
+
+    def execute(
+        self, inputs: dict[str, np.ndarray], output_names: list[str], parameters: dict[str, Any]
+    ) -> dict[str, np.ndarray]:
+        """Run the model on one batch and return the requested outputs."""
+
+    def unload(self) -> None:
+        """Free the model's resources."""
+
+
+# Triton backend name -> "module:Class", imported only when a model needs it.
+_REGISTRY = {
+    "onnxruntime": "rayinfer.adapters.onnxruntime.adapter:OnnxRuntimeAdapter",
+}
+
+
+def create_adapter(backend: str) -> ModelAdapter:
+    """A new, unloaded adapter for a Triton backend name (``onnxruntime``, ...)."""
+    target = _REGISTRY.get(backend)
+    if target is None:
+        raise UnsupportedError(
+            f"backend '{backend}' is not supported; available backends: {', '.join(sorted(_REGISTRY))}"
+        )
+    module_name, _, class_name = target.partition(":")
+    return getattr(importlib.import_module(module_name), class_name)()
+
+
+def model_file(model_dir: Path, version: int, config: ModelConfig) -> Path:
+    """Path of the version's model file, raising an error that names the missing file."""
+    path = model_dir / str(version) / config.default_model_filename
+    if not path.exists():
+        raise ModelConfigError(f"model file not found: {path}")
+    return path

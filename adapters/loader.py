@@ -1,0 +1,38 @@
+"""Loads one model version from a repository into a ready :class:`ModelRunner`."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from rayinfer.adapters.base import create_adapter
+from rayinfer.adapters.model_runner import ModelRunner
+from rayinfer.protocol.errors import ModelConfigError
+from rayinfer.repository.model_config import CONFIG_FILENAME, spec_from_config
+from rayinfer.repository.scanner import ModelEntry, scan_model
+
+logger = logging.getLogger(__name__)
+
+
+def load_runner(
+    repository: Path, model_name: str, version: int, auto_complete: bool = True
+) -> tuple[ModelRunner, ModelEntry]:
+    """Read the model's config, load ``version`` with its backend and return the runner.
+
+    Raises :class:`ModelConfigError` (naming the file) if the config or model file is broken.
+    """
+    model_dir = Path(repository) / model_name
+    entry = scan_model(model_dir)
+    if entry.error is not None or entry.config is None:
+        raise ModelConfigError(entry.error or f"{model_dir}: cannot be read")
+    if version not in entry.versions:
+        raise ModelConfigError(
+            f"{model_dir}: version {version} is not served by the version policy "
+            f"(serving {entry.versions})"
+        )
+    config = entry.config
+    adapter = create_adapter(config.backend)
+    adapter.load(model_dir, version, config, auto_complete)
+    spec = spec_from_config(config, model_dir / CONFIG_FILENAME)
+    logger.info("loaded model '%s' version %d (%s)", model_name, version, config.backend)
+    return ModelRunner(spec, adapter, version), entry

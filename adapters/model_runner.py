@@ -1,0 +1,193 @@
+"""Validates requests against a model's spec and executes them, one or many at a time.
+
+The runner is the protocol-neutral data plane of one model version in one replica: front-ends
+decode wire formats into :class:`InferRequest`, the runner checks them against the config,
+merges compatible requests into one model execution, and splits the results back.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+from rayinfer.adapters.base import ModelAdapter
+from rayinfer.adapters.batching import group_by_signature, merge_inputs, split_outputs
+from rayinfer.protocol.dtypes import numpy_dtype, wire_datatype
+from rayinfer.protocol.errors import InvalidArgError, ServingError, as_serving_error
+from rayinfer.protocol.statistics import ModelStatistics
+from rayinfer.protocol.types import InferOutput, InferRequest, InferResponse
+from rayinfer.repository.model_config import ModelSpec, TensorSpec
+
+
+@dataclass(slots=True)
+class PreparedRequest:
+    """A validated request: inputs in the model's shapes, its row count and merge signature."""
+
+    request: InferRequest
+    arrays: dict[str, np.ndarray]
+    rows: int
+    output_names: tuple[str, ...]
+    signature: tuple
+    arrival_ns: int
+
+
+def _shape_matches(shape: Sequence[int], dims: Sequence[int]) -> bool:
+    return len(shape) == len(dims) and all(d == -1 or d == s for s, d in zip(shape, dims))
+
+
+def _fmt(shape: Sequence[int]) -> str:
+    return "[" + ",".join(str(d) for d in shape) + "]"
+
+
+class ModelRunner:
+    """Runs one loaded model version; keeps its statistics."""
+
+    def __init__(self, spec: ModelSpec, adapter: ModelAdapter, version: int):
+        self.spec = spec
+        self.adapter = adapter
+        self.version = str(version)
+        self.stats = ModelStatistics()
+        self._inputs = spec.input_map
+        self._outputs = spec.output_map
+        self._required = [t.name for t in spec.inputs if not t.optional]
+
+    def prepare(self, request: InferRequest) -> PreparedRequest:
+        """Check names, datatypes, shapes and batch size against the config (INVALID_ARG if wrong)."""
+        spec = self.spec
+        given = [t.name for t in request.inputs]
+        missing = [n for n in self._required if n not in given]
+        for tensor in request.inputs:
+            if tensor.name not in self._inputs:
+                raise InvalidArgError(
+                    f"unexpected inference input '{tensor.name}' for model '{spec.name}'"
+                )
+        if missing or len(set(given)) != len(given):
+            raise InvalidArgError(
+                f"expected {len(self._required)} inputs but got {len(given)} inputs for model "
+                f"'{spec.name}'. Got input(s) {given}, but missing required input(s) {missing}. "
+                "Please provide all required input(s)."
+            )
+        batching = spec.max_batch_size > 0
+        rows = 1
+        arrays: dict[str, np.ndarray] = {}
+        signature: list[Any] = []
+        for position, tensor in enumerate(request.inputs):
+            config = self._inputs[tensor.name]
+            if tensor.datatype != config.datatype:
+                raise InvalidArgError(
+                    f"inference input '{tensor.name}' data-type is '{tensor.datatype}', but model "
+                    f"'{spec.name}' expects '{config.datatype}'"
+                )
+            shape = tensor.shape
+            expected = ((-1,) if batching else ()) + config.dims
+            if not _shape_matches(shape, expected):
+                raise InvalidArgError(
+                    f"unexpected shape for input '{tensor.name}' for model '{spec.name}'. "
+                    f"Expected {_fmt(expected)}, got {_fmt(shape)}"
+                )
+            if batching:
+                if position == 0:
+                    rows = shape[0]
+                elif shape[0] != rows:
+                    raise InvalidArgError(
+                        f"input '{tensor.name}' batch size {shape[0]} does not match the batch size "
+                        f"{rows} of the other inputs for model '{spec.name}'"
+                    )
+            arrays[tensor.name] = _to_model_shape(tensor.data, config, batching, rows)
+            signature.append((tensor.name, shape[1:] if batching else shape))
+        if batching and not 1 <= rows <= spec.max_batch_size:
+            raise InvalidArgError(
+                f"inference request batch-size must be <= {spec.max_batch_size} for "
+                f"'{spec.name}'" if rows else f"inference request batch-size must be >= 1 for '{spec.name}'"
+            )
+        if request.outputs:
+            for out in request.outputs:
+                if out.name not in self._outputs:
+                    raise InvalidArgError(
+                        f"unexpected inference output '{out.name}' for model '{spec.name}'"
+                    )
+            output_names = tuple(dict.fromkeys(o.name for o in request.outputs))
+        else:
+            output_names = tuple(self._outputs)
+        signature.sort()
+        return PreparedRequest(
+            request=request,
+            arrays=arrays,
+            rows=rows,
+            output_names=output_names,
+            signature=(tuple(signature), output_names),
+            arrival_ns=time.perf_counter_ns(),
+        )
+
+    def execute(self, batch: Sequence[PreparedRequest]) -> list[InferResponse | ServingError]:
+        """Run the requests, merging those with equal signatures into one execution each.
+
+        Blocking: call it from a worker thread. Returns one response or error per request.
+        """
+        results: list[InferResponse | ServingError] = [None] * len(batch)  # type: ignore[list-item]
+        signatures = [p.signature for p in batch] if self.spec.max_batch_size > 0 else list(range(len(batch)))
+        for indices in group_by_signature(signatures):
+            group = [batch[i] for i in indices]
+            for i, result in zip(indices, self._execute_group(group)):
+                results[i] = result
+        return results
+
+    def _execute_group(self, group: list[PreparedRequest]) -> list[InferResponse | ServingError]:
+        start = time.perf_counter_ns()
+        rows = [p.rows for p in group]
+        try:
+            merged = merge_inputs([p.arrays for p in group])
+            wanted = list(dict.fromkeys(n for p in group for n in p.output_names))
+            infer_start = time.perf_counter_ns()
+            outputs = self.adapter.execute(merged, wanted, group[0].request.parameters)
+            infer_end = time.perf_counter_ns()
+            per_request = split_outputs(outputs, rows) if self.spec.max_batch_size > 0 else [outputs]
+            responses: list[InferResponse | ServingError] = [
+                self._response(p, out) for p, out in zip(group, per_request)
+            ]
+        except Exception as exc:  # reported per request, never crashes the replica
+            error = as_serving_error(exc)
+            now = time.perf_counter_ns()
+            for p in group:
+                self.stats.record_failure(now - p.arrival_ns)
+            return [error] * len(group)
+        end = time.perf_counter_ns()
+        self.stats.record_execution(
+            len(group), sum(rows), infer_start - start, infer_end - infer_start, end - infer_end
+        )
+        for p in group:
+            self.stats.record_success(end - p.arrival_ns, start - p.arrival_ns)
+        return responses
+
+    def _response(self, prepared: PreparedRequest, outputs: dict[str, np.ndarray]) -> InferResponse:
+        batching = self.spec.max_batch_size > 0
+        tensors = []
+        for name in prepared.output_names:
+            array = outputs[name]
+            config = self._outputs[name]
+            if config.reshape is not None:
+                array = array.reshape(((prepared.rows,) if batching else ()) + config.dims)
+            datatype = config.datatype
+            if datatype != "BYTES" and wire_datatype(array.dtype) != datatype:
+                array = array.astype(numpy_dtype(datatype))
+            tensors.append(InferOutput(name, datatype, tuple(array.shape), array))
+        return InferResponse(
+            model_name=self.spec.name,
+            model_version=self.version,
+            outputs=tensors,
+            id=prepared.request.id,
+        )
+
+    def record_failure(self, start_ns: int) -> None:
+        """Count a request that failed before execution (bad input), timed from ``start_ns``."""
+        self.stats.record_failure(time.perf_counter_ns() - start_ns)
+
+
+def _to_model_shape(data: np.ndarray, config: TensorSpec, batching: bool, rows: int) -> np.ndarray:
+    if config.reshape is None:
+        return data
+    return data.reshape(((rows,) if batching else ()) + config.reshape)
+

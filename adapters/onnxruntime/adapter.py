@@ -1,0 +1,154 @@
+"""ONNX Runtime adapter: one InferenceSession per replica, Triton's auto-complete from the graph."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from rayinfer.adapters.base import model_file
+from rayinfer.protocol.dtypes import wire_to_config
+from rayinfer.protocol.errors import InternalError, InvalidArgError, ModelConfigError
+from rayinfer.repository.model_config import ModelConfig, mc
+
+logger = logging.getLogger(__name__)
+
+# ONNX Runtime's type strings -> Triton wire datatypes.
+_ORT_TO_WIRE = {
+    "tensor(bool)": "BOOL",
+    "tensor(uint8)": "UINT8",
+    "tensor(uint16)": "UINT16",
+    "tensor(uint32)": "UINT32",
+    "tensor(uint64)": "UINT64",
+    "tensor(int8)": "INT8",
+    "tensor(int16)": "INT16",
+    "tensor(int32)": "INT32",
+    "tensor(int64)": "INT64",
+    "tensor(float16)": "FP16",
+    "tensor(float)": "FP32",
+    "tensor(double)": "FP64",
+    "tensor(string)": "BYTES",
+}
+
+# Triton's default max_batch_size for auto-completed models that can batch.
+DEFAULT_MAX_BATCH_SIZE = 4
+
+
+class OnnxRuntimeAdapter:
+    """Runs an ONNX model with onnxruntime on the CPU execution provider."""
+
+    def __init__(self) -> None:
+        self._session: Any = None
+        self._string_inputs: set[str] = set()
+        self._string_outputs: set[str] = set()
+
+    def load(self, model_dir: Path, version: int, config: ModelConfig, auto_complete: bool) -> None:
+        import onnxruntime as ort
+
+        path = model_file(model_dir, version, config)
+        if path.is_dir():
+            path = path / "model.onnx"
+        options = ort.SessionOptions()
+        params = {k: v.string_value for k, v in config.parameters.items()}
+        intra = params.get("intra_op_thread_count") or params.get("intra_op_num_threads")
+        inter = params.get("inter_op_thread_count") or params.get("inter_op_num_threads")
+        try:
+            if intra:
+                options.intra_op_num_threads = int(intra)
+            if inter:
+                options.inter_op_num_threads = int(inter)
+        except ValueError as exc:
+            raise ModelConfigError(f"model '{config.name}': invalid thread count parameter: {exc}") from None
+        level = config.optimization.graph.level if config.HasField("optimization") else 0
+        if level == -1:
+            options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+        elif level == 1:
+            options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
+        try:
+            self._session = ort.InferenceSession(
+                str(path), sess_options=options, providers=["CPUExecutionProvider"]
+            )
+        except Exception as exc:  # onnxruntime raises its own untyped errors
+            raise ModelConfigError(f"failed to load ONNX model {path}: {exc}") from None
+        if auto_complete:
+            self._auto_complete(config)
+        self._check_against_model(config, path)
+        self._string_inputs = {i.name for i in self._session.get_inputs() if i.type == "tensor(string)"}
+        self._string_outputs = {o.name for o in self._session.get_outputs() if o.type == "tensor(string)"}
+
+    def _auto_complete(self, config: ModelConfig) -> None:
+        """Fill missing inputs, outputs and max_batch_size from the graph, as Triton does."""
+        model_inputs = self._session.get_inputs()
+        model_outputs = self._session.get_outputs()
+        all_io = list(model_inputs) + list(model_outputs)
+        can_batch = all(io.shape and not isinstance(io.shape[0], int) for io in all_io)
+        if not config.input and not config.output and config.max_batch_size == 0 and can_batch:
+            config.max_batch_size = DEFAULT_MAX_BATCH_SIZE
+            if not config.HasField("dynamic_batching") and not config.HasField("sequence_batching"):
+                config.dynamic_batching.SetInParent()
+        skip = 1 if config.max_batch_size > 0 else 0
+        for repeated, model_io in ((config.input, model_inputs), (config.output, model_outputs)):
+            declared = {t.name for t in repeated}
+            for io in model_io:
+                if io.name in declared or io.type not in _ORT_TO_WIRE:
+                    continue
+                tensor = repeated.add(name=io.name)
+                tensor.data_type = mc.DataType.Value(wire_to_config(_ORT_TO_WIRE[io.type]))
+                tensor.dims.extend(d if isinstance(d, int) and d > 0 else -1 for d in io.shape[skip:])
+
+    def _check_against_model(self, config: ModelConfig, path: Path) -> None:
+        """Config tensors must exist in the graph with the same datatype."""
+        for what, declared, model_io in (
+            ("input", config.input, self._session.get_inputs()),
+            ("output", config.output, self._session.get_outputs()),
+        ):
+            by_name = {io.name: io for io in model_io}
+            for tensor in declared:
+                io = by_name.get(tensor.name)
+                if io is None:
+                    raise ModelConfigError(
+                        f"model '{config.name}': unexpected inference {what} '{tensor.name}', "
+                        f"allowed {what}s are: {', '.join(by_name)} ({path})"
+                    )
+                wire = _ORT_TO_WIRE.get(io.type)
+                expected = mc.DataType.Name(tensor.data_type)
+                if wire is None or wire_to_config(wire) != expected:
+                    raise ModelConfigError(
+                        f"model '{config.name}': {what} '{tensor.name}' is {io.type} in the model "
+                        f"but {expected} in the config ({path})"
+                    )
+
+    def execute(
+        self, inputs: dict[str, np.ndarray], output_names: list[str], parameters: dict[str, Any]
+    ) -> dict[str, np.ndarray]:
+        feed = {}
+        for name, array in inputs.items():
+            if name in self._string_inputs:
+                array = np.vectorize(_to_str, otypes=[object])(array) if array.size else array
+            feed[name] = array
+        try:
+            results = self._session.run(output_names, feed)
+        except Exception as exc:  # onnxruntime raises its own untyped errors
+            message = str(exc)
+            if "INVALID_ARGUMENT" in message or "Invalid" in message:
+                raise InvalidArgError(f"onnxruntime rejected the request: {message}") from None
+            raise InternalError(f"onnxruntime execution failed: {message}") from None
+        out = {}
+        for name, array in zip(output_names, results):
+            if name in self._string_outputs:
+                array = np.vectorize(_to_bytes, otypes=[object])(array) if array.size else array.astype(object)
+            out[name] = array
+        return out
+
+    def unload(self) -> None:
+        self._session = None
+
+
+def _to_str(item: Any) -> str:
+    return item.decode("utf-8", errors="surrogateescape") if isinstance(item, bytes) else str(item)
+
+
+def _to_bytes(item: Any) -> bytes:
+    return item.encode("utf-8", errors="surrogateescape") if isinstance(item, str) else bytes(item)

@@ -1,0 +1,1 @@
+"""Command line, settings, Serve-config rendering and the server launcher."""

@@ -1,0 +1,150 @@
+"""``rayinfer``: serve a Triton model repository on Ray Serve.
+
+    rayinfer serve --model-repository DIR [--http-port 8000] [--ray-address ADDR] ...
+    rayinfer config --model-repository DIR          # the equivalent Serve config, as YAML
+    rayinfer example-repository DIR                  # write the example model repository
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+
+from rayinfer.cluster.settings import RAY_ENVIRONMENT, ServerSettings
+
+logger = logging.getLogger("rayinfer")
+
+
+def _bool(text: str) -> bool:
+    if text.lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected a boolean, got '{text}'")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rayinfer", description="Triton-compatible inference on Ray Serve")
+    commands = parser.add_subparsers(dest="command", required=True)
+    for name in ("serve", "config"):
+        sub = commands.add_parser(name, help="start the server" if name == "serve" else "print the Serve config")
+        sub.add_argument("--model-repository", "--model-store", required=True, type=Path)
+        sub.add_argument("--http-address", default=None)
+        sub.add_argument("--http-port", type=int, default=None)
+        sub.add_argument("--grpc-port", type=int, default=None)
+        sub.add_argument("--metrics-port", type=int, default=None)
+        sub.add_argument("--id", default=None)
+        sub.add_argument("--strict-readiness", type=_bool, nargs="?", const=True, default=None)
+        sub.add_argument("--disable-auto-complete-config", action="store_true", default=None)
+        sub.add_argument("--log-verbose", type=int, default=None)
+        sub.add_argument("--ray-address", default=None)
+        sub.add_argument("--num-cpus", type=float, default=None, help="CPUs of the embedded local Ray")
+        sub.add_argument("--replica-num-cpus", type=float, default=None)
+    example = commands.add_parser("example-repository", help="write the example model repository")
+    example.add_argument("directory", type=Path)
+    return parser
+
+
+def settings_from_args(args: argparse.Namespace) -> ServerSettings:
+    fields = set(ServerSettings.model_fields)
+    values = {k: v for k, v in vars(args).items() if k in fields and v is not None}
+    return ServerSettings(**values)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "example-repository":
+        from rayinfer.cluster.example_repository import write_example_repository
+
+        for path in write_example_repository(args.directory):
+            print(path)
+        return 0
+    settings = settings_from_args(args)
+    logging.basicConfig(
+        level=logging.DEBUG if settings.log_verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    for key, value in RAY_ENVIRONMENT.items():
+        os.environ.setdefault(key, value)
+    if args.command == "config":
+        import yaml
+
+        from rayinfer.cluster.serve_config import render_serve_config
+        from rayinfer.deployments.launcher import validate_serve_config
+
+        doc = render_serve_config(settings)
+        validate_serve_config(doc)
+        print(yaml.safe_dump(doc, sort_keys=False), end="")
+        return 0
+    return serve(settings)
+
+
+def serve(settings: ServerSettings) -> int:
+    """Start (or join) Ray, deploy the repository, and run until SIGINT or SIGTERM."""
+    import ray
+
+    from rayinfer.cluster.serve_config import served_versions
+    from rayinfer.deployments import launcher
+    from rayinfer.repository.scanner import scan_repository
+
+    entries = scan_repository(settings.model_repository)
+    address = settings.ray_address or os.environ.get("RAY_ADDRESS")
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    if address:
+        ray.init(address=address)
+    else:
+        ray.init(
+            num_cpus=settings.num_cpus,
+            include_dashboard=False,
+            _node_ip_address="127.0.0.1",
+            logging_level=logging.WARNING,
+        )
+    try:
+        launcher.start_serve(settings.http_address, settings.http_port)
+        failures = launcher.deploy_repository(
+            str(settings.model_repository.resolve()),
+            served_versions(entries),
+            server_id=settings.id,
+            strict_readiness=settings.strict_readiness,
+            auto_complete=not settings.disable_auto_complete_config,
+            replica_num_cpus=settings.replica_num_cpus,
+            timeout_s=settings.startup_timeout_s,
+        )
+        _print_model_table(entries, failures)
+        print(f"Started HTTPService at {settings.http_address}:{settings.http_port}", flush=True)
+        stop.wait()
+    finally:
+        print("Stopping rayinfer...", flush=True)
+        from ray import serve as ray_serve
+
+        try:
+            ray_serve.shutdown()
+        finally:
+            ray.shutdown()
+    return 0
+
+
+def _print_model_table(entries: list, failures: dict[str, str]) -> None:
+    rows = []
+    for entry in entries:
+        if entry.error is not None:
+            rows.append((entry.name, "-", f"UNAVAILABLE: {entry.error}"))
+        elif entry.name in failures:
+            rows.append((entry.name, ",".join(map(str, entry.versions)), f"UNAVAILABLE: {failures[entry.name]}"))
+        else:
+            rows.append((entry.name, ",".join(map(str, entry.versions)), "READY"))
+    width = max([len(r[0]) for r in rows] + [5])
+    print(f"{'Model':<{width}}  Version  Status", flush=True)
+    for name, versions, state in rows:
+        print(f"{name:<{width}}  {versions:<7}  {state}", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

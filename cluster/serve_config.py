@@ -1,0 +1,63 @@
+"""Renders the Serve config (``serve deploy``) equivalent to ``rayinfer serve`` on a repository."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rayinfer.cluster.settings import ServerSettings
+from rayinfer.deployments.names import (
+    SERVER_APP,
+    SERVER_ROUTE_PREFIX,
+    model_app_name,
+    model_route_prefix,
+)
+from rayinfer.repository.scanner import ModelEntry, scan_repository
+
+MODEL_IMPORT_PATH = "rayinfer.deployments.app:build_model_app"
+SERVER_IMPORT_PATH = "rayinfer.deployments.app:build_server_app"
+
+
+def served_versions(entries: list[ModelEntry]) -> list[tuple[str, int, bool]]:
+    """(model, version, is_default) for every servable version; the highest is the default."""
+    out = []
+    for entry in entries:
+        if entry.error is None and entry.versions:
+            latest = max(entry.versions)
+            out.extend((entry.name, v, v == latest) for v in entry.versions)
+    return out
+
+
+def render_serve_config(settings: ServerSettings, entries: list[ModelEntry] | None = None) -> dict[str, Any]:
+    """A ``ServeDeploySchema`` document as plain data (dump it as YAML)."""
+    repository = str(settings.model_repository.resolve())
+    entries = scan_repository(settings.model_repository) if entries is None else entries
+    applications: list[dict[str, Any]] = [{
+        "name": SERVER_APP,
+        "route_prefix": SERVER_ROUTE_PREFIX,
+        "import_path": SERVER_IMPORT_PATH,
+        "args": {
+            "model_repository": repository,
+            "server_id": settings.id,
+            "strict_readiness": settings.strict_readiness,
+        },
+    }]
+    for model, version, is_default in served_versions(entries):
+        applications.append({
+            "name": model_app_name(model, version, is_default),
+            "route_prefix": model_route_prefix(model, version, is_default),
+            "import_path": MODEL_IMPORT_PATH,
+            "args": {
+                "model_repository": repository,
+                "model": model,
+                "version": version,
+                "is_default": is_default,
+                "replica_num_cpus": settings.replica_num_cpus,
+                "auto_complete": not settings.disable_auto_complete_config,
+            },
+        })
+    doc = {
+        "proxy_location": "EveryNode",
+        "http_options": {"host": settings.http_address, "port": settings.http_port},
+        "applications": applications,
+    }
+    return doc

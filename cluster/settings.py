@@ -1,0 +1,48 @@
+"""Server settings: one pydantic-settings class, filled from CLI flags or RAYINFER_* variables."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+# Ray Serve's high-throughput mode: HAProxy in front of replicas that receive HTTP directly.
+RAY_ENVIRONMENT = {
+    "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
+    "RAY_SERVE_ENABLE_HA_PROXY": "1",
+    "RAY_worker_niceness": "0",
+    "RAY_SERVE_HAPROXY_HEALTH_CHECK_INTER": "1s",
+    "RAY_USAGE_STATS_ENABLED": "0",
+}
+
+
+class ServerSettings(BaseSettings):
+    """Everything ``rayinfer serve`` needs; flag names follow tritonserver's where they apply."""
+
+    model_config = SettingsConfigDict(env_prefix="RAYINFER_", extra="forbid", protected_namespaces=())
+
+    model_repository: Path = Field(description="Triton model repository to serve.")
+    http_address: str = Field(
+        "127.0.0.1",
+        description="Address HTTP binds to (HAProxy and the model replicas); use 0.0.0.0 on multi-node clusters.",
+    )
+    http_port: int = Field(8000, description="KServe v2 HTTP port.")
+    grpc_port: int = Field(8001, description="KServe v2 gRPC port (served by a later release).")
+    metrics_port: int = Field(8002, description="Prometheus metrics port (served by a later release).")
+    id: str = Field("triton", description="Server name reported by GET /v2.")
+    strict_readiness: bool = Field(
+        True, description="If true, /v2/health/ready is 200 only when every model is ready."
+    )
+    disable_auto_complete_config: bool = Field(
+        False, description="Do not fill missing config fields (inputs, outputs, max_batch_size) from the model."
+    )
+    log_verbose: int = Field(0, description="0: info; 1 or more: debug logging.")
+    ray_address: str | None = Field(
+        None, description="Address of an existing Ray cluster; default: RAY_ADDRESS, else start a local Ray."
+    )
+    num_cpus: float | None = Field(None, description="CPUs of the embedded local Ray (default: all cores).")
+    replica_num_cpus: float = Field(
+        0.5, description="num_cpus reserved by each KIND_CPU model replica; fractional on small machines."
+    )
+    startup_timeout_s: float = Field(600.0, description="How long to wait for models to finish loading.")

@@ -1,0 +1,84 @@
+"""Application factories: for ``rayinfer serve`` and for ``serve deploy`` config files.
+
+``build_model_app`` and ``build_server_app`` are the ``import_path`` targets of a Serve config;
+the CLI calls :func:`model_application` and :func:`server_application` directly.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from ray.serve import Application
+
+from rayinfer.deployments.model import ModelDeployment
+from rayinfer.deployments.server import ServerDeployment
+from rayinfer.protocol.errors import ModelConfigError
+from rayinfer.repository.scanner import scan_model
+
+# Ongoing requests a replica accepts; at least twice the largest batch so batches can fill.
+MIN_ONGOING_REQUESTS = 256
+
+
+def model_application(
+    model_repository: str,
+    model: str,
+    version: int,
+    is_default: bool,
+    *,
+    replica_num_cpus: float = 0.5,
+    auto_complete: bool = True,
+) -> Application:
+    """The application serving one version of one model; replicas from its ``instance_group``."""
+    entry = scan_model(Path(model_repository) / model)
+    if entry.config is None:
+        raise ModelConfigError(entry.error or f"model '{model}' cannot be read")
+    config = entry.config
+    replicas = sum(max(group.count, 1) for group in config.instance_group) or 1
+    deployment = ModelDeployment.options(
+        name=f"{model}_v{version}",
+        num_replicas=replicas,
+        max_ongoing_requests=max(MIN_ONGOING_REQUESTS, 2 * int(config.max_batch_size)),
+        ray_actor_options={"num_cpus": replica_num_cpus},
+        health_check_period_s=5.0,
+    )
+    return deployment.bind(str(model_repository), model, int(version), auto_complete)
+
+
+def server_application(
+    model_repository: str,
+    *,
+    server_id: str = "triton",
+    strict_readiness: bool = True,
+    load_errors: dict[str, str] | None = None,
+    num_cpus: float = 0.1,
+) -> Application:
+    """The ``/v2`` application: health, metadata, repository index, statistics, unknown models."""
+    deployment = ServerDeployment.options(
+        num_replicas=1,
+        max_ongoing_requests=MIN_ONGOING_REQUESTS,
+        ray_actor_options={"num_cpus": num_cpus},
+        user_config={"load_errors": load_errors or {}},
+    )
+    return deployment.bind(str(model_repository), server_id, strict_readiness)
+
+
+def build_model_app(args: dict[str, Any]) -> Application:
+    """Serve-config entry point; ``args``: model_repository, model, version, is_default."""
+    return model_application(
+        args["model_repository"],
+        args["model"],
+        int(args["version"]),
+        bool(args.get("is_default", True)),
+        replica_num_cpus=float(args.get("replica_num_cpus", 0.5)),
+        auto_complete=bool(args.get("auto_complete", True)),
+    )
+
+
+def build_server_app(args: dict[str, Any]) -> Application:
+    """Serve-config entry point; ``args``: model_repository, server_id, strict_readiness."""
+    return server_application(
+        args["model_repository"],
+        server_id=str(args.get("server_id", "triton")),
+        strict_readiness=bool(args.get("strict_readiness", True)),
+    )

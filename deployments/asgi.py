@@ -1,0 +1,84 @@
+"""Minimal ASGI plumbing for the v2 endpoints: body reading and JSON/binary responses.
+
+The deployments speak ASGI directly instead of through a web framework: the infer path is the
+hot path, and one dict lookup beats a router.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Awaitable, Callable
+
+from rayinfer.protocol.errors import ServingError, http_status
+from rayinfer.protocol.http_codec import error_body
+
+Scope = dict[str, Any]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+
+_JSON = (b"content-type", b"application/json")
+
+
+async def read_body(receive: Receive) -> bytes:
+    """The whole request body."""
+    chunks = []
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            break
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            break
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+def header(scope: Scope, name: bytes) -> bytes | None:
+    """Value of a request header (``name`` lower-case)."""
+    for key, value in scope["headers"]:
+        if key == name:
+            return value
+    return None
+
+
+async def send_bytes(
+    send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]] | None = None
+) -> None:
+    """Send a complete response."""
+    all_headers = [(b"content-length", str(len(body)).encode())]
+    if headers:
+        all_headers.extend(headers)
+    await send({"type": "http.response.start", "status": status, "headers": all_headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def send_json(send: Send, status: int, doc: Any) -> None:
+    await send_bytes(send, status, json.dumps(doc, separators=(",", ":")).encode(), [_JSON])
+
+
+async def send_error(send: Send, error: ServingError) -> None:
+    """Triton's error response: the code's HTTP status and ``{"error": message}``."""
+    await send_bytes(send, http_status(error.code), error_body(error.message), [_JSON])
+
+
+async def send_empty(send: Send, status: int) -> None:
+    await send_bytes(send, status, b"")
+
+
+async def handle_lifespan(receive: Receive, send: Send) -> None:
+    """Answer ASGI lifespan events (nothing to start or stop)."""
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+
+
+def asgi3(handler: Callable[[Scope, Receive, Send], Awaitable[None]]) -> Callable[..., Awaitable[None]]:
+    """Wrap a bound method so uvicorn recognises it as an ASGI 3 application."""
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        await handler(scope, receive, send)
+
+    return app

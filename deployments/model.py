@@ -1,0 +1,213 @@
+"""ModelDeployment: one Serve deployment per model version, receiving HTTP directly.
+
+Each replica decodes KServe v2 requests, validates them, batches them with ``@serve.batch`` and
+runs the backend in a worker thread, so a model request crosses no process boundary after the
+load balancer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ray import serve
+
+from rayinfer.adapters.batching import effective_batch_size
+from rayinfer.adapters.loader import load_runner
+from rayinfer.adapters.model_runner import ModelRunner, PreparedRequest
+from rayinfer.deployments import asgi
+from rayinfer.deployments.names import SERVER_APP, SERVER_DEPLOYMENT
+from rayinfer.protocol.errors import InvalidArgError, NotFoundError, ServingError, as_serving_error
+from rayinfer.protocol.http_codec import HEADER_LENGTH, request_from_http, response_to_http
+from rayinfer.protocol.statistics import stats_to_json
+from rayinfer.protocol.types import InferResponse
+from rayinfer.repository.model_config import config_to_json
+
+logger = logging.getLogger(__name__)
+
+_STATS_PUSH_INTERVAL_S = 0.5
+_OCTET = (b"content-type", b"application/octet-stream")
+_JSON = (b"content-type", b"application/json")
+
+
+@dataclass(slots=True)
+class BatchItem:
+    """A prepared request queued for the batcher, with the limits the batcher counts rows by."""
+
+    prepared: PreparedRequest
+    max_batch_size: int
+    preferred: tuple[int, ...]
+
+
+def batch_rows(items: list[BatchItem]) -> int:
+    """``batch_size_fn`` for ``@serve.batch``: Triton's batch size counts rows, not requests."""
+    first = items[0]
+    return effective_batch_size([i.prepared.rows for i in items], first.max_batch_size, first.preferred)
+
+
+@serve.deployment(name="ModelDeployment")
+@serve.ingress()
+class ModelDeployment:
+    """Serves one version of one model over KServe v2 HTTP; keeps the model loaded per replica."""
+
+    async def __init__(self, model_repository: str, model_name: str, version: int, auto_complete: bool = True):
+        self._runner: ModelRunner
+        self._runner, entry = await asyncio.to_thread(
+            load_runner, Path(model_repository), model_name, int(version), auto_complete
+        )
+        spec = self._runner.spec
+        self._name = model_name
+        self._version = str(version)
+        self._versions = [str(v) for v in entry.versions]
+        self._config_json = config_to_json(spec.config)
+        self._metadata = self._model_metadata()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{model_name}-v{version}")
+        batching = spec.dynamic_batching
+        self._batched = batching is not None and spec.max_batch_size > 0
+        self._preferred = batching.preferred_batch_sizes if batching else ()
+        if self._batched:
+            self._infer_batched.set_max_batch_size(spec.max_batch_size)
+            self._infer_batched.set_batch_wait_timeout_s(batching.max_queue_delay_us / 1e6)
+        context = serve.get_replica_context()
+        self._replica_key = f"{context.app_name}/{context.replica_id.unique_id}"
+        self._stats_pushed_at = -1
+        self._stats_task = asyncio.get_running_loop().create_task(self._publish_stats_forever())
+
+    def __serve_build_asgi_app__(self) -> Any:
+        return asgi.asgi3(self._asgi)
+
+    # ---- HTTP -------------------------------------------------------------------------------
+
+    async def _asgi(self, scope: asgi.Scope, receive: asgi.Receive, send: asgi.Send) -> None:
+        if scope["type"] == "lifespan":
+            await asgi.handle_lifespan(receive, send)
+            return
+        route = scope["path"][len(scope.get("root_path", "")):].rstrip("/")
+        if route.startswith("/versions/"):
+            version, _, rest = route[len("/versions/"):].partition("/")
+            route = "/" + rest if rest else ""
+            if version != self._version:
+                await asgi.send_error(send, NotFoundError(
+                    f"Request for unknown model: '{self._name}' version {version} is not found"
+                ))
+                return
+        method = scope["method"]
+        if route == "/infer" and method == "POST":
+            await self._http_infer(scope, receive, send)
+        elif method != "GET":
+            await asgi.send_error(send, NotFoundError(f"Not Found: {method} {scope['path']}"))
+        elif route == "":
+            await asgi.send_json(send, 200, self._metadata)
+        elif route == "/ready":
+            await asgi.send_empty(send, 200)
+        elif route == "/config":
+            await asgi.send_json(send, 200, self._config_json)
+        elif route == "/stats":
+            await asgi.send_json(send, 200, {"model_stats": [await self._model_stats()]})
+        else:
+            await asgi.send_error(send, NotFoundError(f"Not Found: {method} {scope['path']}"))
+
+    async def _http_infer(self, scope: asgi.Scope, receive: asgi.Receive, send: asgi.Send) -> None:
+        start_ns = time.perf_counter_ns()
+        try:
+            body = await asgi.read_body(receive)
+            raw_length = asgi.header(scope, HEADER_LENGTH.encode())
+            try:
+                header_length = int(raw_length) if raw_length is not None else None
+            except ValueError:
+                raise InvalidArgError(f"invalid Inference-Header-Content-Length '{raw_length.decode()}'") from None
+            request = request_from_http(body, header_length, self._name, self._version)
+            prepared = self._runner.prepare(request)
+        except Exception as exc:  # rejected before execution: counted here, answered as Triton does
+            self._runner.record_failure(start_ns)
+            await asgi.send_error(send, as_serving_error(exc))
+            return
+        try:
+            response = await self.infer(prepared)
+            payload, json_length = response_to_http(response, request)
+        except Exception as exc:  # execution failures are counted by the runner
+            await asgi.send_error(send, as_serving_error(exc))
+            return
+        if json_length is None:
+            await asgi.send_bytes(send, 200, payload, [_JSON])
+        else:
+            await asgi.send_bytes(
+                send, 200, payload, [_OCTET, (HEADER_LENGTH.encode(), str(json_length).encode())]
+            )
+
+    # ---- inference --------------------------------------------------------------------------
+
+    async def infer(self, prepared: PreparedRequest) -> InferResponse:
+        """Run one validated request, through the dynamic batcher when the model has one."""
+        if self._batched:
+            result = await self._infer_batched(BatchItem(prepared, self._runner.spec.max_batch_size, self._preferred))
+        else:
+            loop = asyncio.get_running_loop()
+            result = (await loop.run_in_executor(self._executor, self._runner.execute, [prepared]))[0]
+        if isinstance(result, ServingError):
+            raise result
+        return result
+
+    @serve.batch(max_batch_size=1, batch_wait_timeout_s=0.0, batch_size_fn=batch_rows)
+    async def _infer_batched(self, items: list[BatchItem]) -> list[InferResponse | ServingError]:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, self._runner.execute, [i.prepared for i in items])
+
+    # ---- metadata and statistics ------------------------------------------------------------
+
+    def _model_metadata(self) -> dict[str, Any]:
+        spec = self._runner.spec
+        batch_dim = [-1] if spec.max_batch_size > 0 else []
+
+        def tensors(specs: Any) -> list[dict[str, Any]]:
+            return [{"name": t.name, "datatype": t.datatype, "shape": batch_dim + list(t.dims)} for t in specs]
+
+        return {
+            "name": self._name,
+            "versions": self._versions,
+            "platform": spec.platform or spec.backend,
+            "inputs": tensors(spec.inputs),
+            "outputs": tensors(spec.outputs),
+        }
+
+    async def _model_stats(self) -> dict[str, Any]:
+        """This version's statistics summed over all replicas (via the server app when present)."""
+        snapshot = self._runner.stats.snapshot()
+        try:
+            await self._push_stats(snapshot)
+            handle = serve.get_deployment_handle(SERVER_DEPLOYMENT, SERVER_APP)
+            merged = await handle.model_statistics.remote(self._name, self._version)
+            if merged is not None:
+                snapshot = merged
+        except Exception as exc:  # the server app may be absent in a hand-written Serve config
+            logger.debug("falling back to this replica's statistics: %s", exc)
+        return stats_to_json(self._name, self._version, snapshot)
+
+    async def _push_stats(self, snapshot: dict[str, Any]) -> None:
+        handle = serve.get_deployment_handle(SERVER_DEPLOYMENT, SERVER_APP)
+        await handle.report_statistics.remote(self._replica_key, self._name, self._version, snapshot)
+        self._stats_pushed_at = snapshot["execution_count"] + snapshot["durations"]["fail"][0]
+
+    async def _publish_stats_forever(self) -> None:
+        while True:
+            await asyncio.sleep(_STATS_PUSH_INTERVAL_S)
+            snapshot = self._runner.stats.snapshot()
+            if snapshot["execution_count"] + snapshot["durations"]["fail"][0] == self._stats_pushed_at:
+                continue
+            try:
+                await self._push_stats(snapshot)
+            except Exception as exc:  # the server app may not be deployed (yet)
+                logger.debug("could not publish statistics: %s", exc)
+
+    def __del__(self) -> None:
+        task = getattr(self, "_stats_task", None)
+        if task is not None:
+            task.cancel()
+        executor = getattr(self, "_executor", None)
+        if executor is not None:
+            executor.shutdown(wait=False)

@@ -1,0 +1,19 @@
+"""Application names and route prefixes: one Serve application per served model version."""
+
+from __future__ import annotations
+
+SERVER_APP = "rayinfer"
+SERVER_DEPLOYMENT = "ServerDeployment"
+SERVER_ROUTE_PREFIX = "/v2"
+MODEL_DEPLOYMENT = "ModelDeployment"
+
+
+def model_app_name(model: str, version: int, is_default: bool) -> str:
+    """The default (highest) version is served as ``<model>``; others as ``<model>@v<N>``."""
+    return model if is_default else f"{model}@v{version}"
+
+
+def model_route_prefix(model: str, version: int, is_default: bool) -> str:
+    """``/v2/models/<model>`` for the default version (it also answers ``.../versions/<N>``)."""
+    base = f"/v2/models/{model}"
+    return base if is_default else f"{base}/versions/{version}"

@@ -1,0 +1,185 @@
+"""ServerDeployment: the ``/v2`` application for everything that is not one model's traffic.
+
+It answers server metadata, health, the repository index, all-model statistics and requests
+for models that have no application of their own (unknown or failed to load). Model state comes
+from the repository on disk and from Serve's own application status, so it is right whether
+the models were deployed by ``rayinfer serve`` or by ``serve deploy``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from ray import serve
+
+import rayinfer
+from rayinfer.deployments import asgi
+from rayinfer.deployments.names import model_app_name
+from rayinfer.protocol.errors import NotFoundError, ServingError
+from rayinfer.protocol.statistics import merge_snapshots, stats_to_json
+from rayinfer.repository.scanner import scan_repository
+
+logger = logging.getLogger(__name__)
+
+EXTENSIONS = [
+    "binary_tensor_data",
+    "parameters",
+    "statistics",
+    "model_repository",
+    "model_configuration",
+    "schedule_policy",
+]
+_STATE_CACHE_S = 0.5
+_SERVE_STATE = {
+    "RUNNING": "READY",
+    "NOT_STARTED": "LOADING",
+    "DEPLOYING": "LOADING",
+    "DELETING": "UNLOADING",
+}
+
+
+def status_name(status: Any) -> str:
+    """``RUNNING`` for Serve's ApplicationStatus enum members (and plain strings)."""
+    return str(getattr(status, "value", status))
+
+
+def short_reason(message: str) -> str:
+    """The last meaningful line of a Serve failure message (the exception, not the traceback)."""
+    lines = [line.strip() for line in message.strip().splitlines() if line.strip()]
+    for line in reversed(lines):
+        if "Error" in line.split(":", 1)[0]:
+            return line.split(":", 1)[1].strip() or line
+    return lines[-1] if lines else "failed to load"
+
+
+@serve.deployment(name="ServerDeployment")
+@serve.ingress()
+class ServerDeployment:
+    """Serves the server-wide v2 endpoints; holds the statistics reported by model replicas."""
+
+    def __init__(self, model_repository: str, server_id: str = "triton", strict_readiness: bool = True):
+        self._repository = Path(model_repository)
+        self._server_id = server_id
+        self._strict = strict_readiness
+        self._load_errors: dict[str, str] = {}
+        self._stats: dict[tuple[str, str], dict[str, dict[str, Any]]] = {}
+        self._states: list[dict[str, Any]] = []
+        self._states_at = 0.0
+        self._states_lock = asyncio.Lock()
+
+    def reconfigure(self, user_config: dict[str, Any]) -> None:
+        """``load_errors``: models whose deployment failed, with the reason (set by the CLI)."""
+        self._load_errors = dict(user_config.get("load_errors") or {})
+        self._states_at = 0.0
+
+    def __serve_build_asgi_app__(self) -> Any:
+        return asgi.asgi3(self._asgi)
+
+    async def _asgi(self, scope: asgi.Scope, receive: asgi.Receive, send: asgi.Send) -> None:
+        if scope["type"] == "lifespan":
+            await asgi.handle_lifespan(receive, send)
+            return
+        path = scope["path"].rstrip("/")
+        method = scope["method"]
+        try:
+            if path == "/v2" and method == "GET":
+                await asgi.send_json(send, 200, self._server_metadata())
+            elif path == "/v2/health/live" and method == "GET":
+                await asgi.send_empty(send, 200)
+            elif path == "/v2/health/ready" and method == "GET":
+                await asgi.send_empty(send, 200 if await self._ready() else 400)
+            elif path == "/v2/repository/index" and method == "POST":
+                await asgi.read_body(receive)
+                await asgi.send_json(send, 200, await self._index())
+            elif path == "/v2/models/stats" and method == "GET":
+                await asgi.send_json(send, 200, {"model_stats": await self._all_stats()})
+            elif path.startswith("/v2/models/"):
+                await self._unroutable_model(path, method, send)
+            else:
+                raise NotFoundError(f"Not Found: {method} {scope['path']}")
+        except ServingError as exc:
+            await asgi.send_error(send, exc)
+
+    def _server_metadata(self) -> dict[str, Any]:
+        return {"name": self._server_id, "version": rayinfer.__version__, "extensions": EXTENSIONS}
+
+    async def _unroutable_model(self, path: str, method: str, send: asgi.Send) -> None:
+        """A model path no model application claimed: the model is unknown or not available."""
+        parts = path[len("/v2/models/"):].split("/")
+        name = parts[0]
+        version = parts[2] if len(parts) >= 3 and parts[1] == "versions" else None
+        if parts[-1] == "ready" and method == "GET":
+            await asgi.send_empty(send, 400)
+            return
+        states = [s for s in await self._model_states() if s["name"] == name]
+        if not states:
+            raise NotFoundError(f"Request for unknown model: '{name}' is not found")
+        if version is not None and not any(s.get("version") == version for s in states):
+            raise NotFoundError(f"Request for unknown model: '{name}' version {version} is not found")
+        reasons = "; ".join(s["reason"] for s in states if s.get("reason"))
+        suffix = f" ({reasons})" if reasons else ""
+        if version is not None:
+            raise NotFoundError(
+                f"Request for unknown model: '{name}' version {version} is not at ready state{suffix}"
+            )
+        raise NotFoundError(f"Request for unknown model: '{name}' has no available versions{suffix}")
+
+    async def _ready(self) -> bool:
+        if not self._strict:
+            return True
+        return all(s["state"] == "READY" for s in await self._model_states())
+
+    async def _index(self) -> list[dict[str, Any]]:
+        return [dict(s) for s in await self._model_states()]
+
+    async def _model_states(self) -> list[dict[str, Any]]:
+        """One row per model version (or per broken model), cached briefly."""
+        async with self._states_lock:
+            if time.monotonic() - self._states_at > _STATE_CACHE_S:
+                self._states = await asyncio.to_thread(self._read_states)
+                self._states_at = time.monotonic()
+            return self._states
+
+    def _read_states(self) -> list[dict[str, Any]]:
+        apps = serve.status().applications
+        rows: list[dict[str, Any]] = []
+        for entry in scan_repository(self._repository):
+            if entry.error is not None:
+                rows.append({"name": entry.name, "state": "UNAVAILABLE", "reason": entry.error})
+                continue
+            latest = max(entry.versions)
+            for version in entry.versions:
+                app = apps.get(model_app_name(entry.name, version, version == latest))
+                row = {"name": entry.name, "version": str(version)}
+                if entry.name in self._load_errors:
+                    row.update(state="UNAVAILABLE", reason=self._load_errors[entry.name])
+                elif app is None:
+                    row.update(state="UNAVAILABLE", reason="unloaded")
+                elif status_name(app.status) in _SERVE_STATE:
+                    row.update(state=_SERVE_STATE[status_name(app.status)], reason="")
+                else:
+                    row.update(state="UNAVAILABLE", reason=short_reason(app.message or status_name(app.status)))
+                rows.append(row)
+        return rows
+
+    # ---- statistics reported by model replicas ---------------------------------------------
+
+    def report_statistics(self, replica_key: str, model: str, version: str, snapshot: dict[str, Any]) -> None:
+        self._stats.setdefault((model, version), {})[replica_key] = snapshot
+
+    def model_statistics(self, model: str, version: str) -> dict[str, Any] | None:
+        per_replica = self._stats.get((model, version))
+        return merge_snapshots(list(per_replica.values())) if per_replica else None
+
+    async def _all_stats(self) -> list[dict[str, Any]]:
+        out = []
+        for row in await self._model_states():
+            if row["state"] != "READY":
+                continue
+            snapshot = self.model_statistics(row["name"], row["version"]) or merge_snapshots([])
+            out.append(stats_to_json(row["name"], row["version"], snapshot))
+        return out

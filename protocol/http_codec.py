@@ -1,0 +1,217 @@
+"""KServe v2 HTTP codec: JSON tensors and Triton's binary tensor data extension.
+
+A request body is a JSON header optionally followed by raw tensor bytes; the header's length is
+given by the ``Inference-Header-Content-Length`` HTTP header. Responses use the same framing
+when any output is binary.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+import numpy as np
+
+from rayinfer.protocol.dtypes import (
+    WIRE_DATATYPES,
+    deserialize_bytes_tensor,
+    element_size_bytes,
+    numpy_dtype,
+    serialize_bytes_tensor,
+)
+from rayinfer.protocol.errors import InvalidArgError, UnsupportedError
+from rayinfer.protocol.types import InferInput, InferRequest, InferResponse, RequestedOutput
+
+HEADER_LENGTH = "inference-header-content-length"
+
+
+def parse_json_body(body: bytes, what: str = "request") -> dict[str, Any]:
+    """Parse a JSON object body, raising INVALID_ARG with the parser's reason."""
+    try:
+        doc = json.loads(body) if body else None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise InvalidArgError(f"failed to parse the {what} JSON buffer: {exc}") from None
+    if doc is None:
+        raise InvalidArgError(f"failed to parse the {what} JSON buffer: the document is empty")
+    if not isinstance(doc, dict):
+        raise InvalidArgError(f"failed to parse the {what} JSON buffer: expected a JSON object")
+    return doc
+
+
+def request_from_http(
+    body: bytes, header_length: int | None, model_name: str, model_version: str = ""
+) -> InferRequest:
+    """Decode an HTTP infer body (JSON, or JSON + binary tensors) into an :class:`InferRequest`."""
+    if header_length is None:
+        header, binary = body, memoryview(b"")
+    else:
+        if header_length < 0 or header_length > len(body):
+            raise InvalidArgError(
+                f"Inference-Header-Content-Length {header_length} is out of range for a body "
+                f"of {len(body)} bytes"
+            )
+        view = memoryview(body)
+        header, binary = bytes(view[:header_length]), view[header_length:]
+    doc = parse_json_body(header)
+    raw_inputs = doc.get("inputs")
+    if not isinstance(raw_inputs, list) or not raw_inputs:
+        raise InvalidArgError("request must contain a non-empty 'inputs' array")
+    offset = 0
+    inputs = []
+    for raw in raw_inputs:
+        tensor, offset = _input_from_json(raw, binary, offset)
+        inputs.append(tensor)
+    if offset != len(binary):
+        raise InvalidArgError(
+            f"unexpected {len(binary) - offset} bytes of binary data after the last input tensor"
+        )
+    params = doc.get("parameters") or {}
+    if not isinstance(params, dict):
+        raise InvalidArgError("request 'parameters' must be a JSON object")
+    request_id = doc.get("id")
+    return InferRequest(
+        model_name=model_name,
+        model_version=model_version,
+        id=str(request_id) if request_id is not None else None,
+        inputs=inputs,
+        outputs=_outputs_from_json(doc.get("outputs"), params),
+        parameters=params,
+    )
+
+
+def _input_from_json(raw: Any, binary: memoryview, offset: int) -> tuple[InferInput, int]:
+    if not isinstance(raw, dict):
+        raise InvalidArgError("each entry of 'inputs' must be a JSON object")
+    name = raw.get("name")
+    if not isinstance(name, str):
+        raise InvalidArgError("input is missing its 'name'")
+    datatype = raw.get("datatype")
+    if datatype not in WIRE_DATATYPES:
+        raise InvalidArgError(f"input '{name}' has invalid datatype '{datatype}'")
+    shape = raw.get("shape")
+    if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+        raise InvalidArgError(f"input '{name}' has invalid shape {shape!r}")
+    params = raw.get("parameters") or {}
+    count = math.prod(shape)
+    if "binary_data_size" in params:
+        size = params["binary_data_size"]
+        if not isinstance(size, int) or size < 0 or offset + size > len(binary):
+            raise InvalidArgError(
+                f"input '{name}': binary_data_size {size!r} exceeds the {len(binary) - offset} "
+                "bytes of binary data left in the request"
+            )
+        chunk = binary[offset:offset + size]
+        data = _array_from_binary(name, datatype, shape, count, chunk)
+        params = {k: v for k, v in params.items() if k != "binary_data_size"}
+        return InferInput(name, datatype, tuple(shape), data, params), offset + size
+    if "data" not in raw:
+        raise InvalidArgError(f"input '{name}' has neither 'data' nor binary_data_size")
+    data = _array_from_json(name, datatype, shape, count, raw["data"])
+    return InferInput(name, datatype, tuple(shape), data, params), offset
+
+
+def _array_from_binary(
+    name: str, datatype: str, shape: list[int], count: int, chunk: memoryview
+) -> np.ndarray:
+    if datatype == "BYTES":
+        return deserialize_bytes_tensor(chunk, count, name).reshape(shape)
+    if datatype == "BF16":
+        raise UnsupportedError(f"input '{name}': BF16 tensors are not supported")
+    expected = count * element_size_bytes(datatype)
+    if len(chunk) != expected:
+        raise InvalidArgError(
+            f"input '{name}' has {len(chunk)} bytes of binary data, expected {expected} for "
+            f"shape {shape} and datatype {datatype}"
+        )
+    return np.frombuffer(chunk, dtype=numpy_dtype(datatype)).reshape(shape)
+
+
+def _array_from_json(name: str, datatype: str, shape: list[int], count: int, data: Any) -> np.ndarray:
+    if datatype == "BF16":
+        raise UnsupportedError(f"input '{name}': BF16 tensors are not supported")
+    try:
+        if datatype == "BYTES":
+            flat = np.asarray(data, dtype=object).reshape(-1)
+            array = np.empty(flat.size, dtype=object)
+            array[:] = [item.encode("utf-8") if isinstance(item, str) else bytes(item) for item in flat]
+        elif datatype == "BOOL":
+            flat = np.asarray(data, dtype=object).reshape(-1)
+            if not all(isinstance(v, bool) for v in flat):
+                raise ValueError("expected true or false")
+            array = flat.astype(np.bool_)
+        else:
+            array = np.asarray(data, dtype=numpy_dtype(datatype)).reshape(-1)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise InvalidArgError(f"input '{name}': data is not valid {datatype}: {exc}") from None
+    if array.size != count:
+        raise InvalidArgError(
+            f"input '{name}' has {array.size} elements in 'data', expected {count} for shape {shape}"
+        )
+    return array.reshape(shape)
+
+
+def _outputs_from_json(raw: Any, params: dict[str, Any]) -> list[RequestedOutput] | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, list):
+        raise InvalidArgError("request 'outputs' must be an array")
+    outputs = []
+    for item in raw:
+        if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+            raise InvalidArgError("each requested output must be an object with a 'name'")
+        oparams = dict(item.get("parameters") or {})
+        binary = oparams.pop("binary_data", None)
+        outputs.append(RequestedOutput(item["name"], None if binary is None else bool(binary), oparams))
+    return outputs
+
+
+def response_to_http(response: InferResponse, request: InferRequest) -> tuple[bytes, int | None]:
+    """Encode a response; returns the body and the JSON header length when binary data follows."""
+    default_binary = bool(request.parameters.get("binary_data_output", False))
+    wanted = {o.name: o for o in request.outputs} if request.outputs else {}
+    chunks: list[bytes] = []
+    out_docs = []
+    for out in response.outputs:
+        requested = wanted.get(out.name)
+        binary = default_binary if requested is None or requested.binary is None else requested.binary
+        doc: dict[str, Any] = {"name": out.name, "datatype": out.datatype, "shape": list(out.shape)}
+        params = dict(out.parameters)
+        if binary:
+            raw = (
+                serialize_bytes_tensor(out.data)
+                if out.datatype == "BYTES"
+                else np.ascontiguousarray(out.data).tobytes()
+            )
+            params["binary_data_size"] = len(raw)
+            chunks.append(raw)
+        else:
+            doc["data"] = _json_data(out.datatype, out.data)
+        if params:
+            doc["parameters"] = params
+        out_docs.append(doc)
+    head: dict[str, Any] = {"model_name": response.model_name, "model_version": response.model_version}
+    if response.id is not None:
+        head["id"] = response.id
+    if response.parameters:
+        head["parameters"] = response.parameters
+    head["outputs"] = out_docs
+    header = json.dumps(head, separators=(",", ":")).encode()
+    if not chunks:
+        return header, None
+    return header + b"".join(chunks), len(header)
+
+
+def _json_data(datatype: str, data: np.ndarray) -> list[Any]:
+    flat = data.reshape(-1)
+    if datatype == "BYTES":
+        return [
+            item.decode("utf-8", errors="replace") if isinstance(item, bytes) else str(item)
+            for item in flat
+        ]
+    return flat.tolist()
+
+
+def error_body(message: str) -> bytes:
+    """Triton's HTTP error body."""
+    return json.dumps({"error": message}).encode()

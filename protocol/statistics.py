@@ -1,0 +1,102 @@
+"""Per-model inference statistics in the shape of Triton's statistics extension."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+_DURATIONS = ("success", "fail", "queue", "compute_input", "compute_infer", "compute_output")
+_BATCH_DURATIONS = ("compute_input", "compute_infer", "compute_output")
+
+
+@dataclass
+class ModelStatistics:
+    """Cumulative counters of one model version in one replica; snapshots add up across replicas.
+
+    Durations are kept as ``[count, ns]`` pairs, as the statistics extension reports them.
+    """
+
+    inference_count: int = 0
+    execution_count: int = 0
+    last_inference_ms: int = 0
+    durations: dict[str, list[int]] = field(default_factory=lambda: {k: [0, 0] for k in _DURATIONS})
+    batch_stats: dict[int, dict[str, list[int]]] = field(default_factory=dict)
+
+    def record_success(self, request_ns: int, queue_ns: int) -> None:
+        self._add("success", request_ns)
+        self._add("queue", queue_ns)
+        self.last_inference_ms = int(time.time() * 1000)
+
+    def record_failure(self, request_ns: int) -> None:
+        self._add("fail", request_ns)
+        self.last_inference_ms = int(time.time() * 1000)
+
+    def record_execution(
+        self, requests: int, rows: int, input_ns: int, infer_ns: int, output_ns: int
+    ) -> None:
+        """One model execution of ``requests`` requests holding ``rows`` rows in total."""
+        self.execution_count += 1
+        self.inference_count += rows
+        per_batch = self.batch_stats.setdefault(rows, {k: [0, 0] for k in _BATCH_DURATIONS})
+        for key, ns in (("compute_input", input_ns), ("compute_infer", infer_ns), ("compute_output", output_ns)):
+            # Each request in the execution is charged the execution's time, as Triton does.
+            pair = self.durations[key]
+            pair[0] += requests
+            pair[1] += ns * requests
+            per_batch[key][0] += 1
+            per_batch[key][1] += ns
+
+    def _add(self, key: str, ns: int) -> None:
+        pair = self.durations[key]
+        pair[0] += 1
+        pair[1] += ns
+
+    def snapshot(self) -> dict[str, Any]:
+        """A plain-data copy, safe to send to another process."""
+        return {
+            "inference_count": self.inference_count,
+            "execution_count": self.execution_count,
+            "last_inference": self.last_inference_ms,
+            "durations": {k: list(v) for k, v in self.durations.items()},
+            "batch_stats": {b: {k: list(v) for k, v in d.items()} for b, d in self.batch_stats.items()},
+        }
+
+
+def merge_snapshots(snapshots: list[dict[str, Any]]) -> dict[str, Any]:
+    """Sum snapshots of the same model version taken in different replicas."""
+    total = ModelStatistics().snapshot()
+    for snap in snapshots:
+        total["inference_count"] += snap["inference_count"]
+        total["execution_count"] += snap["execution_count"]
+        total["last_inference"] = max(total["last_inference"], snap["last_inference"])
+        for key, (count, ns) in snap["durations"].items():
+            total["durations"][key][0] += count
+            total["durations"][key][1] += ns
+        for size, per in snap["batch_stats"].items():
+            dest = total["batch_stats"].setdefault(int(size), {k: [0, 0] for k in _BATCH_DURATIONS})
+            for key, (count, ns) in per.items():
+                dest[key][0] += count
+                dest[key][1] += ns
+    return total
+
+
+def stats_to_json(name: str, version: str, snap: dict[str, Any]) -> dict[str, Any]:
+    """One entry of ``model_stats`` in Triton's JSON form."""
+    inference_stats = {k: {"count": c, "ns": ns} for k, (c, ns) in snap["durations"].items()}
+    for key in ("cache_hit", "cache_miss"):
+        inference_stats[key] = {"count": 0, "ns": 0}
+    return {
+        "name": name,
+        "version": version,
+        "last_inference": snap["last_inference"],
+        "inference_count": snap["inference_count"],
+        "execution_count": snap["execution_count"],
+        "inference_stats": inference_stats,
+        "response_stats": {},
+        "batch_stats": [
+            {"batch_size": size, **{k: {"count": c, "ns": ns} for k, (c, ns) in per.items()}}
+            for size, per in sorted(snap["batch_stats"].items())
+        ],
+        "memory_usage": [],
+    }

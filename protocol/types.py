@@ -1,0 +1,65 @@
+"""Protocol-neutral inference request and response types shared by every front-end."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+
+@dataclass(slots=True)
+class InferInput:
+    """One input tensor of a request, already decoded into a numpy array of ``shape``."""
+
+    name: str
+    datatype: str
+    shape: tuple[int, ...]
+    data: np.ndarray
+    parameters: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class RequestedOutput:
+    """An output the client asked for; ``binary`` None means the request's default."""
+
+    name: str
+    binary: bool | None = None
+    parameters: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class InferRequest:
+    """A decoded inference request addressed to one model version."""
+
+    model_name: str
+    model_version: str = ""
+    id: str | None = None
+    inputs: list[InferInput] = field(default_factory=list)
+    outputs: list[RequestedOutput] | None = None
+    parameters: dict[str, Any] = field(default_factory=dict)
+
+    def input_by_name(self) -> dict[str, InferInput]:
+        return {tensor.name: tensor for tensor in self.inputs}
+
+
+@dataclass(slots=True)
+class InferOutput:
+    """One output tensor of a response."""
+
+    name: str
+    datatype: str
+    shape: tuple[int, ...]
+    data: np.ndarray
+    parameters: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class InferResponse:
+    """The result of one request."""
+
+    model_name: str
+    model_version: str
+    outputs: list[InferOutput]
+    id: str | None = None
+    parameters: dict[str, Any] = field(default_factory=dict)

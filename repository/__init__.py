@@ -1,0 +1,1 @@
+"""Triton model repository: scanning, config.pbtxt parsing, version policy (no Ray)."""

@@ -1,0 +1,251 @@
+"""``config.pbtxt`` -> Triton's ``ModelConfig`` protobuf -> a frozen :class:`ModelSpec`.
+
+Triton's own message definitions (shipped with ``tritonclient``) are the source of truth, so
+every config Triton accepts parses here; what rayinfer does not support yet is rejected with
+an error naming the file.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from google.protobuf import text_format
+from google.protobuf.descriptor import FieldDescriptor
+
+from rayinfer.protocol.dtypes import config_to_wire
+from rayinfer.protocol.errors import ModelConfigError
+from tritonclient.grpc import model_config_pb2 as mc
+
+ModelConfig = mc.ModelConfig
+
+CONFIG_FILENAME = "config.pbtxt"
+
+# platform <-> backend pairs Triton accepts, and the default file name of each backend.
+_PLATFORM_TO_BACKEND = {
+    "onnxruntime_onnx": "onnxruntime",
+    "pytorch_libtorch": "pytorch",
+    "tensorrt_plan": "tensorrt",
+    "ensemble": "",
+}
+_BACKEND_TO_PLATFORM = {b: p for p, b in _PLATFORM_TO_BACKEND.items() if b}
+DEFAULT_MODEL_FILENAMES = {
+    "onnxruntime": "model.onnx",
+    "pytorch": "model.pt",
+    "tensorrt": "model.plan",
+    "python": "model.py",
+}
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One input or output of a model as declared in its config (dims exclude the batch dim)."""
+
+    name: str
+    datatype: str
+    dims: tuple[int, ...]
+    reshape: tuple[int, ...] | None = None
+    optional: bool = False
+
+
+@dataclass(frozen=True)
+class BatchingSpec:
+    """Triton's ``dynamic_batching`` settings used by the batcher."""
+
+    max_queue_delay_us: int = 0
+    preferred_batch_sizes: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What rayinfer uses of one model's config; ``config`` keeps the full message."""
+
+    name: str
+    backend: str
+    platform: str
+    max_batch_size: int
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    dynamic_batching: BatchingSpec | None
+    instance_count: int
+    instance_kind: str
+    default_model_filename: str
+    parameters: dict[str, str] = field(default_factory=dict)
+    config: Any = field(default=None, compare=False, repr=False)
+
+    @property
+    def input_map(self) -> dict[str, TensorSpec]:
+        return {t.name: t for t in self.inputs}
+
+    @property
+    def output_map(self) -> dict[str, TensorSpec]:
+        return {t.name: t for t in self.outputs}
+
+
+def read_config(model_dir: Path, *, required: bool = False) -> ModelConfig:
+    """Parse ``<model_dir>/config.pbtxt``; a missing file gives an empty config unless required."""
+    path = model_dir / CONFIG_FILENAME
+    config = ModelConfig()
+    if not path.exists():
+        if required:
+            raise ModelConfigError(f"{path}: model configuration file not found")
+    else:
+        try:
+            text_format.Parse(path.read_text(), config)
+        except (text_format.ParseError, UnicodeDecodeError) as exc:
+            raise ModelConfigError(f"{path}: failed to parse model configuration: {exc}") from None
+    if not config.name:
+        config.name = model_dir.name
+    elif config.name != model_dir.name:
+        raise ModelConfigError(
+            f"{path}: model name '{config.name}' does not match its directory name "
+            f"'{model_dir.name}'"
+        )
+    return config
+
+
+def resolve_backend(config: ModelConfig, model_dir: Path) -> None:
+    """Fill in ``backend``/``platform`` as Triton does, from each other or the model files."""
+    path = model_dir / CONFIG_FILENAME
+    if config.platform and config.platform not in _PLATFORM_TO_BACKEND:
+        raise ModelConfigError(f"{path}: unknown platform '{config.platform}'")
+    if config.platform and not config.backend:
+        config.backend = _PLATFORM_TO_BACKEND[config.platform]
+    if config.backend and not config.platform and config.backend in _BACKEND_TO_PLATFORM:
+        config.platform = _BACKEND_TO_PLATFORM[config.backend]
+    if config.platform and config.backend and config.platform != "ensemble":
+        if _PLATFORM_TO_BACKEND[config.platform] != config.backend:
+            raise ModelConfigError(
+                f"{path}: platform '{config.platform}' does not match backend '{config.backend}'"
+            )
+    if not config.backend and config.platform != "ensemble":
+        for backend, filename in DEFAULT_MODEL_FILENAMES.items():
+            if any((v / filename).exists() for v in model_dir.iterdir() if v.is_dir()):
+                config.backend = backend
+                config.platform = _BACKEND_TO_PLATFORM.get(backend, "")
+                break
+        else:
+            raise ModelConfigError(
+                f"{path}: no 'platform' or 'backend' given and no model file found to infer it"
+            )
+    if not config.default_model_filename and config.backend in DEFAULT_MODEL_FILENAMES:
+        config.default_model_filename = DEFAULT_MODEL_FILENAMES[config.backend]
+
+
+def fill_defaults(config: ModelConfig) -> None:
+    """Triton's defaults for fields a config may leave out (version policy, instance group)."""
+    if not config.HasField("version_policy"):
+        config.version_policy.latest.num_versions = 1
+    if not config.instance_group:
+        config.instance_group.add(count=1, kind=mc.ModelInstanceGroup.KIND_CPU)
+    for index, group in enumerate(config.instance_group):
+        if not group.name:
+            group.name = f"{config.name}_{index}" if index else config.name
+        if group.count < 1:
+            group.count = 1
+        if group.kind == mc.ModelInstanceGroup.KIND_AUTO:
+            group.kind = mc.ModelInstanceGroup.KIND_CPU
+
+
+def check_supported(config: ModelConfig, path: Path) -> None:
+    """Reject config features rayinfer does not implement yet, naming the file."""
+    unsupported = []
+    if config.HasField("sequence_batching"):
+        unsupported.append("sequence_batching")
+    if config.HasField("ensemble_scheduling") or config.platform == "ensemble":
+        unsupported.append("ensemble models")
+    if config.model_transaction_policy.decoupled:
+        unsupported.append("decoupled model_transaction_policy")
+    if unsupported:
+        raise ModelConfigError(f"{path}: not supported yet: {', '.join(unsupported)}")
+    if config.max_batch_size < 0:
+        raise ModelConfigError(f"{path}: max_batch_size must be >= 0, got {config.max_batch_size}")
+
+
+def spec_from_config(config: ModelConfig, path: Path) -> ModelSpec:
+    """Build the frozen spec from a complete (possibly auto-completed) config."""
+    check_supported(config, path)
+    inputs = tuple(_tensor(t, path, "input") for t in config.input)
+    outputs = tuple(_tensor(t, path, "output") for t in config.output)
+    if not inputs or not outputs:
+        raise ModelConfigError(f"{path}: model must declare at least one input and one output")
+    batching = None
+    if config.HasField("dynamic_batching"):
+        db = config.dynamic_batching
+        for size in db.preferred_batch_size:
+            if size <= 0 or size > max(config.max_batch_size, 1):
+                raise ModelConfigError(
+                    f"{path}: preferred_batch_size {size} must be in 1..max_batch_size "
+                    f"({config.max_batch_size})"
+                )
+        batching = BatchingSpec(
+            max_queue_delay_us=int(db.max_queue_delay_microseconds),
+            preferred_batch_sizes=tuple(sorted(int(s) for s in db.preferred_batch_size)),
+        )
+    count = sum(max(g.count, 1) for g in config.instance_group) or 1
+    kinds = {mc.ModelInstanceGroup.Kind.Name(g.kind) for g in config.instance_group}
+    kind = "KIND_GPU" if "KIND_GPU" in kinds else "KIND_CPU"
+    return ModelSpec(
+        name=config.name,
+        backend=config.backend,
+        platform=config.platform,
+        max_batch_size=int(config.max_batch_size),
+        inputs=inputs,
+        outputs=outputs,
+        dynamic_batching=batching,
+        instance_count=count,
+        instance_kind=kind,
+        default_model_filename=config.default_model_filename,
+        parameters={k: v.string_value for k, v in config.parameters.items()},
+        config=config,
+    )
+
+
+def _tensor(t: Any, path: Path, what: str) -> TensorSpec:
+    if not t.name:
+        raise ModelConfigError(f"{path}: an {what} has no name")
+    if t.data_type == mc.TYPE_INVALID:
+        raise ModelConfigError(f"{path}: {what} '{t.name}' has no data_type")
+    dims = tuple(int(d) for d in t.dims)
+    if any(d < -1 or d == 0 for d in dims):
+        raise ModelConfigError(f"{path}: {what} '{t.name}' has invalid dims {list(dims)}")
+    reshape = tuple(int(d) for d in t.reshape.shape) if t.HasField("reshape") else None
+    return TensorSpec(
+        name=t.name,
+        datatype=config_to_wire(mc.DataType.Name(t.data_type)),
+        dims=dims,
+        reshape=reshape,
+        optional=bool(getattr(t, "optional", False)),
+    )
+
+
+def config_to_json(config: ModelConfig) -> dict[str, Any]:
+    """Triton's JSON form of a config: every field with its default, 64-bit ints as numbers."""
+    return _message_to_dict(config)
+
+
+def _message_to_dict(msg: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for fd in msg.DESCRIPTOR.fields:
+        value = getattr(msg, fd.name)
+        if fd.message_type is not None and fd.message_type.GetOptions().map_entry:
+            value_fd = fd.message_type.fields_by_name["value"]
+            out[fd.name] = {k: _scalar_or_message(value_fd, v) for k, v in value.items()}
+        elif fd.is_repeated:
+            out[fd.name] = [_scalar_or_message(fd, v) for v in value]
+        elif fd.containing_oneof is not None and msg.WhichOneof(fd.containing_oneof.name) != fd.name:
+            continue
+        elif fd.message_type is not None and not msg.HasField(fd.name):
+            continue
+        else:
+            out[fd.name] = _scalar_or_message(fd, value)
+    return out
+
+
+def _scalar_or_message(fd: FieldDescriptor, value: Any) -> Any:
+    if fd.message_type is not None:
+        return _message_to_dict(value)
+    if fd.enum_type is not None:
+        return fd.enum_type.values_by_number[value].name
+    return value

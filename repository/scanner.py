@@ -1,0 +1,67 @@
+"""Scan a model repository: one :class:`ModelEntry` per model folder, broken or not."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rayinfer.protocol.errors import ModelConfigError
+from rayinfer.repository.model_config import (
+    ModelConfig,
+    fill_defaults,
+    read_config,
+    resolve_backend,
+)
+from rayinfer.repository.version_policy import select_versions, version_dirs
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ModelEntry:
+    """A model folder: its parsed config and served versions, or why it cannot be served."""
+
+    name: str
+    path: Path
+    config: ModelConfig | None = None
+    versions: list[int] = field(default_factory=list)
+    error: str | None = None
+
+
+def scan_repository(repository: Path) -> list[ModelEntry]:
+    """Read every ``<repository>/<model>/`` folder; raises only if the repository itself is missing."""
+    repository = Path(repository)
+    if not repository.is_dir():
+        raise ModelConfigError(f"model repository '{repository}' is not a directory")
+    entries = []
+    for model_dir in sorted(p for p in repository.iterdir() if p.is_dir() and not p.name.startswith(".")):
+        entries.append(scan_model(model_dir))
+    return entries
+
+
+def scan_model(model_dir: Path) -> ModelEntry:
+    """Parse one model folder; errors are recorded on the entry, never raised."""
+    entry = ModelEntry(name=model_dir.name, path=model_dir)
+    try:
+        config = read_config(model_dir)
+        resolve_backend(config, model_dir)
+        fill_defaults(config)
+        available = version_dirs([p.name for p in model_dir.iterdir() if p.is_dir()])
+        versions = select_versions(config.version_policy, available)
+        if not versions:
+            raise ModelConfigError(
+                f"{model_dir}: no version folder matches the version policy "
+                f"(found {available or 'none'})"
+            )
+    except ModelConfigError as exc:
+        entry.error = exc.message
+        logger.error("model '%s' is unavailable: %s", entry.name, exc.message)
+        return entry
+    except OSError as exc:
+        entry.error = f"{model_dir}: {exc}"
+        logger.error("model '%s' is unavailable: %s", entry.name, entry.error)
+        return entry
+    entry.config = config
+    entry.versions = versions
+    return entry
