@@ -55,7 +55,12 @@ class ServingError(Exception):
     code: Code = Code.INTERNAL
 
     def __init__(self, message: str, code: Code | None = None):
-        super().__init__(message, code)
+        # ``args`` must be exactly what this class's constructor took: unpickling calls
+        # ``type(self)(*args)``, and subclasses take only ``message``.
+        if code is None:
+            super().__init__(message)
+        else:
+            super().__init__(message, code)
         self.message = message
         if code is not None:
             self.code = Code(code)

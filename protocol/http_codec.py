@@ -134,7 +134,10 @@ def _array_from_json(name: str, datatype: str, shape: list[int], count: int, dat
         if datatype == "BYTES":
             flat = np.asarray(data, dtype=object).reshape(-1)
             array = np.empty(flat.size, dtype=object)
-            array[:] = [item.encode("utf-8") if isinstance(item, str) else bytes(item) for item in flat]
+            # Only strings: bytes(n) of a JSON number would be n zero bytes (n may be huge).
+            if not all(isinstance(item, str) for item in flat):
+                raise ValueError("expected JSON strings")
+            array[:] = [item.encode("utf-8") for item in flat]
         elif datatype == "BOOL":
             flat = np.asarray(data, dtype=object).reshape(-1)
             if not all(isinstance(v, bool) for v in flat):

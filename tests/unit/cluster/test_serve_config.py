@@ -1,0 +1,103 @@
+"""The Serve config rendered for a repository, and settings built from CLI flags."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from rayinfer.cluster.cli import build_parser, settings_from_args
+from rayinfer.cluster.example_repository import write_example_repository
+from rayinfer.cluster.serve_config import render_serve_config, served_versions
+from rayinfer.cluster.settings import ServerSettings
+from rayinfer.repository.scanner import scan_repository
+
+
+@pytest.fixture(scope="module")
+def example_repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("models")
+    write_example_repository(root)
+    return root
+
+
+@pytest.fixture(autouse=True)
+def _no_settings_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    for key in list(os.environ):
+        if key.startswith("RAYINFER_"):
+            monkeypatch.delenv(key)
+
+
+def test_settings_from_args(tmp_path: Path) -> None:
+    args = build_parser().parse_args([
+        "config", "--model-repository", str(tmp_path), "--http-port", "9000", "--id", "mine",
+        "--strict-readiness", "false", "--disable-auto-complete-config", "--replica-num-cpus", "0.25",
+    ])
+    settings = settings_from_args(args)
+    assert settings.model_repository == tmp_path
+    assert settings.http_port == 9000 and settings.id == "mine"
+    assert settings.strict_readiness is False
+    assert settings.disable_auto_complete_config is True
+    assert settings.replica_num_cpus == 0.25
+
+
+def test_settings_defaults(tmp_path: Path) -> None:
+    settings = settings_from_args(build_parser().parse_args(["serve", "--model-store", str(tmp_path)]))
+    assert settings.model_repository == tmp_path
+    assert (settings.http_address, settings.http_port, settings.id) == ("127.0.0.1", 8000, "triton")
+    assert settings.strict_readiness is True and settings.disable_auto_complete_config is False
+    assert settings.ray_address is None
+
+
+def test_bad_flag_values_are_rejected(tmp_path: Path) -> None:
+    parser = build_parser()
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--model-repository", str(tmp_path), "--strict-readiness", "maybe"])
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve"])  # the repository is required
+    with pytest.raises(ValidationError):
+        ServerSettings(model_repository=tmp_path, no_such_setting=1)  # type: ignore[call-arg]
+
+
+def test_render_serve_config(example_repository: Path) -> None:
+    settings = settings_from_args(build_parser().parse_args(
+        ["config", "--model-repository", str(example_repository), "--http-port", "8123"]))
+    doc = render_serve_config(settings)
+    assert doc["http_options"] == {"host": "127.0.0.1", "port": 8123}
+    apps = {app["name"]: app for app in doc["applications"]}
+    assert sorted(apps) == ["mlp", "rayinfer", "simple", "simple_string"]
+    server = apps["rayinfer"]
+    assert server["route_prefix"] == "/v2"
+    assert server["args"]["model_repository"] == str(example_repository.resolve())
+    assert doc["applications"][0] is server  # the /v2 app comes first
+    for name in ("mlp", "simple", "simple_string"):
+        app = apps[name]
+        assert app["route_prefix"] == f"/v2/models/{name}"
+        assert app["import_path"] == "rayinfer.deployments.app:build_model_app"
+        assert app["args"]["model"] == name
+        assert app["args"]["version"] == 1 and app["args"]["is_default"] is True
+        assert app["args"]["auto_complete"] is True
+    # Route prefixes must be unique or Serve rejects the config.
+    prefixes = [app["route_prefix"] for app in doc["applications"]]
+    assert len(prefixes) == len(set(prefixes))
+
+
+def test_broken_models_get_no_app_and_old_versions_get_version_routes(tmp_path: Path) -> None:
+    write_example_repository(tmp_path)
+    (tmp_path / "simple" / "config.pbtxt").write_text(
+        (tmp_path / "simple" / "config.pbtxt").read_text() + "version_policy { all { } }\n")
+    (tmp_path / "simple" / "2").mkdir()
+    (tmp_path / "simple" / "1" / "model.onnx").replace(tmp_path / "simple" / "2" / "model.onnx")
+    (tmp_path / "simple" / "1" / "model.onnx").write_bytes(b"")
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "config.pbtxt").write_text("{{{")
+    entries = scan_repository(tmp_path)
+    assert ("simple", 1, False) in served_versions(entries)
+    assert ("simple", 2, True) in served_versions(entries)
+    doc = render_serve_config(ServerSettings(model_repository=tmp_path), entries)
+    routes = {app["name"]: app["route_prefix"] for app in doc["applications"]}
+    assert "broken" not in routes
+    assert routes["simple"] == "/v2/models/simple"
+    assert routes["simple@v1"] == "/v2/models/simple/versions/1"
