@@ -45,6 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("--ray-address", default=None)
         sub.add_argument("--num-cpus", type=float, default=None, help="CPUs of the embedded local Ray")
         sub.add_argument("--replica-num-cpus", type=float, default=None)
+        sub.add_argument("--startup-timeout-s", type=float, default=None)
     example = commands.add_parser("example-repository", help="write the example model repository")
     example.add_argument("directory", type=Path)
     return parser

@@ -14,6 +14,8 @@ RAY_ENVIRONMENT = {
     "RAY_worker_niceness": "0",
     "RAY_SERVE_HAPROXY_HEALTH_CHECK_INTER": "1s",
     "RAY_USAGE_STATS_ENABLED": "0",
+    # HAProxy drops a stopping replica within a second here; Ray's default waits 30 s.
+    "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2",
 }
 
 
@@ -43,6 +45,6 @@ class ServerSettings(BaseSettings):
     )
     num_cpus: float | None = Field(None, description="CPUs of the embedded local Ray (default: all cores).")
     replica_num_cpus: float = Field(
-        0.5, description="num_cpus reserved by each KIND_CPU model replica; fractional on small machines."
+        0.1, description="num_cpus reserved by each KIND_CPU model replica; fractional on small machines."
     )
     startup_timeout_s: float = Field(600.0, description="How long to wait for models to finish loading.")

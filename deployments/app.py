@@ -26,7 +26,7 @@ def model_application(
     version: int,
     is_default: bool,
     *,
-    replica_num_cpus: float = 0.5,
+    replica_num_cpus: float = 0.1,
     auto_complete: bool = True,
 ) -> Application:
     """The application serving one version of one model; replicas from its ``instance_group``."""
@@ -41,6 +41,7 @@ def model_application(
         max_ongoing_requests=max(MIN_ONGOING_REQUESTS, 2 * int(config.max_batch_size)),
         ray_actor_options={"num_cpus": replica_num_cpus},
         health_check_period_s=5.0,
+        graceful_shutdown_timeout_s=10.0,
     )
     return deployment.bind(str(model_repository), model, int(version), auto_complete)
 
@@ -59,6 +60,7 @@ def server_application(
         max_ongoing_requests=MIN_ONGOING_REQUESTS,
         ray_actor_options={"num_cpus": num_cpus},
         user_config={"load_errors": load_errors or {}},
+        graceful_shutdown_timeout_s=10.0,
     )
     return deployment.bind(str(model_repository), server_id, strict_readiness)
 
@@ -70,7 +72,7 @@ def build_model_app(args: dict[str, Any]) -> Application:
         args["model"],
         int(args["version"]),
         bool(args.get("is_default", True)),
-        replica_num_cpus=float(args.get("replica_num_cpus", 0.5)),
+        replica_num_cpus=float(args.get("replica_num_cpus", 0.1)),
         auto_complete=bool(args.get("auto_complete", True)),
     )
 

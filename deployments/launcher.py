@@ -11,7 +11,7 @@ from ray.serve.schema import ServeDeploySchema
 
 from rayinfer.deployments.app import model_application, server_application
 from rayinfer.deployments.names import SERVER_APP, SERVER_ROUTE_PREFIX, model_app_name, model_route_prefix
-from rayinfer.deployments.server import short_reason, status_name
+from rayinfer.deployments.server import failure_reason, status_name
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ def _wait_for_apps(apps: dict[str, str], timeout_s: float) -> dict[str, str]:
                 logger.info("model '%s' is ready (application '%s')", apps[name], name)
             elif status_name(app.status) in ("DEPLOY_FAILED", "UNHEALTHY"):
                 pending.discard(name)
-                failures[name] = short_reason(app.message or status_name(app.status))
+                failures[name] = failure_reason(app)
                 logger.error("model '%s' failed to load: %s", apps[name], failures[name])
         time.sleep(0.2)
     for name in pending:

@@ -47,6 +47,12 @@ def status_name(status: Any) -> str:
     return str(getattr(status, "value", status))
 
 
+def failure_reason(app: Any) -> str:
+    """Why a Serve application failed: its deployments' messages carry the replica's exception."""
+    messages = [d.message for d in (getattr(app, "deployments", None) or {}).values() if d.message]
+    return short_reason("\n".join(messages) or app.message or status_name(app.status))
+
+
 def short_reason(message: str) -> str:
     """The last meaningful line of a Serve failure message (the exception, not the traceback)."""
     lines = [line.strip() for line in message.strip().splitlines() if line.strip()]
@@ -162,7 +168,7 @@ class ServerDeployment:
                 elif status_name(app.status) in _SERVE_STATE:
                     row.update(state=_SERVE_STATE[status_name(app.status)], reason="")
                 else:
-                    row.update(state="UNAVAILABLE", reason=short_reason(app.message or status_name(app.status)))
+                    row.update(state="UNAVAILABLE", reason=failure_reason(app))
                 rows.append(row)
         return rows
 

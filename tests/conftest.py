@@ -1,0 +1,80 @@
+"""Shared fixtures: the test model repository and one real rayinfer server per test session."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+HTTP_PORT = int(os.environ.get("RAYINFER_TEST_HTTP_PORT", "18600"))
+
+
+def http(method: str, path: str, body: bytes | None = None, headers: dict | None = None,
+         timeout: float = 30.0) -> tuple[int, dict, bytes]:
+    """One HTTP request to the test server; returns (status, headers, body) for any status."""
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{HTTP_PORT}{path}", data=body, method=method, headers=headers or {}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return response.status, dict(response.headers), response.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, dict(exc.headers), exc.read()
+
+
+def http_json(method: str, path: str, doc: object | None = None) -> tuple[int, object]:
+    body = None if doc is None else (doc if isinstance(doc, bytes) else json.dumps(doc).encode())
+    status, _, raw = http(method, path, body)
+    return status, (json.loads(raw) if raw else None)
+
+
+def _build_repository(root: Path) -> Path:
+    from model_factory import build_test_repository
+
+    return build_test_repository(root)
+
+
+@pytest.fixture(scope="session")
+def model_repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _build_repository(tmp_path_factory.mktemp("repo"))
+
+
+@pytest.fixture(scope="session")
+def server(model_repository: Path, tmp_path_factory: pytest.TempPathFactory):
+    """``rayinfer serve`` on the test repository, started once; stopped with SIGINT at the end."""
+    log_path = tmp_path_factory.mktemp("server") / "rayinfer.log"
+    log = log_path.open("w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rayinfer.cluster.cli", "serve", "--model-repository", str(model_repository),
+         "--http-port", str(HTTP_PORT), "--replica-num-cpus", "0.01", "--num-cpus", "2",
+         "--startup-timeout-s", "240"],
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"rayinfer exited with {proc.returncode}:\n{log_path.read_text()[-4000:]}")
+            if "Started HTTPService" in log_path.read_text():
+                break
+            if time.monotonic() > deadline:
+                pytest.fail(f"rayinfer did not start:\n{log_path.read_text()[-4000:]}")
+            time.sleep(0.5)
+        yield {"url": f"127.0.0.1:{HTTP_PORT}", "log": log_path, "process": proc}
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=90)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        log.close()

@@ -1,0 +1,118 @@
+"""Every error path of the HTTP front-end: Triton's status code and a message naming the problem."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+from conftest import http, http_json
+
+ONES = [1] * 16
+
+
+def tensor(name="INPUT0", shape=(1, 16), datatype="INT32", data=ONES):
+    return {"name": name, "shape": list(shape), "datatype": datatype, "data": data}
+
+
+GOOD = {"inputs": [tensor("INPUT0"), tensor("INPUT1")]}
+
+ERRORS = [
+    # (id, path, body, status, message fragment)
+    ("unknown-model", "/v2/models/nope/infer", GOOD, 404, "Request for unknown model: 'nope' is not found"),
+    ("unknown-version", "/v2/models/simple/versions/7/infer", GOOD, 404,
+     "Request for unknown model: 'simple' version 7 is not found"),
+    ("failed-model", "/v2/models/corrupt/infer", GOOD, 404, "'corrupt' has no available versions"),
+    ("wrong-input-name", "/v2/models/simple/infer", {"inputs": [tensor("INPUT0"), tensor("BOGUS")]}, 400,
+     "unexpected inference input 'BOGUS' for model 'simple'"),
+    ("missing-input", "/v2/models/simple/infer", {"inputs": [tensor("INPUT0")]}, 400,
+     "missing required input(s) ['INPUT1']"),
+    ("wrong-datatype", "/v2/models/simple/infer",
+     {"inputs": [tensor("INPUT0", datatype="FP32"), tensor("INPUT1")]}, 400,
+     "inference input 'INPUT0' data-type is 'FP32', but model 'simple' expects 'INT32'"),
+    ("wrong-shape", "/v2/models/simple/infer",
+     {"inputs": [tensor("INPUT0", shape=(1, 8), data=[1] * 8), tensor("INPUT1")]}, 400,
+     "unexpected shape for input 'INPUT0' for model 'simple'. Expected [-1,16], got [1,8]"),
+    ("batch-too-large", "/v2/models/simple/infer",
+     {"inputs": [tensor("INPUT0", shape=(9, 16), data=[1] * 144), tensor("INPUT1", shape=(9, 16), data=[1] * 144)]},
+     400, "inference request batch-size must be <= 8 for 'simple'"),
+    ("element-count", "/v2/models/simple/infer",
+     {"inputs": [tensor("INPUT0", data=[1] * 15), tensor("INPUT1")]}, 400, "input 'INPUT0' has 15 elements"),
+    ("bad-datatype-name", "/v2/models/simple/infer",
+     {"inputs": [tensor("INPUT0", datatype="INT33"), tensor("INPUT1")]}, 400, "invalid datatype 'INT33'"),
+    ("unknown-output", "/v2/models/simple/infer", {**GOOD, "outputs": [{"name": "NOPE"}]}, 400,
+     "unexpected inference output 'NOPE' for model 'simple'"),
+    ("malformed-json", "/v2/models/simple/infer", b'{"inputs": [', 400, "failed to parse the request JSON"),
+    ("empty-body", "/v2/models/simple/infer", b"", 400, "failed to parse the request JSON"),
+    ("no-inputs", "/v2/models/simple/infer", {"inputs": []}, 400, "non-empty 'inputs'"),
+]
+
+
+@pytest.mark.parametrize("path,body,status,fragment", [e[1:] for e in ERRORS], ids=[e[0] for e in ERRORS])
+def test_error_table(server, path, body, status, fragment):
+    got_status, doc = http_json("POST", path, body)
+    assert got_status == status
+    assert set(doc) == {"error"}
+    assert fragment in doc["error"]
+
+
+def _binary_request(header_doc: dict, binary: bytes, header_length: int | None = None) -> tuple[int, dict]:
+    head = json.dumps(header_doc).encode()
+    length = len(head) if header_length is None else header_length
+    status, _, raw = http("POST", "/v2/models/simple/infer", head + binary,
+                          {"Inference-Header-Content-Length": str(length)})
+    return status, json.loads(raw)
+
+
+def _binary_inputs(size0: int = 64, size1: int = 64) -> dict:
+    return {"inputs": [
+        {"name": "INPUT0", "shape": [1, 16], "datatype": "INT32", "parameters": {"binary_data_size": size0}},
+        {"name": "INPUT1", "shape": [1, 16], "datatype": "INT32", "parameters": {"binary_data_size": size1}},
+    ]}
+
+
+@pytest.mark.parametrize("doc,binary,header_length,fragment", [
+    (_binary_inputs(), b"\0" * 100, None, "binary_data_size 64 exceeds"),
+    (_binary_inputs(), b"\0" * 140, None, "unexpected 12 bytes of binary data"),
+    (_binary_inputs(60, 68), b"\0" * 128, None, "input 'INPUT0' has 60 bytes of binary data, expected 64"),
+    (_binary_inputs(), b"\0" * 128, 10_000, "Inference-Header-Content-Length 10000 is out of range"),
+], ids=["truncated", "trailing-bytes", "wrong-size", "header-length"])
+def test_binary_framing_errors(server, doc, binary, header_length, fragment):
+    status, body = _binary_request(doc, binary, header_length)
+    assert status == 400
+    assert fragment in body["error"]
+
+
+def test_tritonclient_surfaces_errors_with_status(server):
+    client = httpclient.InferenceServerClient(server["url"])
+    try:
+        inp = httpclient.InferInput("INPUT0", [1, 8], "INT32")
+        inp.set_data_from_numpy(np.zeros((1, 8), dtype=np.int32))
+        other = httpclient.InferInput("INPUT1", [1, 16], "INT32")
+        other.set_data_from_numpy(np.zeros((1, 16), dtype=np.int32))
+        with pytest.raises(InferenceServerException) as info:
+            client.infer("simple", [inp, other])
+        assert info.value.status() == "400"
+        assert "unexpected shape for input 'INPUT0'" in info.value.message()
+        with pytest.raises(InferenceServerException, match="Request for unknown model: 'nope' is not found"):
+            client.get_model_metadata("nope")
+    finally:
+        client.close()
+
+
+def test_server_keeps_serving_after_bad_requests(server):
+    for _, path, body, _, _ in ERRORS:
+        http_json("POST", path, body)
+    status, _, _ = http("GET", "/v2/health/live")
+    assert status == 200
+    status, doc = http_json("POST", "/v2/models/simple/infer", GOOD)
+    assert status == 200
+    assert doc["outputs"][0]["data"] == [2] * 16
+
+
+def test_unknown_routes_are_404(server):
+    assert http("GET", "/v2/nothing/here")[0] == 404
+    assert http("GET", "/v2/models/simple/bogus")[0] == 404

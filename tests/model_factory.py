@@ -1,0 +1,80 @@
+"""Builds the test model repository: small ONNX models covering the features under test."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from onnx import TensorProto, helper
+
+from rayinfer.cluster.example_repository import _finish, add_sub_model, write_example_repository, write_model
+
+ADD_SUB_IO = """input [
+  { name: "INPUT0" data_type: TYPE_INT32 dims: [ 16 ] },
+  { name: "INPUT1" data_type: TYPE_INT32 dims: [ 16 ] }
+]
+output [
+  { name: "OUTPUT0" data_type: TYPE_INT32 dims: [ 16 ] },
+  { name: "OUTPUT1" data_type: TYPE_INT32 dims: [ 16 ] }
+]
+"""
+
+# Model name -> config.pbtxt; every one runs add_sub_model(INT32) unless built otherwise below.
+CONFIGS = {
+    # Long queue delay: concurrent requests are merged into batches larger than 1.
+    "batched": 'backend: "onnxruntime"\nmax_batch_size: 8\n' + ADD_SUB_IO
+    + "dynamic_batching { max_queue_delay_microseconds: 300000 }\n",
+    # A preferred size is dispatched at once instead of waiting out the (very long) delay.
+    "preferred": 'backend: "onnxruntime"\nmax_batch_size: 8\n' + ADD_SUB_IO
+    + "dynamic_batching { preferred_batch_size: [ 4 ] max_queue_delay_microseconds: 5000000 }\n",
+    "nobatch": 'platform: "onnxruntime_onnx"\nmax_batch_size: 0\n' + ADD_SUB_IO,
+    "versioned": 'platform: "onnxruntime_onnx"\nmax_batch_size: 8\nversion_policy: { all { } }\n' + ADD_SUB_IO,
+    "broken_config": 'platform: "onnxruntime_onnx"\nmax_batch_size: 8\ninput [ { name: "INPUT0" ',
+    "missing_file": 'platform: "onnxruntime_onnx"\nmax_batch_size: 8\n' + ADD_SUB_IO,
+    "corrupt": 'platform: "onnxruntime_onnx"\nmax_batch_size: 8\n' + ADD_SUB_IO,
+    "vardims": """backend: "onnxruntime"
+max_batch_size: 8
+input [ { name: "X" data_type: TYPE_FP32 dims: [ -1 ] } ]
+output [ { name: "Y" data_type: TYPE_FP32 dims: [ -1 ] } ]
+dynamic_batching { max_queue_delay_microseconds: 300000 }
+""",
+}
+
+
+def double_model():
+    """Y = X + X on [batch, n] FP32 with a variable n."""
+    graph = helper.make_graph(
+        [helper.make_node("Add", ["X", "X"], ["Y"])], "double",
+        [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["batch", "n"])],
+        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["batch", "n"])],
+    )
+    return _finish(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
+
+
+def mul_sub_model():
+    """Version 2 of ``versioned``: OUTPUT0 = INPUT0 * INPUT1, OUTPUT1 = INPUT0 - INPUT1."""
+    shape = ["batch", 16]
+    graph = helper.make_graph(
+        [helper.make_node("Mul", ["INPUT0", "INPUT1"], ["OUTPUT0"]),
+         helper.make_node("Sub", ["INPUT0", "INPUT1"], ["OUTPUT1"])], "mul_sub",
+        [helper.make_tensor_value_info(n, TensorProto.INT32, shape) for n in ("INPUT0", "INPUT1")],
+        [helper.make_tensor_value_info(n, TensorProto.INT32, shape) for n in ("OUTPUT0", "OUTPUT1")],
+    )
+    return _finish(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
+
+
+def build_test_repository(root: Path) -> Path:
+    """The example repository plus the models above; returns its path."""
+    write_example_repository(root)
+    add_sub = add_sub_model(TensorProto.INT32)
+    for name in ("batched", "preferred", "versioned", "corrupt"):
+        write_model(root, name, CONFIGS[name], add_sub)
+    write_model(root, "nobatch", CONFIGS["nobatch"], add_sub_model(TensorProto.INT32, batch=False))
+    write_model(root, "versioned", None, mul_sub_model(), version=2)
+    write_model(root, "vardims", CONFIGS["vardims"], double_model())
+    write_model(root, "autocomplete", None, add_sub)  # no config.pbtxt at all
+    (root / "corrupt" / "1" / "model.onnx").write_bytes(b"this is not an ONNX model")
+    (root / "broken_config" / "1").mkdir(parents=True)
+    (root / "broken_config" / "config.pbtxt").write_text(CONFIGS["broken_config"])
+    (root / "missing_file" / "1").mkdir(parents=True)
+    (root / "missing_file" / "config.pbtxt").write_text(CONFIGS["missing_file"])
+    return root
