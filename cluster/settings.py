@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from pydantic import Field
@@ -13,6 +14,11 @@ RAY_ENVIRONMENT = {
     "RAY_SERVE_ENABLE_HA_PROXY": "1",
     "RAY_worker_niceness": "0",
     "RAY_SERVE_HAPROXY_HEALTH_CHECK_INTER": "1s",
+    # Per-request HAProxy log lines feed ray_serve HTTP metrics through a parser actor that
+    # costs as much CPU as HAProxy itself; replicas still export their own request metrics.
+    "RAY_SERVE_HAPROXY_METRICS_ENABLED": "0",
+    # One HAProxy thread per core at most on small machines.
+    "RAY_SERVE_HAPROXY_NBTHREAD": str(min(4, max(1, (os.cpu_count() or 2) // 2))),
     "RAY_USAGE_STATS_ENABLED": "0",
     # HAProxy drops a stopping replica within a second here; Ray's default waits 30 s.
     "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2",

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from ray.serve import Application
+from ray.serve.schema import LoggingConfig
 
 from rayinfer.deployments.model import ModelDeployment
 from rayinfer.deployments.server import ServerDeployment
@@ -42,6 +43,8 @@ def model_application(
         ray_actor_options={"num_cpus": replica_num_cpus},
         health_check_period_s=5.0,
         graceful_shutdown_timeout_s=10.0,
+        # A per-request access log line costs more than the request's own decoding.
+        logging_config=LoggingConfig(enable_access_log=False),
     )
     return deployment.bind(str(model_repository), model, int(version), auto_complete)
 
