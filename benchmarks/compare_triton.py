@@ -26,21 +26,16 @@ import time
 import urllib.request
 from pathlib import Path
 
+from rayinfer.cluster.example_repository import MLP_CONFIG
+
 ROOT = Path(__file__).resolve().parent.parent
 ANCHORS = ROOT.parent / "shared" / "anchors"
 ANCHOR_HOME = Path(os.environ.get("TRITON_ANCHOR", "/tmp/anchor-triton"))
 TRITON_PORT = 18000
 RAYINFER_PORT = 18100
 MODEL = "mlp_onnx"
-RAYINFER_CONFIG = """name: "mlp_onnx"
-backend: "onnxruntime"
-max_batch_size: 64
-input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ 256 ] } ]
-output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 10 ] } ]
-dynamic_batching { max_queue_delay_microseconds: 500 }
-instance_group [ { count: 1 kind: KIND_CPU } ]
-parameters { key: "intra_op_thread_count" value: { string_value: "1" } }
-"""
+# The example repository's MLP config (same batching and threads as the anchor's), renamed.
+RAYINFER_CONFIG = MLP_CONFIG.replace('name: "mlp"', f'name: "{MODEL}"')
 MARK_BEGIN = "<!-- compare_triton:begin -->"
 MARK_END = "<!-- compare_triton:end -->"
 

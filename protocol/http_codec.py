@@ -144,6 +144,10 @@ def _array_from_json(name: str, datatype: str, shape: list[int], count: int, dat
                 raise ValueError("expected true or false")
             array = flat.astype(np.bool_)
         else:
+            raw = np.asarray(data)
+            allowed = "iuf" if datatype.startswith("FP") else "iu"
+            if raw.size and raw.dtype.kind not in allowed:
+                raise ValueError(f"expected JSON numbers of type {datatype}")
             array = np.asarray(data, dtype=numpy_dtype(datatype)).reshape(-1)
     except (TypeError, ValueError, OverflowError) as exc:
         raise InvalidArgError(f"input '{name}': data is not valid {datatype}: {exc}") from None

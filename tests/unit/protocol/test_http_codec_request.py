@@ -209,3 +209,8 @@ def test_bad_outputs_and_parameters() -> None:
     assert "'outputs' must be an array" in _error(_json_body({"inputs": [tensor], "outputs": {"name": "Y"}}))
     assert "with a 'name'" in _error(_json_body({"inputs": [tensor], "outputs": [{"nam": "Y"}]}))
     assert "'parameters' must be a JSON object" in _error(_json_body({"inputs": [tensor], "parameters": [1]}))
+
+
+@pytest.mark.parametrize("datatype, data", [("INT32", ["1", "2"]), ("INT32", [1.5, 2.0]), ("FP32", [True, False])])
+def test_json_numbers_must_match_the_datatype(datatype: str, data: list[Any]) -> None:
+    assert "input 'INPUT0': data is not valid" in _error(_one_input(datatype=datatype, shape=[2], data=data))
