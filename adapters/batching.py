@@ -1,29 +1,10 @@
-"""Pure functions behind dynamic batching: row counting, merging along dim 0, splitting back."""
+"""Pure functions behind dynamic batching: merging along dim 0, splitting back, grouping."""
 
 from __future__ import annotations
 
 from typing import Sequence
 
 import numpy as np
-
-
-def effective_batch_size(
-    rows: Sequence[int], max_batch_size: int, preferred: Sequence[int] = ()
-) -> int:
-    """How full a batch of requests with these row counts is, for ``@serve.batch``.
-
-    Triton counts rows, not requests. A batch whose rows reach a preferred batch size counts as
-    full so it is dispatched at once; a request that would push a batch past a preferred size it
-    had already reached counts as overflow (more than ``max_batch_size``), so it waits for the
-    next batch.
-    """
-    total = sum(rows)
-    if preferred and len(rows) > 1 and total not in preferred:
-        if total - rows[-1] in preferred:
-            return max_batch_size + 1
-    if preferred and total in preferred:
-        return max(max_batch_size, total)
-    return total
 
 
 def merge_inputs(per_request: Sequence[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:

@@ -19,6 +19,7 @@ import os
 import platform
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -133,13 +134,12 @@ def run_rayinfer(repo: Path, levels: list[int], interval_ms: int, work: Path) ->
 
 def render(results: dict[str, list[dict[int, dict]]], levels: list[int], args: argparse.Namespace) -> str:
     def median(server: str, c: int, key: str) -> float:
-        values = sorted(r[c][key] for r in results[server])
-        return values[len(values) // 2]
+        return statistics.median(r[c][key] for r in results[server])
 
     lines = [
         MARK_BEGIN,
         f"Measured {time.strftime('%Y-%m-%d')} on {os.cpu_count()} cores ({platform.processor() or platform.machine()}), "
-        f"Python {platform.python_version()}, {args.rounds} round(s), servers alternated, perf_analyzer on the "
+        f"Python {platform.python_version()}, median of {args.rounds} round(s), servers alternated, perf_analyzer on the "
         "same cores, HTTP, batch 1 per request, model `mlp_onnx` (256->1024->1024->10 FP32), dynamic batching "
         "500 us, max_batch_size 64, one instance.",
         "",

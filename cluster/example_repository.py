@@ -1,7 +1,7 @@
 """Writes the example model repository: small ONNX models built in code, no downloaded weights.
 
-``simple`` and ``simple_string`` have the names, tensors and semantics of Triton's own example
-models, so Triton's client examples run against them unmodified; ``mlp`` is the benchmark MLP
+``simple``, ``simple_string`` and ``simple_identity`` have the names, tensors and semantics of
+Triton's own example models, so Triton's HTTP client examples for them run unmodified; ``mlp`` is the benchmark MLP
 (256 -> 1024 -> 1024 -> 10) with dynamic batching.
 """
 
@@ -35,6 +35,13 @@ output [
   { name: "OUTPUT0" data_type: TYPE_STRING dims: [ 16 ] },
   { name: "OUTPUT1" data_type: TYPE_STRING dims: [ 16 ] }
 ]
+"""
+
+SIMPLE_IDENTITY_CONFIG = """name: "simple_identity"
+platform: "onnxruntime_onnx"
+max_batch_size: 8
+input [ { name: "INPUT0" data_type: TYPE_STRING dims: [ -1 ] } ]
+output [ { name: "OUTPUT0" data_type: TYPE_STRING dims: [ -1 ] } ]
 """
 
 MLP_CONFIG = """name: "mlp"
@@ -74,6 +81,18 @@ def add_sub_model(elem_type: int, batch: bool = True):
         nodes, "add_sub",
         [helper.make_tensor_value_info(n, elem_type, shape) for n in ("INPUT0", "INPUT1")],
         [helper.make_tensor_value_info(n, elem_type, shape) for n in ("OUTPUT0", "OUTPUT1")],
+    )
+    return _finish(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
+
+
+def identity_model(elem_type: int):
+    """OUTPUT0 = INPUT0 on [batch, n] tensors."""
+    from onnx import helper
+
+    graph = helper.make_graph(
+        [helper.make_node("Identity", ["INPUT0"], ["OUTPUT0"])], "identity",
+        [helper.make_tensor_value_info("INPUT0", elem_type, ["batch", "n"])],
+        [helper.make_tensor_value_info("OUTPUT0", elem_type, ["batch", "n"])],
     )
     return _finish(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
 
@@ -130,5 +149,6 @@ def write_example_repository(repository: Path) -> list[Path]:
     return [
         write_model(repository, "simple", SIMPLE_CONFIG, add_sub_model(TensorProto.INT32)),
         write_model(repository, "simple_string", SIMPLE_STRING_CONFIG, add_sub_model(TensorProto.STRING)),
+        write_model(repository, "simple_identity", SIMPLE_IDENTITY_CONFIG, identity_model(TensorProto.STRING)),
         write_model(repository, "mlp", MLP_CONFIG, mlp_model()),
     ]

@@ -44,7 +44,7 @@ def model_application(
         health_check_period_s=5.0,
         graceful_shutdown_timeout_s=10.0,
         # A per-request access log line costs more than the request's own decoding.
-        logging_config=LoggingConfig(enable_access_log=False),
+        logging_config=LoggingConfig(enable_access_log=False, log_level="WARNING"),
     )
     return deployment.bind(str(model_repository), model, int(version), auto_complete)
 

@@ -11,17 +11,17 @@ import asyncio
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ray import serve
 
-from rayinfer.adapters.batching import effective_batch_size
 from rayinfer.adapters.loader import load_runner
 from rayinfer.adapters.model_runner import ModelRunner, PreparedRequest
 from rayinfer.deployments import asgi
+from rayinfer.deployments.batcher import DynamicBatcher
 from rayinfer.deployments.names import SERVER_APP, SERVER_DEPLOYMENT
+from rayinfer.protocol.compression import compress_body, decompress_body, response_encoding
 from rayinfer.protocol.errors import InvalidArgError, NotFoundError, ServingError, as_serving_error
 from rayinfer.protocol.http_codec import HEADER_LENGTH, request_from_http, response_to_http
 from rayinfer.protocol.statistics import stats_to_json
@@ -40,19 +40,8 @@ _OCTET = (b"content-type", b"application/octet-stream")
 _JSON = (b"content-type", b"application/json")
 
 
-@dataclass(slots=True)
-class BatchItem:
-    """A prepared request queued for the batcher, with the limits the batcher counts rows by."""
-
-    prepared: PreparedRequest
-    max_batch_size: int
-    preferred: tuple[int, ...]
-
-
-def batch_rows(items: list[BatchItem]) -> int:
-    """``batch_size_fn`` for ``@serve.batch``: Triton's batch size counts rows, not requests."""
-    first = items[0]
-    return effective_batch_size([i.prepared.rows for i in items], first.max_batch_size, first.preferred)
+def _text(value: bytes | None) -> str | None:
+    return value.decode("latin-1") if value is not None else None
 
 
 @serve.deployment(name="ModelDeployment")
@@ -76,10 +65,13 @@ class ModelDeployment:
         self._execution_s_avg = float("inf")
         batching = spec.dynamic_batching
         self._batched = batching is not None and spec.max_batch_size > 0
-        self._preferred = batching.preferred_batch_sizes if batching else ()
         if self._batched:
-            self._infer_batched.set_max_batch_size(spec.max_batch_size)
-            self._infer_batched.set_batch_wait_timeout_s(batching.max_queue_delay_us / 1e6)
+            self._batcher = DynamicBatcher(
+                self._execute,
+                max_batch_size=spec.max_batch_size,
+                max_queue_delay_s=batching.max_queue_delay_us / 1e6,
+                preferred_batch_sizes=batching.preferred_batch_sizes,
+            )
         context = serve.get_replica_context()
         self._replica_key = f"{context.app_name}/{context.replica_id.unique_id}"
         self._stats_pushed_at = -1
@@ -122,7 +114,7 @@ class ModelDeployment:
     async def _http_infer(self, scope: asgi.Scope, receive: asgi.Receive, send: asgi.Send) -> None:
         start_ns = time.perf_counter_ns()
         try:
-            body = await asgi.read_body(receive)
+            body = decompress_body(await asgi.read_body(receive), _text(asgi.header(scope, b"content-encoding")))
             raw_length = asgi.header(scope, HEADER_LENGTH.encode())
             try:
                 header_length = int(raw_length) if raw_length is not None else None
@@ -140,28 +132,24 @@ class ModelDeployment:
         except Exception as exc:  # execution failures are counted by the runner
             await asgi.send_error(send, as_serving_error(exc))
             return
-        if json_length is None:
-            await asgi.send_bytes(send, 200, payload, [_JSON])
-        else:
-            await asgi.send_bytes(
-                send, 200, payload, [_OCTET, (HEADER_LENGTH.encode(), str(json_length).encode())]
-            )
+        headers = [_JSON] if json_length is None else [_OCTET, (HEADER_LENGTH.encode(), str(json_length).encode())]
+        encoding = response_encoding(_text(asgi.header(scope, b"accept-encoding")))
+        if encoding is not None:
+            payload = compress_body(payload, encoding)
+            headers.append((b"content-encoding", encoding.encode()))
+        await asgi.send_bytes(send, 200, payload, headers)
 
     # ---- inference --------------------------------------------------------------------------
 
     async def infer(self, prepared: PreparedRequest) -> InferResponse:
         """Run one validated request, through the dynamic batcher when the model has one."""
         if self._batched:
-            result = await self._infer_batched(BatchItem(prepared, self._runner.spec.max_batch_size, self._preferred))
+            result = await self._batcher.submit(prepared, prepared.rows)
         else:
             result = (await self._execute([prepared]))[0]
         if isinstance(result, ServingError):
             raise result
         return result
-
-    @serve.batch(max_batch_size=1, batch_wait_timeout_s=0.0, batch_size_fn=batch_rows)
-    async def _infer_batched(self, items: list[BatchItem]) -> list[InferResponse | ServingError]:
-        return await self._execute([i.prepared for i in items])
 
     async def _execute(self, batch: list[PreparedRequest]) -> list[InferResponse | ServingError]:
         """Execute on the loop when executions are known to be short, else on the model thread."""

@@ -200,3 +200,42 @@ def test_statistics_count_exactly(client):
         assert after["inference_stats"][key]["ns"] > before["inference_stats"][key]["ns"]
     names = {(m["name"], m["version"]) for m in client.get_inference_statistics()["model_stats"]}
     assert ("simple", "1") in names and ("mlp", "1") in names
+
+
+@pytest.mark.parametrize("algorithm", ["gzip", "deflate"])
+def test_compressed_requests_and_responses(client, algorithm):
+    a = np.arange(16, dtype=np.int32).reshape(1, 16)
+    result = client.infer(
+        "simple", add_sub_inputs(a, a, True),
+        request_compression_algorithm=algorithm, response_compression_algorithm=algorithm,
+    )
+    np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), a * 2)
+
+
+def test_response_is_compressed_only_when_accepted(server):
+    import gzip
+    import json
+
+    from conftest import http
+
+    body = json.dumps({"inputs": [
+        {"name": "INPUT0", "shape": [1, 16], "datatype": "INT32", "data": list(range(16))},
+        {"name": "INPUT1", "shape": [1, 16], "datatype": "INT32", "data": [0] * 16}]}).encode()
+    status, headers, raw = http("POST", "/v2/models/simple/infer", gzip.compress(body),
+                                {"Content-Encoding": "gzip", "Accept-Encoding": "gzip"})
+    assert status == 200 and headers.get("content-encoding") == "gzip"
+    assert json.loads(gzip.decompress(raw))["outputs"][0]["data"] == list(range(16))
+    status, headers, raw = http("POST", "/v2/models/simple/infer", body)
+    assert status == 200 and "content-encoding" not in {k.lower() for k in headers}
+    status, _, raw = http("POST", "/v2/models/simple/infer", b"not gzip", {"Content-Encoding": "gzip"})
+    assert status == 400 and b"failed to decompress the gzip request body" in raw
+
+
+@pytest.mark.parametrize("binary", [True, False], ids=["binary", "json"])
+def test_bytes_identity_keeps_every_byte(client, binary):
+    data = np.array([[b"hello", b"wor\x00ld", b"\x00\x01\x02\x03", b""]], dtype=object)
+    inp = httpclient.InferInput("INPUT0", [1, 4], "BYTES")
+    inp.set_data_from_numpy(data, binary_data=binary)
+    out = httpclient.InferRequestedOutput("OUTPUT0", binary_data=True)
+    result = client.infer("simple_identity", [inp], outputs=[out])
+    assert result.as_numpy("OUTPUT0").tolist() == data.tolist()

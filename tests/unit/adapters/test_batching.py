@@ -1,34 +1,10 @@
-"""Pure batching functions: how full a batch is, merging along dim 0, splitting back, grouping."""
+"""Pure batching functions: merging along dim 0, splitting back, grouping."""
 
 from __future__ import annotations
 
 import numpy as np
-import pytest
 
-from rayinfer.adapters.batching import effective_batch_size, group_by_signature, merge_inputs, split_outputs
-
-
-@pytest.mark.parametrize(
-    "rows, max_batch_size, preferred, expected",
-    [
-        ([1], 8, (), 1),
-        ([2, 3], 8, (), 5),  # rows are counted, not requests
-        ([4, 4, 1], 8, (), 9),  # past max: the batcher keeps the last request for later
-        ([2, 2], 8, (4,), 8),  # a preferred size reached makes the batch full
-        ([4], 8, (4, 8), 8),
-        ([8], 8, (4, 8), 8),
-        ([1, 2], 8, (4,), 3),  # below the preferred size: not full yet
-        ([2, 2, 1], 8, (4,), 9),  # overshooting a reached preferred size is overflow
-        ([2, 2, 4], 8, (4, 8), 8),  # landing on a larger preferred size is fine
-        ([3, 2], 8, (4,), 5),  # never sat on a preferred size: plain row count
-    ],
-)
-def test_effective_batch_size(rows: list[int], max_batch_size: int, preferred: tuple[int, ...], expected: int) -> None:
-    assert effective_batch_size(rows, max_batch_size, preferred) == expected
-
-
-def test_overshoot_is_more_than_max() -> None:
-    assert effective_batch_size([4, 1], 16, (4,)) > 16
+from rayinfer.adapters.batching import group_by_signature, merge_inputs, split_outputs
 
 
 def test_merge_and_split_round_trip_with_uneven_rows() -> None:

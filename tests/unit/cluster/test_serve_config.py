@@ -67,12 +67,12 @@ def test_render_serve_config(example_repository: Path) -> None:
     doc = render_serve_config(settings)
     assert doc["http_options"] == {"host": "127.0.0.1", "port": 8123}
     apps = {app["name"]: app for app in doc["applications"]}
-    assert sorted(apps) == ["mlp", "rayinfer", "simple", "simple_string"]
+    assert sorted(apps) == ["mlp", "rayinfer", "simple", "simple_identity", "simple_string"]
     server = apps["rayinfer"]
     assert server["route_prefix"] == "/v2"
     assert server["args"]["model_repository"] == str(example_repository.resolve())
     assert doc["applications"][0] is server  # the /v2 app comes first
-    for name in ("mlp", "simple", "simple_string"):
+    for name in ("mlp", "simple", "simple_identity", "simple_string"):
         app = apps[name]
         assert app["route_prefix"] == f"/v2/models/{name}"
         assert app["import_path"] == "rayinfer.deployments.app:build_model_app"
