@@ -7,7 +7,8 @@ hot path, and one dict lookup beats a router.
 from __future__ import annotations
 
 import json
-from typing import Any, Awaitable, Callable
+from typing import Any
+from collections.abc import Awaitable, Callable
 
 from rayinfer.protocol.errors import ServingError, http_status
 from rayinfer.protocol.http_codec import error_body

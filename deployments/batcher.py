@@ -12,7 +12,8 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from typing import Awaitable, Callable, Generic, Sequence, TypeVar
+from typing import Generic, TypeVar
+from collections.abc import Awaitable, Callable, Sequence
 
 logger = logging.getLogger(__name__)
 

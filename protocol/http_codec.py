@@ -87,7 +87,7 @@ def _input_from_json(raw: Any, binary: memoryview, offset: int) -> tuple[InferIn
     if not isinstance(name, str):
         raise InvalidArgError("input is missing its 'name'")
     datatype = raw.get("datatype")
-    if datatype not in WIRE_DATATYPES:
+    if not isinstance(datatype, str) or datatype not in WIRE_DATATYPES:
         raise InvalidArgError(f"input '{name}' has invalid datatype '{datatype}'")
     shape = raw.get("shape")
     if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):

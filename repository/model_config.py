@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from google.protobuf import text_format
 from google.protobuf.descriptor import FieldDescriptor
@@ -18,7 +18,11 @@ from rayinfer.protocol.dtypes import config_to_wire
 from rayinfer.protocol.errors import ModelConfigError
 from tritonclient.grpc import model_config_pb2 as mc
 
-ModelConfig = mc.ModelConfig
+if TYPE_CHECKING:
+    # The generated protobuf classes ship without type stubs.
+    ModelConfig = Any
+else:
+    ModelConfig = mc.ModelConfig
 
 CONFIG_FILENAME = "config.pbtxt"
 
