@@ -7,6 +7,8 @@ from pathlib import Path
 
 from rayinfer.adapters.base import create_adapter
 from rayinfer.adapters.model_runner import ModelRunner
+from rayinfer.adapters.warmup import run_warmup
+from rayinfer.protocol.statistics import ModelStatistics
 from rayinfer.protocol.errors import ModelConfigError
 from rayinfer.repository.model_config import CONFIG_FILENAME, spec_from_config
 from rayinfer.repository.scanner import ModelEntry, scan_model
@@ -34,5 +36,9 @@ def load_runner(
     adapter = create_adapter(config.backend)
     adapter.load(model_dir, version, config, auto_complete)
     spec = spec_from_config(config, model_dir / CONFIG_FILENAME)
+    runner = ModelRunner(spec, adapter, version)
+    run_warmup(runner, model_dir)
+    # Warmup executions are not inference statistics.
+    runner.stats = ModelStatistics()
     logger.info("loaded model '%s' version %d (%s)", model_name, version, config.backend)
-    return ModelRunner(spec, adapter, version), entry
+    return runner, entry

@@ -122,3 +122,39 @@ def test_adapter_execute_converts_strings(tmp_path: Path) -> None:
     assert list(out) == ["OUTPUT1"]
     assert out["OUTPUT1"].dtype == object
     assert out["OUTPUT1"][0].tolist() == [str(i - 1).encode() for i in range(16)]
+
+
+WARMUP_CONFIG = """platform: "onnxruntime_onnx"
+max_batch_size: 8
+input [ { name: "INPUT0" data_type: TYPE_INT32 dims: [ 16 ] }, { name: "INPUT1" data_type: TYPE_INT32 dims: [ 16 ] } ]
+output [ { name: "OUTPUT0" data_type: TYPE_INT32 dims: [ 16 ] }, { name: "OUTPUT1" data_type: TYPE_INT32 dims: [ 16 ] } ]
+model_warmup [ {
+  name: "sample" batch_size: 2 count: 3
+  inputs { key: "INPUT0" value: { data_type: TYPE_INT32 dims: [ 16 ] zero_data: true } }
+  inputs { key: "INPUT1" value: { data_type: TYPE_INT32 dims: [ 16 ] random_data: true } }
+} ]
+"""
+
+
+def test_model_warmup_runs_and_leaves_statistics_empty(tmp_path) -> None:
+    from onnx import TensorProto
+
+    from rayinfer.adapters.loader import load_runner
+    from rayinfer.cluster.example_repository import add_sub_model, write_model
+
+    write_model(tmp_path, "warm", WARMUP_CONFIG, add_sub_model(TensorProto.INT32))
+    runner, _ = load_runner(tmp_path, "warm", 1)
+    assert runner.stats.snapshot()["execution_count"] == 0
+
+
+def test_broken_model_warmup_fails_the_load_naming_the_sample(tmp_path) -> None:
+    from onnx import TensorProto
+
+    from rayinfer.adapters.loader import load_runner
+    from rayinfer.cluster.example_repository import add_sub_model, write_model
+    from rayinfer.protocol.errors import ModelConfigError
+
+    write_model(tmp_path, "warm", WARMUP_CONFIG.replace("dims: [ 16 ] zero_data", "dims: [ 8 ] zero_data"),
+                add_sub_model(TensorProto.INT32))
+    with pytest.raises(ModelConfigError, match="model_warmup 'sample' of model 'warm' failed"):
+        load_runner(tmp_path, "warm", 1)
