@@ -20,6 +20,7 @@ import rayinfer
 from rayinfer.deployments import asgi
 from rayinfer.deployments.names import model_app_name
 from rayinfer.protocol.errors import NotFoundError, ServingError
+from rayinfer.protocol.http_codec import parse_json_body
 from rayinfer.protocol.statistics import merge_snapshots, stats_to_json
 from rayinfer.repository.scanner import scan_repository
 
@@ -99,8 +100,8 @@ class ServerDeployment:
             elif path == "/v2/health/ready" and method == "GET":
                 await asgi.send_empty(send, 200 if await self._ready() else 400)
             elif path == "/v2/repository/index" and method == "POST":
-                await asgi.read_body(receive)
-                await asgi.send_json(send, 200, await self._index())
+                options = parse_json_body(await asgi.read_body(receive) or b"{}", "repository index")
+                await asgi.send_json(send, 200, await self._index(bool(options.get("ready", False))))
             elif path == "/v2/models/stats" and method == "GET":
                 await asgi.send_json(send, 200, {"model_stats": await self._all_stats()})
             elif path.startswith("/v2/models/"):
@@ -139,8 +140,9 @@ class ServerDeployment:
             return True
         return all(s["state"] == "READY" for s in await self._model_states())
 
-    async def _index(self) -> list[dict[str, Any]]:
-        return [dict(s) for s in await self._model_states()]
+    async def _index(self, ready_only: bool = False) -> list[dict[str, Any]]:
+        """Triton's index: every model version with state and reason; ``ready`` keeps READY ones."""
+        return [dict(s) for s in await self._model_states() if not ready_only or s["state"] == "READY"]
 
     async def _model_states(self) -> list[dict[str, Any]]:
         """One row per model version (or per broken model), cached briefly."""

@@ -161,6 +161,8 @@ def check_supported(config: ModelConfig, path: Path) -> None:
         unsupported.append("ensemble models")
     if config.model_transaction_policy.decoupled:
         unsupported.append("decoupled model_transaction_policy")
+    if any(group.kind == mc.ModelInstanceGroup.KIND_GPU for group in config.instance_group):
+        unsupported.append("instance_group kind KIND_GPU (GPU instances)")
     if unsupported:
         raise ModelConfigError(f"{path}: not supported yet: {', '.join(unsupported)}")
     if config.max_batch_size < 0:

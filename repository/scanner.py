@@ -8,7 +8,9 @@ from pathlib import Path
 
 from rayinfer.protocol.errors import ModelConfigError
 from rayinfer.repository.model_config import (
+    CONFIG_FILENAME,
     ModelConfig,
+    check_supported,
     fill_defaults,
     read_config,
     resolve_backend,
@@ -47,6 +49,7 @@ def scan_model(model_dir: Path) -> ModelEntry:
         config = read_config(model_dir)
         resolve_backend(config, model_dir)
         fill_defaults(config)
+        check_supported(config, model_dir / CONFIG_FILENAME)
         available = version_dirs([p.name for p in model_dir.iterdir() if p.is_dir()])
         versions = select_versions(config.version_policy, available)
         if not versions:

@@ -187,6 +187,16 @@ def test_repository_index_reports_broken_models(client):
     assert "corrupt/1/model.onnx" in index[("corrupt", "1")]["reason"]
 
 
+def test_repository_index_ready_filter(server):
+    from conftest import http_json
+
+    status, rows = http_json("POST", "/v2/repository/index", {"ready": True})
+    assert status == 200
+    assert rows and all(row["state"] == "READY" for row in rows)
+    assert ("simple", "1") in {(row["name"], row["version"]) for row in rows}
+    assert "broken_config" not in {row["name"] for row in rows}
+
+
 def test_statistics_count_exactly(client):
     before = client.get_inference_statistics("simple", "1")["model_stats"][0]
     a = np.ones((1, 16), dtype=np.int32)
