@@ -17,6 +17,9 @@ from collections.abc import Awaitable, Callable, Sequence
 
 logger = logging.getLogger(__name__)
 
+# uvloop (libuv) timers fire on whole milliseconds.
+_TIMER_RESOLUTION_S = 0.001
+
 T = TypeVar("T")
 R = TypeVar("R")
 
@@ -91,8 +94,13 @@ class DynamicBatcher(Generic[T, R]):
                 await arrived.wait()
             deadline = self._pending[0][2] + self.max_queue_delay_s
             while not self._should_dispatch() and loop.time() < deadline:
+                if deadline - loop.time() < _TIMER_RESOLUTION_S:
+                    # The loop's timers round up to whole milliseconds; a shorter wait is kept
+                    # by yielding to the loop (which still serves I/O) until the deadline.
+                    await asyncio.sleep(0)
+                    continue
                 arrived.clear()
-                timer = loop.call_at(deadline, arrived.set)
+                timer = loop.call_at(deadline - _TIMER_RESOLUTION_S, arrived.set)
                 await arrived.wait()
                 timer.cancel()
             batch = self._take(self._row_limit(loop.time() >= deadline))

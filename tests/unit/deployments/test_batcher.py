@@ -135,3 +135,20 @@ def test_cancelled_callers_are_skipped():
     rec, result = run(main())
     assert result == 20
     assert rec.batches == [[2]]
+
+
+def test_sub_millisecond_queue_delay_is_kept():
+    async def main():
+        rec = Recorder()
+        batcher = DynamicBatcher(rec, max_batch_size=8, max_queue_delay_s=0.0005)
+        loop = asyncio.get_running_loop()
+        waits = []
+        for _ in range(20):
+            start = loop.time()
+            await batcher.submit(1)
+            waits.append(loop.time() - start)
+        return sorted(waits)[len(waits) // 2]
+
+    # The loop's timers round to whole milliseconds; the batcher must not.
+    median = run(main())
+    assert 0.0004 <= median < 0.0009
