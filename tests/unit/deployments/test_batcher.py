@@ -149,6 +149,7 @@ def test_sub_millisecond_queue_delay_is_kept():
             waits.append(loop.time() - start)
         return sorted(waits)[len(waits) // 2]
 
-    # The loop's timers round to whole milliseconds; the batcher must not.
-    median = run(main())
-    assert 0.0004 <= median < 0.0009
+    # uvloop (the replicas' loop) rounds timers to whole milliseconds; the batcher must not.
+    uvloop = pytest.importorskip("uvloop", reason="uvloop comes with ray[serve]")
+    median = uvloop.run(main())
+    assert 0.0004 <= median < 0.00095
