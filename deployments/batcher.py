@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import deque
 from typing import Generic, TypeVar
 from collections.abc import Awaitable, Callable, Sequence
@@ -50,7 +51,7 @@ class DynamicBatcher(Generic[T, R]):
         if self._arrived is None:
             self._arrived = asyncio.Event()
         future = loop.create_future()
-        self._pending.append((item, rows, loop.time(), future))
+        self._pending.append((item, rows, time.monotonic(), future))
         self._queued_rows += rows
         self._arrived.set()
         if self._worker is None or self._worker.done():
@@ -85,6 +86,7 @@ class DynamicBatcher(Generic[T, R]):
         return batch
 
     async def _run(self) -> None:
+        # Deadlines use time.monotonic(): uvloop's loop.time() only advances in whole milliseconds.
         loop = asyncio.get_running_loop()
         arrived = self._arrived
         assert arrived is not None
@@ -93,17 +95,18 @@ class DynamicBatcher(Generic[T, R]):
                 arrived.clear()
                 await arrived.wait()
             deadline = self._pending[0][2] + self.max_queue_delay_s
-            while not self._should_dispatch() and loop.time() < deadline:
-                if deadline - loop.time() < _TIMER_RESOLUTION_S:
+            while not self._should_dispatch() and time.monotonic() < deadline:
+                remaining = deadline - time.monotonic()
+                if remaining < _TIMER_RESOLUTION_S:
                     # The loop's timers round up to whole milliseconds; a shorter wait is kept
                     # by yielding to the loop (which still serves I/O) until the deadline.
                     await asyncio.sleep(0)
                     continue
                 arrived.clear()
-                timer = loop.call_at(deadline - _TIMER_RESOLUTION_S, arrived.set)
+                timer = loop.call_later(remaining - _TIMER_RESOLUTION_S, arrived.set)
                 await arrived.wait()
                 timer.cancel()
-            batch = self._take(self._row_limit(loop.time() >= deadline))
+            batch = self._take(self._row_limit(time.monotonic() >= deadline))
             if batch:
                 await self._dispatch(batch)
 
