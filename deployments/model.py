@@ -1,8 +1,8 @@
 """ModelDeployment: one Serve deployment per model version, receiving HTTP directly.
 
-Each replica decodes KServe v2 requests, validates them, batches them with ``@serve.batch`` and
-runs the backend in a worker thread, so a model request crosses no process boundary after the
-load balancer.
+Each replica decodes KServe v2 requests, validates them, batches them in its own dynamic
+batcher and runs the backend (on the event loop when executions are short, else on the model's
+thread), so a model request crosses no process boundary after the load balancer.
 """
 
 from __future__ import annotations
@@ -75,6 +75,7 @@ class ModelDeployment:
         context = serve.get_replica_context()
         self._replica_key = f"{context.app_name}/{context.replica_id.unique_id}"
         self._stats_pushed_at = -1
+        self._server: Any = None
         self._stats_task = asyncio.get_running_loop().create_task(self._publish_stats_forever())
 
     def __serve_build_asgi_app__(self) -> Any:
@@ -187,17 +188,21 @@ class ModelDeployment:
         snapshot = self._runner.stats.snapshot()
         try:
             await self._push_stats(snapshot)
-            handle = serve.get_deployment_handle(SERVER_DEPLOYMENT, SERVER_APP)
-            merged = await handle.model_statistics.remote(self._name, self._version)
+            merged = await self._server_handle().model_statistics.remote(self._name, self._version)
             if merged is not None:
                 snapshot = merged
         except Exception as exc:  # the server app may be absent in a hand-written Serve config
             logger.debug("falling back to this replica's statistics: %s", exc)
         return stats_to_json(self._name, self._version, snapshot)
 
+    def _server_handle(self) -> Any:
+        """One handle to the ``/v2`` app for the replica's life: each new handle builds a router."""
+        if self._server is None:
+            self._server = serve.get_deployment_handle(SERVER_DEPLOYMENT, SERVER_APP)
+        return self._server
+
     async def _push_stats(self, snapshot: dict[str, Any]) -> None:
-        handle = serve.get_deployment_handle(SERVER_DEPLOYMENT, SERVER_APP)
-        await handle.report_statistics.remote(self._replica_key, self._name, self._version, snapshot)
+        await self._server_handle().report_statistics.remote(self._replica_key, self._name, self._version, snapshot)
         self._stats_pushed_at = snapshot["execution_count"] + snapshot["durations"]["fail"][0]
 
     async def _publish_stats_forever(self) -> None:
