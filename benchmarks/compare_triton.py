@@ -53,6 +53,7 @@ def reexec_in_netns() -> None:
 
 def wait_ready(port: int, proc: subprocess.Popen | None, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
+    last_error: OSError | None = None
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"server on port {port} exited with {proc.returncode}")
@@ -60,10 +61,10 @@ def wait_ready(port: int, proc: subprocess.Popen | None, timeout_s: float) -> No
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/health/ready", timeout=2) as r:
                 if r.status == 200:
                     return
-        except OSError:
-            pass
+        except OSError as exc:  # not listening yet
+            last_error = exc
         time.sleep(0.5)
-    raise RuntimeError(f"server on port {port} not ready after {timeout_s} s")
+    raise RuntimeError(f"server on port {port} not ready after {timeout_s} s (last error: {last_error})")
 
 
 def perf_analyzer(port: int, concurrency: int, interval_ms: int, out_csv: Path) -> dict[str, float]:
