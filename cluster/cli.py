@@ -3,6 +3,7 @@
     rayinfer serve --model-repository DIR [--http-port 8000] [--ray-address ADDR] ...
     rayinfer config --model-repository DIR          # the equivalent Serve config, as YAML
     rayinfer example-repository DIR                  # write the example model repository
+    rayinfer ray-env                                 # exports for `ray start` on a cluster to join
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("--num-cpus", type=float, default=None, help="CPUs of the embedded local Ray")
         sub.add_argument("--replica-num-cpus", type=float, default=None)
         sub.add_argument("--startup-timeout-s", type=float, default=None)
+    commands.add_parser("ray-env", help="print the Ray settings rayinfer needs, as shell exports")
     example = commands.add_parser("example-repository", help="write the example model repository")
     example.add_argument("directory", type=Path)
     return parser
@@ -64,6 +66,9 @@ def main(argv: list[str] | None = None) -> int:
 
         for path in write_example_repository(args.directory):
             print(path)
+        return 0
+    if args.command == "ray-env":
+        print("export " + " ".join(f"{key}={value}" for key, value in RAY_ENVIRONMENT.items()))
         return 0
     settings = settings_from_args(args)
     logging.basicConfig(
@@ -107,11 +112,12 @@ def serve(settings: ServerSettings) -> int:
             _node_ip_address="127.0.0.1",
             logging_level=logging.WARNING,
         )
+    versions = served_versions(entries)
     try:
         launcher.start_serve(settings.http_address, settings.http_port)
         failures = launcher.deploy_repository(
             str(settings.model_repository.resolve()),
-            served_versions(entries),
+            versions,
             server_id=settings.id,
             strict_readiness=settings.strict_readiness,
             auto_complete=not settings.disable_auto_complete_config,
@@ -123,10 +129,9 @@ def serve(settings: ServerSettings) -> int:
         stop.wait()
     finally:
         print("Stopping rayinfer...", flush=True)
-        from ray import serve as ray_serve
-
         try:
-            ray_serve.shutdown()
+            # On a cluster we joined, remove only our applications; Serve may host others.
+            launcher.stop(versions, whole_serve=not address)
         finally:
             ray.shutdown()
     return 0

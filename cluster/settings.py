@@ -8,6 +8,8 @@ from pathlib import Path
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from rayinfer.deployments.names import DEFAULT_REPLICA_NUM_CPUS
+
 # Ray Serve's high-throughput mode: HAProxy in front of replicas that receive HTTP directly.
 RAY_ENVIRONMENT = {
     "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
@@ -51,6 +53,7 @@ class ServerSettings(BaseSettings):
     )
     num_cpus: float | None = Field(None, description="CPUs of the embedded local Ray (default: all cores).")
     replica_num_cpus: float = Field(
-        0.1, description="num_cpus reserved by each KIND_CPU model replica; fractional on small machines."
+        DEFAULT_REPLICA_NUM_CPUS,
+        description="num_cpus reserved by each KIND_CPU model replica; fractional on small machines.",
     )
     startup_timeout_s: float = Field(600.0, description="How long to wait for models to finish loading.")

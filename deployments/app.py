@@ -13,6 +13,7 @@ from ray.serve import Application
 from ray.serve.schema import LoggingConfig
 
 from rayinfer.deployments.model import ModelDeployment
+from rayinfer.deployments.names import DEFAULT_REPLICA_NUM_CPUS
 from rayinfer.deployments.server import ServerDeployment
 from rayinfer.protocol.errors import ModelConfigError
 from rayinfer.repository.scanner import scan_model
@@ -27,7 +28,7 @@ def model_application(
     version: int,
     is_default: bool,
     *,
-    replica_num_cpus: float = 0.1,
+    replica_num_cpus: float = DEFAULT_REPLICA_NUM_CPUS,
     auto_complete: bool = True,
 ) -> Application:
     """The application serving one version of one model; replicas from its ``instance_group``."""
@@ -75,7 +76,7 @@ def build_model_app(args: dict[str, Any]) -> Application:
         args["model"],
         int(args["version"]),
         bool(args.get("is_default", True)),
-        replica_num_cpus=float(args.get("replica_num_cpus", 0.1)),
+        replica_num_cpus=float(args.get("replica_num_cpus", DEFAULT_REPLICA_NUM_CPUS)),
         auto_complete=bool(args.get("auto_complete", True)),
     )
 

@@ -97,3 +97,13 @@ def _wait_for_apps(apps: dict[str, str], timeout_s: float) -> dict[str, str]:
     for name in pending:
         failures[name] = f"not ready after {timeout_s:.0f} s"
     return failures
+
+
+def stop(versions: list[tuple[str, int, bool]], *, whole_serve: bool) -> None:
+    """Shut Serve down (a cluster we started) or delete only rayinfer's applications (one we joined)."""
+    if whole_serve:
+        serve.shutdown()
+        return
+    for model, version, is_default in versions:
+        serve.delete(model_app_name(model, version, is_default), _blocking=False)
+    serve.delete(SERVER_APP)

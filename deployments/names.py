@@ -6,6 +6,8 @@ SERVER_APP = "rayinfer"
 SERVER_DEPLOYMENT = "ServerDeployment"
 SERVER_ROUTE_PREFIX = "/v2"
 MODEL_DEPLOYMENT = "ModelDeployment"
+# CPU reserved by each model replica: small, so many models fit on a small machine.
+DEFAULT_REPLICA_NUM_CPUS = 0.1
 
 
 def model_app_name(model: str, version: int, is_default: bool) -> str:
