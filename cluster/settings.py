@@ -24,6 +24,9 @@ RAY_ENVIRONMENT = {
     "RAY_USAGE_STATS_ENABLED": "0",
     # HAProxy drops a stopping replica within a second here; Ray's default waits 30 s.
     "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2",
+    # Marks v2 requests so Serve runs them without a disconnect watcher (Triton's semantics);
+    # see rayinfer.deployments.ingress.
+    "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": "rayinfer.deployments.ingress:http_middlewares",
 }
 
 
