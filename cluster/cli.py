@@ -16,7 +16,7 @@ import sys
 import threading
 from pathlib import Path
 
-from rayinfer.cluster.settings import RAY_ENVIRONMENT, ServerSettings
+from rayinfer.cluster.settings import RAY_ENVIRONMENT, ServerSettings, metrics_endpoint
 
 logger = logging.getLogger("rayinfer")
 
@@ -39,6 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("--http-port", type=int, default=None)
         sub.add_argument("--grpc-port", type=int, default=None)
         sub.add_argument("--metrics-port", type=int, default=None)
+        sub.add_argument("--metrics-address", default=None)
+        sub.add_argument("--allow-metrics", type=_bool, nargs="?", const=True, default=None)
         sub.add_argument("--id", default=None)
         sub.add_argument("--strict-readiness", type=_bool, nargs="?", const=True, default=None)
         sub.add_argument("--disable-auto-complete-config", action="store_true", default=None)
@@ -123,9 +125,13 @@ def serve(settings: ServerSettings) -> int:
             auto_complete=not settings.disable_auto_complete_config,
             replica_num_cpus=settings.replica_num_cpus,
             timeout_s=settings.startup_timeout_s,
+            metrics=metrics_endpoint(settings),
         )
         _print_model_table(entries, failures)
         print(f"Started HTTPService at {settings.http_address}:{settings.http_port}", flush=True)
+        metrics = metrics_endpoint(settings)
+        if metrics is not None:
+            print(f"Started Metrics Service at {metrics[0]}:{metrics[1]}", flush=True)
         stop.wait()
     finally:
         print("Stopping rayinfer...", flush=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rayinfer.cluster.settings import ServerSettings
+from rayinfer.cluster.settings import ServerSettings, metrics_endpoint
 from rayinfer.deployments.names import (
     SERVER_APP,
     SERVER_ROUTE_PREFIX,
@@ -39,6 +39,7 @@ def render_serve_config(settings: ServerSettings, entries: list[ModelEntry] | No
             "model_repository": repository,
             "server_id": settings.id,
             "strict_readiness": settings.strict_readiness,
+            **_metrics_args(settings),
         },
     }]
     for model, version, is_default in served_versions(entries):
@@ -61,3 +62,8 @@ def render_serve_config(settings: ServerSettings, entries: list[ModelEntry] | No
         "applications": applications,
     }
     return doc
+
+
+def _metrics_args(settings: ServerSettings) -> dict[str, Any]:
+    metrics = metrics_endpoint(settings)
+    return {} if metrics is None else {"metrics_address": metrics[0], "metrics_port": metrics[1]}

@@ -42,7 +42,9 @@ class ServerSettings(BaseSettings):
     )
     http_port: int = Field(8000, description="KServe v2 HTTP port.")
     grpc_port: int = Field(8001, description="KServe v2 gRPC port (served by a later release).")
-    metrics_port: int = Field(8002, description="Prometheus metrics port (served by a later release).")
+    metrics_port: int = Field(8002, description="Port of Triton's Prometheus metrics (nv_inference_*, nv_cpu_*).")
+    metrics_address: str | None = Field(None, description="Address the metrics port binds to; default: --http-address.")
+    allow_metrics: bool = Field(True, description="Serve the metrics port.")
     id: str = Field("triton", description="Server name reported by GET /v2.")
     strict_readiness: bool = Field(
         True, description="If true, /v2/health/ready is 200 only when every model is ready."
@@ -60,3 +62,10 @@ class ServerSettings(BaseSettings):
         description="num_cpus reserved by each KIND_CPU model replica; fractional on small machines.",
     )
     startup_timeout_s: float = Field(600.0, description="How long to wait for models to finish loading.")
+
+
+def metrics_endpoint(settings: ServerSettings) -> tuple[str, int] | None:
+    """(address, port) of the metrics port, or None when metrics are off."""
+    if not settings.allow_metrics:
+        return None
+    return (settings.metrics_address or settings.http_address, settings.metrics_port)

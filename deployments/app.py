@@ -57,8 +57,10 @@ def server_application(
     strict_readiness: bool = True,
     load_errors: dict[str, str] | None = None,
     num_cpus: float = 0.1,
+    metrics: tuple[str, int] | None = None,
 ) -> Application:
-    """The ``/v2`` application: health, metadata, repository index, statistics, unknown models."""
+    """The ``/v2`` application: health, metadata, repository index, statistics, unknown models,
+    and Triton's metrics port at ``metrics`` (address, port) when given."""
     deployment = ServerDeployment.options(
         num_replicas=1,
         max_ongoing_requests=MIN_ONGOING_REQUESTS,
@@ -66,7 +68,8 @@ def server_application(
         user_config={"load_errors": load_errors or {}},
         graceful_shutdown_timeout_s=10.0,
     )
-    return deployment.bind(str(model_repository), server_id, strict_readiness)
+    address, port = metrics or ("127.0.0.1", 0)
+    return deployment.bind(str(model_repository), server_id, strict_readiness, port, address)
 
 
 def build_model_app(args: dict[str, Any]) -> Application:
@@ -82,9 +85,12 @@ def build_model_app(args: dict[str, Any]) -> Application:
 
 
 def build_server_app(args: dict[str, Any]) -> Application:
-    """Serve-config entry point; ``args``: model_repository, server_id, strict_readiness."""
+    """Serve-config entry point; ``args``: model_repository, server_id, strict_readiness and,
+    for the metrics port, metrics_address and metrics_port."""
     return server_application(
         args["model_repository"],
         server_id=str(args.get("server_id", "triton")),
         strict_readiness=bool(args.get("strict_readiness", True)),
+        metrics=(str(args.get("metrics_address", "127.0.0.1")), int(args["metrics_port"]))
+        if args.get("metrics_port") else None,
     )

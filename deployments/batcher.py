@@ -45,6 +45,11 @@ class DynamicBatcher(Generic[T, R]):
         self._arrived: asyncio.Event | None = None
         self._worker: asyncio.Task | None = None
 
+    @property
+    def pending_requests(self) -> int:
+        """Submissions waiting for a batch (not yet executing)."""
+        return len(self._pending)
+
     async def submit(self, item: T, rows: int = 1) -> R:
         """Queue ``item`` (``rows`` rows, at most ``max_batch_size``) and wait for its result."""
         loop = asyncio.get_running_loop()

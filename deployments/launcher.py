@@ -35,6 +35,7 @@ def deploy_repository(
     auto_complete: bool,
     replica_num_cpus: float,
     timeout_s: float,
+    metrics: tuple[str, int] | None = None,
 ) -> dict[str, str]:
     """Deploy the ``/v2`` app and one app per model version; returns models that failed to load.
 
@@ -42,7 +43,7 @@ def deploy_repository(
     the reason) and never stops the others.
     """
     serve.run(
-        server_application(model_repository, server_id=server_id, strict_readiness=strict_readiness),
+        server_application(model_repository, server_id=server_id, strict_readiness=strict_readiness, metrics=metrics),
         name=SERVER_APP,
         route_prefix=SERVER_ROUTE_PREFIX,
     )
@@ -67,7 +68,7 @@ def deploy_repository(
         serve.run(
             server_application(
                 model_repository, server_id=server_id, strict_readiness=strict_readiness,
-                load_errors=by_model,
+                load_errors=by_model, metrics=metrics,
             ),
             name=SERVER_APP,
             route_prefix=SERVER_ROUTE_PREFIX,

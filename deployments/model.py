@@ -75,7 +75,7 @@ class ModelDeployment:
             )
         context = serve.get_replica_context()
         self._replica_key = f"{context.app_name}/{context.replica_id.unique_id}"
-        self._stats_pushed_at = -1
+        self._stats_pushed_at: tuple[int, int, int] | None = None
         self._server: Any = None
         self._stats_task = asyncio.get_running_loop().create_task(self._publish_stats_forever())
         # Everything loaded so far (framework modules, the model) lives as long as the replica:
@@ -193,7 +193,7 @@ class ModelDeployment:
 
     async def _model_stats(self) -> dict[str, Any]:
         """This version's statistics summed over all replicas (via the server app when present)."""
-        snapshot = self._runner.stats.snapshot()
+        snapshot = self._snapshot()
         try:
             await self._push_stats(snapshot)
             merged = await self._server_handle().model_statistics.remote(self._name, self._version)
@@ -209,15 +209,25 @@ class ModelDeployment:
             self._server = serve.get_deployment_handle(SERVER_DEPLOYMENT, SERVER_APP)
         return self._server
 
+    def _snapshot(self) -> dict[str, Any]:
+        """This replica's statistics plus its requests waiting for execution (a gauge)."""
+        snapshot = self._runner.stats.snapshot()
+        snapshot["pending_request_count"] = self._batcher.pending_requests if self._batched else 0
+        return snapshot
+
+    @staticmethod
+    def _change_key(snapshot: dict[str, Any]) -> tuple[int, int, int]:
+        return (snapshot["execution_count"], snapshot["durations"]["fail"][0], snapshot["pending_request_count"])
+
     async def _push_stats(self, snapshot: dict[str, Any]) -> None:
         await self._server_handle().report_statistics.remote(self._replica_key, self._name, self._version, snapshot)
-        self._stats_pushed_at = snapshot["execution_count"] + snapshot["durations"]["fail"][0]
+        self._stats_pushed_at = self._change_key(snapshot)
 
     async def _publish_stats_forever(self) -> None:
         while True:
             await asyncio.sleep(_STATS_PUSH_INTERVAL_S)
-            snapshot = self._runner.stats.snapshot()
-            if snapshot["execution_count"] + snapshot["durations"]["fail"][0] == self._stats_pushed_at:
+            snapshot = self._snapshot()
+            if self._change_key(snapshot) == self._stats_pushed_at:
                 continue
             try:
                 await self._push_stats(snapshot)

@@ -18,9 +18,11 @@ from ray import serve
 
 import rayinfer
 from rayinfer.deployments import asgi
+from rayinfer.deployments.metrics_endpoint import MetricsEndpoint
 from rayinfer.deployments.names import model_app_name
 from rayinfer.protocol.errors import NotFoundError, ServingError
 from rayinfer.protocol.http_codec import parse_json_body
+from rayinfer.protocol.metrics import CpuFigures, ModelFigures, render
 from rayinfer.protocol.statistics import merge_snapshots, stats_to_json
 from rayinfer.repository.scanner import scan_repository
 
@@ -68,7 +70,14 @@ def short_reason(message: str) -> str:
 class ServerDeployment:
     """Serves the server-wide v2 endpoints; holds the statistics reported by model replicas."""
 
-    def __init__(self, model_repository: str, server_id: str = "triton", strict_readiness: bool = True):
+    def __init__(
+        self,
+        model_repository: str,
+        server_id: str = "triton",
+        strict_readiness: bool = True,
+        metrics_port: int = 0,
+        metrics_address: str = "127.0.0.1",
+    ):
         self._repository = Path(model_repository)
         self._server_id = server_id
         self._strict = strict_readiness
@@ -77,6 +86,10 @@ class ServerDeployment:
         self._states: list[dict[str, Any]] = []
         self._states_at = 0.0
         self._states_lock = asyncio.Lock()
+        self._metrics: MetricsEndpoint | None = None
+        if metrics_port:
+            self._metrics = MetricsEndpoint(self._render_metrics, metrics_address, metrics_port)
+            self._metrics.start()
 
     def reconfigure(self, user_config: dict[str, Any]) -> None:
         """``load_errors``: models whose deployment failed, with the reason (set by the CLI)."""
@@ -182,6 +195,26 @@ class ServerDeployment:
     def model_statistics(self, model: str, version: str) -> dict[str, Any] | None:
         per_replica = self._stats.get((model, version))
         return merge_snapshots(list(per_replica.values())) if per_replica else None
+
+    async def _render_metrics(self, cpu: CpuFigures | None) -> str:
+        """Triton's Prometheus text for every READY model version."""
+        figures = []
+        for row in await self._model_states():
+            if row["state"] != "READY":
+                continue
+            per_replica = list(self._stats.get((row["name"], row["version"]), {}).values())
+            figures.append(ModelFigures(
+                row["name"],
+                row["version"],
+                merge_snapshots(per_replica),
+                sum(int(snap.get("pending_request_count", 0)) for snap in per_replica),
+            ))
+        return render(figures, cpu)
+
+    def __del__(self) -> None:
+        metrics = getattr(self, "_metrics", None)
+        if metrics is not None:
+            metrics.stop()
 
     async def _all_stats(self) -> list[dict[str, Any]]:
         out = []

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 HTTP_PORT = int(os.environ.get("RAYINFER_TEST_HTTP_PORT", "18600"))
+METRICS_PORT = HTTP_PORT + 2
 
 
 def http(method: str, path: str, body: bytes | None = None, headers: dict | None = None,
@@ -54,7 +55,7 @@ def server(model_repository: Path, tmp_path_factory: pytest.TempPathFactory):
     log = log_path.open("w")
     proc = subprocess.Popen(
         [sys.executable, "-m", "rayinfer.cluster.cli", "serve", "--model-repository", str(model_repository),
-         "--http-port", str(HTTP_PORT), "--replica-num-cpus", "0.01", "--num-cpus", "2",
+         "--http-port", str(HTTP_PORT), "--metrics-port", str(METRICS_PORT), "--replica-num-cpus", "0.01", "--num-cpus", "2",
          "--startup-timeout-s", "240"],
         stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )
@@ -68,7 +69,12 @@ def server(model_repository: Path, tmp_path_factory: pytest.TempPathFactory):
             if time.monotonic() > deadline:
                 pytest.fail(f"rayinfer did not start:\n{log_path.read_text()[-4000:]}")
             time.sleep(0.5)
-        yield {"url": f"127.0.0.1:{HTTP_PORT}", "log": log_path, "process": proc}
+        yield {
+            "url": f"127.0.0.1:{HTTP_PORT}",
+            "metrics_url": f"http://127.0.0.1:{METRICS_PORT}/metrics",
+            "log": log_path,
+            "process": proc,
+        }
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)

@@ -1,0 +1,116 @@
+"""Triton's metrics port on a real server: exact counts after a known number of requests."""
+
+from __future__ import annotations
+
+import re
+import time
+import urllib.request
+
+import numpy as np
+import pytest
+import tritonclient.http as httpclient
+
+SAMPLE = re.compile(r'^(\w+)(?:\{(.*)\})? (\S+)$')
+
+
+def scrape(url: str) -> tuple[str, dict[tuple[str, frozenset], float]]:
+    with urllib.request.urlopen(url, timeout=10) as response:
+        assert response.status == 200
+        assert response.headers["Content-Type"].startswith("text/plain")
+        text = response.read().decode()
+    samples = {}
+    for line in text.splitlines():
+        if line.startswith("#") or not line:
+            continue
+        match = SAMPLE.match(line)
+        assert match, f"not a Prometheus sample: {line!r}"
+        name, labels, value = match.groups()
+        pairs = frozenset(tuple(p.split("=", 1)) for p in labels.split(",")) if labels else frozenset()
+        samples[(name, frozenset((k, v.strip('"')) for k, v in pairs))] = float(value)
+    return text, samples
+
+
+def model_value(samples, metric: str, model: str, version: str = "1", **extra: str) -> float:
+    return samples[(metric, frozenset({("model", model), ("version", version), *extra.items()}))]
+
+
+COUNTERS = ("nv_inference_request_success", "nv_inference_count", "nv_inference_exec_count")
+
+
+def wait_for(url: str, model: str, metric: str, target: float, timeout_s: float = 15.0):
+    """Model replicas report every half second: poll until ``metric`` reaches ``target``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        _, samples = scrape(url)
+        if model_value(samples, metric, model) >= target or time.monotonic() > deadline:
+            return samples
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    c = httpclient.InferenceServerClient(server["url"])
+    yield c
+    c.close()
+
+
+def add_sub(client, model: str, rows: int) -> None:
+    a = np.ones((rows, 16) if rows else (16,), dtype=np.int32)
+    inputs = [httpclient.InferInput(n, list(a.shape), "INT32") for n in ("INPUT0", "INPUT1")]
+    for i in inputs:
+        i.set_data_from_numpy(a)
+    client.infer(model, inputs)
+
+
+def test_triton_metric_families_and_labels(server):
+    text, samples = scrape(server["metrics_url"])
+    for family, kind in [
+        ("nv_inference_request_success", "counter"), ("nv_inference_request_failure", "counter"),
+        ("nv_inference_count", "counter"), ("nv_inference_exec_count", "counter"),
+        ("nv_inference_request_duration_us", "counter"), ("nv_inference_queue_duration_us", "counter"),
+        ("nv_inference_compute_input_duration_us", "counter"), ("nv_inference_compute_infer_duration_us", "counter"),
+        ("nv_inference_compute_output_duration_us", "counter"), ("nv_inference_pending_request_count", "gauge"),
+        ("nv_cpu_utilization", "gauge"), ("nv_cpu_memory_total_bytes", "gauge"), ("nv_cpu_memory_used_bytes", "gauge"),
+    ]:
+        assert f"# TYPE {family} {kind}\n" in text
+    for reason in ("OTHER", "BACKEND", "CANCELED", "REJECTED"):
+        assert model_value(samples, "nv_inference_request_failure", "simple", reason=reason) >= 0
+    # Every READY version has its own series; models that failed to load have none.
+    assert model_value(samples, "nv_inference_count", "versioned", "2") >= 0
+    assert not any(dict(labels).get("model") == "broken_config" for _, labels in samples)
+    total = samples[("nv_cpu_memory_total_bytes", frozenset())]
+    assert 0 < samples[("nv_cpu_memory_used_bytes", frozenset())] <= total
+    assert 0.0 <= samples[("nv_cpu_utilization", frozenset())] <= 1.0
+
+
+def test_counts_are_exact_after_known_requests(server, client):
+    url = server["metrics_url"]
+    _, before = scrape(url)
+    for _ in range(3):
+        add_sub(client, "nobatch", 0)
+    add_sub(client, "batched", 2)
+    add_sub(client, "batched", 3)
+    samples = wait_for(url, "nobatch", "nv_inference_exec_count",
+                       model_value(before, "nv_inference_exec_count", "nobatch") + 3)
+    samples = wait_for(url, "batched", "nv_inference_count",
+                       model_value(before, "nv_inference_count", "batched") + 5)
+
+    def delta(metric: str, model: str) -> float:
+        return model_value(samples, metric, model) - model_value(before, metric, model)
+
+    assert [delta(m, "nobatch") for m in COUNTERS] == [3, 3, 3]
+    # Two sequential requests of 2 and 3 rows: 2 requests, 5 inferences, 2 executions.
+    assert [delta(m, "batched") for m in COUNTERS] == [2, 5, 2]
+    assert delta("nv_inference_request_duration_us", "nobatch") > 0
+    assert delta("nv_inference_compute_infer_duration_us", "nobatch") > 0
+    assert model_value(samples, "nv_inference_pending_request_count", "nobatch") == 0
+
+
+def test_metrics_agree_with_the_statistics_extension(server, client):
+    add_sub(client, "nobatch", 0)
+    stats = client.get_inference_statistics("nobatch", "1")["model_stats"][0]  # also reports them now
+    _, samples = scrape(server["metrics_url"])
+    assert model_value(samples, "nv_inference_request_success", "nobatch") == stats["inference_stats"]["success"]["count"]
+    assert model_value(samples, "nv_inference_count", "nobatch") == stats["inference_count"]
+    assert model_value(samples, "nv_inference_exec_count", "nobatch") == stats["execution_count"]
+    assert model_value(samples, "nv_inference_queue_duration_us", "nobatch") == stats["inference_stats"]["queue"]["ns"] // 1000
