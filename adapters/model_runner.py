@@ -182,10 +182,6 @@ class ModelRunner:
             id=prepared.request.id,
         )
 
-    def record_failure(self, start_ns: int) -> None:
-        """Count a request that failed before execution (bad input), timed from ``start_ns``."""
-        self.stats.record_failure(time.perf_counter_ns() - start_ns)
-
 
 def _to_model_shape(data: np.ndarray, config: TensorSpec, batching: bool, rows: int) -> np.ndarray:
     if config.reshape is None:

@@ -117,7 +117,6 @@ class ModelDeployment:
             await asgi.send_error(send, NotFoundError(f"Not Found: {method} {scope['path']}"))
 
     async def _http_infer(self, scope: asgi.Scope, receive: asgi.Receive, send: asgi.Send) -> None:
-        start_ns = time.perf_counter_ns()
         try:
             body = decompress_body(await asgi.read_body(receive), _text(asgi.header(scope, b"content-encoding")))
             raw_length = asgi.header(scope, HEADER_LENGTH.encode())
@@ -127,8 +126,7 @@ class ModelDeployment:
                 raise InvalidArgError(f"invalid Inference-Header-Content-Length '{raw_length.decode()}'") from None
             request = request_from_http(body, header_length, self._name, self._version)
             prepared = self._runner.prepare(request)
-        except Exception as exc:  # rejected before execution: counted here, answered as Triton does
-            self._runner.record_failure(start_ns)
+        except Exception as exc:  # rejected before it reached the model: not counted, as in Triton
             await asgi.send_error(send, as_serving_error(exc))
             return
         try:

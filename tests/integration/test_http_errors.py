@@ -116,3 +116,18 @@ def test_server_keeps_serving_after_bad_requests(server):
 def test_unknown_routes_are_404(server):
     assert http("GET", "/v2/nothing/here")[0] == 404
     assert http("GET", "/v2/models/simple/bogus")[0] == 404
+
+
+def test_rejected_requests_are_not_counted_as_failures(server):
+    """As in Triton, a request the front-end rejects never reaches the model's statistics."""
+    def counts():
+        status, doc = http_json("GET", "/v2/models/simple/versions/1/stats")
+        assert status == 200
+        stats = doc["model_stats"][0]["inference_stats"]
+        return stats["success"]["count"], stats["fail"]["count"]
+
+    before = counts()
+    for _, path, body, _, _ in ERRORS:
+        if path == "/v2/models/simple/infer":
+            http_json("POST", path, body)
+    assert counts() == before

@@ -218,10 +218,6 @@ def test_execution_failure_is_reported_per_request(repository: Path) -> None:
     assert snap["execution_count"] == 0
 
 
-def test_record_failure_counts_a_rejected_request(simple: ModelRunner) -> None:
-    simple.record_failure(0)
-    assert simple.stats.snapshot()["durations"]["fail"][0] == 1
-
 
 def test_non_batching_model_runs_each_request_alone(tmp_path: Path) -> None:
     write_model(tmp_path, "fixed", None, add_sub_model(TensorProto.INT32, batch=False))
