@@ -17,6 +17,7 @@ import threading
 from pathlib import Path
 
 from rayinfer.cluster.settings import RAY_ENVIRONMENT, ServerSettings, metrics_endpoint
+from rayinfer.repository.scanner import ModelEntry
 
 logger = logging.getLogger("rayinfer")
 
@@ -41,6 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("--metrics-port", type=int, default=None)
         sub.add_argument("--metrics-address", default=None)
         sub.add_argument("--allow-metrics", type=_bool, nargs="?", const=True, default=None)
+        sub.add_argument("--model-control-mode", choices=["none", "explicit"], default=None)
+        sub.add_argument("--load-model", action="append", default=None)
         sub.add_argument("--id", default=None)
         sub.add_argument("--strict-readiness", type=_bool, nargs="?", const=True, default=None)
         sub.add_argument("--disable-auto-complete-config", action="store_true", default=None)
@@ -114,7 +117,8 @@ def serve(settings: ServerSettings) -> int:
             _node_ip_address="127.0.0.1",
             logging_level=logging.WARNING,
         )
-    versions = served_versions(entries)
+    loaded = startup_entries(settings, entries)
+    versions = served_versions(loaded)
     try:
         launcher.start_serve(settings.http_address, settings.http_port)
         failures = launcher.deploy_repository(
@@ -126,8 +130,9 @@ def serve(settings: ServerSettings) -> int:
             replica_num_cpus=settings.replica_num_cpus,
             timeout_s=settings.startup_timeout_s,
             metrics=metrics_endpoint(settings),
+            control_mode=settings.model_control_mode,
         )
-        _print_model_table(entries, failures)
+        _print_model_table(entries, failures, {entry.name for entry in loaded})
         print(f"Started HTTPService at {settings.http_address}:{settings.http_port}", flush=True)
         metrics = metrics_endpoint(settings)
         if metrics is not None:
@@ -137,17 +142,30 @@ def serve(settings: ServerSettings) -> int:
         print("Stopping rayinfer...", flush=True)
         try:
             # On a cluster we joined, remove only our applications; Serve may host others.
-            launcher.stop(versions, whole_serve=not address)
+            launcher.stop([entry.name for entry in entries], whole_serve=not address)
         finally:
             ray.shutdown()
     return 0
 
 
-def _print_model_table(entries: list, failures: dict[str, str]) -> None:
+def startup_entries(settings: ServerSettings, entries: list[ModelEntry]) -> list[ModelEntry]:
+    """The models to load at start: all of them, or in explicit mode those named by --load-model."""
+    if settings.model_control_mode != "explicit" or "*" in settings.load_model:
+        return entries
+    known = {entry.name for entry in entries}
+    unknown = [name for name in settings.load_model if name not in known]
+    if unknown:
+        raise SystemExit(f"error: --load-model {unknown[0]}: no such model in {settings.model_repository}")
+    return [entry for entry in entries if entry.name in settings.load_model]
+
+
+def _print_model_table(entries: list, failures: dict[str, str], loaded: set[str]) -> None:
     rows = []
     for entry in entries:
         if entry.error is not None:
             rows.append((entry.name, "-", f"UNAVAILABLE: {entry.error}"))
+        elif entry.name not in loaded:
+            rows.append((entry.name, ",".join(map(str, entry.versions)), "UNAVAILABLE: unloaded"))
         elif entry.name in failures:
             rows.append((entry.name, ",".join(map(str, entry.versions)), f"UNAVAILABLE: {failures[entry.name]}"))
         else:

@@ -40,8 +40,13 @@ def render_serve_config(settings: ServerSettings, entries: list[ModelEntry] | No
             "server_id": settings.id,
             "strict_readiness": settings.strict_readiness,
             **_metrics_args(settings),
+            "model_control_mode": settings.model_control_mode,
+            "replica_num_cpus": settings.replica_num_cpus,
+            "auto_complete": not settings.disable_auto_complete_config,
         },
     }]
+    if settings.model_control_mode == "explicit" and "*" not in settings.load_model:
+        entries = [entry for entry in entries if entry.name in settings.load_model]
     for model, version, is_default in served_versions(entries):
         applications.append({
             "name": model_app_name(model, version, is_default),

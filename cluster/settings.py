@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -45,6 +46,14 @@ class ServerSettings(BaseSettings):
     metrics_port: int = Field(8002, description="Port of Triton's Prometheus metrics (nv_inference_*, nv_cpu_*).")
     metrics_address: str | None = Field(None, description="Address the metrics port binds to; default: --http-address.")
     allow_metrics: bool = Field(True, description="Serve the metrics port.")
+    model_control_mode: Literal["none", "explicit"] = Field(
+        "none",
+        description="none: load every model at start; explicit: load only --load-model at start, "
+        "then load and unload through the repository API.",
+    )
+    load_model: list[str] = Field(
+        default_factory=list, description="Explicit mode: models to load at start; '*' loads all."
+    )
     id: str = Field("triton", description="Server name reported by GET /v2.")
     strict_readiness: bool = Field(
         True, description="If true, /v2/health/ready is 200 only when every model is ready."

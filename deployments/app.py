@@ -7,7 +7,7 @@ the CLI calls :func:`model_application` and :func:`server_application` directly.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ray.serve import Application
 from ray.serve.schema import LoggingConfig
@@ -17,6 +17,9 @@ from rayinfer.deployments.names import DEFAULT_REPLICA_NUM_CPUS
 from rayinfer.deployments.server import ServerDeployment
 from rayinfer.protocol.errors import ModelConfigError
 from rayinfer.repository.scanner import scan_model
+
+if TYPE_CHECKING:
+    from rayinfer.deployments.control import ModelControl
 
 # Ongoing requests a replica accepts; at least twice the largest batch so batches can fill.
 MIN_ONGOING_REQUESTS = 256
@@ -58,6 +61,7 @@ def server_application(
     load_errors: dict[str, str] | None = None,
     num_cpus: float = 0.1,
     metrics: tuple[str, int] | None = None,
+    control: ModelControl | None = None,
 ) -> Application:
     """The ``/v2`` application: health, metadata, repository index, statistics, unknown models,
     and Triton's metrics port at ``metrics`` (address, port) when given."""
@@ -69,7 +73,7 @@ def server_application(
         graceful_shutdown_timeout_s=10.0,
     )
     address, port = metrics or ("127.0.0.1", 0)
-    return deployment.bind(str(model_repository), server_id, strict_readiness, port, address)
+    return deployment.bind(str(model_repository), server_id, strict_readiness, port, address, control)
 
 
 def build_model_app(args: dict[str, Any]) -> Application:
@@ -93,4 +97,15 @@ def build_server_app(args: dict[str, Any]) -> Application:
         strict_readiness=bool(args.get("strict_readiness", True)),
         metrics=(str(args.get("metrics_address", "127.0.0.1")), int(args["metrics_port"]))
         if args.get("metrics_port") else None,
+        control=_control_from_args(args),
+    )
+
+
+def _control_from_args(args: dict[str, Any]) -> ModelControl:
+    from rayinfer.deployments.control import ModelControl
+
+    return ModelControl(
+        mode=str(args.get("model_control_mode", "none")),
+        replica_num_cpus=float(args.get("replica_num_cpus", DEFAULT_REPLICA_NUM_CPUS)),
+        auto_complete=bool(args.get("auto_complete", True)),
     )

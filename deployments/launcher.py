@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any
 
 from ray import serve
 from ray.serve.schema import ServeDeploySchema
 
-from rayinfer.deployments.app import model_application, server_application
-from rayinfer.deployments.names import SERVER_APP, SERVER_ROUTE_PREFIX, model_app_name, model_route_prefix
-from rayinfer.deployments.server import failure_reason, status_name
+from rayinfer.deployments.app import server_application
+from rayinfer.deployments.control import ModelControl, deploy_models, model_apps
+from rayinfer.deployments.names import SERVER_APP, SERVER_ROUTE_PREFIX
 
 logger = logging.getLogger(__name__)
 
@@ -36,39 +35,28 @@ def deploy_repository(
     replica_num_cpus: float,
     timeout_s: float,
     metrics: tuple[str, int] | None = None,
+    control_mode: str = "none",
 ) -> dict[str, str]:
     """Deploy the ``/v2`` app and one app per model version; returns models that failed to load.
 
     A model that fails to load is removed (so its requests reach the ``/v2`` app, which reports
     the reason) and never stops the others.
     """
+    control = ModelControl(control_mode, replica_num_cpus, auto_complete, timeout_s)
     serve.run(
-        server_application(model_repository, server_id=server_id, strict_readiness=strict_readiness, metrics=metrics),
+        server_application(
+            model_repository, server_id=server_id, strict_readiness=strict_readiness, metrics=metrics,
+            control=control,
+        ),
         name=SERVER_APP,
         route_prefix=SERVER_ROUTE_PREFIX,
     )
-    targets = {}
-    for model, version, is_default in versions:
-        name = model_app_name(model, version, is_default)
-        targets[name] = (model, serve.RunTarget(
-            model_application(
-                model_repository, model, version, is_default,
-                replica_num_cpus=replica_num_cpus, auto_complete=auto_complete,
-            ),
-            name=name,
-            route_prefix=model_route_prefix(model, version, is_default),
-        ))
-    if targets:
-        serve.run_many([t for _, t in targets.values()], wait_for_applications_running=False)
-    load_errors = _wait_for_apps({name: model for name, (model, _) in targets.items()}, timeout_s)
-    for name in load_errors:
-        serve.delete(name, _blocking=False)
-    by_model = {targets[name][0]: reason for name, reason in load_errors.items()}
+    by_model = deploy_models(model_repository, versions, control)
     if by_model:
         serve.run(
             server_application(
                 model_repository, server_id=server_id, strict_readiness=strict_readiness,
-                load_errors=by_model, metrics=metrics,
+                load_errors=by_model, metrics=metrics, control=control,
             ),
             name=SERVER_APP,
             route_prefix=SERVER_ROUTE_PREFIX,
@@ -76,35 +64,14 @@ def deploy_repository(
     return by_model
 
 
-def _wait_for_apps(apps: dict[str, str], timeout_s: float) -> dict[str, str]:
-    """Poll Serve until every app runs or failed; returns {app: reason} for the failures."""
-    deadline = time.monotonic() + timeout_s
-    pending = set(apps)
-    failures: dict[str, str] = {}
-    while pending and time.monotonic() < deadline:
-        status = serve.status().applications
-        for name in list(pending):
-            app = status.get(name)
-            if app is None:
-                continue
-            if status_name(app.status) == "RUNNING":
-                pending.discard(name)
-                logger.info("model '%s' is ready (application '%s')", apps[name], name)
-            elif status_name(app.status) in ("DEPLOY_FAILED", "UNHEALTHY"):
-                pending.discard(name)
-                failures[name] = failure_reason(app)
-                logger.error("model '%s' failed to load: %s", apps[name], failures[name])
-        time.sleep(0.2)
-    for name in pending:
-        failures[name] = f"not ready after {timeout_s:.0f} s"
-    return failures
-
-
-def stop(versions: list[tuple[str, int, bool]], *, whole_serve: bool) -> None:
-    """Shut Serve down (a cluster we started) or delete only rayinfer's applications (one we joined)."""
+def stop(models: list[str], *, whole_serve: bool) -> None:
+    """Shut Serve down (a cluster we started) or delete only rayinfer's applications (one we
+    joined): those of the repository's ``models``, whichever versions are loaded now."""
     if whole_serve:
         serve.shutdown()
         return
-    for model, version, is_default in versions:
-        serve.delete(model_app_name(model, version, is_default), _blocking=False)
+    running = list(serve.status().applications)
+    for model in models:
+        for name in model_apps(model, running):
+            serve.delete(name, _blocking=False)
     serve.delete(SERVER_APP)

@@ -20,11 +20,11 @@ import rayinfer
 from rayinfer.deployments import asgi
 from rayinfer.deployments.metrics_endpoint import MetricsEndpoint
 from rayinfer.deployments.names import model_app_name
-from rayinfer.protocol.errors import NotFoundError, ServingError
+from rayinfer.protocol.errors import InternalError, InvalidArgError, NotFoundError, ServingError, UnavailableError
 from rayinfer.protocol.http_codec import parse_json_body
 from rayinfer.protocol.metrics import CpuFigures, ModelFigures, render
 from rayinfer.protocol.statistics import merge_snapshots, stats_to_json
-from rayinfer.repository.scanner import scan_repository
+from rayinfer.repository.scanner import scan_model, scan_repository
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +77,7 @@ class ServerDeployment:
         strict_readiness: bool = True,
         metrics_port: int = 0,
         metrics_address: str = "127.0.0.1",
+        control: Any = None,
     ):
         self._repository = Path(model_repository)
         self._server_id = server_id
@@ -86,6 +87,8 @@ class ServerDeployment:
         self._states: list[dict[str, Any]] = []
         self._states_at = 0.0
         self._states_lock = asyncio.Lock()
+        self._control = control  # a rayinfer.deployments.control.ModelControl; None: mode "none"
+        self._control_lock = asyncio.Lock()
         self._metrics: MetricsEndpoint | None = None
         if metrics_port:
             self._metrics = MetricsEndpoint(self._render_metrics, metrics_address, metrics_port)
@@ -117,6 +120,8 @@ class ServerDeployment:
                 await asgi.send_json(send, 200, await self._index(bool(options.get("ready", False))))
             elif path == "/v2/models/stats" and method == "GET":
                 await asgi.send_json(send, 200, {"model_stats": await self._all_stats()})
+            elif path.startswith("/v2/repository/models/") and method == "POST":
+                await self._repository_control(path, receive, send)
             elif path.startswith("/v2/models/"):
                 await self._unroutable_model(path, method, send)
             else:
@@ -151,7 +156,71 @@ class ServerDeployment:
     async def _ready(self) -> bool:
         if not self._strict:
             return True
-        return all(s["state"] == "READY" for s in await self._model_states())
+        # In explicit mode a model nobody asked to load does not make the server unready.
+        return all(
+            s["state"] == "READY" or (self._explicit and s.get("reason") == "unloaded")
+            for s in await self._model_states()
+        )
+
+    @property
+    def _explicit(self) -> bool:
+        return self._control is not None and self._control.mode == "explicit"
+
+    # ---- model control (explicit mode) ------------------------------------------------------
+
+    async def _repository_control(self, path: str, receive: asgi.Receive, send: asgi.Send) -> None:
+        """``POST /v2/repository/models/<m>/load`` and ``.../unload``; both answer when done."""
+        model, _, action = path[len("/v2/repository/models/"):].rpartition("/")
+        if not model or "/" in model or action not in ("load", "unload"):
+            raise NotFoundError(f"Not Found: POST {path}")
+        body = await asgi.read_body(receive)
+        if body:
+            parse_json_body(body, "repository")
+        if not self._explicit:
+            raise UnavailableError("explicit model load / unload is not allowed if polling is enabled")
+        async with self._control_lock:
+            try:
+                if action == "load":
+                    await asyncio.to_thread(self._load_model, model)
+                else:
+                    await asyncio.to_thread(self._unload_model, model)
+            finally:
+                self._states_at = 0.0
+        await asgi.send_empty(send, 200)
+
+    def _load_model(self, model: str) -> None:
+        """Deploy every version the model's policy selects; remove versions no longer selected."""
+        from rayinfer.deployments.control import deploy_models, model_apps
+        from rayinfer.deployments.names import model_app_name
+
+        model_dir = self._repository / model
+        if model.startswith(".") or not model_dir.is_dir():
+            raise InternalError(f"failed to load '{model}', failed to poll from model repository")
+        entry = scan_model(model_dir)
+        if entry.error is not None:
+            self._load_errors[model] = entry.error
+            raise InvalidArgError(f"failed to load '{model}': {entry.error}")
+        latest = max(entry.versions)
+        versions = [(model, v, v == latest) for v in entry.versions]
+        failures = deploy_models(str(self._repository), versions, self._control)
+        wanted = {model_app_name(*v) for v in versions}
+        for name in model_apps(model, serve.status().applications):
+            if name not in wanted:
+                serve.delete(name, _blocking=False)
+        if model in failures:
+            self._load_errors[model] = failures[model]
+            raise InvalidArgError(f"failed to load '{model}': {failures[model]}")
+        self._load_errors.pop(model, None)
+
+    def _unload_model(self, model: str) -> None:
+        """Remove every version of the model (unknown or unloaded models: nothing to do, as Triton)."""
+        from rayinfer.deployments.control import model_apps
+
+        for name in model_apps(model, serve.status().applications):
+            serve.delete(name, _blocking=False)
+        self._load_errors.pop(model, None)
+        for key in [k for k in self._stats if k[0] == model]:
+            del self._stats[key]
 
     async def _index(self, ready_only: bool = False) -> list[dict[str, Any]]:
         """Triton's index: every model version with state and reason; ``ready`` keeps READY ones."""

@@ -53,8 +53,14 @@ def server(model_repository: Path, tmp_path_factory: pytest.TempPathFactory):
     """``rayinfer serve`` on the test repository, started once; stopped with SIGINT at the end."""
     log_path = tmp_path_factory.mktemp("server") / "rayinfer.log"
     log = log_path.open("w")
+    from model_factory import ON_DEMAND
+
+    # Explicit model control: every model but ON_DEMAND loads at start (--load-model each).
+    load = [arg for p in sorted(model_repository.iterdir()) if p.is_dir() and p.name != ON_DEMAND
+            for arg in ("--load-model", p.name)]
     proc = subprocess.Popen(
         [sys.executable, "-m", "rayinfer.cluster.cli", "serve", "--model-repository", str(model_repository),
+         "--model-control-mode", "explicit", *load,
          "--http-port", str(HTTP_PORT), "--metrics-port", str(METRICS_PORT), "--replica-num-cpus", "0.01", "--num-cpus", "2",
          "--startup-timeout-s", "240"],
         stdout=log, stderr=subprocess.STDOUT, start_new_session=True,

@@ -27,6 +27,7 @@ CONFIGS = {
     "preferred": 'backend: "onnxruntime"\nmax_batch_size: 8\n' + ADD_SUB_IO
     + "dynamic_batching { preferred_batch_size: [ 4 ] max_queue_delay_microseconds: 5000000 }\n",
     "nobatch": 'platform: "onnxruntime_onnx"\nmax_batch_size: 0\n' + ADD_SUB_IO,
+    "on_demand": 'platform: "onnxruntime_onnx"\nmax_batch_size: 8\n' + ADD_SUB_IO,
     "versioned": 'platform: "onnxruntime_onnx"\nmax_batch_size: 8\nversion_policy: { all { } }\n' + ADD_SUB_IO,
     "broken_config": 'platform: "onnxruntime_onnx"\nmax_batch_size: 8\ninput [ { name: "INPUT0" ',
     "missing_file": 'platform: "onnxruntime_onnx"\nmax_batch_size: 8\n' + ADD_SUB_IO,
@@ -62,11 +63,15 @@ def mul_sub_model():
     return _finish(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
 
 
+# Not loaded when the test server starts (explicit model control): the load/unload tests' model.
+ON_DEMAND = "on_demand"
+
+
 def build_test_repository(root: Path) -> Path:
     """The example repository plus the models above; returns its path."""
     write_example_repository(root)
     add_sub = add_sub_model(TensorProto.INT32)
-    for name in ("batched", "preferred", "versioned", "corrupt"):
+    for name in ("batched", "preferred", "versioned", "corrupt", ON_DEMAND):
         write_model(root, name, CONFIGS[name], add_sub)
     write_model(root, "nobatch", CONFIGS["nobatch"], add_sub_model(TensorProto.INT32, batch=False))
     write_model(root, "versioned", None, mul_sub_model(), version=2)

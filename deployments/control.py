@@ -1,0 +1,83 @@
+"""Model control: deploying, updating and removing the applications of model versions.
+
+Used by ``rayinfer serve`` at start and by the ``/v2`` replica for the repository API's load and
+unload (explicit model control mode).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from ray import serve
+
+from rayinfer.deployments.app import model_application
+from rayinfer.deployments.names import model_app_name, model_route_prefix
+from rayinfer.deployments.server import failure_reason, status_name
+
+logger = logging.getLogger(__name__)
+
+CONTROL_MODES = ("none", "explicit")
+
+
+@dataclass(frozen=True)
+class ModelControl:
+    """How models are (re)deployed: the control mode and the options of every model application."""
+
+    mode: str = "none"
+    replica_num_cpus: float = 0.1
+    auto_complete: bool = True
+    timeout_s: float = 600.0
+
+
+def deploy_models(model_repository: str, versions: list[tuple[str, int, bool]], control: ModelControl) -> dict[str, str]:
+    """Deploy (or update) one application per model version and wait for them; returns
+    {model: reason} for models that failed, whose applications are removed again."""
+    targets = {}
+    for model, version, is_default in versions:
+        name = model_app_name(model, version, is_default)
+        targets[name] = (model, serve.RunTarget(
+            model_application(
+                model_repository, model, version, is_default,
+                replica_num_cpus=control.replica_num_cpus, auto_complete=control.auto_complete,
+            ),
+            name=name,
+            route_prefix=model_route_prefix(model, version, is_default),
+        ))
+    if targets:
+        serve.run_many([t for _, t in targets.values()], wait_for_applications_running=False)
+    load_errors = _wait_for_apps({name: model for name, (model, _) in targets.items()}, control.timeout_s)
+    for name in load_errors:
+        serve.delete(name, _blocking=False)
+    return {targets[name][0]: reason for name, reason in load_errors.items()}
+
+
+def model_apps(model: str, app_names: Iterable[str]) -> list[str]:
+    """The applications of ``model`` among ``app_names`` (every version, default or not)."""
+    return [name for name in app_names if name == model or name.startswith(f"{model}@v")]
+
+
+def _wait_for_apps(apps: dict[str, str], timeout_s: float) -> dict[str, str]:
+    """Poll Serve until every app runs or failed; returns {app: reason} for the failures."""
+    deadline = time.monotonic() + timeout_s
+    pending = set(apps)
+    failures: dict[str, str] = {}
+    while pending and time.monotonic() < deadline:
+        status = serve.status().applications
+        for name in list(pending):
+            app = status.get(name)
+            if app is None:
+                continue
+            if status_name(app.status) == "RUNNING":
+                pending.discard(name)
+                logger.info("model '%s' is ready (application '%s')", apps[name], name)
+            elif status_name(app.status) in ("DEPLOY_FAILED", "UNHEALTHY"):
+                pending.discard(name)
+                failures[name] = failure_reason(app)
+                logger.error("model '%s' failed to load: %s", apps[name], failures[name])
+        time.sleep(0.2)
+    for name in pending:
+        failures[name] = f"not ready after {timeout_s:.0f} s"
+    return failures

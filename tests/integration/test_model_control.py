@@ -1,0 +1,75 @@
+"""Explicit model control on the real test server: load and unload over the repository API."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+from conftest import http, http_json
+from model_factory import ON_DEMAND
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    c = httpclient.InferenceServerClient(server["url"], network_timeout=300.0)
+    yield c
+    c.close()
+
+
+def index_row(name: str) -> dict:
+    status, rows = http_json("POST", "/v2/repository/index")
+    assert status == 200
+    (row,) = [r for r in rows if r["name"] == name]
+    return row
+
+
+def add_sub(client, model: str) -> np.ndarray:
+    a = np.arange(16, dtype=np.int32).reshape(1, 16)
+    inputs = [httpclient.InferInput(n, [1, 16], "INT32") for n in ("INPUT0", "INPUT1")]
+    for i in inputs:
+        i.set_data_from_numpy(a)
+    return client.infer(model, inputs).as_numpy("OUTPUT0")
+
+
+def test_a_model_not_named_at_start_is_unloaded(client):
+    assert index_row(ON_DEMAND)["state"] == "UNAVAILABLE"
+    assert index_row(ON_DEMAND)["reason"] == "unloaded"
+    assert not client.is_model_ready(ON_DEMAND)
+    with pytest.raises(InferenceServerException, match=f"Request for unknown model: '{ON_DEMAND}'"):
+        add_sub(client, ON_DEMAND)
+
+
+def test_load_serves_the_model_and_unload_removes_it(client):
+    client.load_model(ON_DEMAND)  # answers when the model is ready, as Triton does
+    assert client.is_model_ready(ON_DEMAND)
+    assert index_row(ON_DEMAND)["state"] == "READY"
+    np.testing.assert_array_equal(add_sub(client, ON_DEMAND), np.arange(16).reshape(1, 16) * 2)
+
+    client.unload_model(ON_DEMAND)
+    deadline = time.monotonic() + 60
+    while client.is_model_ready(ON_DEMAND) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not client.is_model_ready(ON_DEMAND)
+    while index_row(ON_DEMAND)["state"] != "UNAVAILABLE" and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert index_row(ON_DEMAND) == {"name": ON_DEMAND, "version": "1", "state": "UNAVAILABLE", "reason": "unloaded"}
+    # The other models were not touched.
+    np.testing.assert_array_equal(add_sub(client, "batched"), np.arange(16).reshape(1, 16) * 2)
+
+
+def test_load_errors_name_the_model():
+    status, doc = http_json("POST", "/v2/repository/models/nope/load")
+    assert (status, doc) == (500, {"error": "failed to load 'nope', failed to poll from model repository"})
+    status, doc = http_json("POST", "/v2/repository/models/broken_config/load")
+    assert status == 400
+    assert doc["error"].startswith("failed to load 'broken_config': ") and "config.pbtxt" in doc["error"]
+    status, doc = http_json("POST", "/v2/repository/models/simple/load", b"{not json")
+    assert status == 400 and "failed to parse the repository JSON" in doc["error"]
+
+
+def test_unloading_an_unknown_model_is_not_an_error():
+    assert http("POST", "/v2/repository/models/nope/unload")[0] == 200
