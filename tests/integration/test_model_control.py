@@ -73,3 +73,46 @@ def test_load_errors_name_the_model():
 
 def test_unloading_an_unknown_model_is_not_an_error():
     assert http("POST", "/v2/repository/models/nope/unload")[0] == 200
+
+
+def test_reloading_a_changed_model_under_traffic_fails_no_request(server, client, model_repository):
+    """The old version serves until the new one is ready; a reload never drops a request."""
+    import concurrent.futures
+    import threading
+
+    client.load_model(ON_DEMAND)
+    config = model_repository / ON_DEMAND / "config.pbtxt"
+    original = config.read_text()
+    stop = threading.Event()
+    results = {"ok": 0, "errors": []}
+
+    def worker() -> None:
+        c = httpclient.InferenceServerClient(server["url"], network_timeout=60.0)
+        try:
+            while not stop.is_set():
+                try:
+                    np.testing.assert_array_equal(add_sub(c, ON_DEMAND), np.arange(16).reshape(1, 16) * 2)
+                    results["ok"] += 1
+                except Exception as exc:  # every failure is a finding
+                    results["errors"].append(repr(exc))
+        finally:
+            c.close()
+
+    try:
+        config.write_text(original + "dynamic_batching { max_queue_delay_microseconds: 100 }\n")
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            futures = [pool.submit(worker) for _ in range(4)]
+            time.sleep(1.0)
+            before = results["ok"]
+            client.load_model(ON_DEMAND)
+            assert client.get_model_config(ON_DEMAND)["dynamic_batching"]["max_queue_delay_microseconds"] == 100
+            time.sleep(3.0)  # past the old replica's draining period
+            stop.set()
+            for f in futures:
+                f.result()
+        assert results["errors"] == []
+        assert results["ok"] > before > 0
+    finally:
+        stop.set()
+        config.write_text(original)
+        client.unload_model(ON_DEMAND)
