@@ -17,14 +17,15 @@ logger = logging.getLogger(__name__)
 
 
 def load_runner(
-    repository: Path, model_name: str, version: int, auto_complete: bool = True
+    repository: Path, model_name: str, version: int, auto_complete: bool = True,
+    config_override: str | None = None,
 ) -> tuple[ModelRunner, ModelEntry]:
     """Read the model's config, load ``version`` with its backend and return the runner.
 
     Raises :class:`ModelConfigError` (naming the file) if the config or model file is broken.
     """
     model_dir = Path(repository) / model_name
-    entry = scan_model(model_dir)
+    entry = scan_model(model_dir, config_override)
     if entry.error is not None or entry.config is None:
         raise ModelConfigError(entry.error or f"{model_dir}: cannot be read")
     if version not in entry.versions:

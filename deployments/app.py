@@ -33,9 +33,13 @@ def model_application(
     *,
     replica_num_cpus: float = DEFAULT_REPLICA_NUM_CPUS,
     auto_complete: bool = True,
+    config_override: str | None = None,
 ) -> Application:
-    """The application serving one version of one model; replicas from its ``instance_group``."""
-    entry = scan_model(Path(model_repository) / model)
+    """The application serving one version of one model; replicas from its ``instance_group``.
+
+    ``config_override``: a load request's config (Triton's JSON form) used instead of config.pbtxt.
+    """
+    entry = scan_model(Path(model_repository) / model, config_override)
     if entry.config is None:
         raise ModelConfigError(entry.error or f"model '{model}' cannot be read")
     config = entry.config
@@ -50,7 +54,7 @@ def model_application(
         # A per-request access log line costs more than the request's own decoding.
         logging_config=LoggingConfig(enable_access_log=False, log_level="WARNING"),
     )
-    return deployment.bind(str(model_repository), model, int(version), auto_complete)
+    return deployment.bind(str(model_repository), model, int(version), auto_complete, config_override)
 
 
 def server_application(

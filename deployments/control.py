@@ -32,7 +32,12 @@ class ModelControl:
     timeout_s: float = 600.0
 
 
-def deploy_models(model_repository: str, versions: list[tuple[str, int, bool]], control: ModelControl) -> dict[str, str]:
+def deploy_models(
+    model_repository: str,
+    versions: list[tuple[str, int, bool]],
+    control: ModelControl,
+    config_overrides: dict[str, str] | None = None,
+) -> dict[str, str]:
     """Deploy (or update) one application per model version and wait for them; returns
     {model: reason} for models that failed, whose applications are removed again."""
     targets = {}
@@ -42,6 +47,7 @@ def deploy_models(model_repository: str, versions: list[tuple[str, int, bool]], 
             model_application(
                 model_repository, model, version, is_default,
                 replica_num_cpus=control.replica_num_cpus, auto_complete=control.auto_complete,
+                config_override=(config_overrides or {}).get(model),
             ),
             name=name,
             route_prefix=model_route_prefix(model, version, is_default),

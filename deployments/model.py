@@ -50,10 +50,17 @@ def _text(value: bytes | None) -> str | None:
 class ModelDeployment:
     """Serves one version of one model over KServe v2 HTTP; keeps the model loaded per replica."""
 
-    async def __init__(self, model_repository: str, model_name: str, version: int, auto_complete: bool = True):
+    async def __init__(
+        self,
+        model_repository: str,
+        model_name: str,
+        version: int,
+        auto_complete: bool = True,
+        config_override: str | None = None,
+    ):
         self._runner: ModelRunner
         self._runner, entry = await asyncio.to_thread(
-            load_runner, Path(model_repository), model_name, int(version), auto_complete
+            load_runner, Path(model_repository), model_name, int(version), auto_complete, config_override
         )
         spec = self._runner.spec
         self._name = model_name

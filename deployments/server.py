@@ -20,7 +20,14 @@ import rayinfer
 from rayinfer.deployments import asgi
 from rayinfer.deployments.metrics_endpoint import MetricsEndpoint
 from rayinfer.deployments.names import model_app_name
-from rayinfer.protocol.errors import InternalError, InvalidArgError, NotFoundError, ServingError, UnavailableError
+from rayinfer.protocol.errors import (
+    InternalError,
+    InvalidArgError,
+    NotFoundError,
+    ServingError,
+    UnavailableError,
+    UnsupportedError,
+)
 from rayinfer.protocol.http_codec import parse_json_body
 from rayinfer.protocol.metrics import CpuFigures, ModelFigures, render
 from rayinfer.protocol.statistics import merge_snapshots, stats_to_json
@@ -174,35 +181,45 @@ class ServerDeployment:
         if not model or "/" in model or action not in ("load", "unload"):
             raise NotFoundError(f"Not Found: POST {path}")
         body = await asgi.read_body(receive)
-        if body:
-            parse_json_body(body, "repository")
+        parameters = (parse_json_body(body, "repository") if body else {}).get("parameters") or {}
+        if not isinstance(parameters, dict):
+            raise InvalidArgError("'parameters' of a repository request must be a JSON object")
         if not self._explicit:
             raise UnavailableError("explicit model load / unload is not allowed if polling is enabled")
         async with self._control_lock:
             try:
                 if action == "load":
-                    await asyncio.to_thread(self._load_model, model)
+                    await asyncio.to_thread(self._load_model, model, parameters)
                 else:
                     await asyncio.to_thread(self._unload_model, model)
             finally:
                 self._states_at = 0.0
         await asgi.send_empty(send, 200)
 
-    def _load_model(self, model: str) -> None:
-        """Deploy every version the model's policy selects; remove versions no longer selected."""
+    def _load_model(self, model: str, parameters: dict[str, Any]) -> None:
+        """Deploy every version the model's policy selects; remove versions no longer selected.
+
+        ``parameters.config``: a config in Triton's JSON form used instead of config.pbtxt.
+        """
         from rayinfer.deployments.control import deploy_models, model_apps
         from rayinfer.deployments.names import model_app_name
 
         model_dir = self._repository / model
         if model.startswith(".") or not model_dir.is_dir():
             raise InternalError(f"failed to load '{model}', failed to poll from model repository")
-        entry = scan_model(model_dir)
+        if any(key.startswith("file:") for key in parameters):
+            raise UnsupportedError(f"failed to load '{model}': file contents in a load request are not supported")
+        override = parameters.get("config")
+        if override is not None and not isinstance(override, str):
+            raise InvalidArgError(f"failed to load '{model}': parameter 'config' must be a JSON string")
+        entry = scan_model(model_dir, override)
         if entry.error is not None:
-            self._load_errors[model] = entry.error
+            if not model_apps(model, serve.status().applications):  # a serving version keeps serving
+                self._load_errors[model] = entry.error
             raise InvalidArgError(f"failed to load '{model}': {entry.error}")
         latest = max(entry.versions)
         versions = [(model, v, v == latest) for v in entry.versions]
-        failures = deploy_models(str(self._repository), versions, self._control)
+        failures = deploy_models(str(self._repository), versions, self._control, {model: override} if override else None)
         wanted = {model_app_name(*v) for v in versions}
         for name in model_apps(model, serve.status().applications):
             if name not in wanted:

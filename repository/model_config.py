@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from google.protobuf import text_format
+from google.protobuf import json_format, text_format
 from google.protobuf.descriptor import FieldDescriptor
 
 from rayinfer.protocol.dtypes import config_to_wire
@@ -87,11 +87,22 @@ class ModelSpec:
         return {t.name: t for t in self.outputs}
 
 
-def read_config(model_dir: Path, *, required: bool = False) -> ModelConfig:
-    """Parse ``<model_dir>/config.pbtxt``; a missing file gives an empty config unless required."""
+def read_config(model_dir: Path, *, required: bool = False, override: str | None = None) -> ModelConfig:
+    """Parse ``<model_dir>/config.pbtxt``; a missing file gives an empty config unless required.
+
+    ``override``: a config in Triton's JSON form (a load request's ``parameters.config``) used
+    instead of the file.
+    """
     path = model_dir / CONFIG_FILENAME
     config = ModelConfig()
-    if not path.exists():
+    if override is not None:
+        try:
+            json_format.Parse(override, config)
+        except json_format.ParseError as exc:
+            raise ModelConfigError(
+                f"failed to parse the configuration override of model '{model_dir.name}': {exc}"
+            ) from None
+    elif not path.exists():
         if required:
             raise ModelConfigError(f"{path}: model configuration file not found")
     else:

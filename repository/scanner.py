@@ -42,11 +42,14 @@ def scan_repository(repository: Path) -> list[ModelEntry]:
     return entries
 
 
-def scan_model(model_dir: Path) -> ModelEntry:
-    """Parse one model folder; errors are recorded on the entry, never raised."""
+def scan_model(model_dir: Path, config_override: str | None = None) -> ModelEntry:
+    """Parse one model folder; errors are recorded on the entry, never raised.
+
+    ``config_override``: Triton's JSON form of a config to use instead of config.pbtxt.
+    """
     entry = ModelEntry(name=model_dir.name, path=model_dir)
     try:
-        config = read_config(model_dir)
+        config = read_config(model_dir, override=config_override)
         resolve_backend(config, model_dir)
         fill_defaults(config)
         check_supported(config, model_dir / CONFIG_FILENAME)

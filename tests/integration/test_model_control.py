@@ -116,3 +116,35 @@ def test_reloading_a_changed_model_under_traffic_fails_no_request(server, client
         stop.set()
         config.write_text(original)
         client.unload_model(ON_DEMAND)
+
+
+def test_load_with_a_config_override(client):
+    import json
+
+    config = {
+        "name": ON_DEMAND, "platform": "onnxruntime_onnx", "max_batch_size": 4,
+        "input": [{"name": n, "data_type": "TYPE_INT32", "dims": [16]} for n in ("INPUT0", "INPUT1")],
+        "output": [{"name": n, "data_type": "TYPE_INT32", "dims": [16]} for n in ("OUTPUT0", "OUTPUT1")],
+        "dynamic_batching": {"max_queue_delay_microseconds": 50},
+    }
+    try:
+        client.load_model(ON_DEMAND, config=json.dumps(config))
+        served = client.get_model_config(ON_DEMAND)
+        assert served["max_batch_size"] == 4
+        assert served["dynamic_batching"]["max_queue_delay_microseconds"] == 50
+        np.testing.assert_array_equal(add_sub(client, ON_DEMAND), np.arange(16).reshape(1, 16) * 2)
+        client.load_model(ON_DEMAND)  # without an override: config.pbtxt again
+        assert client.get_model_config(ON_DEMAND)["max_batch_size"] == 8
+    finally:
+        client.unload_model(ON_DEMAND)
+
+
+def test_bad_load_parameters_are_rejected_with_the_reason():
+    status, doc = http_json("POST", f"/v2/repository/models/{ON_DEMAND}/load", {"parameters": {"config": "{oops"}})
+    assert status == 400 and "failed to parse the configuration override" in doc["error"]
+    status, doc = http_json(
+        "POST", f"/v2/repository/models/{ON_DEMAND}/load",
+        {"parameters": {"config": "{}", "file:1/model.onnx": "AAAA"}},
+    )
+    assert status == 501 and "file contents" in doc["error"]
+    assert index_row(ON_DEMAND)["state"] in ("UNAVAILABLE", "UNLOADING")
