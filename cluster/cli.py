@@ -50,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("--log-verbose", type=int, default=None)
         sub.add_argument("--ray-address", default=None)
         sub.add_argument("--num-cpus", type=float, default=None, help="CPUs of the embedded local Ray")
+        sub.add_argument("--ray-metrics-port", type=int, default=None, help="embedded Ray's metrics port")
         sub.add_argument("--replica-num-cpus", type=float, default=None)
         sub.add_argument("--startup-timeout-s", type=float, default=None)
     commands.add_parser("ray-env", help="print the Ray settings rayinfer needs, as shell exports")
@@ -115,6 +116,7 @@ def serve(settings: ServerSettings) -> int:
             num_cpus=settings.num_cpus,
             include_dashboard=False,
             _node_ip_address="127.0.0.1",
+            _metrics_export_port=settings.ray_metrics_port,
             logging_level=logging.WARNING,
         )
     loaded = startup_entries(settings, entries)

@@ -66,6 +66,10 @@ class ServerSettings(BaseSettings):
         None, description="Address of an existing Ray cluster; default: RAY_ADDRESS, else start a local Ray."
     )
     num_cpus: float | None = Field(None, description="CPUs of the embedded local Ray (default: all cores).")
+    ray_metrics_port: int | None = Field(
+        None,
+        description="Port of the embedded Ray's own Prometheus metrics (ray_serve_*, ray_*); default: a free port.",
+    )
     replica_num_cpus: float = Field(
         DEFAULT_REPLICA_NUM_CPUS,
         description="num_cpus reserved by each KIND_CPU model replica; fractional on small machines.",
