@@ -42,8 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("--metrics-port", type=int, default=None)
         sub.add_argument("--metrics-address", default=None)
         sub.add_argument("--allow-metrics", type=_bool, nargs="?", const=True, default=None)
-        sub.add_argument("--model-control-mode", choices=["none", "explicit"], default=None)
+        sub.add_argument("--model-control-mode", choices=["none", "poll", "explicit"], default=None)
         sub.add_argument("--load-model", action="append", default=None)
+        sub.add_argument("--repository-poll-secs", type=float, default=None)
         sub.add_argument("--id", default=None)
         sub.add_argument("--strict-readiness", type=_bool, nargs="?", const=True, default=None)
         sub.add_argument("--disable-auto-complete-config", action="store_true", default=None)
@@ -133,6 +134,7 @@ def serve(settings: ServerSettings) -> int:
             timeout_s=settings.startup_timeout_s,
             metrics=metrics_endpoint(settings),
             control_mode=settings.model_control_mode,
+            poll_secs=settings.repository_poll_secs,
         )
         _print_model_table(entries, failures, {entry.name for entry in loaded})
         print(f"Started HTTPService at {settings.http_address}:{settings.http_port}", flush=True)

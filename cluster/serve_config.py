@@ -41,6 +41,7 @@ def render_serve_config(settings: ServerSettings, entries: list[ModelEntry] | No
             "strict_readiness": settings.strict_readiness,
             **_metrics_args(settings),
             "model_control_mode": settings.model_control_mode,
+            "repository_poll_secs": settings.repository_poll_secs,
             "replica_num_cpus": settings.replica_num_cpus,
             "auto_complete": not settings.disable_auto_complete_config,
         },

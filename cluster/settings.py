@@ -46,11 +46,13 @@ class ServerSettings(BaseSettings):
     metrics_port: int = Field(8002, description="Port of Triton's Prometheus metrics (nv_inference_*, nv_cpu_*).")
     metrics_address: str | None = Field(None, description="Address the metrics port binds to; default: --http-address.")
     allow_metrics: bool = Field(True, description="Serve the metrics port.")
-    model_control_mode: Literal["none", "explicit"] = Field(
+    model_control_mode: Literal["none", "poll", "explicit"] = Field(
         "none",
-        description="none: load every model at start; explicit: load only --load-model at start, "
-        "then load and unload through the repository API.",
+        description="none: load every model at start; poll: also load, reload and unload models as "
+        "the repository changes; explicit: load only --load-model at start, then load and unload "
+        "through the repository API.",
     )
+    repository_poll_secs: float = Field(15.0, description="Poll mode: seconds between repository scans.", gt=0)
     load_model: list[str] = Field(
         default_factory=list, description="Explicit mode: models to load at start; '*' loads all."
     )

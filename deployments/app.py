@@ -89,6 +89,7 @@ def build_model_app(args: dict[str, Any]) -> Application:
         bool(args.get("is_default", True)),
         replica_num_cpus=float(args.get("replica_num_cpus", DEFAULT_REPLICA_NUM_CPUS)),
         auto_complete=bool(args.get("auto_complete", True)),
+        poll_secs=float(args.get("repository_poll_secs", 15.0)),
     )
 
 
@@ -112,4 +113,5 @@ def _control_from_args(args: dict[str, Any]) -> ModelControl:
         mode=str(args.get("model_control_mode", "none")),
         replica_num_cpus=float(args.get("replica_num_cpus", DEFAULT_REPLICA_NUM_CPUS)),
         auto_complete=bool(args.get("auto_complete", True)),
+        poll_secs=float(args.get("repository_poll_secs", 15.0)),
     )

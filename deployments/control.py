@@ -19,7 +19,7 @@ from rayinfer.deployments.server import failure_reason, status_name
 
 logger = logging.getLogger(__name__)
 
-CONTROL_MODES = ("none", "explicit")
+CONTROL_MODES = ("none", "poll", "explicit")
 
 
 @dataclass(frozen=True)
@@ -30,6 +30,7 @@ class ModelControl:
     replica_num_cpus: float = 0.1
     auto_complete: bool = True
     timeout_s: float = 600.0
+    poll_secs: float = 15.0
 
 
 def deploy_models(

@@ -36,13 +36,14 @@ def deploy_repository(
     timeout_s: float,
     metrics: tuple[str, int] | None = None,
     control_mode: str = "none",
+    poll_secs: float = 15.0,
 ) -> dict[str, str]:
     """Deploy the ``/v2`` app and one app per model version; returns models that failed to load.
 
     A model that fails to load is removed (so its requests reach the ``/v2`` app, which reports
     the reason) and never stops the others.
     """
-    control = ModelControl(control_mode, replica_num_cpus, auto_complete, timeout_s)
+    control = ModelControl(control_mode, replica_num_cpus, auto_complete, timeout_s, poll_secs)
     serve.run(
         server_application(
             model_repository, server_id=server_id, strict_readiness=strict_readiness, metrics=metrics,

@@ -96,6 +96,12 @@ class ServerDeployment:
         self._states_lock = asyncio.Lock()
         self._control = control  # a rayinfer.deployments.control.ModelControl; None: mode "none"
         self._control_lock = asyncio.Lock()
+        self._poll_task: asyncio.Task | None = None
+        if control is not None and control.mode == "poll":
+            from rayinfer.repository.poll import PollPlan, repository_fingerprints
+
+            self._poll_plan = PollPlan(repository_fingerprints(self._repository))
+            self._poll_task = asyncio.get_running_loop().create_task(self._poll_forever())
         self._metrics: MetricsEndpoint | None = None
         if metrics_port:
             self._metrics = MetricsEndpoint(self._render_metrics, metrics_address, metrics_port)
@@ -195,6 +201,30 @@ class ServerDeployment:
             finally:
                 self._states_at = 0.0
         await asgi.send_empty(send, 200)
+
+    async def _poll_forever(self) -> None:
+        """Poll mode: load new and changed models, unload removed ones, every ``poll_secs``."""
+        from rayinfer.repository.poll import repository_fingerprints
+
+        while True:
+            await asyncio.sleep(self._control.poll_secs)
+            try:
+                current = await asyncio.to_thread(repository_fingerprints, self._repository)
+                to_load, to_unload = self._poll_plan.step(current)
+                async with self._control_lock:
+                    for model in to_unload:
+                        logger.info("poll: model '%s' was removed; unloading it", model)
+                        await asyncio.to_thread(self._unload_model, model)
+                    for model in to_load:
+                        logger.info("poll: model '%s' is new or changed; loading it", model)
+                        try:
+                            await asyncio.to_thread(self._load_model, model, {})
+                        except ServingError as exc:
+                            logger.error("poll: %s", exc.message)
+                    if to_load or to_unload:
+                        self._states_at = 0.0
+            except Exception:  # one bad poll must not end polling
+                logger.exception("poll: scanning the repository failed")
 
     def _load_model(self, model: str, parameters: dict[str, Any]) -> None:
         """Deploy every version the model's policy selects; remove versions no longer selected.
@@ -301,6 +331,9 @@ class ServerDeployment:
         metrics = getattr(self, "_metrics", None)
         if metrics is not None:
             metrics.stop()
+        poll = getattr(self, "_poll_task", None)
+        if poll is not None:
+            poll.cancel()
 
     async def _all_stats(self) -> list[dict[str, Any]]:
         out = []
