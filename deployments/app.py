@@ -89,7 +89,6 @@ def build_model_app(args: dict[str, Any]) -> Application:
         bool(args.get("is_default", True)),
         replica_num_cpus=float(args.get("replica_num_cpus", DEFAULT_REPLICA_NUM_CPUS)),
         auto_complete=bool(args.get("auto_complete", True)),
-        poll_secs=float(args.get("repository_poll_secs", 15.0)),
     )
 
 

@@ -101,3 +101,16 @@ def test_broken_models_get_no_app_and_old_versions_get_version_routes(tmp_path: 
     assert "broken" not in routes
     assert routes["simple"] == "/v2/models/simple"
     assert routes["simple@v1"] == "/v2/models/simple/versions/1"
+
+
+def test_every_rendered_application_builds_from_its_import_path(example_repository: Path) -> None:
+    """What `serve deploy` does with the config: import each builder and call it with the args."""
+    import importlib
+
+    from ray.serve import Application
+
+    settings = ServerSettings(model_repository=example_repository, model_control_mode="poll")
+    for app in render_serve_config(settings)["applications"]:
+        module, _, attr = app["import_path"].partition(":")
+        built = getattr(importlib.import_module(module), attr)(app["args"])
+        assert isinstance(built, Application), app["name"]
