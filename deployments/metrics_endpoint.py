@@ -39,7 +39,8 @@ class MetricsEndpoint:
         except OSError as exc:
             self._sock.close()
             raise UnavailableError(f"metrics port {address}:{port} is not available: {exc.strerror}") from None
-        self._tasks: list[asyncio.Task] = []
+        self._serving: asyncio.Task | None = None  # ends when the server's should_exit is set
+        self._sampling: asyncio.Task | None = None
         self._server: Any = None
 
     def start(self) -> None:
@@ -52,13 +53,14 @@ class MetricsEndpoint:
         server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign]
         loop = asyncio.get_running_loop()
         self._server = server
-        self._tasks = [loop.create_task(server.serve(sockets=[self._sock])), loop.create_task(self._sample_forever())]
+        self._serving = loop.create_task(server.serve(sockets=[self._sock]))
+        self._sampling = loop.create_task(self._sample_forever())
 
     def stop(self) -> None:
         if self._server is not None:
             self._server.should_exit = True
-        for task in self._tasks[1:]:
-            task.cancel()
+        if self._sampling is not None:
+            self._sampling.cancel()
 
     async def _sample_forever(self) -> None:
         while True:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 SERVER_APP = "rayinfer"
 SERVER_DEPLOYMENT = "ServerDeployment"
 SERVER_ROUTE_PREFIX = "/v2"
@@ -13,6 +15,11 @@ DEFAULT_REPLICA_NUM_CPUS = 0.1
 def model_app_name(model: str, version: int, is_default: bool) -> str:
     """The default (highest) version is served as ``<model>``; others as ``<model>@v<N>``."""
     return model if is_default else f"{model}@v{version}"
+
+
+def model_apps(model: str, app_names: Iterable[str]) -> list[str]:
+    """The applications of ``model`` among ``app_names`` (every version, default or not)."""
+    return [name for name in app_names if name == model or name.startswith(f"{model}@v")]
 
 
 def model_route_prefix(model: str, version: int, is_default: bool) -> str:

@@ -19,7 +19,7 @@ from ray import serve
 import rayinfer
 from rayinfer.deployments import asgi
 from rayinfer.deployments.metrics_endpoint import MetricsEndpoint
-from rayinfer.deployments.names import model_app_name
+from rayinfer.deployments.names import model_app_name, model_apps
 from rayinfer.protocol.errors import (
     InternalError,
     InvalidArgError,
@@ -179,7 +179,7 @@ class ServerDeployment:
     def _explicit(self) -> bool:
         return self._control is not None and self._control.mode == "explicit"
 
-    # ---- model control (explicit mode) ------------------------------------------------------
+    # ---- model control (explicit and poll modes) --------------------------------------------
 
     async def _repository_control(self, path: str, receive: asgi.Receive, send: asgi.Send) -> None:
         """``POST /v2/repository/models/<m>/load`` and ``.../unload``; both answer when done."""
@@ -231,8 +231,7 @@ class ServerDeployment:
 
         ``parameters.config``: a config in Triton's JSON form used instead of config.pbtxt.
         """
-        from rayinfer.deployments.control import deploy_models, model_apps
-        from rayinfer.deployments.names import model_app_name
+        from rayinfer.deployments.control import deploy_models  # it imports this module
 
         model_dir = self._repository / model
         if model.startswith(".") or not model_dir.is_dir():
@@ -261,8 +260,6 @@ class ServerDeployment:
 
     def _unload_model(self, model: str) -> None:
         """Remove every version of the model (unknown or unloaded models: nothing to do, as Triton)."""
-        from rayinfer.deployments.control import model_apps
-
         for name in model_apps(model, serve.status().applications):
             serve.delete(name, _blocking=False)
         self._load_errors.pop(model, None)
@@ -318,13 +315,10 @@ class ServerDeployment:
         for row in await self._model_states():
             if row["state"] != "READY":
                 continue
-            per_replica = list(self._stats.get((row["name"], row["version"]), {}).values())
-            figures.append(ModelFigures(
-                row["name"],
-                row["version"],
-                merge_snapshots(per_replica),
-                sum(int(snap.get("pending_request_count", 0)) for snap in per_replica),
-            ))
+            name, version = row["name"], row["version"]
+            pending = sum(s.get("pending_request_count", 0) for s in self._stats.get((name, version), {}).values())
+            snapshot = self.model_statistics(name, version) or merge_snapshots([])
+            figures.append(ModelFigures(name, version, snapshot, pending))
         return render(figures, cpu)
 
     def __del__(self) -> None:

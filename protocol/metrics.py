@@ -123,11 +123,12 @@ class CpuSampler:
     def sample(self) -> CpuFigures | None:
         try:
             fields = (self._proc / "stat").read_text().splitlines()[0].split()[1:]
-            meminfo = {
-                line.split(":")[0]: int(line.split()[1]) * 1024
-                for line in (self._proc / "meminfo").read_text().splitlines()
-                if line.split() and line.split()[-1] == "kB"
-            }
+            meminfo = {}
+            for line in (self._proc / "meminfo").read_text().splitlines():
+                key, _, rest = line.partition(":")
+                value = rest.split()
+                if len(value) == 2 and value[1] == "kB":  # "MemTotal:  1000 kB"
+                    meminfo[key] = int(value[0]) * 1024
         except (OSError, IndexError, ValueError):
             return None
         ticks = [int(v) for v in fields[:8]]

@@ -37,6 +37,28 @@ def http_json(method: str, path: str, doc: object | None = None) -> tuple[int, o
     return status, (json.loads(raw) if raw else None)
 
 
+def add_sub_inputs(a, b, binary: bool = True, dtype: str = "INT32") -> list:
+    """``tritonclient.http`` inputs INPUT0 = a, INPUT1 = b for the add/sub test models."""
+    import tritonclient.http as httpclient
+
+    inputs = [httpclient.InferInput("INPUT0", list(a.shape), dtype), httpclient.InferInput("INPUT1", list(b.shape), dtype)]
+    inputs[0].set_data_from_numpy(a, binary_data=binary)
+    inputs[1].set_data_from_numpy(b, binary_data=binary)
+    return inputs
+
+
+def submit_each(client, model: str, input_name: str, datatype: str, arrays: list) -> list:
+    """One ``async_infer`` per array (as the model's only input); returns the pending requests."""
+    import tritonclient.http as httpclient
+
+    pending = []
+    for x in arrays:
+        inp = httpclient.InferInput(input_name, list(x.shape), datatype)
+        inp.set_data_from_numpy(x)
+        pending.append(client.async_infer(model, [inp]))
+    return pending
+
+
 def _build_repository(root: Path) -> Path:
     from model_factory import build_test_repository
 

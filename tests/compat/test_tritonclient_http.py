@@ -10,19 +10,14 @@ import pytest
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
+from conftest import add_sub_inputs, http, http_json, submit_each
+
 
 @pytest.fixture(scope="module")
 def client(server):
     c = httpclient.InferenceServerClient(server["url"], concurrency=64, network_timeout=120.0)
     yield c
     c.close()
-
-
-def add_sub_inputs(a: np.ndarray, b: np.ndarray, binary: bool, dtype: str = "INT32") -> list:
-    inputs = [httpclient.InferInput("INPUT0", list(a.shape), dtype), httpclient.InferInput("INPUT1", list(b.shape), dtype)]
-    inputs[0].set_data_from_numpy(a, binary_data=binary)
-    inputs[1].set_data_from_numpy(b, binary_data=binary)
-    return inputs
 
 
 def test_server_metadata_and_liveness(client):
@@ -138,11 +133,7 @@ def test_mlp_under_concurrency_matches_onnxruntime(client, model_repository):
     session = ort.InferenceSession(str(model_repository / "mlp" / "1" / "model.onnx"), providers=["CPUExecutionProvider"])
     rng = np.random.default_rng(2)
     rows = [rng.standard_normal((1 + i % 3, 256), dtype=np.float32) for i in range(64)]
-    pending = []
-    for x in rows:
-        inp = httpclient.InferInput("INPUT0", list(x.shape), "FP32")
-        inp.set_data_from_numpy(x)
-        pending.append(client.async_infer("mlp", [inp]))
+    pending = submit_each(client, "mlp", "INPUT0", "FP32", rows)
     for x, request in zip(rows, pending):
         expected = session.run(None, {"INPUT0": x})[0]
         np.testing.assert_allclose(request.get_result().as_numpy("OUTPUT0"), expected, rtol=1e-4, atol=1e-4)
@@ -162,11 +153,7 @@ def test_preferred_batch_size_dispatches_without_waiting_the_delay(client):
 
 def test_requests_with_different_variable_dims_are_not_merged(client):
     xs = [np.arange(n, dtype=np.float32).reshape(1, n) for n in (3, 5, 3, 5)]
-    pending = []
-    for x in xs:
-        inp = httpclient.InferInput("X", list(x.shape), "FP32")
-        inp.set_data_from_numpy(x)
-        pending.append(client.async_infer("vardims", [inp]))
+    pending = submit_each(client, "vardims", "X", "FP32", xs)
     for x, request in zip(xs, pending):
         np.testing.assert_array_equal(request.get_result().as_numpy("Y"), x * 2)
     stats = client.get_inference_statistics("vardims")["model_stats"][0]
@@ -188,8 +175,6 @@ def test_repository_index_reports_broken_models(client):
 
 
 def test_repository_index_ready_filter(server):
-    from conftest import http_json
-
     status, rows = http_json("POST", "/v2/repository/index", {"ready": True})
     assert status == 200
     assert rows and all(row["state"] == "READY" for row in rows)
@@ -225,8 +210,6 @@ def test_compressed_requests_and_responses(client, algorithm):
 def test_response_is_compressed_only_when_accepted(server):
     import gzip
     import json
-
-    from conftest import http
 
     body = json.dumps({"inputs": [
         {"name": "INPUT0", "shape": [1, 16], "datatype": "INT32", "data": list(range(16))},

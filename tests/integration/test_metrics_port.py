@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 import tritonclient.http as httpclient
 
+from conftest import add_sub_inputs
+
 SAMPLE = re.compile(r'^(\w+)(?:\{(.*)\})? (\S+)$')
 
 
@@ -55,11 +57,9 @@ def client(server):
 
 
 def add_sub(client, model: str, rows: int) -> None:
+    """One request of ``rows`` rows (0: a model without a batch dimension)."""
     a = np.ones((rows, 16) if rows else (16,), dtype=np.int32)
-    inputs = [httpclient.InferInput(n, list(a.shape), "INT32") for n in ("INPUT0", "INPUT1")]
-    for i in inputs:
-        i.set_data_from_numpy(a)
-    client.infer(model, inputs)
+    client.infer(model, add_sub_inputs(a, a))
 
 
 def test_triton_metric_families_and_labels(server):

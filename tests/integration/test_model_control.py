@@ -9,7 +9,7 @@ import pytest
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from conftest import http, http_json
+from conftest import add_sub_inputs, http, http_json
 from model_factory import ON_DEMAND
 
 
@@ -29,10 +29,7 @@ def index_row(name: str) -> dict:
 
 def add_sub(client, model: str) -> np.ndarray:
     a = np.arange(16, dtype=np.int32).reshape(1, 16)
-    inputs = [httpclient.InferInput(n, [1, 16], "INT32") for n in ("INPUT0", "INPUT1")]
-    for i in inputs:
-        i.set_data_from_numpy(a)
-    return client.infer(model, inputs).as_numpy("OUTPUT0")
+    return client.infer(model, add_sub_inputs(a, a)).as_numpy("OUTPUT0")
 
 
 def test_a_model_not_named_at_start_is_unloaded(client):
