@@ -16,7 +16,7 @@ import sys
 import threading
 from pathlib import Path
 
-from rayinfer.cluster.settings import RAY_ENVIRONMENT, ServerSettings, metrics_endpoint
+from rayinfer.cluster.settings import RAY_ENVIRONMENT, ServerSettings, grpc_front, metrics_endpoint
 from rayinfer.repository.scanner import ModelEntry
 
 logger = logging.getLogger("rayinfer")
@@ -39,6 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("--http-address", default=None)
         sub.add_argument("--http-port", type=int, default=None)
         sub.add_argument("--grpc-port", type=int, default=None)
+        sub.add_argument("--grpc-address", default=None)
+        sub.add_argument("--allow-grpc", type=_bool, nargs="?", const=True, default=None)
+        sub.add_argument("--serve-grpc-port", type=int, default=None, help="Ray Serve's own gRPC port")
         sub.add_argument("--metrics-port", type=int, default=None)
         sub.add_argument("--metrics-address", default=None)
         sub.add_argument("--allow-metrics", type=_bool, nargs="?", const=True, default=None)
@@ -123,7 +126,8 @@ def serve(settings: ServerSettings) -> int:
     loaded = startup_entries(settings, entries)
     versions = served_versions(loaded)
     try:
-        launcher.start_serve(settings.http_address, settings.http_port)
+        front = grpc_front(settings)
+        launcher.start_serve(settings.http_address, settings.http_port, front[3] if front else None)
         failures = launcher.deploy_repository(
             str(settings.model_repository.resolve()),
             versions,
@@ -135,8 +139,11 @@ def serve(settings: ServerSettings) -> int:
             metrics=metrics_endpoint(settings),
             control_mode=settings.model_control_mode,
             poll_secs=settings.repository_poll_secs,
+            grpc_front=front,
         )
         _print_model_table(entries, failures, {entry.name for entry in loaded})
+        if front is not None:
+            print(f"Started GRPCInferenceService at {front[0]}:{front[1]}", flush=True)
         print(f"Started HTTPService at {settings.http_address}:{settings.http_port}", flush=True)
         metrics = metrics_endpoint(settings)
         if metrics is not None:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from rayinfer.cluster.settings import ServerSettings, metrics_endpoint
+from rayinfer.cluster.settings import ServerSettings, grpc_front, metrics_endpoint
+from rayinfer.deployments.grpc_service import SERVICER_FUNCTION
 from rayinfer.deployments.names import (
     SERVER_APP,
     SERVER_ROUTE_PREFIX,
@@ -40,6 +41,7 @@ def render_serve_config(settings: ServerSettings, entries: list[ModelEntry] | No
             "server_id": settings.id,
             "strict_readiness": settings.strict_readiness,
             **_metrics_args(settings),
+            **_grpc_args(settings),
             "model_control_mode": settings.model_control_mode,
             "repository_poll_secs": settings.repository_poll_secs,
             "replica_num_cpus": settings.replica_num_cpus,
@@ -67,7 +69,19 @@ def render_serve_config(settings: ServerSettings, entries: list[ModelEntry] | No
         "http_options": {"host": settings.http_address, "port": settings.http_port},
         "applications": applications,
     }
+    front = grpc_front(settings)
+    if front is not None:
+        doc["grpc_options"] = {"port": front[3], "grpc_servicer_functions": [SERVICER_FUNCTION]}
     return doc
+
+
+def _grpc_args(settings: ServerSettings) -> dict[str, Any]:
+    front = grpc_front(settings)
+    if front is None:
+        return {}
+    address, port, upstream_host, upstream_port = front
+    return {"grpc_address": address, "grpc_port": port, "serve_grpc_host": upstream_host,
+            "serve_grpc_port": upstream_port}
 
 
 def _metrics_args(settings: ServerSettings) -> dict[str, Any]:

@@ -42,7 +42,14 @@ class ServerSettings(BaseSettings):
         description="Address HTTP binds to (HAProxy and the model replicas); use 0.0.0.0 on multi-node clusters.",
     )
     http_port: int = Field(8000, description="KServe v2 HTTP port.")
-    grpc_port: int = Field(8001, description="KServe v2 gRPC port (served by a later release).")
+    grpc_port: int = Field(8001, description="KServe v2 / Triton gRPC port (GRPCInferenceService).")
+    grpc_address: str | None = Field(None, description="Address the gRPC port binds to; default: --http-address.")
+    allow_grpc: bool = Field(True, description="Serve the gRPC port.")
+    serve_grpc_port: int = Field(
+        9001,
+        description="Port of Ray Serve's own gRPC ingress, which the gRPC front on --grpc-port forwards to "
+        "(on every node; loopback is enough).",
+    )
     metrics_port: int = Field(8002, description="Port of Triton's Prometheus metrics (nv_inference_*, nv_cpu_*).")
     metrics_address: str | None = Field(None, description="Address the metrics port binds to; default: --http-address.")
     allow_metrics: bool = Field(True, description="Serve the metrics port.")
@@ -77,6 +84,14 @@ class ServerSettings(BaseSettings):
         description="num_cpus reserved by each KIND_CPU model replica; fractional on small machines.",
     )
     startup_timeout_s: float = Field(600.0, description="How long to wait for models to finish loading.")
+
+
+def grpc_front(settings: ServerSettings) -> tuple[str, int, str, int] | None:
+    """(address, port, Serve's gRPC host, Serve's gRPC port) of the gRPC front, or None when off."""
+    if not settings.allow_grpc:
+        return None
+    upstream = "127.0.0.1" if settings.http_address in ("0.0.0.0", "::") else settings.http_address
+    return (settings.grpc_address or settings.http_address, settings.grpc_port, upstream, settings.serve_grpc_port)
 
 
 def metrics_endpoint(settings: ServerSettings) -> tuple[str, int] | None:

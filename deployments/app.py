@@ -13,7 +13,7 @@ from ray.serve import Application
 from ray.serve.schema import LoggingConfig
 
 from rayinfer.deployments.model import ModelDeployment
-from rayinfer.deployments.names import DEFAULT_REPLICA_NUM_CPUS
+from rayinfer.deployments.names import DEFAULT_REPLICA_NUM_CPUS, model_deployment_name
 from rayinfer.deployments.server import ServerDeployment
 from rayinfer.protocol.errors import ModelConfigError
 from rayinfer.repository.scanner import scan_model
@@ -45,7 +45,7 @@ def model_application(
     config = entry.config
     replicas = sum(max(group.count, 1) for group in config.instance_group) or 1
     deployment = ModelDeployment.options(
-        name=f"{model}_v{version}",
+        name=model_deployment_name(model, version),
         num_replicas=replicas,
         max_ongoing_requests=max(MIN_ONGOING_REQUESTS, 2 * int(config.max_batch_size)),
         ray_actor_options={"num_cpus": replica_num_cpus},
@@ -66,9 +66,11 @@ def server_application(
     num_cpus: float = 0.1,
     metrics: tuple[str, int] | None = None,
     control: ModelControl | None = None,
+    grpc_front: tuple[str, int, str, int] | None = None,
 ) -> Application:
     """The ``/v2`` application: health, metadata, repository index, statistics, unknown models,
-    and Triton's metrics port at ``metrics`` (address, port) when given."""
+    Triton's metrics port at ``metrics`` (address, port) and the gRPC front at ``grpc_front``
+    (address, port, Serve's gRPC host and port) when given."""
     deployment = ServerDeployment.options(
         num_replicas=1,
         max_ongoing_requests=MIN_ONGOING_REQUESTS,
@@ -77,7 +79,7 @@ def server_application(
         graceful_shutdown_timeout_s=10.0,
     )
     address, port = metrics or ("127.0.0.1", 0)
-    return deployment.bind(str(model_repository), server_id, strict_readiness, port, address, control)
+    return deployment.bind(str(model_repository), server_id, strict_readiness, port, address, control, grpc_front)
 
 
 def build_model_app(args: dict[str, Any]) -> Application:
@@ -94,7 +96,8 @@ def build_model_app(args: dict[str, Any]) -> Application:
 
 def build_server_app(args: dict[str, Any]) -> Application:
     """Serve-config entry point; ``args``: model_repository, server_id, strict_readiness and,
-    for the metrics port, metrics_address and metrics_port."""
+    for the metrics port, metrics_address and metrics_port; for the gRPC front, grpc_address,
+    grpc_port, serve_grpc_host and serve_grpc_port."""
     return server_application(
         args["model_repository"],
         server_id=str(args.get("server_id", "triton")),
@@ -102,6 +105,9 @@ def build_server_app(args: dict[str, Any]) -> Application:
         metrics=(str(args.get("metrics_address", "127.0.0.1")), int(args["metrics_port"]))
         if args.get("metrics_port") else None,
         control=_control_from_args(args),
+        grpc_front=(str(args.get("grpc_address", "127.0.0.1")), int(args["grpc_port"]),
+                    str(args.get("serve_grpc_host", "127.0.0.1")), int(args["serve_grpc_port"]))
+        if args.get("grpc_port") else None,
     )
 
 

@@ -10,6 +10,7 @@ from ray.serve.schema import ServeDeploySchema
 
 from rayinfer.deployments.app import server_application
 from rayinfer.deployments.control import ModelControl, deploy_models
+from rayinfer.deployments.grpc_service import SERVICER_FUNCTION
 from rayinfer.deployments.names import SERVER_APP, SERVER_ROUTE_PREFIX, model_apps
 
 logger = logging.getLogger(__name__)
@@ -20,9 +21,13 @@ def validate_serve_config(doc: dict[str, Any]) -> None:
     ServeDeploySchema.model_validate(doc)
 
 
-def start_serve(http_host: str, http_port: int) -> None:
-    """Start Serve's controller and HAProxy ingress on this cluster."""
-    serve.start(proxy_location="EveryNode", http_options={"host": http_host, "port": http_port})
+def start_serve(http_host: str, http_port: int, grpc_port: int | None = None) -> None:
+    """Start Serve's controller and HAProxy ingress on this cluster; with ``grpc_port``, also
+    Serve's gRPC ingress there, each replica serving Triton's GRPCInferenceService."""
+    grpc_options = {"port": grpc_port, "grpc_servicer_functions": [SERVICER_FUNCTION]} if grpc_port else None
+    serve.start(
+        proxy_location="EveryNode", http_options={"host": http_host, "port": http_port}, grpc_options=grpc_options
+    )
 
 
 def deploy_repository(
@@ -37,6 +42,7 @@ def deploy_repository(
     metrics: tuple[str, int] | None = None,
     control_mode: str = "none",
     poll_secs: float = 15.0,
+    grpc_front: tuple[str, int, str, int] | None = None,
 ) -> dict[str, str]:
     """Deploy the ``/v2`` app and one app per model version; returns models that failed to load.
 
@@ -51,7 +57,7 @@ def deploy_repository(
         serve.run(
             server_application(
                 model_repository, server_id=server_id, strict_readiness=strict_readiness,
-                load_errors=load_errors, metrics=metrics, control=control,
+                load_errors=load_errors, metrics=metrics, control=control, grpc_front=grpc_front,
             ),
             name=SERVER_APP,
             route_prefix=SERVER_ROUTE_PREFIX,

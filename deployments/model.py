@@ -19,15 +19,18 @@ from ray import serve
 
 from rayinfer.adapters.loader import load_runner
 from rayinfer.adapters.model_runner import ModelRunner, PreparedRequest
-from rayinfer.deployments import asgi
+from rayinfer.deployments import asgi, grpc_service
 from rayinfer.deployments.batcher import DynamicBatcher
 from rayinfer.deployments.names import SERVER_APP, SERVER_DEPLOYMENT
+from rayinfer.deployments.grpc_service import answer
 from rayinfer.protocol.compression import compress_body, decompress_body, response_encoding
 from rayinfer.protocol.errors import InvalidArgError, NotFoundError, ServingError, as_serving_error
+from rayinfer.protocol.grpc_codec import metadata_to_grpc, request_from_grpc, response_to_grpc, statistics_to_grpc
 from rayinfer.protocol.http_codec import HEADER_LENGTH, request_from_http, response_to_http
 from rayinfer.protocol.statistics import stats_to_json
 from rayinfer.protocol.types import InferResponse
 from rayinfer.repository.model_config import config_to_json
+from tritonclient.grpc import service_pb2 as pb
 
 logger = logging.getLogger(__name__)
 
@@ -148,6 +151,53 @@ class ModelDeployment:
             payload = compress_body(payload, encoding)
             headers.append((b"content-encoding", encoding.encode()))
         await asgi.send_bytes(send, 200, payload, headers)
+
+    # ---- gRPC (GRPCInferenceService) --------------------------------------------------------
+    # The gRPC front routes these RPCs here by the request's model name and version; the ``/v2``
+    # replica forwards through grpc_call what it could not route (streams, compressed messages).
+
+    async def ModelInfer(self, request: pb.ModelInferRequest, grpc_context: Any = None) -> Any:
+        return await answer(grpc_context, self.grpc_call("ModelInfer", request), pb.ModelInferResponse)
+
+    async def ModelReady(self, request: pb.ModelReadyRequest, grpc_context: Any = None) -> Any:
+        return await answer(grpc_context, self.grpc_call("ModelReady", request), pb.ModelReadyResponse)
+
+    async def ModelMetadata(self, request: pb.ModelMetadataRequest, grpc_context: Any = None) -> Any:
+        return await answer(grpc_context, self.grpc_call("ModelMetadata", request), pb.ModelMetadataResponse)
+
+    async def ModelConfig(self, request: pb.ModelConfigRequest, grpc_context: Any = None) -> Any:
+        return await answer(grpc_context, self.grpc_call("ModelConfig", request), pb.ModelConfigResponse)
+
+    async def ModelStatistics(self, request: pb.ModelStatisticsRequest, grpc_context: Any = None) -> Any:
+        return await answer(grpc_context, self.grpc_call("ModelStatistics", request), pb.ModelStatisticsResponse)
+
+    async def grpc_forwarded(self, method: str, payload: bytes) -> bytes:
+        """``grpc_call`` for the ``/v2`` replica's forwarding: messages travel serialized (protobuf
+        messages do not pickle); errors travel as ServingError. (This class is pickled by value:
+        its methods may name modules, not module-level message tables.)"""
+        request_type, _ = grpc_service.RPC_MESSAGES[method]
+        return (await self.grpc_call(method, request_type.FromString(payload))).SerializeToString()
+
+    async def grpc_call(self, method: str, request: Any) -> Any:
+        """Answer one model RPC; raises ServingError (which the caller turns into a gRPC status)."""
+        version = request.model_version if method == "ModelInfer" else request.version
+        if version and version != self._version:
+            raise NotFoundError(f"Request for unknown model: '{self._name}' version {version} is not found")
+        if method == "ModelInfer":
+            try:
+                prepared = self._runner.prepare(request_from_grpc(request))
+            except Exception as exc:  # rejected before it reached the model: not counted, as in Triton
+                raise as_serving_error(exc) from None
+            return response_to_grpc(await self.infer(prepared))
+        if method == "ModelReady":
+            return pb.ModelReadyResponse(ready=True)
+        if method == "ModelMetadata":
+            return metadata_to_grpc(self._metadata)
+        if method == "ModelConfig":
+            return pb.ModelConfigResponse(config=self._runner.spec.config)
+        if method == "ModelStatistics":
+            return statistics_to_grpc([await self._model_stats()])
+        raise NotFoundError(f"unknown RPC '{method}' for model '{self._name}'")
 
     # ---- inference --------------------------------------------------------------------------
 

@@ -17,6 +17,11 @@ def model_app_name(model: str, version: int, is_default: bool) -> str:
     return model if is_default else f"{model}@v{version}"
 
 
+def model_deployment_name(model: str, version: int) -> str:
+    """The Serve deployment inside a model version's application."""
+    return f"{model}_v{version}"
+
+
 def model_apps(model: str, app_names: Iterable[str]) -> list[str]:
     """The applications of ``model`` among ``app_names`` (every version, default or not)."""
     return [name for name in app_names if name == model or name.startswith(f"{model}@v")]

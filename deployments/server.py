@@ -18,8 +18,9 @@ from ray import serve
 
 import rayinfer
 from rayinfer.deployments import asgi
+from rayinfer.deployments.grpc_service import ServerGrpcMethods
 from rayinfer.deployments.metrics_endpoint import MetricsEndpoint
-from rayinfer.deployments.names import model_app_name, model_apps
+from rayinfer.deployments.names import SERVER_APP, model_app_name, model_apps, model_deployment_name
 from rayinfer.protocol.errors import (
     InternalError,
     InvalidArgError,
@@ -44,6 +45,8 @@ EXTENSIONS = [
     "schedule_policy",
 ]
 _STATE_CACHE_S = 0.5
+# How often the gRPC front's routes are compared with the served versions.
+_ROUTES_REFRESH_S = 1.0
 _SERVE_STATE = {
     "RUNNING": "READY",
     "NOT_STARTED": "LOADING",
@@ -74,8 +77,9 @@ def short_reason(message: str) -> str:
 
 @serve.deployment(name="ServerDeployment")
 @serve.ingress()
-class ServerDeployment:
-    """Serves the server-wide v2 endpoints; holds the statistics reported by model replicas."""
+class ServerDeployment(ServerGrpcMethods):
+    """Serves the server-wide v2 endpoints (HTTP and gRPC); holds the statistics reported by
+    model replicas; runs the metrics port and the gRPC front when asked to."""
 
     def __init__(
         self,
@@ -85,6 +89,7 @@ class ServerDeployment:
         metrics_port: int = 0,
         metrics_address: str = "127.0.0.1",
         control: Any = None,
+        grpc_front: tuple[str, int, str, int] | None = None,
     ):
         self._repository = Path(model_repository)
         self._server_id = server_id
@@ -102,6 +107,17 @@ class ServerDeployment:
 
             self._poll_plan = PollPlan(repository_fingerprints(self._repository))
             self._poll_task = asyncio.get_running_loop().create_task(self._poll_forever())
+        # gRPC routes: "<model>/<version>" ("" = default) -> (application, deployment).
+        self._routes: dict[str, tuple[str, str]] = {}
+        self._handles: dict[tuple[str, str], Any] = {}
+        self._front: Any = None
+        self._routes_task: asyncio.Task | None = None
+        if grpc_front is not None:
+            from rayinfer.deployments.grpc_front import GrpcFront
+
+            address, port, upstream_host, upstream_port = grpc_front
+            self._front = GrpcFront(address, port, (upstream_host, upstream_port), SERVER_APP)
+            self._routes_task = asyncio.get_running_loop().create_task(self._publish_routes_forever())
         self._metrics: MetricsEndpoint | None = None
         if metrics_port:
             self._metrics = MetricsEndpoint(self._render_metrics, metrics_address, metrics_port)
@@ -148,23 +164,24 @@ class ServerDeployment:
     async def _unroutable_model(self, path: str, method: str, send: asgi.Send) -> None:
         """A model path no model application claimed: the model is unknown or not available."""
         parts = path[len("/v2/models/"):].split("/")
-        name = parts[0]
         version = parts[2] if len(parts) >= 3 and parts[1] == "versions" else None
         if parts[-1] == "ready" and method == "GET":
             await asgi.send_empty(send, 400)
             return
+        raise await self._unavailable_model(parts[0], version)
+
+    async def _unavailable_model(self, name: str, version: str | None) -> ServingError:
+        """Triton's error for a model (version) that is unknown or not ready, with the reason."""
         states = [s for s in await self._model_states() if s["name"] == name]
         if not states:
-            raise NotFoundError(f"Request for unknown model: '{name}' is not found")
+            return NotFoundError(f"Request for unknown model: '{name}' is not found")
         if version is not None and not any(s.get("version") == version for s in states):
-            raise NotFoundError(f"Request for unknown model: '{name}' version {version} is not found")
+            return NotFoundError(f"Request for unknown model: '{name}' version {version} is not found")
         reasons = "; ".join(s["reason"] for s in states if s.get("reason"))
         suffix = f" ({reasons})" if reasons else ""
         if version is not None:
-            raise NotFoundError(
-                f"Request for unknown model: '{name}' version {version} is not at ready state{suffix}"
-            )
-        raise NotFoundError(f"Request for unknown model: '{name}' has no available versions{suffix}")
+            return NotFoundError(f"Request for unknown model: '{name}' version {version} is not at ready state{suffix}")
+        return NotFoundError(f"Request for unknown model: '{name}' has no available versions{suffix}")
 
     async def _ready(self) -> bool:
         if not self._strict:
@@ -190,6 +207,11 @@ class ServerDeployment:
         parameters = (parse_json_body(body, "repository") if body else {}).get("parameters") or {}
         if not isinstance(parameters, dict):
             raise InvalidArgError("'parameters' of a repository request must be a JSON object")
+        await self._change_model(action, model, parameters)
+        await asgi.send_empty(send, 200)
+
+    async def _change_model(self, action: str, model: str, parameters: dict[str, Any]) -> None:
+        """Load or unload ``model`` (explicit mode only); returns when it is done."""
         if not self._explicit:
             raise UnavailableError("explicit model load / unload is not allowed if polling is enabled")
         async with self._control_lock:
@@ -200,7 +222,7 @@ class ServerDeployment:
                     await asyncio.to_thread(self._unload_model, model)
             finally:
                 self._states_at = 0.0
-        await asgi.send_empty(send, 200)
+                await self._publish_routes()
 
     async def _poll_forever(self) -> None:
         """Poll mode: load new and changed models, unload removed ones, every ``poll_secs``."""
@@ -223,6 +245,7 @@ class ServerDeployment:
                             logger.error("poll: %s", exc.message)
                     if to_load or to_unload:
                         self._states_at = 0.0
+                        await self._publish_routes()
             except Exception:  # one bad poll must not end polling
                 logger.exception("poll: scanning the repository failed")
 
@@ -281,6 +304,7 @@ class ServerDeployment:
     def _read_states(self) -> list[dict[str, Any]]:
         apps = serve.status().applications
         rows: list[dict[str, Any]] = []
+        routes: dict[str, tuple[str, str]] = {}
         for entry in scan_repository(self._repository):
             if entry.error is not None:
                 rows.append({"name": entry.name, "state": "UNAVAILABLE", "reason": entry.error})
@@ -295,10 +319,34 @@ class ServerDeployment:
                     row.update(state="UNAVAILABLE", reason="unloaded")
                 elif status_name(app.status) in _SERVE_STATE:
                     row.update(state=_SERVE_STATE[status_name(app.status)], reason="")
+                    if row["state"] == "READY":
+                        route = (model_app_name(entry.name, version, version == latest),
+                                 model_deployment_name(entry.name, version))
+                        routes[f"{entry.name}/{version}"] = route
+                        if version == latest:
+                            routes[f"{entry.name}/"] = route
                 else:
                     row.update(state="UNAVAILABLE", reason=failure_reason(app))
                 rows.append(row)
+        self._routes = routes
         return rows
+
+    # ---- the gRPC front's routes -----------------------------------------------------------
+
+    async def _publish_routes(self) -> None:
+        """Give the gRPC front the versions served right now (no-op without a front)."""
+        if self._front is None:
+            return
+        await self._model_states()
+        try:
+            await self._front.publish({key: app for key, (app, _) in self._routes.items()})
+        except Exception:  # the front keeps its previous routes; the /v2 app forwards the rest
+            logger.exception("could not update the gRPC front's routes")
+
+    async def _publish_routes_forever(self) -> None:
+        while True:
+            await self._publish_routes()
+            await asyncio.sleep(_ROUTES_REFRESH_S)
 
     # ---- statistics reported by model replicas ---------------------------------------------
 
@@ -325,9 +373,13 @@ class ServerDeployment:
         metrics = getattr(self, "_metrics", None)
         if metrics is not None:
             metrics.stop()
-        poll = getattr(self, "_poll_task", None)
-        if poll is not None:
-            poll.cancel()
+        for name in ("_poll_task", "_routes_task"):
+            task = getattr(self, name, None)
+            if task is not None:
+                task.cancel()
+        front = getattr(self, "_front", None)
+        if front is not None:
+            front.stop()
 
     async def _all_stats(self) -> list[dict[str, Any]]:
         out = []

@@ -15,7 +15,10 @@ from pathlib import Path
 import pytest
 
 HTTP_PORT = int(os.environ.get("RAYINFER_TEST_HTTP_PORT", "18600"))
+GRPC_PORT = HTTP_PORT + 1
 METRICS_PORT = HTTP_PORT + 2
+# Ray Serve's own gRPC ingress, behind the gRPC front on GRPC_PORT.
+SERVE_GRPC_PORT = HTTP_PORT + 11
 
 
 def http(method: str, path: str, body: bytes | None = None, headers: dict | None = None,
@@ -83,7 +86,8 @@ def server(model_repository: Path, tmp_path_factory: pytest.TempPathFactory):
     proc = subprocess.Popen(
         [sys.executable, "-m", "rayinfer.cluster.cli", "serve", "--model-repository", str(model_repository),
          "--model-control-mode", "explicit", *load,
-         "--http-port", str(HTTP_PORT), "--metrics-port", str(METRICS_PORT), "--replica-num-cpus", "0.01", "--num-cpus", "2",
+         "--http-port", str(HTTP_PORT), "--metrics-port", str(METRICS_PORT),
+         "--grpc-port", str(GRPC_PORT), "--serve-grpc-port", str(SERVE_GRPC_PORT), "--replica-num-cpus", "0.01", "--num-cpus", "2",
          "--startup-timeout-s", "240"],
         stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )
@@ -99,6 +103,7 @@ def server(model_repository: Path, tmp_path_factory: pytest.TempPathFactory):
             time.sleep(0.5)
         yield {
             "url": f"127.0.0.1:{HTTP_PORT}",
+            "grpc_url": f"127.0.0.1:{GRPC_PORT}",
             "metrics_url": f"http://127.0.0.1:{METRICS_PORT}/metrics",
             "log": log_path,
             "process": proc,

