@@ -24,6 +24,7 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +82,8 @@ class GrpcFront:
         self._routes_path.write_text("")
         self._published: dict[str, str] = {}
         self._address, self._port = address, port
+        self._upstream = upstream
+        self._channel: Any = None
         config = self._dir / "haproxy.cfg"
         config.write_text(_CONFIG.format(
             admin=self._admin,
@@ -115,9 +118,22 @@ class GrpcFront:
             time.sleep(0.05)
         raise RuntimeError(f"the gRPC front did not listen on {self._address}:{self._port} within {timeout_s:.0f} s")
 
+    @property
+    def published(self) -> dict[str, str]:
+        return dict(self._published)
+
     async def publish(self, routes: dict[str, str]) -> None:
-        """Make ``routes`` (``<model>/<version>`` -> application) the front's whole map."""
+        """Make ``routes`` (``<model>/<version>`` -> application) the front's whole map.
+
+        A route to an application that Serve's gRPC ingress does not serve yet (it learns of new
+        applications and replicas a moment after they are running) is left out until it does:
+        until then the ``/v2`` application forwards those calls.
+        """
         routes = {k: v for k, v in routes.items() if route_key_is_safe(k) and route_key_is_safe(v)}
+        known = set(self._published.values())
+        for app in {v for v in routes.values() if v not in known}:
+            if not await self._upstream_serves(app):
+                routes = {k: v for k, v in routes.items() if v != app}
         if routes == self._published:
             return
         reply = await self._command(f"prepare map {self._routes_path}")
@@ -134,6 +150,25 @@ class GrpcFront:
         self._routes_path.write_text("".join(f"{k} {v}\n" for k, v in sorted(routes.items())))
         self._published = routes
         logger.info("gRPC front routes: %s", routes)
+
+    async def _upstream_serves(self, app: str) -> bool:
+        """Whether Serve's gRPC ingress answers ``app``'s ModelReady (a model application's)."""
+        import grpc
+        from tritonclient.grpc import service_pb2 as pb
+
+        if self._channel is None:
+            self._channel = grpc.aio.insecure_channel(f"{self._upstream[0]}:{self._upstream[1]}")
+        ready = self._channel.unary_unary(
+            _SERVICE + "ModelReady",
+            request_serializer=pb.ModelReadyRequest.SerializeToString,
+            response_deserializer=pb.ModelReadyResponse.FromString,
+        )
+        try:
+            response = await ready(pb.ModelReadyRequest(name=app.split("@", 1)[0]), metadata=(("application", app),),
+                                   timeout=5.0)
+        except grpc.RpcError:
+            return False
+        return bool(response.ready)
 
     async def _command(self, line: str) -> str:
         reader, writer = await asyncio.open_unix_connection(str(self._admin))

@@ -140,13 +140,18 @@ class ServerGrpcMethods:
 
     async def ModelStatistics(self, request: pb.ModelStatisticsRequest, grpc_context: Any = None) -> Any:
         async def statistics() -> pb.ModelStatisticsResponse:
-            rows = await self._all_stats()
-            if request.name:
-                rows = [r for r in rows if r["name"] == request.name and (not request.version or
-                                                                           r["version"] == request.version)]
-                if not rows:
-                    raise await self._unavailable_model(request.name, request.version or None)
-            return statistics_to_grpc(rows)
+            if not request.name:
+                return statistics_to_grpc(await self._all_stats())
+            # Each version's own replicas report figures that include their latest requests.
+            versions = [row["version"] for row in await self._model_states() if row["name"] == request.name
+                        and row["state"] == "READY" and request.version in ("", row["version"])]
+            if not versions:
+                raise await self._unavailable_model(request.name, request.version or None)
+            response = pb.ModelStatisticsResponse()
+            for version in versions:
+                one = pb.ModelStatisticsRequest(name=request.name, version=version)
+                response.MergeFrom(await self._forward("ModelStatistics", request.name, version, one))
+            return response
 
         return await answer(grpc_context, statistics(), pb.ModelStatisticsResponse)
 

@@ -109,6 +109,7 @@ class ServerDeployment(ServerGrpcMethods):
             self._poll_task = asyncio.get_running_loop().create_task(self._poll_forever())
         # gRPC routes: "<model>/<version>" ("" = default) -> (application, deployment).
         self._routes: dict[str, tuple[str, str]] = {}
+        self._routes_lock = asyncio.Lock()
         self._handles: dict[tuple[str, str], Any] = {}
         self._front: Any = None
         self._routes_task: asyncio.Task | None = None
@@ -211,18 +212,38 @@ class ServerDeployment(ServerGrpcMethods):
         await asgi.send_empty(send, 200)
 
     async def _change_model(self, action: str, model: str, parameters: dict[str, Any]) -> None:
-        """Load or unload ``model`` (explicit mode only); returns when it is done."""
+        """Load or unload ``model`` (explicit mode only); returns when it is done and, for a
+        load, when the gRPC front routes it."""
         if not self._explicit:
             raise UnavailableError("explicit model load / unload is not allowed if polling is enabled")
         async with self._control_lock:
-            try:
-                if action == "load":
+            if action == "load":
+                try:
                     await asyncio.to_thread(self._load_model, model, parameters)
-                else:
-                    await asyncio.to_thread(self._unload_model, model)
-            finally:
-                self._states_at = 0.0
-                await self._publish_routes()
+                finally:
+                    self._states_at = 0.0
+                await self._await_routes(model)
+            else:
+                await self._unload(model)
+
+    async def _unload(self, model: str) -> None:
+        """Take the model out of the gRPC front's routes, then remove its applications."""
+        async with self._routes_lock:
+            self._routes = {k: v for k, v in self._routes.items() if not k.startswith(f"{model}/")}
+            if self._front is not None:
+                await self._front.publish({key: app for key, (app, _) in self._routes.items()})
+            await asyncio.to_thread(self._unload_model, model)
+            self._states_at = 0.0
+
+    async def _await_routes(self, model: str, timeout_s: float = 15.0) -> None:
+        """Wait (a little) until the front routes every served version of ``model``."""
+        deadline = time.monotonic() + timeout_s
+        while self._front is not None and time.monotonic() < deadline:
+            await self._publish_routes()
+            wanted = {k for k in self._routes if k.startswith(f"{model}/")}
+            if wanted <= set(self._front.published):
+                return
+            await asyncio.sleep(0.1)
 
     async def _poll_forever(self) -> None:
         """Poll mode: load new and changed models, unload removed ones, every ``poll_secs``."""
@@ -236,7 +257,7 @@ class ServerDeployment(ServerGrpcMethods):
                 async with self._control_lock:
                     for model in to_unload:
                         logger.info("poll: model '%s' was removed; unloading it", model)
-                        await asyncio.to_thread(self._unload_model, model)
+                        await self._unload(model)
                     for model in to_load:
                         logger.info("poll: model '%s' is new or changed; loading it", model)
                         try:
@@ -337,11 +358,12 @@ class ServerDeployment(ServerGrpcMethods):
         """Give the gRPC front the versions served right now (no-op without a front)."""
         if self._front is None:
             return
-        await self._model_states()
-        try:
-            await self._front.publish({key: app for key, (app, _) in self._routes.items()})
-        except Exception:  # the front keeps its previous routes; the /v2 app forwards the rest
-            logger.exception("could not update the gRPC front's routes")
+        async with self._routes_lock:
+            await self._model_states()
+            try:
+                await self._front.publish({key: app for key, (app, _) in self._routes.items()})
+            except Exception:  # the front keeps its previous routes; the /v2 app forwards the rest
+                logger.exception("could not update the gRPC front's routes")
 
     async def _publish_routes_forever(self) -> None:
         while True:

@@ -1,0 +1,278 @@
+"""Unmodified ``tritonclient.grpc`` (sync, callback, stream and ``grpc.aio``) against the real
+server: every RPC of ``inference.GRPCInferenceService``, through the gRPC front on 8001."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import queue
+import time
+
+import grpc
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.grpc.aio as grpcaio
+from tritonclient.grpc import service_pb2, service_pb2_grpc
+from tritonclient.utils import InferenceServerException
+
+from model_factory import ON_DEMAND
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    c = grpcclient.InferenceServerClient(server["grpc_url"])
+    yield c
+    c.close()
+
+
+@pytest.fixture(scope="module")
+def stub(server):
+    """The generated stub itself, for messages tritonclient never builds (typed contents)."""
+    channel = grpc.insecure_channel(server["grpc_url"])
+    yield service_pb2_grpc.GRPCInferenceServiceStub(channel)
+    channel.close()
+
+
+def add_sub_inputs(a: np.ndarray, b: np.ndarray, datatype: str = "INT32") -> list:
+    inputs = [grpcclient.InferInput("INPUT0", list(a.shape), datatype),
+              grpcclient.InferInput("INPUT1", list(b.shape), datatype)]
+    inputs[0].set_data_from_numpy(a)
+    inputs[1].set_data_from_numpy(b)
+    return inputs
+
+
+A = np.arange(16, dtype=np.int32).reshape(1, 16)
+B = np.full((1, 16), 3, dtype=np.int32)
+
+
+def error_of(call) -> InferenceServerException:
+    with pytest.raises(InferenceServerException) as info:
+        call()
+    return info.value
+
+
+# ---- server and model RPCs ---------------------------------------------------------------------
+
+def test_server_live_ready_and_metadata(client):
+    assert client.is_server_live()
+    # The test repository holds broken models: live, not ready (strict readiness), as over HTTP.
+    assert not client.is_server_ready()
+    meta = client.get_server_metadata()
+    assert meta.name == "triton" and "statistics" in meta.extensions
+
+
+def test_model_ready(client):
+    assert client.is_model_ready("simple")
+    assert client.is_model_ready("versioned", "1") and client.is_model_ready("versioned", "2")
+    assert not client.is_model_ready("versioned", "7")
+    assert not client.is_model_ready("broken_config")
+    assert not client.is_model_ready("no_such_model")
+
+
+def test_model_metadata_and_config(client):
+    meta = client.get_model_metadata("simple", as_json=True)
+    assert meta["name"] == "simple" and meta["versions"] == ["1"] and meta["platform"] == "onnxruntime_onnx"
+    assert [(i["name"], i["datatype"], i["shape"]) for i in meta["inputs"]] == [
+        ("INPUT0", "INT32", ["-1", "16"]), ("INPUT1", "INT32", ["-1", "16"])]
+    config = client.get_model_config("simple").config
+    assert config.max_batch_size == 8 and [o.name for o in config.output] == ["OUTPUT0", "OUTPUT1"]
+    assert list(config.input[0].dims) == [16]
+    assert client.get_model_metadata("versioned", "1").versions == ["1", "2"]
+
+
+def test_infer_with_raw_contents(client):
+    result = client.infer("simple", add_sub_inputs(A, B), request_id="req-7",
+                          outputs=[grpcclient.InferRequestedOutput("OUTPUT1")])
+    assert result.get_response().id == "req-7"
+    assert result.get_response().model_name == "simple" and result.get_response().model_version == "1"
+    np.testing.assert_array_equal(result.as_numpy("OUTPUT1"), A - B)
+    assert result.as_numpy("OUTPUT0") is None  # only the requested output comes back
+
+
+def test_infer_with_typed_contents(stub):
+    request = service_pb2.ModelInferRequest(model_name="simple", id="typed")
+    for name, values in (("INPUT0", A), ("INPUT1", B)):
+        tensor = request.inputs.add(name=name, datatype="INT32", shape=[1, 16])
+        tensor.contents.int_contents.extend(values.reshape(-1).tolist())
+    response = stub.ModelInfer(request)
+    assert response.id == "typed" and [o.name for o in response.outputs] == ["OUTPUT0", "OUTPUT1"]
+    out0 = np.frombuffer(response.raw_output_contents[0], dtype=np.int32).reshape(1, 16)
+    np.testing.assert_array_equal(out0, A + B)
+
+
+def test_infer_strings(client):
+    a = np.array([[str(i) for i in range(16)]], dtype=object)
+    b = np.array([["1"] * 16], dtype=object)
+    result = client.infer("simple_string", add_sub_inputs(a, b, "BYTES"))
+    assert [int(x) for x in result.as_numpy("OUTPUT0").reshape(-1)] == [i + 1 for i in range(16)]
+
+
+def test_versions_are_routed(client):
+    v1 = client.infer("versioned", add_sub_inputs(A, B), model_version="1").as_numpy("OUTPUT0")
+    v2 = client.infer("versioned", add_sub_inputs(A, B), model_version="2").as_numpy("OUTPUT0")
+    default = client.infer("versioned", add_sub_inputs(A, B)).as_numpy("OUTPUT0")
+    np.testing.assert_array_equal(v1, A + B)
+    np.testing.assert_array_equal(v2, A * B)
+    np.testing.assert_array_equal(default, v2)
+    err = error_of(lambda: client.infer("versioned", add_sub_inputs(A, B), model_version="9"))
+    assert err.status() == "StatusCode.NOT_FOUND"
+    assert "Request for unknown model: 'versioned' version 9 is not found" in err.message()
+
+
+def test_large_tensors_have_no_4mb_cap(client):
+    # ONNX string tensors hold UTF-8 text: random letters, 12 MB each way.
+    payload = np.random.default_rng(0).integers(97, 123, 6_000_000, dtype=np.uint8).tobytes()
+    x = np.array([[payload, payload[::-1]]], dtype=object)
+    inp = grpcclient.InferInput("INPUT0", list(x.shape), "BYTES")
+    inp.set_data_from_numpy(x)
+    out = client.infer("simple_identity", [inp]).as_numpy("OUTPUT0")
+    assert out.shape == (1, 2) and out[0, 0] == payload and out[0, 1] == payload[::-1]
+
+
+def test_callback_and_aio_clients(client, server):
+    done: queue.Queue = queue.Queue()
+    client.async_infer("simple", add_sub_inputs(A, B), callback=lambda result, error: done.put((result, error)))
+    result, error = done.get(timeout=60)
+    assert error is None
+    np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), A + B)
+
+    async def run() -> list[np.ndarray]:
+        aio = grpcaio.InferenceServerClient(server["grpc_url"])
+        try:
+            assert await aio.is_server_live() and await aio.is_model_ready("simple")
+            inputs = [grpcaio.InferInput("INPUT0", [1, 16], "INT32"), grpcaio.InferInput("INPUT1", [1, 16], "INT32")]
+            inputs[0].set_data_from_numpy(A)
+            inputs[1].set_data_from_numpy(B)
+            results = await asyncio.gather(*(aio.infer("batched", inputs) for _ in range(8)))
+            return [r.as_numpy("OUTPUT0") for r in results]
+        finally:
+            await aio.close()
+
+    for out in asyncio.run(run()):
+        np.testing.assert_array_equal(out, A + B)
+
+
+def test_compressed_messages_are_served(client):
+    # A compressed message hides the model name from the front: the /v2 replica forwards it.
+    for algorithm in ("gzip", "deflate"):
+        result = client.infer("simple", add_sub_inputs(A, B), compression_algorithm=algorithm)
+        np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), A + B)
+
+
+def test_client_headers_are_accepted(client):
+    result = client.infer("simple", add_sub_inputs(A, B), headers={"x-team": "search", "authorization": "t"})
+    np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), A + B)
+
+
+# ---- errors carry Triton's codes and name what is wrong ----------------------------------------
+
+@pytest.mark.parametrize("model, inputs, code, message", [
+    ("no_such_model", lambda: add_sub_inputs(A, B), "NOT_FOUND", "Request for unknown model: 'no_such_model' is not found"),
+    ("broken_config", lambda: add_sub_inputs(A, B), "NOT_FOUND", "'broken_config' has no available versions"),
+    ("simple", lambda: add_sub_inputs(A.astype(np.float32), B.astype(np.float32), "FP32"), "INVALID_ARGUMENT",
+     "inference input 'INPUT0' data-type is 'FP32', but model 'simple' expects 'INT32'"),
+    ("simple", lambda: add_sub_inputs(A[:, :8], B[:, :8]), "INVALID_ARGUMENT",
+     "unexpected shape for input 'INPUT0' for model 'simple'. Expected [-1,16], got [1,8]"),
+    ("simple", lambda: add_sub_inputs(np.zeros((9, 16), np.int32), np.zeros((9, 16), np.int32)), "INVALID_ARGUMENT",
+     "inference request batch-size must be <= 8 for 'simple'"),
+    ("simple", lambda: add_sub_inputs(A, B)[:1], "INVALID_ARGUMENT", "missing required input(s) ['INPUT1']"),
+], ids=["unknown-model", "broken-model", "dtype", "shape", "batch", "missing-input"])
+def test_errors(client, model, inputs, code, message):
+    err = error_of(lambda: client.infer(model, inputs()))
+    assert err.status() == f"StatusCode.{code}"
+    assert message in err.message()
+
+
+def test_malformed_tensor_data(stub):
+    request = service_pb2.ModelInferRequest(model_name="simple")
+    for name in ("INPUT0", "INPUT1"):
+        request.inputs.add(name=name, datatype="INT32", shape=[1, 16])
+        request.raw_input_contents.append(b"\0" * 60)
+    with pytest.raises(grpc.RpcError) as info:
+        stub.ModelInfer(request)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "input byte size mismatch for input 'INPUT0' for model 'simple'. Expected 64, got 60" in info.value.details()
+    del request.raw_input_contents[1]
+    with pytest.raises(grpc.RpcError) as info:
+        stub.ModelInfer(request)
+    assert "expected 2 raw_input_contents" in info.value.details()
+
+
+def test_unimplemented_extensions_answer_unimplemented(client):
+    for call in (client.get_system_shared_memory_status, client.get_cuda_shared_memory_status,
+                 client.get_trace_settings, client.get_log_settings):
+        err = error_of(call)
+        assert err.status() == "StatusCode.UNIMPLEMENTED" and "not supported" in err.message()
+
+
+# ---- streaming ---------------------------------------------------------------------------------
+
+def test_stream_answers_in_order_and_survives_errors(client):
+    responses: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: responses.put((result, error)))
+    try:
+        plan = ["simple", "no_such_model", "batched", "simple", "versioned"]
+        for i, model in enumerate(plan):
+            client.async_stream_infer(model, add_sub_inputs(A, B), request_id=f"s{i}")
+        got = [responses.get(timeout=60) for _ in plan]
+    finally:
+        client.stop_stream()
+    assert [r.get_response().id if r is not None else None for r, _ in got] == ["s0", None, "s2", "s3", "s4"]
+    assert "Request for unknown model: 'no_such_model' is not found" in got[1][1].message()
+    np.testing.assert_array_equal(got[4][0].as_numpy("OUTPUT0"), A * B)
+
+
+# ---- statistics, index and model control -------------------------------------------------------
+
+def test_statistics_count_exactly(client):
+    def stats():
+        return client.get_inference_statistics("nobatch", as_json=True)["model_stats"][0]
+
+    before = stats()
+    a = np.arange(16, dtype=np.int32)
+    for _ in range(3):
+        client.infer("nobatch", add_sub_inputs(a, a))
+    after = stats()
+
+    def count(doc, key):
+        return int(doc["inference_stats"][key].get("count", 0))
+
+    assert count(after, "success") - count(before, "success") == 3
+    assert int(after.get("execution_count", 0)) - int(before.get("execution_count", 0)) == 3
+    names = {(m["name"], m["version"]) for m in client.get_inference_statistics(as_json=True)["model_stats"]}
+    assert ("versioned", "1") in names and ("simple", "1") in names
+    assert error_of(lambda: client.get_inference_statistics("no_such_model")).status() == "StatusCode.NOT_FOUND"
+
+
+def test_repository_index(client):
+    rows = {(m.name, m.version): m for m in client.get_model_repository_index().models}
+    assert rows[("simple", "1")].state == "READY"
+    assert rows[("broken_config", "")].state == "UNAVAILABLE" and "config.pbtxt" in rows[("broken_config", "")].reason
+    ready = {(m.name, m.version) for m in client.get_model_repository_index().models if m.state == "READY"}
+    assert {(m["name"], m.get("version", "")) for m in
+            client.get_model_repository_index(as_json=True)["models"] if m["state"] == "READY"} == ready
+
+
+def test_load_override_and_unload(client):
+    assert not client.is_model_ready(ON_DEMAND)
+    try:
+        client.load_model(ON_DEMAND)
+        assert client.is_model_ready(ON_DEMAND)
+        np.testing.assert_array_equal(client.infer(ON_DEMAND, add_sub_inputs(A, B)).as_numpy("OUTPUT0"), A + B)
+        config = client.get_model_config(ON_DEMAND, as_json=True)["config"]
+        config["max_batch_size"] = 2
+        client.load_model(ON_DEMAND, config=json.dumps(config))
+        assert client.get_model_config(ON_DEMAND).config.max_batch_size == 2
+        err = error_of(lambda: client.infer(ON_DEMAND, add_sub_inputs(np.zeros((3, 16), np.int32),
+                                                                      np.zeros((3, 16), np.int32))))
+        assert "batch-size must be <= 2" in err.message()
+    finally:
+        client.unload_model(ON_DEMAND)
+    deadline = time.monotonic() + 60
+    while client.is_model_ready(ON_DEMAND) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not client.is_model_ready(ON_DEMAND)
+    err = error_of(lambda: client.load_model("no_such_model"))
+    assert err.status() == "StatusCode.INTERNAL"
+    assert "failed to load 'no_such_model', failed to poll from model repository" in err.message()
