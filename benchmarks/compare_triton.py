@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
 """Side-by-side throughput of the Triton anchor and rayinfer on the same ONNX MLP.
 
-    .venv/bin/python benchmarks/compare_triton.py [--concurrency 1,4,8,16] [--rounds 1]
+    .venv/bin/python benchmarks/compare_triton.py [--concurrency 1,4,8,16] [--protocols http,grpc] [--rounds 1]
 
 Installs the Triton anchor (../shared/anchors/triton/setup) if missing, builds the anchor's MLP
 weights, then alternates the two servers on loopback inside a private network namespace,
-running NVIDIA's perf_analyzer over HTTP at each concurrency (batch 1 per request). Triton
+running NVIDIA's perf_analyzer over HTTP and gRPC at each concurrency (batch 1 per request). Triton
 serves the anchor repository unmodified (python backend running the ONNX file); rayinfer serves
 the same model.onnx natively with its ONNX Runtime adapter and the same batching settings.
 Writes the table and the ratio to docs/benchmarks.md.
@@ -67,9 +67,14 @@ def wait_ready(port: int, proc: subprocess.Popen | None, timeout_s: float) -> No
     raise RuntimeError(f"server on port {port} not ready after {timeout_s} s (last error: {last_error})")
 
 
-def perf_analyzer(port: int, concurrency: int, interval_ms: int, out_csv: Path) -> dict[str, float]:
+# Both servers: HTTP on the port base, gRPC on base + 1, metrics on base + 2.
+PROTOCOL_PORT_OFFSET = {"http": 0, "grpc": 1}
+
+
+def perf_analyzer(base_port: int, protocol: str, concurrency: int, interval_ms: int, out_csv: Path) -> dict[str, float]:
+    port = base_port + PROTOCOL_PORT_OFFSET[protocol]
     cmd = [
-        str(ANCHORS / "triton" / "perf_analyzer"), "-m", MODEL, "-u", f"127.0.0.1:{port}", "-i", "http",
+        str(ANCHORS / "triton" / "perf_analyzer"), "-m", MODEL, "-u", f"127.0.0.1:{port}", "-i", protocol,
         "--concurrency-range", f"{concurrency}:{concurrency}", "--measurement-interval", str(interval_ms),
         "--stability-percentage", "25", "--max-trials", "20", "-f", str(out_csv),
     ]
@@ -106,24 +111,32 @@ def prepare(work: Path) -> tuple[Path, Path]:
     return triton_repo, ray_repo
 
 
-def run_triton(repo: Path, levels: list[int], interval_ms: int, work: Path) -> dict[int, dict]:
+Point = tuple[str, int]  # (protocol, concurrency)
+
+
+def measure(server: str, port: int, points: list[Point], interval_ms: int, work: Path) -> dict[Point, dict]:
+    return {(p, c): perf_analyzer(port, p, c, interval_ms, work / f"{server}_{p}_{c}.csv") for p, c in points}
+
+
+def run_triton(repo: Path, points: list[Point], interval_ms: int, work: Path) -> dict[Point, dict]:
     subprocess.run([str(ANCHORS / "triton" / "start"), str(repo), str(TRITON_PORT)], check=True)
     try:
-        return {c: perf_analyzer(TRITON_PORT, c, interval_ms, work / f"triton_{c}.csv") for c in levels}
+        return measure("triton", TRITON_PORT, points, interval_ms, work)
     finally:
         subprocess.run([str(ANCHORS / "triton" / "stop")], check=False)
 
 
-def run_rayinfer(repo: Path, levels: list[int], interval_ms: int, work: Path) -> dict[int, dict]:
+def run_rayinfer(repo: Path, points: list[Point], interval_ms: int, work: Path) -> dict[Point, dict]:
     log = (work / "rayinfer.log").open("w")
     proc = subprocess.Popen(
         [str(Path(sys.executable).parent / "rayinfer"), "serve", "--model-repository", str(repo),
-         "--http-port", str(RAYINFER_PORT)],
+         "--http-port", str(RAYINFER_PORT), "--grpc-port", str(RAYINFER_PORT + 1),
+         "--metrics-port", str(RAYINFER_PORT + 2), "--serve-grpc-port", str(RAYINFER_PORT + 11)],
         stdout=log, stderr=subprocess.STDOUT,
     )
     try:
         wait_ready(RAYINFER_PORT, proc, 300)
-        return {c: perf_analyzer(RAYINFER_PORT, c, interval_ms, work / f"rayinfer_{c}.csv") for c in levels}
+        return measure("rayinfer", RAYINFER_PORT, points, interval_ms, work)
     finally:
         proc.send_signal(signal.SIGINT)
         try:
@@ -133,30 +146,30 @@ def run_rayinfer(repo: Path, levels: list[int], interval_ms: int, work: Path) ->
             proc.wait()
 
 
-def render(results: dict[str, list[dict[int, dict]]], levels: list[int], args: argparse.Namespace) -> str:
-    def median(server: str, c: int, key: str) -> float:
+def render(results: dict[str, list[dict[Point, dict]]], points: list[Point], args: argparse.Namespace) -> str:
+    def median(server: str, c: Point, key: str) -> float:
         return statistics.median(r[c][key] for r in results[server])
 
     lines = [
         MARK_BEGIN,
         f"Measured {time.strftime('%Y-%m-%d')} on {os.cpu_count()} cores ({platform.processor() or platform.machine()}), "
         f"Python {platform.python_version()}, median of {args.rounds} round(s), servers alternated, perf_analyzer on the "
-        "same cores, HTTP, batch 1 per request, model `mlp_onnx` (256->1024->1024->10 FP32), dynamic batching "
+        "same cores, batch 1 per request, model `mlp_onnx` (256->1024->1024->10 FP32), dynamic batching "
         "500 us, max_batch_size 64, one instance.",
         "",
-        "| concurrency | Triton infer/s | rayinfer infer/s | ratio | Triton p50 / p99 (us) | rayinfer p50 / p99 (us) | rayinfer queue / compute (us) |",
-        "|---|---|---|---|---|---|---|",
+        "| protocol | concurrency | Triton infer/s | rayinfer infer/s | ratio | Triton p50 / p99 (us) | rayinfer p50 / p99 (us) | rayinfer queue / compute (us) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
-    for c in levels:
+    for c in points:
         t, r = median("triton", c, "infer_s"), median("rayinfer", c, "infer_s")
         lines.append(
-            f"| {c} | {t:,.0f} | {r:,.0f} | {r / t:.2f}x | {median('triton', c, 'p50_us'):,.0f} / "
+            f"| {c[0]} | {c[1]} | {t:,.0f} | {r:,.0f} | {r / t:.2f}x | {median('triton', c, 'p50_us'):,.0f} / "
             f"{median('triton', c, 'p99_us'):,.0f} | {median('rayinfer', c, 'p50_us'):,.0f} / "
             f"{median('rayinfer', c, 'p99_us'):,.0f} | {median('rayinfer', c, 'queue_us'):,.0f} / "
             f"{median('rayinfer', c, 'compute_us'):,.0f} |"
         )
     lines += ["", f"Reproduce: `.venv/bin/python benchmarks/compare_triton.py --concurrency {args.concurrency} "
-              f"--rounds {args.rounds}`", MARK_END]
+              f"--protocols {args.protocols} --rounds {args.rounds}`", MARK_END]
     return "\n".join(lines)
 
 
@@ -173,14 +186,15 @@ def write_doc(section: str, path: Path) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--concurrency", default="1,4,8,16")
+    parser.add_argument("--protocols", default="http,grpc")
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--measurement-interval", type=int, default=3000, help="ms per perf_analyzer window")
     parser.add_argument("--output", type=Path, default=ROOT / "docs" / "benchmarks.md")
     args = parser.parse_args()
     if not in_private_netns():
         reexec_in_netns()
-    levels = [int(c) for c in args.concurrency.split(",")]
-    results: dict[str, list[dict[int, dict]]] = {"triton": [], "rayinfer": []}
+    points = [(p, int(c)) for p in args.protocols.split(",") for c in args.concurrency.split(",")]
+    results: dict[str, list[dict[Point, dict]]] = {"triton": [], "rayinfer": []}
     with tempfile.TemporaryDirectory(prefix="rayinfer-bench-") as tmp:
         work = Path(tmp)
         triton_repo, ray_repo = prepare(work)
@@ -190,9 +204,9 @@ def main() -> int:
                 runner = run_triton if server == "triton" else run_rayinfer
                 repo = triton_repo if server == "triton" else ray_repo
                 print(f"round {round_index + 1}: {server}", flush=True)
-                results[server].append(runner(repo, levels, args.measurement_interval, work))
+                results[server].append(runner(repo, points, args.measurement_interval, work))
                 print(results[server][-1], flush=True)
-    section = render(results, levels, args)
+    section = render(results, points, args)
     print(section)
     write_doc(section, args.output)
     return 0

@@ -46,7 +46,7 @@ EXTENSIONS = [
 ]
 _STATE_CACHE_S = 0.5
 # How often the gRPC front's routes are compared with the served versions.
-_ROUTES_REFRESH_S = 1.0
+_ROUTES_REFRESH_S = 2.0
 _SERVE_STATE = {
     "RUNNING": "READY",
     "NOT_STARTED": "LOADING",
