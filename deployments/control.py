@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from ray import serve
 
@@ -55,6 +56,24 @@ def deploy_models(
     for name in load_errors:
         serve.delete(name, _blocking=False)
     return {targets[name][0]: reason for name, reason in load_errors.items()}
+
+
+def trial_load(model_repository: str, versions: list[tuple[str, int, bool]], control: ModelControl,
+               config_override: str | None = None) -> None:
+    """Load each version once in a throwaway Ray task and drop it; raises the load's error.
+
+    A reload of a serving model is tried this way first, so that a broken new model file leaves
+    the serving version untouched instead of replacing it with a failed application.
+    """
+    import ray
+
+    from rayinfer.adapters.loader import load_runner
+
+    def load(repository: str, model: str, version: int) -> None:
+        load_runner(Path(repository), model, version, control.auto_complete, config_override)
+
+    task = ray.remote(load).options(num_cpus=0, max_retries=0)
+    ray.get([task.remote(model_repository, model, version) for model, version, _ in versions])
 
 
 def _wait_for_apps(apps: dict[str, str], timeout_s: float) -> dict[str, str]:

@@ -28,6 +28,7 @@ from rayinfer.protocol.errors import (
     ServingError,
     UnavailableError,
     UnsupportedError,
+    as_serving_error,
 )
 from rayinfer.protocol.http_codec import parse_json_body
 from rayinfer.protocol.metrics import CpuFigures, ModelFigures, render
@@ -275,7 +276,7 @@ class ServerDeployment(ServerGrpcMethods):
 
         ``parameters.config``: a config in Triton's JSON form used instead of config.pbtxt.
         """
-        from rayinfer.deployments.control import deploy_models  # it imports this module
+        from rayinfer.deployments.control import deploy_models, trial_load  # it imports this module
 
         model_dir = self._repository / model
         if model.startswith(".") or not model_dir.is_dir():
@@ -292,6 +293,11 @@ class ServerDeployment(ServerGrpcMethods):
             raise InvalidArgError(f"failed to load '{model}': {entry.error}")
         latest = max(entry.versions)
         versions = [(model, v, v == latest) for v in entry.versions]
+        if model_apps(model, serve.status().applications):
+            try:  # a serving model keeps serving unless the new one loads
+                trial_load(str(self._repository), versions, self._control, override)
+            except Exception as exc:
+                raise InvalidArgError(f"failed to load '{model}': {as_serving_error(exc).message}") from None
         failures = deploy_models(str(self._repository), versions, self._control, {model: override} if override else None)
         wanted = {model_app_name(*v) for v in versions}
         for name in model_apps(model, serve.status().applications):

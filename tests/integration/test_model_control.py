@@ -145,3 +145,20 @@ def test_bad_load_parameters_are_rejected_with_the_reason():
     )
     assert status == 501 and "file contents" in doc["error"]
     assert index_row(ON_DEMAND)["state"] in ("UNAVAILABLE", "UNLOADING")
+
+
+def test_a_failed_reload_leaves_the_serving_version(client, model_repository):
+    model_file = model_repository / ON_DEMAND / "1" / "model.onnx"
+    original = model_file.read_bytes()
+    client.load_model(ON_DEMAND)
+    try:
+        model_file.write_bytes(b"not an ONNX model any more")
+        status, doc = http_json("POST", f"/v2/repository/models/{ON_DEMAND}/load")
+        assert status == 400
+        assert doc["error"].startswith(f"failed to load '{ON_DEMAND}': ") and "model.onnx" in doc["error"]
+        assert client.is_model_ready(ON_DEMAND)
+        assert index_row(ON_DEMAND)["state"] == "READY"
+        np.testing.assert_array_equal(add_sub(client, ON_DEMAND), np.arange(16).reshape(1, 16) * 2)
+    finally:
+        model_file.write_bytes(original)
+        client.unload_model(ON_DEMAND)
