@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -27,12 +28,12 @@ from rayinfer.protocol.errors import (
     NotFoundError,
     ServingError,
     UnavailableError,
-    UnsupportedError,
     as_serving_error,
 )
 from rayinfer.protocol.http_codec import parse_json_body
 from rayinfer.protocol.metrics import CpuFigures, ModelFigures, render
 from rayinfer.protocol.statistics import merge_snapshots, stats_to_json
+from rayinfer.repository.override_files import file_parameters, write_model_directory
 from rayinfer.repository.scanner import scan_model, scan_repository
 
 logger = logging.getLogger(__name__)
@@ -102,6 +103,8 @@ class ServerDeployment(ServerGrpcMethods):
         self._states_lock = asyncio.Lock()
         self._control = control  # a rayinfer.deployments.control.ModelControl; None: mode "none"
         self._control_lock = asyncio.Lock()
+        # Models loaded with an override or files: (repository root, config override).
+        self._sources: dict[str, tuple[Path, str | None]] = {}
         self._poll_task: asyncio.Task | None = None
         if control is not None and control.mode == "poll":
             from rayinfer.repository.poll import PollPlan, repository_fingerprints
@@ -274,19 +277,35 @@ class ServerDeployment(ServerGrpcMethods):
     def _load_model(self, model: str, parameters: dict[str, Any]) -> None:
         """Deploy every version the model's policy selects; remove versions no longer selected.
 
-        ``parameters.config``: a config in Triton's JSON form used instead of config.pbtxt.
+        ``parameters.config``: a config in Triton's JSON form used instead of config.pbtxt;
+        ``file:<version>/<name>`` parameters: the model's files, served from a temporary model
+        directory (they need ``config``).
         """
         from rayinfer.deployments.control import deploy_models, trial_load  # it imports this module
 
-        model_dir = self._repository / model
-        if model.startswith(".") or not model_dir.is_dir():
+        if model.startswith(".") or "/" in model or not (self._repository / model).is_dir():
             raise InternalError(f"failed to load '{model}', failed to poll from model repository")
-        if any(key.startswith("file:") for key in parameters):
-            raise UnsupportedError(f"failed to load '{model}': file contents in a load request are not supported")
         override = parameters.get("config")
         if override is not None and not isinstance(override, str):
             raise InvalidArgError(f"failed to load '{model}': parameter 'config' must be a JSON string")
-        entry = scan_model(model_dir, override)
+        files = file_parameters(model, parameters)
+        if files and override is None:
+            raise InvalidArgError(f"failed to load '{model}': 'file:' parameters need the 'config' parameter")
+        root = write_model_directory(model, files) if files else self._repository
+        try:
+            self._deploy_from(root, model, override, deploy_models, trial_load)
+        except BaseException:
+            if files:
+                shutil.rmtree(root, ignore_errors=True)
+            raise
+        previous = self._sources.pop(model, None)
+        if previous is not None and previous[0] != root and previous[0] != self._repository:
+            shutil.rmtree(previous[0], ignore_errors=True)
+        if files or override is not None:
+            self._sources[model] = (root, override)
+
+    def _deploy_from(self, root: Path, model: str, override: str | None, deploy_models: Any, trial_load: Any) -> None:
+        entry = scan_model(root / model, override)
         if entry.error is not None:
             if not model_apps(model, serve.status().applications):  # a serving version keeps serving
                 self._load_errors[model] = entry.error
@@ -295,10 +314,10 @@ class ServerDeployment(ServerGrpcMethods):
         versions = [(model, v, v == latest) for v in entry.versions]
         if model_apps(model, serve.status().applications):
             try:  # a serving model keeps serving unless the new one loads
-                trial_load(str(self._repository), versions, self._control, override)
+                trial_load(str(root), versions, self._control, override)
             except Exception as exc:
                 raise InvalidArgError(f"failed to load '{model}': {as_serving_error(exc).message}") from None
-        failures = deploy_models(str(self._repository), versions, self._control, {model: override} if override else None)
+        failures = deploy_models(str(root), versions, self._control, {model: override} if override else None)
         wanted = {model_app_name(*v) for v in versions}
         for name in model_apps(model, serve.status().applications):
             if name not in wanted:
@@ -309,9 +328,19 @@ class ServerDeployment(ServerGrpcMethods):
         self._load_errors.pop(model, None)
 
     def _unload_model(self, model: str) -> None:
-        """Remove every version of the model (unknown or unloaded models: nothing to do, as Triton)."""
-        for name in model_apps(model, serve.status().applications):
+        """Remove every version of the model (unknown or unloaded models: nothing to do, as Triton);
+        returns once they are gone, so the model is no longer ready to either protocol."""
+        names = model_apps(model, serve.status().applications)
+        for name in names:
             serve.delete(name, _blocking=False)
+        deadline = time.monotonic() + 60
+        while names and time.monotonic() < deadline:
+            apps = serve.status().applications
+            names = [name for name in names if name in apps]
+            time.sleep(0.1)
+        source = self._sources.pop(model, None)
+        if source is not None and source[0] != self._repository:
+            shutil.rmtree(source[0], ignore_errors=True)
         self._load_errors.pop(model, None)
         for key in [k for k in self._stats if k[0] == model]:
             del self._stats[key]
@@ -333,6 +362,9 @@ class ServerDeployment(ServerGrpcMethods):
         rows: list[dict[str, Any]] = []
         routes: dict[str, tuple[str, str]] = {}
         for entry in scan_repository(self._repository):
+            if entry.name in self._sources:  # loaded with a config override or files of its own
+                root, override = self._sources[entry.name]
+                entry = scan_model(root / entry.name, override)
             if entry.error is not None:
                 rows.append({"name": entry.name, "state": "UNAVAILABLE", "reason": entry.error})
                 continue

@@ -276,3 +276,21 @@ def test_load_override_and_unload(client):
     err = error_of(lambda: client.load_model("no_such_model"))
     assert err.status() == "StatusCode.INTERNAL"
     assert "failed to load 'no_such_model', failed to poll from model repository" in err.message()
+
+
+def test_load_with_files_a_partial_override_and_bad_paths(client, model_repository):
+    model = (model_repository / ON_DEMAND / "1" / "model.onnx").read_bytes()
+    try:
+        # Triton's own model-control example sends only max_batch_size; the rest is auto-completed.
+        client.load_model(ON_DEMAND, config='{"max_batch_size":"16"}')
+        assert client.get_model_config(ON_DEMAND).config.max_batch_size == 16
+        client.load_model(ON_DEMAND, config=json.dumps({"backend": "onnxruntime", "max_batch_size": 3}),
+                          files={"file:1/model.onnx": model})
+        assert client.get_model_config(ON_DEMAND).config.max_batch_size == 3
+        np.testing.assert_array_equal(client.infer(ON_DEMAND, add_sub_inputs(A, B)).as_numpy("OUTPUT1"), A - B)
+    finally:
+        client.unload_model(ON_DEMAND)
+    assert not client.is_model_ready(ON_DEMAND)
+    err = error_of(lambda: client.load_model(ON_DEMAND, config="{}", files={"file:" + "A" * 256: b"a"}))
+    assert err.status() == "StatusCode.INVALID_ARGUMENT" and "Invalid file path" in err.message()
+    assert client.is_server_live()

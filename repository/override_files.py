@@ -1,0 +1,68 @@
+"""Model files carried by a load request (``file:<version>/<name>`` parameters).
+
+As in Triton, such a load serves the model from a temporary model directory holding exactly
+those files (the request's ``config`` parameter is its configuration), never from the
+repository's copy. Every path is checked before anything is written: relative, no ``.`` or
+``..`` components, no component longer than NAME_MAX, and inside the temporary directory.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import shutil
+import tempfile
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from rayinfer.protocol.errors import InvalidArgError
+
+FILE_PREFIX = "file:"
+_NAME_MAX_BYTES = 255
+
+
+def file_parameters(model: str, parameters: dict[str, Any]) -> dict[str, bytes]:
+    """The ``file:`` parameters as {relative path: content}; HTTP sends contents base64-encoded,
+    gRPC as bytes."""
+    files = {}
+    for key, value in parameters.items():
+        if not key.startswith(FILE_PREFIX):
+            continue
+        if isinstance(value, str):
+            try:
+                value = base64.b64decode(value, validate=True)
+            except (binascii.Error, ValueError):
+                raise InvalidArgError(f"failed to load '{model}': '{key}' is not valid base64") from None
+        if not isinstance(value, bytes):
+            raise InvalidArgError(f"failed to load '{model}': '{key}' must carry the file's bytes")
+        files[key[len(FILE_PREFIX):]] = value
+    return files
+
+
+def checked_relative_path(model: str, path: str) -> PurePosixPath:
+    """``path`` as a safe relative path, or INVALID_ARG naming it."""
+    relative = PurePosixPath(path)
+    parts = relative.parts
+    if (not path or relative.is_absolute() or "\\" in path or "\0" in path or not parts
+            or any(part in (".", "..") or len(part.encode()) > _NAME_MAX_BYTES for part in parts)):
+        raise InvalidArgError(f"failed to load '{model}': Invalid file path '{FILE_PREFIX}{path}'")
+    return relative
+
+
+def write_model_directory(model: str, files: dict[str, bytes]) -> Path:
+    """A new temporary repository root holding ``<root>/<model>/<files>``; returns the root."""
+    checked = {checked_relative_path(model, path): content for path, content in files.items()}
+    root = Path(tempfile.mkdtemp(prefix="rayinfer-load-"))
+    model_dir = (root / model).resolve()
+    try:
+        model_dir.mkdir()
+        for relative, content in checked.items():
+            target = (model_dir / relative).resolve()
+            if not target.is_relative_to(model_dir):
+                raise InvalidArgError(f"failed to load '{model}': Invalid file path '{FILE_PREFIX}{relative}'")
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(content)
+    except BaseException:
+        shutil.rmtree(root, ignore_errors=True)
+        raise
+    return root

@@ -1,0 +1,44 @@
+"""Files carried by a load request: decoding and path checks (no Ray)."""
+
+from __future__ import annotations
+
+import base64
+
+import pytest
+
+from rayinfer.protocol.errors import InvalidArgError
+from rayinfer.repository.override_files import checked_relative_path, file_parameters, write_model_directory
+
+
+def test_http_contents_are_base64_and_grpc_contents_bytes():
+    params = {"config": "{}", "file:1/model.onnx": base64.b64encode(b"\x01\x02").decode(), "file:1/extra": b"raw"}
+    assert file_parameters("m", params) == {"1/model.onnx": b"\x01\x02", "1/extra": b"raw"}
+    with pytest.raises(InvalidArgError, match="not valid base64"):
+        file_parameters("m", {"file:1/model.onnx": "not base64!"})
+
+
+@pytest.mark.parametrize("path", ["", "/etc/passwd", "../x", "1/../../x", ".", "a\\b", "A" * 256, "1/\0"])
+def test_unsafe_paths_are_invalid(path):
+    with pytest.raises(InvalidArgError, match="Invalid file path"):
+        checked_relative_path("m", path)
+
+
+def test_files_land_in_a_new_model_directory(tmp_path):
+    root = write_model_directory("m", {"1/model.onnx": b"onnx", "config.pbtxt": b"cfg"})
+    try:
+        assert (root / "m" / "1" / "model.onnx").read_bytes() == b"onnx"
+        assert sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file()) == [
+            "m/1/model.onnx", "m/config.pbtxt"]
+    finally:
+        import shutil
+
+        shutil.rmtree(root)
+
+
+def test_nothing_is_written_when_any_path_is_bad(tmp_path, monkeypatch):
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    with pytest.raises(InvalidArgError):
+        write_model_directory("m", {"1/model.onnx": b"ok", "../escape": b"bad"})
+    assert list(tmp_path.iterdir()) == []
