@@ -55,6 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("--ray-address", default=None)
         sub.add_argument("--num-cpus", type=float, default=None, help="CPUs of the embedded local Ray")
         sub.add_argument("--ray-metrics-port", type=int, default=None, help="embedded Ray's metrics port")
+        sub.add_argument("--dashboard-port", type=int, default=None, help="start the embedded Ray's dashboard here")
         sub.add_argument("--replica-num-cpus", type=float, default=None)
         sub.add_argument("--startup-timeout-s", type=float, default=None)
     commands.add_parser("ray-env", help="print the Ray settings rayinfer needs, as shell exports")
@@ -118,7 +119,9 @@ def serve(settings: ServerSettings) -> int:
     else:
         ray.init(
             num_cpus=settings.num_cpus,
-            include_dashboard=False,
+            include_dashboard=settings.dashboard_port is not None,
+            dashboard_host=settings.http_address,
+            dashboard_port=settings.dashboard_port,
             _node_ip_address="127.0.0.1",
             _metrics_export_port=settings.ray_metrics_port,
             logging_level=logging.WARNING,
@@ -148,6 +151,8 @@ def serve(settings: ServerSettings) -> int:
         metrics = metrics_endpoint(settings)
         if metrics is not None:
             print(f"Started Metrics Service at {metrics[0]}:{metrics[1]}", flush=True)
+        if settings.dashboard_port is not None and not address:
+            print(f"Ray dashboard at http://{settings.http_address}:{settings.dashboard_port}", flush=True)
         stop.wait()
     finally:
         print("Stopping rayinfer...", flush=True)

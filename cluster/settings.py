@@ -75,6 +75,11 @@ class ServerSettings(BaseSettings):
         None, description="Address of an existing Ray cluster; default: RAY_ADDRESS, else start a local Ray."
     )
     num_cpus: float | None = Field(None, description="CPUs of the embedded local Ray (default: all cores).")
+    dashboard_port: int | None = Field(
+        None,
+        description="Start the embedded Ray's dashboard on this port (Ray's default is 8265), bound to "
+        "--http-address; default: no dashboard (it costs CPU on small machines).",
+    )
     ray_metrics_port: int | None = Field(
         None,
         description="Port of the embedded Ray's own Prometheus metrics (ray_serve_*, ray_*); default: a free port.",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -29,7 +30,7 @@ from rayinfer.protocol.grpc_codec import index_to_grpc, parameters_from_grpc, st
 
 logger = logging.getLogger(__name__)
 
-SERVICER_FUNCTION = "tritonclient.grpc.service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server"
+SERVICER_FUNCTION = "rayinfer.deployments.grpc_service.add_servicer_to_server"
 # Request and response message of each model RPC.
 RPC_MESSAGES: dict[str, tuple[type, type]] = {
     "ModelInfer": (pb.ModelInferRequest, pb.ModelInferResponse),
@@ -40,6 +41,22 @@ RPC_MESSAGES: dict[str, tuple[type, type]] = {
 }
 # Responses of a stream computed ahead of the one being sent (they are still sent in order).
 _STREAM_WINDOW = 64
+
+
+def add_servicer_to_server(servicer: Any, server: Any) -> None:
+    """Serve's ``grpc_servicer_functions`` entry: registers GRPCInferenceService on a replica's
+    (or Serve's proxy's) gRPC server.
+
+    tritonclient's generated messages name their modules after the .proto files
+    (``grpc_service_pb2``, ``model_config_pb2``), which are not importable under those names;
+    Ray Serve's gRPC proxy pickles requests it forwards (its fallback while a replica starts or
+    drains), and pickle needs them. So those names are made to point at tritonclient's modules.
+    """
+    from tritonclient.grpc import model_config_pb2, service_pb2_grpc
+
+    sys.modules.setdefault(pb.DESCRIPTOR.name.replace(".proto", "_pb2"), pb)
+    sys.modules.setdefault(model_config_pb2.DESCRIPTOR.name.replace(".proto", "_pb2"), model_config_pb2)
+    service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, server)
 
 
 def set_error(grpc_context: Any, exc: BaseException) -> ServingError:
@@ -96,7 +113,9 @@ class ServerGrpcMethods:
 
     async def ModelReady(self, request: pb.ModelReadyRequest, grpc_context: Any = None) -> Any:
         if self._route(request.name, request.version) is None:
-            return pb.ModelReadyResponse(ready=False)
+            await self._model_states()  # the model may have become ready since the last refresh
+            if self._route(request.name, request.version) is None:
+                return pb.ModelReadyResponse(ready=False)
         return await answer(grpc_context, self._forward("ModelReady", request.name, request.version, request),
                             pb.ModelReadyResponse)
 

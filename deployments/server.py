@@ -378,7 +378,8 @@ class ServerDeployment(ServerGrpcMethods):
                     row.update(state="UNAVAILABLE", reason="unloaded")
                 elif status_name(app.status) in _SERVE_STATE:
                     row.update(state=_SERVE_STATE[status_name(app.status)], reason="")
-                    if row["state"] == "READY":
+                    # A version being updated (DEPLOYING) keeps serving from its old replicas.
+                    if status_name(app.status) in ("RUNNING", "DEPLOYING"):
                         route = (model_app_name(entry.name, version, version == latest),
                                  model_deployment_name(entry.name, version))
                         routes[f"{entry.name}/{version}"] = route

@@ -73,34 +73,68 @@ def model_repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _build_repository(tmp_path_factory.mktemp("repo"))
 
 
+def start_server(repository: Path, log_path: Path, args: list[str]) -> subprocess.Popen:
+    """``rayinfer serve`` on ``repository`` with ``args``; returns once it printed that HTTP is up."""
+    log = log_path.open("w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rayinfer.cluster.cli", "serve", "--model-repository", str(repository),
+         "--replica-num-cpus", "0.01", "--num-cpus", "2", "--startup-timeout-s", "240", *args],
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    log.close()
+    deadline = time.monotonic() + 300
+    while "Started HTTPService" not in log_path.read_text():
+        if proc.poll() is not None:
+            pytest.fail(f"rayinfer exited with {proc.returncode}:\n{log_path.read_text()[-4000:]}")
+        if time.monotonic() > deadline:
+            stop_server(proc)
+            pytest.fail(f"rayinfer did not start:\n{log_path.read_text()[-4000:]}")
+        time.sleep(0.5)
+    return proc
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    """SIGINT (rayinfer stops Serve and its embedded Ray), SIGKILL to the group if that hangs."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+# The session server's process, so that a test needing a Ray cluster of its own can stop it
+# first (this machine runs one Ray cluster at a time); such tests are marked ``own_cluster``
+# and run last.
+_SHARED: dict[str, subprocess.Popen] = {}
+
+
+def stop_shared_server() -> None:
+    proc = _SHARED.pop("server", None)
+    if proc is not None:
+        stop_server(proc)
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    items.sort(key=lambda item: item.get_closest_marker("own_cluster") is not None)
+
+
 @pytest.fixture(scope="session")
 def server(model_repository: Path, tmp_path_factory: pytest.TempPathFactory):
     """``rayinfer serve`` on the test repository, started once; stopped with SIGINT at the end."""
     log_path = tmp_path_factory.mktemp("server") / "rayinfer.log"
-    log = log_path.open("w")
     from model_factory import ON_DEMAND
 
     # Explicit model control: every model but ON_DEMAND loads at start (--load-model each).
     load = [arg for p in sorted(model_repository.iterdir()) if p.is_dir() and p.name != ON_DEMAND
             for arg in ("--load-model", p.name)]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "rayinfer.cluster.cli", "serve", "--model-repository", str(model_repository),
-         "--model-control-mode", "explicit", *load,
-         "--http-port", str(HTTP_PORT), "--metrics-port", str(METRICS_PORT),
-         "--grpc-port", str(GRPC_PORT), "--serve-grpc-port", str(SERVE_GRPC_PORT), "--replica-num-cpus", "0.01", "--num-cpus", "2",
-         "--startup-timeout-s", "240"],
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-    )
+    proc = start_server(model_repository, log_path, [
+        "--model-control-mode", "explicit", *load, "--http-port", str(HTTP_PORT), "--metrics-port", str(METRICS_PORT),
+        "--grpc-port", str(GRPC_PORT), "--serve-grpc-port", str(SERVE_GRPC_PORT),
+    ])
+    _SHARED["server"] = proc
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"rayinfer exited with {proc.returncode}:\n{log_path.read_text()[-4000:]}")
-            if "Started HTTPService" in log_path.read_text():
-                break
-            if time.monotonic() > deadline:
-                pytest.fail(f"rayinfer did not start:\n{log_path.read_text()[-4000:]}")
-            time.sleep(0.5)
         yield {
             "url": f"127.0.0.1:{HTTP_PORT}",
             "grpc_url": f"127.0.0.1:{GRPC_PORT}",
@@ -109,11 +143,4 @@ def server(model_repository: Path, tmp_path_factory: pytest.TempPathFactory):
             "process": proc,
         }
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(timeout=90)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        log.close()
+        stop_shared_server()

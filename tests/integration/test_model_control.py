@@ -73,10 +73,23 @@ def test_unloading_an_unknown_model_is_not_an_error():
     assert http("POST", "/v2/repository/models/nope/unload")[0] == 200
 
 
-def test_reloading_a_changed_model_under_traffic_fails_no_request(server, client, model_repository):
+def grpc_add_sub(c, model: str) -> np.ndarray:
+    import tritonclient.grpc as grpcclient
+
+    a = np.arange(16, dtype=np.int32).reshape(1, 16)
+    inputs = [grpcclient.InferInput("INPUT0", [1, 16], "INT32"), grpcclient.InferInput("INPUT1", [1, 16], "INT32")]
+    inputs[0].set_data_from_numpy(a)
+    inputs[1].set_data_from_numpy(a)
+    return c.infer(model, inputs).as_numpy("OUTPUT0")
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_reloading_a_changed_model_under_traffic_fails_no_request(server, client, model_repository, protocol):
     """The old version serves until the new one is ready; a reload never drops a request."""
     import concurrent.futures
     import threading
+
+    import tritonclient.grpc as grpcclient
 
     client.load_model(ON_DEMAND)
     config = model_repository / ON_DEMAND / "config.pbtxt"
@@ -85,11 +98,14 @@ def test_reloading_a_changed_model_under_traffic_fails_no_request(server, client
     results = {"ok": 0, "errors": []}
 
     def worker() -> None:
-        c = httpclient.InferenceServerClient(server["url"], network_timeout=60.0)
+        if protocol == "http":
+            c, infer = httpclient.InferenceServerClient(server["url"], network_timeout=60.0), add_sub
+        else:
+            c, infer = grpcclient.InferenceServerClient(server["grpc_url"]), grpc_add_sub
         try:
             while not stop.is_set():
                 try:
-                    np.testing.assert_array_equal(add_sub(c, ON_DEMAND), np.arange(16).reshape(1, 16) * 2)
+                    np.testing.assert_array_equal(infer(c, ON_DEMAND), np.arange(16).reshape(1, 16) * 2)
                     results["ok"] += 1
                 except Exception as exc:  # every failure is a finding
                     results["errors"].append(repr(exc))

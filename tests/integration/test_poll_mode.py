@@ -1,0 +1,73 @@
+"""Poll model control on a server of its own: models added, changed and removed on disk are
+loaded, reloaded and unloaded, and the load API is refused with Triton's message."""
+
+from __future__ import annotations
+
+import shutil
+import time
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+
+from conftest import HTTP_PORT, add_sub_inputs, start_server, stop_server, stop_shared_server
+from model_factory import ON_DEMAND
+
+pytestmark = pytest.mark.own_cluster
+
+PORT = HTTP_PORT + 100
+
+
+def wait_for(condition, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.3)
+
+
+@pytest.fixture(scope="module")
+def poll_server(model_repository, tmp_path_factory):
+    stop_shared_server()  # one Ray cluster at a time on a small machine
+    repo = tmp_path_factory.mktemp("poll_repo")
+    shutil.copytree(model_repository / "simple", repo / "simple")
+    log = tmp_path_factory.mktemp("poll_server") / "rayinfer.log"
+    proc = start_server(repo, log, [
+        "--model-control-mode", "poll", "--repository-poll-secs", "1", "--http-port", str(PORT),
+        "--grpc-port", str(PORT + 1), "--metrics-port", str(PORT + 2), "--serve-grpc-port", str(PORT + 11),
+    ])
+    try:
+        yield repo, httpclient.InferenceServerClient(f"127.0.0.1:{PORT}", network_timeout=120.0), \
+            grpcclient.InferenceServerClient(f"127.0.0.1:{PORT + 1}")
+    finally:
+        stop_server(proc)
+
+
+def test_poll_adds_changes_and_removes_models(poll_server, model_repository):
+    repo, http, grpc = poll_server
+    assert http.is_model_ready("simple") and not http.is_model_ready("added")
+
+    shutil.copytree(model_repository / ON_DEMAND, repo / "added")
+    wait_for(lambda: http.is_model_ready("added") and grpc.is_model_ready("added"))
+    a = np.arange(16, dtype=np.int32).reshape(1, 16)
+    np.testing.assert_array_equal(http.infer("added", add_sub_inputs(a, a)).as_numpy("OUTPUT0"), a * 2)
+    assert http.get_model_config("added")["max_batch_size"] == 8
+
+    config = repo / "added" / "config.pbtxt"
+    config.write_text(config.read_text().replace("max_batch_size: 8", "max_batch_size: 4"))
+    wait_for(lambda: http.get_model_config("added")["max_batch_size"] == 4)
+    assert grpc.get_model_config("added").config.max_batch_size == 4
+
+    shutil.rmtree(repo / "added")
+    wait_for(lambda: not http.is_model_ready("added") and not grpc.is_model_ready("added"))
+    wait_for(lambda: "added" not in {m["name"] for m in http.get_model_repository_index()})
+    assert http.is_model_ready("simple")
+
+
+def test_the_load_api_is_refused_in_poll_mode(poll_server):
+    _, http, grpc = poll_server
+    from tritonclient.utils import InferenceServerException
+
+    for client in (http, grpc):
+        with pytest.raises(InferenceServerException, match="explicit model load / unload is not allowed"):
+            client.load_model("simple")
