@@ -64,14 +64,14 @@ def render_serve_config(settings: ServerSettings, entries: list[ModelEntry] | No
                 "auto_complete": not settings.disable_auto_complete_config,
             },
         })
-    doc = {
+    doc: dict[str, Any] = {
         "proxy_location": "EveryNode",
         "http_options": {"host": settings.http_address, "port": settings.http_port},
-        "applications": applications,
     }
     front = grpc_front(settings)
     if front is not None:
         doc["grpc_options"] = {"port": front[3], "grpc_servicer_functions": [SERVICER_FUNCTION]}
+    doc["applications"] = applications
     return doc
 
 
