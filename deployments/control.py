@@ -66,14 +66,24 @@ def trial_load(model_repository: str, versions: list[tuple[str, int, bool]], con
     the serving version untouched instead of replacing it with a failed application.
     """
     import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     from rayinfer.adapters.loader import load_runner
 
     def load(repository: str, model: str, version: int) -> None:
-        load_runner(Path(repository), model, version, control.auto_complete, config_override)
+        runner, _ = load_runner(Path(repository), model, version, control.auto_complete, config_override)
+        runner.adapter.unload()
 
-    task = ray.remote(load).options(num_cpus=0, max_retries=0)
-    ray.get([task.remote(model_repository, model, version) for model, version, _ in versions])
+    # On this node: a load request's files are in a temporary directory here.
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    task = ray.remote(load).options(num_cpus=0, max_retries=0, scheduling_strategy=here)
+    refs = [task.remote(model_repository, model, version) for model, version, _ in versions]
+    try:
+        ray.get(refs, timeout=control.timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        for ref in refs:
+            ray.cancel(ref, force=True)
+        raise TimeoutError(f"loading the new model took longer than {control.timeout_s:.0f} s") from None
 
 
 def _wait_for_apps(apps: dict[str, str], timeout_s: float) -> dict[str, str]:

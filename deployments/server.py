@@ -234,8 +234,12 @@ class ServerDeployment(ServerGrpcMethods):
         """Take the model out of the gRPC front's routes, then remove its applications."""
         async with self._routes_lock:
             self._routes = {k: v for k, v in self._routes.items() if not k.startswith(f"{model}/")}
+            self._handles = {route: h for route, h in self._handles.items() if not model_apps(model, [route[0]])}
             if self._front is not None:
-                await self._front.publish({key: app for key, (app, _) in self._routes.items()})
+                try:
+                    await self._front.publish({key: app for key, (app, _) in self._routes.items()})
+                except Exception:  # the /v2 app answers what the front still routes to a removed app
+                    logger.exception("could not withdraw '%s' from the gRPC front's routes", model)
             await asyncio.to_thread(self._unload_model, model)
             self._states_at = 0.0
 
@@ -283,7 +287,7 @@ class ServerDeployment(ServerGrpcMethods):
         """
         from rayinfer.deployments.control import deploy_models, trial_load  # it imports this module
 
-        if model.startswith(".") or "/" in model or not (self._repository / model).is_dir():
+        if not model or model.startswith(".") or "/" in model or not (self._repository / model).is_dir():
             raise InternalError(f"failed to load '{model}', failed to poll from model repository")
         override = parameters.get("config")
         if override is not None and not isinstance(override, str):
@@ -293,18 +297,23 @@ class ServerDeployment(ServerGrpcMethods):
             raise InvalidArgError(f"failed to load '{model}': 'file:' parameters need the 'config' parameter")
         root = write_model_directory(model, files) if files else self._repository
         try:
-            self._deploy_from(root, model, override, deploy_models, trial_load)
-        except BaseException:
+            versions = self._check_versions(root, model, override, trial_load)
+        except BaseException:  # nothing was deployed from the new files
             if files:
                 shutil.rmtree(root, ignore_errors=True)
             raise
+        # From here on applications may run from ``root``: it is kept until the model is unloaded
+        # or loaded again from elsewhere.
         previous = self._sources.pop(model, None)
-        if previous is not None and previous[0] != root and previous[0] != self._repository:
-            shutil.rmtree(previous[0], ignore_errors=True)
         if files or override is not None:
             self._sources[model] = (root, override)
+        if previous is not None and previous[0] not in (root, self._repository):
+            shutil.rmtree(previous[0], ignore_errors=True)
+        self._deploy_versions(root, model, override, versions, deploy_models)
 
-    def _deploy_from(self, root: Path, model: str, override: str | None, deploy_models: Any, trial_load: Any) -> None:
+    def _check_versions(self, root: Path, model: str, override: str | None,
+                        trial_load: Any) -> list[tuple[str, int, bool]]:
+        """The versions to deploy; a serving model's new versions are loaded on trial first."""
         entry = scan_model(root / model, override)
         if entry.error is not None:
             if not model_apps(model, serve.status().applications):  # a serving version keeps serving
@@ -317,6 +326,10 @@ class ServerDeployment(ServerGrpcMethods):
                 trial_load(str(root), versions, self._control, override)
             except Exception as exc:
                 raise InvalidArgError(f"failed to load '{model}': {as_serving_error(exc).message}") from None
+        return versions
+
+    def _deploy_versions(self, root: Path, model: str, override: str | None, versions: list[tuple[str, int, bool]],
+                         deploy_models: Any) -> None:
         failures = deploy_models(str(root), versions, self._control, {model: override} if override else None)
         wanted = {model_app_name(*v) for v in versions}
         for name in model_apps(model, serve.status().applications):
@@ -361,10 +374,11 @@ class ServerDeployment(ServerGrpcMethods):
         apps = serve.status().applications
         rows: list[dict[str, Any]] = []
         routes: dict[str, tuple[str, str]] = {}
+        routed_before = {app for app, _ in self._routes.values()}
         for entry in scan_repository(self._repository):
-            if entry.name in self._sources:  # loaded with a config override or files of its own
-                root, override = self._sources[entry.name]
-                entry = scan_model(root / entry.name, override)
+            source = self._sources.get(entry.name)
+            if source is not None:  # loaded with a config override or files of its own
+                entry = scan_model(source[0] / entry.name, source[1])
             if entry.error is not None:
                 rows.append({"name": entry.name, "state": "UNAVAILABLE", "reason": entry.error})
                 continue
@@ -378,8 +392,12 @@ class ServerDeployment(ServerGrpcMethods):
                     row.update(state="UNAVAILABLE", reason="unloaded")
                 elif status_name(app.status) in _SERVE_STATE:
                     row.update(state=_SERVE_STATE[status_name(app.status)], reason="")
-                    # A version being updated (DEPLOYING) keeps serving from its old replicas.
-                    if status_name(app.status) in ("RUNNING", "DEPLOYING"):
+                    # A served version being updated (DEPLOYING) keeps serving from its old
+                    # replicas; one deploying for the first time is not ready yet.
+                    app_name = model_app_name(entry.name, version, version == latest)
+                    if status_name(app.status) == "RUNNING" or (
+                        status_name(app.status) == "DEPLOYING" and app_name in routed_before
+                    ):
                         route = (model_app_name(entry.name, version, version == latest),
                                  model_deployment_name(entry.name, version))
                         routes[f"{entry.name}/{version}"] = route
@@ -430,7 +448,15 @@ class ServerDeployment(ServerGrpcMethods):
             figures.append(ModelFigures(name, version, snapshot, pending))
         return render(figures, cpu)
 
+    def check_health(self) -> None:
+        """Serve restarts this replica (and so the gRPC front) if the front has died."""
+        if self._front is not None and not self._front.running:
+            raise RuntimeError("the gRPC front (HAProxy) has exited")
+
     def __del__(self) -> None:
+        for root, _ in getattr(self, "_sources", {}).values():
+            if root != self._repository:
+                shutil.rmtree(root, ignore_errors=True)
         metrics = getattr(self, "_metrics", None)
         if metrics is not None:
             metrics.stop()

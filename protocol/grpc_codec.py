@@ -73,7 +73,7 @@ def parameters_to_grpc(values: dict[str, Any], target: Any) -> None:
 # ---- inference ---------------------------------------------------------------------------------
 
 def request_from_grpc(message: pb.ModelInferRequest) -> InferRequest:
-    """Decode a ``ModelInferRequest``; every error names the offending input and model."""
+    """Decode a ``ModelInferRequest``; errors name the offending input (and the model)."""
     model = message.model_name
     raw = message.raw_input_contents
     if raw and len(raw) != len(message.inputs):
@@ -120,7 +120,7 @@ def _array_from_raw(name: str, model: str, datatype: str, shape: tuple[int, ...]
     if datatype == "BYTES":
         return deserialize_bytes_tensor(buffer, count, name).reshape(shape)
     if datatype == "BF16":
-        raise UnsupportedError(f"input '{name}': BF16 tensors are not supported")
+        raise UnsupportedError(f"input '{name}' for model '{model}': BF16 tensors are not supported")
     expected = count * element_size_bytes(datatype)
     if len(buffer) != expected:
         raise InvalidArgError(

@@ -60,8 +60,13 @@ def write_model_directory(model: str, files: dict[str, bytes]) -> Path:
             target = (model_dir / relative).resolve()
             if not target.is_relative_to(model_dir):
                 raise InvalidArgError(f"failed to load '{model}': Invalid file path '{FILE_PREFIX}{relative}'")
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_bytes(content)
+            try:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_bytes(content)
+            except OSError as exc:  # e.g. both 'file:1/a' and 'file:1/a/b'
+                raise InvalidArgError(
+                    f"failed to load '{model}': cannot write '{FILE_PREFIX}{relative}': {exc.strerror}"
+                ) from None
     except BaseException:
         shutil.rmtree(root, ignore_errors=True)
         raise

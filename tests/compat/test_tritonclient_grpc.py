@@ -294,3 +294,23 @@ def test_load_with_files_a_partial_override_and_bad_paths(client, model_reposito
     err = error_of(lambda: client.load_model(ON_DEMAND, config="{}", files={"file:" + "A" * 256: b"a"}))
     assert err.status() == "StatusCode.INVALID_ARGUMENT" and "Invalid file path" in err.message()
     assert client.is_server_live()
+
+
+def test_the_front_routes_served_versions_to_their_applications(client, server):
+    """The front's map (what HAProxy routes without any Python process) lists served versions."""
+    import tempfile
+    from pathlib import Path
+
+    port = server["grpc_url"].rsplit(":", 1)[1]
+    # The live front on this port (earlier, stopped fronts' folders are removed when one starts).
+    (front,) = [p.parent for p in Path(tempfile.gettempdir()).glob("rayinfer-grpc-*/haproxy.cfg")
+                if f":{port} proto h2" in p.read_text()]
+    deadline = time.monotonic() + 10
+    routes: dict[str, str] = {}
+    while time.monotonic() < deadline and "versioned/1" not in routes:
+        routes = dict(line.split() for line in (front / "routes.map").read_text().splitlines())
+        time.sleep(0.2)
+    assert routes["simple/"] == routes["simple/1"] == "simple"
+    assert routes["versioned/"] == routes["versioned/2"] == "versioned"
+    assert routes["versioned/1"] == "versioned@v1"
+    assert not [key for key in routes if key.startswith(("broken_config/", "no_such_model/"))]

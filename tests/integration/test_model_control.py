@@ -35,7 +35,7 @@ def add_sub(client, model: str) -> np.ndarray:
 
 def test_a_model_not_named_at_start_is_unloaded(client):
     assert index_row(ON_DEMAND)["state"] == "UNAVAILABLE"
-    assert index_row(ON_DEMAND)["state"] == "UNAVAILABLE"
+    assert index_row(ON_DEMAND)["reason"] == "unloaded"
     assert not client.is_model_ready(ON_DEMAND)
     with pytest.raises(InferenceServerException, match=f"Request for unknown model: '{ON_DEMAND}'"):
         add_sub(client, ON_DEMAND)

@@ -42,3 +42,12 @@ def test_nothing_is_written_when_any_path_is_bad(tmp_path, monkeypatch):
     with pytest.raises(InvalidArgError):
         write_model_directory("m", {"1/model.onnx": b"ok", "../escape": b"bad"})
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_file_and_a_folder_of_the_same_name_are_invalid(tmp_path, monkeypatch):
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    with pytest.raises(InvalidArgError, match="cannot write 'file:1/a/b'"):
+        write_model_directory("m", {"1/a": b"x", "1/a/b": b"y"})
+    assert list(tmp_path.iterdir()) == []
