@@ -393,7 +393,8 @@ class ServerDeployment(ServerGrpcMethods):
                 elif status_name(app.status) in _SERVE_STATE:
                     row.update(state=_SERVE_STATE[status_name(app.status)], reason="")
                     # A served version being updated (DEPLOYING) keeps serving from its old
-                    # replicas; one deploying for the first time is not ready yet.
+                    # replicas, so it stays READY (as in Triton, and for readiness probes); one
+                    # deploying for the first time is not ready yet.
                     app_name = model_app_name(entry.name, version, version == latest)
                     if status_name(app.status) == "RUNNING" or (
                         status_name(app.status) == "DEPLOYING" and app_name in routed_before
@@ -401,6 +402,7 @@ class ServerDeployment(ServerGrpcMethods):
                         route = (model_app_name(entry.name, version, version == latest),
                                  model_deployment_name(entry.name, version))
                         routes[f"{entry.name}/{version}"] = route
+                        row["state"] = "READY"
                         if version == latest:
                             routes[f"{entry.name}/"] = route
                 else:

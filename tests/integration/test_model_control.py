@@ -114,11 +114,17 @@ def test_reloading_a_changed_model_under_traffic_fails_no_request(server, client
 
     try:
         config.write_text(original + "dynamic_batching { max_queue_delay_microseconds: 100 }\n")
-        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        with concurrent.futures.ThreadPoolExecutor(5) as pool:
             futures = [pool.submit(worker) for _ in range(4)]
             time.sleep(1.0)
             before = results["ok"]
-            client.load_model(ON_DEMAND)
+            reload = pool.submit(client.load_model, ON_DEMAND)
+            states = set()
+            while not reload.done():  # the serving version stays READY while the new one starts
+                states.add(index_row(ON_DEMAND)["state"])
+                time.sleep(0.2)
+            reload.result()
+            assert states <= {"READY"}
             assert client.get_model_config(ON_DEMAND)["dynamic_batching"]["max_queue_delay_microseconds"] == 100
             time.sleep(3.0)  # past the old replica's draining period
             stop.set()
