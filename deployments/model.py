@@ -184,10 +184,8 @@ class ModelDeployment:
         if version and version != self._version:
             raise NotFoundError(f"Request for unknown model: '{self._name}' version {version} is not found")
         if method == "ModelInfer":
-            try:
-                prepared = self._runner.prepare(request_from_grpc(request))
-            except Exception as exc:  # rejected before it reached the model: not counted, as in Triton
-                raise as_serving_error(exc) from None
+            # A request rejected here never reaches the runner, so it is not counted (as in Triton).
+            prepared = self._runner.prepare(request_from_grpc(request))
             return response_to_grpc(await self.infer(prepared))
         if method == "ModelReady":
             return pb.ModelReadyResponse(ready=True)

@@ -237,7 +237,7 @@ class ServerDeployment(ServerGrpcMethods):
             self._handles = {route: h for route, h in self._handles.items() if not model_apps(model, [route[0]])}
             if self._front is not None:
                 try:
-                    await self._front.publish({key: app for key, (app, _) in self._routes.items()})
+                    await self._front.publish(self._front_routes())
                 except Exception:  # the /v2 app answers what the front still routes to a removed app
                     logger.exception("could not withdraw '%s' from the gRPC front's routes", model)
             await asyncio.to_thread(self._unload_model, model)
@@ -315,13 +315,14 @@ class ServerDeployment(ServerGrpcMethods):
                         trial_load: Any) -> list[tuple[str, int, bool]]:
         """The versions to deploy; a serving model's new versions are loaded on trial first."""
         entry = scan_model(root / model, override)
+        serving = bool(model_apps(model, serve.status().applications))
         if entry.error is not None:
-            if not model_apps(model, serve.status().applications):  # a serving version keeps serving
+            if not serving:  # a serving version keeps serving
                 self._load_errors[model] = entry.error
             raise InvalidArgError(f"failed to load '{model}': {entry.error}")
         latest = max(entry.versions)
         versions = [(model, v, v == latest) for v in entry.versions]
-        if model_apps(model, serve.status().applications):
+        if serving:
             try:  # a serving model keeps serving unless the new one loads
                 trial_load(str(root), versions, self._control, override)
             except Exception as exc:
@@ -399,8 +400,7 @@ class ServerDeployment(ServerGrpcMethods):
                     if status_name(app.status) == "RUNNING" or (
                         status_name(app.status) == "DEPLOYING" and app_name in routed_before
                     ):
-                        route = (model_app_name(entry.name, version, version == latest),
-                                 model_deployment_name(entry.name, version))
+                        route = (app_name, model_deployment_name(entry.name, version))
                         routes[f"{entry.name}/{version}"] = route
                         row["state"] = "READY"
                         if version == latest:
@@ -420,9 +420,13 @@ class ServerDeployment(ServerGrpcMethods):
         async with self._routes_lock:
             await self._model_states()
             try:
-                await self._front.publish({key: app for key, (app, _) in self._routes.items()})
+                await self._front.publish(self._front_routes())
             except Exception:  # the front keeps its previous routes; the /v2 app forwards the rest
                 logger.exception("could not update the gRPC front's routes")
+
+    def _front_routes(self) -> dict[str, str]:
+        """The front's map: ``<model>/<version>`` -> application."""
+        return {key: app for key, (app, _) in self._routes.items()}
 
     async def _publish_routes_forever(self) -> None:
         while True:

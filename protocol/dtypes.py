@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable, Sequence
+
 import numpy as np
 
-from rayinfer.protocol.errors import InvalidArgError
+from rayinfer.protocol.errors import InvalidArgError, UnsupportedError
 
 # Wire datatype -> numpy dtype. BYTES tensors are numpy object arrays of ``bytes``.
 _WIRE_TO_NUMPY: dict[str, np.dtype] = {
@@ -98,3 +101,23 @@ def deserialize_bytes_tensor(buffer: bytes | memoryview, count: int, name: str) 
     out = np.empty(count, dtype=object)
     out[:] = items
     return out
+
+
+def array_from_buffer(
+    buffer: bytes | memoryview, datatype: str, shape: Sequence[int], name: str, subject: str,
+    size_mismatch: Callable[[int, int], str],
+) -> np.ndarray:
+    """A tensor from its binary form (HTTP's binary extension and gRPC's raw contents share it).
+
+    ``subject`` names the tensor in messages; ``size_mismatch(got, expected)`` is the message
+    when the buffer's size does not fit ``shape`` and ``datatype``.
+    """
+    count = math.prod(shape)
+    if datatype == "BYTES":
+        return deserialize_bytes_tensor(buffer, count, name).reshape(shape)
+    if datatype == "BF16":
+        raise UnsupportedError(f"{subject}: BF16 tensors are not supported")
+    expected = count * element_size_bytes(datatype)
+    if len(buffer) != expected:
+        raise InvalidArgError(size_mismatch(len(buffer), expected))
+    return np.frombuffer(buffer, dtype=numpy_dtype(datatype)).reshape(shape)

@@ -17,12 +17,11 @@ from tritonclient.grpc import service_pb2 as pb
 
 from rayinfer.protocol.dtypes import (
     WIRE_DATATYPES,
-    deserialize_bytes_tensor,
-    element_size_bytes,
+    array_from_buffer,
     numpy_dtype,
     serialize_bytes_tensor,
 )
-from rayinfer.protocol.errors import InvalidArgError, UnsupportedError
+from rayinfer.protocol.errors import InvalidArgError
 from rayinfer.protocol.types import InferInput, InferRequest, InferResponse, RequestedOutput
 
 # Typed ``InferTensorContents`` field for each datatype (FP16 and BF16 only travel raw).
@@ -98,7 +97,11 @@ def request_from_grpc(message: pb.ModelInferRequest) -> InferRequest:
                     f"unexpected explicit tensor data for input tensor '{name}' for model '{model}', "
                     "binary data was already supplied."
                 )
-            data = _array_from_raw(name, model, datatype, shape, count, raw[position])
+            data = array_from_buffer(
+                raw[position], datatype, shape, name, f"input '{name}' for model '{model}'",
+                lambda got, expected, name=name: f"input byte size mismatch for input '{name}' for model '{model}'. "
+                f"Expected {expected}, got {got}",
+            )
         else:
             data = _array_from_contents(name, model, datatype, shape, count, tensor)
         inputs.append(InferInput(name, datatype, shape, data, parameters_from_grpc(tensor.parameters)))
@@ -113,21 +116,6 @@ def request_from_grpc(message: pb.ModelInferRequest) -> InferRequest:
         outputs=outputs,
         parameters=parameters_from_grpc(message.parameters),
     )
-
-
-def _array_from_raw(name: str, model: str, datatype: str, shape: tuple[int, ...], count: int,
-                    buffer: bytes) -> np.ndarray:
-    if datatype == "BYTES":
-        return deserialize_bytes_tensor(buffer, count, name).reshape(shape)
-    if datatype == "BF16":
-        raise UnsupportedError(f"input '{name}' for model '{model}': BF16 tensors are not supported")
-    expected = count * element_size_bytes(datatype)
-    if len(buffer) != expected:
-        raise InvalidArgError(
-            f"input byte size mismatch for input '{name}' for model '{model}'. "
-            f"Expected {expected}, got {len(buffer)}"
-        )
-    return np.frombuffer(buffer, dtype=numpy_dtype(datatype)).reshape(shape)
 
 
 def _array_from_contents(name: str, model: str, datatype: str, shape: tuple[int, ...], count: int,

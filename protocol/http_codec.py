@@ -15,8 +15,7 @@ import numpy as np
 
 from rayinfer.protocol.dtypes import (
     WIRE_DATATYPES,
-    deserialize_bytes_tensor,
-    element_size_bytes,
+    array_from_buffer,
     numpy_dtype,
     serialize_bytes_tensor,
 )
@@ -101,30 +100,17 @@ def _input_from_json(raw: Any, binary: memoryview, offset: int) -> tuple[InferIn
                 f"input '{name}': binary_data_size {size!r} exceeds the {len(binary) - offset} "
                 "bytes of binary data left in the request"
             )
-        chunk = binary[offset:offset + size]
-        data = _array_from_binary(name, datatype, shape, count, chunk)
+        data = array_from_buffer(
+            binary[offset:offset + size], datatype, shape, name, f"input '{name}'",
+            lambda got, expected: f"input '{name}' has {got} bytes of binary data, expected {expected} for "
+            f"shape {shape} and datatype {datatype}",
+        )
         params = {k: v for k, v in params.items() if k != "binary_data_size"}
         return InferInput(name, datatype, tuple(shape), data, params), offset + size
     if "data" not in raw:
         raise InvalidArgError(f"input '{name}' has neither 'data' nor binary_data_size")
     data = _array_from_json(name, datatype, shape, count, raw["data"])
     return InferInput(name, datatype, tuple(shape), data, params), offset
-
-
-def _array_from_binary(
-    name: str, datatype: str, shape: list[int], count: int, chunk: memoryview
-) -> np.ndarray:
-    if datatype == "BYTES":
-        return deserialize_bytes_tensor(chunk, count, name).reshape(shape)
-    if datatype == "BF16":
-        raise UnsupportedError(f"input '{name}': BF16 tensors are not supported")
-    expected = count * element_size_bytes(datatype)
-    if len(chunk) != expected:
-        raise InvalidArgError(
-            f"input '{name}' has {len(chunk)} bytes of binary data, expected {expected} for "
-            f"shape {shape} and datatype {datatype}"
-        )
-    return np.frombuffer(chunk, dtype=numpy_dtype(datatype)).reshape(shape)
 
 
 def _array_from_json(name: str, datatype: str, shape: list[int], count: int, data: Any) -> np.ndarray:

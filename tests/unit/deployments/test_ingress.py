@@ -23,8 +23,10 @@ def call(app, path: str, headers: list[tuple[bytes, bytes]], kind: str = "http")
     async def receive():
         return {"type": "http.request", "body": b""}
 
+    sent = []
+
     async def send(message):
-        pass
+        sent.append(message)
 
     asyncio.run(app({"type": kind, "path": path, "headers": headers}, receive, send))
 
