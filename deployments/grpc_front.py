@@ -4,11 +4,13 @@ Ray Serve's HAProxy routes a gRPC call to an application only by its ``applicati
 which Triton clients do not send: the model is named inside the protobuf message. The front
 reads the model name (field 1) and version (field 2) from the first bytes of the unary model
 RPCs (``ModelInfer``, ``ModelReady``, ``ModelMetadata``, ``ModelConfig``: all four messages
-start with them), looks ``<name>/<version>`` up in a map of served versions and sets
-``application`` before passing the call, still HTTP/2, to Serve's gRPC port. Everything else
-(server RPCs, the repository, streams, unknown models) goes to the ``/v2`` application. No
-Python process sees the call before the model replica, and the map is replaced atomically
-through HAProxy's runtime API whenever the set of served versions changes.
+start with them) and looks ``<name>/<version>`` up in two maps: how many replicas serve that
+version, and each replica's listener (:mod:`grpc_relay`). It picks one replica at random and
+relays the call to its listener as HTTP/1.1. Everything else (server RPCs, the repository,
+streams, versions with no registered replica yet) goes, still HTTP/2, to Serve's gRPC port with
+``application`` set to the ``/v2`` application. No Python process sees a routed call before
+the model replica, and the maps are replaced through HAProxy's runtime API whenever the
+served versions or their replicas change.
 """
 
 from __future__ import annotations
@@ -25,7 +27,6 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -58,9 +59,19 @@ frontend triton_grpc
     http-request set-var(txn.model) req.body,bytes(5),protobuf(1) if model_rpc
     http-request set-var(txn.version) req.body,bytes(5),protobuf(2) if model_rpc
     http-request set-var(txn.key) var(txn.model),concat(/,txn.version) if model_rpc
-    http-request set-var(txn.app) var(txn.key),map({routes}) if model_rpc
-    http-request set-header application %[var(txn.app)] if {{ var(txn.app) -m found }}
+    http-request set-var(txn.replicas) var(txn.key),map_str_int({counts},0) if model_rpc
+    http-request set-var(txn.pick) rand,mod(txn.replicas) if {{ var(txn.replicas) -m int gt 0 }}
+    # Model names hold no "/": "<model>/<version>/<n>" names the n-th replica unambiguously.
+    http-request set-var(txn.listener) var(txn.key),concat(/,txn.pick),map({listeners}) if {{ var(txn.pick) -m found }}
+    http-request set-dst var(txn.listener),field(1,|) if {{ var(txn.listener) -m found }}
+    http-request set-dst-port var(txn.listener),field(2,|) if {{ var(txn.listener) -m found }}
+    use_backend replica if {{ var(txn.listener) -m found }}
     default_backend serve_grpc
+
+backend replica
+    # HTTP/1.1 to the replica's listener, to the address set above.
+    http-reuse always
+    server listener 0.0.0.0:0
 
 backend serve_grpc
     http-reuse always
@@ -82,12 +93,12 @@ class GrpcFront:
         _remove_stale_fronts(address, port)
         self._dir = Path(tempfile.mkdtemp(prefix=_DIR_PREFIX))
         self._admin = self._dir / "admin.sock"
-        self._routes_path = self._dir / "routes.map"
-        self._routes_path.write_text("")
-        self._published: dict[str, str] = {}
+        self._counts_path = self._dir / "replicas.map"
+        self._listeners_path = self._dir / "listeners.map"
+        for path in (self._counts_path, self._listeners_path):
+            path.write_text("")
+        self._published: dict[str, list[tuple[str, int]]] = {}
         self._address, self._port = address, port
-        self._upstream = upstream
-        self._channel: Any = None
         config = self._dir / "haproxy.cfg"
         config.write_text(_CONFIG.format(
             admin=self._admin,
@@ -96,7 +107,8 @@ class GrpcFront:
             port=port,
             paths=" ".join(_SERVICE + rpc for rpc in ROUTED_RPCS),
             server_app=server_app,
-            routes=self._routes_path,
+            counts=self._counts_path,
+            listeners=self._listeners_path,
             upstream_host=upstream[0],
             upstream_port=upstream[1],
         ))
@@ -131,60 +143,47 @@ class GrpcFront:
         raise RuntimeError(f"the gRPC front did not listen on {self._address}:{self._port} within {timeout_s:.0f} s")
 
     @property
-    def published(self) -> dict[str, str]:
+    def published(self) -> dict[str, list[tuple[str, int]]]:
         return dict(self._published)
 
-    async def publish(self, routes: dict[str, str]) -> None:
-        """Make ``routes`` (``<model>/<version>`` -> application) the front's whole map.
+    async def publish(self, routes: dict[str, list[tuple[str, int]]]) -> None:
+        """Make ``routes`` (``<model>/<version>`` -> its replicas' listeners) the front's routes.
 
-        A route to an application that Serve's gRPC ingress does not serve yet (it learns of new
-        applications and replicas a moment after they are running) is left out until it does:
-        until then the ``/v2`` application forwards those calls.
+        The listeners' map is replaced before the counts' map, so a call routed between the two
+        commits never picks a listener that was just removed: it finds a listener that is still
+        registered, or none (and then goes to the ``/v2`` application).
         """
-        routes = {k: v for k, v in routes.items() if route_key_is_safe(k) and route_key_is_safe(v)}
-        known = set(self._published.values())
-        for app in {v for v in routes.values() if v not in known}:
-            if not await self._upstream_serves(app):
-                routes = {k: v for k, v in routes.items() if v != app}
+        routes = {k: sorted(v) for k, v in routes.items() if route_key_is_safe(k) and v}
         if routes == self._published:
             return
-        reply = await self._command(f"prepare map {self._routes_path}")
+        listeners = {
+            f"{key}/{n}": f"{host}|{port}"
+            for key, addresses in routes.items()
+            for n, (host, port) in enumerate(addresses)
+        }
+        counts = {key: str(len(addresses)) for key, addresses in routes.items()}
+        await self._replace_map(self._listeners_path, listeners)
+        await self._replace_map(self._counts_path, counts)
+        self._published = routes
+        logger.info("gRPC front routes: %s", routes)
+
+    async def _replace_map(self, path: Path, entries: dict[str, str]) -> None:
+        """Replace a map atomically through the runtime API, then on disk (for a restart)."""
+        reply = await self._command(f"prepare map {path}")
         try:
             version = reply.split(":", 1)[1].strip()
         except IndexError:
             raise RuntimeError(f"HAProxy did not prepare a new map: {reply!r}") from None
-        adds = [f"add map @{version} {self._routes_path} {k} {v}" for k, v in sorted(routes.items())]
+        adds = [f"add map @{version} {path} {k} {v}" for k, v in sorted(entries.items())]
         # A runtime-API line must fit HAProxy's buffer: a few dozen entries per line.
         for start in range(0, len(adds), _ADDS_PER_LINE):
             reply = await self._command(";".join(adds[start:start + _ADDS_PER_LINE]))
             if reply.strip():
                 raise RuntimeError(f"HAProxy refused the route map: {reply.strip()}")
-        reply = await self._command(f"commit map @{version} {self._routes_path}")
+        reply = await self._command(f"commit map @{version} {path}")
         if reply.strip():
             raise RuntimeError(f"HAProxy refused the route map: {reply.strip()}")
-        # The file is what a restarted HAProxy reads.
-        self._routes_path.write_text("".join(f"{k} {v}\n" for k, v in sorted(routes.items())))
-        self._published = routes
-        logger.info("gRPC front routes: %s", routes)
-
-    async def _upstream_serves(self, app: str) -> bool:
-        """Whether Serve's gRPC ingress answers ``app``'s ModelReady (a model application's)."""
-        import grpc
-        from tritonclient.grpc import service_pb2 as pb
-
-        if self._channel is None:
-            self._channel = grpc.aio.insecure_channel(f"{self._upstream[0]}:{self._upstream[1]}")
-        ready = self._channel.unary_unary(
-            _SERVICE + "ModelReady",
-            request_serializer=pb.ModelReadyRequest.SerializeToString,
-            response_deserializer=pb.ModelReadyResponse.FromString,
-        )
-        try:
-            response = await ready(pb.ModelReadyRequest(name=app.split("@", 1)[0]), metadata=(("application", app),),
-                                   timeout=5.0)
-        except grpc.RpcError:
-            return False
-        return bool(response.ready)
+        path.write_text("".join(f"{k} {v}\n" for k, v in sorted(entries.items())))
 
     async def _command(self, line: str) -> str:
         reader, writer = await asyncio.open_unix_connection(str(self._admin))
@@ -204,9 +203,6 @@ class GrpcFront:
                 self._process.kill()
                 self._process.wait()
         self._log.close()
-        if self._channel is not None:
-            with contextlib.suppress(Exception):
-                asyncio.get_running_loop().create_task(self._channel.close())
         shutil.rmtree(self._dir, ignore_errors=True)
 
 

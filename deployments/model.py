@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import ray
 from ray import serve
 
 from rayinfer.adapters.loader import load_runner
@@ -22,9 +23,18 @@ from rayinfer.adapters.model_runner import ModelRunner, PreparedRequest
 from rayinfer.deployments import asgi, grpc_service
 from rayinfer.deployments.batcher import DynamicBatcher
 from rayinfer.deployments.names import SERVER_APP, SERVER_DEPLOYMENT
+from rayinfer.deployments.grpc_relay import GrpcRelayListener
 from rayinfer.deployments.grpc_service import answer
 from rayinfer.protocol.compression import compress_body, decompress_body, response_encoding
-from rayinfer.protocol.errors import InvalidArgError, NotFoundError, ServingError, as_serving_error
+from google.protobuf.message import DecodeError
+
+from rayinfer.protocol.errors import (
+    InvalidArgError,
+    NotFoundError,
+    ServingError,
+    UnsupportedError,
+    as_serving_error,
+)
 from rayinfer.protocol.grpc_codec import metadata_to_grpc, request_from_grpc, response_to_grpc, statistics_to_grpc
 from rayinfer.protocol.http_codec import HEADER_LENGTH, request_from_http, response_to_http
 from rayinfer.protocol.statistics import stats_to_json
@@ -35,6 +45,11 @@ from tritonclient.grpc import service_pb2 as pb
 logger = logging.getLogger(__name__)
 
 _STATS_PUSH_INTERVAL_S = 0.5
+# The replica's gRPC listener is registered with the ``/v2`` replica this often (which forgets
+# a listener not registered again within a few intervals: a replica that died).
+_LISTENER_REGISTER_INTERVAL_S = 2.0
+# How long a replica being stopped waits for the calls its listener is answering.
+_LISTENER_DRAIN_S = 10.0
 # Executions that take less than this (moving average) run on the event loop itself: handing a
 # short execution to a thread and back costs more than the execution (measured: 1,328 vs
 # ~800 infer/s for the benchmark MLP at concurrency 8). Longer ones run on the model's thread
@@ -85,8 +100,13 @@ class ModelDeployment:
             )
         context = serve.get_replica_context()
         self._replica_key = f"{context.app_name}/{context.replica_id.unique_id}"
+        self._app_name = context.app_name
         self._stats_pushed_at: tuple[int, int, int] | None = None
         self._server: Any = None
+        # Model RPCs routed by the gRPC front arrive here as HTTP/1.1, not through Serve.
+        self._listener = GrpcRelayListener(self.grpc_forwarded)
+        host = ray.util.get_node_ip_address()
+        self._listener_address = (host, await self._listener.start(host))
         self._stats_task = asyncio.get_running_loop().create_task(self._publish_stats_forever())
         # Everything loaded so far (framework modules, the model) lives as long as the replica:
         # keep it out of the collector's generations so a full collection stays short.
@@ -175,8 +195,14 @@ class ModelDeployment:
         """``grpc_call`` for the ``/v2`` replica's forwarding: messages travel serialized (protobuf
         messages do not pickle); errors travel as ServingError. (This class is pickled by value:
         its methods may name modules, not module-level message tables.)"""
+        if method not in grpc_service.RPC_MESSAGES:
+            raise UnsupportedError(f"unknown gRPC method '{method}' for model '{self._name}'")
         request_type, _ = grpc_service.RPC_MESSAGES[method]
-        return (await self.grpc_call(method, request_type.FromString(payload))).SerializeToString()
+        try:
+            request = request_type.FromString(payload)
+        except DecodeError:
+            raise InvalidArgError(f"malformed {method} request for model '{self._name}'") from None
+        return (await self.grpc_call(method, request)).SerializeToString()
 
     async def grpc_call(self, method: str, request: Any) -> Any:
         """Answer one model RPC; raises ServingError (which the caller turns into a gRPC status)."""
@@ -277,7 +303,16 @@ class ModelDeployment:
         self._stats_pushed_at = self._change_key(snapshot)
 
     async def _publish_stats_forever(self) -> None:
+        registered_at = float("-inf")
         while True:
+            if time.monotonic() - registered_at >= _LISTENER_REGISTER_INTERVAL_S:
+                try:
+                    await self._server_handle().register_listener.remote(
+                        self._replica_key, self._app_name, *self._listener_address
+                    )
+                    registered_at = time.monotonic()
+                except Exception as exc:  # the server app may not be deployed (yet)
+                    logger.debug("could not register the gRPC listener: %s", exc)
             await asyncio.sleep(_STATS_PUSH_INTERVAL_S)
             snapshot = self._snapshot()
             if self._change_key(snapshot) == self._stats_pushed_at:
@@ -287,10 +322,18 @@ class ModelDeployment:
             except Exception as exc:  # the server app may not be deployed (yet)
                 logger.debug("could not publish statistics: %s", exc)
 
-    def __del__(self) -> None:
+    async def __del__(self) -> None:
+        """Serve stops the replica: out of the gRPC front's routes first, then drain."""
         task = getattr(self, "_stats_task", None)
         if task is not None:
             task.cancel()
+        listener = getattr(self, "_listener", None)
+        if listener is not None:
+            try:
+                await asyncio.wait_for(self._server_handle().withdraw_listener.remote(self._replica_key), 5.0)
+            except Exception as exc:  # the /v2 app is gone too: nothing routes here any more
+                logger.debug("could not withdraw the gRPC listener: %s", exc)
+            await listener.close(_LISTENER_DRAIN_S)
         executor = getattr(self, "_executor", None)
         if executor is not None:
             executor.shutdown(wait=False)

@@ -47,6 +47,8 @@ EXTENSIONS = [
     "schedule_policy",
 ]
 _STATE_CACHE_S = 0.5
+# A model replica's gRPC listener not registered again within this long is forgotten.
+_LISTENER_TTL_S = 6.0
 # How often the gRPC front's routes are compared with the served versions.
 _ROUTES_REFRESH_S = 2.0
 _SERVE_STATE = {
@@ -115,6 +117,8 @@ class ServerDeployment(ServerGrpcMethods):
         self._routes: dict[str, tuple[str, str]] = {}
         self._routes_lock = asyncio.Lock()
         self._handles: dict[tuple[str, str], Any] = {}
+        # Model replicas' gRPC listeners: replica -> (application, host, port, last registered).
+        self._listeners: dict[str, tuple[str, str, int, float]] = {}
         self._front: Any = None
         self._routes_task: asyncio.Task | None = None
         if grpc_front is not None:
@@ -424,9 +428,27 @@ class ServerDeployment(ServerGrpcMethods):
             except Exception:  # the front keeps its previous routes; the /v2 app forwards the rest
                 logger.exception("could not update the gRPC front's routes")
 
-    def _front_routes(self) -> dict[str, str]:
-        """The front's map: ``<model>/<version>`` -> application."""
-        return {key: app for key, (app, _) in self._routes.items()}
+    def _front_routes(self) -> dict[str, list[tuple[str, int]]]:
+        """The front's routes: ``<model>/<version>`` -> the listeners of its replicas (versions
+        none of whose replicas has registered yet are left to the ``/v2`` app)."""
+        now = time.monotonic()
+        self._listeners = {k: v for k, v in self._listeners.items() if now - v[3] < _LISTENER_TTL_S}
+        by_app: dict[str, list[tuple[str, int]]] = {}
+        for app, host, port, _ in self._listeners.values():
+            by_app.setdefault(app, []).append((host, port))
+        return {key: sorted(by_app[app]) for key, (app, _) in self._routes.items() if app in by_app}
+
+    async def register_listener(self, replica_key: str, app: str, host: str, port: int) -> None:
+        """A model replica's gRPC listener, registered at start and again every few seconds."""
+        known = replica_key in self._listeners
+        self._listeners[replica_key] = (app, host, int(port), time.monotonic())
+        if not known:
+            await self._publish_routes()
+
+    async def withdraw_listener(self, replica_key: str) -> None:
+        """A model replica is stopping: returns once the front no longer routes to it."""
+        if self._listeners.pop(replica_key, None) is not None:
+            await self._publish_routes()
 
     async def _publish_routes_forever(self) -> None:
         while True:

@@ -296,8 +296,10 @@ def test_load_with_files_a_partial_override_and_bad_paths(client, model_reposito
     assert client.is_server_live()
 
 
-def test_the_front_routes_served_versions_to_their_applications(client, server):
-    """The front's map (what HAProxy routes without any Python process) lists served versions."""
+def test_the_front_routes_served_versions_to_their_replicas(client, server):
+    """The front's maps (what HAProxy routes by, without any Python process) list each served
+    version's replica listeners, and a listener answers a relayed call itself."""
+    import socket
     import tempfile
     from pathlib import Path
 
@@ -306,11 +308,28 @@ def test_the_front_routes_served_versions_to_their_applications(client, server):
     (front,) = [p.parent for p in Path(tempfile.gettempdir()).glob("rayinfer-grpc-*/haproxy.cfg")
                 if f":{port} proto h2" in p.read_text()]
     deadline = time.monotonic() + 10
-    routes: dict[str, str] = {}
-    while time.monotonic() < deadline and "versioned/1" not in routes:
-        routes = dict(line.split() for line in (front / "routes.map").read_text().splitlines())
+    counts: dict[str, str] = {}
+    while time.monotonic() < deadline and "versioned/1" not in counts:
+        counts = dict(line.split() for line in (front / "replicas.map").read_text().splitlines())
         time.sleep(0.2)
-    assert routes["simple/"] == routes["simple/1"] == "simple"
-    assert routes["versioned/"] == routes["versioned/2"] == "versioned"
-    assert routes["versioned/1"] == "versioned@v1"
-    assert not [key for key in routes if key.startswith(("broken_config/", "no_such_model/"))]
+    listeners = dict(line.split() for line in (front / "listeners.map").read_text().splitlines())
+    assert counts["simple/"] == counts["simple/1"] == counts["versioned/1"] == "1"
+    assert listeners["simple//0"] == listeners["simple/1/0"]
+    assert listeners["versioned//0"] == listeners["versioned/2/0"] != listeners["versioned/1/0"]
+    # The listener speaks gRPC over HTTP/1.1, as HAProxy relays it: the version-1 replica of
+    # "versioned" answers its own ModelReady, and a status trailer for a version it does not serve.
+    host, listener_port = listeners["versioned/1/0"].split("|")
+    for version, trailer in (("1", b"grpc-status: 0"), ("2", b"grpc-status: 5")):
+        message = service_pb2.ModelReadyRequest(name="versioned", version=version).SerializeToString()
+        frame = b"\x00" + len(message).to_bytes(4, "big") + message
+        with socket.create_connection((host, int(listener_port)), 5) as sock:
+            sock.sendall(b"POST /inference.GRPCInferenceService/ModelReady HTTP/1.1\r\nhost: x\r\n"
+                         b"content-type: application/grpc\r\ncontent-length: %d\r\n\r\n%b" % (len(frame), frame))
+            reply = b""
+            while not reply.endswith(b"\r\n\r\n") or trailer not in reply:
+                chunk = sock.recv(65536)
+                if not chunk:
+                    break
+                reply += chunk
+        assert reply.startswith(b"HTTP/1.1 200 OK") and trailer in reply, reply
+    assert not [key for key in counts if key.startswith(("broken_config/", "no_such_model/"))]

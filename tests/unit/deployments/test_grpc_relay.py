@@ -1,0 +1,140 @@
+"""The gRPC front (a real HAProxy) relaying unmodified gRPC calls to replica listeners over
+HTTP/1.1, with tritonclient as the client; no Ray: the listeners answer from a plain handler."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from collections import Counter
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+from tritonclient.grpc import service_pb2 as pb
+from tritonclient.utils import InferenceServerException
+
+from rayinfer.deployments.grpc_front import GrpcFront
+from rayinfer.deployments.grpc_relay import GrpcRelayListener, grpc_message_header, unframe
+from rayinfer.protocol.errors import NotFoundError
+
+UNICODE_ERROR = "Request for unknown model: 'm\u00fc' is not found (100% sure)"
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Replica:
+    """A listener whose handler echoes ModelInfer inputs and names itself in the response."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, name: str) -> None:
+        self.name = name
+        self.listener = GrpcRelayListener(self.handle)
+        self.port = asyncio.run_coroutine_threadsafe(self.listener.start("127.0.0.1"), loop).result(5)
+
+    async def handle(self, method: str, message: bytes) -> bytes:
+        if method == "ModelInfer":
+            request = pb.ModelInferRequest.FromString(message)
+            if request.model_name == "slow":
+                await asyncio.sleep(0.5)
+            response = pb.ModelInferResponse(model_name=self.name, id=request.id)
+            response.raw_output_contents.extend(request.raw_input_contents)
+            return response.SerializeToString()
+        if method == "ModelReady":
+            raise NotFoundError(UNICODE_ERROR)
+        raise RuntimeError(f"no {method} here")
+
+
+@pytest.fixture(scope="module")
+def loop():
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    yield loop
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(5)
+
+
+@pytest.fixture(scope="module")
+def front(loop):
+    port = _free_port()
+    # Nothing listens upstream: what the front does not route fails with UNAVAILABLE.
+    front = GrpcFront("127.0.0.1", port, ("127.0.0.1", _free_port()), "v2")
+    yield front, port
+    front.stop()
+
+
+def publish(loop, front: GrpcFront, routes) -> None:
+    asyncio.run_coroutine_threadsafe(front.publish(routes), loop).result(10)
+
+
+def infer(client, model: str, data: np.ndarray, request_id: str = ""):
+    tensor = grpcclient.InferInput("X", list(data.shape), "FP32")
+    tensor.set_data_from_numpy(data)
+    return client.infer(model, [tensor], request_id=request_id).get_response()
+
+
+def test_routed_calls_reach_the_listeners_and_balance(loop, front):
+    frontend, port = front
+    one, two = Replica(loop, "one"), Replica(loop, "two")
+    publish(loop, frontend, {"m/": [("127.0.0.1", one.port)], "pair/": [("127.0.0.1", one.port), ("127.0.0.1", two.port)]})
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
+    data = np.arange(6, dtype=np.float32).reshape(2, 3)
+    response = infer(client, "m", data, request_id="req-7")
+    assert (response.model_name, response.id) == ("one", "req-7")
+    assert np.frombuffer(response.raw_output_contents[0], np.float32).tolist() == data.ravel().tolist()
+    served = Counter(infer(client, "pair", data).model_name for _ in range(60))
+    assert set(served) == {"one", "two"} and min(served.values()) >= 10, served
+    # 12 MB each way through HAProxy's HTTP/2 -> HTTP/1.1 relay.
+    big = np.random.default_rng(0).standard_normal((1, 3 * 1024 * 1024)).astype(np.float32)
+    assert infer(client, "m", big).raw_output_contents[0] == big.tobytes()
+    client.close()
+
+
+def test_errors_keep_their_status_and_message(loop, front):
+    frontend, port = front
+    one = Replica(loop, "one")
+    publish(loop, frontend, {"m/": [("127.0.0.1", one.port)]})
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
+    with pytest.raises(InferenceServerException) as error:
+        client.is_model_ready("m")
+    assert error.value.status() == "StatusCode.NOT_FOUND" and error.value.message() == UNICODE_ERROR
+    with pytest.raises(InferenceServerException) as error:
+        client.get_model_config("m")
+    assert error.value.status() == "StatusCode.INTERNAL" and "no ModelConfig here" in error.value.message()
+    client.close()
+
+
+def test_withdrawn_routes_are_not_used_and_calls_in_flight_finish(loop, front):
+    frontend, port = front
+    one = Replica(loop, "one")
+    publish(loop, frontend, {"slow/": [("127.0.0.1", one.port)]})
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
+    results: list = []
+    slow = threading.Thread(target=lambda: results.append(infer(client, "slow", np.zeros((1, 1), np.float32))))
+    slow.start()
+    time.sleep(0.2)
+    publish(loop, frontend, {})
+    asyncio.run_coroutine_threadsafe(one.listener.close(5.0), loop).result(10)
+    slow.join(10)
+    assert results and results[0].model_name == "one"
+    # No route any more: the call goes to the (absent) /v2 upstream instead of the closed listener.
+    with pytest.raises(InferenceServerException) as error:
+        infer(client, "slow", np.zeros((1, 1), np.float32))
+    assert error.value.status() == "StatusCode.UNAVAILABLE"
+    client.close()
+
+
+def test_framing_and_message_encoding():
+    assert unframe(b"\x00\x00\x00\x00\x02hi", None) == b"hi"
+    import gzip
+
+    packed = gzip.compress(b"hello")
+    assert unframe(b"\x01" + len(packed).to_bytes(4, "big") + packed, b"gzip") == b"hello"
+    with pytest.raises(Exception, match="exactly one message"):
+        unframe(b"\x00\x00\x00\x00\x05hi", None)
+    assert grpc_message_header("a 100% \u00fc") == b"a 100%25 %C3%BC"
