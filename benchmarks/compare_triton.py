@@ -131,7 +131,8 @@ def run_rayinfer(repo: Path, points: list[Point], interval_ms: int, work: Path) 
     proc = subprocess.Popen(
         [str(Path(sys.executable).parent / "rayinfer"), "serve", "--model-repository", str(repo),
          "--http-port", str(RAYINFER_PORT), "--grpc-port", str(RAYINFER_PORT + 1),
-         "--metrics-port", str(RAYINFER_PORT + 2), "--serve-grpc-port", str(RAYINFER_PORT + 11)],
+         "--metrics-port", str(RAYINFER_PORT + 2), "--serve-grpc-port", str(RAYINFER_PORT + 11),
+         "--serve-http-port", str(RAYINFER_PORT + 10)],
         stdout=log, stderr=subprocess.STDOUT,
     )
     try:

@@ -64,7 +64,8 @@ def main() -> int:
         with log_path.open("w") as log:
             server = subprocess.Popen(
                 [str(bin_dir / "rayinfer"), "serve", "--model-repository", str(repo), "--http-port", str(PORT),
-                 "--grpc-port", str(PORT + 1), "--metrics-port", str(PORT + 2), "--serve-grpc-port", str(PORT + 11)],
+                 "--grpc-port", str(PORT + 1), "--metrics-port", str(PORT + 2), "--serve-grpc-port", str(PORT + 11),
+                  "--serve-http-port", str(PORT + 10)],
                 stdout=log, stderr=subprocess.STDOUT,
             )
         try:

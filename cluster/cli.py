@@ -16,7 +16,7 @@ import sys
 import threading
 from pathlib import Path
 
-from rayinfer.cluster.settings import RAY_ENVIRONMENT, ServerSettings, grpc_front, metrics_endpoint
+from rayinfer.cluster.settings import RAY_ENVIRONMENT, ServerSettings, grpc_front, http_front, metrics_endpoint
 from rayinfer.repository.scanner import ModelEntry
 
 logger = logging.getLogger("rayinfer")
@@ -42,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("--grpc-address", default=None)
         sub.add_argument("--allow-grpc", type=_bool, nargs="?", const=True, default=None)
         sub.add_argument("--serve-grpc-port", type=int, default=None, help="Ray Serve's own gRPC port")
+        sub.add_argument("--serve-http-port", type=int, default=None, help="Ray Serve's own HTTP port")
         sub.add_argument("--metrics-port", type=int, default=None)
         sub.add_argument("--metrics-address", default=None)
         sub.add_argument("--allow-metrics", type=_bool, nargs="?", const=True, default=None)
@@ -130,7 +131,7 @@ def serve(settings: ServerSettings) -> int:
     versions = served_versions(loaded)
     try:
         front = grpc_front(settings)
-        launcher.start_serve(settings.http_address, settings.http_port, front[3] if front else None)
+        launcher.start_serve(settings.http_address, settings.serve_http_port, front[3] if front else None)
         failures = launcher.deploy_repository(
             str(settings.model_repository.resolve()),
             versions,
@@ -143,6 +144,7 @@ def serve(settings: ServerSettings) -> int:
             control_mode=settings.model_control_mode,
             poll_secs=settings.repository_poll_secs,
             grpc_front=front,
+            http_front=http_front(settings),
         )
         _print_model_table(entries, failures, {entry.name for entry in loaded})
         if front is not None:

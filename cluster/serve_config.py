@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rayinfer.cluster.settings import ServerSettings, grpc_front, metrics_endpoint
+from rayinfer.cluster.settings import ServerSettings, grpc_front, http_front, metrics_endpoint
 from rayinfer.deployments.grpc_service import SERVICER_FUNCTION
 from rayinfer.deployments.names import (
     SERVER_APP,
@@ -41,7 +41,7 @@ def render_serve_config(settings: ServerSettings, entries: list[ModelEntry] | No
             "server_id": settings.id,
             "strict_readiness": settings.strict_readiness,
             **_metrics_args(settings),
-            **_grpc_args(settings),
+            **_front_args(settings),
             "model_control_mode": settings.model_control_mode,
             "repository_poll_secs": settings.repository_poll_secs,
             "replica_num_cpus": settings.replica_num_cpus,
@@ -66,7 +66,8 @@ def render_serve_config(settings: ServerSettings, entries: list[ModelEntry] | No
         })
     doc: dict[str, Any] = {
         "proxy_location": "EveryNode",
-        "http_options": {"host": settings.http_address, "port": settings.http_port},
+        # Serve's HTTP ingress sits behind the front's HTTP port (--http-port).
+        "http_options": {"host": settings.http_address, "port": settings.serve_http_port},
     }
     front = grpc_front(settings)
     if front is not None:
@@ -75,13 +76,15 @@ def render_serve_config(settings: ServerSettings, entries: list[ModelEntry] | No
     return doc
 
 
-def _grpc_args(settings: ServerSettings) -> dict[str, Any]:
+def _front_args(settings: ServerSettings) -> dict[str, Any]:
+    address, port, upstream_host, upstream_port = http_front(settings)
+    args: dict[str, Any] = {"http_address": address, "http_port": port, "serve_http_host": upstream_host,
+                            "serve_http_port": upstream_port}
     front = grpc_front(settings)
-    if front is None:
-        return {}
-    address, port, upstream_host, upstream_port = front
-    return {"grpc_address": address, "grpc_port": port, "serve_grpc_host": upstream_host,
-            "serve_grpc_port": upstream_port}
+    if front is not None:
+        address, port, upstream_host, upstream_port = front
+        args.update(grpc_address=address, grpc_port=port, serve_grpc_host=upstream_host, serve_grpc_port=upstream_port)
+    return args
 
 
 def _metrics_args(settings: ServerSettings) -> dict[str, Any]:

@@ -42,6 +42,11 @@ class ServerSettings(BaseSettings):
         description="Address HTTP binds to (HAProxy and the model replicas); use 0.0.0.0 on multi-node clusters.",
     )
     http_port: int = Field(8000, description="KServe v2 HTTP port.")
+    serve_http_port: int = Field(
+        9000,
+        description="Port of Ray Serve's own HTTP ingress, which the front on --http-port forwards what it does "
+        "not route to a model replica itself (metadata, health, the repository; on every node).",
+    )
     grpc_port: int = Field(8001, description="KServe v2 / Triton gRPC port (GRPCInferenceService).")
     grpc_address: str | None = Field(None, description="Address the gRPC port binds to; default: --http-address.")
     allow_grpc: bool = Field(True, description="Serve the gRPC port.")
@@ -91,12 +96,22 @@ class ServerSettings(BaseSettings):
     startup_timeout_s: float = Field(600.0, description="How long to wait for models to finish loading.")
 
 
+def _serve_host(settings: ServerSettings) -> str:
+    """Where the front reaches Serve's ingress on its own node."""
+    return "127.0.0.1" if settings.http_address in ("0.0.0.0", "::") else settings.http_address
+
+
+def http_front(settings: ServerSettings) -> tuple[str, int, str, int]:
+    """(address, port, Serve's HTTP host, Serve's HTTP port) of the front's HTTP port."""
+    return (settings.http_address, settings.http_port, _serve_host(settings), settings.serve_http_port)
+
+
 def grpc_front(settings: ServerSettings) -> tuple[str, int, str, int] | None:
-    """(address, port, Serve's gRPC host, Serve's gRPC port) of the gRPC front, or None when off."""
+    """(address, port, Serve's gRPC host, Serve's gRPC port) of the front's gRPC port, or None."""
     if not settings.allow_grpc:
         return None
-    upstream = "127.0.0.1" if settings.http_address in ("0.0.0.0", "::") else settings.http_address
-    return (settings.grpc_address or settings.http_address, settings.grpc_port, upstream, settings.serve_grpc_port)
+    return (settings.grpc_address or settings.http_address, settings.grpc_port, _serve_host(settings),
+            settings.serve_grpc_port)
 
 
 def metrics_endpoint(settings: ServerSettings) -> tuple[str, int] | None:

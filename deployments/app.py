@@ -67,10 +67,12 @@ def server_application(
     metrics: tuple[str, int] | None = None,
     control: ModelControl | None = None,
     grpc_front: tuple[str, int, str, int] | None = None,
+    http_front: tuple[str, int, str, int] | None = None,
 ) -> Application:
     """The ``/v2`` application: health, metadata, repository index, statistics, unknown models,
-    Triton's metrics port at ``metrics`` (address, port) and the gRPC front at ``grpc_front``
-    (address, port, Serve's gRPC host and port) when given."""
+    Triton's metrics port at ``metrics`` (address, port) and the front's gRPC and HTTP ports at
+    ``grpc_front`` and ``http_front`` (address, port, Serve's gRPC or HTTP host and port) when
+    given."""
     deployment = ServerDeployment.options(
         num_replicas=1,
         max_ongoing_requests=MIN_ONGOING_REQUESTS,
@@ -79,7 +81,7 @@ def server_application(
         graceful_shutdown_timeout_s=10.0,
     )
     address, port = metrics or ("127.0.0.1", 0)
-    return deployment.bind(str(model_repository), server_id, strict_readiness, port, address, control, grpc_front)
+    return deployment.bind(str(model_repository), server_id, strict_readiness, port, address, control, grpc_front, http_front)
 
 
 def build_model_app(args: dict[str, Any]) -> Application:
@@ -97,7 +99,8 @@ def build_model_app(args: dict[str, Any]) -> Application:
 def build_server_app(args: dict[str, Any]) -> Application:
     """Serve-config entry point; ``args``: model_repository, server_id, strict_readiness and,
     for the metrics port, metrics_address and metrics_port; for the gRPC front, grpc_address,
-    grpc_port, serve_grpc_host and serve_grpc_port."""
+    grpc_port, serve_grpc_host and serve_grpc_port; for its HTTP port, http_address, http_port,
+    serve_http_host and serve_http_port."""
     return server_application(
         args["model_repository"],
         server_id=str(args.get("server_id", "triton")),
@@ -108,6 +111,9 @@ def build_server_app(args: dict[str, Any]) -> Application:
         grpc_front=(str(args.get("grpc_address", "127.0.0.1")), int(args["grpc_port"]),
                     str(args.get("serve_grpc_host", "127.0.0.1")), int(args["serve_grpc_port"]))
         if args.get("grpc_port") else None,
+        http_front=(str(args.get("http_address", "127.0.0.1")), int(args["http_port"]),
+                    str(args.get("serve_http_host", "127.0.0.1")), int(args["serve_http_port"]))
+        if args.get("http_port") else None,
     )
 
 

@@ -43,6 +43,7 @@ def deploy_repository(
     control_mode: str = "none",
     poll_secs: float = 15.0,
     grpc_front: tuple[str, int, str, int] | None = None,
+    http_front: tuple[str, int, str, int] | None = None,
 ) -> dict[str, str]:
     """Deploy the ``/v2`` app and one app per model version; returns models that failed to load.
 
@@ -58,6 +59,7 @@ def deploy_repository(
             server_application(
                 model_repository, server_id=server_id, strict_readiness=strict_readiness,
                 load_errors=load_errors, metrics=metrics, control=control, grpc_front=grpc_front,
+                http_front=http_front,
             ),
             name=SERVER_APP,
             route_prefix=SERVER_ROUTE_PREFIX,

@@ -1,8 +1,11 @@
-"""ModelDeployment: one Serve deployment per model version, receiving HTTP directly.
+"""ModelDeployment: one Serve deployment per model version.
 
-Each replica decodes KServe v2 requests, validates them, batches them in its own dynamic
-batcher and runs the backend (on the event loop when executions are short, else on the model's
-thread), so a model request crosses no process boundary after the load balancer.
+Each replica decodes KServe v2 and gRPC inference requests, validates them, batches them in its
+own dynamic batcher and runs the backend (on the event loop when executions are short, else on
+the model's thread). Inference requests arrive from the front at the replica's own listener
+(:mod:`replica_listener`), so a model request crosses no process boundary after HAProxy and
+skips Serve's per-request machinery; the rest (metadata, readiness, config, statistics) arrives
+through Serve's ingress.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import asyncio
 import gc
 import logging
 import time
+from urllib.parse import unquote
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -23,7 +27,7 @@ from rayinfer.adapters.model_runner import ModelRunner, PreparedRequest
 from rayinfer.deployments import asgi, grpc_service
 from rayinfer.deployments.batcher import DynamicBatcher
 from rayinfer.deployments.names import SERVER_APP, SERVER_DEPLOYMENT
-from rayinfer.deployments.grpc_relay import GrpcRelayListener
+from rayinfer.deployments.replica_listener import ReplicaListener
 from rayinfer.deployments.grpc_service import answer
 from rayinfer.protocol.compression import compress_body, decompress_body, response_encoding
 from google.protobuf.message import DecodeError
@@ -34,9 +38,10 @@ from rayinfer.protocol.errors import (
     ServingError,
     UnsupportedError,
     as_serving_error,
+    http_status,
 )
 from rayinfer.protocol.grpc_codec import metadata_to_grpc, request_from_grpc, response_to_grpc, statistics_to_grpc
-from rayinfer.protocol.http_codec import HEADER_LENGTH, request_from_http, response_to_http
+from rayinfer.protocol.http_codec import HEADER_LENGTH, error_body, request_from_http, response_to_http
 from rayinfer.protocol.statistics import stats_to_json
 from rayinfer.protocol.types import InferResponse
 from rayinfer.repository.model_config import config_to_json
@@ -59,8 +64,19 @@ _OCTET = (b"content-type", b"application/octet-stream")
 _JSON = (b"content-type", b"application/json")
 
 
+_HEADER_LENGTH = HEADER_LENGTH.encode()
+# Request headers an infer request's answer depends on.
+_INFER_HEADERS = frozenset({b"content-encoding", b"accept-encoding", _HEADER_LENGTH})
+
+
 def _text(value: bytes | None) -> str | None:
     return value.decode("latin-1") if value is not None else None
+
+
+def _error_response(exc: Exception) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+    """Triton's error response: the code's HTTP status and ``{"error": message}``."""
+    error = as_serving_error(exc)
+    return http_status(error.code), [_JSON], error_body(error.message)
 
 
 @serve.deployment(name="ModelDeployment")
@@ -103,8 +119,9 @@ class ModelDeployment:
         self._app_name = context.app_name
         self._stats_pushed_at: tuple[int, int, int] | None = None
         self._server: Any = None
-        # Model RPCs routed by the gRPC front arrive here as HTTP/1.1, not through Serve.
-        self._listener = GrpcRelayListener(self.grpc_forwarded)
+        # Inference calls routed by the front (HTTP infer, gRPC model RPCs) arrive here as
+        # HTTP/1.1, not through Serve's ingress.
+        self._listener = ReplicaListener(self.grpc_forwarded, self._direct_http)
         host = ray.util.get_node_ip_address()
         self._listener_address = (host, await self._listener.start(host))
         self._stats_task = asyncio.get_running_loop().create_task(self._publish_stats_forever())
@@ -147,9 +164,30 @@ class ModelDeployment:
             await asgi.send_error(send, NotFoundError(f"Not Found: {method} {scope['path']}"))
 
     async def _http_infer(self, scope: asgi.Scope, receive: asgi.Receive, send: asgi.Send) -> None:
+        headers = {k: v for k, v in scope["headers"] if k in _INFER_HEADERS}
+        status, extra, payload = await self._infer_http(headers, await asgi.read_body(receive))
+        await asgi.send_bytes(send, status, payload, extra)
+
+    async def _direct_http(
+        self, path: str, headers: dict[bytes, bytes], body: bytes
+    ) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+        """An infer request routed by the front to this replica's listener."""
+        parts = path.split("/")  # "", "v2", "models", <model>, ["versions", <version>,] "infer"
+        if len(parts) not in (5, 7) or parts[-1] != "infer":
+            raise NotFoundError(f"Not Found: POST {path}")
+        version = parts[5] if len(parts) == 7 else ""
+        if unquote(parts[3]) != self._name or (version and version != self._version):
+            named = f"'{unquote(parts[3])}'" + (f" version {version}" if version else "")
+            raise NotFoundError(f"Request for unknown model: {named} is not found")
+        return await self._infer_http(headers, body)
+
+    async def _infer_http(
+        self, headers: dict[bytes, bytes], body: bytes
+    ) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+        """A v2 infer request's response: (status, headers, body), errors in Triton's form."""
         try:
-            body = decompress_body(await asgi.read_body(receive), _text(asgi.header(scope, b"content-encoding")))
-            raw_length = asgi.header(scope, HEADER_LENGTH.encode())
+            body = decompress_body(body, _text(headers.get(b"content-encoding")))
+            raw_length = headers.get(_HEADER_LENGTH)
             try:
                 header_length = int(raw_length) if raw_length is not None else None
             except ValueError:
@@ -157,24 +195,23 @@ class ModelDeployment:
             request = request_from_http(body, header_length, self._name, self._version)
             prepared = self._runner.prepare(request)
         except Exception as exc:  # rejected before it reached the model: not counted, as in Triton
-            await asgi.send_error(send, as_serving_error(exc))
-            return
+            return _error_response(exc)
         try:
             response = await self.infer(prepared)
             payload, json_length = response_to_http(response, request)
         except Exception as exc:  # execution failures are counted by the runner
-            await asgi.send_error(send, as_serving_error(exc))
-            return
-        headers = [_JSON] if json_length is None else [_OCTET, (HEADER_LENGTH.encode(), str(json_length).encode())]
-        encoding = response_encoding(_text(asgi.header(scope, b"accept-encoding")))
+            return _error_response(exc)
+        extra = [_JSON] if json_length is None else [_OCTET, (_HEADER_LENGTH, str(json_length).encode())]
+        encoding = response_encoding(_text(headers.get(b"accept-encoding")))
         if encoding is not None:
             payload = compress_body(payload, encoding)
-            headers.append((b"content-encoding", encoding.encode()))
-        await asgi.send_bytes(send, 200, payload, headers)
+            extra.append((b"content-encoding", encoding.encode()))
+        return 200, extra, payload
 
     # ---- gRPC (GRPCInferenceService) --------------------------------------------------------
-    # The gRPC front routes these RPCs here by the request's model name and version; the ``/v2``
-    # replica forwards through grpc_call what it could not route (streams, compressed messages).
+    # The front relays the model RPCs it routes to the replica's listener (grpc_forwarded); the
+    # ``/v2`` replica forwards what the front could not route (streams, compressed messages) by
+    # handle; Serve's gRPC ingress calls these methods for calls addressed to this application.
 
     async def ModelInfer(self, request: pb.ModelInferRequest, grpc_context: Any = None) -> Any:
         return await answer(grpc_context, self.grpc_call("ModelInfer", request), pb.ModelInferResponse)

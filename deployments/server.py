@@ -94,6 +94,7 @@ class ServerDeployment(ServerGrpcMethods):
         metrics_address: str = "127.0.0.1",
         control: Any = None,
         grpc_front: tuple[str, int, str, int] | None = None,
+        http_front: tuple[str, int, str, int] | None = None,
     ):
         self._repository = Path(model_repository)
         self._server_id = server_id
@@ -121,11 +122,10 @@ class ServerDeployment(ServerGrpcMethods):
         self._listeners: dict[str, tuple[str, str, int, float]] = {}
         self._front: Any = None
         self._routes_task: asyncio.Task | None = None
-        if grpc_front is not None:
-            from rayinfer.deployments.grpc_front import GrpcFront
+        if grpc_front is not None or http_front is not None:
+            from rayinfer.deployments.front import Front
 
-            address, port, upstream_host, upstream_port = grpc_front
-            self._front = GrpcFront(address, port, (upstream_host, upstream_port), SERVER_APP)
+            self._front = Front(http_front, grpc_front, SERVER_APP)
             self._routes_task = asyncio.get_running_loop().create_task(self._publish_routes_forever())
         self._metrics: MetricsEndpoint | None = None
         if metrics_port:

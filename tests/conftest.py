@@ -17,8 +17,9 @@ import pytest
 HTTP_PORT = int(os.environ.get("RAYINFER_TEST_HTTP_PORT", "18600"))
 GRPC_PORT = HTTP_PORT + 1
 METRICS_PORT = HTTP_PORT + 2
-# Ray Serve's own gRPC ingress, behind the gRPC front on GRPC_PORT.
+# Ray Serve's own gRPC and HTTP ingress, behind the front on GRPC_PORT and HTTP_PORT.
 SERVE_GRPC_PORT = HTTP_PORT + 11
+SERVE_HTTP_PORT = HTTP_PORT + 10
 
 
 def http(method: str, path: str, body: bytes | None = None, headers: dict | None = None,
@@ -131,7 +132,7 @@ def server(model_repository: Path, tmp_path_factory: pytest.TempPathFactory):
             for arg in ("--load-model", p.name)]
     proc = start_server(model_repository, log_path, [
         "--model-control-mode", "explicit", *load, "--http-port", str(HTTP_PORT), "--metrics-port", str(METRICS_PORT),
-        "--grpc-port", str(GRPC_PORT), "--serve-grpc-port", str(SERVE_GRPC_PORT),
+        "--grpc-port", str(GRPC_PORT), "--serve-grpc-port", str(SERVE_GRPC_PORT), "--serve-http-port", str(SERVE_HTTP_PORT),
     ])
     _SHARED["server"] = proc
     try:

@@ -305,7 +305,7 @@ def test_the_front_routes_served_versions_to_their_replicas(client, server):
 
     port = server["grpc_url"].rsplit(":", 1)[1]
     # The live front on this port (earlier, stopped fronts' folders are removed when one starts).
-    (front,) = [p.parent for p in Path(tempfile.gettempdir()).glob("rayinfer-grpc-*/haproxy.cfg")
+    (front,) = [p.parent for p in Path(tempfile.gettempdir()).glob("rayinfer-front-*/haproxy.cfg")
                 if f":{port} proto h2" in p.read_text()]
     deadline = time.monotonic() + 10
     counts: dict[str, str] = {}

@@ -115,19 +115,22 @@ def test_reloading_a_changed_model_under_traffic_fails_no_request(server, client
     try:
         config.write_text(original + "dynamic_batching { max_queue_delay_microseconds: 100 }\n")
         with concurrent.futures.ThreadPoolExecutor(5) as pool:
-            futures = [pool.submit(worker) for _ in range(4)]
-            time.sleep(1.0)
-            before = results["ok"]
-            reload = pool.submit(client.load_model, ON_DEMAND)
-            states = set()
-            while not reload.done():  # the serving version stays READY while the new one starts
-                states.add(index_row(ON_DEMAND)["state"])
-                time.sleep(0.2)
-            reload.result()
-            assert states <= {"READY"}
-            assert client.get_model_config(ON_DEMAND)["dynamic_batching"]["max_queue_delay_microseconds"] == 100
-            time.sleep(3.0)  # past the old replica's draining period
-            stop.set()
+            try:
+                futures = [pool.submit(worker) for _ in range(4)]
+                time.sleep(1.0)
+                before = results["ok"]
+                # geventhttpclient's clients must stay on the thread that made them.
+                reload = pool.submit(lambda: httpclient.InferenceServerClient(server["url"]).load_model(ON_DEMAND))
+                states = set()
+                while not reload.done():  # the serving version stays READY while the new one starts
+                    states.add(index_row(ON_DEMAND)["state"])
+                    time.sleep(0.2)
+                reload.result()
+                assert states <= {"READY"}
+                assert client.get_model_config(ON_DEMAND)["dynamic_batching"]["max_queue_delay_microseconds"] == 100
+                time.sleep(3.0)  # past the old replica's draining period
+            finally:  # the workers stop even when an assertion above fails
+                stop.set()
             for f in futures:
                 f.result()
         assert results["errors"] == []

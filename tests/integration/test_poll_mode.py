@@ -34,7 +34,7 @@ def poll_server(model_repository, tmp_path_factory):
     log = tmp_path_factory.mktemp("poll_server") / "rayinfer.log"
     proc = start_server(repo, log, [
         "--model-control-mode", "poll", "--repository-poll-secs", "1", "--http-port", str(PORT),
-        "--grpc-port", str(PORT + 1), "--metrics-port", str(PORT + 2), "--serve-grpc-port", str(PORT + 11),
+        "--grpc-port", str(PORT + 1), "--metrics-port", str(PORT + 2), "--serve-grpc-port", str(PORT + 11), "--serve-http-port", str(PORT + 10),
     ])
     try:
         yield repo, httpclient.InferenceServerClient(f"127.0.0.1:{PORT}", network_timeout=120.0), \

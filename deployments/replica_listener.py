@@ -1,12 +1,17 @@
-"""A model replica's own listener for the gRPC calls the gRPC front relays to it.
+"""A model replica's own listener for the inference calls the front relays to it.
 
-Ray Serve answers gRPC in each replica with grpcio's Python server, which costs about twice
-the CPU of the replica's whole HTTP path per call (see docs/benchmarks.md). The gRPC front
-(HAProxy) instead hands a routed call to this listener as HTTP/1.1: HAProxy turns the HTTP/2
-call into an HTTP/1.1 request with the gRPC-framed message as its body, and turns the chunked
-HTTP/1.1 response with ``grpc-status`` and ``grpc-message`` trailers back into a gRPC response.
-Parsing is httptools (the parser uvicorn uses); there is no HTTP/2 and no gRPC library on the
-replica's side of the call.
+Ray Serve answers a request in a replica through uvicorn or grpcio's Python server plus its own
+per-request wrapper; on small machines that costs more CPU than the model (see
+docs/benchmarks.md). The front (HAProxy, :mod:`front`) instead hands the calls it routes to
+this listener as HTTP/1.1:
+
+- KServe v2 ``POST .../infer`` requests, as the client sent them;
+- gRPC calls: HAProxy turns the HTTP/2 call into an HTTP/1.1 request with the gRPC-framed
+  message as its body, and turns the chunked HTTP/1.1 response with ``grpc-status`` and
+  ``grpc-message`` trailers back into a gRPC response.
+
+Parsing is httptools (the parser uvicorn uses); there is no HTTP/2, no ASGI and no gRPC library
+on the replica's side of the call.
 """
 
 from __future__ import annotations
@@ -20,7 +25,8 @@ from typing import Any
 
 import httptools
 
-from rayinfer.protocol.errors import ServingError, as_serving_error, grpc_status_name
+from rayinfer.protocol.errors import NotFoundError, ServingError, as_serving_error, grpc_status_name, http_status
+from rayinfer.protocol.http_codec import error_body
 
 logger = logging.getLogger(__name__)
 
@@ -33,10 +39,28 @@ _STATUS_NUMBERS = {
     "DATA_LOSS": 15, "UNAUTHENTICATED": 16,
 }
 _RESPONSE_HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: application/grpc\r\ntransfer-encoding: chunked\r\n\r\n"
+_JSON = (b"content-type", b"application/json")
+_CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 _BAD_REQUEST = b"HTTP/1.1 400 Bad Request\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
 
 # (method name, serialized request message) -> serialized response message; raises on error.
-Handler = Callable[[str, bytes], Awaitable[bytes]]
+GrpcHandler = Callable[[str, bytes], Awaitable[bytes]]
+# (path, lower-case request headers, body) -> (status, extra response headers, body).
+HttpHandler = Callable[[str, dict[bytes, bytes], bytes], Awaitable[tuple[int, list[tuple[bytes, bytes]], bytes]]]
+_REASONS = {200: b"OK", 400: b"Bad Request", 404: b"Not Found", 500: b"Internal Server Error",
+            501: b"Not Implemented", 503: b"Service Unavailable"}
+# Request headers the handlers use (all others are skipped while parsing).
+_KEPT_HEADERS = frozenset({
+    b"grpc-encoding", b"content-encoding", b"accept-encoding", b"inference-header-content-length", b"expect",
+})
+
+
+def http_response(status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> bytes:
+    """A complete HTTP/1.1 response with a content-length."""
+    head = b"".join(b"%b: %b\r\n" % header for header in headers)
+    return b"HTTP/1.1 %d %b\r\ncontent-length: %d\r\n%b\r\n%b" % (
+        status, _REASONS.get(status, b"Status"), len(body), head, body
+    )
 
 
 def grpc_message_header(message: str) -> bytes:
@@ -88,12 +112,13 @@ class _CallError(Exception):
         self.status, self.message = status, message
 
 
-class GrpcRelayListener:
-    """Listens on ``host`` (an ephemeral port) and answers unary GRPCInferenceService calls
-    relayed as HTTP/1.1 by calling ``handler``."""
+class ReplicaListener:
+    """Listens on ``host`` (an ephemeral port); answers unary GRPCInferenceService calls relayed
+    as HTTP/1.1 with ``grpc_handler`` and every other request with ``http_handler``."""
 
-    def __init__(self, handler: Handler) -> None:
-        self._handler = handler
+    def __init__(self, grpc_handler: GrpcHandler, http_handler: HttpHandler | None = None) -> None:
+        self._grpc_handler = grpc_handler
+        self._http_handler = http_handler
         self._server: asyncio.AbstractServer | None = None
         self._connections: set[_Connection] = set()
         self.in_flight = 0
@@ -105,14 +130,14 @@ class GrpcRelayListener:
         self.port = self._server.sockets[0].getsockname()[1]
         return self.port
 
-    async def respond(self, path: bytes, encoding: bytes | None, body: bytes) -> bytes:
-        """The whole HTTP/1.1 response to one relayed call."""
+    async def respond(self, path: bytes, headers: dict[bytes, bytes], body: bytes) -> bytes:
+        """The whole HTTP/1.1 response to one relayed request."""
         self.in_flight += 1
         try:
             if not path.startswith(SERVICE_PATH):
-                raise _CallError("UNIMPLEMENTED", f"unknown gRPC method '{path.decode('latin-1')}'")
-            message = unframe(body, encoding)
-            return grpc_response(await self._handler(path[len(SERVICE_PATH):].decode("latin-1"), message))
+                return await self._respond_http(path, headers, body)
+            message = unframe(body, headers.get(b"grpc-encoding"))
+            return grpc_response(await self._grpc_handler(path[len(SERVICE_PATH):].decode("latin-1"), message))
         except _CallError as exc:
             return grpc_error(exc.status, exc.message)
         except Exception as exc:
@@ -120,6 +145,15 @@ class GrpcRelayListener:
             return grpc_error(grpc_status_name(error.code), error.message)
         finally:
             self.in_flight -= 1
+
+    async def _respond_http(self, path: bytes, headers: dict[bytes, bytes], body: bytes) -> bytes:
+        try:
+            if self._http_handler is None:
+                raise NotFoundError(f"Not Found: {path.decode('latin-1')}")
+            return http_response(*await self._http_handler(path.decode("latin-1"), headers, body))
+        except Exception as exc:
+            error = as_serving_error(exc)
+            return http_response(http_status(error.code), [_JSON], error_body(error.message))
 
     async def close(self, grace_s: float) -> None:
         """Stop accepting, let calls in flight finish (up to ``grace_s``), close connections."""
@@ -135,14 +169,15 @@ class GrpcRelayListener:
 class _Connection(asyncio.Protocol):
     """One HTTP/1.1 connection from the front; requests are answered in the order received."""
 
-    def __init__(self, listener: GrpcRelayListener) -> None:
+    def __init__(self, listener: ReplicaListener) -> None:
         self._listener = listener
         self._parser = httptools.HttpRequestParser(self)
         self._transport: Any = None
         self._url = b""
-        self._encoding: bytes | None = None
+        self._headers: dict[bytes, bytes] = {}
         self._body: list[bytes] = []
-        self._pending: deque[tuple[bytes, bytes | None, bytes]] = deque()
+        # (path, headers, body, keep the connection open afterwards)
+        self._pending: deque[tuple[bytes, dict[bytes, bytes], bytes, bool]] = deque()
         self._task: asyncio.Task | None = None
 
     # asyncio.Protocol
@@ -171,30 +206,40 @@ class _Connection(asyncio.Protocol):
     # httptools callbacks
 
     def on_message_begin(self) -> None:
-        self._url, self._encoding, self._body = b"", None, []
+        self._url, self._headers, self._body = b"", {}, []
 
     def on_url(self, url: bytes) -> None:
         self._url += url
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        if name.lower() == b"grpc-encoding":
-            self._encoding = value
+        name = name.lower()
+        if name in _KEPT_HEADERS:
+            self._headers[name] = value
+
+    def on_headers_complete(self) -> None:
+        if self._headers.get(b"expect", b"").lower() == b"100-continue" and self._transport is not None:
+            self._transport.write(_CONTINUE)
 
     def on_body(self, body: bytes) -> None:
         self._body.append(body)
 
     def on_message_complete(self) -> None:
         body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
-        self._pending.append((self._url, self._encoding, body))
+        path = self._url.partition(b"?")[0]
+        self._pending.append((path, self._headers, body, self._parser.should_keep_alive()))
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._answer_pending())
 
     async def _answer_pending(self) -> None:
         try:
             while self._pending:
-                response = await self._listener.respond(*self._pending.popleft())
+                path, headers, body, keep_alive = self._pending.popleft()
+                response = await self._listener.respond(path, headers, body)
                 if self._transport is None:
                     return
                 self._transport.write(response)
+                if not keep_alive:
+                    self._transport.close()
+                    return
         finally:
             self._task = None
