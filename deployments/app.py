@@ -98,7 +98,7 @@ def build_model_app(args: dict[str, Any]) -> Application:
 
 def build_server_app(args: dict[str, Any]) -> Application:
     """Serve-config entry point; ``args``: model_repository, server_id, strict_readiness and,
-    for the metrics port, metrics_address and metrics_port; for the gRPC front, grpc_address,
+    for the metrics port, metrics_address and metrics_port; for the front's gRPC port, grpc_address,
     grpc_port, serve_grpc_host and serve_grpc_port; for its HTTP port, http_address, http_port,
     serve_http_host and serve_http_port."""
     return server_application(

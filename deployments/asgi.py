@@ -10,8 +10,8 @@ import json
 from typing import Any
 from collections.abc import Awaitable, Callable
 
-from rayinfer.protocol.errors import ServingError, http_status
-from rayinfer.protocol.http_codec import error_body
+from rayinfer.protocol.errors import ServingError
+from rayinfer.protocol.http_codec import error_response
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
@@ -58,7 +58,8 @@ async def send_json(send: Send, status: int, doc: Any) -> None:
 
 async def send_error(send: Send, error: ServingError) -> None:
     """Triton's error response: the code's HTTP status and ``{"error": message}``."""
-    await send_bytes(send, http_status(error.code), error_body(error.message), [_JSON])
+    status, headers, body = error_response(error)
+    await send_bytes(send, status, body, headers)
 
 
 async def send_empty(send: Send, status: int) -> None:

@@ -191,9 +191,9 @@ class Front:
         registered, or none (and then goes to the ``/v2`` application).
         """
         routes = {k: sorted(v) for k, v in routes.items() if route_key_is_safe(k) and v}
-        # Listeners are "<host>|<port>" in the map: an IPv6 host has colons.
         if routes == self._published:
             return
+        # Listeners are "<host>|<port>" in the map: an IPv6 host has colons.
         listeners = {
             f"{key}/{n}": f"{host}|{port}"
             for key, addresses in routes.items()
@@ -247,9 +247,9 @@ class Front:
 def _remove_stale_fronts(address: str, port: int) -> None:
     """Remove the folders of earlier fronts on this address and port whose HAProxy is gone
     (a replica that is killed cannot clean up after itself)."""
+    bind = ["bind", f"{address}:{port}"]
     for config in Path(tempfile.gettempdir()).glob(f"{_DIR_PREFIX}*/haproxy.cfg"):
         try:
-            bind = ["bind", f"{address}:{port}"]
             if not any(line.split()[:2] == bind for line in config.read_text().splitlines()):
                 continue
             with socket.socket(socket.AF_UNIX) as admin:

@@ -1,9 +1,10 @@
 """Triton's ``inference.GRPCInferenceService`` on Ray Serve replicas.
 
 Serve runs a gRPC server in every ingress replica (registered through :data:`SERVICER_FUNCTION`)
-and calls the replica's method named after the RPC. The gRPC front (:mod:`grpc_front`) routes the
-model RPCs of a request straight to the model version's application; everything else reaches
-the ``/v2`` application, whose :class:`ServerGrpcMethods` are below.
+and calls the replica's method named after the RPC. The front (:mod:`front`) relays the model
+RPCs it can route straight to a replica of the model version (its own listener, not Serve's gRPC
+server); everything else reaches the ``/v2`` application, whose :class:`ServerGrpcMethods` are
+below.
 """
 
 from __future__ import annotations
@@ -80,9 +81,8 @@ async def answer(grpc_context: Any, call: Awaitable[Any], empty: type) -> Any:
 class ServerGrpcMethods:
     """The RPCs of the ``/v2`` application (mixed into ServerDeployment).
 
-    Model RPCs arrive here only when the gRPC front could not route them to the model's own
-    application (unknown or unavailable model, a compressed message, a route not yet
-    published): they are answered with Triton's error or forwarded by deployment handle.
+    Model RPCs arrive here only when the front could not route them to a replica of the model
+    (unknown or unavailable model, a compressed message, no running replica registered yet): they are answered with Triton's error or forwarded by deployment handle.
     """
 
     if TYPE_CHECKING:  # provided by ServerDeployment

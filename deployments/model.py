@@ -37,11 +37,9 @@ from rayinfer.protocol.errors import (
     NotFoundError,
     ServingError,
     UnsupportedError,
-    as_serving_error,
-    http_status,
 )
 from rayinfer.protocol.grpc_codec import metadata_to_grpc, request_from_grpc, response_to_grpc, statistics_to_grpc
-from rayinfer.protocol.http_codec import HEADER_LENGTH, error_body, request_from_http, response_to_http
+from rayinfer.protocol.http_codec import HEADER_LENGTH, error_response, request_from_http, response_to_http
 from rayinfer.protocol.statistics import stats_to_json
 from rayinfer.protocol.types import InferResponse
 from rayinfer.repository.model_config import config_to_json
@@ -50,7 +48,7 @@ from tritonclient.grpc import service_pb2 as pb
 logger = logging.getLogger(__name__)
 
 _STATS_PUSH_INTERVAL_S = 0.5
-# The replica's gRPC listener is registered with the ``/v2`` replica this often (which forgets
+# The replica's listener is registered with the ``/v2`` replica this often (which forgets
 # a listener not registered again within a few intervals: a replica that died).
 _LISTENER_REGISTER_INTERVAL_S = 2.0
 # How long a replica being stopped waits for the calls its listener is answering.
@@ -71,12 +69,6 @@ _INFER_HEADERS = frozenset({b"content-encoding", b"accept-encoding", _HEADER_LEN
 
 def _text(value: bytes | None) -> str | None:
     return value.decode("latin-1") if value is not None else None
-
-
-def _error_response(exc: Exception) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
-    """Triton's error response: the code's HTTP status and ``{"error": message}``."""
-    error = as_serving_error(exc)
-    return http_status(error.code), [_JSON], error_body(error.message)
 
 
 @serve.deployment(name="ModelDeployment")
@@ -124,7 +116,7 @@ class ModelDeployment:
         self._listener = ReplicaListener(self.grpc_forwarded, self._direct_http)
         host = ray.util.get_node_ip_address()
         self._listener_address = (host, await self._listener.start(host))
-        self._stats_task = asyncio.get_running_loop().create_task(self._publish_stats_forever())
+        self._stats_task = asyncio.get_running_loop().create_task(self._report_forever())
         # Everything loaded so far (framework modules, the model) lives as long as the replica:
         # keep it out of the collector's generations so a full collection stays short.
         gc.freeze()
@@ -195,12 +187,12 @@ class ModelDeployment:
             request = request_from_http(body, header_length, self._name, self._version)
             prepared = self._runner.prepare(request)
         except Exception as exc:  # rejected before it reached the model: not counted, as in Triton
-            return _error_response(exc)
+            return error_response(exc)
         try:
             response = await self.infer(prepared)
             payload, json_length = response_to_http(response, request)
         except Exception as exc:  # execution failures are counted by the runner
-            return _error_response(exc)
+            return error_response(exc)
         extra = [_JSON] if json_length is None else [_OCTET, (_HEADER_LENGTH, str(json_length).encode())]
         encoding = response_encoding(_text(headers.get(b"accept-encoding")))
         if encoding is not None:
@@ -232,9 +224,10 @@ class ModelDeployment:
         """``grpc_call`` for the ``/v2`` replica's forwarding: messages travel serialized (protobuf
         messages do not pickle); errors travel as ServingError. (This class is pickled by value:
         its methods may name modules, not module-level message tables.)"""
-        if method not in grpc_service.RPC_MESSAGES:
+        messages = grpc_service.RPC_MESSAGES.get(method)
+        if messages is None:
             raise UnsupportedError(f"unknown gRPC method '{method}' for model '{self._name}'")
-        request_type, _ = grpc_service.RPC_MESSAGES[method]
+        request_type, _ = messages
         try:
             request = request_type.FromString(payload)
         except DecodeError:
@@ -339,7 +332,8 @@ class ModelDeployment:
         await self._server_handle().report_statistics.remote(self._replica_key, self._name, self._version, snapshot)
         self._stats_pushed_at = self._change_key(snapshot)
 
-    async def _publish_stats_forever(self) -> None:
+    async def _report_forever(self) -> None:
+        """Register the listener every few seconds; push statistics when they changed."""
         registered_at = float("-inf")
         while True:
             if time.monotonic() - registered_at >= _LISTENER_REGISTER_INTERVAL_S:
@@ -349,7 +343,7 @@ class ModelDeployment:
                     )
                     registered_at = time.monotonic()
                 except Exception as exc:  # the server app may not be deployed (yet)
-                    logger.debug("could not register the gRPC listener: %s", exc)
+                    logger.debug("could not register the listener: %s", exc)
             await asyncio.sleep(_STATS_PUSH_INTERVAL_S)
             snapshot = self._snapshot()
             if self._change_key(snapshot) == self._stats_pushed_at:
@@ -360,7 +354,7 @@ class ModelDeployment:
                 logger.debug("could not publish statistics: %s", exc)
 
     async def __del__(self) -> None:
-        """Serve stops the replica: out of the gRPC front's routes first, then drain."""
+        """Serve stops the replica: out of the front's routes first, then drain."""
         task = getattr(self, "_stats_task", None)
         if task is not None:
             task.cancel()
@@ -369,7 +363,7 @@ class ModelDeployment:
             try:
                 await asyncio.wait_for(self._server_handle().withdraw_listener.remote(self._replica_key), 5.0)
             except Exception as exc:  # the /v2 app is gone too: nothing routes here any more
-                logger.debug("could not withdraw the gRPC listener: %s", exc)
+                logger.debug("could not withdraw the listener: %s", exc)
             await listener.close(_LISTENER_DRAIN_S)
         executor = getattr(self, "_executor", None)
         if executor is not None:

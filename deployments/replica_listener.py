@@ -21,25 +21,19 @@ import logging
 import zlib
 from collections import deque
 from collections.abc import Awaitable, Callable
+from http import HTTPStatus
 from typing import Any
 
+import grpc
 import httptools
 
-from rayinfer.protocol.errors import NotFoundError, ServingError, as_serving_error, grpc_status_name, http_status
-from rayinfer.protocol.http_codec import error_body
+from rayinfer.protocol.errors import InternalError, NotFoundError, UnsupportedError, as_serving_error, grpc_status_name
+from rayinfer.protocol.http_codec import error_response
 
 logger = logging.getLogger(__name__)
 
 SERVICE_PATH = b"/inference.GRPCInferenceService/"
-# Numeric gRPC status codes (https://grpc.github.io/grpc/core/md_doc_statuscodes.html).
-_STATUS_NUMBERS = {
-    "OK": 0, "CANCELLED": 1, "UNKNOWN": 2, "INVALID_ARGUMENT": 3, "DEADLINE_EXCEEDED": 4, "NOT_FOUND": 5,
-    "ALREADY_EXISTS": 6, "PERMISSION_DENIED": 7, "RESOURCE_EXHAUSTED": 8, "FAILED_PRECONDITION": 9,
-    "ABORTED": 10, "OUT_OF_RANGE": 11, "UNIMPLEMENTED": 12, "INTERNAL": 13, "UNAVAILABLE": 14,
-    "DATA_LOSS": 15, "UNAUTHENTICATED": 16,
-}
 _RESPONSE_HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: application/grpc\r\ntransfer-encoding: chunked\r\n\r\n"
-_JSON = (b"content-type", b"application/json")
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 _BAD_REQUEST = b"HTTP/1.1 400 Bad Request\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
 
@@ -47,8 +41,7 @@ _BAD_REQUEST = b"HTTP/1.1 400 Bad Request\r\ncontent-length: 0\r\nconnection: cl
 GrpcHandler = Callable[[str, bytes], Awaitable[bytes]]
 # (path, lower-case request headers, body) -> (status, extra response headers, body).
 HttpHandler = Callable[[str, dict[bytes, bytes], bytes], Awaitable[tuple[int, list[tuple[bytes, bytes]], bytes]]]
-_REASONS = {200: b"OK", 400: b"Bad Request", 404: b"Not Found", 500: b"Internal Server Error",
-            501: b"Not Implemented", 503: b"Service Unavailable"}
+_REASONS = {status.value: status.phrase.encode() for status in HTTPStatus}
 # Request headers the handlers use (all others are skipped while parsing).
 _KEPT_HEADERS = frozenset({
     b"grpc-encoding", b"content-encoding", b"accept-encoding", b"inference-header-content-length", b"expect",
@@ -78,20 +71,22 @@ def grpc_response(message: bytes) -> bytes:
     )
 
 
-def grpc_error(status: str, message: str) -> bytes:
-    """A failed call: no message, the status and message as trailers."""
+def grpc_error(exc: BaseException) -> bytes:
+    """A failed call: no message; Triton's status for ``exc`` and its message as trailers."""
+    error = as_serving_error(exc)
+    status = grpc.StatusCode[grpc_status_name(error.code)].value[0]
     return b"%b0\r\ngrpc-status: %d\r\ngrpc-message: %b\r\n\r\n" % (
-        _RESPONSE_HEAD, _STATUS_NUMBERS[status], grpc_message_header(message)
+        _RESPONSE_HEAD, status, grpc_message_header(error.message)
     )
 
 
 def unframe(body: bytes, encoding: bytes | None) -> bytes:
     """The one message of a unary call's body (gRPC length-prefixed framing)."""
     if len(body) < 5:
-        raise _CallError("INTERNAL", "malformed gRPC request: incomplete message frame")
+        raise InternalError("malformed gRPC request: incomplete message frame")
     compressed, length = body[0], int.from_bytes(body[1:5], "big")
     if len(body) != 5 + length:
-        raise _CallError("INTERNAL", "malformed gRPC request: expected exactly one message")
+        raise InternalError("malformed gRPC request: expected exactly one message")
     message = body[5:]
     if not compressed:
         return message
@@ -102,14 +97,8 @@ def unframe(body: bytes, encoding: bytes | None) -> bytes:
         if name == "deflate":
             return zlib.decompress(message)
     except zlib.error as exc:
-        raise _CallError("INTERNAL", f"malformed gRPC request: cannot decompress ({exc})") from None
-    raise _CallError("UNIMPLEMENTED", f"gRPC message compression '{name}' is not supported")
-
-
-class _CallError(Exception):
-    def __init__(self, status: str, message: str) -> None:
-        super().__init__(message)
-        self.status, self.message = status, message
+        raise InternalError(f"malformed gRPC request: cannot decompress ({exc})") from None
+    raise UnsupportedError(f"gRPC message compression '{name}' is not supported")
 
 
 class ReplicaListener:
@@ -138,11 +127,8 @@ class ReplicaListener:
                 return await self._respond_http(path, headers, body)
             message = unframe(body, headers.get(b"grpc-encoding"))
             return grpc_response(await self._grpc_handler(path[len(SERVICE_PATH):].decode("latin-1"), message))
-        except _CallError as exc:
-            return grpc_error(exc.status, exc.message)
         except Exception as exc:
-            error: ServingError = as_serving_error(exc)
-            return grpc_error(grpc_status_name(error.code), error.message)
+            return grpc_error(exc)
         finally:
             self.in_flight -= 1
 
@@ -152,8 +138,7 @@ class ReplicaListener:
                 raise NotFoundError(f"Not Found: {path.decode('latin-1')}")
             return http_response(*await self._http_handler(path.decode("latin-1"), headers, body))
         except Exception as exc:
-            error = as_serving_error(exc)
-            return http_response(http_status(error.code), [_JSON], error_body(error.message))
+            return http_response(*error_response(exc))
 
     async def close(self, grace_s: float) -> None:
         """Stop accepting, let calls in flight finish (up to ``grace_s``), close connections."""
@@ -194,7 +179,7 @@ class _Connection(asyncio.Protocol):
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserError as exc:
-            logger.warning("malformed request from the gRPC front: %s", exc)
+            logger.warning("malformed request from the front: %s", exc)
             if self._transport is not None:
                 self._transport.write(_BAD_REQUEST)
                 self._transport.close()

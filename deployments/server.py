@@ -13,6 +13,7 @@ import logging
 import shutil
 import time
 from pathlib import Path
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 from ray import serve
@@ -47,9 +48,9 @@ EXTENSIONS = [
     "schedule_policy",
 ]
 _STATE_CACHE_S = 0.5
-# A model replica's gRPC listener not registered again within this long is forgotten.
+# A model replica's listener not registered again within this long is forgotten.
 _LISTENER_TTL_S = 6.0
-# How often the gRPC front's routes are compared with the served versions.
+# How often the front's routes are compared with the served versions and their replicas.
 _ROUTES_REFRESH_S = 2.0
 _SERVE_STATE = {
     "RUNNING": "READY",
@@ -57,6 +58,23 @@ _SERVE_STATE = {
     "DEPLOYING": "LOADING",
     "DELETING": "UNLOADING",
 }
+
+
+def _running_replicas() -> set[str]:
+    """``<application>/<replica id>`` of every replica Serve reports RUNNING."""
+    from ray.serve.context import _get_global_client
+
+    client = _get_global_client()
+    if client is None:
+        raise RuntimeError("not connected to Serve")
+    details = client.get_serve_details()
+    return {
+        f"{app_name}/{replica['replica_id']}"
+        for app_name, app in details.get("applications", {}).items()
+        for deployment in app.get("deployments", {}).values()
+        for replica in deployment.get("replicas", [])
+        if replica.get("state") == "RUNNING"  # a str enum or its value
+    }
 
 
 def status_name(status: Any) -> str:
@@ -83,7 +101,7 @@ def short_reason(message: str) -> str:
 @serve.ingress()
 class ServerDeployment(ServerGrpcMethods):
     """Serves the server-wide v2 endpoints (HTTP and gRPC); holds the statistics reported by
-    model replicas; runs the metrics port and the gRPC front when asked to."""
+    model replicas; runs the metrics port and the front when asked to."""
 
     def __init__(
         self,
@@ -114,11 +132,13 @@ class ServerDeployment(ServerGrpcMethods):
 
             self._poll_plan = PollPlan(repository_fingerprints(self._repository))
             self._poll_task = asyncio.get_running_loop().create_task(self._poll_forever())
-        # gRPC routes: "<model>/<version>" ("" = default) -> (application, deployment).
+        # Served versions: "<model>/<version>" ("" = default) -> (application, deployment).
         self._routes: dict[str, tuple[str, str]] = {}
+        # Replicas Serve reports RUNNING, per routed application (from the last status read).
+        self._running: dict[str, int] = {}
         self._routes_lock = asyncio.Lock()
         self._handles: dict[tuple[str, str], Any] = {}
-        # Model replicas' gRPC listeners: replica -> (application, host, port, last registered).
+        # Model replicas' listeners: replica -> (application, host, port, last registered).
         self._listeners: dict[str, tuple[str, str, int, float]] = {}
         self._front: Any = None
         self._routes_task: asyncio.Task | None = None
@@ -221,7 +241,7 @@ class ServerDeployment(ServerGrpcMethods):
 
     async def _change_model(self, action: str, model: str, parameters: dict[str, Any]) -> None:
         """Load or unload ``model`` (explicit mode only); returns when it is done and, for a
-        load, when the gRPC front routes it."""
+        load, when the front routes it."""
         if not self._explicit:
             raise UnavailableError("explicit model load / unload is not allowed if polling is enabled")
         async with self._control_lock:
@@ -235,7 +255,7 @@ class ServerDeployment(ServerGrpcMethods):
                 await self._unload(model)
 
     async def _unload(self, model: str) -> None:
-        """Take the model out of the gRPC front's routes, then remove its applications."""
+        """Take the model out of the front's routes, then remove its applications."""
         async with self._routes_lock:
             self._routes = {k: v for k, v in self._routes.items() if not k.startswith(f"{model}/")}
             self._handles = {route: h for route, h in self._handles.items() if not model_apps(model, [route[0]])}
@@ -243,7 +263,7 @@ class ServerDeployment(ServerGrpcMethods):
                 try:
                     await self._front.publish(self._front_routes())
                 except Exception:  # the /v2 app answers what the front still routes to a removed app
-                    logger.exception("could not withdraw '%s' from the gRPC front's routes", model)
+                    logger.exception("could not withdraw '%s' from the front's routes", model)
             await asyncio.to_thread(self._unload_model, model)
             self._states_at = 0.0
 
@@ -379,6 +399,7 @@ class ServerDeployment(ServerGrpcMethods):
         apps = serve.status().applications
         rows: list[dict[str, Any]] = []
         routes: dict[str, tuple[str, str]] = {}
+        running: dict[str, int] = {}
         routed_before = {app for app, _ in self._routes.values()}
         for entry in scan_repository(self._repository):
             source = self._sources.get(entry.name)
@@ -406,6 +427,11 @@ class ServerDeployment(ServerGrpcMethods):
                     ):
                         route = (app_name, model_deployment_name(entry.name, version))
                         routes[f"{entry.name}/{version}"] = route
+                        deployment = app.deployments.get(route[1])
+                        running[app_name] = sum(
+                            n for state, n in (deployment.replica_states if deployment else {}).items()
+                            if state == "RUNNING"
+                        )
                         row["state"] = "READY"
                         if version == latest:
                             routes[f"{entry.name}/"] = route
@@ -413,33 +439,53 @@ class ServerDeployment(ServerGrpcMethods):
                     row.update(state="UNAVAILABLE", reason=failure_reason(app))
                 rows.append(row)
         self._routes = routes
+        self._running = running
         return rows
 
-    # ---- the gRPC front's routes -----------------------------------------------------------
+    # ---- the front's routes ----------------------------------------------------------------
 
     async def _publish_routes(self) -> None:
-        """Give the gRPC front the versions served right now (no-op without a front)."""
+        """Give the front the versions served right now and their running replicas' listeners
+        (no-op without a front)."""
         if self._front is None:
             return
         async with self._routes_lock:
             await self._model_states()
             try:
-                await self._front.publish(self._front_routes())
+                await self._front.publish(self._front_routes(await self._not_running()))
             except Exception:  # the front keeps its previous routes; the /v2 app forwards the rest
-                logger.exception("could not update the gRPC front's routes")
+                logger.exception("could not update the front's routes")
 
-    def _front_routes(self) -> dict[str, list[tuple[str, int]]]:
-        """The front's routes: ``<model>/<version>`` -> the listeners of its replicas (versions
-        none of whose replicas has registered yet are left to the ``/v2`` app)."""
+    def _front_routes(self, not_running: AbstractSet[str] = frozenset()) -> dict[str, list[tuple[str, int]]]:
+        """The front's routes: ``<model>/<version>`` -> the listeners of its replicas, less those
+        in ``not_running`` (versions none of whose replicas is routable are left to Serve)."""
         now = time.monotonic()
         self._listeners = {k: v for k, v in self._listeners.items() if now - v[3] < _LISTENER_TTL_S}
         by_app: dict[str, list[tuple[str, int]]] = {}
-        for app, host, port, _ in self._listeners.values():
-            by_app.setdefault(app, []).append((host, port))
+        for replica, (app, host, port, _) in self._listeners.items():
+            if replica not in not_running:
+                by_app.setdefault(app, []).append((host, port))
         return {key: sorted(by_app[app]) for key, (app, _) in self._routes.items() if app in by_app}
 
+    async def _not_running(self) -> set[str]:
+        """Registered replicas Serve does not report RUNNING: one being stopped serves out Serve's
+        draining period (30 s by default) and must get no new calls; one still starting gets
+        none yet. Asked of Serve's controller only while some application has more registered
+        listeners than running replicas (during an update, a restart or a scale-down)."""
+        registered: dict[str, int] = {}
+        for app, *_ in self._listeners.values():
+            registered[app] = registered.get(app, 0) + 1
+        if all(count <= self._running.get(app, 0) for app, count in registered.items() if app in self._running):
+            return set()
+        try:
+            running = await asyncio.to_thread(_running_replicas)
+        except Exception as exc:  # keep routing to every registered replica
+            logger.debug("could not read the replicas' states: %s", exc)
+            return set()
+        return {replica for replica in self._listeners if replica not in running}
+
     async def register_listener(self, replica_key: str, app: str, host: str, port: int) -> None:
-        """A model replica's gRPC listener, registered at start and again every few seconds."""
+        """A model replica's listener, registered at start and again every few seconds."""
         known = replica_key in self._listeners
         self._listeners[replica_key] = (app, host, int(port), time.monotonic())
         if not known:
@@ -477,9 +523,9 @@ class ServerDeployment(ServerGrpcMethods):
         return render(figures, cpu)
 
     def check_health(self) -> None:
-        """Serve restarts this replica (and so the gRPC front) if the front has died."""
+        """Serve restarts this replica (and so the front) if the front has died."""
         if self._front is not None and not self._front.running:
-            raise RuntimeError("the gRPC front (HAProxy) has exited")
+            raise RuntimeError("the front (HAProxy) has exited")
 
     def __del__(self) -> None:
         for root, _ in getattr(self, "_sources", {}).values():

@@ -19,7 +19,7 @@ from rayinfer.protocol.dtypes import (
     numpy_dtype,
     serialize_bytes_tensor,
 )
-from rayinfer.protocol.errors import InvalidArgError, UnsupportedError
+from rayinfer.protocol.errors import InvalidArgError, UnsupportedError, as_serving_error, http_status
 from rayinfer.protocol.types import InferInput, InferRequest, InferResponse, RequestedOutput
 
 HEADER_LENGTH = "inference-header-content-length"
@@ -208,3 +208,9 @@ def _json_data(datatype: str, data: np.ndarray) -> list[Any]:
 def error_body(message: str) -> bytes:
     """Triton's HTTP error body."""
     return json.dumps({"error": message}).encode()
+
+
+def error_response(exc: BaseException) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+    """Triton's HTTP error response to ``exc``: (the code's status, headers, ``{"error": ...}``)."""
+    error = as_serving_error(exc)
+    return http_status(error.code), [(b"content-type", b"application/json")], error_body(error.message)

@@ -56,9 +56,10 @@ def test_poll_adds_changes_and_removes_models(poll_server, model_repository):
     config = repo / "added" / "config.pbtxt"
     config.write_text(config.read_text().replace("max_batch_size: 8", "max_batch_size: 4"))
     # Metadata goes through Serve, gRPC's ModelConfig through the front, which stops routing to
-    # the old replica once it withdraws (at the end of Serve's draining period): seconds apart.
+    # the old replica once Serve no longer reports it RUNNING (the front's routes are refreshed
+    # every 2 s), long before the old replica's draining period (30 s) ends.
     wait_for(lambda: http.get_model_config("added")["max_batch_size"] == 4)
-    wait_for(lambda: grpc.get_model_config("added").config.max_batch_size == 4)
+    wait_for(lambda: grpc.get_model_config("added").config.max_batch_size == 4, timeout_s=10.0)
 
     shutil.rmtree(repo / "added")
     wait_for(lambda: not http.is_model_ready("added") and not grpc.is_model_ready("added"))
