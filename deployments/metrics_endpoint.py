@@ -16,7 +16,7 @@ from typing import Any
 
 from rayinfer.deployments import asgi
 from rayinfer.protocol.errors import UnavailableError
-from rayinfer.protocol.metrics import CpuFigures, CpuSampler
+from rayinfer.protocol.metrics import CpuFigures, CpuSampler, GpuFigures, GpuSampler
 
 logger = logging.getLogger(__name__)
 
@@ -24,14 +24,16 @@ _TEXT = (b"content-type", b"text/plain; charset=utf-8")
 
 
 class MetricsEndpoint:
-    """Serves ``render()`` on ``address:port``; CPU figures are sampled every ``interval_s``."""
+    """Serves ``render()`` on ``address:port``; CPU and GPU figures are sampled every ``interval_s``."""
 
-    def __init__(self, render: Callable[[CpuFigures | None], Awaitable[str]], address: str, port: int,
-                 interval_s: float = 2.0) -> None:
+    def __init__(self, render: Callable[[CpuFigures | None, tuple[GpuFigures, ...]], Awaitable[str]],
+                 address: str, port: int, interval_s: float = 2.0) -> None:
         self._render = render
         self._interval_s = interval_s
         self._sampler = CpuSampler()
         self._cpu = self._sampler.sample()
+        self._gpu_sampler = GpuSampler()
+        self._gpus = self._gpu_sampler.sample()
         self._sock = socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
@@ -66,6 +68,8 @@ class MetricsEndpoint:
         while True:
             await asyncio.sleep(self._interval_s)
             self._cpu = self._sampler.sample()
+            if self._gpu_sampler.device_count:  # NVML calls block: off the loop
+                self._gpus = await asyncio.to_thread(self._gpu_sampler.sample)
 
     async def _asgi(self, scope: asgi.Scope, receive: asgi.Receive, send: asgi.Send) -> None:
         if scope["type"] != "http":
@@ -74,7 +78,7 @@ class MetricsEndpoint:
             await asgi.send_bytes(send, 405, b"Method Not Allowed", [_TEXT])
             return
         try:
-            body = (await self._render(self._cpu)).encode()
+            body = (await self._render(self._cpu, self._gpus)).encode()
         except Exception:  # a scrape must never take the replica down
             logger.exception("rendering metrics failed")
             await asgi.send_bytes(send, 500, b"metrics unavailable", [_TEXT])

@@ -32,7 +32,7 @@ from rayinfer.protocol.errors import (
     as_serving_error,
 )
 from rayinfer.protocol.http_codec import parse_json_body
-from rayinfer.protocol.metrics import CpuFigures, ModelFigures, render
+from rayinfer.protocol.metrics import CpuFigures, GpuFigures, ModelFigures, render
 from rayinfer.protocol.statistics import merge_snapshots, stats_to_json
 from rayinfer.repository.override_files import file_parameters, write_model_directory
 from rayinfer.repository.scanner import scan_model, scan_repository
@@ -510,7 +510,7 @@ class ServerDeployment(ServerGrpcMethods):
         per_replica = self._stats.get((model, version))
         return merge_snapshots(list(per_replica.values())) if per_replica else None
 
-    async def _render_metrics(self, cpu: CpuFigures | None) -> str:
+    async def _render_metrics(self, cpu: CpuFigures | None, gpus: tuple[GpuFigures, ...]) -> str:
         """Triton's Prometheus text for every READY model version."""
         figures = []
         for row in await self._model_states():
@@ -520,7 +520,7 @@ class ServerDeployment(ServerGrpcMethods):
             pending = sum(s.get("pending_request_count", 0) for s in self._stats.get((name, version), {}).values())
             snapshot = self.model_statistics(name, version) or merge_snapshots([])
             figures.append(ModelFigures(name, version, snapshot, pending))
-        return render(figures, cpu)
+        return render(figures, cpu, gpus)
 
     def check_health(self) -> None:
         """Serve restarts this replica (and so the front) if the front has died."""

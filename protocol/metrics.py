@@ -1,4 +1,4 @@
-"""Triton's Prometheus metrics (``nv_inference_*``, ``nv_cpu_*``) rendered from statistics snapshots.
+"""Triton's Prometheus metrics (``nv_inference_*``, ``nv_cpu_*``, ``nv_gpu_*``) rendered from statistics snapshots.
 
 Names, help texts, label names and label order are Triton's, so dashboards and alerts written for
 Triton read rayinfer unchanged. Every figure comes from the same merged snapshots as the
@@ -7,9 +7,12 @@ statistics extension (``GET /v2/models/stats``), so the two always agree.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 _COUNTERS = (
     ("nv_inference_request_success", "Number of successful inference requests, all batch sizes"),
@@ -69,7 +72,32 @@ class CpuFigures:
     memory_used_bytes: int
 
 
-def render(models: list[ModelFigures], cpu: CpuFigures | None) -> str:
+@dataclass(frozen=True)
+class GpuFigures:
+    """One NVIDIA GPU, from NVML; a figure the device does not report is None."""
+
+    uuid: str
+    utilization: float | None
+    memory_total_bytes: int | None
+    memory_used_bytes: int | None
+    power_usage_w: float | None
+    power_limit_w: float | None
+    energy_j: float | None  # since the server started
+
+
+# Triton's GPU families: (name, help, type, GpuFigures field), labelled by gpu_uuid.
+_GPU_FAMILIES = (
+    ("nv_gpu_utilization", "GPU utilization rate [0.0 - 1.0)", "gauge", "utilization"),
+    ("nv_gpu_memory_total_bytes", "GPU total memory, in bytes", "gauge", "memory_total_bytes"),
+    ("nv_gpu_memory_used_bytes", "GPU used memory, in bytes", "gauge", "memory_used_bytes"),
+    ("nv_gpu_power_usage", "GPU power usage in watts", "gauge", "power_usage_w"),
+    ("nv_gpu_power_limit", "GPU power management limit in watts", "gauge", "power_limit_w"),
+    ("nv_energy_consumption", "GPU energy consumption in joules since the Triton Server started", "counter",
+     "energy_j"),
+)
+
+
+def render(models: list[ModelFigures], cpu: CpuFigures | None, gpus: tuple[GpuFigures, ...] = ()) -> str:
     """The Prometheus text exposition Triton serves on its metrics port."""
     lines: list[str] = []
     for metric, help_text in _COUNTERS:
@@ -92,6 +120,12 @@ def render(models: list[ModelFigures], cpu: CpuFigures | None) -> str:
             ("nv_cpu_memory_used_bytes", "CPU used memory (RAM), in bytes", str(cpu.memory_used_bytes)),
         ):
             lines += [f"# HELP {metric} {help_text}", f"# TYPE {metric} gauge", f"{metric} {value}"]
+    for metric, help_text, kind, field in _GPU_FAMILIES if gpus else ():
+        lines += [f"# HELP {metric} {help_text}", f"# TYPE {metric} {kind}"]
+        for gpu in gpus:
+            value = getattr(gpu, field)
+            if value is not None:
+                lines.append(f'{metric}{{gpu_uuid="{_escape(gpu.uuid)}"}} {value!r}')
     return "\n".join(lines) + "\n"
 
 
@@ -141,3 +175,60 @@ class CpuSampler:
         mem_total = meminfo.get("MemTotal", 0)
         mem_used = mem_total - meminfo.get("MemAvailable", meminfo.get("MemFree", 0))
         return CpuFigures(max(0.0, min(1.0, utilization)), mem_total, mem_used)
+
+
+class GpuSampler:
+    """This node's NVIDIA GPUs through NVML (``pynvml``, from the ``gpu`` extra's nvidia-ml-py), as
+    Triton reports them; no figures where NVML, its driver or a GPU is missing. NVML sees every GPU
+    of the node whatever CUDA_VISIBLE_DEVICES says, so the process itself needs no GPU."""
+
+    def __init__(self) -> None:
+        self._nvml: Any = None
+        self._devices: list[tuple[str, Any]] = []
+        self._energy_start: dict[str, float] = {}
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+            uuids = [pynvml.nvmlDeviceGetUUID(h) for h in handles]
+        except Exception as exc:  # ImportError, or NVMLError when there is no driver or device
+            logger.debug("no GPU metrics: %s", exc)
+            return
+        self._nvml = pynvml
+        self._devices = [(u.decode() if isinstance(u, bytes) else u, h) for u, h in zip(uuids, handles)]
+        for uuid, handle in self._devices:
+            energy_mj = self._read(pynvml.nvmlDeviceGetTotalEnergyConsumption, handle)
+            if energy_mj is not None:
+                self._energy_start[uuid] = energy_mj
+
+    @property
+    def device_count(self) -> int:
+        return len(self._devices)
+
+    def _read(self, query: Any, handle: Any) -> Any:
+        try:
+            return query(handle)
+        except self._nvml.NVMLError:  # not supported by this device (power, energy on older GPUs)
+            return None
+
+    def sample(self) -> tuple[GpuFigures, ...]:
+        nvml = self._nvml
+        figures = []
+        for uuid, handle in self._devices:
+            rates = self._read(nvml.nvmlDeviceGetUtilizationRates, handle)
+            memory = self._read(nvml.nvmlDeviceGetMemoryInfo, handle)
+            power_mw = self._read(nvml.nvmlDeviceGetPowerUsage, handle)
+            limit_mw = self._read(nvml.nvmlDeviceGetPowerManagementLimit, handle)
+            energy_mj = self._read(nvml.nvmlDeviceGetTotalEnergyConsumption, handle)
+            start_mj = self._energy_start.get(uuid)
+            figures.append(GpuFigures(
+                uuid=uuid,
+                utilization=rates.gpu / 100.0 if rates is not None else None,
+                memory_total_bytes=int(memory.total) if memory is not None else None,
+                memory_used_bytes=int(memory.used) if memory is not None else None,
+                power_usage_w=power_mw / 1000.0 if power_mw is not None else None,
+                power_limit_w=limit_mw / 1000.0 if limit_mw is not None else None,
+                energy_j=(energy_mj - start_mj) / 1000.0 if energy_mj is not None and start_mj is not None else None,
+            ))
+        return tuple(figures)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
-from rayinfer.protocol.metrics import CpuFigures, CpuSampler, ModelFigures, render
+import pytest
+
+from rayinfer.protocol.metrics import CpuFigures, CpuSampler, GpuFigures, GpuSampler, ModelFigures, render
 from rayinfer.protocol.statistics import ModelStatistics
 
 
@@ -68,3 +71,61 @@ def test_cpu_sampler_reports_utilization_between_samples_and_memory(tmp_path: Pa
 
 def test_cpu_sampler_without_proc_reports_nothing(tmp_path: Path):
     assert CpuSampler(tmp_path / "missing").sample() is None
+
+
+def test_render_gpu_families_with_triton_names_and_gpu_uuid_labels():
+    full = GpuFigures("GPU-a1", 0.5, 80 * 2**30, 2**30, 71.5, 300.0, 12.25)
+    partial = GpuFigures("GPU-b2", 0.0, 16 * 2**30, 0, None, None, None)  # no power readings
+    lines = render([], None, (full, partial)).splitlines()
+    assert "# HELP nv_gpu_utilization GPU utilization rate [0.0 - 1.0)" in lines
+    assert "# TYPE nv_gpu_utilization gauge" in lines
+    assert 'nv_gpu_utilization{gpu_uuid="GPU-a1"} 0.5' in lines
+    assert 'nv_gpu_utilization{gpu_uuid="GPU-b2"} 0.0' in lines
+    assert f'nv_gpu_memory_total_bytes{{gpu_uuid="GPU-a1"}} {80 * 2**30}' in lines
+    assert f'nv_gpu_memory_used_bytes{{gpu_uuid="GPU-a1"}} {2**30}' in lines
+    assert 'nv_gpu_power_usage{gpu_uuid="GPU-a1"} 71.5' in lines
+    assert 'nv_gpu_power_limit{gpu_uuid="GPU-a1"} 300.0' in lines
+    assert "# TYPE nv_energy_consumption counter" in lines
+    assert 'nv_energy_consumption{gpu_uuid="GPU-a1"} 12.25' in lines
+    assert not any(line.startswith("nv_gpu_power_usage{gpu_uuid=\"GPU-b2\"}") for line in lines)
+
+
+def test_no_gpu_families_without_gpus():
+    assert "nv_gpu" not in render([], CpuFigures(0.1, 10, 5))
+
+
+def nvml_devices() -> int:
+    if importlib.util.find_spec("pynvml") is None:
+        return 0
+    import pynvml
+
+    try:
+        pynvml.nvmlInit()
+        return pynvml.nvmlDeviceGetCount()
+    except pynvml.NVMLError:
+        return 0
+
+
+HAS_GPU = nvml_devices() > 0
+
+
+@pytest.mark.skipif(HAS_GPU, reason="this machine has an NVIDIA GPU")
+def test_gpu_sampler_without_nvml_or_gpu_reports_nothing():
+    sampler = GpuSampler()
+    assert sampler.device_count == 0
+    assert sampler.sample() == ()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="needs an NVIDIA GPU and nvidia-ml-py (the gpu extra)")
+def test_gpu_sampler_reads_every_gpu_of_the_node():
+    sampler = GpuSampler()
+    figures = sampler.sample()
+    assert len(figures) == sampler.device_count == nvml_devices()
+    for gpu in figures:
+        assert gpu.uuid.startswith(("GPU-", "MIG-"))
+        assert gpu.memory_total_bytes > 0 and 0 <= gpu.memory_used_bytes <= gpu.memory_total_bytes
+        assert gpu.utilization is not None and 0.0 <= gpu.utilization <= 1.0
+        assert gpu.energy_j is None or gpu.energy_j >= 0.0
+    text = render([], None, figures)
+    assert f'nv_gpu_memory_total_bytes{{gpu_uuid="{figures[0].uuid}"}} {figures[0].memory_total_bytes}' in text
