@@ -1,22 +1,28 @@
 #!/usr/bin/env python3
 """Side-by-side throughput of the Triton anchor and rayinfer on the same ONNX MLP.
 
-    .venv/bin/python benchmarks/compare_triton.py [--concurrency 1,4,8,16] [--protocols http,grpc] [--rounds 1]
+    .venv/bin/python benchmarks/compare_triton.py [--concurrency 1,2,4,8,16,32] [--protocols http,grpc]
+        [--batching on,off] [--rounds 3]
 
 Installs the Triton anchor (../shared/anchors/triton/setup) if missing, builds the anchor's MLP
 weights, then alternates the two servers on loopback inside a private network namespace,
-running NVIDIA's perf_analyzer over HTTP and gRPC at each concurrency (batch 1 per request). Triton
-serves the anchor repository unmodified (python backend running the ONNX file); rayinfer serves
-the same model.onnx natively with its ONNX Runtime adapter and the same batching settings.
-Writes the table and the ratio to docs/benchmarks.md.
+running NVIDIA's perf_analyzer over HTTP and gRPC at each concurrency (batch 1 per request),
+with dynamic batching on (the anchor's ``mlp_onnx``, unmodified) and off (``mlp_onnx_nobatch``:
+the same model and config without ``dynamic_batching``). Triton serves the anchor's python-backend
+model; rayinfer serves the same model.onnx natively with its ONNX Runtime adapter and the same
+settings. The batch sizes each server formed come from its statistics extension. The in-process
+limit (onnxruntime alone in this process, same threads) is measured in every round. Writes the
+tables to docs/benchmarks.md and the plots to docs/images/.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import json
 import os
 import platform
+import re
 import shutil
 import signal
 import statistics
@@ -35,15 +41,27 @@ ANCHOR_HOME = Path(os.environ.get("TRITON_ANCHOR", "/tmp/anchor-triton"))
 TRITON_PORT = 18000
 RAYINFER_PORT = 18100
 MODEL = "mlp_onnx"
+# Batching on: the anchor's model; off: the same model with no dynamic_batching, for both servers.
+MODELS = {"on": MODEL, "off": f"{MODEL}_nobatch"}
 # The example repository's MLP config (same batching and threads as the anchor's), renamed.
 RAYINFER_CONFIG = MLP_CONFIG.replace('name: "mlp"', f'name: "{MODEL}"')
 MARK_BEGIN = "<!-- compare_triton:begin -->"
 MARK_END = "<!-- compare_triton:end -->"
+IMAGES = ROOT / "docs" / "images"
+IN_PROCESS_BATCHES = (1, 8, 64)
 
 
 def in_private_netns() -> bool:
     links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout.splitlines()
     return len(links) == 1
+
+
+def ensure_installed() -> None:
+    """The plotting library (the ``bench`` extra), installed before the network goes away."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "-e", f"{ROOT}[bench]"], check=True)
 
 
 def reexec_in_netns() -> None:
@@ -67,20 +85,39 @@ def wait_ready(port: int, proc: subprocess.Popen | None, timeout_s: float) -> No
     raise RuntimeError(f"server on port {port} not ready after {timeout_s} s (last error: {last_error})")
 
 
+def without_batching(config: str, name: str) -> str:
+    """A config.pbtxt with its dynamic_batching block removed and the model renamed."""
+    config = re.sub(r"dynamic_batching\s*\{[^}]*\}\n?", "", config)
+    changed = re.sub(r'^name:\s*"[^"]*"', f'name: "{name}"', config, count=1, flags=re.M)
+    if "dynamic_batching" in changed or changed == config:
+        raise RuntimeError(f"could not derive the {name} config")
+    return changed
+
+
 # Both servers: HTTP on the port base, gRPC on base + 1, metrics on base + 2.
 PROTOCOL_PORT_OFFSET = {"http": 0, "grpc": 1}
 
 
-def perf_analyzer(base_port: int, protocol: str, concurrency: int, interval_ms: int, out_csv: Path) -> dict[str, float]:
+def execution_counts(base_port: int, model: str) -> tuple[int, int]:
+    """(inferences, executions) of ``model`` so far, from the server's statistics extension."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{base_port}/v2/models/{model}/stats", timeout=10) as r:
+        stats = json.load(r)["model_stats"][0]
+    return int(stats["inference_count"]), int(stats["execution_count"])
+
+
+def perf_analyzer(base_port: int, model: str, protocol: str, concurrency: int, interval_ms: int,
+                  out_csv: Path, stability_percentage: int = 25) -> dict[str, float]:
     port = base_port + PROTOCOL_PORT_OFFSET[protocol]
     cmd = [
-        str(ANCHORS / "triton" / "perf_analyzer"), "-m", MODEL, "-u", f"127.0.0.1:{port}", "-i", protocol,
+        str(ANCHORS / "triton" / "perf_analyzer"), "-m", model, "-u", f"127.0.0.1:{port}", "-i", protocol,
         "--concurrency-range", f"{concurrency}:{concurrency}", "--measurement-interval", str(interval_ms),
-        "--stability-percentage", "25", "--max-trials", "20", "-f", str(out_csv),
+        "--stability-percentage", str(stability_percentage), "--max-trials", "10", "-f", str(out_csv),
     ]
+    inferences, executions = execution_counts(base_port, model)
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     if result.returncode != 0:
         raise RuntimeError(f"perf_analyzer failed:\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}")
+    inferences_after, executions_after = execution_counts(base_port, model)
     with out_csv.open() as f:
         row = next(csv.DictReader(f))
     return {
@@ -90,6 +127,7 @@ def perf_analyzer(base_port: int, protocol: str, concurrency: int, interval_ms: 
         "queue_us": float(row["Server Queue"]),
         "compute_us": float(row["Server Compute Input"]) + float(row["Server Compute Infer"])
         + float(row["Server Compute Output"]),
+        "batch": (inferences_after - inferences) / max(executions_after - executions, 1),
     }
 
 
@@ -98,24 +136,54 @@ def prepare(work: Path) -> tuple[Path, Path]:
         subprocess.run([str(ANCHORS / "triton" / "setup")], check=True)
     triton_repo = work / "triton"
     shutil.copytree(ANCHORS / "models", triton_repo)
-    for path in triton_repo.rglob("*"):
-        path.chmod(0o755 if path.is_dir() else 0o644)
     subprocess.run(
         [str(ANCHOR_HOME / "venv" / "bin" / "python"), "make_mlp_onnx.py", f"{MODEL}/1/model.onnx"],
         cwd=triton_repo, check=True, capture_output=True,
     )
+    nobatch = triton_repo / MODELS["off"]
+    shutil.copytree(triton_repo / MODEL, nobatch)
+    (nobatch / "config.pbtxt").write_text(without_batching((nobatch / "config.pbtxt").read_text(), MODELS["off"]))
+    for path in triton_repo.rglob("*"):
+        path.chmod(0o755 if path.is_dir() else 0o644)
     ray_repo = work / "rayinfer"
-    (ray_repo / MODEL / "1").mkdir(parents=True)
-    (ray_repo / MODEL / "config.pbtxt").write_text(RAYINFER_CONFIG)
-    shutil.copy(triton_repo / MODEL / "1" / "model.onnx", ray_repo / MODEL / "1" / "model.onnx")
+    for batching, name in MODELS.items():
+        (ray_repo / name / "1").mkdir(parents=True)
+        config = RAYINFER_CONFIG if batching == "on" else without_batching(RAYINFER_CONFIG, name)
+        (ray_repo / name / "config.pbtxt").write_text(config)
+        shutil.copy(triton_repo / MODEL / "1" / "model.onnx", ray_repo / name / "1" / "model.onnx")
     return triton_repo, ray_repo
 
 
-Point = tuple[str, int]  # (protocol, concurrency)
+def in_process_limit(model_path: Path, seconds: float = 2.0) -> dict[int, float]:
+    """Rows per second onnxruntime computes on the MLP in this process, one intra-op thread, by batch size."""
+    import numpy as np
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    options.inter_op_num_threads = 1
+    session = ort.InferenceSession(str(model_path), sess_options=options, providers=["CPUExecutionProvider"])
+    rates = {}
+    for batch in IN_PROCESS_BATCHES:
+        feed = {"INPUT0": np.random.default_rng(0).random((batch, 256), dtype=np.float32)}
+        session.run(None, feed)
+        runs, start = 0, time.perf_counter()
+        while (elapsed := time.perf_counter() - start) < seconds:
+            session.run(None, feed)
+            runs += 1
+        rates[batch] = runs * batch / elapsed
+    return rates
+
+
+Point = tuple[str, str, int]  # (protocol, batching on/off, concurrency)
 
 
 def measure(server: str, port: int, points: list[Point], interval_ms: int, work: Path) -> dict[Point, dict]:
-    return {(p, c): perf_analyzer(port, p, c, interval_ms, work / f"{server}_{p}_{c}.csv") for p, c in points}
+    results = {}
+    for p, b, c in points:
+        results[(p, b, c)] = perf_analyzer(port, MODELS[b], p, c, interval_ms, work / f"{server}_{p}_{b}_{c}.csv")
+        print(f"  {server} {p} batching {b} c={c}: {results[(p, b, c)]}", flush=True)
+    return results
 
 
 def run_triton(repo: Path, points: list[Point], interval_ms: int, work: Path) -> dict[Point, dict]:
@@ -147,31 +215,108 @@ def run_rayinfer(repo: Path, points: list[Point], interval_ms: int, work: Path) 
             proc.wait()
 
 
-def render(results: dict[str, list[dict[Point, dict]]], points: list[Point], args: argparse.Namespace) -> str:
-    def median(server: str, c: Point, key: str) -> float:
-        return statistics.median(r[c][key] for r in results[server])
+Results = dict[str, list[dict[Point, dict]]]
 
+
+def median(results: Results, server: str, point: Point, key: str) -> float:
+    return statistics.median(r[point][key] for r in results[server])
+
+
+def render(results: Results, limits: list[dict[int, float]], points: list[Point], args: argparse.Namespace) -> str:
+    def m(server: str, point: Point, key: str) -> float:
+        return median(results, server, point, key)
+
+    limit = {b: statistics.median(r[b] for r in limits) for b in IN_PROCESS_BATCHES}
     lines = [
         MARK_BEGIN,
         f"Measured {time.strftime('%Y-%m-%d')} on {os.cpu_count()} cores ({platform.processor() or platform.machine()}), "
         f"Python {platform.python_version()}, median of {args.rounds} round(s), servers alternated, perf_analyzer on the "
-        "same cores, batch 1 per request, model `mlp_onnx` (256->1024->1024->10 FP32), dynamic batching "
-        "500 us, max_batch_size 64, one instance.",
+        "same cores, batch 1 per request, model `mlp_onnx` (256->1024->1024->10 FP32), max_batch_size 64, one "
+        "instance, one intra-op thread; batching on: dynamic batching with a 500 us queue delay, off: none. "
+        "\"batch\" is the average number of requests per model execution, from each server's statistics.",
         "",
-        "| protocol | concurrency | Triton infer/s | rayinfer infer/s | ratio | Triton p50 / p99 (us) | rayinfer p50 / p99 (us) | rayinfer queue / compute (us) |",
-        "|---|---|---|---|---|---|---|---|",
+        "| protocol | batching | concurrency | Triton infer/s | rayinfer infer/s | ratio | Triton p50 / p99 (us) "
+        "| rayinfer p50 / p99 (us) | p99 ratio | batch Triton / rayinfer | rayinfer queue / compute (us) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for c in points:
-        t, r = median("triton", c, "infer_s"), median("rayinfer", c, "infer_s")
+    for point in points:
+        t, r = m("triton", point, "infer_s"), m("rayinfer", point, "infer_s")
         lines.append(
-            f"| {c[0]} | {c[1]} | {t:,.0f} | {r:,.0f} | {r / t:.2f}x | {median('triton', c, 'p50_us'):,.0f} / "
-            f"{median('triton', c, 'p99_us'):,.0f} | {median('rayinfer', c, 'p50_us'):,.0f} / "
-            f"{median('rayinfer', c, 'p99_us'):,.0f} | {median('rayinfer', c, 'queue_us'):,.0f} / "
-            f"{median('rayinfer', c, 'compute_us'):,.0f} |"
+            f"| {point[0]} | {point[1]} | {point[2]} | {t:,.0f} | {r:,.0f} | {r / t:.2f}x "
+            f"| {m('triton', point, 'p50_us'):,.0f} / {m('triton', point, 'p99_us'):,.0f} "
+            f"| {m('rayinfer', point, 'p50_us'):,.0f} / {m('rayinfer', point, 'p99_us'):,.0f} "
+            f"| {m('rayinfer', point, 'p99_us') / m('triton', point, 'p99_us'):.2f}x "
+            f"| {m('triton', point, 'batch'):.1f} / {m('rayinfer', point, 'batch'):.1f} "
+            f"| {m('rayinfer', point, 'queue_us'):,.0f} / {m('rayinfer', point, 'compute_us'):,.0f} |"
         )
-    lines += ["", f"Reproduce: `.venv/bin/python benchmarks/compare_triton.py --concurrency {args.concurrency} "
-              f"--protocols {args.protocols} --rounds {args.rounds}`", MARK_END]
+    gains = [(p, c) for p, b, c in points if b == "on" and (p, "off", c) in points]
+    if gains:
+        lines += ["", "Gain from dynamic batching (throughput with batching on / off, same server, same run):", "",
+                  "| protocol | concurrency | Triton gain | rayinfer gain |", "|---|---|---|---|"]
+        for p, c in gains:
+            t_gain = m("triton", (p, "on", c), "infer_s") / m("triton", (p, "off", c), "infer_s")
+            r_gain = m("rayinfer", (p, "on", c), "infer_s") / m("rayinfer", (p, "off", c), "infer_s")
+            lines.append(f"| {p} | {c} | {t_gain:.2f}x | {r_gain:.2f}x |")
+    best = max(m("rayinfer", point, "infer_s") for point in points)
+    lines += [
+        "",
+        "In-process limit: onnxruntime alone on the same model.onnx in one Python process, one intra-op thread, "
+        "no server (median of the rounds):",
+        "",
+        "| batch rows | " + " | ".join(str(b) for b in IN_PROCESS_BATCHES) + " |",
+        "|---|" + "---|" * len(IN_PROCESS_BATCHES),
+        "| rows/s | " + " | ".join(f"{limit[b]:,.0f}" for b in IN_PROCESS_BATCHES) + " |",
+        "| rayinfer's best (" + f"{best:,.0f} infer/s) as a fraction | "
+        + " | ".join(f"{best / limit[b]:.0%}" for b in IN_PROCESS_BATCHES) + " |",
+        "",
+        "![throughput against concurrency](images/bench_throughput.png)",
+        "",
+        "![latency against throughput](images/bench_latency.png)",
+        "",
+        f"Reproduce: `.venv/bin/python benchmarks/compare_triton.py --concurrency {args.concurrency} "
+        f"--protocols {args.protocols} --batching {args.batching} --rounds {args.rounds}`",
+        MARK_END,
+    ]
     return "\n".join(lines)
+
+
+def plot(results: Results, points: list[Point], images: Path) -> None:
+    """Throughput against concurrency, and p50 / p99 latency against throughput, one panel per protocol."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    protocols = sorted({p for p, _, _ in points}, key=["http", "grpc"].index)
+    styles = {("triton", "on"): ("tab:green", "-"), ("triton", "off"): ("tab:green", ":"),
+              ("rayinfer", "on"): ("tab:blue", "-"), ("rayinfer", "off"): ("tab:blue", ":")}
+    images.mkdir(parents=True, exist_ok=True)
+    for name, xlabel, ylabel in (("throughput", "concurrency", "infer/s"), ("latency", "infer/s", "latency (ms)")):
+        fig, axes = plt.subplots(1, len(protocols), figsize=(6 * len(protocols), 4.2), squeeze=False)
+        for ax, protocol in zip(axes[0], protocols):
+            for (server, batching), (color, line) in styles.items():
+                series = [pt for pt in points if pt[0] == protocol and pt[1] == batching]
+                if not series:
+                    continue
+                label = f"{server}, batching {batching}"
+                throughput = [median(results, server, pt, "infer_s") for pt in series]
+                if name == "throughput":
+                    ax.plot([pt[2] for pt in series], throughput, line, color=color, marker="o", label=label)
+                    ax.set_xscale("log", base=2)
+                    ax.set_xticks([pt[2] for pt in series], [str(pt[2]) for pt in series])
+                else:
+                    for key, marker in (("p50_us", "o"), ("p99_us", "^")):
+                        latency = [median(results, server, pt, key) / 1000 for pt in series]
+                        ax.plot(throughput, latency, line, color=color, marker=marker,
+                                label=f"{label}, {key[:3]}")
+            ax.set_title(f"{ {'http': 'HTTP', 'grpc': 'gRPC'}[protocol]}: mlp_onnx, batch 1 per request")
+            ax.set_xlabel(xlabel)
+            ax.set_ylabel(ylabel)
+            ax.grid(True, alpha=0.3)
+            ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(images / f"bench_{name}.png", dpi=90)
+        plt.close(fig)
 
 
 def write_doc(section: str, path: Path) -> None:
@@ -186,30 +331,37 @@ def write_doc(section: str, path: Path) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--concurrency", default="1,4,8,16")
+    parser.add_argument("--concurrency", default="1,2,4,8,16,32")
     parser.add_argument("--protocols", default="http,grpc")
-    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--batching", default="on,off", help="on, off or both: dynamic batching in the model")
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--measurement-interval", type=int, default=3000, help="ms per perf_analyzer window")
     parser.add_argument("--output", type=Path, default=ROOT / "docs" / "benchmarks.md")
+    parser.add_argument("--images", type=Path, default=IMAGES, help="where the plots go")
     args = parser.parse_args()
     if not in_private_netns():
+        ensure_installed()
         reexec_in_netns()
-    points = [(p, int(c)) for p in args.protocols.split(",") for c in args.concurrency.split(",")]
-    results: dict[str, list[dict[Point, dict]]] = {"triton": [], "rayinfer": []}
+    points = [(p, b, int(c)) for p in args.protocols.split(",") for b in args.batching.split(",")
+              for c in args.concurrency.split(",")]
+    results: Results = {"triton": [], "rayinfer": []}
+    limits: list[dict[int, float]] = []
     with tempfile.TemporaryDirectory(prefix="rayinfer-bench-") as tmp:
         work = Path(tmp)
         triton_repo, ray_repo = prepare(work)
         for round_index in range(args.rounds):
+            limits.append(in_process_limit(ray_repo / MODEL / "1" / "model.onnx"))
+            print(f"round {round_index + 1}: in-process rows/s {limits[-1]}", flush=True)
             order = ["triton", "rayinfer"] if round_index % 2 == 0 else ["rayinfer", "triton"]
             for server in order:
                 runner = run_triton if server == "triton" else run_rayinfer
                 repo = triton_repo if server == "triton" else ray_repo
                 print(f"round {round_index + 1}: {server}", flush=True)
                 results[server].append(runner(repo, points, args.measurement_interval, work))
-                print(results[server][-1], flush=True)
-    section = render(results, points, args)
+    section = render(results, limits, points, args)
     print(section)
     write_doc(section, args.output)
+    plot(results, points, args.images)
     return 0
 
 

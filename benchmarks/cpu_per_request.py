@@ -1,12 +1,15 @@
 #!/usr/bin/env python3
 """CPU per request of every process while perf_analyzer drives rayinfer, per protocol.
 
-    .venv/bin/python benchmarks/cpu_per_request.py [--protocols http,grpc] [--concurrency 8]
+    .venv/bin/python benchmarks/cpu_per_request.py [--protocols http,grpc] [--concurrency 8] [--profile [--native]]
 
 Writes the example repository to a temporary folder, starts ``rayinfer serve`` on it inside a
 private network namespace, warms up, then runs NVIDIA's perf_analyzer (from the Triton anchor,
 ``../shared/anchors/triton``) against the ``mlp`` model for each protocol and prints, from
-/proc, the CPU each process used per successful request in the measured window.
+/proc, the CPU each process used per successful request in the measured window. With
+``--profile``, a second window under the same load samples the model replica with py-spy and
+prints its busy time by component and its hottest functions (``--native`` adds C frames, but
+stops the process for each sample, which favours samples at system calls).
 """
 
 from __future__ import annotations
@@ -47,11 +50,73 @@ def success_count() -> int:
         return json.load(r)["model_stats"][0]["inference_stats"]["success"]["count"]
 
 
+# Where a sampled frame's file lies -> what it belongs to (first match wins; checked innermost first).
+COMPONENTS = [
+    ("onnxruntime", "onnxruntime (the model itself)"),
+    ("(protocol/", "rayinfer: v2 / gRPC decoding and encoding"),
+    ("(deployments/replica_listener", "rayinfer: the replica's listener (httptools)"),
+    ("(deployments/batcher", "rayinfer: batcher (merge, split, queue)"),
+    ("(deployments/", "rayinfer: model deployment (validation, statistics, dispatch)"),
+    ("(adapters/", "rayinfer: ONNX Runtime adapter (batch merge and split)"),
+    ("httptools", "httptools (HTTP parsing)"),
+    ("(numpy/", "numpy"),
+    ("(google/protobuf/", "protobuf"),
+    ("(ray/", "Ray (Serve, core worker, metrics)"),
+    ("uvloop", "uvloop / asyncio"),
+    ("(asyncio/", "uvloop / asyncio"),
+    ("(json/", "json (standard library)"),
+    ("(threading.py", "native code under a thread's run() (uvloop, socket calls, asyncio's C tasks)"),
+]
+
+
+def profile(pid: int, seconds: int, out: Path, native: bool = False) -> None:
+    """Samples ``pid`` with py-spy (busy threads only) and prints its CPU by component and by function."""
+    py_spy = Path(sys.executable).parent / "py-spy"
+    subprocess.run([str(py_spy), "record", "-p", str(pid), "-d", str(seconds), "-r", "250", "-f", "raw",
+                    "-o", str(out), *(["--native"] if native else ["--nonblocking"])],
+                   capture_output=True, check=True)
+    by_component: dict[str, int] = {}
+    by_function: dict[str, int] = {}
+    total = 0
+    for line in out.read_text().splitlines():
+        stack, _, count_text = line.rpartition(" ")
+        count = int(count_text)
+        frames = stack.split(";")
+        total += count
+        innermost = frames[-1]
+        by_function[innermost] = by_function.get(innermost, 0) + count
+        owner = next((name for frame in reversed(frames) for marker, name in COMPONENTS if marker in frame),
+                     "other (Python itself, the standard library)")
+        by_component[owner] = by_component.get(owner, 0) + count
+    print(f"  raw stacks: {out}")
+    print(f"  py-spy, pid {pid}: {total} busy samples in {seconds} s at 250 Hz "
+          f"({total / (250 * seconds):.0%} of one core); by component (innermost known frame):")
+    for name, count in sorted(by_component.items(), key=lambda kv: -kv[1]):
+        print(f"    {count / total:5.1%}  {name}")
+    print("  hottest functions (own time):")
+    for name, count in sorted(by_function.items(), key=lambda kv: -kv[1])[:15]:
+        print(f"    {count / total:5.1%}  {name}")
+
+
+def replica_pid(model: str) -> int:
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if cmd.startswith(f"ray::ServeReplica:{model}:"):
+            return int(pid)
+    raise RuntimeError(f"no replica process of {model}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--protocols", default="http,grpc")
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--seconds", type=int, default=4)
+    parser.add_argument("--profile", action="store_true",
+                        help="also sample the model replica with py-spy during a second window")
+    parser.add_argument("--native", action="store_true", help="with --profile: include native (C) frames")
     args = parser.parse_args()
     if not in_private_netns():
         reexec_in_netns()
@@ -92,6 +157,13 @@ def main() -> int:
                 for us, cmd in reversed(rows[-10:]):
                     print(f"  {us:7.0f} us/request  {cmd}")
                 print(f"  {sum(us for us, _ in rows):7.0f} us/request in all")
+                if args.profile:
+                    load = subprocess.Popen([*command, "--measurement-interval", str(args.seconds * 1000)],
+                                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                    time.sleep(1)
+                    raw = Path(tempfile.gettempdir()) / f"rayinfer-profile-{protocol}.txt"
+                    profile(replica_pid(MODEL), args.seconds, raw, args.native)
+                    load.wait()
         finally:
             server.send_signal(signal.SIGINT)
             server.wait(90)

@@ -1,0 +1,301 @@
+#!/usr/bin/env python3
+"""How rayinfer's throughput grows with replicas and Ray nodes, and the server's memory.
+
+    .venv/bin/python benchmarks/scaling.py [--concurrency 1,2,4,8,16,32] [--protocols http,grpc]
+
+Serves the anchor's MLP (``mlp_onnx``, dynamic batching on, the same config as
+benchmarks/compare_triton.py) three ways, one after the other, inside a private network namespace:
+
+- ``1 replica``: ``instance_group count: 1`` on the embedded one-node Ray (the default);
+- ``2 replicas``: ``count: 2`` on the same embedded Ray;
+- ``2 replicas, 2 nodes``: ``count: 2`` on a Ray cluster of two nodes started on this machine
+  (``ray start --head`` and ``ray start --address``, one CPU each), with replicas asking for 0.6
+  CPU so that each node takes one; where each replica runs is checked from its raylet.
+
+For each it runs perf_analyzer (batch 1 per request) at each concurrency and records the memory of
+every process the server started: PSS (shared pages split between the processes sharing them, so
+the sum is the server's real footprint) and RSS, idle after start and at the end of the
+concurrency-16 run (or the highest one below it). Writes the tables to docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from compare_triton import (
+    ANCHOR_HOME,
+    ANCHORS,
+    MODEL,
+    RAYINFER_CONFIG,
+    ROOT,
+    in_private_netns,
+    perf_analyzer,
+    reexec_in_netns,
+    wait_ready,
+)
+
+PORT = 18400
+RAY_PORT = 6390  # outside the worker port ranges below
+BIN = Path(sys.executable).parent
+SETUPS = ("1 replica", "2 replicas", "2 replicas, 2 nodes")
+MARKS = ("<!-- scaling:begin -->", "<!-- scaling:end -->")
+
+
+def ray_environment() -> dict[str, str]:
+    """The environment rayinfer's own Ray is started with (``rayinfer ray-env``), for ``ray start``."""
+    line = subprocess.run([str(BIN / "rayinfer"), "ray-env"], capture_output=True, text=True, check=True).stdout
+    env = dict(os.environ)
+    for word in shlex.split(line)[1:]:  # "export A=1 B=2"
+        key, _, value = word.partition("=")
+        env[key] = value
+    # A token in ~/.ray turns token authentication on for `ray start --head` but not for the
+    # second node's `ray start`; the cluster lives on loopback in a private namespace.
+    env.setdefault("RAY_AUTH_MODE", "disabled")
+    return env
+
+
+def memory_kib(pid: int) -> tuple[int, int] | None:
+    """(PSS, RSS) of one process in KiB, from /proc/<pid>/smaps_rollup."""
+    try:
+        text = Path(f"/proc/{pid}/smaps_rollup").read_text()
+    except OSError:
+        return None
+    fields = {line.split(":")[0]: int(line.split()[1]) for line in text.splitlines() if line.endswith("kB")}
+    return fields.get("Pss", 0), fields.get("Rss", 0)
+
+
+def processes() -> dict[int, str]:
+    out = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            out[int(pid)] = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+    return out
+
+
+def parent(pid: int) -> int:
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return int(stat[stat.rindex(")") + 2:].split()[1])
+
+
+def server_memory(before: set[int]) -> dict[str, float]:
+    """The memory of every process started since ``before`` was taken (the server's), in MiB."""
+    total_pss = total_rss = 0
+    replicas: list[tuple[int, int]] = []
+    for pid, cmd in processes().items():
+        if pid in before or "perf_analyzer" in cmd or pid == os.getpid():
+            continue
+        figures = memory_kib(pid)
+        if figures is None:
+            continue
+        total_pss += figures[0]
+        total_rss += figures[1]
+        if cmd.startswith(f"ray::ServeReplica:{MODEL}:"):
+            replicas.append(figures)
+    return {
+        "pss_mib": total_pss / 1024,
+        "rss_mib": total_rss / 1024,
+        "replica_pss_mib": sum(p for p, _ in replicas) / max(len(replicas), 1) / 1024,
+        "replica_rss_mib": sum(r for _, r in replicas) / max(len(replicas), 1) / 1024,
+        "replicas": len(replicas),
+    }
+
+
+def replica_nodes() -> int:
+    """On how many raylets (nodes) the model's replicas run."""
+    raylets = set()
+    for pid, cmd in processes().items():
+        if cmd.startswith(f"ray::ServeReplica:{MODEL}:"):
+            raylets.add(parent(pid))
+    return len(raylets)
+
+
+def write_repository(root: Path, count: int) -> Path:
+    repo = root / f"repo{count}"
+    (repo / MODEL / "1").mkdir(parents=True)
+    config = RAYINFER_CONFIG.replace("count: 1", f"count: {count}")
+    assert f"count: {count}" in config
+    (repo / MODEL / "config.pbtxt").write_text(config)
+    subprocess.run(
+        [str(ANCHOR_HOME / "venv" / "bin" / "python"), str(ANCHORS / "models" / "make_mlp_onnx.py"),
+         str(repo / MODEL / "1" / "model.onnx")], check=True, capture_output=True,
+    )
+    return repo
+
+
+def run_setup(setup: str, repo: Path, work: Path, points: list[tuple[str, int]], interval_ms: int) -> dict:
+    env = ray_environment()
+    before = set(processes())
+    started_ray = False
+    serve_args = [str(BIN / "rayinfer"), "serve", "--model-repository", str(repo), "--http-port", str(PORT),
+                  "--grpc-port", str(PORT + 1), "--metrics-port", str(PORT + 2), "--serve-http-port",
+                  str(PORT + 10), "--serve-grpc-port", str(PORT + 11)]
+    if setup.endswith("2 nodes"):
+        ray = str(BIN / "ray")
+        common = ["--node-ip-address", "127.0.0.1", "--num-cpus", "1", "--disable-usage-stats"]
+        # Two nodes on one machine: their workers and dashboard agents need ports of their own.
+        head = ["--head", "--port", str(RAY_PORT), "--include-dashboard", "false", "--min-worker-port", "20000",
+                "--max-worker-port", "24999", "--dashboard-agent-listen-port", "52365"]
+        worker = ["--address", f"127.0.0.1:{RAY_PORT}", "--min-worker-port", "25000", "--max-worker-port", "29999",
+                  "--dashboard-agent-listen-port", "52366"]
+        started_ray = True
+        for node in (head, worker):
+            started = subprocess.run([ray, "start", *node, *common], env=env, capture_output=True, text=True)
+            if started.returncode != 0:
+                raise RuntimeError(f"ray start failed:\n{started.stdout[-1500:]}\n{started.stderr[-1500:]}")
+        serve_args += ["--ray-address", f"127.0.0.1:{RAY_PORT}", "--replica-num-cpus", "0.6"]
+    log = (work / f"rayinfer-{setup.replace(' ', '_').replace(',', '')}.log").open("w")
+    proc = subprocess.Popen(serve_args, stdout=log, stderr=subprocess.STDOUT, env=env)
+    result: dict = {"points": {}}
+    try:
+        wait_ready(PORT, proc, 300)
+        time.sleep(5)
+        result["nodes"] = replica_nodes()
+        result["idle"] = server_memory(before)
+        loaded_at = max((c for _, c in points if c <= 16), default=points[-1][1])
+        for protocol, concurrency in points:
+            out = work / f"{setup}_{protocol}_{concurrency}.csv".replace(" ", "_").replace(",", "")
+            try:
+                result["points"][(protocol, concurrency)] = perf_analyzer(PORT, MODEL, protocol, concurrency,
+                                                                          interval_ms, out)
+            except RuntimeError:  # no stable window within 25%: once more, accepting 50%
+                try:
+                    result["points"][(protocol, concurrency)] = perf_analyzer(
+                        PORT, MODEL, protocol, concurrency, interval_ms, out, stability_percentage=50)
+                except RuntimeError as exc:
+                    error = next((line for line in str(exc).splitlines() if line.startswith("error")), str(exc)[-300:])
+                    result["points"][(protocol, concurrency)] = None
+                    result.setdefault("errors", []).append(f"{protocol} c={concurrency}: {error.strip()}")
+                    print(f"  {setup} {protocol} c={concurrency} failed: {error}", flush=True)
+                    continue
+            print(f"  {setup} {protocol} c={concurrency}: {result['points'][(protocol, concurrency)]}", flush=True)
+            if concurrency == loaded_at and "loaded" not in result:
+                # perf_analyzer has just stopped; measure under the same load again, briefly.
+                load = subprocess.Popen(
+                    [str(ANCHORS / "triton" / "perf_analyzer"), "-m", MODEL, "-u",
+                     f"127.0.0.1:{PORT + (protocol == 'grpc')}", "-i", protocol, "--concurrency-range",
+                     f"{concurrency}:{concurrency}", "--measurement-interval", "3000", "--max-trials", "2"],
+                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                time.sleep(3)
+                result["loaded"] = server_memory(before)
+                result["loaded_at"] = (protocol, concurrency)
+                load.wait()
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        if started_ray:
+            subprocess.run([str(BIN / "ray"), "stop"], env=env, capture_output=True)
+    return result
+
+
+def render(results: dict[str, dict], points: list[tuple[str, int]], args: argparse.Namespace) -> str:
+    lines = [
+        MARKS[0],
+        f"Measured {time.strftime('%Y-%m-%d')} on {os.cpu_count()} cores ({platform.machine()}), Python "
+        f"{platform.python_version()}, perf_analyzer on the same cores, batch 1 per request, `mlp_onnx` with "
+        "dynamic batching (500 us), one intra-op thread per replica. Replicas on distinct nodes: "
+        + ", ".join(f"{s}: {r['nodes']}" for s, r in results.items()) + ".",
+        "",
+        "| protocol | concurrency | " + " | ".join(f"{s} (infer/s)" for s in results) + " | "
+        + " | ".join(f"{s}: p99 (us)" for s in results) + " |",
+        "|---|---|" + "---|" * (2 * len(results)),
+    ]
+    first = next(iter(results.values()))
+    for point in points:
+        base = first["points"][point]
+        cells = [("failed" if r["points"][point] is None else f"{r['points'][point]['infer_s']:,.0f}"
+                  + (f" ({r['points'][point]['infer_s'] / base['infer_s']:.2f}x)" if r is not first and base else ""))
+                 for r in results.values()]
+        p99 = ["failed" if r["points"][point] is None else f"{r['points'][point]['p99_us']:,.0f}"
+               for r in results.values()]
+        lines.append(f"| {point[0]} | {point[1]} | " + " | ".join(cells) + " | " + " | ".join(p99) + " |")
+    for setup, r in results.items():
+        for error in dict.fromkeys(e.split(": ", 1)[1] for e in r.get("errors", [])):  # each distinct one once
+            where = ", ".join(e.split(": ", 1)[0] for e in r["errors"] if e.endswith(error))
+            lines.append(f"\n{setup}, {where}: {error}")
+    lines += [
+        "",
+        "Memory of every process the server started (Ray's GCS, raylets, dashboard agent, Serve's controller and "
+        "proxy, the `/v2` replica, the front, the model replicas): PSS splits shared pages between the processes "
+        "that share them, so it adds up; RSS counts them in each process. \"Loaded\" is under perf_analyzer at "
+        "the concurrency shown.",
+        "",
+        "| setup | whole server PSS idle / loaded (MiB) | whole server RSS idle / loaded (MiB) "
+        "| per model replica PSS idle / loaded (MiB) | per model replica RSS idle / loaded (MiB) |",
+        "|---|---|---|---|---|",
+    ]
+    for setup, r in results.items():
+        if "loaded" not in r:  # its loaded measurement failed
+            continue
+        idle, loaded = r["idle"], r["loaded"]
+        lines.append(
+            f"| {setup} (loaded: {r['loaded_at'][0]}, c={r['loaded_at'][1]}) "
+            f"| {idle['pss_mib']:,.0f} / {loaded['pss_mib']:,.0f} | {idle['rss_mib']:,.0f} / {loaded['rss_mib']:,.0f} "
+            f"| {idle['replica_pss_mib']:,.0f} / {loaded['replica_pss_mib']:,.0f} "
+            f"| {idle['replica_rss_mib']:,.0f} / {loaded['replica_rss_mib']:,.0f} |"
+        )
+    lines += ["", f"Reproduce: `.venv/bin/python benchmarks/scaling.py --concurrency {args.concurrency} "
+              f"--protocols {args.protocols}`", MARKS[1]]
+    return "\n".join(lines)
+
+
+def write_section(section: str, path: Path) -> None:
+    text = path.read_text()
+    if MARKS[0] in text:
+        head, rest = text.split(MARKS[0], 1)
+        path.write_text(head + section + rest.split(MARKS[1], 1)[1])
+    else:
+        path.write_text(text.rstrip() + "\n\n" + section + "\n")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--concurrency", default="1,2,4,8,16,32")
+    parser.add_argument("--protocols", default="http,grpc")
+    parser.add_argument("--setups", default=",".join(str(i) for i in range(len(SETUPS))),
+                        help="which setups, by index: 0 = 1 replica, 1 = 2 replicas, 2 = 2 replicas on 2 nodes")
+    parser.add_argument("--measurement-interval", type=int, default=3000, help="ms per perf_analyzer window")
+    parser.add_argument("--output", type=Path, default=ROOT / "docs" / "benchmarks.md")
+    args = parser.parse_args()
+    if not in_private_netns():
+        reexec_in_netns()
+    if not (ANCHOR_HOME / "tritonserver" / "bin" / "tritonserver").exists():
+        subprocess.run([str(ANCHORS / "triton" / "setup")], check=True)  # for perf_analyzer and the weights
+    points = [(p, int(c)) for p in args.protocols.split(",") for c in args.concurrency.split(",")]
+    results: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory(prefix="rayinfer-scaling-") as tmp:
+        work = Path(tmp)
+        for index in (int(i) for i in args.setups.split(",")):
+            setup = SETUPS[index]
+            repo = write_repository(work / str(index), 1 if index == 0 else 2)
+            print(f"{setup}", flush=True)
+            try:
+                results[setup] = run_setup(setup, repo, work, points, args.measurement_interval)
+            except Exception as exc:  # report the others
+                print(f"{setup} failed: {exc}", flush=True)
+            shutil.rmtree(repo)
+    if not results:
+        return 1
+    section = render(results, points, args)
+    print(section)
+    write_section(section, args.output)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
