@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -25,7 +24,16 @@ import time
 import urllib.request
 from pathlib import Path
 
-from compare_triton import ANCHORS, in_private_netns, reexec_in_netns
+from compare_triton import (
+    ensure_anchor,
+    in_private_netns,
+    perf_analyzer_command,
+    processes,
+    reexec_in_netns,
+    start_rayinfer,
+    stop_server,
+    wait_ready,
+)
 
 PORT = 18300
 MODEL = "mlp"
@@ -99,13 +107,9 @@ def profile(pid: int, seconds: int, out: Path, native: bool = False) -> None:
 
 
 def replica_pid(model: str) -> int:
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
+    for pid, cmd in processes().items():
         if cmd.startswith(f"ray::ServeReplica:{model}:"):
-            return int(pid)
+            return pid
     raise RuntimeError(f"no replica process of {model}")
 
 
@@ -119,35 +123,24 @@ def main() -> int:
     parser.add_argument("--native", action="store_true", help="with --profile: include native (C) frames")
     args = parser.parse_args()
     if not in_private_netns():
+        ensure_anchor()
         reexec_in_netns()
     bin_dir = Path(sys.executable).parent
     tick_us = 1e6 / os.sysconf("SC_CLK_TCK")
     with tempfile.TemporaryDirectory(prefix="rayinfer-cpu-") as tmp:
         repo = Path(tmp) / "repo"
         subprocess.run([str(bin_dir / "rayinfer"), "example-repository", str(repo)], check=True, capture_output=True)
-        log_path = Path(tmp) / "rayinfer.log"
-        with log_path.open("w") as log:
-            server = subprocess.Popen(
-                [str(bin_dir / "rayinfer"), "serve", "--model-repository", str(repo), "--http-port", str(PORT),
-                 "--grpc-port", str(PORT + 1), "--metrics-port", str(PORT + 2), "--serve-grpc-port", str(PORT + 11),
-                  "--serve-http-port", str(PORT + 10)],
-                stdout=log, stderr=subprocess.STDOUT,
-            )
+        server = start_rayinfer(repo, PORT, Path(tmp) / "rayinfer.log")
         try:
-            while "Started HTTPService" not in log_path.read_text():
-                if server.poll() is not None:
-                    raise RuntimeError(log_path.read_text()[-3000:])
-                time.sleep(0.5)
+            wait_ready(PORT, server, 300)
             for protocol in args.protocols.split(","):
-                port = PORT if protocol == "http" else PORT + 1
-                command = [str(ANCHORS / "triton" / "perf_analyzer"), "-m", MODEL, "-u", f"127.0.0.1:{port}",
-                           "-i", protocol, "--concurrency-range", f"{args.concurrency}:{args.concurrency}",
-                           "--stability-percentage", "80", "--max-trials", "3"]
-                subprocess.run([*command, "--measurement-interval", "2000"], capture_output=True)  # warm-up
+                def command(interval_ms: int, protocol: str = protocol) -> list[str]:
+                    return perf_analyzer_command(PORT, MODEL, protocol, args.concurrency, interval_ms, 80, 3)
+
+                subprocess.run(command(2000), capture_output=True)  # warm-up
                 time.sleep(1)
                 before_n, before = success_count(), cpu_ticks()
-                result = subprocess.run([*command, "--measurement-interval", str(args.seconds * 1000)],
-                                        capture_output=True, text=True)
+                result = subprocess.run(command(args.seconds * 1000), capture_output=True, text=True)
                 time.sleep(1.5)  # replicas report statistics every half second
                 requests, after = success_count() - before_n, cpu_ticks()
                 line = next((x for x in result.stdout.splitlines() if f"Concurrency: {args.concurrency}," in x), "?")
@@ -158,15 +151,17 @@ def main() -> int:
                     print(f"  {us:7.0f} us/request  {cmd}")
                 print(f"  {sum(us for us, _ in rows):7.0f} us/request in all")
                 if args.profile:
-                    load = subprocess.Popen([*command, "--measurement-interval", str(args.seconds * 1000)],
-                                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-                    time.sleep(1)
-                    raw = Path(tempfile.gettempdir()) / f"rayinfer-profile-{protocol}.txt"
-                    profile(replica_pid(MODEL), args.seconds, raw, args.native)
-                    load.wait()
+                    load = subprocess.Popen(command(args.seconds * 1000), stdout=subprocess.DEVNULL,
+                                            stderr=subprocess.DEVNULL)
+                    try:
+                        time.sleep(1)
+                        raw = Path(tempfile.gettempdir()) / f"rayinfer-profile-{protocol}.txt"
+                        profile(replica_pid(MODEL), args.seconds, raw, args.native)
+                    finally:
+                        load.kill()
+                        load.wait()
         finally:
-            server.send_signal(signal.SIGINT)
-            server.wait(90)
+            stop_server(server)
     return 0
 
 

@@ -25,7 +25,6 @@ import os
 import platform
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -38,10 +37,16 @@ from compare_triton import (
     MODEL,
     RAYINFER_CONFIG,
     ROOT,
+    ensure_anchor,
     in_private_netns,
     perf_analyzer,
+    perf_analyzer_command,
+    processes,
     reexec_in_netns,
+    start_rayinfer,
+    stop_server,
     wait_ready,
+    write_doc,
 )
 
 PORT = 18400
@@ -74,16 +79,6 @@ def memory_kib(pid: int) -> tuple[int, int] | None:
     return fields.get("Pss", 0), fields.get("Rss", 0)
 
 
-def processes() -> dict[int, str]:
-    out = {}
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            out[int(pid)] = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-    return out
-
-
 def parent(pid: int) -> int:
     stat = Path(f"/proc/{pid}/stat").read_text()
     return int(stat[stat.rindex(")") + 2:].split()[1])
@@ -94,7 +89,8 @@ def server_memory(before: set[int]) -> dict[str, float]:
     total_pss = total_rss = 0
     replicas: list[tuple[int, int]] = []
     for pid, cmd in processes().items():
-        if pid in before or "perf_analyzer" in cmd or pid == os.getpid():
+        # New since ``before`` and Ray's or rayinfer's (the namespace is the network's, not the PIDs').
+        if pid in before or "ray" not in cmd or pid == os.getpid():
             continue
         figures = memory_kib(pid)
         if figures is None:
@@ -125,7 +121,8 @@ def write_repository(root: Path, count: int) -> Path:
     repo = root / f"repo{count}"
     (repo / MODEL / "1").mkdir(parents=True)
     config = RAYINFER_CONFIG.replace("count: 1", f"count: {count}")
-    assert f"count: {count}" in config
+    if f"count: {count}" not in config:
+        raise RuntimeError("the MLP config has no instance_group count to change")
     (repo / MODEL / "config.pbtxt").write_text(config)
     subprocess.run(
         [str(ANCHOR_HOME / "venv" / "bin" / "python"), str(ANCHORS / "models" / "make_mlp_onnx.py"),
@@ -134,71 +131,71 @@ def write_repository(root: Path, count: int) -> Path:
     return repo
 
 
+def start_two_nodes(env: dict[str, str]) -> None:
+    """A head and a second node on this machine, one CPU each; their workers and dashboard agents
+    need ports of their own."""
+    common = ["--node-ip-address", "127.0.0.1", "--num-cpus", "1", "--disable-usage-stats"]
+    head = ["--head", "--port", str(RAY_PORT), "--include-dashboard", "false", "--min-worker-port", "20000",
+            "--max-worker-port", "24999", "--dashboard-agent-listen-port", "52365"]
+    worker = ["--address", f"127.0.0.1:{RAY_PORT}", "--min-worker-port", "25000", "--max-worker-port", "29999",
+              "--dashboard-agent-listen-port", "52366"]
+    for node in (head, worker):
+        started = subprocess.run([str(BIN / "ray"), "start", *node, *common], env=env, capture_output=True, text=True)
+        if started.returncode != 0:
+            raise RuntimeError(f"ray start failed:\n{started.stdout[-1500:]}\n{started.stderr[-1500:]}")
+
+
+def measure_points(setup: str, result: dict, work: Path, points: list[tuple[str, int]], interval_ms: int,
+                   before: set[int]) -> None:
+    """perf_analyzer at each point into ``result``, and the memory under load at concurrency 16."""
+    loaded_at = max((c for _, c in points if c <= 16), default=points[-1][1])
+    for protocol, concurrency in points:
+        out = work / f"{setup}_{protocol}_{concurrency}.csv".replace(" ", "_").replace(",", "")
+        try:
+            result["points"][(protocol, concurrency)] = perf_analyzer(PORT, MODEL, protocol, concurrency,
+                                                                      interval_ms, out)
+        except RuntimeError as exc:
+            error = next((line for line in str(exc).splitlines() if line.startswith("error")), str(exc)[-300:])
+            result["points"][(protocol, concurrency)] = None
+            result.setdefault("errors", []).append(f"{protocol} c={concurrency}: {error.strip()}")
+            print(f"  {setup} {protocol} c={concurrency} failed: {error}", flush=True)
+            continue
+        print(f"  {setup} {protocol} c={concurrency}: {result['points'][(protocol, concurrency)]}", flush=True)
+        if concurrency == loaded_at and "loaded" not in result:
+            # perf_analyzer has just stopped; measure under the same load again, briefly.
+            load = subprocess.Popen(perf_analyzer_command(PORT, MODEL, protocol, concurrency, 3000, max_trials=2),
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            try:
+                time.sleep(3)
+                result["loaded"] = server_memory(before)
+                result["loaded_at"] = (protocol, concurrency)
+            finally:
+                load.kill()
+                load.wait()
+
+
 def run_setup(setup: str, repo: Path, work: Path, points: list[tuple[str, int]], interval_ms: int) -> dict:
     env = ray_environment()
     before = set(processes())
-    started_ray = False
-    serve_args = [str(BIN / "rayinfer"), "serve", "--model-repository", str(repo), "--http-port", str(PORT),
-                  "--grpc-port", str(PORT + 1), "--metrics-port", str(PORT + 2), "--serve-http-port",
-                  str(PORT + 10), "--serve-grpc-port", str(PORT + 11)]
-    if setup.endswith("2 nodes"):
-        ray = str(BIN / "ray")
-        common = ["--node-ip-address", "127.0.0.1", "--num-cpus", "1", "--disable-usage-stats"]
-        # Two nodes on one machine: their workers and dashboard agents need ports of their own.
-        head = ["--head", "--port", str(RAY_PORT), "--include-dashboard", "false", "--min-worker-port", "20000",
-                "--max-worker-port", "24999", "--dashboard-agent-listen-port", "52365"]
-        worker = ["--address", f"127.0.0.1:{RAY_PORT}", "--min-worker-port", "25000", "--max-worker-port", "29999",
-                  "--dashboard-agent-listen-port", "52366"]
-        started_ray = True
-        for node in (head, worker):
-            started = subprocess.run([ray, "start", *node, *common], env=env, capture_output=True, text=True)
-            if started.returncode != 0:
-                raise RuntimeError(f"ray start failed:\n{started.stdout[-1500:]}\n{started.stderr[-1500:]}")
-        serve_args += ["--ray-address", f"127.0.0.1:{RAY_PORT}", "--replica-num-cpus", "0.6"]
-    log = (work / f"rayinfer-{setup.replace(' ', '_').replace(',', '')}.log").open("w")
-    proc = subprocess.Popen(serve_args, stdout=log, stderr=subprocess.STDOUT, env=env)
+    two_nodes = setup.endswith("2 nodes")
     result: dict = {"points": {}}
+    proc = None
     try:
+        extra: tuple[str, ...] = ()
+        if two_nodes:
+            start_two_nodes(env)
+            extra = ("--ray-address", f"127.0.0.1:{RAY_PORT}", "--replica-num-cpus", "0.6")
+        log = work / f"rayinfer-{setup.replace(' ', '_').replace(',', '')}.log"
+        proc = start_rayinfer(repo, PORT, log, extra, env)
         wait_ready(PORT, proc, 300)
         time.sleep(5)
         result["nodes"] = replica_nodes()
         result["idle"] = server_memory(before)
-        loaded_at = max((c for _, c in points if c <= 16), default=points[-1][1])
-        for protocol, concurrency in points:
-            out = work / f"{setup}_{protocol}_{concurrency}.csv".replace(" ", "_").replace(",", "")
-            try:
-                result["points"][(protocol, concurrency)] = perf_analyzer(PORT, MODEL, protocol, concurrency,
-                                                                          interval_ms, out)
-            except RuntimeError:  # no stable window within 25%: once more, accepting 50%
-                try:
-                    result["points"][(protocol, concurrency)] = perf_analyzer(
-                        PORT, MODEL, protocol, concurrency, interval_ms, out, stability_percentage=50)
-                except RuntimeError as exc:
-                    error = next((line for line in str(exc).splitlines() if line.startswith("error")), str(exc)[-300:])
-                    result["points"][(protocol, concurrency)] = None
-                    result.setdefault("errors", []).append(f"{protocol} c={concurrency}: {error.strip()}")
-                    print(f"  {setup} {protocol} c={concurrency} failed: {error}", flush=True)
-                    continue
-            print(f"  {setup} {protocol} c={concurrency}: {result['points'][(protocol, concurrency)]}", flush=True)
-            if concurrency == loaded_at and "loaded" not in result:
-                # perf_analyzer has just stopped; measure under the same load again, briefly.
-                load = subprocess.Popen(
-                    [str(ANCHORS / "triton" / "perf_analyzer"), "-m", MODEL, "-u",
-                     f"127.0.0.1:{PORT + (protocol == 'grpc')}", "-i", protocol, "--concurrency-range",
-                     f"{concurrency}:{concurrency}", "--measurement-interval", "3000", "--max-trials", "2"],
-                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-                time.sleep(3)
-                result["loaded"] = server_memory(before)
-                result["loaded_at"] = (protocol, concurrency)
-                load.wait()
+        measure_points(setup, result, work, points, interval_ms, before)
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=90)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        if started_ray:
+        if proc is not None:
+            stop_server(proc)
+        if two_nodes:  # the cluster this setup started (`ray stop` stops every Ray of this user)
             subprocess.run([str(BIN / "ray"), "stop"], env=env, capture_output=True)
     return result
 
@@ -254,15 +251,6 @@ def render(results: dict[str, dict], points: list[tuple[str, int]], args: argpar
     return "\n".join(lines)
 
 
-def write_section(section: str, path: Path) -> None:
-    text = path.read_text()
-    if MARKS[0] in text:
-        head, rest = text.split(MARKS[0], 1)
-        path.write_text(head + section + rest.split(MARKS[1], 1)[1])
-    else:
-        path.write_text(text.rstrip() + "\n\n" + section + "\n")
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--concurrency", default="1,2,4,8,16,32")
@@ -274,8 +262,7 @@ def main() -> int:
     args = parser.parse_args()
     if not in_private_netns():
         reexec_in_netns()
-    if not (ANCHOR_HOME / "tritonserver" / "bin" / "tritonserver").exists():
-        subprocess.run([str(ANCHORS / "triton" / "setup")], check=True)  # for perf_analyzer and the weights
+    ensure_anchor()  # for perf_analyzer and the weights
     points = [(p, int(c)) for p in args.protocols.split(",") for c in args.concurrency.split(",")]
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="rayinfer-scaling-") as tmp:
@@ -293,7 +280,7 @@ def main() -> int:
         return 1
     section = render(results, points, args)
     print(section)
-    write_section(section, args.output)
+    write_doc(section, args.output, MARKS)
     return 0
 
 

@@ -65,11 +65,17 @@ class MetricsEndpoint:
             self._sampling.cancel()
 
     async def _sample_forever(self) -> None:
-        while True:
-            await asyncio.sleep(self._interval_s)
-            self._cpu = self._sampler.sample()
-            if self._gpu_sampler.device_count:  # NVML calls block: off the loop
-                self._gpus = await asyncio.to_thread(self._gpu_sampler.sample)
+        try:
+            while True:
+                await asyncio.sleep(self._interval_s)
+                self._cpu = self._sampler.sample()
+                if self._gpu_sampler.device_count:  # NVML calls block: off the loop
+                    try:
+                        self._gpus = await asyncio.to_thread(self._gpu_sampler.sample)
+                    except Exception:  # keep the last figures, and keep sampling the CPU
+                        logger.exception("sampling the GPUs failed")
+        finally:
+            self._gpu_sampler.close()
 
     async def _asgi(self, scope: asgi.Scope, receive: asgi.Receive, send: asgi.Send) -> None:
         if scope["type"] != "http":

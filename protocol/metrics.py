@@ -1,8 +1,9 @@
-"""Triton's Prometheus metrics (``nv_inference_*``, ``nv_cpu_*``, ``nv_gpu_*``) rendered from statistics snapshots.
+"""Triton's Prometheus metrics: ``nv_inference_*`` from statistics snapshots, ``nv_cpu_*`` from
+/proc and ``nv_gpu_*`` from NVML.
 
 Names, help texts, label names and label order are Triton's, so dashboards and alerts written for
-Triton read rayinfer unchanged. Every figure comes from the same merged snapshots as the
-statistics extension (``GET /v2/models/stats``), so the two always agree.
+Triton read rayinfer unchanged. Every ``nv_inference_*`` figure comes from the same merged
+snapshots as the statistics extension (``GET /v2/models/stats``), so the two always agree.
 """
 
 from __future__ import annotations
@@ -190,13 +191,19 @@ class GpuSampler:
             import pynvml
 
             pynvml.nvmlInit()
-            handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
-            uuids = [pynvml.nvmlDeviceGetUUID(h) for h in handles]
-        except Exception as exc:  # ImportError, or NVMLError when there is no driver or device
+            count = pynvml.nvmlDeviceGetCount()
+        except Exception as exc:  # ImportError, or NVMLError when there is no driver
             logger.debug("no GPU metrics: %s", exc)
             return
         self._nvml = pynvml
-        self._devices = [(u.decode() if isinstance(u, bytes) else u, h) for u, h in zip(uuids, handles)]
+        for index in range(count):
+            try:
+                handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+                uuid = pynvml.nvmlDeviceGetUUID(handle)
+            except pynvml.NVMLError as exc:  # this device only (lost, or no permission)
+                logger.warning("no metrics for GPU %d: %s", index, exc)
+                continue
+            self._devices.append((uuid.decode() if isinstance(uuid, bytes) else uuid, handle))
         for uuid, handle in self._devices:
             energy_mj = self._read(pynvml.nvmlDeviceGetTotalEnergyConsumption, handle)
             if energy_mj is not None:
@@ -206,6 +213,12 @@ class GpuSampler:
     def device_count(self) -> int:
         return len(self._devices)
 
+    def close(self) -> None:
+        if self._nvml is not None:
+            self._devices = []
+            self._nvml.nvmlShutdown()
+            self._nvml = None
+
     def _read(self, query: Any, handle: Any) -> Any:
         try:
             return query(handle)
@@ -214,7 +227,7 @@ class GpuSampler:
 
     def sample(self) -> tuple[GpuFigures, ...]:
         nvml = self._nvml
-        figures = []
+        figures: list[GpuFigures] = []
         for uuid, handle in self._devices:
             rates = self._read(nvml.nvmlDeviceGetUtilizationRates, handle)
             memory = self._read(nvml.nvmlDeviceGetMemoryInfo, handle)
