@@ -157,7 +157,8 @@ def perf_analyzer_command(base_port: int, model: str, protocol: str, concurrency
 
 def perf_analyzer(base_port: int, model: str, protocol: str, concurrency: int, interval_ms: int,
                   out_csv: Path) -> dict[str, float]:
-    """One perf_analyzer measurement; with no stable window within 25%, a second one accepting 50%."""
+    """One perf_analyzer measurement; if it fails (as when no window is stable within 25%), one
+    more that accepts 50%."""
     inferences, executions = execution_counts(base_port, model)
     for stability in (25, 50):
         cmd = [*perf_analyzer_command(base_port, model, protocol, concurrency, interval_ms, stability),

@@ -14,8 +14,9 @@ benchmarks/compare_triton.py) three ways, one after the other, inside a private 
 
 For each it runs perf_analyzer (batch 1 per request) at each concurrency and records the memory of
 every process the server started: PSS (shared pages split between the processes sharing them, so
-the sum is the server's real footprint) and RSS, idle after start and at the end of the
-concurrency-16 run (or the highest one below it). Writes the tables to docs/benchmarks.md.
+the sum is the server's real footprint) and RSS, idle after start and under a short
+perf_analyzer load at concurrency 16 (or the highest one below it), started right after that
+point's measurement. Writes the tables to docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -23,13 +24,14 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import shlex
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from rayinfer.cluster.settings import RAY_ENVIRONMENT
 
 from compare_triton import (
     ANCHOR_HOME,
@@ -57,12 +59,9 @@ MARKS = ("<!-- scaling:begin -->", "<!-- scaling:end -->")
 
 
 def ray_environment() -> dict[str, str]:
-    """The environment rayinfer's own Ray is started with (``rayinfer ray-env``), for ``ray start``."""
-    line = subprocess.run([str(BIN / "rayinfer"), "ray-env"], capture_output=True, text=True, check=True).stdout
-    env = dict(os.environ)
-    for word in shlex.split(line)[1:]:  # "export A=1 B=2"
-        key, _, value = word.partition("=")
-        env[key] = value
+    """The environment rayinfer starts its own Ray with (``rayinfer ray-env``; set variables win,
+    as in ``rayinfer serve``), for ``ray start``."""
+    env = {**RAY_ENVIRONMENT, **os.environ}
     # A token in ~/.ray turns token authentication on for `ray start --head` but not for the
     # second node's `ray start`; the cluster lives on loopback in a private namespace.
     env.setdefault("RAY_AUTH_MODE", "disabled")
@@ -104,7 +103,6 @@ def server_memory(before: set[int]) -> dict[str, float]:
         "rss_mib": total_rss / 1024,
         "replica_pss_mib": sum(p for p, _ in replicas) / max(len(replicas), 1) / 1024,
         "replica_rss_mib": sum(r for _, r in replicas) / max(len(replicas), 1) / 1024,
-        "replicas": len(replicas),
     }
 
 

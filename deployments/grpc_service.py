@@ -82,7 +82,8 @@ class ServerGrpcMethods:
     """The RPCs of the ``/v2`` application (mixed into ServerDeployment).
 
     Model RPCs arrive here only when the front could not route them to a replica of the model
-    (unknown or unavailable model, a compressed message, no running replica registered yet): they are answered with Triton's error or forwarded by deployment handle.
+    (unknown or unavailable model, a compressed message, no running replica registered yet):
+    they are answered with Triton's error or forwarded by deployment handle.
     """
 
     if TYPE_CHECKING:  # provided by ServerDeployment

@@ -180,8 +180,8 @@ class CpuSampler:
 
 class GpuSampler:
     """This node's NVIDIA GPUs through NVML (``pynvml``, from the ``gpu`` extra's nvidia-ml-py), as
-    Triton reports them; no figures where NVML, its driver or a GPU is missing. NVML sees every GPU
-    of the node whatever CUDA_VISIBLE_DEVICES says, so the process itself needs no GPU."""
+    Triton reports them; no figures where NVML, its driver or a GPU is missing. NVML does not
+    apply CUDA_VISIBLE_DEVICES, so the process itself needs no GPU of its own."""
 
     def __init__(self) -> None:
         self._nvml: Any = None

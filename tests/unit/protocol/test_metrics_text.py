@@ -109,11 +109,10 @@ def nvml_devices() -> int:
 HAS_GPU = nvml_devices() > 0
 
 
-@pytest.mark.skipif(HAS_GPU, reason="this machine has an NVIDIA GPU")
-def test_gpu_sampler_without_nvml_or_gpu_reports_nothing():
+def test_gpu_sampler_sees_the_gpus_nvml_sees_and_none_without():
     sampler = GpuSampler()
-    assert sampler.device_count == 0
-    assert sampler.sample() == ()
+    assert sampler.device_count == nvml_devices()
+    assert len(sampler.sample()) == sampler.device_count  # () without NVML or a GPU
 
 
 @pytest.mark.gpu
