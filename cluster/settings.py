@@ -23,6 +23,10 @@ RAY_ENVIRONMENT = {
     # One HAProxy thread per core at most on small machines.
     "RAY_SERVE_HAPROXY_NBTHREAD": str(min(4, max(1, (os.cpu_count() or 2) // 2))),
     "RAY_USAGE_STATS_ENABLED": "0",
+    # Serve's controller wakes every 0.1 s by default; on small machines that periodic work
+    # lands in the latency tail (p99 at concurrency 1 about 20% lower at 0.5 s, see
+    # docs/benchmarks.md). Deployments react up to 0.4 s later.
+    "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",
     # HAProxy drops a stopping replica within a second here; Ray's default waits 30 s.
     "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2",
     # Marks v2 requests so Serve runs them without a disconnect watcher (Triton's semantics);
