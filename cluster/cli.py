@@ -46,6 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("--metrics-port", type=int, default=None)
         sub.add_argument("--metrics-address", default=None)
         sub.add_argument("--allow-metrics", type=_bool, nargs="?", const=True, default=None)
+        sub.add_argument("--allow-cpu-metrics", type=_bool, nargs="?", const=True, default=None)
+        sub.add_argument("--allow-gpu-metrics", type=_bool, nargs="?", const=True, default=None)
+        sub.add_argument("--metrics-interval-ms", type=int, default=None)
         sub.add_argument("--model-control-mode", choices=["none", "poll", "explicit"], default=None)
         sub.add_argument("--load-model", action="append", default=None)
         sub.add_argument("--repository-poll-secs", type=float, default=None)
@@ -152,7 +155,7 @@ def serve(settings: ServerSettings) -> int:
         print(f"Started HTTPService at {settings.http_address}:{settings.http_port}", flush=True)
         metrics = metrics_endpoint(settings)
         if metrics is not None:
-            print(f"Started Metrics Service at {metrics[0]}:{metrics[1]}", flush=True)
+            print(f"Started Metrics Service at {metrics.address}:{metrics.port}", flush=True)
         if settings.dashboard_port is not None and not address:
             print(f"Ray dashboard at http://{settings.http_address}:{settings.dashboard_port}", flush=True)
         stop.wait()

@@ -89,4 +89,10 @@ def _front_args(settings: ServerSettings) -> dict[str, Any]:
 
 def _metrics_args(settings: ServerSettings) -> dict[str, Any]:
     metrics = metrics_endpoint(settings)
-    return {} if metrics is None else {"metrics_address": metrics[0], "metrics_port": metrics[1]}
+    if metrics is None:
+        return {}
+    return {
+        "metrics_address": metrics.address, "metrics_port": metrics.port,
+        "metrics_interval_ms": metrics.interval_ms,
+        "allow_cpu_metrics": metrics.cpu, "allow_gpu_metrics": metrics.gpu,
+    }

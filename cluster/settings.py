@@ -10,6 +10,7 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from rayinfer.deployments.names import DEFAULT_REPLICA_NUM_CPUS
+from rayinfer.protocol.metrics import MetricsOptions
 
 # Ray Serve's high-throughput mode: HAProxy in front of replicas that receive HTTP directly.
 RAY_ENVIRONMENT = {
@@ -62,6 +63,11 @@ class ServerSettings(BaseSettings):
     metrics_port: int = Field(8002, description="Port of Triton's Prometheus metrics (nv_inference_*, nv_cpu_*).")
     metrics_address: str | None = Field(None, description="Address the metrics port binds to; default: --http-address.")
     allow_metrics: bool = Field(True, description="Serve the metrics port.")
+    allow_cpu_metrics: bool = Field(True, description="Report nv_cpu_* figures on the metrics port.")
+    allow_gpu_metrics: bool = Field(True, description="Report nv_gpu_* and nv_energy_* figures on the metrics port.")
+    metrics_interval_ms: int = Field(
+        2000, gt=0, description="How often CPU and GPU figures are sampled, in milliseconds."
+    )
     model_control_mode: Literal["none", "poll", "explicit"] = Field(
         "none",
         description="none: load every model at start; poll: also load, reload and unload models as "
@@ -118,8 +124,11 @@ def grpc_front(settings: ServerSettings) -> tuple[str, int, str, int] | None:
             settings.serve_grpc_port)
 
 
-def metrics_endpoint(settings: ServerSettings) -> tuple[str, int] | None:
-    """(address, port) of the metrics port, or None when metrics are off."""
+def metrics_endpoint(settings: ServerSettings) -> MetricsOptions | None:
+    """The metrics port and what it samples, or None when metrics are off."""
     if not settings.allow_metrics:
         return None
-    return (settings.metrics_address or settings.http_address, settings.metrics_port)
+    return MetricsOptions(
+        settings.metrics_address or settings.http_address, settings.metrics_port, settings.metrics_interval_ms,
+        settings.allow_cpu_metrics, settings.allow_gpu_metrics,
+    )

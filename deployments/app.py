@@ -16,6 +16,7 @@ from rayinfer.deployments.model import ModelDeployment
 from rayinfer.deployments.names import DEFAULT_REPLICA_NUM_CPUS, model_deployment_name
 from rayinfer.deployments.server import ServerDeployment
 from rayinfer.protocol.errors import ModelConfigError
+from rayinfer.protocol.metrics import MetricsOptions
 from rayinfer.repository.scanner import scan_model
 
 if TYPE_CHECKING:
@@ -64,13 +65,13 @@ def server_application(
     strict_readiness: bool = True,
     load_errors: dict[str, str] | None = None,
     num_cpus: float = 0.1,
-    metrics: tuple[str, int] | None = None,
+    metrics: MetricsOptions | None = None,
     control: ModelControl | None = None,
     grpc_front: tuple[str, int, str, int] | None = None,
     http_front: tuple[str, int, str, int] | None = None,
 ) -> Application:
     """The ``/v2`` application: health, metadata, repository index, statistics, unknown models,
-    Triton's metrics port at ``metrics`` (address, port) and the front's gRPC and HTTP ports at
+    Triton's metrics port as ``metrics`` says and the front's gRPC and HTTP ports at
     ``grpc_front`` and ``http_front`` (address, port, Serve's gRPC or HTTP host and port) when
     given."""
     deployment = ServerDeployment.options(
@@ -80,8 +81,7 @@ def server_application(
         user_config={"load_errors": load_errors or {}},
         graceful_shutdown_timeout_s=10.0,
     )
-    address, port = metrics or ("127.0.0.1", 0)
-    return deployment.bind(str(model_repository), server_id, strict_readiness, port, address, control, grpc_front, http_front)
+    return deployment.bind(str(model_repository), server_id, strict_readiness, metrics, control, grpc_front, http_front)
 
 
 def build_model_app(args: dict[str, Any]) -> Application:
@@ -98,15 +98,19 @@ def build_model_app(args: dict[str, Any]) -> Application:
 
 def build_server_app(args: dict[str, Any]) -> Application:
     """Serve-config entry point; ``args``: model_repository, server_id, strict_readiness and,
-    for the metrics port, metrics_address and metrics_port; for the front's gRPC port, grpc_address,
+    for the metrics port, metrics_address, metrics_port, metrics_interval_ms, allow_cpu_metrics and
+    allow_gpu_metrics; for the front's gRPC port, grpc_address,
     grpc_port, serve_grpc_host and serve_grpc_port; for its HTTP port, http_address, http_port,
     serve_http_host and serve_http_port."""
     return server_application(
         args["model_repository"],
         server_id=str(args.get("server_id", "triton")),
         strict_readiness=bool(args.get("strict_readiness", True)),
-        metrics=(str(args.get("metrics_address", "127.0.0.1")), int(args["metrics_port"]))
-        if args.get("metrics_port") else None,
+        metrics=MetricsOptions(
+            str(args.get("metrics_address", "127.0.0.1")), int(args["metrics_port"]),
+            int(args.get("metrics_interval_ms", 2000)),
+            bool(args.get("allow_cpu_metrics", True)), bool(args.get("allow_gpu_metrics", True)),
+        ) if args.get("metrics_port") else None,
         control=_control_from_args(args),
         grpc_front=(str(args.get("grpc_address", "127.0.0.1")), int(args["grpc_port"]),
                     str(args.get("serve_grpc_host", "127.0.0.1")), int(args["serve_grpc_port"]))

@@ -12,6 +12,7 @@ from rayinfer.deployments.app import server_application
 from rayinfer.deployments.control import ModelControl, deploy_models
 from rayinfer.deployments.grpc_service import SERVICER_FUNCTION
 from rayinfer.deployments.names import SERVER_APP, SERVER_ROUTE_PREFIX, model_apps
+from rayinfer.protocol.metrics import MetricsOptions
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +40,7 @@ def deploy_repository(
     auto_complete: bool,
     replica_num_cpus: float,
     timeout_s: float,
-    metrics: tuple[str, int] | None = None,
+    metrics: MetricsOptions | None = None,
     control_mode: str = "none",
     poll_secs: float = 15.0,
     grpc_front: tuple[str, int, str, int] | None = None,

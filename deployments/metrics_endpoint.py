@@ -16,7 +16,7 @@ from typing import Any
 
 from rayinfer.deployments import asgi
 from rayinfer.protocol.errors import UnavailableError
-from rayinfer.protocol.metrics import CpuFigures, CpuSampler, GpuFigures, GpuSampler
+from rayinfer.protocol.metrics import CpuFigures, CpuSampler, GpuFigures, GpuSampler, MetricsOptions
 
 logger = logging.getLogger(__name__)
 
@@ -24,16 +24,18 @@ _TEXT = (b"content-type", b"text/plain; charset=utf-8")
 
 
 class MetricsEndpoint:
-    """Serves ``render()`` on ``address:port``; CPU and GPU figures are sampled every ``interval_s``."""
+    """Serves ``render()`` on the options' address and port; CPU and GPU figures (those the
+    options allow) are sampled every ``interval_ms``."""
 
     def __init__(self, render: Callable[[CpuFigures | None, tuple[GpuFigures, ...]], Awaitable[str]],
-                 address: str, port: int, interval_s: float = 2.0) -> None:
+                 options: MetricsOptions) -> None:
+        address, port = options.address, options.port
         self._render = render
-        self._interval_s = interval_s
-        self._sampler = CpuSampler()
-        self._cpu = self._sampler.sample()
-        self._gpu_sampler = GpuSampler()
-        self._gpus = self._gpu_sampler.sample()
+        self._interval_s = options.interval_ms / 1000
+        self._sampler = CpuSampler() if options.cpu else None
+        self._cpu = self._sampler.sample() if self._sampler is not None else None
+        self._gpu_sampler = GpuSampler() if options.gpu else None
+        self._gpus = self._gpu_sampler.sample() if self._gpu_sampler is not None else ()
         self._sock = socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
@@ -44,6 +46,11 @@ class MetricsEndpoint:
         self._serving: asyncio.Task | None = None  # ends when the server's should_exit is set
         self._sampling: asyncio.Task | None = None
         self._server: Any = None
+
+    @property
+    def port(self) -> int:
+        """The port it listens on (the one asked for, or the one given for port 0)."""
+        return int(self._sock.getsockname()[1])
 
     def start(self) -> None:
         import uvicorn
@@ -65,17 +72,24 @@ class MetricsEndpoint:
             self._sampling.cancel()
 
     async def _sample_forever(self) -> None:
+        gpus = self._gpu_sampler
+        if self._sampler is None and (gpus is None or not gpus.device_count):
+            if gpus is not None:
+                gpus.close()
+            return  # nothing to sample
         try:
             while True:
                 await asyncio.sleep(self._interval_s)
-                self._cpu = self._sampler.sample()
-                if self._gpu_sampler.device_count:  # NVML calls block: off the loop
+                if self._sampler is not None:
+                    self._cpu = self._sampler.sample()
+                if gpus is not None and gpus.device_count:  # NVML calls block: off the loop
                     try:
-                        self._gpus = await asyncio.to_thread(self._gpu_sampler.sample)
+                        self._gpus = await asyncio.to_thread(gpus.sample)
                     except Exception:  # keep the last figures, and keep sampling the CPU
                         logger.exception("sampling the GPUs failed")
         finally:
-            self._gpu_sampler.close()
+            if gpus is not None:
+                gpus.close()
 
     async def _asgi(self, scope: asgi.Scope, receive: asgi.Receive, send: asgi.Send) -> None:
         if scope["type"] != "http":

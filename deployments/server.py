@@ -32,7 +32,7 @@ from rayinfer.protocol.errors import (
     as_serving_error,
 )
 from rayinfer.protocol.http_codec import parse_json_body
-from rayinfer.protocol.metrics import CpuFigures, GpuFigures, ModelFigures, render
+from rayinfer.protocol.metrics import CpuFigures, GpuFigures, MetricsOptions, ModelFigures, render
 from rayinfer.protocol.statistics import merge_snapshots, stats_to_json
 from rayinfer.repository.override_files import file_parameters, write_model_directory
 from rayinfer.repository.scanner import scan_model, scan_repository
@@ -108,8 +108,7 @@ class ServerDeployment(ServerGrpcMethods):
         model_repository: str,
         server_id: str = "triton",
         strict_readiness: bool = True,
-        metrics_port: int = 0,
-        metrics_address: str = "127.0.0.1",
+        metrics: MetricsOptions | None = None,
         control: Any = None,
         grpc_front: tuple[str, int, str, int] | None = None,
         http_front: tuple[str, int, str, int] | None = None,
@@ -148,8 +147,8 @@ class ServerDeployment(ServerGrpcMethods):
             self._front = Front(http_front, grpc_front, SERVER_APP)
             self._routes_task = asyncio.get_running_loop().create_task(self._publish_routes_forever())
         self._metrics: MetricsEndpoint | None = None
-        if metrics_port:
-            self._metrics = MetricsEndpoint(self._render_metrics, metrics_address, metrics_port)
+        if metrics is not None:
+            self._metrics = MetricsEndpoint(self._render_metrics, metrics)
             self._metrics.start()
 
     def reconfigure(self, user_config: dict[str, Any]) -> None:

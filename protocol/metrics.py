@@ -57,6 +57,18 @@ _DURATION_OF = {
 
 
 @dataclass(frozen=True)
+class MetricsOptions:
+    """Where Triton's metrics port listens and what it samples (tritonserver's ``--metrics-*``,
+    ``--allow-cpu-metrics`` and ``--allow-gpu-metrics``)."""
+
+    address: str
+    port: int
+    interval_ms: int = 2000
+    cpu: bool = True
+    gpu: bool = True
+
+
+@dataclass(frozen=True)
 class ModelFigures:
     """One model version's merged statistics snapshot and its pending requests."""
 

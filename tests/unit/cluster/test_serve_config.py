@@ -11,6 +11,7 @@ from rayinfer.cluster.cli import build_parser, settings_from_args
 from rayinfer.cluster.example_repository import write_example_repository
 from rayinfer.cluster.serve_config import render_serve_config, served_versions
 from rayinfer.cluster.settings import ServerSettings
+from rayinfer.protocol.metrics import MetricsOptions
 from rayinfer.repository.scanner import scan_repository
 
 
@@ -85,6 +86,28 @@ def test_render_serve_config(example_repository: Path) -> None:
     # Route prefixes must be unique or Serve rejects the config.
     prefixes = [app["route_prefix"] for app in doc["applications"]]
     assert len(prefixes) == len(set(prefixes))
+
+
+def test_metrics_flags_reach_the_server_app(example_repository: Path) -> None:
+    """tritonserver's --allow-cpu-metrics, --allow-gpu-metrics and --metrics-interval-ms."""
+    from rayinfer.deployments.app import build_server_app
+
+    settings = settings_from_args(build_parser().parse_args([
+        "config", "--model-repository", str(example_repository), "--allow-cpu-metrics", "false",
+        "--allow-gpu-metrics=false", "--metrics-interval-ms", "500", "--metrics-port", "8102",
+    ]))
+    args = render_serve_config(settings)["applications"][0]["args"]
+    assert {k: args[k] for k in ("metrics_port", "metrics_interval_ms", "allow_cpu_metrics", "allow_gpu_metrics")} == {
+        "metrics_port": 8102, "metrics_interval_ms": 500, "allow_cpu_metrics": False, "allow_gpu_metrics": False,
+    }
+    bound = build_server_app(args)._bound_deployment.init_args
+    assert MetricsOptions("127.0.0.1", 8102, 500, cpu=False, gpu=False) in bound
+    defaults = render_serve_config(ServerSettings(model_repository=example_repository))["applications"][0]["args"]
+    assert (defaults["metrics_interval_ms"], defaults["allow_cpu_metrics"], defaults["allow_gpu_metrics"]) == (2000, True, True)
+    assert "metrics_port" not in render_serve_config(
+        ServerSettings(model_repository=example_repository, allow_metrics=False))["applications"][0]["args"]
+    with pytest.raises(ValidationError):
+        ServerSettings(model_repository=example_repository, metrics_interval_ms=0)
 
 
 def test_broken_models_get_no_app_and_old_versions_get_version_routes(tmp_path: Path) -> None:
