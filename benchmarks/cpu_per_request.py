@@ -2,11 +2,15 @@
 """CPU per request of every process while perf_analyzer drives rayinfer, per protocol.
 
     .venv/bin/python benchmarks/cpu_per_request.py [--protocols http,grpc] [--concurrency 8] [--profile [--native]]
+        [--env NAME=VALUE ...]
 
 Writes the example repository to a temporary folder, starts ``rayinfer serve`` on it inside a
 private network namespace, warms up, then runs NVIDIA's perf_analyzer (from the Triton anchor,
 ``../shared/anchors/triton``) against the ``mlp`` model for each protocol and prints, from
-/proc, the CPU each process used per successful request in the measured window. With
+/proc, the CPU each process used per successful request in the measured window, with
+perf_analyzer's throughput, p50 and p99. ``--env`` sets environment variables for the server
+(and so for Ray's processes), to compare settings such as ``RAY_SERVE_CONTROL_LOOP_INTERVAL_S``
+run against run. With
 ``--profile``, a second window under the same load samples the model replica with py-spy and
 prints its busy time by component and its hottest functions (``--native`` adds C frames, but
 stops the process for each sample, which favours samples at system calls).
@@ -15,6 +19,7 @@ stops the process for each sample, which favours samples at system calls).
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import os
 import subprocess
@@ -121,7 +126,15 @@ def main() -> int:
     parser.add_argument("--profile", action="store_true",
                         help="also sample the model replica with py-spy during a second window")
     parser.add_argument("--native", action="store_true", help="with --profile: include native (C) frames")
+    parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                        help="an environment variable for the server and Ray's processes (repeatable)")
     args = parser.parse_args()
+    server_env = dict(os.environ)
+    for item in args.env:
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            parser.error(f"--env takes NAME=VALUE, got {item!r}")
+        server_env[name] = value
     if not in_private_netns():
         ensure_anchor()
         reexec_in_netns()
@@ -130,7 +143,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="rayinfer-cpu-") as tmp:
         repo = Path(tmp) / "repo"
         subprocess.run([str(bin_dir / "rayinfer"), "example-repository", str(repo)], check=True, capture_output=True)
-        server = start_rayinfer(repo, PORT, Path(tmp) / "rayinfer.log")
+        server = start_rayinfer(repo, PORT, Path(tmp) / "rayinfer.log", env=server_env)
         try:
             wait_ready(PORT, server, 300)
             for protocol in args.protocols.split(","):
@@ -140,11 +153,18 @@ def main() -> int:
                 subprocess.run(command(2000), capture_output=True)  # warm-up
                 time.sleep(1)
                 before_n, before = success_count(), cpu_ticks()
-                result = subprocess.run(command(args.seconds * 1000), capture_output=True, text=True)
+                out_csv = Path(tmp) / "perf.csv"
+                result = subprocess.run([*command(args.seconds * 1000), "-f", str(out_csv)],
+                                        capture_output=True, text=True)
                 time.sleep(1.5)  # replicas report statistics every half second
                 requests, after = success_count() - before_n, cpu_ticks()
                 line = next((x for x in result.stdout.splitlines() if f"Concurrency: {args.concurrency}," in x), "?")
                 print(f"== {protocol}: {requests} requests in the window; perf_analyzer: {line.strip()}")
+                if result.returncode == 0:
+                    with out_csv.open() as f:
+                        row = next(csv.DictReader(f))
+                    print(f"  {float(row['Inferences/Second']):,.0f} infer/s, p50 {int(row['p50 latency']):,} us, "
+                          f"p99 {int(row['p99 latency']):,} us")
                 rows = sorted(((ticks - before.get(pid, (0, ""))[0]) * tick_us / requests, cmd)
                               for pid, (ticks, cmd) in after.items() if ticks > before.get(pid, (0, ""))[0])
                 for us, cmd in reversed(rows[-10:]):
