@@ -26,7 +26,8 @@ RAY_ENVIRONMENT = {
     "RAY_USAGE_STATS_ENABLED": "0",
     # Serve's controller wakes every 0.1 s by default; on small machines that periodic work
     # lands in the latency tail (p99 at concurrency 1 about 20% lower at 0.5 s, see
-    # docs/benchmarks.md). Deployments react up to 0.4 s later.
+    # docs/benchmarks.md). Each step of a deployment (replica started, ready, stopped) is
+    # noticed up to 0.4 s later.
     "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",
     # HAProxy drops a stopping replica within a second here; Ray's default waits 30 s.
     "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2",
@@ -125,8 +126,8 @@ def grpc_front(settings: ServerSettings) -> tuple[str, int, str, int] | None:
 
 
 def metrics_endpoint(settings: ServerSettings) -> MetricsOptions | None:
-    """The metrics port and what it samples, or None when metrics are off."""
-    if not settings.allow_metrics:
+    """The metrics port and what it samples, or None when metrics are off (port 0 as well)."""
+    if not settings.allow_metrics or not settings.metrics_port:
         return None
     return MetricsOptions(
         settings.metrics_address or settings.http_address, settings.metrics_port, settings.metrics_interval_ms,

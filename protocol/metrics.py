@@ -67,6 +67,10 @@ class MetricsOptions:
     cpu: bool = True
     gpu: bool = True
 
+    def __post_init__(self) -> None:
+        if self.interval_ms <= 0:
+            raise ValueError(f"the metrics interval must be a positive number of milliseconds, got {self.interval_ms}")
+
 
 @dataclass(frozen=True)
 class ModelFigures:

@@ -108,6 +108,14 @@ def test_metrics_flags_reach_the_server_app(example_repository: Path) -> None:
         ServerSettings(model_repository=example_repository, allow_metrics=False))["applications"][0]["args"]
     with pytest.raises(ValidationError):
         ServerSettings(model_repository=example_repository, metrics_interval_ms=0)
+    # Port 0 means no metrics port, from the CLI and from a Serve config alike.
+    assert "metrics_port" not in render_serve_config(
+        ServerSettings(model_repository=example_repository, metrics_port=0))["applications"][0]["args"]
+    # `serve run ... allow_gpu_metrics=false` passes strings.
+    from_strings = build_server_app({**args, "allow_cpu_metrics": "true", "allow_gpu_metrics": "false"})
+    assert MetricsOptions("127.0.0.1", 8102, 500, cpu=True, gpu=False) in from_strings._bound_deployment.init_args
+    with pytest.raises(ValueError, match="expected a boolean"):
+        build_server_app({**args, "allow_gpu_metrics": "maybe"})
 
 
 def test_broken_models_get_no_app_and_old_versions_get_version_routes(tmp_path: Path) -> None:
