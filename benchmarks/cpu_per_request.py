@@ -10,8 +10,7 @@ private network namespace, warms up, then runs NVIDIA's perf_analyzer (from the 
 /proc, the CPU each process used per successful request in the measured window, with
 perf_analyzer's throughput, p50 and p99. ``--env`` sets environment variables for the server
 (and so for Ray's processes), to compare settings such as ``RAY_SERVE_CONTROL_LOOP_INTERVAL_S``
-run against run. With
-``--profile``, a second window under the same load samples the model replica with py-spy and
+run against run. With ``--profile``, a second window under the same load samples the model replica with py-spy and
 prints its busy time by component and its hottest functions (``--native`` adds C frames, but
 stops the process for each sample, which favours samples at system calls).
 """

@@ -17,17 +17,17 @@ import threading
 from pathlib import Path
 
 from rayinfer.cluster.settings import RAY_ENVIRONMENT, ServerSettings, grpc_front, http_front, metrics_endpoint
+from rayinfer.deployments.names import parse_bool
 from rayinfer.repository.scanner import ModelEntry
 
 logger = logging.getLogger("rayinfer")
 
 
 def _bool(text: str) -> bool:
-    if text.lower() in ("1", "true", "yes", "on"):
-        return True
-    if text.lower() in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected a boolean, got '{text}'")
+    try:
+        return parse_bool(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def build_parser() -> argparse.ArgumentParser:

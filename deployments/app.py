@@ -13,7 +13,7 @@ from ray.serve import Application
 from ray.serve.schema import LoggingConfig
 
 from rayinfer.deployments.model import ModelDeployment
-from rayinfer.deployments.names import DEFAULT_REPLICA_NUM_CPUS, model_deployment_name
+from rayinfer.deployments.names import DEFAULT_REPLICA_NUM_CPUS, model_deployment_name, parse_bool
 from rayinfer.deployments.server import ServerDeployment
 from rayinfer.protocol.errors import ModelConfigError
 from rayinfer.protocol.metrics import MetricsOptions
@@ -92,7 +92,7 @@ def build_model_app(args: dict[str, Any]) -> Application:
         int(args["version"]),
         bool(args.get("is_default", True)),
         replica_num_cpus=float(args.get("replica_num_cpus", DEFAULT_REPLICA_NUM_CPUS)),
-        auto_complete=_flag(args.get("auto_complete", True)),
+        auto_complete=parse_bool(args.get("auto_complete", True)),
     )
 
 
@@ -105,11 +105,11 @@ def build_server_app(args: dict[str, Any]) -> Application:
     return server_application(
         args["model_repository"],
         server_id=str(args.get("server_id", "triton")),
-        strict_readiness=_flag(args.get("strict_readiness", True)),
+        strict_readiness=parse_bool(args.get("strict_readiness", True)),
         metrics=MetricsOptions(
             str(args.get("metrics_address", "127.0.0.1")), int(args["metrics_port"]),
             int(args.get("metrics_interval_ms", 2000)),
-            _flag(args.get("allow_cpu_metrics", True)), _flag(args.get("allow_gpu_metrics", True)),
+            parse_bool(args.get("allow_cpu_metrics", True)), parse_bool(args.get("allow_gpu_metrics", True)),
         ) if args.get("metrics_port") else None,
         control=_control_from_args(args),
         grpc_front=(str(args.get("grpc_address", "127.0.0.1")), int(args["grpc_port"]),
@@ -121,24 +121,12 @@ def build_server_app(args: dict[str, Any]) -> Application:
     )
 
 
-def _flag(value: Any) -> bool:
-    """A boolean argument: YAML gives a bool, ``serve run ... name=value`` a string."""
-    if isinstance(value, str):
-        text = value.strip().lower()
-        if text in ("true", "1", "yes", "on"):
-            return True
-        if text in ("false", "0", "no", "off"):
-            return False
-        raise ValueError(f"expected a boolean, got '{value}'")
-    return bool(value)
-
-
 def _control_from_args(args: dict[str, Any]) -> ModelControl:
     from rayinfer.deployments.control import ModelControl
 
     return ModelControl(
         mode=str(args.get("model_control_mode", "none")),
         replica_num_cpus=float(args.get("replica_num_cpus", DEFAULT_REPLICA_NUM_CPUS)),
-        auto_complete=_flag(args.get("auto_complete", True)),
+        auto_complete=parse_bool(args.get("auto_complete", True)),
         poll_secs=float(args.get("repository_poll_secs", 15.0)),
     )

@@ -34,8 +34,12 @@ class MetricsEndpoint:
         self._interval_s = options.interval_ms / 1000
         self._sampler = CpuSampler() if options.cpu else None
         self._cpu = self._sampler.sample() if self._sampler is not None else None
-        self._gpu_sampler = GpuSampler() if options.gpu else None
-        self._gpus = self._gpu_sampler.sample() if self._gpu_sampler is not None else ()
+        gpus = GpuSampler() if options.gpu else None
+        if gpus is not None and not gpus.device_count:  # no NVML or no GPU: nothing to sample
+            gpus.close()
+            gpus = None
+        self._gpu_sampler = gpus
+        self._gpus = gpus.sample() if gpus is not None else ()
         self._sock = socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
@@ -73,16 +77,14 @@ class MetricsEndpoint:
 
     async def _sample_forever(self) -> None:
         gpus = self._gpu_sampler
-        if self._sampler is None and (gpus is None or not gpus.device_count):
-            if gpus is not None:
-                gpus.close()
+        if self._sampler is None and gpus is None:
             return  # nothing to sample
         try:
             while True:
                 await asyncio.sleep(self._interval_s)
                 if self._sampler is not None:
                     self._cpu = self._sampler.sample()
-                if gpus is not None and gpus.device_count:  # NVML calls block: off the loop
+                if gpus is not None:  # NVML calls block: off the loop
                     try:
                         self._gpus = await asyncio.to_thread(gpus.sample)
                     except Exception:  # keep the last figures, and keep sampling the CPU

@@ -1,4 +1,5 @@
-"""Application names and route prefixes: one Serve application per served model version."""
+"""Application names and route prefixes (one Serve application per served model version), and
+how a boolean is spelled in flags and Serve-config args."""
 
 from __future__ import annotations
 
@@ -31,3 +32,15 @@ def model_route_prefix(model: str, version: int, is_default: bool) -> str:
     """``/v2/models/<model>`` for the default version (it also answers ``.../versions/<N>``)."""
     base = f"/v2/models/{model}"
     return base if is_default else f"{base}/versions/{version}"
+
+
+def parse_bool(value: str | bool) -> bool:
+    """A boolean flag or Serve-config arg: YAML gives a bool, a command line a string."""
+    if isinstance(value, bool):
+        return value
+    text = value.strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"expected a boolean, got '{value}'")
