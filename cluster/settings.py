@@ -31,6 +31,14 @@ RAY_ENVIRONMENT = {
     "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",
     # HAProxy drops a stopping replica within a second here; Ray's default waits 30 s.
     "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2",
+    # Ports of the replicas' own HTTP and gRPC servers, below Linux's ephemeral range
+    # (32768-60999). Ray's default gRPC range, 40000-41000, lies inside it, where a replica's
+    # inter-deployment gRPC server (bound to port 0) can sit: once that replica stops, the port
+    # can go to a new replica's gRPC ingress while callers still hold the old address.
+    "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": "30000",
+    "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": "31000",
+    "RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT": "31000",
+    "RAY_SERVE_DIRECT_INGRESS_MAX_GRPC_PORT": "32000",
     # Marks v2 requests so Serve runs them without a disconnect watcher (Triton's semantics);
     # see rayinfer.deployments.ingress.
     "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": "rayinfer.deployments.ingress:http_middlewares",

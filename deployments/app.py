@@ -69,11 +69,18 @@ def server_application(
     control: ModelControl | None = None,
     grpc_front: tuple[str, int, str, int] | None = None,
     http_front: tuple[str, int, str, int] | None = None,
+    version: str | None = None,
 ) -> Application:
     """The ``/v2`` application: health, metadata, repository index, statistics, unknown models,
     Triton's metrics port as ``metrics`` says and the front's gRPC and HTTP ports at
     ``grpc_front`` and ``http_front`` (address, port, Serve's gRPC or HTTP host and port) when
-    given."""
+    given.
+
+    ``version``: the deployment's code version. ``serve.run`` gives a deployment without one a
+    new random version each time, which restarts its replica; the CLI passes one version per
+    launch, so that running the app again with new ``load_errors`` only reconfigures the
+    replica (which keeps its metrics port and the front's routes).
+    """
     deployment = ServerDeployment.options(
         num_replicas=1,
         max_ongoing_requests=MIN_ONGOING_REQUESTS,
@@ -81,6 +88,9 @@ def server_application(
         user_config={"load_errors": load_errors or {}},
         graceful_shutdown_timeout_s=10.0,
     )
+    if version is not None:
+        # ``version`` left Serve's public options; the pinned Ray still takes it with ``_internal``.
+        deployment = deployment.options(version=version, _internal=True)
     return deployment.bind(str(model_repository), server_id, strict_readiness, metrics, control, grpc_front, http_front)
 
 

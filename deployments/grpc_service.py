@@ -234,11 +234,23 @@ class ServerGrpcMethods:
             route = self._route(name, version)
         if route is None:
             raise await self._unavailable_model(name, version or None)
+        payload = request.SerializeToString()
         handle = self._handles.get(route)
         if handle is None:
             handle = self._handles[route] = serve.get_deployment_handle(route[1], route[0])
-        payload = await handle.grpc_forwarded.remote(method, request.SerializeToString())
-        return RPC_MESSAGES[method][1].FromString(payload)
+        try:
+            answer_bytes = await handle.grpc_forwarded.remote(method, payload)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
+                raise
+            # Serve's router reached a gRPC server without Serve's replica service: the replica
+            # address it holds belongs to another server now. The call never reached a model, so
+            # it is sent again through a new handle, which reads the replicas afresh.
+            logger.warning("%s for model '%s' reached a server that is not its replica (%s); retrying "
+                           "with a new handle", method, name, exc.details())
+            handle = self._handles[route] = serve.get_deployment_handle(route[1], route[0])
+            answer_bytes = await handle.grpc_forwarded.remote(method, payload)
+        return RPC_MESSAGES[method][1].FromString(answer_bytes)
 
 
 async def _then(call: Awaitable[Any], response: type) -> Any:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import uuid
 from typing import Any
 
 from ray import serve
@@ -52,15 +53,16 @@ def deploy_repository(
     the reason) and never stops the others.
     """
     control = ModelControl(control_mode, replica_num_cpus, auto_complete, timeout_s, poll_secs)
+    launch_version = f"rayinfer-{uuid.uuid4().hex}"
 
     def run_server_app(load_errors: dict[str, str]) -> None:
-        # Only user_config (the load errors) differs between runs: the replica is reconfigured,
-        # not restarted, so it keeps its metrics port.
+        # Only user_config (the load errors) differs between runs, and the code version is this
+        # launch's: the replica is reconfigured, not restarted, so it keeps its metrics port.
         serve.run(
             server_application(
                 model_repository, server_id=server_id, strict_readiness=strict_readiness,
                 load_errors=load_errors, metrics=metrics, control=control, grpc_front=grpc_front,
-                http_front=http_front,
+                http_front=http_front, version=launch_version,
             ),
             name=SERVER_APP,
             route_prefix=SERVER_ROUTE_PREFIX,

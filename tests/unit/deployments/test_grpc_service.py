@@ -1,16 +1,21 @@
-"""Serve's servicer function for GRPCInferenceService (no Ray cluster)."""
+"""Serve's servicer function for GRPCInferenceService, and the ``/v2`` replica's forwarding of
+model RPCs by deployment handle (no Ray cluster: a stand-in handle)."""
 
 from __future__ import annotations
 
+import asyncio
 import pickle
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 from unittest.mock import Mock
 
 import grpc
+import pytest
 from ray.serve._private.utils import import_attr
 from tritonclient.grpc import service_pb2 as pb
 
-from rayinfer.deployments.grpc_service import SERVICER_FUNCTION
+from rayinfer.deployments import grpc_service
+from rayinfer.deployments.grpc_service import SERVICER_FUNCTION, ServerGrpcMethods
 
 
 def test_servicer_function_registers_the_service_and_makes_messages_picklable():
@@ -24,3 +29,60 @@ def test_servicer_function_registers_the_service_and_makes_messages_picklable():
     config.config.max_batch_size = 4
     assert pickle.loads(pickle.dumps(config)).config.max_batch_size == 4
     server.stop(None)
+
+
+class _Handle:
+    """A deployment handle's ``grpc_forwarded.remote`` that answers or fails with ``error``."""
+
+    def __init__(self, error: grpc.StatusCode | None):
+        self.error = error
+        self.calls: list[str] = []
+        self.grpc_forwarded = self
+
+    async def remote(self, method: str, payload: bytes) -> bytes:
+        self.calls.append(method)
+        if self.error is not None:
+            raise grpc.aio.AioRpcError(self.error, grpc.aio.Metadata(), grpc.aio.Metadata(), "Method not found!")
+        return pb.ModelStatisticsResponse(model_stats=[pb.ModelStatistics(name="m", version="1")]).SerializeToString()
+
+
+class _Forwarder(ServerGrpcMethods):
+    """The ``/v2`` replica's forwarding with one routed model, 'm' version 1."""
+
+    def __init__(self, handles: list[_Handle]):
+        self._routes = {"m/1": ("m", "m_v1"), "m/": ("m", "m_v1")}
+        self._handles = {}
+        self.made = handles
+
+    def new_handle(self, deployment: str, app: str) -> _Handle:
+        assert (app, deployment) == ("m", "m_v1")
+        return self.made.pop(0)
+
+
+@pytest.fixture
+def forwarder(monkeypatch: pytest.MonkeyPatch):
+    def make(*errors: grpc.StatusCode | None) -> tuple[_Forwarder, list[_Handle]]:
+        handles = [_Handle(error) for error in errors]
+        forwarder = _Forwarder(list(handles))
+        monkeypatch.setattr(grpc_service, "serve", SimpleNamespace(get_deployment_handle=forwarder.new_handle))
+        return forwarder, handles
+
+    return make
+
+
+def test_forward_retries_once_through_a_new_handle_when_the_address_is_not_a_replica(forwarder):
+    server, (stale, fresh) = forwarder(grpc.StatusCode.UNIMPLEMENTED, None)
+    request = pb.ModelStatisticsRequest(name="m", version="1")
+    response = asyncio.run(server._forward("ModelStatistics", "m", "1", request))
+    assert [s.name for s in response.model_stats] == ["m"]
+    assert stale.calls == fresh.calls == ["ModelStatistics"]
+    assert server._handles[("m", "m_v1")] is fresh  # later calls use the new handle
+
+
+@pytest.mark.parametrize("errors", [(grpc.StatusCode.INTERNAL,), (grpc.StatusCode.UNIMPLEMENTED,) * 2],
+                         ids=["other-code-not-retried", "retried-once-only"])
+def test_forward_raises_what_a_retry_cannot_mend(forwarder, errors):
+    server, handles = forwarder(*errors)
+    with pytest.raises(grpc.aio.AioRpcError):
+        asyncio.run(server._forward("ModelStatistics", "m", "1", pb.ModelStatisticsRequest(name="m")))
+    assert [len(h.calls) for h in handles] == [1] * len(errors)
