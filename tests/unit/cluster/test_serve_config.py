@@ -148,3 +148,17 @@ def test_every_rendered_application_builds_from_its_import_path(example_reposito
         module, _, attr = app["import_path"].partition(":")
         built = getattr(importlib.import_module(module), attr)(app["args"])
         assert isinstance(built, Application), app["name"]
+
+
+def test_replica_ports_lie_outside_the_ephemeral_range() -> None:
+    """Serve's replica servers get ports no socket bound to port 0 (or a client's socket) can hold."""
+    from rayinfer.cluster.settings import RAY_ENVIRONMENT
+
+    def ports(protocol: str) -> range:
+        low, high = (int(RAY_ENVIRONMENT[f"RAY_SERVE_DIRECT_INGRESS_{end}_{protocol}_PORT"]) for end in ("MIN", "MAX"))
+        return range(low, high)
+
+    http, grpc = ports("HTTP"), ports("GRPC")
+    assert len(http) >= 1000 and len(grpc) >= 1000 and not set(http) & set(grpc)
+    low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    assert max(http[-1], grpc[-1]) < low or min(http[0], grpc[0]) > high
