@@ -46,14 +46,13 @@ MODEL = "mlp"
 def cpu_ticks() -> dict[int, tuple[int, str]]:
     """{pid: (user + system clock ticks, command line)} for every process."""
     out = {}
-    for pid in filter(str.isdigit, os.listdir("/proc")):
+    for pid, cmd in processes().items():
         try:
             stat = Path(f"/proc/{pid}/stat").read_text()
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
+        except OSError:  # exited since
             continue
         fields = stat[stat.rindex(")") + 2:].split()
-        out[int(pid)] = (int(fields[11]) + int(fields[12]), cmd.strip()[:80])
+        out[pid] = (int(fields[11]) + int(fields[12]), cmd.strip()[:80])
     return out
 
 

@@ -32,9 +32,10 @@ RAY_ENVIRONMENT = {
     # HAProxy drops a stopping replica within a second here; Ray's default waits 30 s.
     "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2",
     # Ports of the replicas' own HTTP and gRPC servers, below Linux's ephemeral range
-    # (32768-60999). Ray's default gRPC range, 40000-41000, lies inside it, where a replica's
-    # inter-deployment gRPC server (bound to port 0) can sit: once that replica stops, the port
-    # can go to a new replica's gRPC ingress while callers still hold the old address.
+    # (32768-60999). Ray's default gRPC range, 40000-41000, lies inside it, which every socket
+    # bound to port 0 draws from (each replica's inter-deployment gRPC server; in the embedded
+    # Ray, all of Ray's own servers): a port may then serve one server and later another while
+    # callers still hold the old address.
     "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": "30000",
     "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": "31000",
     "RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT": "31000",

@@ -235,22 +235,24 @@ class ServerGrpcMethods:
         if route is None:
             raise await self._unavailable_model(name, version or None)
         payload = request.SerializeToString()
-        handle = self._handles.get(route)
-        if handle is None:
-            handle = self._handles[route] = serve.get_deployment_handle(route[1], route[0])
+        handle = self._handles.get(route) or self._new_handle(route)
         try:
             answer_bytes = await handle.grpc_forwarded.remote(method, payload)
         except grpc.aio.AioRpcError as exc:
             if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
                 raise
-            # Serve's router reached a gRPC server without Serve's replica service: the replica
-            # address it holds belongs to another server now. The call never reached a model, so
-            # it is sent again through a new handle, which reads the replicas afresh.
+            # Serve's router reached a gRPC server without Serve's replica service, so the replica
+            # address it holds is another server's now. The call never reached a model: it is
+            # sent again through a new handle, which reads the replicas afresh.
             logger.warning("%s for model '%s' reached a server that is not its replica (%s); retrying "
                            "with a new handle", method, name, exc.details())
-            handle = self._handles[route] = serve.get_deployment_handle(route[1], route[0])
-            answer_bytes = await handle.grpc_forwarded.remote(method, payload)
+            answer_bytes = await self._new_handle(route).grpc_forwarded.remote(method, payload)
         return RPC_MESSAGES[method][1].FromString(answer_bytes)
+
+    def _new_handle(self, route: tuple[str, str]) -> Any:
+        """A deployment handle to ``route`` (application, deployment), kept for later calls."""
+        handle = self._handles[route] = serve.get_deployment_handle(route[1], route[0])
+        return handle
 
 
 async def _then(call: Awaitable[Any], response: type) -> Any:
