@@ -9,6 +9,8 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
+from rayinfer.protocol.errors import Code, grpc_status_name, http_status
+
 A = np.arange(16, dtype=np.int32).reshape(1, 16)
 B = np.full((1, 16), 3, dtype=np.int32)
 
@@ -51,16 +53,39 @@ def test_infer_every_version(proto):
         np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), expected)
 
 
-@pytest.mark.parametrize("model, make, message", [
-    ("no_such_model", lambda: (A, B), "Request for unknown model: 'no_such_model' is not found"),
-    ("simple", lambda: (A[:, :8], B[:, :8]), "unexpected shape for input 'INPUT0' for model 'simple'"),
-    ("simple", lambda: (np.zeros((9, 16), np.int32), np.zeros((9, 16), np.int32)),
-     "inference request batch-size must be <= 8 for 'simple'"),
-], ids=["unknown-model", "shape", "batch"])
-def test_errors_name_the_problem(proto, model, make, message):
+def bf16_inputs(module) -> list:
+    try:  # tritonclient takes BF16 arrays as ml_dtypes.bfloat16 (older releases: FP32, truncated)
+        from ml_dtypes import bfloat16 as dtype
+    except ImportError:
+        dtype = np.float32
+    tensors = [module.InferInput(name, [1, 16], "BF16") for name in ("INPUT0", "INPUT1")]
+    for tensor in tensors:
+        tensor.set_data_from_numpy(np.ones((1, 16), dtype))
+    return tensors
+
+
+# Every code the session server answers a request with, through both front-ends: the status each
+# protocol reports is the one protocol/errors.py's tables give. Not here: UNAVAILABLE (the load
+# API in poll mode, tests/integration/test_poll_mode.py); ALREADY_EXISTS, CANCELLED and UNKNOWN,
+# which the server never raises.
+@pytest.mark.parametrize("call, code, message", [
+    (lambda m, c: c.infer("no_such_model", inputs(m, A, B)), Code.NOT_FOUND,
+     "Request for unknown model: 'no_such_model' is not found"),
+    (lambda m, c: c.infer("simple", inputs(m, A[:, :8], B[:, :8])), Code.INVALID_ARG,
+     "unexpected shape for input 'INPUT0' for model 'simple'"),
+    (lambda m, c: c.infer("simple", inputs(m, np.zeros((9, 16), np.int32), np.zeros((9, 16), np.int32))),
+     Code.INVALID_ARG, "inference request batch-size must be <= 8 for 'simple'"),
+    (lambda m, c: c.infer("simple", bf16_inputs(m)), Code.UNSUPPORTED, "BF16 tensors are not supported"),
+    (lambda m, c: c.load_model("no_such_model"), Code.INTERNAL,
+     "failed to load 'no_such_model', failed to poll from model repository"),
+], ids=["unknown-model", "shape", "batch", "bf16", "load-unknown-model"])
+def test_errors_name_the_problem(proto, call, code, message):
     module, client = proto
-    with pytest.raises(InferenceServerException, match=message.replace("[", "\\[")):
-        client.infer(model, inputs(module, *make()))
+    with pytest.raises(InferenceServerException) as info:
+        call(module, client)
+    assert message in info.value.message()
+    expected = str(http_status(code)) if module is httpclient else f"StatusCode.{grpc_status_name(code)}"
+    assert info.value.status() == expected
 
 
 def test_statistics_count_exactly(proto):

@@ -10,9 +10,11 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
 
 from conftest import HTTP_PORT, add_sub_inputs, start_server, stop_server, stop_shared_server
 from model_factory import ON_DEMAND
+from rayinfer.protocol.errors import Code, grpc_status_name, http_status
 
 pytestmark = pytest.mark.own_cluster
 
@@ -69,8 +71,8 @@ def test_poll_adds_changes_and_removes_models(poll_server, model_repository):
 
 def test_the_load_api_is_refused_in_poll_mode(poll_server):
     _, http, grpc = poll_server
-    from tritonclient.utils import InferenceServerException
-
-    for client in (http, grpc):
-        with pytest.raises(InferenceServerException, match="explicit model load / unload is not allowed"):
+    for client, status in ((http, str(http_status(Code.UNAVAILABLE))),
+                           (grpc, f"StatusCode.{grpc_status_name(Code.UNAVAILABLE)}")):
+        with pytest.raises(InferenceServerException, match="explicit model load / unload is not allowed") as info:
             client.load_model("simple")
+        assert info.value.status() == status
