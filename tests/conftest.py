@@ -7,12 +7,14 @@ import os
 import signal
 import subprocess
 import sys
-import time
+import tempfile
 import urllib.error
 import urllib.request
 from pathlib import Path
 
 import pytest
+
+from waiting import WaitTimeout, wait_until
 
 HTTP_PORT = int(os.environ.get("RAYINFER_TEST_HTTP_PORT", "18600"))
 GRPC_PORT = HTTP_PORT + 1
@@ -63,6 +65,22 @@ def submit_each(client, model: str, input_name: str, datatype: str, arrays: list
     return pending
 
 
+def front_folder(server: dict) -> Path:
+    """The folder of the session server's live front (HAProxy): its route maps are
+    ``replicas.map`` (``<model>/<version>`` -> replica count; the default version's key is
+    ``<model>/``) and ``listeners.map`` (``<model>/<version>/<n>`` -> ``<host>|<port>``).
+    Folders of earlier, stopped fronts are removed when a front starts."""
+    port = server["grpc_url"].rsplit(":", 1)[1]
+    (front,) = [p.parent for p in Path(tempfile.gettempdir()).glob("rayinfer-front-*/haproxy.cfg")
+                if f":{port} proto h2" in p.read_text()]
+    return front
+
+
+def read_map(path: Path) -> dict[str, str]:
+    """A front's map file as {key: value}; a line caught half-written is left out."""
+    return dict(fields for fields in (line.split() for line in path.read_text().splitlines()) if len(fields) == 2)
+
+
 def _build_repository(root: Path) -> Path:
     from model_factory import build_test_repository
 
@@ -83,14 +101,17 @@ def start_server(repository: Path, log_path: Path, args: list[str]) -> subproces
         stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )
     log.close()
-    deadline = time.monotonic() + 300
-    while "Started HTTPService" not in log_path.read_text():
+
+    def started() -> bool:
         if proc.poll() is not None:
             pytest.fail(f"rayinfer exited with {proc.returncode}:\n{log_path.read_text()[-4000:]}")
-        if time.monotonic() > deadline:
-            stop_server(proc)
-            pytest.fail(f"rayinfer did not start:\n{log_path.read_text()[-4000:]}")
-        time.sleep(0.5)
+        return "Started HTTPService" in log_path.read_text()
+
+    try:
+        wait_until(started, "rayinfer to print 'Started HTTPService'", timeout_s=300, interval_s=0.5)
+    except WaitTimeout as exc:
+        stop_server(proc)
+        pytest.fail(f"{exc}:\n{log_path.read_text()[-4000:]}")
     return proc
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import queue
-import time
 
 import grpc
 import numpy as np
@@ -16,7 +15,9 @@ import tritonclient.grpc.aio as grpcaio
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
+from conftest import front_folder, read_map
 from model_factory import ON_DEMAND
+from waiting import wait_until
 
 
 @pytest.fixture(scope="module")
@@ -255,43 +256,42 @@ def test_repository_index(client):
 
 
 def test_load_override_and_unload(client):
-    assert not client.is_model_ready(ON_DEMAND)
+    model = ON_DEMAND
+    assert not client.is_model_ready(model)
     try:
-        client.load_model(ON_DEMAND)
-        assert client.is_model_ready(ON_DEMAND)
-        np.testing.assert_array_equal(client.infer(ON_DEMAND, add_sub_inputs(A, B)).as_numpy("OUTPUT0"), A + B)
-        config = client.get_model_config(ON_DEMAND, as_json=True)["config"]
+        client.load_model(model)
+        assert client.is_model_ready(model)
+        np.testing.assert_array_equal(client.infer(model, add_sub_inputs(A, B)).as_numpy("OUTPUT0"), A + B)
+        config = client.get_model_config(model, as_json=True)["config"]
         config["max_batch_size"] = 2
-        client.load_model(ON_DEMAND, config=json.dumps(config))
-        assert client.get_model_config(ON_DEMAND).config.max_batch_size == 2
-        err = error_of(lambda: client.infer(ON_DEMAND, add_sub_inputs(np.zeros((3, 16), np.int32),
-                                                                      np.zeros((3, 16), np.int32))))
+        client.load_model(model, config=json.dumps(config))
+        assert client.get_model_config(model).config.max_batch_size == 2
+        err = error_of(lambda: client.infer(model, add_sub_inputs(np.zeros((3, 16), np.int32),
+                                                                  np.zeros((3, 16), np.int32))))
         assert "batch-size must be <= 2" in err.message()
     finally:
-        client.unload_model(ON_DEMAND)
-    deadline = time.monotonic() + 60
-    while client.is_model_ready(ON_DEMAND) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not client.is_model_ready(ON_DEMAND)
+        client.unload_model(model)
+    wait_until(lambda: not client.is_model_ready(model), f"'{model}' to be no longer ready", timeout_s=60)
     err = error_of(lambda: client.load_model("no_such_model"))
     assert err.status() == "StatusCode.INTERNAL"
     assert "failed to load 'no_such_model', failed to poll from model repository" in err.message()
 
 
 def test_load_with_files_a_partial_override_and_bad_paths(client, model_repository):
-    model = (model_repository / ON_DEMAND / "1" / "model.onnx").read_bytes()
+    name = ON_DEMAND
+    model = (model_repository / name / "1" / "model.onnx").read_bytes()
     try:
         # Triton's own model-control example sends only max_batch_size; the rest is auto-completed.
-        client.load_model(ON_DEMAND, config='{"max_batch_size":"16"}')
-        assert client.get_model_config(ON_DEMAND).config.max_batch_size == 16
-        client.load_model(ON_DEMAND, config=json.dumps({"backend": "onnxruntime", "max_batch_size": 3}),
+        client.load_model(name, config='{"max_batch_size":"16"}')
+        assert client.get_model_config(name).config.max_batch_size == 16
+        client.load_model(name, config=json.dumps({"backend": "onnxruntime", "max_batch_size": 3}),
                           files={"file:1/model.onnx": model})
-        assert client.get_model_config(ON_DEMAND).config.max_batch_size == 3
-        np.testing.assert_array_equal(client.infer(ON_DEMAND, add_sub_inputs(A, B)).as_numpy("OUTPUT1"), A - B)
+        assert client.get_model_config(name).config.max_batch_size == 3
+        np.testing.assert_array_equal(client.infer(name, add_sub_inputs(A, B)).as_numpy("OUTPUT1"), A - B)
     finally:
-        client.unload_model(ON_DEMAND)
-    assert not client.is_model_ready(ON_DEMAND)
-    err = error_of(lambda: client.load_model(ON_DEMAND, config="{}", files={"file:" + "A" * 256: b"a"}))
+        client.unload_model(name)
+    assert not client.is_model_ready(name)
+    err = error_of(lambda: client.load_model(name, config="{}", files={"file:" + "A" * 256: b"a"}))
     assert err.status() == "StatusCode.INVALID_ARGUMENT" and "Invalid file path" in err.message()
     assert client.is_server_live()
 
@@ -300,19 +300,15 @@ def test_the_front_routes_served_versions_to_their_replicas(client, server):
     """The front's maps (what HAProxy routes by, without any Python process) list each served
     version's replica listeners, and a listener answers a relayed call itself."""
     import socket
-    import tempfile
-    from pathlib import Path
 
-    port = server["grpc_url"].rsplit(":", 1)[1]
-    # The live front on this port (earlier, stopped fronts' folders are removed when one starts).
-    (front,) = [p.parent for p in Path(tempfile.gettempdir()).glob("rayinfer-front-*/haproxy.cfg")
-                if f":{port} proto h2" in p.read_text()]
-    deadline = time.monotonic() + 10
-    counts: dict[str, str] = {}
-    while time.monotonic() < deadline and "versioned/1" not in counts:
-        counts = dict(line.split() for line in (front / "replicas.map").read_text().splitlines())
-        time.sleep(0.2)
-    listeners = dict(line.split() for line in (front / "listeners.map").read_text().splitlines())
+    front = front_folder(server)
+
+    def routes() -> dict[str, str] | None:
+        counts = read_map(front / "replicas.map")
+        return counts if "versioned/1" in counts else None
+
+    counts = wait_until(routes, "the front's routes to list 'versioned/1'", timeout_s=10)
+    listeners = read_map(front / "listeners.map")
     assert counts["simple/"] == counts["simple/1"] == counts["versioned/1"] == "1"
     assert listeners["simple//0"] == listeners["simple/1/0"]
     assert listeners["versioned//0"] == listeners["versioned/2/0"] != listeners["versioned/1/0"]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-import time
 import urllib.request
 
 import numpy as np
@@ -11,6 +10,7 @@ import pytest
 import tritonclient.http as httpclient
 
 from conftest import add_sub_inputs
+from waiting import wait_until
 
 SAMPLE = re.compile(r'^(\w+)(?:\{(.*)\})? (\S+)$')
 
@@ -40,13 +40,12 @@ COUNTERS = ("nv_inference_request_success", "nv_inference_count", "nv_inference_
 
 
 def wait_for(url: str, model: str, metric: str, target: float, timeout_s: float = 15.0):
-    """Model replicas report every half second: poll until ``metric`` reaches ``target``."""
-    deadline = time.monotonic() + timeout_s
-    while True:
+    """Model replicas report every half second: poll until ``metric`` reaches ``target``; the samples."""
+    def reached():
         _, samples = scrape(url)
-        if model_value(samples, metric, model) >= target or time.monotonic() > deadline:
-            return samples
-        time.sleep(0.2)
+        return samples if model_value(samples, metric, model) >= target else None
+
+    return wait_until(reached, f"{metric} of '{model}' to reach {target:g}", timeout_s=timeout_s)
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import time
+import socket
 from pathlib import Path
 
 import numpy as np
@@ -10,8 +10,9 @@ import pytest
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from conftest import add_sub_inputs, http, http_json
+from conftest import add_sub_inputs, front_folder, http, http_json, read_map
 from model_factory import ON_DEMAND
+from waiting import wait_until
 
 
 @pytest.fixture(scope="module")
@@ -34,27 +35,27 @@ def add_sub(client, model: str) -> np.ndarray:
 
 
 def test_a_model_not_named_at_start_is_unloaded(client):
-    assert index_row(ON_DEMAND)["state"] == "UNAVAILABLE"
-    assert index_row(ON_DEMAND)["reason"] == "unloaded"
-    assert not client.is_model_ready(ON_DEMAND)
-    with pytest.raises(InferenceServerException, match=f"Request for unknown model: '{ON_DEMAND}'"):
-        add_sub(client, ON_DEMAND)
+    model = ON_DEMAND
+    assert index_row(model)["state"] == "UNAVAILABLE"
+    assert index_row(model)["reason"] == "unloaded"
+    assert not client.is_model_ready(model)
+    with pytest.raises(InferenceServerException, match=f"Request for unknown model: '{model}'"):
+        add_sub(client, model)
 
 
 def test_load_serves_the_model_and_unload_removes_it(client):
-    client.load_model(ON_DEMAND)  # answers when the model is ready, as Triton does
-    assert client.is_model_ready(ON_DEMAND)
-    assert index_row(ON_DEMAND)["state"] == "READY"
-    np.testing.assert_array_equal(add_sub(client, ON_DEMAND), np.arange(16).reshape(1, 16) * 2)
-
-    client.unload_model(ON_DEMAND)
-    deadline = time.monotonic() + 60
-    while client.is_model_ready(ON_DEMAND) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert not client.is_model_ready(ON_DEMAND)
-    while index_row(ON_DEMAND)["state"] != "UNAVAILABLE" and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert index_row(ON_DEMAND) == {"name": ON_DEMAND, "version": "1", "state": "UNAVAILABLE", "reason": "unloaded"}
+    model = ON_DEMAND
+    try:
+        client.load_model(model)  # answers when the model is ready, as Triton does
+        assert client.is_model_ready(model)
+        assert index_row(model)["state"] == "READY"
+        np.testing.assert_array_equal(add_sub(client, model), np.arange(16).reshape(1, 16) * 2)
+    finally:
+        client.unload_model(model)
+    wait_until(lambda: not client.is_model_ready(model), f"'{model}' to be no longer ready", timeout_s=60)
+    wait_until(lambda: index_row(model)["state"] == "UNAVAILABLE", f"the index to show '{model}' UNAVAILABLE",
+               timeout_s=60)
+    assert index_row(model) == {"name": model, "version": "1", "state": "UNAVAILABLE", "reason": "unloaded"}
     # The other models were not touched.
     np.testing.assert_array_equal(add_sub(client, "batched"), np.arange(16).reshape(1, 16) * 2)
 
@@ -83,6 +84,20 @@ def grpc_add_sub(c, model: str) -> np.ndarray:
     return c.infer(model, inputs).as_numpy("OUTPUT0")
 
 
+def front_listeners(server, model: str) -> set[str]:
+    """``host|port`` of every listener the front routes ``model``'s calls to."""
+    return {v for k, v in read_map(front_folder(server) / "listeners.map").items() if k.split("/")[0] == model}
+
+
+def refuses_connections(listener: str) -> bool:
+    host, port = listener.rsplit("|", 1)
+    try:
+        socket.create_connection((host, int(port)), timeout=1.0).close()
+    except OSError:
+        return True
+    return False
+
+
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
 def test_reloading_a_changed_model_under_traffic_fails_no_request(server, client, model_repository, protocol):
     """The old version serves until the new one is ready; a reload never drops a request."""
@@ -91,8 +106,8 @@ def test_reloading_a_changed_model_under_traffic_fails_no_request(server, client
 
     import tritonclient.grpc as grpcclient
 
-    client.load_model(ON_DEMAND)
-    config = model_repository / ON_DEMAND / "config.pbtxt"
+    model = ON_DEMAND
+    config = model_repository / model / "config.pbtxt"
     original = config.read_text()
     stop = threading.Event()
     results = {"ok": 0, "errors": []}
@@ -105,30 +120,40 @@ def test_reloading_a_changed_model_under_traffic_fails_no_request(server, client
         try:
             while not stop.is_set():
                 try:
-                    np.testing.assert_array_equal(infer(c, ON_DEMAND), np.arange(16).reshape(1, 16) * 2)
+                    np.testing.assert_array_equal(infer(c, model), np.arange(16).reshape(1, 16) * 2)
                     results["ok"] += 1
                 except Exception as exc:  # every failure is a finding
                     results["errors"].append(repr(exc))
         finally:
             c.close()
 
+    def reloaded(reload: concurrent.futures.Future, states: set[str]) -> bool:
+        states.add(index_row(model)["state"])  # the serving version stays READY while the new one starts
+        return reload.done()
+
     try:
+        client.load_model(model)
+        old = wait_until(lambda: front_listeners(server, model), f"the front to route '{model}' to its replica",
+                         timeout_s=30)
         config.write_text(original + "dynamic_batching { max_queue_delay_microseconds: 100 }\n")
         with concurrent.futures.ThreadPoolExecutor(5) as pool:
             try:
                 futures = [pool.submit(worker) for _ in range(4)]
-                time.sleep(1.0)
+                wait_until(lambda: results["ok"] >= 4 or results["errors"], "the workers' first answers", timeout_s=60)
                 before = results["ok"]
                 # geventhttpclient's clients must stay on the thread that made them.
-                reload = pool.submit(lambda: httpclient.InferenceServerClient(server["url"]).load_model(ON_DEMAND))
-                states = set()
-                while not reload.done():  # the serving version stays READY while the new one starts
-                    states.add(index_row(ON_DEMAND)["state"])
-                    time.sleep(0.2)
+                reload = pool.submit(lambda: httpclient.InferenceServerClient(server["url"]).load_model(model))
+                states: set[str] = set()
+                wait_until(lambda: reloaded(reload, states), f"the reload of '{model}' to answer", timeout_s=240)
                 reload.result()
                 assert states <= {"READY"}
-                assert client.get_model_config(ON_DEMAND)["dynamic_batching"]["max_queue_delay_microseconds"] == 100
-                time.sleep(3.0)  # past the old replica's draining period
+                assert client.get_model_config(model)["dynamic_batching"]["max_queue_delay_microseconds"] == 100
+                # Traffic goes on until the old replica is out of the front's routes and its
+                # listener no longer accepts connections (Serve is stopping it); calls still in
+                # flight on it are answered before the workers are joined below.
+                wait_until(lambda: not old & front_listeners(server, model) and all(map(refuses_connections, old)),
+                           f"the old replica of '{model}' to leave the front's routes and close its listener {old}",
+                           timeout_s=60)
             finally:  # the workers stop even when an assertion above fails
                 stop.set()
             for f in futures:
@@ -138,66 +163,70 @@ def test_reloading_a_changed_model_under_traffic_fails_no_request(server, client
     finally:
         stop.set()
         config.write_text(original)
-        client.unload_model(ON_DEMAND)
+        client.unload_model(model)
 
 
 def test_load_with_a_config_override(client):
     import json
 
+    model = ON_DEMAND
     config = {
-        "name": ON_DEMAND, "platform": "onnxruntime_onnx", "max_batch_size": 4,
+        "name": model, "platform": "onnxruntime_onnx", "max_batch_size": 4,
         "input": [{"name": n, "data_type": "TYPE_INT32", "dims": [16]} for n in ("INPUT0", "INPUT1")],
         "output": [{"name": n, "data_type": "TYPE_INT32", "dims": [16]} for n in ("OUTPUT0", "OUTPUT1")],
         "dynamic_batching": {"max_queue_delay_microseconds": 50},
     }
     try:
-        client.load_model(ON_DEMAND, config=json.dumps(config))
-        served = client.get_model_config(ON_DEMAND)
+        client.load_model(model, config=json.dumps(config))
+        served = client.get_model_config(model)
         assert served["max_batch_size"] == 4
         assert served["dynamic_batching"]["max_queue_delay_microseconds"] == 50
-        np.testing.assert_array_equal(add_sub(client, ON_DEMAND), np.arange(16).reshape(1, 16) * 2)
-        client.load_model(ON_DEMAND)  # without an override: config.pbtxt again
-        assert client.get_model_config(ON_DEMAND)["max_batch_size"] == 8
+        np.testing.assert_array_equal(add_sub(client, model), np.arange(16).reshape(1, 16) * 2)
+        client.load_model(model)  # without an override: config.pbtxt again
+        assert client.get_model_config(model)["max_batch_size"] == 8
     finally:
-        client.unload_model(ON_DEMAND)
+        client.unload_model(model)
 
 
 def test_bad_load_parameters_are_rejected_with_the_reason():
-    status, doc = http_json("POST", f"/v2/repository/models/{ON_DEMAND}/load", {"parameters": {"config": "{oops"}})
+    model = ON_DEMAND
+    status, doc = http_json("POST", f"/v2/repository/models/{model}/load", {"parameters": {"config": "{oops"}})
     assert status == 400 and "failed to parse the configuration override" in doc["error"]
     status, doc = http_json(
-        "POST", f"/v2/repository/models/{ON_DEMAND}/load", {"parameters": {"file:1/model.onnx": "AAAA"}}
+        "POST", f"/v2/repository/models/{model}/load", {"parameters": {"file:1/model.onnx": "AAAA"}}
     )
     assert status == 400 and "'file:' parameters need the 'config' parameter" in doc["error"]
-    assert index_row(ON_DEMAND)["state"] in ("UNAVAILABLE", "UNLOADING")
+    assert index_row(model)["state"] in ("UNAVAILABLE", "UNLOADING")
 
 
 @pytest.mark.parametrize("path", ["../../escaped.onnx", "/tmp/escaped.onnx", "1/../../escaped.onnx", "A" * 256])
 def test_file_parameters_never_write_outside_the_model_directory(path, tmp_path):
     import tempfile
 
+    model = ON_DEMAND
     before = set(Path(tempfile.gettempdir()).iterdir())
-    status, doc = http_json("POST", f"/v2/repository/models/{ON_DEMAND}/load",
+    status, doc = http_json("POST", f"/v2/repository/models/{model}/load",
                             {"parameters": {"config": "{}", f"file:{path}": "AAAA"}})
     assert status == 400 and f"Invalid file path 'file:{path}'" in doc["error"]
     after = set(Path(tempfile.gettempdir()).iterdir())
     assert not [p for p in after - before if "escaped" in p.name]
-    assert index_row(ON_DEMAND)["state"] == "UNAVAILABLE"
+    assert index_row(model)["state"] == "UNAVAILABLE"
 
 
 def test_load_with_model_files_in_the_request(client, model_repository):
     import base64
     import json
 
-    model = (model_repository / ON_DEMAND / "1" / "model.onnx").read_bytes()
+    name = ON_DEMAND
+    model = (model_repository / name / "1" / "model.onnx").read_bytes()
     config = {"backend": "onnxruntime", "max_batch_size": 2}  # inputs and outputs auto-completed
     try:
-        status, doc = http_json("POST", f"/v2/repository/models/{ON_DEMAND}/load", {"parameters": {
+        status, doc = http_json("POST", f"/v2/repository/models/{name}/load", {"parameters": {
             "config": json.dumps(config), "file:1/model.onnx": base64.b64encode(model).decode()}})
         assert (status, doc) == (200, None)
-        assert client.get_model_config(ON_DEMAND)["max_batch_size"] == 2
-        np.testing.assert_array_equal(add_sub(client, ON_DEMAND), np.arange(16).reshape(1, 16) * 2)
-        assert index_row(ON_DEMAND)["state"] == "READY"
+        assert client.get_model_config(name)["max_batch_size"] == 2
+        np.testing.assert_array_equal(add_sub(client, name), np.arange(16).reshape(1, 16) * 2)
+        assert index_row(name)["state"] == "READY"
     finally:
-        client.unload_model(ON_DEMAND)
-    assert not client.is_model_ready(ON_DEMAND)  # unload answers once the model is gone
+        client.unload_model(name)
+    assert not client.is_model_ready(name)  # unload answers once the model is gone

@@ -4,7 +4,6 @@ loaded, reloaded and unloaded, and the load API is refused with Triton's message
 from __future__ import annotations
 
 import shutil
-import time
 
 import numpy as np
 import pytest
@@ -15,17 +14,11 @@ from tritonclient.utils import InferenceServerException
 from conftest import HTTP_PORT, add_sub_inputs, start_server, stop_server, stop_shared_server
 from model_factory import ON_DEMAND
 from rayinfer.protocol.errors import Code, grpc_status_name, http_status
+from waiting import wait_until
 
 pytestmark = pytest.mark.own_cluster
 
 PORT = HTTP_PORT + 100
-
-
-def wait_for(condition, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.3)
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +43,8 @@ def test_poll_adds_changes_and_removes_models(poll_server, model_repository):
     assert http.is_model_ready("simple") and not http.is_model_ready("added")
 
     shutil.copytree(model_repository / ON_DEMAND, repo / "added")
-    wait_for(lambda: http.is_model_ready("added") and grpc.is_model_ready("added"))
+    wait_until(lambda: http.is_model_ready("added") and grpc.is_model_ready("added"),
+               "the poll to load 'added' (ready over HTTP and gRPC)")
     a = np.arange(16, dtype=np.int32).reshape(1, 16)
     np.testing.assert_array_equal(http.infer("added", add_sub_inputs(a, a)).as_numpy("OUTPUT0"), a * 2)
     assert http.get_model_config("added")["max_batch_size"] == 8
@@ -60,12 +54,16 @@ def test_poll_adds_changes_and_removes_models(poll_server, model_repository):
     # Metadata goes through Serve, gRPC's ModelConfig through the front, which stops routing to
     # the old replica once Serve no longer reports it RUNNING (the front's routes are refreshed
     # every 2 s), long before the old replica's draining period (30 s) ends.
-    wait_for(lambda: http.get_model_config("added")["max_batch_size"] == 4)
-    wait_for(lambda: grpc.get_model_config("added").config.max_batch_size == 4, timeout_s=10.0)
+    wait_until(lambda: http.get_model_config("added")["max_batch_size"] == 4,
+               "the poll to reload 'added' (max_batch_size 4 over HTTP)")
+    wait_until(lambda: grpc.get_model_config("added").config.max_batch_size == 4,
+               "gRPC's ModelConfig to answer from the reloaded 'added'", timeout_s=10.0)
 
     shutil.rmtree(repo / "added")
-    wait_for(lambda: not http.is_model_ready("added") and not grpc.is_model_ready("added"))
-    wait_for(lambda: "added" not in {m["name"] for m in http.get_model_repository_index()})
+    wait_until(lambda: not http.is_model_ready("added") and not grpc.is_model_ready("added"),
+               "the poll to unload the removed 'added' (over HTTP and gRPC)")
+    wait_until(lambda: "added" not in {m["name"] for m in http.get_model_repository_index()},
+               "'added' to leave the repository index")
     assert http.is_model_ready("simple")
 
 

@@ -8,20 +8,26 @@ import time
 import pytest
 
 from rayinfer.deployments.batcher import DynamicBatcher
+from waiting import wait_until_async
 
 
 class Recorder:
-    """An execute function that records the row counts of each batch it is given."""
+    """An execute function that records the items of each batch it is given.
 
-    def __init__(self, delay_s: float = 0.0, fail_on: int | None = None):
+    With ``hold=True`` each batch executes until the test sets ``release`` (a batch that is
+    still executing, for as long as the test needs).
+    """
+
+    def __init__(self, hold: bool = False, fail_on: int | None = None):
         self.batches: list[list[int]] = []
-        self.delay_s = delay_s
+        self.release = asyncio.Event()
+        if not hold:
+            self.release.set()
         self.fail_on = fail_on
 
     async def __call__(self, items: list[int]) -> list[int]:
         self.batches.append(list(items))
-        if self.delay_s:
-            await asyncio.sleep(self.delay_s)
+        await self.release.wait()
         if self.fail_on in items:
             raise RuntimeError("boom")
         return [item * 10 for item in items]
@@ -62,7 +68,8 @@ def test_partial_batch_waits_for_the_queue_delay():
         batcher = DynamicBatcher(rec, max_batch_size=8, max_queue_delay_s=0.2)
         start = time.monotonic()
         first = asyncio.ensure_future(batcher.submit(1))
-        await asyncio.sleep(0.05)
+        await wait_until_async(lambda: batcher.pending_requests == 1 or rec.batches, "the first request to be queued")
+        assert rec.batches == []  # a partial batch: it waits out the delay
         second = asyncio.ensure_future(batcher.submit(2))
         await asyncio.gather(first, second)
         return rec, time.monotonic() - start
@@ -100,11 +107,13 @@ def test_preferred_size_is_cut_and_dispatched_at_once():
 
 def test_one_batch_executes_at_a_time_and_arrivals_form_the_next():
     async def main():
-        rec = Recorder(delay_s=0.1)
+        rec = Recorder(hold=True)
         batcher = DynamicBatcher(rec, max_batch_size=8, max_queue_delay_s=0.0)
         first = asyncio.ensure_future(batcher.submit(0))
-        await asyncio.sleep(0.02)  # the first batch is executing now
+        await wait_until_async(lambda: rec.batches == [[0]], "the first batch to start executing")
         rest = [asyncio.ensure_future(batcher.submit(i)) for i in range(1, 4)]
+        await wait_until_async(lambda: batcher.pending_requests == 3, "the later requests to be queued")
+        rec.release.set()
         await asyncio.gather(first, *rest)
         return rec
 
@@ -128,7 +137,7 @@ def test_cancelled_callers_are_skipped():
         batcher = DynamicBatcher(rec, max_batch_size=8, max_queue_delay_s=0.2)
         doomed = asyncio.ensure_future(batcher.submit(1))
         kept = asyncio.ensure_future(batcher.submit(2))
-        await asyncio.sleep(0.01)
+        await wait_until_async(lambda: batcher.pending_requests == 2, "both requests to be queued")
         doomed.cancel()
         return rec, await kept
 

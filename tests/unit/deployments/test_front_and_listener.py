@@ -8,7 +8,6 @@ import asyncio
 import json
 import socket
 import threading
-import time
 from collections import Counter
 
 import numpy as np
@@ -20,6 +19,7 @@ from tritonclient.utils import InferenceServerException
 from rayinfer.deployments.front import Front
 from rayinfer.deployments.replica_listener import ReplicaListener, grpc_message_header, unframe
 from rayinfer.protocol.errors import NotFoundError
+from waiting import wait_until
 
 UNICODE_ERROR = "Request for unknown model: 'm\u00fc' is not found (100% sure)"
 
@@ -31,18 +31,29 @@ def _free_port() -> int:
 
 
 class Replica:
-    """A listener whose handler echoes ModelInfer inputs and names itself in the response."""
+    """A listener whose handler echoes ModelInfer inputs and names itself in the response.
+
+    A call for the model "slow" is held in flight: ``slow_arrived`` is set when it reaches the
+    handler, which answers once the test calls ``release_slow()``.
+    """
 
     def __init__(self, loop: asyncio.AbstractEventLoop, name: str) -> None:
         self.name = name
+        self.loop = loop
+        self.slow_arrived = threading.Event()
+        self._release = asyncio.Event()
         self.listener = ReplicaListener(self.handle, self.handle_http)
         self.port = asyncio.run_coroutine_threadsafe(self.listener.start("127.0.0.1"), loop).result(5)
+
+    def release_slow(self) -> None:
+        self.loop.call_soon_threadsafe(self._release.set)
 
     async def handle(self, method: str, message: bytes) -> bytes:
         if method == "ModelInfer":
             request = pb.ModelInferRequest.FromString(message)
             if request.model_name == "slow":
-                await asyncio.sleep(0.5)
+                self.slow_arrived.set()
+                await self._release.wait()
             response = pb.ModelInferResponse(model_name=self.name, id=request.id)
             response.raw_output_contents.extend(request.raw_input_contents)
             return response.SerializeToString()
@@ -75,6 +86,14 @@ def front(loop):
     front.http_port = http_port
     yield front, port
     front.stop()
+
+
+def refuses_connections(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1.0).close()
+    except OSError:
+        return True
+    return False
 
 
 def publish(loop, front: Front, routes) -> None:
@@ -126,9 +145,17 @@ def test_withdrawn_routes_are_not_used_and_calls_in_flight_finish(loop, front):
     results: list = []
     slow = threading.Thread(target=lambda: results.append(infer(client, "slow", np.zeros((1, 1), np.float32))))
     slow.start()
-    time.sleep(0.2)
-    publish(loop, frontend, {})
-    asyncio.run_coroutine_threadsafe(one.listener.close(5.0), loop).result(10)
+    try:
+        assert one.slow_arrived.wait(10), "the slow call did not reach the replica's handler"
+        publish(loop, frontend, {})
+        # The listener stops accepting at once and waits (up to its grace period, far longer than
+        # this test takes) for the call in flight, which answers when released.
+        closing = asyncio.run_coroutine_threadsafe(one.listener.close(30.0), loop)
+        wait_until(lambda: refuses_connections(one.port), "the closing listener to stop accepting", timeout_s=10)
+        assert not closing.done() and not results
+    finally:  # the held call answers even when an assertion above fails
+        one.release_slow()
+    closing.result(10)
     slow.join(10)
     assert results and results[0].model_name == "one"
     # No route any more: the call goes to the (absent) /v2 upstream instead of the closed listener.

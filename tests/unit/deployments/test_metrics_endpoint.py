@@ -1,19 +1,23 @@
 """The metrics port's HTTP server on a real socket: what it samples follows its options.
 
 NVML needs an NVIDIA GPU, so the GPU sampler is replaced by a stand-in that reports one GPU;
-the CPU figures come from this machine's /proc.
+the CPU figures come from this machine's /proc, through a sampler that counts its samples.
 """
 
 from __future__ import annotations
 
 import asyncio
+import socket
+import time
 import urllib.request
+from collections.abc import Callable
 
 import pytest
 
 from rayinfer.deployments import metrics_endpoint
 from rayinfer.deployments.metrics_endpoint import MetricsEndpoint
-from rayinfer.protocol.metrics import CpuFigures, GpuFigures, MetricsOptions, render
+from rayinfer.protocol.metrics import CpuFigures, CpuSampler, GpuFigures, MetricsOptions, render
+from waiting import wait_until_async
 
 
 class OneGpu:
@@ -35,49 +39,88 @@ class OneGpu:
         self.closed = True
 
 
+class CountedCpu(CpuSampler):
+    """This machine's CPU sampler, counting its samples."""
+
+    instances: list[CountedCpu] = []
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.samples = 0
+        CountedCpu.instances.append(self)
+
+    def sample(self) -> CpuFigures | None:
+        self.samples += 1
+        return super().sample()
+
+
 @pytest.fixture(autouse=True)
 def one_gpu(monkeypatch: pytest.MonkeyPatch) -> type[OneGpu]:
     OneGpu.instances.clear()
+    CountedCpu.instances.clear()
     monkeypatch.setattr(metrics_endpoint, "GpuSampler", OneGpu)
+    monkeypatch.setattr(metrics_endpoint, "CpuSampler", CountedCpu)
     return OneGpu
 
 
-async def _scrapes(options: MetricsOptions, count: int, pause_s: float) -> tuple[list[str], list[CpuFigures | None]]:
+def _accepts_connections(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1.0).close()
+    except OSError:
+        return False
+    return True
+
+
+def _sampled_again(samplers: list[CountedCpu | OneGpu]) -> Callable[[], bool]:
+    """A condition: every one of ``samplers`` has sampled since this call."""
+    marks = [sampler.samples for sampler in samplers]
+    return lambda: all(sampler.samples > mark for sampler, mark in zip(samplers, marks))
+
+
+async def _scrapes(options: MetricsOptions, count: int) -> tuple[list[str], list[CpuFigures | None], float]:
+    """``count`` scrapes, each after every sampler in use sampled again; the texts, the CPU
+    figures each render was given, and the seconds from creating the endpoint to its end."""
     seen: list[CpuFigures | None] = []
 
     async def render_text(cpu: CpuFigures | None, gpus: tuple[GpuFigures, ...]) -> str:
         seen.append(cpu)
         return render([], cpu, gpus)
 
+    started = time.monotonic()
     endpoint = MetricsEndpoint(render_text, options)
+    samplers = [*CountedCpu.instances, *OneGpu.instances]  # those the options allow
     endpoint.start()
     texts = []
     try:
         url = f"http://127.0.0.1:{endpoint.port}/metrics"
+        await wait_until_async(lambda: _accepts_connections(endpoint.port), "uvicorn to listen", interval_s=0.01)
         for _ in range(count):
-            await asyncio.sleep(pause_s)
+            await wait_until_async(_sampled_again(samplers), "every sampler's next sample")
             texts.append(await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=5).read().decode()))
     finally:
         endpoint.stop()
-        await asyncio.sleep(0.2)  # uvicorn closes its socket; the sampling task ends
-    return texts, seen
+        this = asyncio.current_task()
+        await wait_until_async(lambda: asyncio.all_tasks() == {this},
+                               "the endpoint's server and sampling tasks to end (uvicorn closes its socket)")
+    return texts, seen, time.monotonic() - started
 
 
 def test_figures_are_sampled_every_interval() -> None:
-    texts, seen = asyncio.run(_scrapes(MetricsOptions("127.0.0.1", 0, interval_ms=50), 3, 0.2))
+    texts, seen, elapsed_s = asyncio.run(_scrapes(MetricsOptions("127.0.0.1", 0, interval_ms=50), 3))
     assert all("# TYPE nv_cpu_utilization gauge" in text and 'nv_gpu_utilization{gpu_uuid="GPU-0"}' in text
                for text in texts)
     assert all(cpu is not None for cpu in seen)
-    assert len({id(cpu) for cpu in seen}) == 3  # a new CPU sample between scrapes 200 ms apart
+    assert len({id(cpu) for cpu in seen}) == 3  # each scrape came after a new CPU sample
     gpu = OneGpu.instances[0]
-    # One sample at start, then one per 50 ms for ~0.6 s (timers on a loaded machine run late).
-    assert 5 <= gpu.samples <= 25
+    # One sample at start, then one per scrape at least; and never more often than every 50 ms
+    # (a loaded machine only makes timers late, so this bound cannot fail on a slow run).
+    assert 1 + 3 <= gpu.samples <= 2 + elapsed_s / 0.05
     assert gpu.closed
 
 
 @pytest.mark.parametrize("cpu, gpu", [(False, True), (True, False), (False, False)])
 def test_allow_cpu_and_gpu_metrics_leave_their_families_out(cpu: bool, gpu: bool) -> None:
-    texts, seen = asyncio.run(_scrapes(MetricsOptions("127.0.0.1", 0, interval_ms=50, cpu=cpu, gpu=gpu), 2, 0.1))
+    texts, seen, _ = asyncio.run(_scrapes(MetricsOptions("127.0.0.1", 0, interval_ms=50, cpu=cpu, gpu=gpu), 2))
     for text in texts:
         assert ("nv_cpu_utilization" in text) is cpu
         assert ("nv_gpu_utilization" in text and "nv_energy_consumption" in text) is gpu
