@@ -146,10 +146,10 @@ def pytest_collection_modifyitems(config, items) -> None:
 def server(model_repository: Path, tmp_path_factory: pytest.TempPathFactory):
     """``rayinfer serve`` on the test repository, started once; stopped with SIGINT at the end."""
     log_path = tmp_path_factory.mktemp("server") / "rayinfer.log"
-    from model_factory import ON_DEMAND
+    from model_factory import ON_DEMAND_MODELS
 
-    # Explicit model control: every model but ON_DEMAND loads at start (--load-model each).
-    load = [arg for p in sorted(model_repository.iterdir()) if p.is_dir() and p.name != ON_DEMAND
+    # Explicit model control: every model but the on-demand ones loads at start (--load-model each).
+    load = [arg for p in sorted(model_repository.iterdir()) if p.is_dir() and p.name not in ON_DEMAND_MODELS
             for arg in ("--load-model", p.name)]
     proc = start_server(model_repository, log_path, [
         "--model-control-mode", "explicit", *load, "--http-port", str(HTTP_PORT), "--metrics-port", str(METRICS_PORT),

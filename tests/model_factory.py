@@ -63,16 +63,40 @@ def mul_sub_model():
     return _finish(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
 
 
-# Not loaded when the test server starts (explicit model control): the load/unload tests' model.
-ON_DEMAND = "on_demand"
+# Copies of the "on_demand" model that the test server does not load at start (explicit model
+# control). Each test that loads, reloads or unloads a model on demand (or needs one never
+# loaded) has its own copy, so that no test depends on what another left loaded or unloaded.
+ON_DEMAND_MODELS = tuple(f"on_demand_{suffix}" for suffix in (
+    "never_loaded",    # test_model_control: a model not named at start is unloaded
+    "load_unload",     # test_model_control: load serves the model and unload removes it
+    "reload_http",     # test_model_control: reloading under traffic, one copy per protocol
+    "reload_grpc",
+    "override",        # test_model_control: load with a config override
+    "bad_parameters",  # test_model_control: load requests refused (never loaded)
+    "bad_paths",       # test_model_control: file parameters outside the model folder (never loaded)
+    "files",           # test_model_control: load with model files in the request
+    "grpc_override",   # test_tritonclient_grpc: load, override and unload
+    "grpc_files",      # test_tritonclient_grpc: files, a partial override and bad paths
+    "poll_added",      # test_poll_mode: copied into the poll server's own repository
+))
+
+
+def on_demand(suffix: str) -> str:
+    """The name of the on-demand model ``on_demand_<suffix>`` (one of ``ON_DEMAND_MODELS``)."""
+    name = f"on_demand_{suffix}"
+    if name not in ON_DEMAND_MODELS:
+        raise ValueError(f"no on-demand model {name!r} in the test repository; add it to ON_DEMAND_MODELS")
+    return name
 
 
 def build_test_repository(root: Path) -> Path:
     """The example repository plus the models above; returns its path."""
     write_example_repository(root)
     add_sub = add_sub_model(TensorProto.INT32)
-    for name in ("batched", "preferred", "versioned", "corrupt", ON_DEMAND):
+    for name in ("batched", "preferred", "versioned", "corrupt"):
         write_model(root, name, CONFIGS[name], add_sub)
+    for name in ON_DEMAND_MODELS:
+        write_model(root, name, CONFIGS["on_demand"], add_sub)
     write_model(root, "nobatch", CONFIGS["nobatch"], add_sub_model(TensorProto.INT32, batch=False))
     write_model(root, "versioned", None, mul_sub_model(), version=2)
     write_model(root, "vardims", CONFIGS["vardims"], double_model())

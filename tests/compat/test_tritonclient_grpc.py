@@ -16,7 +16,7 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
 from conftest import front_folder, read_map
-from model_factory import ON_DEMAND
+from model_factory import on_demand
 from waiting import wait_until
 
 
@@ -256,7 +256,7 @@ def test_repository_index(client):
 
 
 def test_load_override_and_unload(client):
-    model = ON_DEMAND
+    model = on_demand("grpc_override")
     assert not client.is_model_ready(model)
     try:
         client.load_model(model)
@@ -278,7 +278,7 @@ def test_load_override_and_unload(client):
 
 
 def test_load_with_files_a_partial_override_and_bad_paths(client, model_repository):
-    name = ON_DEMAND
+    name = on_demand("grpc_files")
     model = (model_repository / name / "1" / "model.onnx").read_bytes()
     try:
         # Triton's own model-control example sends only max_batch_size; the rest is auto-completed.

@@ -12,7 +12,7 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from conftest import HTTP_PORT, add_sub_inputs, start_server, stop_server, stop_shared_server
-from model_factory import ON_DEMAND
+from model_factory import on_demand
 from rayinfer.protocol.errors import Code, grpc_status_name, http_status
 from waiting import wait_until
 
@@ -42,7 +42,7 @@ def test_poll_adds_changes_and_removes_models(poll_server, model_repository):
     repo, http, grpc = poll_server
     assert http.is_model_ready("simple") and not http.is_model_ready("added")
 
-    shutil.copytree(model_repository / ON_DEMAND, repo / "added")
+    shutil.copytree(model_repository / on_demand("poll_added"), repo / "added")
     wait_until(lambda: http.is_model_ready("added") and grpc.is_model_ready("added"),
                "the poll to load 'added' (ready over HTTP and gRPC)")
     a = np.arange(16, dtype=np.int32).reshape(1, 16)
