@@ -33,6 +33,22 @@ class PreparedRequest:
     output_names: tuple[str, ...]
     signature: tuple
     arrival_ns: int
+    # A decoupled executor's channel for this request's responses (set by the serving core).
+    sender: Any = None
+
+
+# Request parameters that shape how a request travels or is encoded, not what the model computes:
+# requests differing only in these may share one execution.
+TRANSPORT_PARAMETERS = frozenset({"binary_data_output", "priority", "timeout"})
+
+
+def parameters_key(parameters: dict[str, Any]) -> tuple:
+    """What of a request's parameters the model sees, as a hashable merge key: requests are
+    merged into one execution only when these are equal, so each execution's parameters are
+    every one of its requests' own."""
+    if not parameters:
+        return ()
+    return tuple(sorted((k, repr(v)) for k, v in parameters.items() if k not in TRANSPORT_PARAMETERS))
 
 
 def _shape_matches(shape: Sequence[int], dims: Sequence[int]) -> bool:
@@ -44,7 +60,10 @@ def _fmt(shape: Sequence[int]) -> str:
 
 
 class ModelRunner:
-    """Runs one loaded model version; keeps its statistics."""
+    """Runs one loaded model version; keeps its statistics. The serving core's executor for
+    backends with one response per request (:mod:`rayinfer.serving.executor`)."""
+
+    decoupled = False
 
     def __init__(self, spec: ModelSpec, adapter: ModelAdapter, version: int):
         self.spec = spec
@@ -119,12 +138,13 @@ class ModelRunner:
             arrays=arrays,
             rows=rows,
             output_names=output_names,
-            signature=(tuple(signature), output_names),
+            signature=(tuple(signature), output_names, parameters_key(request.parameters)),
             arrival_ns=time.perf_counter_ns(),
         )
 
     def execute(self, batch: Sequence[PreparedRequest]) -> list[InferResponse | ServingError]:
-        """Run the requests, merging those with equal signatures into one execution each.
+        """Run the requests, merging those with equal signatures (input shapes past the batch
+        dimension, requested outputs and parameters) into one execution each.
 
         Blocking: call it from a worker thread. Returns one response or error per request.
         """
@@ -143,6 +163,8 @@ class ModelRunner:
             merged = merge_inputs([p.arrays for p in group])
             wanted = list(dict.fromkeys(n for p in group for n in p.output_names))
             infer_start = time.perf_counter_ns()
+            # Requests of one group have equal parameters but for TRANSPORT_PARAMETERS (the
+            # signature holds the rest); the first request's are passed.
             outputs = self.adapter.execute(merged, wanted, group[0].request.parameters)
             infer_end = time.perf_counter_ns()
             per_request = split_outputs(outputs, rows) if self.spec.max_batch_size > 0 else [outputs]

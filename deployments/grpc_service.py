@@ -4,7 +4,8 @@ Serve runs a gRPC server in every ingress replica (registered through :data:`SER
 and calls the replica's method named after the RPC. The front (:mod:`front`) relays the model
 RPCs it can route straight to a replica of the model version (its own listener, not Serve's gRPC
 server); everything else reaches the ``/v2`` application, whose :class:`ServerGrpcMethods` are
-below.
+below: server RPCs answered by :class:`~rayinfer.deployments.v2_api.V2Api`, model RPCs the front
+could not route forwarded to the model's replicas by :class:`ModelForwarder`.
 """
 
 from __future__ import annotations
@@ -28,18 +29,14 @@ from rayinfer.protocol.errors import (
     grpc_status_name,
 )
 from rayinfer.protocol.grpc_codec import index_to_grpc, parameters_from_grpc, statistics_to_grpc
+from rayinfer.serving.model_grpc import MODEL_RPCS
+
+if TYPE_CHECKING:
+    from rayinfer.deployments.v2_api import V2Api
 
 logger = logging.getLogger(__name__)
 
 SERVICER_FUNCTION = "rayinfer.deployments.grpc_service.add_servicer_to_server"
-# Request and response message of each model RPC.
-RPC_MESSAGES: dict[str, tuple[type, type]] = {
-    "ModelInfer": (pb.ModelInferRequest, pb.ModelInferResponse),
-    "ModelReady": (pb.ModelReadyRequest, pb.ModelReadyResponse),
-    "ModelMetadata": (pb.ModelMetadataRequest, pb.ModelMetadataResponse),
-    "ModelConfig": (pb.ModelConfigRequest, pb.ModelConfigResponse),
-    "ModelStatistics": (pb.ModelStatisticsRequest, pb.ModelStatisticsResponse),
-}
 # Responses of a stream computed ahead of the one being sent (they are still sent in order).
 _STREAM_WINDOW = 64
 
@@ -79,24 +76,16 @@ async def answer(grpc_context: Any, call: Awaitable[Any], empty: type) -> Any:
 
 
 class ServerGrpcMethods:
-    """The RPCs of the ``/v2`` application (mixed into ServerDeployment).
+    """The RPCs of the ``/v2`` application (a base of ServerDeployment, which sets ``_api`` and
+    ``_forwarder``).
 
     Model RPCs arrive here only when the front could not route them to a replica of the model
-    (unknown or unavailable model, a compressed message, no running replica registered yet):
-    they are answered with Triton's error or forwarded by deployment handle.
+    (unknown or unavailable model, a compressed message, a stream, no running replica registered
+    yet): they are answered with Triton's error or forwarded by deployment handle.
     """
 
-    if TYPE_CHECKING:  # provided by ServerDeployment
-        _server_id: str
-        _routes: dict[str, tuple[str, str]]
-        _handles: dict[tuple[str, str], Any]
-        _ready: Callable[[], Awaitable[bool]]
-        _index: Callable[[bool], Awaitable[list[dict[str, Any]]]]
-        _all_stats: Callable[[], Awaitable[list[dict[str, Any]]]]
-        _model_states: Callable[[], Awaitable[list[dict[str, Any]]]]
-        _change_model: Callable[[str, str, dict[str, Any]], Awaitable[None]]
-        _unavailable_model: Callable[[str, str | None], Awaitable[ServingError]]
-        _server_metadata: Callable[[], dict[str, Any]]
+    _api: V2Api
+    _forwarder: ModelForwarder
 
     # ---- server ---------------------------------------------------------------------------
 
@@ -104,32 +93,30 @@ class ServerGrpcMethods:
         return pb.ServerLiveResponse(live=True)
 
     async def ServerReady(self, request: pb.ServerReadyRequest) -> pb.ServerReadyResponse:
-        return pb.ServerReadyResponse(ready=await self._ready())
+        return pb.ServerReadyResponse(ready=await self._api.ready())
 
     async def ServerMetadata(self, request: pb.ServerMetadataRequest) -> pb.ServerMetadataResponse:
-        doc = self._server_metadata()
+        doc = self._api.server_metadata()
         return pb.ServerMetadataResponse(name=doc["name"], version=doc["version"], extensions=doc["extensions"])
 
     # ---- model RPCs the front could not route ----------------------------------------------
 
     async def ModelReady(self, request: pb.ModelReadyRequest, grpc_context: Any = None) -> Any:
-        if self._route(request.name, request.version) is None:
-            await self._model_states()  # the model may have become ready since the last refresh
-            if self._route(request.name, request.version) is None:
-                return pb.ModelReadyResponse(ready=False)
-        return await answer(grpc_context, self._forward("ModelReady", request.name, request.version, request),
-                            pb.ModelReadyResponse)
+        if await self._forwarder.route(request.name, request.version) is None:
+            return pb.ModelReadyResponse(ready=False)
+        call = self._forwarder.forward("ModelReady", request.name, request.version, request)
+        return await answer(grpc_context, call, pb.ModelReadyResponse)
 
     async def ModelMetadata(self, request: pb.ModelMetadataRequest, grpc_context: Any = None) -> Any:
-        call = self._forward("ModelMetadata", request.name, request.version, request)
+        call = self._forwarder.forward("ModelMetadata", request.name, request.version, request)
         return await answer(grpc_context, call, pb.ModelMetadataResponse)
 
     async def ModelConfig(self, request: pb.ModelConfigRequest, grpc_context: Any = None) -> Any:
-        call = self._forward("ModelConfig", request.name, request.version, request)
+        call = self._forwarder.forward("ModelConfig", request.name, request.version, request)
         return await answer(grpc_context, call, pb.ModelConfigResponse)
 
     async def ModelInfer(self, request: pb.ModelInferRequest, grpc_context: Any = None) -> Any:
-        call = self._forward("ModelInfer", request.model_name, request.model_version, request)
+        call = self._forwarder.forward("ModelInfer", request.model_name, request.model_version, request)
         return await answer(grpc_context, call, pb.ModelInferResponse)
 
     async def ModelStreamInfer(
@@ -142,7 +129,7 @@ class ServerGrpcMethods:
         async def submit() -> None:
             try:
                 async for request in requests:
-                    call = self._forward("ModelInfer", request.model_name, request.model_version, request)
+                    call = self._forwarder.forward("ModelInfer", request.model_name, request.model_version, request)
                     await window.put(asyncio.ensure_future(call))
             finally:
                 await window.put(None)
@@ -159,36 +146,24 @@ class ServerGrpcMethods:
             feeder.cancel()
 
     async def ModelStatistics(self, request: pb.ModelStatisticsRequest, grpc_context: Any = None) -> Any:
-        async def statistics() -> pb.ModelStatisticsResponse:
-            if not request.name:
-                return statistics_to_grpc(await self._all_stats())
-            # Each served version's own replicas report figures that include their latest requests.
-            await self._model_states()
-            versions = [key.split("/", 1)[1] for key in self._routes if key.startswith(f"{request.name}/")]
-            versions = [v for v in versions if v and request.version in ("", v)]
-            if not versions:
-                raise await self._unavailable_model(request.name, request.version or None)
-            response = pb.ModelStatisticsResponse()
-            for version in versions:
-                one = pb.ModelStatisticsRequest(name=request.name, version=version)
-                response.MergeFrom(await self._forward("ModelStatistics", request.name, version, one))
-            return response
-
-        return await answer(grpc_context, statistics(), pb.ModelStatisticsResponse)
+        """Answered from the statistics model replicas report here (the front relays calls that
+        name a served model to one of its replicas, which reports its latest figures first)."""
+        call = self._api.model_stats(request.name, request.version)
+        return await answer(grpc_context, _map(call, statistics_to_grpc), pb.ModelStatisticsResponse)
 
     # ---- repository ------------------------------------------------------------------------
 
     async def RepositoryIndex(self, request: pb.RepositoryIndexRequest, grpc_context: Any = None) -> Any:
-        return index_to_grpc(await self._index(request.ready))
+        return index_to_grpc(await self._api.index(request.ready))
 
     async def RepositoryModelLoad(self, request: pb.RepositoryModelLoadRequest, grpc_context: Any = None) -> Any:
-        call = self._change_model("load", request.model_name, parameters_from_grpc(request.parameters))
+        call = self._api.change_model("load", request.model_name, parameters_from_grpc(request.parameters))
         return await answer(grpc_context, _then(call, pb.RepositoryModelLoadResponse), pb.RepositoryModelLoadResponse)
 
     async def RepositoryModelUnload(
         self, request: pb.RepositoryModelUnloadRequest, grpc_context: Any = None
     ) -> Any:
-        call = self._change_model("unload", request.model_name, parameters_from_grpc(request.parameters))
+        call = self._api.change_model("unload", request.model_name, parameters_from_grpc(request.parameters))
         return await answer(grpc_context, _then(call, pb.RepositoryModelUnloadResponse),
                             pb.RepositoryModelUnloadResponse)
 
@@ -218,22 +193,31 @@ class ServerGrpcMethods:
     async def LogSettings(self, request: Any, grpc_context: Any = None) -> Any:
         return _unimplemented(grpc_context, "log settings", pb.LogSettingsResponse)
 
-    # ---- forwarding ------------------------------------------------------------------------
 
-    def _route(self, name: str, version: str) -> tuple[str, str] | None:
-        """(application, deployment) serving ``name`` at ``version`` ("" for the default)."""
-        return self._routes.get(f"{name}/{version}")
+class ModelForwarder:
+    """Forwards model RPCs to a replica of the model version by deployment handle (one hop)."""
 
-    async def _forward(self, method: str, name: str, version: str, request: Any) -> Any:
-        """Answer a model RPC through the model version's application (one handle hop)."""
+    def __init__(self, api: V2Api) -> None:
+        self._api = api
+        self._handles: dict[tuple[str, str], Any] = {}
+
+    async def route(self, name: str, version: str) -> tuple[str, str] | None:
+        """(application, deployment) serving ``name`` at ``version``; Serve is read again when
+        the version is not routed yet (it may have become ready since the last read)."""
+        state = self._api.state
+        route = state.route(name, version)
+        if route is None:
+            await state.refresh()
+            route = state.route(name, version)
+        return route
+
+    async def forward(self, method: str, name: str, version: str, request: Any) -> Any:
+        """The model version's answer to ``request``, or Triton's error when it is not served."""
         if not name:
             raise InvalidArgError("the request does not name a model")
-        route = self._route(name, version)
+        route = await self.route(name, version)
         if route is None:
-            await self._model_states()  # the model may have become ready since the last refresh
-            route = self._route(name, version)
-        if route is None:
-            raise await self._unavailable_model(name, version or None)
+            raise await self._api.unavailable_model(name, version or None)
         payload = request.SerializeToString()
         handle = self._handles.get(route) or self._new_handle(route)
         try:
@@ -247,12 +231,20 @@ class ServerGrpcMethods:
             logger.warning("%s for model '%s' reached a server that is not its replica (%s); retrying "
                            "with a new handle", method, name, exc.details())
             answer_bytes = await self._new_handle(route).grpc_forwarded.remote(method, payload)
-        return RPC_MESSAGES[method][1].FromString(answer_bytes)
+        return MODEL_RPCS[method][1].FromString(answer_bytes)
+
+    def forget(self, model: str) -> None:
+        """Drop the handles to the applications of an unloaded model."""
+        self._handles = {route: h for route, h in self._handles.items() if route[1].rpartition("_v")[0] != model}
 
     def _new_handle(self, route: tuple[str, str]) -> Any:
         """A deployment handle to ``route`` (application, deployment), kept for later calls."""
         handle = self._handles[route] = serve.get_deployment_handle(route[1], route[0])
         return handle
+
+
+async def _map(call: Awaitable[Any], convert: Callable[[Any], Any]) -> Any:
+    return convert(await call)
 
 
 async def _then(call: Awaitable[Any], response: type) -> Any:

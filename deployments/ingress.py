@@ -6,8 +6,7 @@ adds one that marks v2 requests the way Triton treats them:
 
 - ``x-request-disconnect-disabled: ?1``: Triton finishes an inference whose client has gone away.
   Without the mark Serve watches every request for a disconnect with a task of its own and
-  waits on both (measured on the benchmark MLP at concurrency 8: replica CPU per request
-  700-760 us without the mark, 530-630 us with it).
+  waits on both (docs/benchmarks.md has what that costs per request).
 - ``x-request-id``: when the client sent none, a cheap process-unique id instead of Serve's
   random UUID.
 

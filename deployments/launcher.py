@@ -46,31 +46,36 @@ def deploy_repository(
     poll_secs: float = 15.0,
     grpc_front: tuple[str, int, str, int] | None = None,
     http_front: tuple[str, int, str, int] | None = None,
+    front_threads: int | None = None,
+    log_level: str = "WARNING",
+    load_errors: dict[str, str] | None = None,
 ) -> dict[str, str]:
     """Deploy the ``/v2`` app and one app per model version; returns models that failed to load.
 
     A model that fails to load is removed (so its requests reach the ``/v2`` app, which reports
-    the reason) and never stops the others.
+    the reason) and never stops the others. ``load_errors``: models asked for that could not be
+    read (they count against readiness, and are returned with the failures).
     """
-    control = ModelControl(control_mode, replica_num_cpus, auto_complete, timeout_s, poll_secs)
+    control = ModelControl(control_mode, replica_num_cpus, auto_complete, timeout_s, poll_secs, log_level)
     launch_version = f"rayinfer-{uuid.uuid4().hex}"
 
-    def run_server_app(load_errors: dict[str, str]) -> None:
+    def run_server_app(errors: dict[str, str]) -> None:
         # Only user_config (the load errors) differs between runs, and the code version is this
         # launch's: the replica is reconfigured, not restarted, so it keeps its metrics port.
         serve.run(
             server_application(
                 model_repository, server_id=server_id, strict_readiness=strict_readiness,
-                load_errors=load_errors, metrics=metrics, control=control, grpc_front=grpc_front,
-                http_front=http_front, version=launch_version,
+                load_errors=errors, metrics=metrics, control=control, grpc_front=grpc_front,
+                http_front=http_front, front_threads=front_threads, version=launch_version,
             ),
             name=SERVER_APP,
             route_prefix=SERVER_ROUTE_PREFIX,
         )
 
-    run_server_app({})
-    by_model = deploy_models(model_repository, versions, control)
-    if by_model:
+    unreadable = dict(load_errors or {})
+    run_server_app(unreadable)
+    by_model = {**unreadable, **deploy_models(model_repository, versions, control)}
+    if by_model != unreadable:
         run_server_app(by_model)
     return by_model
 

@@ -29,6 +29,7 @@ import httptools
 
 from rayinfer.protocol.errors import InternalError, NotFoundError, UnsupportedError, as_serving_error, grpc_status_name
 from rayinfer.protocol.http_codec import error_response
+from rayinfer.serving.routes import REQUEST_HEADERS
 
 logger = logging.getLogger(__name__)
 
@@ -42,10 +43,8 @@ GrpcHandler = Callable[[str, bytes], Awaitable[bytes]]
 # (path, lower-case request headers, body) -> (status, extra response headers, body).
 HttpHandler = Callable[[str, dict[bytes, bytes], bytes], Awaitable[tuple[int, list[tuple[bytes, bytes]], bytes]]]
 _REASONS = {status.value: status.phrase.encode() for status in HTTPStatus}
-# Request headers the handlers use (all others are skipped while parsing).
-_KEPT_HEADERS = frozenset({
-    b"grpc-encoding", b"content-encoding", b"accept-encoding", b"inference-header-content-length", b"expect",
-})
+# Request headers kept while parsing: the serving core's, and the relay's own.
+_KEPT_HEADERS = REQUEST_HEADERS | {b"grpc-encoding", b"expect"}
 
 
 def http_response(status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> bytes:

@@ -12,8 +12,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 # Each layer may import the layers after it, never the ones before it.
-ORDER = ["cluster", "deployments", "adapters", "repository", "protocol"]
-RAY_FREE = {"adapters", "repository", "protocol"}
+ORDER = ["cluster", "deployments", "serving", "adapters", "repository", "protocol"]
+RAY_FREE = {"serving", "adapters", "repository", "protocol"}
 
 
 def imports_of(path: Path) -> set[str]:
@@ -44,3 +44,37 @@ def test_mypy_on_ray_free_layers() -> None:
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(["rayinfer", *parts])
+
+
+def test_no_module_imports_itself_through_others() -> None:
+    """No import cycles between rayinfer's modules (imports under TYPE_CHECKING or inside
+    functions count too: a cycle is a design smell wherever it hides)."""
+    graph: dict[str, set[str]] = {}
+    for layer in ORDER:
+        for path in (ROOT / layer).rglob("*.py"):
+            graph[_module_name(path)] = {name for name in imports_of(path) if name.startswith("rayinfer.")}
+    for module in graph:
+        graph[module] = {name for name in graph[module] if name in graph and name != module}
+
+    def cycle_from(start: str) -> list[str] | None:
+        stack = [(start, [start])]
+        seen = set()
+        while stack:
+            node, path = stack.pop()
+            for nxt in graph[node]:
+                if nxt == start:
+                    return [*path, start]
+                if nxt not in seen:
+                    seen.add(nxt)
+                    stack.append((nxt, [*path, nxt]))
+        return None
+
+    cycles = [cycle for module in sorted(graph) if (cycle := cycle_from(module)) is not None]
+    assert not cycles, f"import cycle: {' -> '.join(cycles[0])}"

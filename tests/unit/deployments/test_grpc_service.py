@@ -15,7 +15,7 @@ from ray.serve._private.utils import import_attr
 from tritonclient.grpc import service_pb2 as pb
 
 from rayinfer.deployments import grpc_service
-from rayinfer.deployments.grpc_service import SERVICER_FUNCTION, ServerGrpcMethods
+from rayinfer.deployments.grpc_service import SERVICER_FUNCTION, ModelForwarder
 
 
 def test_servicer_function_registers_the_service_and_makes_messages_picklable():
@@ -46,26 +46,25 @@ class _Handle:
         return pb.ModelStatisticsResponse(model_stats=[pb.ModelStatistics(name="m", version="1")]).SerializeToString()
 
 
-class _Forwarder(ServerGrpcMethods):
-    """The ``/v2`` replica's forwarding with one routed model, 'm' version 1."""
+class _Api:
+    """The ``/v2`` replica's state as the forwarder reads it: one routed model, 'm' version 1."""
 
-    def __init__(self, handles: list[_Handle]):
-        self._routes = {"m/1": ("m", "m_v1"), "m/": ("m", "m_v1")}
-        self._handles = {}
-        self.made = handles
-
-    def new_handle(self, deployment: str, app: str) -> _Handle:
-        assert (app, deployment) == ("m", "m_v1")
-        return self.made.pop(0)
+    def __init__(self) -> None:
+        self.state = SimpleNamespace(route=lambda name, version: ("m", "m_v1") if name == "m" else None)
 
 
 @pytest.fixture
 def forwarder(monkeypatch: pytest.MonkeyPatch):
-    def make(*errors: grpc.StatusCode | None) -> tuple[_Forwarder, list[_Handle]]:
+    def make(*errors: grpc.StatusCode | None) -> tuple[ModelForwarder, list[_Handle]]:
         handles = [_Handle(error) for error in errors]
-        forwarder = _Forwarder(list(handles))
-        monkeypatch.setattr(grpc_service, "serve", SimpleNamespace(get_deployment_handle=forwarder.new_handle))
-        return forwarder, handles
+        made = list(handles)
+
+        def new_handle(deployment: str, app: str) -> _Handle:
+            assert (app, deployment) == ("m", "m_v1")
+            return made.pop(0)
+
+        monkeypatch.setattr(grpc_service, "serve", SimpleNamespace(get_deployment_handle=new_handle))
+        return ModelForwarder(_Api()), handles  # type: ignore[arg-type]  # a stand-in V2Api
 
     return make
 
@@ -73,10 +72,12 @@ def forwarder(monkeypatch: pytest.MonkeyPatch):
 def test_forward_retries_once_through_a_new_handle_when_the_address_is_not_a_replica(forwarder):
     server, (stale, fresh) = forwarder(grpc.StatusCode.UNIMPLEMENTED, None)
     request = pb.ModelStatisticsRequest(name="m", version="1")
-    response = asyncio.run(server._forward("ModelStatistics", "m", "1", request))
+    response = asyncio.run(server.forward("ModelStatistics", "m", "1", request))
     assert [s.name for s in response.model_stats] == ["m"]
     assert stale.calls == fresh.calls == ["ModelStatistics"]
-    assert server._handles[("m", "m_v1")] is fresh  # later calls use the new handle
+    # Later calls use the new handle.
+    asyncio.run(server.forward("ModelStatistics", "m", "1", request))
+    assert (len(stale.calls), len(fresh.calls)) == (1, 2)
 
 
 @pytest.mark.parametrize("errors", [(grpc.StatusCode.INTERNAL,), (grpc.StatusCode.UNIMPLEMENTED,) * 2],
@@ -84,5 +85,5 @@ def test_forward_retries_once_through_a_new_handle_when_the_address_is_not_a_rep
 def test_forward_raises_what_a_retry_cannot_mend(forwarder, errors):
     server, handles = forwarder(*errors)
     with pytest.raises(grpc.aio.AioRpcError):
-        asyncio.run(server._forward("ModelStatistics", "m", "1", pb.ModelStatisticsRequest(name="m")))
+        asyncio.run(server.forward("ModelStatistics", "m", "1", pb.ModelStatisticsRequest(name="m")))
     assert [len(h.calls) for h in handles] == [1] * len(errors)

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from rayinfer.deployments.batcher import DynamicBatcher
+from rayinfer.serving.batcher import DynamicBatcher
 from waiting import wait_until_async
 
 

@@ -1,0 +1,114 @@
+"""The front's route table: which replica listeners serve each model version.
+
+Model replicas register their listener with the ``/v2`` replica when they start and every few
+seconds; :class:`RouteTable` keeps them, drops those not heard from, leaves out replicas Serve
+does not report RUNNING, and publishes ``<model>/<version>`` -> listeners to the front.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from collections.abc import Set as AbstractSet
+from typing import Any
+
+from rayinfer.deployments.serve_state import ServeState, running_replicas
+
+logger = logging.getLogger(__name__)
+
+# A model replica's listener not registered again within this long is forgotten.
+LISTENER_TTL_S = 6.0
+
+
+class RouteTable:
+    """Registered listeners, and what of them the front (if any) routes to."""
+
+    def __init__(self, state: ServeState, front: Any = None) -> None:
+        self._state = state
+        self._front = front  # a rayinfer.deployments.front.Front, or None
+        self._lock = asyncio.Lock()
+        # replica -> (application, host, port, last registered)
+        self._listeners: dict[str, tuple[str, str, int, float]] = {}
+
+    async def register(self, replica: str, app: str, host: str, port: int) -> None:
+        """A model replica's listener, registered at start and again every few seconds."""
+        known = replica in self._listeners
+        self._listeners[replica] = (app, host, int(port), time.monotonic())
+        if not known:
+            await self.publish()
+
+    async def withdraw(self, replica: str) -> None:
+        """A model replica is stopping: returns once the front no longer routes to it."""
+        if self._listeners.pop(replica, None) is not None:
+            await self.publish()
+
+    async def publish(self) -> None:
+        """Give the front the versions served now and their running replicas' listeners."""
+        if self._front is None:
+            return
+        async with self._lock:
+            await self._state.refresh()
+            try:
+                await self._front.publish(self._routes(await self._not_running()))
+            except Exception:  # the front keeps its previous routes; the /v2 app forwards the rest
+                logger.exception("could not update the front's routes")
+
+    @contextlib.asynccontextmanager
+    async def withdrawn(self, model: str) -> AsyncIterator[None]:
+        """Stop routing every version of ``model`` for the duration of the block (its unload):
+        no publication runs meanwhile, so none can route it again while Serve still reports it
+        running; Serve is read afresh afterwards."""
+        async with self._lock:
+            self._state.forget_routes(model)
+            if self._front is not None:
+                routes = {k: v for k, v in self._front.published.items() if not k.startswith(f"{model}/")}
+                try:
+                    await self._front.publish(routes)
+                except Exception:  # the /v2 app answers what the front still routes to a removed app
+                    logger.exception("could not withdraw '%s' from the front's routes", model)
+            try:
+                yield
+            finally:
+                self._state.invalidate()
+
+    async def wait_routed(self, model: str, timeout_s: float = 15.0) -> None:
+        """Wait (a little) until the front routes every served version of ``model``."""
+        deadline = time.monotonic() + timeout_s
+        while self._front is not None and time.monotonic() < deadline:
+            await self.publish()
+            wanted = {k for k in self._state.routes if k.startswith(f"{model}/")}
+            if wanted <= set(self._front.published):
+                return
+            await asyncio.sleep(0.1)
+
+    def _routes(self, not_running: AbstractSet[str]) -> dict[str, list[tuple[str, int]]]:
+        """``<model>/<version>`` -> the listeners of its replicas, less those in ``not_running``
+        (versions none of whose replicas is routable are left to Serve)."""
+        now = time.monotonic()
+        self._listeners = {k: v for k, v in self._listeners.items() if now - v[3] < LISTENER_TTL_S}
+        by_app: dict[str, list[tuple[str, int]]] = {}
+        for replica, (app, host, port, _) in self._listeners.items():
+            if replica not in not_running:
+                by_app.setdefault(app, []).append((host, port))
+        return {key: sorted(by_app[app]) for key, (app, _) in self._state.routes.items() if app in by_app}
+
+    async def _not_running(self) -> set[str]:
+        """Registered replicas Serve does not report RUNNING: one being stopped serves out Serve's
+        draining period and must get no new calls; one still starting gets none yet. Asked of
+        Serve's controller only while some application has more registered listeners than
+        running replicas (during an update, a restart or a scale-down)."""
+        registered: dict[str, int] = {}
+        for app, *_ in self._listeners.values():
+            registered[app] = registered.get(app, 0) + 1
+        running = self._state.running
+        if all(count <= running.get(app, 0) for app, count in registered.items() if app in running):
+            return set()
+        try:
+            replicas = await asyncio.to_thread(running_replicas)
+        except Exception as exc:  # keep routing to every registered replica
+            logger.debug("could not read the replicas' states: %s", exc)
+            return set()
+        return {replica for replica in self._listeners if replica not in replicas}

@@ -1,0 +1,154 @@
+"""Reading Serve's state: which model versions are served, loading or failed, and where.
+
+:class:`ServeState` joins the repository on disk with Serve's application status into Triton's
+repository index rows, and derives the versions the front may route and how many of their
+replicas Serve reports RUNNING. It is right whether the models were deployed by ``rayinfer
+serve`` or by ``serve deploy``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+from ray import serve
+
+from rayinfer.deployments.names import model_app_name, model_deployment_name
+from rayinfer.repository.scanner import scan_repository
+from rayinfer.serving.model_control import ModelController
+
+_CACHE_S = 0.5
+_SERVE_STATE = {
+    "RUNNING": "READY",
+    "NOT_STARTED": "LOADING",
+    "DEPLOYING": "LOADING",
+    "DELETING": "UNLOADING",
+}
+
+
+def status_name(status: Any) -> str:
+    """``RUNNING`` for Serve's ApplicationStatus enum members (and plain strings)."""
+    return str(getattr(status, "value", status))
+
+
+def failure_reason(app: Any) -> str:
+    """Why a Serve application failed: its deployments' messages carry the replica's exception."""
+    messages = [d.message for d in (getattr(app, "deployments", None) or {}).values() if d.message]
+    return short_reason("\n".join(messages) or app.message or status_name(app.status))
+
+
+def short_reason(message: str) -> str:
+    """The last meaningful line of a Serve failure message (the exception, not the traceback)."""
+    lines = [line.strip() for line in message.strip().splitlines() if line.strip()]
+    for line in reversed(lines):
+        if "Error" in line.split(":", 1)[0]:
+            return line.split(":", 1)[1].strip() or line
+    return lines[-1] if lines else "failed to load"
+
+
+def running_replicas() -> set[str]:
+    """``<application>/<replica id>`` of every replica Serve reports RUNNING."""
+    from ray.serve.context import _get_global_client
+
+    client = _get_global_client()
+    if client is None:
+        raise RuntimeError("not connected to Serve")
+    details = client.get_serve_details()
+    return {
+        f"{app_name}/{replica['replica_id']}"
+        for app_name, app in details.get("applications", {}).items()
+        for deployment in app.get("deployments", {}).values()
+        for replica in deployment.get("replicas", [])
+        if replica.get("state") == "RUNNING"  # a str enum or its value
+    }
+
+
+class ServeState:
+    """The repository index as served now, read from Serve at most every half second."""
+
+    def __init__(self, repository: Path, controller: ModelController) -> None:
+        self._repository = Path(repository)
+        self._controller = controller
+        self._lock = asyncio.Lock()
+        self._read_at = 0.0
+        self.rows: list[dict[str, Any]] = []
+        # Served versions: "<model>/<version>" ("" = default) -> (application, deployment).
+        self.routes: dict[str, tuple[str, str]] = {}
+        # Replicas Serve reports RUNNING, per routed application.
+        self.running: dict[str, int] = {}
+        # Models with at least one application (served, loading or failed).
+        self.deployed: set[str] = set()
+
+    def invalidate(self) -> None:
+        """Read Serve again on the next :meth:`refresh` (after a load, an unload, a reconfigure)."""
+        self._read_at = 0.0
+
+    async def refresh(self) -> list[dict[str, Any]]:
+        """One index row per model version (or per unreadable model), at most half a second old."""
+        async with self._lock:
+            if time.monotonic() - self._read_at > _CACHE_S:
+                await asyncio.to_thread(self._read)
+                self._read_at = time.monotonic()
+            return self.rows
+
+    def forget_routes(self, model: str) -> None:
+        """Stop routing ``model`` until Serve is read again (it is being unloaded)."""
+        self.routes = {k: v for k, v in self.routes.items() if not k.startswith(f"{model}/")}
+
+    def route(self, name: str, version: str) -> tuple[str, str] | None:
+        """(application, deployment) serving ``name`` at ``version`` ("" for the default)."""
+        return self.routes.get(f"{name}/{version}")
+
+    def served_versions(self, name: str) -> list[str]:
+        """The versions of ``name`` being served, as strings."""
+        return sorted((key.split("/", 1)[1] for key in self.routes if key.startswith(f"{name}/")
+                       and not key.endswith("/")), key=lambda v: (len(v), v))
+
+    def _read(self) -> None:
+        apps = serve.status().applications
+        load_errors = self._controller.load_errors
+        rows: list[dict[str, Any]] = []
+        routes: dict[str, tuple[str, str]] = {}
+        running: dict[str, int] = {}
+        routed_before = {app for app, _ in self.routes.values()}
+        deployed = set()
+        for scanned in scan_repository(self._repository):
+            entry = self._controller.entry(scanned.name, scanned)
+            if entry.error is not None:
+                rows.append({"name": entry.name, "state": "UNAVAILABLE", "reason": entry.error})
+                continue
+            latest = max(entry.versions)
+            for version in entry.versions:
+                app_name = model_app_name(entry.name, version, version == latest)
+                app = apps.get(app_name)
+                row = {"name": entry.name, "version": str(version)}
+                if app is not None:
+                    deployed.add(entry.name)
+                if entry.name in load_errors:
+                    row.update(state="UNAVAILABLE", reason=load_errors[entry.name])
+                elif app is None:
+                    row.update(state="UNAVAILABLE", reason="unloaded")
+                elif status_name(app.status) in _SERVE_STATE:
+                    row.update(state=_SERVE_STATE[status_name(app.status)], reason="")
+                    # A served version being updated (DEPLOYING) keeps serving from its old
+                    # replicas, so it stays READY (as in Triton, and for readiness probes); one
+                    # deploying for the first time is not ready yet.
+                    if status_name(app.status) == "RUNNING" or (
+                        status_name(app.status) == "DEPLOYING" and app_name in routed_before
+                    ):
+                        route = (app_name, model_deployment_name(entry.name, version))
+                        routes[f"{entry.name}/{version}"] = route
+                        deployment = app.deployments.get(route[1])
+                        running[app_name] = sum(
+                            n for state, n in (deployment.replica_states if deployment else {}).items()
+                            if state == "RUNNING"
+                        )
+                        row["state"] = "READY"
+                        if version == latest:
+                            routes[f"{entry.name}/"] = route
+                else:
+                    row.update(state="UNAVAILABLE", reason=failure_reason(app))
+                rows.append(row)
+        self.rows, self.routes, self.running, self.deployed = rows, routes, running, deployed

@@ -1,0 +1,173 @@
+"""The ``/v2`` replica's operations, protocol-neutral: its HTTP routes and gRPC methods both
+call :class:`V2Api`.
+
+It answers server metadata, readiness, the repository index, statistics (held here: model
+replicas report theirs) and Triton's errors for models that are unknown or not available, and
+runs model control (load, unload, polling) through the
+:class:`~rayinfer.serving.model_control.ModelController`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import rayinfer
+from rayinfer.deployments.route_table import RouteTable
+from rayinfer.deployments.serve_state import ServeState
+from rayinfer.protocol.errors import NotFoundError, ServingError, UnavailableError
+from rayinfer.protocol.metrics import CpuFigures, GpuFigures, ModelFigures, render
+from rayinfer.protocol.statistics import stats_to_json
+from rayinfer.serving.model_control import ModelController
+from rayinfer.serving.statistics_store import StatisticsStore
+
+logger = logging.getLogger(__name__)
+
+EXTENSIONS = [
+    "binary_tensor_data",
+    "parameters",
+    "statistics",
+    "model_repository",
+    "model_configuration",
+    "schedule_policy",
+]
+
+
+class V2Api:
+    """What the ``/v2`` endpoints answer, over Serve's state, model control, the front's route
+    table and the statistics store."""
+
+    def __init__(self, server_id: str, strict_readiness: bool, controller: ModelController,
+                 state: ServeState, routes: RouteTable, poll_secs: float = 15.0) -> None:
+        self._server_id = server_id
+        self._strict = strict_readiness
+        self.controller = controller
+        self.state = state
+        self.routes = routes
+        self.statistics = StatisticsStore()
+        self._poll_secs = poll_secs
+        self._control_lock = asyncio.Lock()
+        # Called with a model's name once it is unloaded (to drop what was kept for it).
+        self.on_unload: list[Callable[[str], None]] = []
+
+    def server_metadata(self) -> dict[str, Any]:
+        return {"name": self._server_id, "version": rayinfer.__version__, "extensions": EXTENSIONS}
+
+    async def ready(self) -> bool:
+        """Strict readiness: every model is READY; in explicit mode only the models rayinfer was
+        asked to load count (as in Triton), and of those not the versions it was not asked for."""
+        if not self._strict:
+            return True
+        rows = await self.state.refresh()
+        if self.controller.explicit:
+            asked = self.state.deployed | set(self.controller.load_errors)
+            rows = [row for row in rows if row["name"] in asked and row.get("reason") != "unloaded"]
+        return all(row["state"] == "READY" for row in rows)
+
+    async def index(self, ready_only: bool = False) -> list[dict[str, Any]]:
+        """Triton's index: every model version with state and reason; ``ready`` keeps READY ones."""
+        return [dict(r) for r in await self.state.refresh() if not ready_only or r["state"] == "READY"]
+
+    async def unavailable_model(self, name: str, version: str | None) -> ServingError:
+        """Triton's error for a model (version) that is unknown or not ready, with the reason."""
+        states = [s for s in await self.state.refresh() if s["name"] == name]
+        if not states:
+            return NotFoundError(f"Request for unknown model: '{name}' is not found")
+        if version is not None and not any(s.get("version") == version for s in states):
+            return NotFoundError(f"Request for unknown model: '{name}' version {version} is not found")
+        reasons = "; ".join(s["reason"] for s in states if s.get("reason"))
+        suffix = f" ({reasons})" if reasons else ""
+        if version is not None:
+            return NotFoundError(f"Request for unknown model: '{name}' version {version} is not at ready state{suffix}")
+        return NotFoundError(f"Request for unknown model: '{name}' has no available versions{suffix}")
+
+    # ---- statistics ---------------------------------------------------------------------------
+
+    async def report_statistics(self, replica: str, model: str, version: str, snapshot: dict[str, Any],
+                                wanted: str | None = None) -> list[tuple[str, dict[str, Any]]]:
+        """Keep a replica's figures; with ``wanted`` ("" for every served version), answer that
+        model's figures summed over replicas."""
+        self.statistics.report(replica, model, version, snapshot)
+        if wanted is None:
+            return []
+        if not wanted:
+            await self.state.refresh()
+        versions = [wanted] if wanted else (self.state.served_versions(model) or [version])
+        return [(v, self.statistics.merged(model, v)) for v in versions]
+
+    async def model_stats(self, name: str, version: str) -> list[dict[str, Any]]:
+        """Statistics in Triton's JSON form: every READY version, or those of one model."""
+        rows = [r for r in await self.state.refresh() if r["state"] == "READY"]
+        if name:
+            rows = [r for r in rows if r["name"] == name and version in ("", r["version"])]
+            if not rows:
+                raise await self.unavailable_model(name, version or None)
+        return [stats_to_json(r["name"], r["version"], self.statistics.merged(r["name"], r["version"])) for r in rows]
+
+    async def render_metrics(self, cpu: CpuFigures | None, gpus: tuple[GpuFigures, ...]) -> str:
+        """Triton's Prometheus text for every READY model version (rendered off the event loop:
+        a few milliseconds for tens of models)."""
+        figures = [
+            ModelFigures(r["name"], r["version"], self.statistics.merged(r["name"], r["version"]),
+                         self.statistics.pending(r["name"], r["version"]))
+            for r in await self.state.refresh() if r["state"] == "READY"
+        ]
+        return await asyncio.to_thread(render, figures, cpu, gpus)
+
+    # ---- model control ------------------------------------------------------------------------
+
+    async def change_model(self, action: str, model: str, parameters: dict[str, Any]) -> None:
+        """Load or unload ``model`` (explicit mode only); returns when it is done and, for a
+        load, when the front routes it."""
+        if not self.controller.explicit:
+            raise UnavailableError("explicit model load / unload is not allowed if polling is enabled")
+        async with self._control_lock:
+            if action == "load":
+                try:
+                    await asyncio.to_thread(self.controller.load, model, parameters)
+                finally:
+                    self.state.invalidate()
+                await self.routes.wait_routed(model)
+            else:
+                await self._unload(model)
+
+    async def _unload(self, model: str) -> None:
+        """Take the model out of the front's routes, then remove its applications."""
+        async with self.routes.withdrawn(model):
+            await asyncio.to_thread(self.controller.unload, model)
+        self.statistics.forget(model)
+        for forget in self.on_unload:
+            forget(model)
+
+    async def poll_forever(self, repository: Path) -> None:
+        """Poll mode: load new and changed models, unload removed ones, every ``poll_secs``."""
+        from rayinfer.repository.poll import PollPlan, repository_fingerprints
+
+        plan: PollPlan | None = None  # from the first scan: what is on disk at start is served
+        while True:
+            try:
+                current = await asyncio.to_thread(repository_fingerprints, repository)
+                if plan is None:
+                    plan = PollPlan(current)
+                    continue
+                to_load, to_unload = plan.step(current)
+                async with self._control_lock:
+                    for model in to_unload:
+                        logger.info("poll: model '%s' was removed; unloading it", model)
+                        await self._unload(model)
+                    for model in to_load:
+                        logger.info("poll: model '%s' is new or changed; loading it", model)
+                        try:
+                            await asyncio.to_thread(self.controller.load, model, {})
+                        except ServingError as exc:
+                            logger.error("poll: %s", exc.message)
+                    if to_load or to_unload:
+                        self.state.invalidate()
+                        await self.routes.publish()
+            except Exception:  # one bad poll must not end polling
+                logger.exception("poll: scanning the repository failed")
+            finally:
+                await asyncio.sleep(self._poll_secs)

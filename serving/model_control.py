@@ -1,0 +1,130 @@
+"""Model control (Triton's explicit and poll modes): what to load, from where, and what failed.
+
+:class:`ModelController` decides; a :class:`Deployer` does. The controller checks names and load
+parameters, writes a load request's files to a temporary model directory, tries a serving
+model's new version before replacing it, and keeps each model's load error and source; the
+deployer (Serve's, in :mod:`rayinfer.deployments.control`) starts and removes applications.
+No Ray here: unit tests drive the controller with a deployer of their own.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+from typing import Any, Protocol
+
+from rayinfer.protocol.errors import InternalError, InvalidArgError, as_serving_error
+from rayinfer.repository.override_files import file_parameters, write_model_directory
+from rayinfer.repository.scanner import ModelEntry, scan_model
+
+logger = logging.getLogger(__name__)
+
+# (model, version, is_default): one served version.
+Version = tuple[str, int, bool]
+
+
+class Deployer(Protocol):
+    """Starts and removes the applications that serve model versions."""
+
+    def serving(self, model: str) -> bool:
+        """Whether any version of ``model`` has an application now."""
+
+    def trial_load(self, root: str, versions: list[Version], override: str | None) -> None:
+        """Load each version once and drop it; raise the load's error."""
+
+    def deploy(self, root: str, model: str, versions: list[Version], override: str | None) -> str | None:
+        """Serve exactly ``versions`` of ``model`` (removing others); the failure reason, or None."""
+
+    def remove(self, model: str) -> None:
+        """Remove every version of ``model``; return once they are gone."""
+
+
+class ModelController:
+    """Loads and unloads models of one repository through a deployer (one call at a time)."""
+
+    def __init__(self, repository: Path, deployer: Deployer, mode: str = "none") -> None:
+        self.repository = Path(repository)
+        self.mode = mode
+        self._deployer = deployer
+        # model -> why its last load failed (also set by ``rayinfer serve`` for start-up loads).
+        self.load_errors: dict[str, str] = {}
+        # Models loaded with a config override or files: model -> (repository root, override).
+        self.sources: dict[str, tuple[Path, str | None]] = {}
+
+    @property
+    def explicit(self) -> bool:
+        return self.mode == "explicit"
+
+    def entry(self, name: str, scanned: ModelEntry) -> ModelEntry:
+        """A repository entry as served: read again from its own source when it has one."""
+        source = self.sources.get(name)
+        return scanned if source is None else scan_model(source[0] / name, source[1])
+
+    def load(self, model: str, parameters: dict[str, Any]) -> None:
+        """Deploy every version the model's policy selects; remove versions no longer selected.
+
+        ``parameters.config``: a config in Triton's JSON form used instead of config.pbtxt;
+        ``file:<version>/<name>`` parameters: the model's files, served from a temporary model
+        directory (they need ``config``). Raises with Triton's message when the load fails; a
+        serving model keeps serving unless its new version loads.
+        """
+        if not model or model.startswith(".") or "/" in model or not (self.repository / model).is_dir():
+            raise InternalError(f"failed to load '{model}', failed to poll from model repository")
+        override = parameters.get("config")
+        if override is not None and not isinstance(override, str):
+            raise InvalidArgError(f"failed to load '{model}': parameter 'config' must be a JSON string")
+        files = file_parameters(model, parameters)
+        if files and override is None:
+            raise InvalidArgError(f"failed to load '{model}': 'file:' parameters need the 'config' parameter")
+        root = write_model_directory(model, files) if files else self.repository
+        try:
+            versions = self._versions_to_deploy(root, model, override)
+        except BaseException:  # nothing was deployed from the new files
+            if files:
+                shutil.rmtree(root, ignore_errors=True)
+            raise
+        # From here on applications may run from ``root``: it is kept until the model is unloaded
+        # or loaded again from elsewhere.
+        previous = self.sources.pop(model, None)
+        if files or override is not None:
+            self.sources[model] = (root, override)
+        if previous is not None and previous[0] not in (root, self.repository):
+            shutil.rmtree(previous[0], ignore_errors=True)
+        failure = self._deployer.deploy(str(root), model, versions, override)
+        if failure is not None:
+            self.load_errors[model] = failure
+            raise InvalidArgError(f"failed to load '{model}': {failure}")
+        self.load_errors.pop(model, None)
+
+    def _versions_to_deploy(self, root: Path, model: str, override: str | None) -> list[Version]:
+        """The versions to deploy; a serving model's new versions are loaded on trial first."""
+        entry = scan_model(root / model, override)
+        serving = self._deployer.serving(model)
+        if entry.error is not None:
+            if not serving:  # a serving version keeps serving
+                self.load_errors[model] = entry.error
+            raise InvalidArgError(f"failed to load '{model}': {entry.error}")
+        latest = max(entry.versions)
+        versions = [(model, v, v == latest) for v in entry.versions]
+        if serving:
+            try:
+                self._deployer.trial_load(str(root), versions, override)
+            except Exception as exc:
+                raise InvalidArgError(f"failed to load '{model}': {as_serving_error(exc).message}") from None
+        return versions
+
+    def unload(self, model: str) -> None:
+        """Remove every version (an unknown or unloaded model: nothing to do, as in Triton)."""
+        self._deployer.remove(model)
+        source = self.sources.pop(model, None)
+        if source is not None and source[0] != self.repository:
+            shutil.rmtree(source[0], ignore_errors=True)
+        self.load_errors.pop(model, None)
+
+    def close(self) -> None:
+        """Remove the temporary model directories."""
+        for root, _ in self.sources.values():
+            if root != self.repository:
+                shutil.rmtree(root, ignore_errors=True)
+        self.sources.clear()

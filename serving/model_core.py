@@ -1,0 +1,158 @@
+"""ModelCore: one served model version, with no Ray, HTTP or gRPC inside.
+
+A request goes through the same steps whatever its protocol: decoded by a codec
+(:mod:`rayinfer.protocol`), then here *resolved and validated* (:meth:`ModelCore.prepare`),
+*scheduled* (the dynamic batcher, or straight to execution), *executed* by the executor
+(:mod:`executor`) and answered with its own response or error, which the codec encodes. The
+translators over it are :mod:`model_http` and :mod:`model_grpc`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from rayinfer.protocol.errors import ServingError, as_serving_error
+from rayinfer.protocol.types import InferRequest, InferResponse
+from rayinfer.repository.model_config import config_to_json
+from rayinfer.serving.batcher import DynamicBatcher
+from rayinfer.serving.executor import Executor, ResponseSender, Result
+
+# Executions that take less than this (moving average) run on the event loop itself: handing a
+# short execution to a thread and back costs more than the execution. Longer ones run on the
+# model's thread so the loop keeps accepting requests.
+INLINE_EXECUTION_LIMIT_S = 0.002
+# (the version asked for, "" for every served version; this replica's statistics snapshot) ->
+# that model's figures summed over all replicas, as (version, snapshot) pairs.
+StatisticsSource = Callable[[str, dict[str, Any]], Awaitable[list[tuple[str, dict[str, Any]]]]]
+
+
+class ModelCore:
+    """Answers one model version's requests in one replica; keeps its metadata and config."""
+
+    def __init__(self, executor: Executor, versions: Sequence[int | str],
+                 statistics: StatisticsSource | None = None) -> None:
+        spec = executor.spec
+        self.executor = executor
+        self.spec = spec
+        self.name = spec.name
+        self.version = str(getattr(executor, "version", ""))
+        self.decoupled = bool(getattr(executor, "decoupled", False))
+        self.metadata = _metadata(spec, [str(v) for v in versions])
+        self.config_json = config_to_json(spec.config)
+        self._statistics = statistics
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{spec.name}-v{self.version}")
+        # Unknown until measured: the first executions run on the thread.
+        self._execution_s_avg = float("inf")
+        batching = spec.dynamic_batching
+        self._batcher: DynamicBatcher | None = None
+        if batching is not None and spec.max_batch_size > 0:
+            self._batcher = DynamicBatcher(
+                self._execute,
+                max_batch_size=spec.max_batch_size,
+                max_queue_delay_s=batching.max_queue_delay_us / 1e6,
+                preferred_batch_sizes=batching.preferred_batch_sizes,
+            )
+
+    # ---- requests ---------------------------------------------------------------------------
+
+    def prepare(self, request: InferRequest) -> Any:
+        """Validate a decoded request against the model (rejected requests are not counted, as
+        in Triton)."""
+        return self.executor.prepare(request)
+
+    async def infer(self, prepared: Any) -> InferResponse:
+        """The one response of a request to a non-decoupled model; raises its error."""
+        result = await self._schedule(prepared)
+        if isinstance(result, ServingError):
+            raise result
+        return result
+
+    async def stream(self, prepared: Any) -> AsyncIterator[Result]:
+        """Every response of one request, in order: zero to many for a decoupled model, else
+        exactly one (its error included). A decoupled execution that fails ends the stream
+        with its error."""
+        if not self.decoupled:
+            yield await self._schedule(prepared)
+            return
+        sender = prepared.sender = ResponseSender()
+        done = asyncio.ensure_future(self._schedule(prepared))
+
+        def end_on_failure(task: asyncio.Future) -> None:
+            if task.cancelled() or sender.closed:
+                return
+            error = task.exception()
+            result = None if error is not None else task.result()
+            if error is not None or isinstance(result, ServingError):
+                sender.send(as_serving_error(error) if error is not None else result, final=True)
+
+        done.add_done_callback(end_on_failure)
+        try:
+            async for response in sender.responses():
+                yield response
+        finally:
+            if not done.done():
+                done.cancel()
+
+    async def _schedule(self, prepared: Any) -> Any:
+        if self._batcher is not None:
+            return await self._batcher.submit(prepared, prepared.rows)
+        return (await self._execute([prepared]))[0]
+
+    async def _execute(self, batch: list[Any]) -> list[Any]:
+        """Execute on the loop when executions are known to be short, else on the model thread."""
+        if self._execution_s_avg < INLINE_EXECUTION_LIMIT_S:
+            results, elapsed = self._timed_execute(batch)
+        else:
+            loop = asyncio.get_running_loop()
+            results, elapsed = await loop.run_in_executor(self._thread, self._timed_execute, batch)
+        average = self._execution_s_avg
+        self._execution_s_avg = elapsed if average == float("inf") else 0.8 * average + 0.2 * elapsed
+        return results if results is not None else [None] * len(batch)
+
+    def _timed_execute(self, batch: list[Any]) -> tuple[list[Result] | None, float]:
+        """The execution and its own duration: the hand-off to and from the model thread is not
+        the model's time, and counting it would keep a busy loop from ever running inline."""
+        start = time.perf_counter()
+        results = self.executor.execute(batch)
+        return results, time.perf_counter() - start
+
+    # ---- statistics -------------------------------------------------------------------------
+
+    def snapshot(self) -> dict[str, Any]:
+        """This replica's statistics plus its requests waiting for execution (a gauge)."""
+        snapshot = self.executor.stats.snapshot()
+        snapshot["pending_request_count"] = self._batcher.pending_requests if self._batcher is not None else 0
+        return snapshot
+
+    async def statistics(self, version: str) -> list[tuple[str, dict[str, Any]]]:
+        """(version, figures) of ``version`` ("" for every served version) summed over all
+        replicas, from the statistics source when there is one, else this replica's own."""
+        snapshot = self.snapshot()
+        if self._statistics is not None:
+            merged = await self._statistics(version, snapshot)
+            if merged:
+                return merged
+        return [(self.version, snapshot)]
+
+    def close(self) -> None:
+        self._thread.shutdown(wait=False)
+
+
+def _metadata(spec: Any, versions: list[str]) -> dict[str, Any]:
+    """The model's metadata document (Triton's HTTP form; the gRPC message is built from it)."""
+    batch_dim = [-1] if spec.max_batch_size > 0 else []
+
+    def tensors(specs: Any) -> list[dict[str, Any]]:
+        return [{"name": t.name, "datatype": t.datatype, "shape": batch_dim + list(t.dims)} for t in specs]
+
+    return {
+        "name": spec.name,
+        "versions": versions,
+        "platform": spec.platform or spec.backend,
+        "inputs": tensors(spec.inputs),
+        "outputs": tensors(spec.outputs),
+    }

@@ -1,0 +1,71 @@
+"""Triton's model RPCs (``inference.GRPCInferenceService``) over a :class:`ModelCore`.
+
+The replica's listener (calls the front relays) and the ``/v2`` replica's forwarding by
+deployment handle both answer through :func:`call_serialized`; errors are raised as
+:class:`ServingError` for the caller to turn into a gRPC status.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from google.protobuf.message import DecodeError
+from tritonclient.grpc import service_pb2 as pb
+
+from rayinfer.protocol.errors import InvalidArgError, NotFoundError, UnsupportedError
+from rayinfer.protocol.grpc_codec import metadata_to_grpc, request_from_grpc, response_to_grpc, statistics_to_grpc
+from rayinfer.protocol.statistics import stats_to_json
+from rayinfer.serving.model_core import ModelCore
+
+# Request and response message of each model RPC.
+MODEL_RPCS: dict[str, tuple[Any, Any]] = {
+    "ModelInfer": (pb.ModelInferRequest, pb.ModelInferResponse),
+    "ModelReady": (pb.ModelReadyRequest, pb.ModelReadyResponse),
+    "ModelMetadata": (pb.ModelMetadataRequest, pb.ModelMetadataResponse),
+    "ModelConfig": (pb.ModelConfigRequest, pb.ModelConfigResponse),
+    "ModelStatistics": (pb.ModelStatisticsRequest, pb.ModelStatisticsResponse),
+}
+
+
+def model_and_version(method: str, request: Any) -> tuple[str, str]:
+    """The model and version a model RPC names (ModelInfer's fields are named differently)."""
+    if method == "ModelInfer":
+        return request.model_name, request.model_version
+    return request.name, request.version
+
+
+async def call(core: ModelCore, method: str, request: Any) -> Any:
+    """The response message of one model RPC addressed to ``core``'s model."""
+    name, version = model_and_version(method, request)
+    if name and name != core.name:
+        raise NotFoundError(f"Request for unknown model: '{name}' is not found")
+    if version and version != core.version:
+        raise NotFoundError(f"Request for unknown model: '{core.name}' version {version} is not found")
+    if method == "ModelInfer":
+        if core.decoupled:
+            raise UnsupportedError("ModelInfer RPC doesn't support models with decoupled transaction policy")
+        # A request rejected here never reaches the executor, so it is not counted (as in Triton).
+        prepared = core.prepare(request_from_grpc(request))
+        return response_to_grpc(await core.infer(prepared))
+    if method == "ModelReady":
+        return pb.ModelReadyResponse(ready=True)
+    if method == "ModelMetadata":
+        return metadata_to_grpc(core.metadata)
+    if method == "ModelConfig":
+        return pb.ModelConfigResponse(config=core.spec.config)
+    if method == "ModelStatistics":
+        figures = await core.statistics(version)
+        return statistics_to_grpc([stats_to_json(core.name, v, snapshot) for v, snapshot in figures])
+    raise UnsupportedError(f"unknown gRPC method '{method}' for model '{core.name}'")
+
+
+async def call_serialized(core: ModelCore, method: str, payload: bytes) -> bytes:
+    """:func:`call` on a serialized request, answering the serialized response."""
+    messages = MODEL_RPCS.get(method)
+    if messages is None:
+        raise UnsupportedError(f"unknown gRPC method '{method}' for model '{core.name}'")
+    try:
+        request = messages[0].FromString(payload)
+    except DecodeError:
+        raise InvalidArgError(f"malformed {method} request for model '{core.name}'") from None
+    return (await call(core, method, request)).SerializeToString()

@@ -1,0 +1,95 @@
+"""KServe v2 HTTP over a :class:`ModelCore`: the model routes, as (status, headers, body).
+
+Serve's ingress in the model replica and the replica's own listener both answer through
+:func:`respond`; errors come back in Triton's form (the code's status, ``{"error": ...}``).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from rayinfer.protocol.compression import compress_body, decompress_body, response_encoding
+from rayinfer.protocol.errors import InvalidArgError, NotFoundError, UnsupportedError
+from rayinfer.protocol.http_codec import error_response, request_from_http, response_to_http
+from rayinfer.protocol.statistics import stats_to_json
+from rayinfer.serving.model_core import ModelCore
+from rayinfer.serving.routes import HEADER_LENGTH, ModelRoute
+
+HttpResponse = tuple[int, list[tuple[bytes, bytes]], bytes]
+_OCTET = (b"content-type", b"application/octet-stream")
+_JSON = (b"content-type", b"application/json")
+
+
+def _text(value: bytes | None) -> str | None:
+    return value.decode("latin-1") if value is not None else None
+
+
+def _json(doc: Any) -> HttpResponse:
+    return 200, [_JSON], json.dumps(doc, separators=(",", ":")).encode()
+
+
+def unknown_version(core: ModelCore, route: ModelRoute) -> NotFoundError | None:
+    """Triton's error when ``route`` names another model or version than ``core`` serves."""
+    if route.model != core.name:
+        return NotFoundError(f"Request for unknown model: '{route.model}' is not found")
+    if route.version and route.version != core.version:
+        return NotFoundError(f"Request for unknown model: '{core.name}' version {route.version} is not found")
+    return None
+
+
+async def respond(core: ModelCore, method: str, route: ModelRoute, headers: dict[bytes, bytes],
+                  body: bytes) -> HttpResponse:
+    """The answer to one model route (``headers``: those of :data:`routes.REQUEST_HEADERS`)."""
+    error = unknown_version(core, route)
+    if error is not None:
+        return error_response(error)
+    if route.action == "infer" and method == "POST":
+        return await infer(core, headers, body)
+    if method != "GET" or route.action == "infer":
+        return error_response(NotFoundError(f"Not Found: {method} {_path(route)}"))
+    if route.action == "":
+        return _json(core.metadata)
+    if route.action == "ready":
+        return 200, [], b""
+    if route.action == "config":
+        return _json(core.config_json)
+    # "stats"
+    try:
+        figures = await core.statistics(route.version)
+    except Exception as exc:
+        return error_response(exc)
+    return _json({"model_stats": [stats_to_json(core.name, version, snap) for version, snap in figures]})
+
+
+async def infer(core: ModelCore, headers: dict[bytes, bytes], body: bytes) -> HttpResponse:
+    """A v2 infer request's response; a request rejected before the model is not counted."""
+    try:
+        if core.decoupled:
+            raise UnsupportedError("HTTP end point doesn't support models with decoupled transaction policy")
+        body = decompress_body(body, _text(headers.get(b"content-encoding")))
+        raw_length = _text(headers.get(HEADER_LENGTH))
+        try:
+            header_length = int(raw_length) if raw_length is not None else None
+        except ValueError:
+            raise InvalidArgError(f"invalid Inference-Header-Content-Length '{raw_length}'") from None
+        request = request_from_http(body, header_length, core.name, core.version)
+        prepared = core.prepare(request)
+    except Exception as exc:
+        return error_response(exc)
+    try:
+        payload, json_length = response_to_http(await core.infer(prepared), request)
+    except Exception as exc:  # execution failures are counted by the executor
+        return error_response(exc)
+    extra = [_JSON] if json_length is None else [_OCTET, (HEADER_LENGTH, str(json_length).encode())]
+    encoding = response_encoding(_text(headers.get(b"accept-encoding")))
+    if encoding is not None:
+        payload = compress_body(payload, encoding)
+        extra.append((b"content-encoding", encoding.encode()))
+    return 200, extra, payload
+
+
+def _path(route: ModelRoute) -> str:
+    version = f"/versions/{route.version}" if route.version else ""
+    action = f"/{route.action}" if route.action else ""
+    return f"/v2/models/{route.model}{version}{action}"

@@ -1,0 +1,69 @@
+"""The one parser of v2 model routes, and the one list of request headers the core reads.
+
+Every entry point (Serve's ingress in the model and ``/v2`` replicas, the replica listener)
+parses ``/v2/models/<model>[/versions/<version>][/<action>]`` here; the front's HAProxy config
+matches the same shape for inference requests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from urllib.parse import unquote
+
+from rayinfer.protocol import http_codec
+
+MODELS_PREFIX = "/v2/models/"
+REPOSITORY_PREFIX = "/v2/repository/models/"
+# Actions under a model route ("" is the model's metadata).
+MODEL_ACTIONS = frozenset({"", "ready", "config", "stats", "infer"})
+
+HEADER_LENGTH = http_codec.HEADER_LENGTH.encode()
+# Request headers an infer request's answer depends on; every other header is dropped on entry.
+REQUEST_HEADERS = frozenset({b"content-encoding", b"accept-encoding", HEADER_LENGTH})
+
+
+@dataclass(frozen=True, slots=True)
+class ModelRoute:
+    """A request addressed to one model: ``version`` "" is the default version, ``action`` ""
+    the model's metadata."""
+
+    model: str
+    version: str = ""
+    action: str = ""
+
+
+def parse_model_route(path: str, encoded: bool = False) -> ModelRoute | None:
+    """The model route of ``path``, or None when ``path`` is not ``/v2/models/<model>...``
+    (``/v2/models/stats``, every model's statistics, is not a model route). ``encoded``: the
+    path is as sent (a request line), not already decoded (an ASGI scope's path): the model
+    name is %-decoded."""
+    if not path.startswith(MODELS_PREFIX):
+        return None
+    parts = path[len(MODELS_PREFIX):].rstrip("/").split("/")
+    model, rest = unquote(parts[0]) if encoded else parts[0], parts[1:]
+    if not model or (model == "stats" and not rest):
+        return None
+    version = ""
+    if rest and rest[0] == "versions":
+        if len(rest) < 2 or not rest[1]:
+            return None
+        version, rest = rest[1], rest[2:]
+    if len(rest) > 1 or (rest and rest[0] not in MODEL_ACTIONS):
+        return None
+    return ModelRoute(model, version, rest[0] if rest else "")
+
+
+def parse_repository_route(path: str) -> tuple[str, str] | None:
+    """(model, "load" or "unload") of ``/v2/repository/models/<model>/{load,unload}`` (a decoded
+    path), else None."""
+    if not path.startswith(REPOSITORY_PREFIX):
+        return None
+    model, _, action = path[len(REPOSITORY_PREFIX):].rstrip("/").rpartition("/")
+    if not model or "/" in model or action not in ("load", "unload"):
+        return None
+    return model, action
+
+
+def keep_request_headers(headers: list[tuple[bytes, bytes]]) -> dict[bytes, bytes]:
+    """The headers of :data:`REQUEST_HEADERS` among ASGI-style (lower-case name, value) pairs."""
+    return {name: value for name, value in headers if name in REQUEST_HEADERS}

@@ -1,0 +1,114 @@
+"""Triton's example model repository in explicit mode, on a server of its own: readiness counts
+only the models rayinfer was asked to load, and Triton's model-control examples
+(simple_http_model_control.py, simple_grpc_model_control.py), in this test's own words, pass.
+
+The repository is the project's example repository (ONNX versions of Triton's simple,
+simple_string and simple_identity) plus Triton's other example folders as a fresh checkout has
+them: densenet_onnx and inception_graphdef without version folders (their weights come from
+Triton's fetch script), and simple_sequence with sequence batching.
+"""
+
+from __future__ import annotations
+
+import urllib.request
+
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+from conftest import HTTP_PORT, start_server, stop_server, stop_shared_server
+from rayinfer.cluster.example_repository import write_example_repository
+
+pytestmark = pytest.mark.own_cluster
+
+PORT = HTTP_PORT + 200
+FETCHED_LATER = {
+    "densenet_onnx": """name: "densenet_onnx"
+platform: "onnxruntime_onnx"
+max_batch_size: 0
+input [ { name: "data_0" data_type: TYPE_FP32 format: FORMAT_NCHW dims: [ 3, 224, 224 ] reshape { shape: [ 1, 3, 224, 224 ] } } ]
+output [ { name: "fc6_1" data_type: TYPE_FP32 dims: [ 1000 ] reshape { shape: [ 1, 1000, 1, 1 ] } label_filename: "densenet_labels.txt" } ]
+""",
+    "inception_graphdef": """name: "inception_graphdef"
+platform: "tensorflow_graphdef"
+max_batch_size: 128
+input [ { name: "input" data_type: TYPE_FP32 format: FORMAT_NHWC dims: [ 299, 299, 3 ] } ]
+output [ { name: "InceptionV3/Predictions/Softmax" data_type: TYPE_FP32 dims: [ 1001 ] label_filename: "inception_labels.txt" } ]
+""",
+}
+SEQUENCE = """name: "simple_sequence"
+platform: "tensorflow_graphdef"
+max_batch_size: 8
+sequence_batching {
+  max_sequence_idle_microseconds: 5000000
+  control_input [
+    { name: "START" control [ { kind: CONTROL_SEQUENCE_START fp32_false_true: [ 0, 1 ] } ] },
+    { name: "READY" control [ { kind: CONTROL_SEQUENCE_READY fp32_false_true: [ 0, 1 ] } ] }
+  ]
+}
+input [ { name: "INPUT" data_type: TYPE_INT32 dims: [ 1 ] } ]
+output [ { name: "OUTPUT" data_type: TYPE_INT32 dims: [ 1 ] } ]
+instance_group [ { count: 1 kind: KIND_CPU } ]
+"""
+
+
+@pytest.fixture(scope="module")
+def example_server(tmp_path_factory):
+    stop_shared_server()  # one Ray cluster at a time on a small machine
+    repo = tmp_path_factory.mktemp("triton_examples")
+    write_example_repository(repo)
+    for name, config in FETCHED_LATER.items():
+        (repo / name).mkdir()
+        (repo / name / "config.pbtxt").write_text(config)
+    (repo / "simple_sequence" / "1").mkdir(parents=True)
+    (repo / "simple_sequence" / "config.pbtxt").write_text(SEQUENCE)
+    (repo / "simple_sequence" / "1" / "model.graphdef").write_bytes(b"\0")
+    log = tmp_path_factory.mktemp("triton_examples_server") / "rayinfer.log"
+    proc = start_server(repo, log, [
+        "--model-control-mode", "explicit", "--load-model", "simple", "--http-port", str(PORT),
+        "--grpc-port", str(PORT + 1), "--metrics-port", str(PORT + 2), "--serve-grpc-port", str(PORT + 11),
+        "--serve-http-port", str(PORT + 10),
+    ])
+    try:
+        yield log
+    finally:
+        stop_server(proc)
+
+
+def test_ready_with_models_it_was_not_asked_to_load(example_server):
+    client = httpclient.InferenceServerClient(f"127.0.0.1:{PORT}")
+    assert client.is_server_ready()
+    with urllib.request.urlopen(f"http://127.0.0.1:{PORT}/v2/health/ready", timeout=30) as response:
+        assert response.status == 200  # what a readiness probe (curl) sees
+    index = {row["name"]: row for row in client.get_model_repository_index()}
+    assert index["simple"]["state"] == "READY"
+    for name in ("densenet_onnx", "inception_graphdef", "simple_sequence"):
+        assert index[name]["state"] == "UNAVAILABLE" and index[name]["reason"]
+    assert index["simple_string"]["reason"] == "unloaded"
+
+
+@pytest.mark.parametrize("module", [httpclient, grpcclient], ids=["http", "grpc"])
+def test_tritons_model_control_example(example_server, module):
+    url = f"127.0.0.1:{PORT + (1 if module is grpcclient else 0)}"
+    client = module.InferenceServerClient(url)
+    assert client.is_server_live() and client.is_server_ready()
+    client.load_model("simple")
+    assert client.is_model_ready("simple")
+    client.unload_model("simple")
+    assert not client.is_model_ready("simple")
+    assert client.is_server_ready()  # no model it was asked to serve is failing
+    with pytest.raises(InferenceServerException) as error:
+        client.load_model("wrong_model_name")
+    assert "failed to load" in error.value.message()
+    client.load_model("simple")  # as it was, for the next protocol
+    assert client.is_model_ready("simple")
+
+
+def test_a_model_asked_for_that_cannot_load_makes_the_server_unready(example_server):
+    client = httpclient.InferenceServerClient(f"127.0.0.1:{PORT}")
+    with pytest.raises(InferenceServerException, match="failed to load .simple_sequence.: .*config.pbtxt"):
+        client.load_model("simple_sequence")
+    assert not client.is_server_ready()
+    client.unload_model("simple_sequence")
+    assert client.is_server_ready()

@@ -1,0 +1,135 @@
+"""ModelController without Ray Serve: a deployer that records what it is asked to do."""
+
+from __future__ import annotations
+
+import base64
+from pathlib import Path
+
+import pytest
+from onnx import TensorProto
+
+from rayinfer.cluster.example_repository import SIMPLE_CONFIG, add_sub_model, write_model
+from rayinfer.protocol.errors import InternalError, InvalidArgError
+from rayinfer.serving.model_control import ModelController
+
+
+class _Deployer:
+    """Serves what it is told to; ``fail`` and ``trial_error`` make deploys and trials fail."""
+
+    def __init__(self) -> None:
+        self.served: dict[str, list[tuple[str, int, bool]]] = {}
+        self.roots: dict[str, str] = {}
+        self.trials: list[str] = []
+        self.fail: str | None = None
+        self.trial_error: Exception | None = None
+
+    def serving(self, model: str) -> bool:
+        return model in self.served
+
+    def trial_load(self, root: str, versions: list[tuple[str, int, bool]], override: str | None) -> None:
+        self.trials.append(versions[0][0])
+        if self.trial_error is not None:
+            raise self.trial_error
+
+    def deploy(self, root: str, model: str, versions: list[tuple[str, int, bool]], override: str | None) -> str | None:
+        if self.fail is not None:
+            self.served.pop(model, None)
+            return self.fail
+        self.served[model] = versions
+        self.roots[model] = root
+        return None
+
+    def remove(self, model: str) -> None:
+        self.served.pop(model, None)
+
+
+@pytest.fixture
+def repository(tmp_path: Path) -> Path:
+    root = tmp_path / "repo"
+    write_model(root, "simple", SIMPLE_CONFIG, add_sub_model(TensorProto.INT32))
+    (root / "simple" / "3").mkdir()
+    (root / "simple" / "3" / "model.onnx").write_bytes((root / "simple" / "1" / "model.onnx").read_bytes())
+    return root
+
+
+@pytest.fixture
+def control(repository: Path) -> tuple[ModelController, _Deployer]:
+    deployer = _Deployer()
+    return ModelController(repository, deployer, "explicit"), deployer
+
+
+def test_load_deploys_the_versions_the_policy_selects(control) -> None:
+    controller, deployer = control
+    controller.load("simple", {})
+    assert deployer.served["simple"] == [("simple", 3, True)]  # latest 1 by default
+    assert deployer.trials == []  # nothing was serving: no trial
+    controller.load("simple", {"config": '{"version_policy": {"all": {}}}'})
+    assert deployer.served["simple"] == [("simple", 1, False), ("simple", 3, True)]
+    assert deployer.trials == ["simple"]  # a serving model's new version is tried first
+
+
+def test_a_failed_trial_keeps_the_serving_version(control) -> None:
+    controller, deployer = control
+    controller.load("simple", {})
+    deployer.trial_error = RuntimeError("model.onnx is corrupt")
+    with pytest.raises(InvalidArgError, match="failed to load .simple.: .*model.onnx is corrupt"):
+        controller.load("simple", {"config": '{"max_batch_size": 2}'})
+    assert deployer.served["simple"] == [("simple", 3, True)]
+    assert "simple" not in controller.load_errors  # it still serves
+
+
+def test_a_failed_deploy_is_the_models_load_error(control) -> None:
+    controller, deployer = control
+    deployer.fail = "replica died"
+    with pytest.raises(InvalidArgError, match="replica died"):
+        controller.load("simple", {})
+    assert controller.load_errors == {"simple": "replica died"}
+    deployer.fail = None
+    controller.load("simple", {})
+    assert controller.load_errors == {}
+
+
+@pytest.mark.parametrize("model, parameters, error, message", [
+    ("nope", {}, InternalError, "failed to load 'nope', failed to poll from model repository"),
+    ("../simple", {}, InternalError, "failed to poll"),
+    ("simple", {"config": 3}, InvalidArgError, "parameter 'config' must be a JSON string"),
+    ("simple", {"file:1/model.onnx": "AAAA"}, InvalidArgError, "'file:' parameters need the 'config' parameter"),
+    ("simple", {"config": "{oops"}, InvalidArgError, "failed to load 'simple'"),
+])
+def test_bad_loads_are_refused_with_the_reason(control, model, parameters, error, message) -> None:
+    controller, deployer = control
+    with pytest.raises(error, match=message):
+        controller.load(model, parameters)
+    assert deployer.served == {}
+
+
+def test_files_are_served_from_a_temporary_directory_removed_on_unload(control, repository: Path) -> None:
+    controller, deployer = control
+    model = base64.b64encode((repository / "simple" / "1" / "model.onnx").read_bytes()).decode()
+    config = '{"backend": "onnxruntime", "max_batch_size": 2}'
+    controller.load("simple", {"config": config, "file:5/model.onnx": model})
+    root = Path(deployer.roots["simple"])
+    assert root != repository and (root / "simple" / "5" / "model.onnx").exists()
+    assert deployer.served["simple"] == [("simple", 5, True)]
+    assert controller.entry("simple", None).versions == [5]  # type: ignore[arg-type]  # read from its source
+    controller.unload("simple")
+    assert not root.exists() and "simple" not in deployer.served
+    controller.unload("simple")  # unloading what is not loaded is not an error, as in Triton
+
+
+def test_a_load_from_the_repository_again_removes_the_old_files(control, repository: Path) -> None:
+    controller, deployer = control
+    model = base64.b64encode((repository / "simple" / "1" / "model.onnx").read_bytes()).decode()
+    controller.load("simple", {"config": '{"backend": "onnxruntime", "max_batch_size": 2}', "file:1/model.onnx": model})
+    root = Path(deployer.roots["simple"])
+    controller.load("simple", {})
+    assert deployer.roots["simple"] == str(repository) and not root.exists()
+
+
+def test_close_removes_every_temporary_directory(control, repository: Path) -> None:
+    controller, deployer = control
+    model = base64.b64encode((repository / "simple" / "1" / "model.onnx").read_bytes()).decode()
+    controller.load("simple", {"config": '{"backend": "onnxruntime"}', "file:1/model.onnx": model})
+    root = Path(deployer.roots["simple"])
+    controller.close()
+    assert not root.exists()

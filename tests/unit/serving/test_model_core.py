@@ -1,0 +1,198 @@
+"""ModelCore and its HTTP and gRPC translators over a real ONNX Runtime model, and the executor
+contract with a decoupled executor (a stand-in answering from its own threads; no Ray)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from google.protobuf import text_format
+from onnx import TensorProto
+from tritonclient.grpc import service_pb2 as pb
+
+from rayinfer.adapters.loader import load_runner
+from rayinfer.cluster.example_repository import add_sub_model, write_model
+from rayinfer.protocol.errors import InvalidArgError, NotFoundError, UnsupportedError
+from rayinfer.protocol.statistics import ModelStatistics
+from rayinfer.protocol.types import InferInput, InferOutput, InferRequest, InferResponse
+from rayinfer.repository.model_config import ModelConfig, spec_from_config
+from rayinfer.serving import model_grpc, model_http
+from rayinfer.serving.model_core import ModelCore
+from rayinfer.serving.routes import ModelRoute
+
+IO = """input [ { name: "INPUT0" data_type: TYPE_INT32 dims: [ 16 ] }, { name: "INPUT1" data_type: TYPE_INT32 dims: [ 16 ] } ]
+output [ { name: "OUTPUT0" data_type: TYPE_INT32 dims: [ 16 ] }, { name: "OUTPUT1" data_type: TYPE_INT32 dims: [ 16 ] } ]
+"""
+BATCHED = 'platform: "onnxruntime_onnx"\nmax_batch_size: 8\n' + IO + "dynamic_batching { max_queue_delay_microseconds: 200000 }\n"
+
+
+@pytest.fixture(scope="module")
+def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("repo")
+    write_model(root, "addsub", BATCHED, add_sub_model(TensorProto.INT32))
+    return root
+
+
+def _core(repository: Path, statistics: Any = None) -> ModelCore:
+    runner, entry = load_runner(repository, "addsub", 1)
+    return ModelCore(runner, entry.versions, statistics)
+
+
+def _body(a: list[int], b: list[int], **parameters: Any) -> bytes:
+    doc: dict[str, Any] = {"inputs": [
+        {"name": "INPUT0", "shape": [1, 16], "datatype": "INT32", "data": a},
+        {"name": "INPUT1", "shape": [1, 16], "datatype": "INT32", "data": b},
+    ]}
+    if parameters:
+        doc["parameters"] = parameters
+    return json.dumps(doc).encode()
+
+
+def test_http_requests_are_batched_and_each_gets_its_own_answer(repository: Path) -> None:
+    async def main() -> list[Any]:
+        core = _core(repository)
+        route = ModelRoute("addsub", "", "infer")
+        calls = [model_http.respond(core, "POST", route, {}, _body([i] * 16, [1] * 16)) for i in range(4)]
+        bad = model_http.respond(core, "POST", route, {}, b'{"inputs": [{"name": "INPUT0"}]}')
+        answers = await asyncio.gather(*calls, bad)
+        return [answers, core.snapshot()]
+
+    answers, snapshot = asyncio.run(main())
+    for i, (status, _, body) in enumerate(answers[:4]):
+        assert status == 200
+        outputs = {o["name"]: o["data"] for o in json.loads(body)["outputs"]}
+        assert outputs == {"OUTPUT0": [i + 1] * 16, "OUTPUT1": [i - 1] * 16}
+    status, _, body = answers[4]
+    assert status == 400 and "INPUT0" in json.loads(body)["error"]
+    # Four requests, one execution of four rows; the rejected request is not counted.
+    assert snapshot["execution_count"] == 1 and snapshot["inference_count"] == 4
+    assert snapshot["durations"]["success"][0] == 4 and snapshot["durations"]["fail"][0] == 0
+
+
+def test_requests_with_different_parameters_are_executed_apart(repository: Path) -> None:
+    async def main() -> dict[str, Any]:
+        core = _core(repository)
+        route = ModelRoute("addsub", "", "infer")
+        await asyncio.gather(
+            model_http.respond(core, "POST", route, {}, _body([1] * 16, [1] * 16, temperature=1)),
+            model_http.respond(core, "POST", route, {}, _body([1] * 16, [1] * 16, temperature=2)),
+            # Differing only in how the answer is encoded: merged with the first.
+            model_http.respond(core, "POST", route, {}, _body([1] * 16, [1] * 16, temperature=1,
+                                                            binary_data_output=True)),
+        )
+        return core.snapshot()
+
+    snapshot = asyncio.run(main())
+    assert snapshot["execution_count"] == 2
+    assert sorted(snapshot["batch_stats"]) == [1, 2]
+
+
+def test_model_routes_over_http(repository: Path) -> None:
+    async def main() -> list[Any]:
+        core = _core(repository)
+        return [
+            await model_http.respond(core, "GET", ModelRoute("addsub"), {}, b""),
+            await model_http.respond(core, "GET", ModelRoute("addsub", "1", "ready"), {}, b""),
+            await model_http.respond(core, "GET", ModelRoute("addsub", "2", "ready"), {}, b""),
+            await model_http.respond(core, "GET", ModelRoute("addsub", "", "config"), {}, b""),
+            await model_http.respond(core, "GET", ModelRoute("addsub", "", "stats"), {}, b""),
+            await model_http.respond(core, "GET", ModelRoute("addsub", "", "infer"), {}, b""),
+        ]
+
+    metadata, ready, other_version, config, stats, get_infer = asyncio.run(main())
+    assert json.loads(metadata[2])["inputs"][0] == {"name": "INPUT0", "datatype": "INT32", "shape": [-1, 16]}
+    assert ready[0] == 200
+    assert other_version[0] == 404
+    assert "version 2 is not found" in json.loads(other_version[2])["error"]
+    assert json.loads(config[2])["max_batch_size"] == 8
+    assert json.loads(stats[2])["model_stats"][0]["name"] == "addsub"
+    assert get_infer[0] == 404
+
+
+def test_grpc_calls_and_statistics_from_the_source(repository: Path) -> None:
+    reported: list[tuple[str, dict[str, Any]]] = []
+
+    async def statistics(version: str, snapshot: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+        reported.append((version, snapshot))
+        return [("1", snapshot), ("2", snapshot)]
+
+    async def main() -> list[Any]:
+        core = _core(repository, statistics)
+        request = pb.ModelInferRequest(model_name="addsub")
+        for name in ("INPUT0", "INPUT1"):
+            request.inputs.add(name=name, datatype="INT32", shape=[1, 16])
+            request.raw_input_contents.append(np.arange(16, dtype=np.int32).tobytes())
+        payload = await model_grpc.call_serialized(core, "ModelInfer", request.SerializeToString())
+        stats = await model_grpc.call(core, "ModelStatistics", pb.ModelStatisticsRequest(name="addsub"))
+        with pytest.raises(NotFoundError, match="version 7 is not found"):
+            await model_grpc.call(core, "ModelReady", pb.ModelReadyRequest(name="addsub", version="7"))
+        with pytest.raises(InvalidArgError, match="malformed ModelConfig"):
+            await model_grpc.call_serialized(core, "ModelConfig", b"\xff\xff")
+        return [pb.ModelInferResponse.FromString(payload), stats]
+
+    response, stats = asyncio.run(main())
+    out0 = np.frombuffer(response.raw_output_contents[0], dtype=np.int32)
+    np.testing.assert_array_equal(out0, np.arange(16) * 2)
+    assert [(s.name, s.version) for s in stats.model_stats] == [("addsub", "1"), ("addsub", "2")]
+    assert reported and reported[0][0] == "" and reported[0][1]["execution_count"] == 1
+
+
+class _Repeat:
+    """A decoupled executor: answers each request ``COUNT`` times from a thread of its own."""
+
+    decoupled = True
+    version = "1"
+
+    def __init__(self, spec: Any) -> None:
+        self.spec = spec
+        self.stats = ModelStatistics()
+
+    def prepare(self, request: InferRequest) -> Any:
+        count = int(request.inputs[0].data.reshape(-1)[0])
+        return type("Prepared", (), {"request": request, "rows": 1, "sender": None, "count": count})()
+
+    def execute(self, batch: list[Any]) -> None:
+        if any(prepared.count < 0 for prepared in batch):
+            raise ValueError("a negative count")
+
+        def answer(prepared: Any) -> None:
+            for n in range(prepared.count):
+                array = np.array([n], dtype=np.int32)
+                prepared.sender.send(InferResponse("repeat", "1", [InferOutput("OUT", "INT32", (1,), array)]))
+            prepared.sender.send(final=True)
+
+        for prepared in batch:
+            threading.Thread(target=answer, args=(prepared,)).start()
+        return None
+
+
+def test_a_decoupled_executor_streams_zero_to_many_responses(tmp_path: Path) -> None:
+    config = text_format.Parse(
+        'name: "repeat" backend: "python" max_batch_size: 0 '
+        'input [ { name: "IN" data_type: TYPE_INT32 dims: [ 1 ] } ] '
+        'output [ { name: "OUT" data_type: TYPE_INT32 dims: [ 1 ] } ]', ModelConfig())
+    spec = spec_from_config(config, tmp_path / "config.pbtxt")
+
+    def request(count: int) -> InferRequest:
+        return InferRequest("repeat", inputs=[InferInput("IN", "INT32", (1,), np.array([count], dtype=np.int32))])
+
+    async def main() -> list[Any]:
+        core = ModelCore(_Repeat(spec), ["1"])
+        three = [r.outputs[0].data[0] async for r in core.stream(core.prepare(request(3)))]
+        none = [r async for r in core.stream(core.prepare(request(0)))]
+        failed = [r async for r in core.stream(core.prepare(request(-1)))]
+        assert len(failed) == 1 and "a negative count" in failed[0].message
+        status, _, body = await model_http.infer(core, {}, b"{}")
+        with pytest.raises(UnsupportedError, match="ModelInfer RPC doesn't support"):
+            await model_grpc.call(core, "ModelInfer", pb.ModelInferRequest(model_name="repeat"))
+        return [three, none, status, body]
+
+    three, none, status, body = asyncio.run(main())
+    assert three == [0, 1, 2]
+    assert none == []
+    assert status == 501 and "decoupled transaction policy" in json.loads(body)["error"]
