@@ -1,7 +1,7 @@
 """``rayinfer``: serve a Triton model repository on Ray Serve.
 
     rayinfer serve --model-repository DIR [--http-port 8000] [--ray-address ADDR] ...
-    rayinfer config --model-repository DIR          # the equivalent Serve config, as YAML
+    rayinfer config --model-repository DIR [--relative-paths]   # the equivalent Serve config, as YAML
     rayinfer example-repository DIR                  # write the example model repository
     rayinfer ray-env                                 # exports for `ray start` on a cluster to join
 """
@@ -16,7 +16,18 @@ import sys
 import threading
 from pathlib import Path
 
-from rayinfer.cluster.settings import RAY_ENVIRONMENT, ServerSettings, grpc_front, http_front, metrics_endpoint
+from pydantic import ValidationError
+
+from rayinfer.cluster.settings import (
+    RAY_ENVIRONMENT,
+    ServerSettings,
+    auto_complete,
+    grpc_front,
+    http_front,
+    metrics_endpoint,
+    replica_log_level,
+)
+from rayinfer.cluster.tritonserver_flags import OneLineErrorParser, add_unsupported_flags
 from rayinfer.deployments.names import parse_bool
 from rayinfer.repository.scanner import ModelEntry
 
@@ -30,8 +41,20 @@ def _bool(text: str) -> bool:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _log_verbose(text: str) -> int:
+    """tritonserver's --log-verbose value: a level, or true (1) / false (0)."""
+    lowered = text.strip().lower()
+    if lowered in ("true", "false"):
+        return int(lowered == "true")
+    try:
+        return int(lowered)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer or true/false, got '{text}'") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="rayinfer", description="Triton-compatible inference on Ray Serve")
+    """The ``rayinfer`` parser; errors are one line, exit status 2 (see ``tritonserver_flags``)."""
+    parser = OneLineErrorParser(prog="rayinfer", description="Triton-compatible inference on Ray Serve")
     commands = parser.add_subparsers(dest="command", required=True)
     for name in ("serve", "config"):
         sub = commands.add_parser(name, help="start the server" if name == "serve" else "print the Serve config")
@@ -55,13 +78,23 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("--id", default=None)
         sub.add_argument("--strict-readiness", type=_bool, nargs="?", const=True, default=None)
         sub.add_argument("--disable-auto-complete-config", action="store_true", default=None)
-        sub.add_argument("--log-verbose", type=int, default=None)
+        sub.add_argument("--strict-model-config", type=_bool, nargs="?", const=True, default=None,
+                         help="tritonserver's older flag: true is --disable-auto-complete-config")
+        sub.add_argument("--exit-on-error", type=_bool, nargs="?", const=True, default=None,
+                         help="exit if a model fails to load at start (default false)")
+        sub.add_argument("--http-thread-count", type=int, default=None, help="threads of the HTTP/gRPC front")
+        sub.add_argument("--backend-directory", default=None, help="accepted and ignored: backends are built in")
+        sub.add_argument("--log-verbose", type=_log_verbose, default=None)
         sub.add_argument("--ray-address", default=None)
         sub.add_argument("--num-cpus", type=float, default=None, help="CPUs of the embedded local Ray")
         sub.add_argument("--ray-metrics-port", type=int, default=None, help="embedded Ray's metrics port")
         sub.add_argument("--dashboard-port", type=int, default=None, help="start the embedded Ray's dashboard here")
         sub.add_argument("--replica-num-cpus", type=float, default=None)
         sub.add_argument("--startup-timeout-s", type=float, default=None)
+        if name == "config":
+            sub.add_argument("--relative-paths", action="store_true",
+                             help="write the model repository relative to the current directory")
+        add_unsupported_flags(sub)
     commands.add_parser("ray-env", help="print the Ray settings rayinfer needs, as shell exports")
     example = commands.add_parser("example-repository", help="write the example model repository")
     example.add_argument("directory", type=Path)
@@ -69,13 +102,23 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def settings_from_args(args: argparse.Namespace) -> ServerSettings:
+    """The settings the flags give, over RAYINFER_* variables and the defaults."""
     fields = set(ServerSettings.model_fields)
     values = {k: v for k, v in vars(args).items() if k in fields and v is not None}
     return ServerSettings(**values)
 
 
+def _settings_error(exc: ValidationError) -> str:
+    """A settings error in one line, naming each bad setting by its flag."""
+    return "; ".join(
+        (f"--{str(error['loc'][0]).replace('_', '-')}: " if error["loc"] else "") + error["msg"]
+        for error in exc.errors()
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if args.command == "example-repository":
         from rayinfer.cluster.example_repository import write_example_repository
 
@@ -85,24 +128,34 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "ray-env":
         print("export " + " ".join(f"{key}={value}" for key, value in RAY_ENVIRONMENT.items()))
         return 0
-    settings = settings_from_args(args)
+    try:
+        settings = settings_from_args(args)
+    except ValidationError as exc:
+        parser.error(_settings_error(exc))
     logging.basicConfig(
         level=logging.DEBUG if settings.log_verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    if args.backend_directory is not None:
+        logger.info("--backend-directory %s ignored: rayinfer's backends are built in", args.backend_directory)
     for key, value in RAY_ENVIRONMENT.items():
         os.environ.setdefault(key, value)
     if args.command == "config":
-        import yaml
-
-        from rayinfer.cluster.serve_config import render_serve_config
-        from rayinfer.deployments.launcher import validate_serve_config
-
-        doc = render_serve_config(settings)
-        validate_serve_config(doc)
-        print(yaml.safe_dump(doc, sort_keys=False), end="")
+        print(serve_config_text(settings, relative_paths=args.relative_paths), end="")
         return 0
     return serve(settings)
+
+
+def serve_config_text(settings: ServerSettings, *, relative_paths: bool = False) -> str:
+    """What ``rayinfer config`` prints: the Serve config as YAML, checked against Serve's schema."""
+    import yaml
+
+    from rayinfer.cluster.serve_config import render_serve_config
+    from rayinfer.deployments.launcher import validate_serve_config
+
+    doc = render_serve_config(settings, relative_paths=relative_paths)
+    validate_serve_config(doc)
+    return yaml.safe_dump(doc, sort_keys=False)
 
 
 def serve(settings: ServerSettings) -> int:
@@ -140,7 +193,7 @@ def serve(settings: ServerSettings) -> int:
             versions,
             server_id=settings.id,
             strict_readiness=settings.strict_readiness,
-            auto_complete=not settings.disable_auto_complete_config,
+            auto_complete=auto_complete(settings),
             replica_num_cpus=settings.replica_num_cpus,
             timeout_s=settings.startup_timeout_s,
             metrics=metrics_endpoint(settings),
@@ -148,8 +201,17 @@ def serve(settings: ServerSettings) -> int:
             poll_secs=settings.repository_poll_secs,
             grpc_front=front,
             http_front=http_front(settings),
+            front_threads=settings.http_thread_count,
+            log_level=replica_log_level(settings),
+            # Models asked for whose config cannot be read count as failed loads (readiness).
+            load_errors={entry.name: entry.error for entry in loaded if entry.error is not None},
         )
         _print_model_table(entries, failures, {entry.name for entry in loaded})
+        fatal = fatal_startup_failures(settings, loaded, failures)
+        if fatal:
+            print(f"error: --exit-on-error: {len(fatal)} model(s) failed to load at start "
+                  f"({', '.join(sorted(fatal))}); exiting", file=sys.stderr, flush=True)
+            return 1
         if front is not None:
             print(f"Started GRPCInferenceService at {front[0]}:{front[1]}", flush=True)
         print(f"Started HTTPService at {settings.http_address}:{settings.http_port}", flush=True)
@@ -178,6 +240,19 @@ def startup_entries(settings: ServerSettings, entries: list[ModelEntry]) -> list
     if unknown:
         raise SystemExit(f"error: --load-model {unknown[0]}: no such model in {settings.model_repository}")
     return [entry for entry in entries if entry.name in settings.load_model]
+
+
+def fatal_startup_failures(
+    settings: ServerSettings, entries: list[ModelEntry], failures: dict[str, str]
+) -> dict[str, str]:
+    """{model: reason} for the models that make ``rayinfer serve`` exit: with --exit-on-error,
+    every model of ``entries`` (those asked for at start) whose config could not be read, and every
+    model in ``failures`` (those whose replicas failed to start); without it, none."""
+    if not settings.exit_on_error:
+        return {}
+    fatal = {entry.name: entry.error for entry in entries if entry.error is not None}
+    fatal.update(failures)
+    return fatal
 
 
 def _print_model_table(entries: list, failures: dict[str, str], loaded: set[str]) -> None:

@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
-from rayinfer.cluster.settings import ServerSettings, grpc_front, http_front, metrics_endpoint
+from rayinfer.cluster.settings import (
+    ServerSettings,
+    auto_complete,
+    grpc_front,
+    http_front,
+    metrics_endpoint,
+    replica_log_level,
+)
 from rayinfer.deployments.grpc_service import SERVICER_FUNCTION
 from rayinfer.deployments.names import (
     SERVER_APP,
@@ -28,9 +36,22 @@ def served_versions(entries: list[ModelEntry]) -> list[tuple[str, int, bool]]:
     return out
 
 
-def render_serve_config(settings: ServerSettings, entries: list[ModelEntry] | None = None) -> dict[str, Any]:
-    """A ``ServeDeploySchema`` document as plain data (dump it as YAML)."""
+def render_serve_config(
+    settings: ServerSettings, entries: list[ModelEntry] | None = None, *, relative_paths: bool = False
+) -> dict[str, Any]:
+    """A ``ServeDeploySchema`` document as plain data (dump it as YAML).
+
+    The model repository is written as an absolute path, or with ``relative_paths`` relative to
+    the current directory (replicas then resolve it from their own working directory).
+    """
     repository = str(settings.model_repository.resolve())
+    if relative_paths:
+        repository = os.path.relpath(repository).replace(os.sep, "/")
+    common = {
+        "replica_num_cpus": settings.replica_num_cpus,
+        "auto_complete": auto_complete(settings),
+        "log_level": replica_log_level(settings),
+    }
     entries = scan_repository(settings.model_repository) if entries is None else entries
     applications: list[dict[str, Any]] = [{
         "name": SERVER_APP,
@@ -42,10 +63,10 @@ def render_serve_config(settings: ServerSettings, entries: list[ModelEntry] | No
             "strict_readiness": settings.strict_readiness,
             **_metrics_args(settings),
             **_front_args(settings),
+            "front_threads": settings.http_thread_count,
             "model_control_mode": settings.model_control_mode,
             "repository_poll_secs": settings.repository_poll_secs,
-            "replica_num_cpus": settings.replica_num_cpus,
-            "auto_complete": not settings.disable_auto_complete_config,
+            **common,
         },
     }]
     if settings.model_control_mode == "explicit" and "*" not in settings.load_model:
@@ -60,8 +81,7 @@ def render_serve_config(settings: ServerSettings, entries: list[ModelEntry] | No
                 "model": model,
                 "version": version,
                 "is_default": is_default,
-                "replica_num_cpus": settings.replica_num_cpus,
-                "auto_complete": not settings.disable_auto_complete_config,
+                **common,
             },
         })
     doc: dict[str, Any] = {

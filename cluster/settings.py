@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from rayinfer.deployments.names import DEFAULT_REPLICA_NUM_CPUS
 from rayinfer.protocol.metrics import MetricsOptions
+
+logger = logging.getLogger(__name__)
 
 # Ray Serve's high-throughput mode: HAProxy in front of replicas that receive HTTP directly.
 RAY_ENVIRONMENT = {
@@ -24,10 +27,9 @@ RAY_ENVIRONMENT = {
     # One HAProxy thread per core at most on small machines.
     "RAY_SERVE_HAPROXY_NBTHREAD": str(min(4, max(1, (os.cpu_count() or 2) // 2))),
     "RAY_USAGE_STATS_ENABLED": "0",
-    # Serve's controller wakes every 0.1 s by default; on small machines that periodic work
-    # lands in the latency tail (p99 at concurrency 1 about 20% lower at 0.5 s, see
-    # docs/benchmarks.md). Each step of a deployment (replica started, ready, stopped) is
-    # noticed up to 0.4 s later: a model load measured ~1.2 s slower, an unload ~0.8 s.
+    # Serve's controller wakes every 0.5 s instead of 0.1 s: its periodic work stays out of the
+    # latency tail on small machines, and each step of a deployment is noticed up to 0.4 s
+    # later (docs/benchmarks.md has what each costs).
     "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",
     # HAProxy drops a stopping replica within a second here; Ray's default waits 30 s.
     "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2",
@@ -95,7 +97,30 @@ class ServerSettings(BaseSettings):
     disable_auto_complete_config: bool = Field(
         False, description="Do not fill missing config fields (inputs, outputs, max_batch_size) from the model."
     )
-    log_verbose: int = Field(0, description="0: info; 1 or more: debug logging.")
+    strict_model_config: bool | None = Field(
+        None,
+        description="tritonserver's older name for the same switch: true turns auto-complete off (as "
+        "--disable-auto-complete-config), false leaves it on. --disable-auto-complete-config wins when both "
+        "are given, as in tritonserver.",
+    )
+    exit_on_error: bool = Field(
+        False,
+        description="Exit with a non-zero status, after stopping what it started, if a model fails to load at "
+        "start (its config unreadable or its replicas failing). tritonserver's default is true; rayinfer's is "
+        "false: it keeps serving the other models and reports the failed ones UNAVAILABLE.",
+    )
+    http_thread_count: int | None = Field(
+        None,
+        gt=0,
+        description="Threads of the front (HAProxy's nbthread), which takes the HTTP and the gRPC port; "
+        "default: half the cores of the node, 1 to 4.",
+    )
+    log_verbose: int = Field(
+        0,
+        ge=0,
+        description="0: the CLI and the /v2 replica log at INFO, model replicas at WARNING; 1 or more: "
+        "DEBUG in the CLI and every replica.",
+    )
     ray_address: str | None = Field(
         None, description="Address of an existing Ray cluster; default: RAY_ADDRESS, else start a local Ray."
     )
@@ -114,6 +139,24 @@ class ServerSettings(BaseSettings):
         description="num_cpus reserved by each KIND_CPU model replica; fractional on small machines.",
     )
     startup_timeout_s: float = Field(600.0, description="How long to wait for models to finish loading.")
+
+    @model_validator(mode="after")
+    def _warn_on_overridden_strict_model_config(self) -> ServerSettings:
+        if self.disable_auto_complete_config and self.strict_model_config is False:
+            logger.warning("--strict-model-config false is overridden by --disable-auto-complete-config")
+        return self
+
+
+def auto_complete(settings: ServerSettings) -> bool:
+    """Whether missing config fields are filled from the model (tritonserver's auto-complete)."""
+    return not (settings.disable_auto_complete_config or settings.strict_model_config)
+
+
+def replica_log_level(settings: ServerSettings) -> str:
+    """Log level of the model replicas: DEBUG with --log-verbose 1 or more, else WARNING (a
+    per-request log line would cost more than the request). The ``/v2`` replica logs at INFO,
+    or DEBUG with --log-verbose (its lines are about loads, polls and routes, not requests)."""
+    return "DEBUG" if settings.log_verbose > 0 else "WARNING"
 
 
 def _serve_host(settings: ServerSettings) -> str:

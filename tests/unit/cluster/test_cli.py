@@ -1,0 +1,223 @@
+"""tritonserver's flags on ``rayinfer serve`` / ``config``: parsed, turned into settings, and what they do."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import pytest
+
+from rayinfer.cluster import cli
+from rayinfer.cluster.cli import build_parser, fatal_startup_failures, main, settings_from_args
+from rayinfer.cluster.serve_config import render_serve_config
+from rayinfer.cluster.settings import RAY_ENVIRONMENT, ServerSettings, auto_complete, replica_log_level
+from rayinfer.cluster.tritonserver_flags import UNSUPPORTED_FLAGS
+from rayinfer.repository.scanner import ModelEntry
+
+SIMPLE_CONFIG = """name: "simple"
+platform: "onnxruntime_onnx"
+max_batch_size: 8
+input [ { name: "INPUT0" data_type: TYPE_INT32 dims: [ 16 ] } ]
+output [ { name: "OUTPUT0" data_type: TYPE_INT32 dims: [ 16 ] } ]
+"""
+
+
+@pytest.fixture(autouse=True)
+def _clean_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No RAYINFER_* settings from the caller; RAY_* set here so that main() leaves os.environ as it was."""
+    for key in list(os.environ):
+        if key.startswith("RAYINFER_"):
+            monkeypatch.delenv(key)
+    for key, value in RAY_ENVIRONMENT.items():
+        monkeypatch.setenv(key, os.environ.get(key, value))
+
+
+@pytest.fixture
+def repository(tmp_path: Path) -> Path:
+    """One model with a config and an (empty) version folder: enough to render, nothing to load."""
+    (tmp_path / "simple" / "1").mkdir(parents=True)
+    (tmp_path / "simple" / "config.pbtxt").write_text(SIMPLE_CONFIG)
+    return tmp_path
+
+
+def settings_of(repository: Path, *flags: str, command: str = "serve") -> ServerSettings:
+    return settings_from_args(build_parser().parse_args([command, "--model-repository", str(repository), *flags]))
+
+
+def all_args(settings: ServerSettings) -> list[dict]:
+    return [app["args"] for app in render_serve_config(settings)["applications"]]
+
+
+@pytest.mark.parametrize(("flags", "expected"), [
+    ((), True),
+    (("--strict-model-config=false",), True),
+    (("--strict-model-config", "0"), True),
+    (("--strict-model-config=true",), False),
+    (("--strict-model-config", "1"), False),
+    (("--strict-model-config",), False),
+    (("--disable-auto-complete-config",), False),
+])
+def test_strict_model_config_is_the_opposite_of_auto_complete(repository: Path, flags: tuple, expected: bool) -> None:
+    settings = settings_of(repository, *flags)
+    assert auto_complete(settings) is expected
+    assert {args["auto_complete"] for args in all_args(settings)} == {expected}
+
+
+def test_disable_auto_complete_config_wins_over_strict_model_config_false(
+    repository: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """As in tritonserver: the newer flag wins, with a warning."""
+    with caplog.at_level(logging.WARNING):
+        settings = settings_of(repository, "--strict-model-config", "false", "--disable-auto-complete-config")
+    assert auto_complete(settings) is False
+    assert "--strict-model-config false is overridden" in caplog.text
+
+
+@pytest.mark.parametrize(("flags", "verbose", "level"), [
+    ((), 0, "WARNING"),
+    (("--log-verbose", "1"), 1, "DEBUG"),
+    (("--log-verbose=2",), 2, "DEBUG"),
+    (("--log-verbose=0",), 0, "WARNING"),
+    (("--log-verbose", "true"), 1, "DEBUG"),
+    (("--log-verbose=false",), 0, "WARNING"),
+])
+def test_log_verbose_sets_every_replicas_log_level(repository: Path, flags: tuple, verbose: int, level: str) -> None:
+    settings = settings_of(repository, *flags, command="config")
+    assert settings.log_verbose == verbose
+    assert replica_log_level(settings) == level
+    args = all_args(settings)
+    assert len(args) == 2  # the /v2 app and the model's
+    assert [a["log_level"] for a in args] == [level, level]
+
+
+@pytest.mark.parametrize(("flags", "expected"), [
+    ((), False),  # rayinfer's default; tritonserver's is true
+    (("--exit-on-error=true",), True),
+    (("--exit-on-error", "1"), True),
+    (("--exit-on-error",), True),
+    (("--exit-on-error", "false"), False),
+    (("--exit-on-error=0",), False),
+])
+def test_exit_on_error_flag(repository: Path, flags: tuple, expected: bool) -> None:
+    assert settings_of(repository, *flags).exit_on_error is expected
+
+
+def test_exit_on_error_decision(tmp_path: Path) -> None:
+    """Unreadable configs and models whose replicas failed both count, and only with --exit-on-error."""
+    good = ModelEntry("good", tmp_path / "good", versions=[1])
+    broken = ModelEntry("broken", tmp_path / "broken", error="config.pbtxt: syntax error")
+    failed = {"good": "replica died"}
+    on = ServerSettings(model_repository=tmp_path, exit_on_error=True)
+    off = ServerSettings(model_repository=tmp_path)
+    assert fatal_startup_failures(on, [good, broken], failed) == {
+        "broken": "config.pbtxt: syntax error", "good": "replica died"}
+    assert fatal_startup_failures(on, [good, broken], {}) == {"broken": "config.pbtxt: syntax error"}
+    assert fatal_startup_failures(on, [good], {}) == {}
+    assert fatal_startup_failures(off, [good, broken], failed) == {}
+
+
+def test_serve_passes_the_flags_to_the_launcher_and_exits_on_error(
+    repository: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """serve() with Ray and the launcher stood in for: what reaches deploy_repository, and the exit."""
+    import ray
+
+    from rayinfer.deployments import launcher
+
+    calls: dict[str, object] = {}
+    monkeypatch.setattr(ray, "init", lambda **kwargs: calls.setdefault("ray.init", kwargs))
+    monkeypatch.setattr(ray, "shutdown", lambda: calls.setdefault("ray.shutdown", True))
+    monkeypatch.setattr(cli.signal, "signal", lambda *args: None)
+    monkeypatch.setattr(launcher, "start_serve", lambda *args: None)
+    monkeypatch.setattr(launcher, "stop", lambda names, whole_serve: calls.setdefault("stop", (names, whole_serve)))
+
+    def deploy_repository(model_repository: str, versions: list, **kwargs: object) -> dict[str, str]:
+        calls["deploy"] = kwargs
+        return {"simple": "replica died"}
+
+    monkeypatch.setattr(launcher, "deploy_repository", deploy_repository)
+    settings = settings_of(repository, "--exit-on-error=true", "--log-verbose=1", "--http-thread-count", "3",
+                           "--strict-model-config=false")
+    assert cli.serve(settings) == 1
+    deployed = calls["deploy"]
+    assert isinstance(deployed, dict)
+    assert (deployed["log_level"], deployed["front_threads"], deployed["auto_complete"]) == ("DEBUG", 3, True)
+    assert calls["stop"] == (["simple"], True) and calls["ray.shutdown"] is True
+    err = capsys.readouterr().err
+    assert "--exit-on-error" in err and "simple" in err
+
+
+def test_http_thread_count_sets_the_front_threads(repository: Path) -> None:
+    settings = settings_of(repository, "--http-thread-count=3", command="config")
+    assert settings.http_thread_count == 3
+    server, model = all_args(settings)
+    assert server["front_threads"] == 3
+    assert "front_threads" not in model
+    assert all_args(settings_of(repository))[0]["front_threads"] is None  # the front's own default
+
+
+def test_backend_directory_is_accepted_and_ignored(
+    repository: Path, caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str]
+) -> None:
+    caplog.set_level(logging.INFO, logger="rayinfer")
+    rc = main(["config", "--model-repository", str(repository), "--backend-directory", "/opt/tritonserver/backends"])
+    assert rc == 0
+    assert "--backend-directory /opt/tritonserver/backends ignored" in caplog.text
+    assert "applications:" in capsys.readouterr().out
+    without = render_serve_config(settings_of(repository))
+    assert render_serve_config(settings_of(repository, "--backend-directory=/x")) == without
+
+
+def exit_line(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
+    """Run the CLI expecting a command-line error; the single stderr line it printed."""
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "usage:" not in captured.err
+    lines = captured.err.splitlines()
+    assert len(lines) == 1, captured.err
+    return lines[0]
+
+
+@pytest.mark.parametrize("flag", UNSUPPORTED_FLAGS)
+def test_unsupported_tritonserver_flags_answer_in_one_line(
+    repository: Path, capsys: pytest.CaptureFixture[str], flag: str
+) -> None:
+    expected = f"rayinfer: error: tritonserver flag --{flag} is not supported by rayinfer serve"
+    assert exit_line(capsys, ["serve", "--model-repository", str(repository), f"--{flag}=1"]) == expected
+    assert exit_line(capsys, ["serve", f"--{flag}", "1", "--model-repository", str(repository)]) == expected
+
+
+def test_the_common_tritonserver_flags_are_known() -> None:
+    """The flags users' manifests carry most are either taken or refused by name."""
+    for flag in ("model-load-thread-count", "backend-config", "pinned-memory-pool-byte-size",
+                 "cuda-memory-pool-byte-size", "trace-config", "log-info", "log-warning", "log-error",
+                 "log-format", "log-file", "rate-limit", "cache-config", "response-cache-byte-size",
+                 "allow-sagemaker", "allow-vertex-ai", "model-namespacing", "buffer-manager-thread-count",
+                 "min-supported-compute-capability", "grpc-use-ssl", "reuse-http-port", "reuse-grpc-port",
+                 "allow-http", "exit-timeout-secs"):
+        assert flag in UNSUPPORTED_FLAGS
+
+
+def test_unsupported_flag_on_config_names_the_command(repository: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    line = exit_line(capsys, ["config", "--model-repository", str(repository), "--log-format", "ISO8601"])
+    assert line == "rayinfer: error: tritonserver flag --log-format is not supported by rayinfer config"
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["serve", "--model-repository", "{repo}", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+    (["serve"], "the following arguments are required: --model-repository"),
+    (["serve", "--model-repository", "{repo}", "--exit-on-error", "maybe"], "expected a boolean, got 'maybe'"),
+    (["serve", "--model-repository", "{repo}", "--log-verbose", "lots"], "expected an integer or true/false"),
+    (["serve", "--model-repository", "{repo}", "--http-thread-count", "two"], "invalid int value: 'two'"),
+    (["serve", "--model-repository", "{repo}", "--http-thread-count", "0"], "--http-thread-count: Input should be"),
+    (["serve", "--model-repository", "{repo}", "--model-control-mode", "sometimes"], "invalid choice: 'sometimes'"),
+    ([], "the following arguments are required: command"),
+])
+def test_other_command_line_errors_are_one_line(
+    repository: Path, capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+) -> None:
+    line = exit_line(capsys, [arg.replace("{repo}", str(repository)) for arg in argv])
+    assert line.startswith("rayinfer: error: ") and message in line
