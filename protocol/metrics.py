@@ -4,14 +4,25 @@
 Names, help texts, label names and label order are Triton's, so dashboards and alerts written for
 Triton read rayinfer unchanged. Every ``nv_inference_*`` figure comes from the same merged
 snapshots as the statistics extension (``GET /v2/models/stats``), so the two always agree.
+The families are prometheus_client metric families, so other collectors' families (a Python
+backend's custom metrics) join them in the same text. The text is written here, in the classic
+format as ``generate_latest`` writes it but with Triton's spelling of numbers (``2``, not ``2.0``).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+import math
+import re
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.metrics_core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 logger = logging.getLogger(__name__)
 
@@ -114,36 +125,162 @@ _GPU_FAMILIES = (
 )
 
 
-def render(models: list[ModelFigures], cpu: CpuFigures | None, gpus: tuple[GpuFigures, ...] = ()) -> str:
-    """The Prometheus text exposition Triton serves on its metrics port."""
-    lines: list[str] = []
-    for metric, help_text in _COUNTERS:
-        lines += [f"# HELP {metric} {help_text}", f"# TYPE {metric} counter"]
-        for m in models:
-            if metric == "nv_inference_request_failure":
-                failed = m.snapshot["durations"]["fail"][0]
-                for reason in _FAILURE_REASONS:
-                    value = failed if reason == "BACKEND" else 0
-                    lines.append(f'{metric}{{model="{_escape(m.name)}",reason="{reason}",version="{m.version}"}} {value}')
-                continue
-            lines.append(f"{metric}{_labels(m)} {_counter_value(metric, m.snapshot)}")
-    metric, help_text = _PENDING
-    lines += [f"# HELP {metric} {help_text}", f"# TYPE {metric} gauge"]
-    lines += [f"{metric}{_labels(m)} {m.pending}" for m in models]
-    if cpu is not None:
-        for metric, help_text, value in (
-            ("nv_cpu_utilization", "CPU utilization rate [0.0 - 1.0]", repr(cpu.utilization)),
-            ("nv_cpu_memory_total_bytes", "CPU total memory (RAM), in bytes", str(cpu.memory_total_bytes)),
-            ("nv_cpu_memory_used_bytes", "CPU used memory (RAM), in bytes", str(cpu.memory_used_bytes)),
-        ):
-            lines += [f"# HELP {metric} {help_text}", f"# TYPE {metric} gauge", f"{metric} {value}"]
-    for metric, help_text, kind, field in _GPU_FAMILIES if gpus else ():
-        lines += [f"# HELP {metric} {help_text}", f"# TYPE {metric} {kind}"]
-        for gpu in gpus:
-            value = getattr(gpu, field)
-            if value is not None:
-                lines.append(f'{metric}{{gpu_uuid="{_escape(gpu.uuid)}"}} {value!r}')
-    return "\n".join(lines) + "\n"
+class TritonCollector:
+    """A prometheus_client collector of Triton's families over one scrape's figures: it builds its
+    families each time it is collected and keeps nothing between scrapes.
+
+    Counters are declared as Triton (prometheus-cpp) declares them: each sample carries the
+    family's own name, with no ``_total`` suffix, so they are built as ``Metric`` objects with
+    exact sample names (``CounterMetricFamily`` would append ``_total``). Label names are written
+    sorted, the order Triton's labels (``model``, ``reason``, ``version``) have.
+    """
+
+    def __init__(self, models: Sequence[ModelFigures], cpu: CpuFigures | None, gpus: Sequence[GpuFigures] = ()) -> None:
+        self._models = models
+        self._cpu = cpu
+        self._gpus = gpus
+
+    def describe(self) -> Iterator[Metric]:
+        """The families ``collect`` yields, so a registry refuses an extra collector that clashes with them."""
+        return TritonCollector([], self._cpu, self._gpus).collect()
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self._model_families()
+        yield from self._cpu_families()
+        yield from self._gpu_families()
+
+    def _model_families(self) -> Iterator[Metric]:
+        for metric, help_text in _COUNTERS:
+            family = Metric(metric, help_text, "counter")
+            for m in self._models:
+                if metric == "nv_inference_request_failure":
+                    failed = int(m.snapshot["durations"]["fail"][0])
+                    for reason in _FAILURE_REASONS:
+                        labels = {"model": m.name, "reason": reason, "version": m.version}
+                        family.add_sample(metric, labels, failed if reason == "BACKEND" else 0)
+                    continue
+                family.add_sample(metric, {"model": m.name, "version": m.version}, _counter_value(metric, m.snapshot))
+            yield family
+        pending = GaugeMetricFamily(*_PENDING, labels=("model", "version"))
+        for m in self._models:
+            pending.add_metric((m.name, m.version), m.pending)
+        yield pending
+
+    def _cpu_families(self) -> Iterator[Metric]:
+        cpu = self._cpu
+        if cpu is None:
+            return
+        yield GaugeMetricFamily("nv_cpu_utilization", "CPU utilization rate [0.0 - 1.0]", value=cpu.utilization)
+        yield GaugeMetricFamily("nv_cpu_memory_total_bytes", "CPU total memory (RAM), in bytes",
+                                value=cpu.memory_total_bytes)
+        yield GaugeMetricFamily("nv_cpu_memory_used_bytes", "CPU used memory (RAM), in bytes",
+                                value=cpu.memory_used_bytes)
+
+    def _gpu_families(self) -> Iterator[Metric]:
+        for metric, help_text, kind, field in _GPU_FAMILIES if self._gpus else ():
+            family = Metric(metric, help_text, kind)
+            for gpu in self._gpus:
+                value = getattr(gpu, field)
+                if value is not None:  # a figure this GPU does not report has no sample
+                    family.add_sample(metric, {"gpu_uuid": gpu.uuid}, value)
+            yield family
+
+
+def render(
+    models: Sequence[ModelFigures],
+    cpu: CpuFigures | None,
+    gpus: Sequence[GpuFigures] = (),
+    *,
+    extra: Iterable[Collector] = (),
+) -> str:
+    """The Prometheus text exposition Triton serves on its metrics port, followed by the families
+    of ``extra`` prometheus_client collectors (a Python backend's custom metrics, for instance).
+
+    Every family is collected from one fresh ``CollectorRegistry``, so an extra collector that
+    describes itself and clashes with Triton's names raises ``ValueError``.
+    """
+    registry = CollectorRegistry()
+    registry.register(TritonCollector(models, cpu, gpus))
+    for collector in extra:
+        registry.register(collector)
+    return _classic_text(registry.collect())
+
+
+# How the classic format declares the types it lacks, as generate_latest: (name suffix, type).
+_CLASSIC_TYPES = {"info": ("_info", "gauge"), "stateset": ("", "gauge"), "gaugehistogram": ("", "histogram"),
+                  "unknown": ("", "untyped")}
+# OpenMetrics-only samples, which generate_latest writes after their family as gauge families of their own.
+_TRAILING = ("_created", "_gcount", "_gsum")
+
+
+class _Escaped(dict[Any, str]):
+    """Each metric name or label as the text writes it, escaped once per text (the same names and
+    labels recur in every family)."""
+
+    def __init__(self, escape: Callable[[Any], str]) -> None:
+        super().__init__()
+        self._escape = escape
+
+    def __missing__(self, key: Any) -> str:
+        self[key] = escaped = self._escape(key)
+        return escaped
+
+
+# Each character a classic-format name may not have becomes "_", as generate_latest does by default
+# (prometheus_client accepts UTF-8 names).
+_METRIC_NAME = functools.partial(re.compile(r"^[0-9]|[^a-zA-Z0-9_:]").sub, "_")
+_LABEL_NAME = functools.partial(re.compile(r"^[0-9]|[^a-zA-Z0-9_]").sub, "_")
+
+
+def _label(label: tuple[str, str]) -> str:
+    """``name="value"``, the value's backslashes, newlines and double quotes escaped."""
+    value = label[1].replace("\\", r"\\").replace("\n", r"\n").replace('"', r'\"')
+    return f'{_LABEL_NAME(label[0])}="{value}"'
+
+
+def _classic_text(families: Iterable[Metric]) -> str:
+    """``families`` in the classic text format (0.0.4) as ``generate_latest`` writes them, except
+    that numbers are spelled as Triton (prometheus-cpp) spells them and a counter whose samples
+    carry the family's own name (Triton's counters, which have no ``_total``) is declared under that
+    name; any other counter is declared as its samples are named, ``<name>_total``."""
+    out: list[str] = []
+    names, labels = _Escaped(_METRIC_NAME), _Escaped(_label)
+    for family in families:
+        name, kind = family.name, family.type
+        if kind == "counter" and any(sample.name != name for sample in family.samples):
+            name += "_total"
+        elif kind in _CLASSIC_TYPES:
+            suffix, kind = _CLASSIC_TYPES[kind]
+            name += suffix
+        help_text = family.documentation.replace("\\", r"\\").replace("\n", r"\n")
+        out.append(f"# HELP {names[name]} {help_text}\n# TYPE {names[name]} {kind}\n")
+        trailing: dict[str, list[str]] = {family.name + suffix: [] for suffix in _TRAILING}
+        for sample in family.samples:
+            line = names[sample.name]
+            if sample.labels:
+                line += f"{{{','.join([labels[label] for label in sorted(sample.labels.items())])}}}"
+            line = f"{line} {_number(sample.value)}"
+            if sample.timestamp is not None:
+                line += f" {int(float(sample.timestamp) * 1000):d}"
+            trailing.get(sample.name, out).append(line + "\n")
+        for trailing_name, lines in trailing.items():
+            if lines:
+                out += [f"# HELP {names[trailing_name]} {help_text}\n# TYPE {names[trailing_name]} gauge\n", *lines]
+    return "".join(out)
+
+
+def _number(value: float) -> str:
+    """A sample's value as Triton (prometheus-cpp) writes it: an integral value as an integer
+    (``2``, ``85899345920``) below 1e16, where prometheus-cpp's 16 digits turn to an exponent;
+    others as Python's shortest exact spelling (``0.25``, ``1e+16``); ``+Inf``, ``-Inf``, ``NaN``."""
+    if type(value) is int:
+        return str(value)
+    value = float(value)
+    if value.is_integer() and -1e16 < value < 1e16:
+        return str(int(value))
+    if math.isfinite(value):
+        return repr(value)
+    return "NaN" if math.isnan(value) else "+Inf" if value > 0 else "-Inf"
 
 
 def _counter_value(metric: str, snapshot: dict[str, Any]) -> int:
@@ -154,14 +291,6 @@ def _counter_value(metric: str, snapshot: dict[str, Any]) -> int:
     if metric == "nv_inference_exec_count":
         return int(snapshot["execution_count"])
     return int(snapshot["durations"][_DURATION_OF[metric]][1]) // 1000
-
-
-def _labels(m: ModelFigures) -> str:
-    return f'{{model="{_escape(m.name)}",version="{m.version}"}}'
-
-
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
 class CpuSampler:

@@ -6,6 +6,8 @@ import importlib.util
 from pathlib import Path
 
 import pytest
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from rayinfer.protocol.metrics import CpuFigures, CpuSampler, GpuFigures, GpuSampler, ModelFigures, render
 from rayinfer.protocol.statistics import ModelStatistics
@@ -49,8 +51,109 @@ def test_render_without_models_or_cpu_still_declares_the_families():
 
 
 def test_label_values_are_escaped():
-    text = render([ModelFigures('we"ird', "2", ModelStatistics().snapshot())], None)
-    assert 'nv_inference_count{model="we\\"ird",version="2"} 0' in text.splitlines()
+    text = render([ModelFigures('we"ird\\name\nnext', "2", ModelStatistics().snapshot())], None)
+    assert 'nv_inference_count{model="we\\"ird\\\\name\\nnext",version="2"} 0' in text.splitlines()
+
+
+def test_numbers_are_spelled_as_triton_spells_them():
+    class Gauges:
+        def collect(self) -> list[Metric]:
+            family = GaugeMetricFamily("custom_values", "Values", labels=["kind"])
+            for kind, number in [("int", 2.0), ("big", 2.0**70), ("fraction", 0.1), ("negative", -3.0),
+                                 ("inf", float("inf")), ("minus_inf", float("-inf")), ("nan", float("nan"))]:
+                family.add_metric([kind], number)
+            return [family]
+
+    lines = render([], None, extra=[Gauges()]).splitlines()
+    assert lines[-7:] == [
+        'custom_values{kind="int"} 2', 'custom_values{kind="big"} 1.1805916207174113e+21',
+        'custom_values{kind="fraction"} 0.1', 'custom_values{kind="negative"} -3',
+        'custom_values{kind="inf"} +Inf', 'custom_values{kind="minus_inf"} -Inf', 'custom_values{kind="nan"} NaN',
+    ]
+
+
+class BackendMetrics:
+    """Stands in for a Python backend's custom metrics: prometheus_client's own counter (samples
+    named ``<name>_total``), a counter with Triton's naming, a gauge and a histogram."""
+
+    def collect(self) -> list[Metric]:
+        requests = CounterMetricFamily("custom_requests", "Requests the model saw", labels=["model"])
+        requests.add_metric(["my_model"], 3)
+        triton_style = Metric("custom_batches", "Batches the model ran", "counter")
+        triton_style.add_sample("custom_batches", {"model": "my_model"}, 7)
+        latency = HistogramMetricFamily("custom_latency_s", "Request latency", labels=["model"])
+        latency.add_metric(["my_model"], buckets=[("0.1", 1), ("+Inf", 2)], sum_value=0.25)
+        return [requests, triton_style, GaugeMetricFamily("custom_temperature", "Degrees", value=21.5), latency]
+
+
+def declared_families(text: str) -> dict[str, str]:
+    """Each family's TYPE by its declared name, checking that every sample line belongs to the
+    family declared above it (its exact name, or a histogram's ``_bucket``/``_sum``/``_count``)."""
+    families: dict[str, str] = {}
+    name = kind = ""
+    for line in text.splitlines():
+        if line.startswith("# TYPE "):
+            name, kind = line.split()[2:]
+            families[name] = kind
+        elif not line.startswith("#"):
+            sample = line.split("{")[0].split()[0]
+            suffixes = ("_bucket", "_sum", "_count") if kind == "histogram" else ()
+            assert sample == name or sample in {name + s for s in suffixes}, line
+    return families
+
+
+def test_extra_collectors_join_tritons_families_and_counters_keep_tritons_names():
+    text = render([figures()], CpuFigures(0.25, 1000, 400), extra=[BackendMetrics()])
+    lines = text.splitlines()
+    families = declared_families(text)
+    assert [name for name, kind in families.items() if name.startswith("nv_inference") and kind == "counter"] == [
+        "nv_inference_request_success", "nv_inference_request_failure", "nv_inference_count",
+        "nv_inference_exec_count", "nv_inference_request_duration_us", "nv_inference_queue_duration_us",
+        "nv_inference_compute_input_duration_us", "nv_inference_compute_infer_duration_us",
+        "nv_inference_compute_output_duration_us",
+    ]
+    assert not any(name.startswith("nv_") and name.endswith("_total") for name in families)
+    # The backend's families come after Triton's, each declared as its samples are named.
+    assert list(families)[-4:] == ["custom_requests_total", "custom_batches", "custom_temperature", "custom_latency_s"]
+    assert 'custom_requests_total{model="my_model"} 3' in lines
+    assert "# TYPE custom_batches counter" in lines
+    assert 'custom_batches{model="my_model"} 7' in lines
+    assert "custom_temperature 21.5" in lines
+    assert 'custom_latency_s_bucket{le="+Inf",model="my_model"} 2' in lines
+    assert 'custom_latency_s_sum{model="my_model"} 0.25' in lines
+
+
+def test_an_extra_collectors_histogram_renders_its_buckets_sum_and_count():
+    backend = CollectorRegistry()
+    latency = Histogram("custom_wait_s", "Wait", ["model"], buckets=(0.1, 1.0), registry=backend)
+    latency.labels("my_model").observe(0.25)
+    latency.labels("my_model").observe(3)
+    text = render([], None, extra=[backend])
+    lines = text.splitlines()
+    families = declared_families(text)
+    assert families["custom_wait_s"] == "histogram"
+    assert lines[lines.index("# TYPE custom_wait_s histogram") + 1:][:5] == [
+        'custom_wait_s_bucket{le="0.1",model="my_model"} 0',
+        'custom_wait_s_bucket{le="1.0",model="my_model"} 1',
+        'custom_wait_s_bucket{le="+Inf",model="my_model"} 2',
+        'custom_wait_s_count{model="my_model"} 2',
+        'custom_wait_s_sum{model="my_model"} 3.25',
+    ]
+    # Its creation time (unless PROMETHEUS_DISABLE_CREATED_SERIES) is a gauge family of its own, as
+    # generate_latest writes it.
+    assert families.get("custom_wait_s_created", "gauge") == "gauge"
+
+
+def test_an_extra_collector_that_clashes_with_tritons_names_is_refused():
+    class Clashing:
+        def describe(self) -> list[Metric]:
+            return [CounterMetricFamily("nv_inference_count", "Not Triton's")]
+
+        def collect(self) -> list[Metric]:
+            return self.describe()
+
+    with pytest.raises(ValueError, match="nv_inference_count"):
+        render([figures()], None, extra=[Clashing()])
 
 
 def write_proc(root: Path, busy: int, idle: int) -> None:
@@ -80,11 +183,11 @@ def test_render_gpu_families_with_triton_names_and_gpu_uuid_labels():
     assert "# HELP nv_gpu_utilization GPU utilization rate [0.0 - 1.0)" in lines
     assert "# TYPE nv_gpu_utilization gauge" in lines
     assert 'nv_gpu_utilization{gpu_uuid="GPU-a1"} 0.5' in lines
-    assert 'nv_gpu_utilization{gpu_uuid="GPU-b2"} 0.0' in lines
+    assert 'nv_gpu_utilization{gpu_uuid="GPU-b2"} 0' in lines
     assert f'nv_gpu_memory_total_bytes{{gpu_uuid="GPU-a1"}} {80 * 2**30}' in lines
     assert f'nv_gpu_memory_used_bytes{{gpu_uuid="GPU-a1"}} {2**30}' in lines
     assert 'nv_gpu_power_usage{gpu_uuid="GPU-a1"} 71.5' in lines
-    assert 'nv_gpu_power_limit{gpu_uuid="GPU-a1"} 300.0' in lines
+    assert 'nv_gpu_power_limit{gpu_uuid="GPU-a1"} 300' in lines
     assert "# TYPE nv_energy_consumption counter" in lines
     assert 'nv_energy_consumption{gpu_uuid="GPU-a1"} 12.25' in lines
     assert not any(line.startswith("nv_gpu_power_usage{gpu_uuid=\"GPU-b2\"}") for line in lines)
