@@ -35,6 +35,7 @@ class ModelAdapter(Protocol):
 # Triton backend name -> "module:Class", imported only when a model needs it.
 _REGISTRY = {
     "onnxruntime": "rayinfer.adapters.onnxruntime.adapter:OnnxRuntimeAdapter",
+    "python": "rayinfer.adapters.python_backend.backend:PythonBackendAdapter",
 }
 
 

@@ -37,7 +37,8 @@ def load_runner(
     adapter = create_adapter(config.backend)
     adapter.load(model_dir, version, config, auto_complete)
     spec = spec_from_config(config, model_dir / CONFIG_FILENAME)
-    runner = ModelRunner(spec, adapter, version)
+    # A backend whose models take whole batches of requests brings its own runner.
+    runner = getattr(adapter, "runner_class", ModelRunner)(spec, adapter, version)
     run_warmup(runner, model_dir)
     # Warmup executions are not inference statistics.
     runner.stats = ModelStatistics()

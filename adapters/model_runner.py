@@ -142,7 +142,11 @@ class ModelRunner:
             arrival_ns=time.perf_counter_ns(),
         )
 
-    def execute(self, batch: Sequence[PreparedRequest]) -> list[InferResponse | ServingError]:
+    def close(self) -> None:
+        """Unload the model (its backend frees what it holds; a Python model is finalized)."""
+        self.adapter.unload()
+
+    def execute(self, batch: Sequence[PreparedRequest]) -> list[InferResponse | ServingError] | None:
         """Run the requests, merging those with equal signatures (input shapes past the batch
         dimension, requested outputs and parameters) into one execution each.
 

@@ -65,11 +65,15 @@ def _sample_data(spec: Any, datatype: str, shape: tuple[int, ...], model_dir: Pa
 
 
 def run_warmup(runner: ModelRunner, model_dir: Path) -> None:
-    """Run every warmup sample; a failing sample fails the load, naming the sample."""
+    """Run every warmup sample; a failing sample fails the load, naming the sample. (A decoupled
+    model answers through response senders, which only a serving core provides: not warmed.)"""
+    if runner.decoupled and runner.spec.config.model_warmup:
+        logger.warning("model '%s': model_warmup is not run for decoupled models", runner.spec.name)
+        return
     for name, count, request in warmup_requests(runner, model_dir):
         for _ in range(count):
             try:
-                result = runner.execute([runner.prepare(request)])[0]
+                result = (runner.execute([runner.prepare(request)]) or [None])[0]
             except ServingError as exc:
                 raise ModelConfigError(f"model_warmup '{name}' of model '{runner.spec.name}' failed: {exc}") from None
             if isinstance(result, ServingError):

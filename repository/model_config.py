@@ -170,8 +170,8 @@ def check_supported(config: ModelConfig, path: Path) -> None:
         unsupported.append("sequence_batching")
     if config.HasField("ensemble_scheduling") or config.platform == "ensemble":
         unsupported.append("ensemble models")
-    if config.model_transaction_policy.decoupled:
-        unsupported.append("decoupled model_transaction_policy")
+    if config.model_transaction_policy.decoupled and config.backend != "python":
+        unsupported.append("decoupled model_transaction_policy (only Python models may be decoupled)")
     if any(group.kind == mc.ModelInstanceGroup.KIND_GPU for group in config.instance_group):
         unsupported.append("instance_group kind KIND_GPU (GPU instances)")
     if unsupported:

@@ -49,6 +49,9 @@ class Executor(Protocol):
     def execute(self, batch: Sequence[Any]) -> list[Result] | None:
         """Run prepared requests; one result per request, or None when decoupled."""
 
+    def close(self) -> None:
+        """Unload the model."""
+
 
 class ResponseSender:
     """Carries a decoupled request's responses from any thread to the waiting coroutine.

@@ -139,7 +139,13 @@ class ModelCore:
         return [(self.version, snapshot)]
 
     def close(self) -> None:
-        self._thread.shutdown(wait=False)
+        """Unload the model, then let its thread go."""
+        close = getattr(self.executor, "close", None)
+        try:
+            if close is not None:
+                close()
+        finally:
+            self._thread.shutdown(wait=False)
 
 
 def _metadata(spec: Any, versions: list[str]) -> dict[str, Any]:

@@ -1,0 +1,236 @@
+"""Loads a Triton ``model.py`` and runs its ``TritonPythonModel`` as the serving core's executor.
+
+Loading follows Triton's rules: the module is ``default_model_filename`` (``model.py``) of the
+version folder, with the version folder and the model folder on ``sys.path``;
+``triton_python_backend_utils`` is this package's module; ``auto_complete_config`` completes the
+config before it is read; ``initialize(args)`` gets Triton's keys. ``execute`` receives the whole
+dynamic batch as a list of requests and returns one response per request (a decoupled model:
+answers through each request's response sender and returns None); ``async def execute`` runs on
+a loop of the backend's own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import inspect
+import json
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from google.protobuf import json_format
+
+from rayinfer.adapters.base import model_file
+from rayinfer.adapters.model_runner import TRANSPORT_PARAMETERS, ModelRunner, PreparedRequest
+from rayinfer.adapters.python_backend import triton_python_backend_utils as pb_utils
+from rayinfer.protocol.dtypes import wire_datatype
+from rayinfer.protocol.errors import Code, InternalError, ModelConfigError, ServingError, as_serving_error
+from rayinfer.protocol.types import InferOutput, InferResponse
+from rayinfer.repository.model_config import ModelConfig, config_to_json
+
+_PB_UTILS = "triton_python_backend_utils"
+_CODES = {
+    pb_utils.TritonError.UNKNOWN: Code.UNKNOWN, pb_utils.TritonError.INTERNAL: Code.INTERNAL,
+    pb_utils.TritonError.NOT_FOUND: Code.NOT_FOUND, pb_utils.TritonError.INVALID_ARG: Code.INVALID_ARG,
+    pb_utils.TritonError.UNAVAILABLE: Code.UNAVAILABLE, pb_utils.TritonError.UNSUPPORTED: Code.UNSUPPORTED,
+    pb_utils.TritonError.ALREADY_EXISTS: Code.ALREADY_EXISTS, pb_utils.TritonError.CANCELLED: Code.CANCELLED,
+}
+
+
+class PythonBackendAdapter:
+    """Holds one ``TritonPythonModel`` instance: ``load`` imports and initializes it."""
+
+    def __init__(self) -> None:
+        self.model: Any = None
+        self.model_dir = ""
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    @property
+    def runner_class(self) -> type[ModelRunner]:
+        return PythonModelRunner
+
+    def load(self, model_dir: Path, version: int, config: ModelConfig, auto_complete: bool) -> None:
+        path = model_file(model_dir, version, config)
+        self.model_dir = str(model_dir)
+        pb_utils.set_model_dir(self.model_dir)
+        sys.modules.setdefault(_PB_UTILS, pb_utils)
+        for folder in (str(model_dir), str(path.parent)):
+            if folder not in sys.path:
+                sys.path.insert(0, folder)
+        module_name = f"rayinfer_python_model_{config.name}_{version}"
+        spec = importlib.util.spec_from_file_location(module_name, path)
+        if spec is None or spec.loader is None:
+            raise ModelConfigError(f"{path}: cannot be imported as a Python module")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[module_name] = module
+        try:
+            spec.loader.exec_module(module)
+        except Exception as exc:
+            raise ModelConfigError(f"{path}: failed to import: {type(exc).__name__}: {exc}") from None
+        model_class = getattr(module, "TritonPythonModel", None)
+        if model_class is None:
+            raise ModelConfigError(f"{path}: defines no class 'TritonPythonModel'")
+        if auto_complete and hasattr(model_class, "auto_complete_config"):
+            _auto_complete(model_class, config, path)
+        self.model = model_class()
+        args = {
+            "model_config": json.dumps(config_to_json(config)),
+            "model_instance_kind": "CPU",
+            "model_instance_name": f"{config.name}_0_0",
+            "model_instance_device_id": "0",
+            "model_repository": self.model_dir,
+            "model_version": str(version),
+            "model_name": config.name,
+        }
+        if hasattr(self.model, "initialize"):
+            try:
+                self._call(self.model.initialize, args)
+            except Exception as exc:
+                raise InternalError(f"Failed to initialize model '{config.name}': {type(exc).__name__}: {exc}") from None
+
+    def execute_requests(self, requests: list[pb_utils.InferenceRequest]) -> Any:
+        """The model's ``execute`` on one batch (awaited on the backend's loop when async)."""
+        pb_utils.set_model_dir(self.model_dir)
+        return self._call(self.model.execute, requests)
+
+    def _call(self, method: Any, *args: Any) -> Any:
+        result = method(*args)
+        if not inspect.isawaitable(result):
+            return result
+        if self._loop is None:
+            self._loop = asyncio.new_event_loop()
+            threading.Thread(target=self._loop.run_forever, name="python-model-loop", daemon=True).start()
+        return asyncio.run_coroutine_threadsafe(_awaited(result), self._loop).result()
+
+    def is_ready(self) -> bool:
+        method = getattr(self.model, "is_ready", None)
+        return bool(method()) if method is not None else True
+
+    def unload(self) -> None:
+        if self.model is not None and hasattr(self.model, "finalize"):
+            self._call(self.model.finalize)
+        self.model = None
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+
+
+async def _awaited(awaitable: Any) -> Any:
+    return await awaitable
+
+
+def _auto_complete(model_class: Any, config: ModelConfig, path: Path) -> None:
+    """Run the model's ``auto_complete_config`` on Triton's JSON form of ``config``, in place."""
+    wrapper = pb_utils.ModelConfig(config_to_json(config))
+    try:
+        completed = model_class.auto_complete_config(wrapper)
+    except Exception as exc:
+        raise ModelConfigError(f"{path}: auto_complete_config failed: {type(exc).__name__}: {exc}") from None
+    doc = (completed or wrapper).as_dict()
+    try:
+        config.Clear()
+        json_format.ParseDict(doc, config)
+    except json_format.ParseError as exc:
+        raise ModelConfigError(f"{path}: auto_complete_config gave an invalid config: {exc}") from None
+
+
+class PythonModelRunner(ModelRunner):
+    """The executor of a Python model: validates as every model does, then hands the whole batch
+    to ``execute`` as Triton's requests, one response (or error) per request."""
+
+    def __init__(self, spec: Any, adapter: Any, version: int) -> None:
+        super().__init__(spec, adapter, version)
+        self.decoupled = bool(spec.config.model_transaction_policy.decoupled)
+
+    def execute(self, batch: Sequence[PreparedRequest]) -> list[InferResponse | ServingError] | None:
+        start = time.perf_counter_ns()
+        requests = [self._request(p) for p in batch]
+        infer_start = time.perf_counter_ns()
+        try:
+            responses = self.adapter.execute_requests(requests)
+        except Exception as exc:  # the requests fail; the model keeps serving
+            error = InternalError(
+                f"Failed to process the request(s) for model '{self.spec.name}', message: "
+                f"{type(exc).__name__}: {exc}"
+            )
+            return self._failed(batch, error)
+        infer_end = time.perf_counter_ns()
+        if self.decoupled:
+            if responses is not None:
+                return self._failed(batch, InternalError(
+                    f"decoupled model '{self.spec.name}' must return None from execute, got {type(responses).__name__}"
+                ))
+            self._record(batch, start, infer_start, infer_end)
+            return None
+        if not isinstance(responses, list) or len(responses) != len(batch):
+            count = len(responses) if isinstance(responses, list) else type(responses).__name__
+            return self._failed(batch, InternalError(
+                f"model '{self.spec.name}' returned {count} responses for {len(batch)} requests; "
+                "execute must return one InferenceResponse per request"
+            ))
+        results = [self._answer(p, r) for p, r in zip(batch, responses)]
+        self._record(batch, start, infer_start, infer_end, results)
+        return results
+
+    def _request(self, prepared: PreparedRequest) -> pb_utils.InferenceRequest:
+        request = prepared.request
+        inputs = [pb_utils.Tensor(name, array) for name, array in prepared.arrays.items()]
+        # As in Triton, the model sees the request's own parameters; how the answer is encoded
+        # (binary_data_output) and scheduled (priority, timeout) are the server's.
+        parameters = {k: v for k, v in request.parameters.items() if k not in TRANSPORT_PARAMETERS}
+        timeout = request.parameters.get("timeout", 0)
+        pb_request = pb_utils.InferenceRequest(
+            inputs=inputs, requested_output_names=list(prepared.output_names), request_id=request.id or "",
+            parameters=parameters, timeout=timeout if isinstance(timeout, int) else 0,
+            model_name=self.spec.name, model_version=int(self.version),
+        )
+        if prepared.sender is not None:
+            sender = prepared.sender
+            pb_request._sender = pb_utils.InferenceResponseSender(
+                lambda response, final: sender.send(None if response is None else self._answer(prepared, response),
+                                                    final)
+            )
+        return pb_request
+
+    def _answer(self, prepared: PreparedRequest, response: Any) -> InferResponse | ServingError:
+        """A model's InferenceResponse as the request's answer (only the outputs it asked for)."""
+        if not isinstance(response, pb_utils.InferenceResponse):
+            return InternalError(f"model '{self.spec.name}' returned {type(response).__name__}, not an InferenceResponse")
+        if response.has_error():
+            error = response.error()
+            return ServingError(error.message(), _CODES.get(error.code(), Code.INTERNAL))
+        by_name = {t.name(): t.as_numpy() for t in response.output_tensors()}
+        outputs = []
+        for name in prepared.output_names:
+            array = by_name.get(name)
+            if array is None:
+                return InternalError(f"model '{self.spec.name}' gave no output '{name}' in its response")
+            try:
+                datatype = wire_datatype(array.dtype)
+            except ServingError as exc:
+                return InternalError(f"output '{name}' of model '{self.spec.name}': {exc.message}")
+            outputs.append(InferOutput(name, datatype, tuple(array.shape), array))
+        return InferResponse(
+            model_name=self.spec.name, model_version=self.version, outputs=outputs, id=prepared.request.id,
+            parameters=json.loads(response.parameters()),
+        )
+
+    def _record(self, batch: Sequence[PreparedRequest], start: int, infer_start: int, infer_end: int,
+                results: list[InferResponse | ServingError] | None = None) -> None:
+        end = time.perf_counter_ns()
+        self.stats.record_execution(len(batch), sum(p.rows for p in batch), infer_start - start,
+                                    infer_end - infer_start, end - infer_end)
+        for index, p in enumerate(batch):
+            if results is not None and isinstance(results[index], ServingError):
+                self.stats.record_failure(end - p.arrival_ns)
+            else:
+                self.stats.record_success(end - p.arrival_ns, start - p.arrival_ns)
+
+    def _failed(self, batch: Sequence[PreparedRequest], error: ServingError) -> list[InferResponse | ServingError]:
+        now = time.perf_counter_ns()
+        for p in batch:
+            self.stats.record_failure(now - p.arrival_ns)
+        return [as_serving_error(error)] * len(batch)

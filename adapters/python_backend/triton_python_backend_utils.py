@@ -1,0 +1,360 @@
+"""``triton_python_backend_utils``: the module a Triton ``model.py`` imports as ``pb_utils``.
+
+The same names and behaviour as Triton's Python backend, for models that run inside a rayinfer
+replica (no stub process): tensors are numpy arrays (BYTES as object arrays of ``bytes``),
+requests come in as :class:`InferenceRequest` and answers go back as :class:`InferenceResponse`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from rayinfer.protocol.dtypes import (
+    numpy_dtype as _numpy_dtype,
+    serialize_bytes_tensor as _serialize,
+    wire_datatype as _wire_datatype,
+)
+
+TRITONSERVER_REQUEST_FLAG_SEQUENCE_START = 1
+TRITONSERVER_REQUEST_FLAG_SEQUENCE_END = 2
+TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1
+TRITONSERVER_REQUEST_RELEASE_ALL = 1
+TRITONSERVER_REQUEST_RELEASE_RESCHEDULE = 2
+
+# TRITONSERVER_DataType numbers, as Triton's pb_utils uses them.
+_TYPE_NUMBERS = {
+    "BOOL": 1, "UINT8": 2, "UINT16": 3, "UINT32": 4, "UINT64": 5, "INT8": 6, "INT16": 7, "INT32": 8,
+    "INT64": 9, "FP16": 10, "FP32": 11, "FP64": 12, "BYTES": 13, "BF16": 14,
+}
+_NUMBER_TYPES = {number: name for name, number in _TYPE_NUMBERS.items()}
+_CONFIG_TO_NUMPY = {
+    "TYPE_BOOL": np.bool_, "TYPE_UINT8": np.uint8, "TYPE_UINT16": np.uint16, "TYPE_UINT32": np.uint32,
+    "TYPE_UINT64": np.uint64, "TYPE_INT8": np.int8, "TYPE_INT16": np.int16, "TYPE_INT32": np.int32,
+    "TYPE_INT64": np.int64, "TYPE_FP16": np.float16, "TYPE_FP32": np.float32, "TYPE_FP64": np.float64,
+    "TYPE_STRING": np.object_,
+}
+
+_model_dir = threading.local()
+_logger = logging.getLogger("triton_python_backend_utils")
+
+
+class TritonError:
+    """An error carried by a response: a message and one of Triton's codes."""
+
+    UNKNOWN = 0
+    INTERNAL = 1
+    NOT_FOUND = 2
+    INVALID_ARG = 3
+    UNAVAILABLE = 4
+    UNSUPPORTED = 5
+    ALREADY_EXISTS = 6
+    CANCELLED = 7
+
+    def __init__(self, message: str, code: int = INTERNAL) -> None:
+        self._message = str(message)
+        self._code = int(code)
+
+    def message(self) -> str:
+        return self._message
+
+    def code(self) -> int:
+        return self._code
+
+    def __repr__(self) -> str:
+        return f"TritonError({self._message!r}, {self._code})"
+
+
+class TritonModelException(Exception):
+    """Raised by pb_utils calls that fail (and by models for their own errors)."""
+
+    def message(self) -> str:
+        return str(self)
+
+
+class Tensor:
+    """A named tensor; its data is a numpy array (BYTES: an object array of ``bytes``)."""
+
+    def __init__(self, name: str, data: Any) -> None:
+        if not isinstance(data, np.ndarray):
+            raise TritonModelException(f"tensor '{name}': data must be a numpy array, got {type(data).__name__}")
+        if data.dtype.kind in ("U", "S"):
+            data = np.array([_to_bytes(v) for v in data.reshape(-1)], dtype=object).reshape(data.shape)
+        self._name = name
+        self._data = data
+
+    def name(self) -> str:
+        return self._name
+
+    def as_numpy(self) -> np.ndarray:
+        return self._data
+
+    def shape(self) -> list[int]:
+        return list(self._data.shape)
+
+    def triton_dtype(self) -> int:
+        return _TYPE_NUMBERS[_wire_datatype(self._data.dtype)]
+
+    def is_cpu(self) -> bool:
+        return True
+
+    def to_dlpack(self) -> Any:
+        if self._data.dtype == object:
+            raise TritonModelException(f"tensor '{self._name}': BYTES tensors have no DLPack form")
+        return self._data.__dlpack__()
+
+    @classmethod
+    def from_dlpack(cls, name: str, capsule: Any) -> Tensor:
+        """A tensor from an object with ``__dlpack__`` (numpy, torch CPU tensors, ...)."""
+        return cls(name, np.from_dlpack(capsule))
+
+    def __repr__(self) -> str:
+        return f"Tensor({self._name!r}, shape={self.shape()}, dtype={self._data.dtype})"
+
+
+def _to_bytes(value: Any) -> bytes:
+    return value if isinstance(value, bytes) else str(value).encode("utf-8")
+
+
+class InferenceResponse:
+    """A model's answer to one request: output tensors, or an error."""
+
+    def __init__(self, output_tensors: Sequence[Tensor] | None = None, error: TritonError | None = None,
+                 parameters: dict[str, Any] | str | None = None) -> None:
+        self._outputs = list(output_tensors or [])
+        self._error = error
+        self._parameters = json.loads(parameters) if isinstance(parameters, str) else dict(parameters or {})
+
+    def output_tensors(self) -> list[Tensor]:
+        return self._outputs
+
+    def has_error(self) -> bool:
+        return self._error is not None
+
+    def error(self) -> TritonError | None:
+        return self._error
+
+    def parameters(self) -> str:
+        return json.dumps(self._parameters)
+
+
+class InferenceResponseSender:
+    """Sends a decoupled model's responses to one request (``request.get_response_sender()``)."""
+
+    def __init__(self, send: Any) -> None:
+        self._send = send
+
+    def send(self, response: InferenceResponse | None = None, flags: int = 0) -> None:
+        self._send(response, bool(flags & TRITONSERVER_RESPONSE_COMPLETE_FINAL))
+
+
+class InferenceRequest:
+    """A request as ``execute`` receives it."""
+
+    def __init__(self, inputs: Sequence[Tensor] = (), requested_output_names: Sequence[str] = (),
+                 request_id: str = "", correlation_id: int | str = 0, flags: int = 0, timeout: int = 0,
+                 parameters: dict[str, Any] | str | None = None, model_name: str = "",
+                 model_version: int = -1, **_: Any) -> None:
+        self._inputs = list(inputs)
+        self._outputs = list(requested_output_names)
+        self._request_id = request_id
+        self._correlation_id = correlation_id
+        self._flags = flags
+        self._timeout = timeout
+        self._parameters = json.loads(parameters) if isinstance(parameters, str) else dict(parameters or {})
+        self.model_name = model_name
+        self.model_version = model_version
+        self._sender: InferenceResponseSender | None = None
+        self._cancelled = threading.Event()
+
+    def inputs(self) -> list[Tensor]:
+        return self._inputs
+
+    def requested_output_names(self) -> list[str]:
+        return self._outputs
+
+    def request_id(self) -> str:
+        return self._request_id
+
+    def correlation_id(self) -> int | str:
+        return self._correlation_id
+
+    def flags(self) -> int:
+        return self._flags
+
+    def timeout(self) -> int:
+        return self._timeout
+
+    def parameters(self) -> str:
+        return json.dumps(self._parameters)
+
+    def is_cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    def get_response_sender(self) -> InferenceResponseSender:
+        if self._sender is None:
+            raise TritonModelException("the response sender is only available to decoupled models")
+        return self._sender
+
+
+class Logger:
+    """Triton's model logger; lines go to the replica's log."""
+
+    class LogLevel:
+        INFO = 0
+        WARNING = 1
+        ERROR = 2
+        VERBOSE = 3
+
+    _LEVELS = {0: logging.INFO, 1: logging.WARNING, 2: logging.ERROR, 3: logging.DEBUG}
+
+    @staticmethod
+    def log(message: str, level: int = 0) -> None:
+        _logger.log(Logger._LEVELS.get(level, logging.INFO), "%s", message)
+
+    @staticmethod
+    def log_info(message: str) -> None:
+        _logger.info("%s", message)
+
+    @staticmethod
+    def log_warn(message: str) -> None:
+        _logger.warning("%s", message)
+
+    log_warning = log_warn
+
+    @staticmethod
+    def log_error(message: str) -> None:
+        _logger.error("%s", message)
+
+    @staticmethod
+    def log_verbose(message: str) -> None:
+        _logger.debug("%s", message)
+
+
+def get_input_tensor_by_name(request: InferenceRequest, name: str) -> Tensor | None:
+    return next((t for t in request.inputs() if t.name() == name), None)
+
+
+def get_output_tensor_by_name(response: InferenceResponse, name: str) -> Tensor | None:
+    return next((t for t in response.output_tensors() if t.name() == name), None)
+
+
+def get_input_config_by_name(model_config: dict[str, Any], name: str) -> dict[str, Any] | None:
+    return next((t for t in model_config.get("input", []) if t.get("name") == name), None)
+
+
+def get_output_config_by_name(model_config: dict[str, Any], name: str) -> dict[str, Any] | None:
+    return next((t for t in model_config.get("output", []) if t.get("name") == name), None)
+
+
+def triton_string_to_numpy(triton_type_string: str) -> type:
+    """``TYPE_FP32`` -> ``numpy.float32`` (``TYPE_STRING``: ``numpy.object_``)."""
+    return _CONFIG_TO_NUMPY[triton_type_string]
+
+
+def numpy_to_triton_type(data_type: Any) -> int | None:
+    try:
+        return _TYPE_NUMBERS[_wire_datatype(np.dtype(data_type))]
+    except Exception:
+        return None
+
+
+def triton_to_numpy_type(data_type: int) -> type | None:
+    name = _NUMBER_TYPES.get(int(data_type))
+    if name is None or name == "BF16":
+        return None
+    return np.object_ if name == "BYTES" else _numpy_dtype(name).type
+
+
+def serialize_byte_tensor(input_tensor: np.ndarray) -> np.ndarray | None:
+    """BYTES elements, each prefixed with its 4-byte length, as a uint8 array (as Triton's)."""
+    if input_tensor.size == 0:
+        return None
+    flat = np.array([_to_bytes(v) for v in input_tensor.reshape(-1)], dtype=object)
+    return np.frombuffer(_serialize(flat), dtype=np.uint8)
+
+
+def deserialize_bytes_tensor(encoded_tensor: bytes | np.ndarray) -> np.ndarray:
+    """The inverse of :func:`serialize_byte_tensor`: a 1-D object array of ``bytes``."""
+    buffer = encoded_tensor.tobytes() if isinstance(encoded_tensor, np.ndarray) else bytes(encoded_tensor)
+    values, offset = [], 0
+    while offset < len(buffer):
+        length = int.from_bytes(buffer[offset:offset + 4], "little")
+        values.append(buffer[offset + 4:offset + 4 + length])
+        offset += 4 + length
+    array = np.empty(len(values), dtype=object)
+    array[:] = values
+    return array
+
+
+def using_decoupled_model_transaction_policy(model_config: dict[str, Any]) -> bool:
+    return bool(model_config.get("model_transaction_policy", {}).get("decoupled", False))
+
+
+def get_model_dir() -> str:
+    """The model's folder (``<repository>/<model>``) of the model being loaded or run."""
+    return getattr(_model_dir, "path", "")
+
+
+def set_model_dir(path: str) -> None:
+    """Set by the backend for the thread that loads or runs a model."""
+    _model_dir.path = path
+
+
+class ModelConfig:
+    """The config ``auto_complete_config`` receives: Triton's JSON form, completed in place."""
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        self._config = config
+
+    def as_dict(self) -> dict[str, Any]:
+        return self._config
+
+    def set_max_batch_size(self, max_batch_size: int) -> None:
+        current = int(self._config.get("max_batch_size", 0))
+        if current and current != max_batch_size:
+            raise TritonModelException(
+                f"configuration specified max_batch_size {current}, but auto-complete-config function "
+                f"for model '{self._config.get('name')}' tries to set max_batch_size to {max_batch_size}"
+            )
+        self._config["max_batch_size"] = int(max_batch_size)
+
+    def set_dynamic_batching(self) -> None:
+        self._config.setdefault("dynamic_batching", {})
+
+    def add_input(self, input: dict[str, Any]) -> None:
+        self._add("input", input)
+
+    def add_output(self, output: dict[str, Any]) -> None:
+        self._add("output", output)
+
+    def set_model_transaction_policy(self, transaction_policy_dict: dict[str, Any]) -> None:
+        self._config.setdefault("model_transaction_policy", {}).update(transaction_policy_dict)
+
+    def _add(self, kind: str, tensor: dict[str, Any]) -> None:
+        name = tensor.get("name")
+        if not name or "data_type" not in tensor or "dims" not in tensor:
+            raise TritonModelException(f"model {kind} must have 'name', 'data_type' and 'dims': {tensor}")
+        tensors = self._config.setdefault(kind, [])
+        existing = next((t for t in tensors if t.get("name") == name), None)
+        if existing is None:
+            tensors.append(dict(tensor))
+            return
+        for key in ("data_type", "dims"):
+            if key in existing and existing[key] and [str(v) for v in _listed(existing[key])] != \
+                    [str(v) for v in _listed(tensor[key])]:
+                raise TritonModelException(
+                    f"model {kind} '{name}': the configuration's {key} {existing[key]} differs from "
+                    f"auto-complete-config's {tensor[key]}"
+                )
+        for key, value in tensor.items():
+            existing.setdefault(key, value)
+
+
+def _listed(value: Any) -> list[Any]:
+    return list(value) if isinstance(value, (list, tuple)) else [value]

@@ -1,0 +1,118 @@
+"""Triton's Python backend: unmodified model.py files served to tritonclient over both protocols
+(the models are in tests/python_models.py)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+from python_models import ANCHOR_MODELS
+
+needs_anchors = pytest.mark.skipif(not ANCHOR_MODELS.is_dir(), reason="needs ../shared/anchors beside the checkout")
+
+
+@pytest.fixture(scope="module", params=["http", "grpc"])
+def proto(request, server):
+    """(client module, client) for each protocol."""
+    module = httpclient if request.param == "http" else grpcclient
+    client = module.InferenceServerClient(server["url"] if request.param == "http" else server["grpc_url"])
+    yield module, client
+    client.close()
+
+
+def tensor(module, name: str, array: np.ndarray, datatype: str):
+    t = module.InferInput(name, list(array.shape), datatype)
+    t.set_data_from_numpy(array)
+    return t
+
+
+def test_add_sub_with_a_helper_module(proto):
+    module, client = proto
+    a = np.array([1, 2, 3, 4], dtype=np.float32)
+    b = np.array([1, 1, 1, 1], dtype=np.float32)
+    result = client.infer("py_add_sub", [tensor(module, "INPUT0", a, "FP32"), tensor(module, "INPUT1", b, "FP32")])
+    np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), a + b)
+    np.testing.assert_array_equal(result.as_numpy("OUTPUT1"), a - b)
+    params = result.get_response()["parameters"] if module is httpclient else \
+        {k: v.string_param for k, v in result.get_response().parameters.items()}
+    assert params == {"instance": "py_add_sub_0_0"}  # initialize's args reached the model
+
+
+def test_auto_complete_config_completes_the_config(proto):
+    module, client = proto
+    kwargs = {"as_json": True} if module is grpcclient else {}
+    config = client.get_model_config("py_auto_complete", **kwargs)
+    config = config["config"] if module is grpcclient else config
+    assert int(config["max_batch_size"]) == 8 and "dynamic_batching" in config
+    assert [t["name"] for t in config["input"]] == ["INPUT0"]
+    x = np.ones((3, 4), dtype=np.float32)
+    np.testing.assert_array_equal(client.infer("py_auto_complete", [tensor(module, "INPUT0", x, "FP32")])
+                                  .as_numpy("OUTPUT0"), x * 2)
+
+
+def test_an_error_response_fails_only_its_request_and_an_exception_its_batch(server):
+    """Concurrent requests share one execution (200 ms queue delay): the error response answers
+    only its request, an exception in execute fails every request of its execution, and the
+    model keeps serving."""
+    client = httpclient.InferenceServerClient(server["url"], concurrency=4)
+    values = [5, -1, 7]
+
+    def submit(v):
+        return client.async_infer("py_errors", [tensor(httpclient, "INPUT0", np.array([[v]], dtype=np.int32), "INT32")])
+
+    pending = [submit(v) for v in values]
+    good, bad, other = pending
+    assert good.get_result().as_numpy("OUTPUT0")[0, 0] == 5
+    with pytest.raises(InferenceServerException, match="negative input") as error:
+        bad.get_result()
+    assert error.value.status() == "400"
+    assert other.get_result().as_numpy("OUTPUT0")[0, 0] == 7
+    for request in [submit(v) for v in (0, 3)]:  # one execution: both fail with the exception
+        with pytest.raises(InferenceServerException, match="zero is not allowed"):
+            request.get_result()
+    assert submit(9).get_result().as_numpy("OUTPUT0")[0, 0] == 9  # still serving
+
+
+def test_initialize_failing_makes_the_model_unavailable_with_its_message(server):
+    client = httpclient.InferenceServerClient(server["url"], network_timeout=300.0)
+    try:
+        with pytest.raises(InferenceServerException, match="the weights are missing"):
+            client.load_model("py_init_fail")
+        row = next(r for r in client.get_model_repository_index() if r["name"] == "py_init_fail")
+        assert row["state"] == "UNAVAILABLE" and "the weights are missing" in row["reason"]
+        assert not client.is_model_ready("py_init_fail")
+    finally:
+        client.unload_model("py_init_fail")
+
+
+def test_bytes_parameters_model_dir_and_async_execute(proto):
+    module, client = proto
+    text = np.array([[b"hello", b"w\xc3\xb6rld"]], dtype=object)
+    result = client.infer("py_strings", [tensor(module, "TEXT", text, "BYTES")], parameters={"tone": "loud"})
+    assert result.as_numpy("UPPER").tolist() == [[b"HELLO!", "WÖRLD!".encode()]]
+    seen = json.loads(result.as_numpy("SEEN")[0, 0])
+    assert seen["parameters"] == {"tone": "loud"}
+    assert seen["model_dir"] == "py_strings"
+    assert sorted(seen["outputs"]) == ["SEEN", "UPPER"]
+
+
+def test_wrong_input_is_refused_before_the_model(proto):
+    module, client = proto
+    with pytest.raises(InferenceServerException, match="py_add_sub"):
+        client.infer("py_add_sub", [tensor(module, "INPUT0", np.ones(4, dtype=np.int32), "INT32"),
+                                    tensor(module, "INPUT1", np.ones(4, dtype=np.float32), "FP32")])
+
+
+@needs_anchors
+def test_the_anchor_models_serve_unmodified(proto):
+    module, client = proto
+    x = np.random.default_rng(0).random((3, 16), dtype=np.float32)
+    np.testing.assert_array_equal(client.infer("identity_fp32", [tensor(module, "INPUT0", x, "FP32")])
+                                  .as_numpy("OUTPUT0"), x)
+    y = client.infer("mlp_onnx", [tensor(module, "INPUT0", np.ones((2, 256), dtype=np.float32), "FP32")])
+    assert y.as_numpy("OUTPUT0").shape == (2, 10)

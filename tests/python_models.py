@@ -1,0 +1,175 @@
+"""Python-backend models of the test repository: Triton's python_backend examples in this
+project's own words, plus models for each rule of the backend under test."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ANCHOR_MODELS = Path(__file__).resolve().parents[2] / "shared" / "anchors" / "models"
+# Loaded by tests through the repository API, not at start.
+NOT_LOADED_AT_START = ("py_init_fail",)
+
+MODELS: dict[str, tuple[str, str]] = {}
+
+# Triton's add_sub example: OUTPUT0 = INPUT0 + INPUT1, OUTPUT1 = INPUT0 - INPUT1, FP32 [4];
+# the arithmetic lives in a helper module beside model.py (the version folder is on sys.path).
+MODELS["py_add_sub"] = ("""name: "py_add_sub"
+backend: "python"
+input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ 4 ] }, { name: "INPUT1" data_type: TYPE_FP32 dims: [ 4 ] } ]
+output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 4 ] }, { name: "OUTPUT1" data_type: TYPE_FP32 dims: [ 4 ] } ]
+instance_group [ { kind: KIND_CPU } ]
+""", '''import json
+
+import triton_python_backend_utils as pb_utils
+from arithmetic import add_and_subtract
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.model_config = json.loads(args["model_config"])
+        self.output_dtypes = [
+            pb_utils.triton_string_to_numpy(pb_utils.get_output_config_by_name(self.model_config, name)["data_type"])
+            for name in ("OUTPUT0", "OUTPUT1")
+        ]
+        self.args = args
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            in0 = pb_utils.get_input_tensor_by_name(request, "INPUT0").as_numpy()
+            in1 = pb_utils.get_input_tensor_by_name(request, "INPUT1").as_numpy()
+            total, difference = add_and_subtract(in0, in1)
+            out0 = pb_utils.Tensor("OUTPUT0", total.astype(self.output_dtypes[0]))
+            out1 = pb_utils.Tensor("OUTPUT1", difference.astype(self.output_dtypes[1]))
+            responses.append(pb_utils.InferenceResponse(output_tensors=[out0, out1],
+                                                        parameters={"instance": self.args["model_instance_name"]}))
+        return responses
+
+    def finalize(self):
+        pb_utils.Logger.log_info("py_add_sub finalized")
+''')
+
+# Triton's auto_complete example: the config names no tensors and no batch size.
+MODELS["py_auto_complete"] = ("""name: "py_auto_complete"
+backend: "python"
+""", '''import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    @staticmethod
+    def auto_complete_config(auto_complete_model_config):
+        auto_complete_model_config.add_input({"name": "INPUT0", "data_type": "TYPE_FP32", "dims": [4]})
+        auto_complete_model_config.add_output({"name": "OUTPUT0", "data_type": "TYPE_FP32", "dims": [4]})
+        auto_complete_model_config.set_max_batch_size(8)
+        auto_complete_model_config.set_dynamic_batching()
+        return auto_complete_model_config
+
+    def execute(self, requests):
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0", pb_utils.get_input_tensor_by_name(r, "INPUT0")
+                                                            .as_numpy() * 2)]) for r in requests]
+''')
+
+# Errors: a negative first element is an error response (that request only), zero raises
+# (every request of that execution fails); dynamic batching puts both in one execution.
+MODELS["py_errors"] = ("""name: "py_errors"
+backend: "python"
+max_batch_size: 8
+input [ { name: "INPUT0" data_type: TYPE_INT32 dims: [ 1 ] } ]
+output [ { name: "OUTPUT0" data_type: TYPE_INT32 dims: [ 1 ] } ]
+dynamic_batching { max_queue_delay_microseconds: 200000 }
+""", '''import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            value = pb_utils.get_input_tensor_by_name(request, "INPUT0").as_numpy()
+            if (value == 0).any():
+                raise pb_utils.TritonModelException("zero is not allowed")
+            if (value < 0).any():
+                error = pb_utils.TritonError("negative input", pb_utils.TritonError.INVALID_ARG)
+                responses.append(pb_utils.InferenceResponse(error=error))
+            else:
+                responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0", value)]))
+        return responses
+''')
+
+MODELS["py_init_fail"] = ("""name: "py_init_fail"
+backend: "python"
+input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ 1 ] } ]
+output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 1 ] } ]
+""", '''class TritonPythonModel:
+    def initialize(self, args):
+        raise RuntimeError("the weights are missing")
+
+    def execute(self, requests):
+        return []
+''')
+
+# BYTES in and out, config parameters and request parameters, a helper module from the model
+# folder, pb_utils.get_model_dir() and async execute.
+MODELS["py_strings"] = ("""name: "py_strings"
+backend: "python"
+max_batch_size: 4
+input [ { name: "TEXT" data_type: TYPE_STRING dims: [ -1 ] } ]
+output [ { name: "UPPER" data_type: TYPE_STRING dims: [ -1 ] }, { name: "SEEN" data_type: TYPE_STRING dims: [ 1 ] } ]
+parameters: { key: "suffix" value: { string_value: "!" } }
+""", '''import json
+import os
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+from text_tools import shout
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        config = json.loads(args["model_config"])
+        self.suffix = config["parameters"]["suffix"]["string_value"]
+        self.model_dir = pb_utils.get_model_dir()
+
+    async def execute(self, requests):
+        responses = []
+        for request in requests:
+            text = pb_utils.get_input_tensor_by_name(request, "TEXT").as_numpy()
+            upper = np.array([[shout(v, self.suffix) for v in row] for row in text], dtype=object)
+            seen = {"parameters": json.loads(request.parameters()), "model_dir": os.path.basename(self.model_dir),
+                    "outputs": request.requested_output_names()}
+            rows = np.array([[json.dumps(seen, sort_keys=True).encode()]] * len(text), dtype=object)
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("UPPER", upper),
+                                                         pb_utils.Tensor("SEEN", rows)]))
+        return responses
+''')
+
+HELPERS = {
+    ("py_add_sub", "1/arithmetic.py"): "def add_and_subtract(a, b):\n    return a + b, a - b\n",
+    # In the model folder, not the version folder: both are on sys.path.
+    ("py_strings", "text_tools.py"): (
+        "def shout(value, suffix):\n    return value.decode('utf-8').upper().encode('utf-8') + suffix.encode()\n"
+    ),
+}
+
+
+def write_python_models(root: Path) -> None:
+    """Write the models above, and the Triton anchor's Python models when ../shared is there
+    (``identity_fp32`` and ``mlp_onnx``, unmodified, with the MLP's weights built)."""
+    for name, (config, code) in MODELS.items():
+        (root / name / "1").mkdir(parents=True)
+        (root / name / "config.pbtxt").write_text(config)
+        (root / name / "1" / "model.py").write_text(code)
+    for (name, relative), code in HELPERS.items():
+        (root / name / relative).write_text(code)
+    if ANCHOR_MODELS.is_dir():
+        for name in ("identity_fp32", "mlp_onnx"):
+            shutil.copytree(ANCHOR_MODELS / name, root / name)
+        build = root / "_weights"
+        build.mkdir()
+        shutil.copytree(ANCHOR_MODELS / "mlp_onnx", build / "mlp_onnx")
+        shutil.copy(ANCHOR_MODELS / "make_mlp_onnx.py", build)
+        subprocess.run([sys.executable, "make_mlp_onnx.py"], cwd=build, check=True, capture_output=True)
+        shutil.copy(build / "mlp_onnx" / "1" / "model.onnx", root / "mlp_onnx" / "1" / "model.onnx")
+        shutil.rmtree(build)
