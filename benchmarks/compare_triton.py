@@ -2,13 +2,14 @@
 """Side-by-side throughput of the Triton anchor and rayinfer on the same ONNX MLP.
 
     .venv/bin/python benchmarks/compare_triton.py [--concurrency 1,2,4,8,16,32] [--protocols http,grpc]
-        [--batching on,off] [--rounds 3]
+        [--batching on,off,python] [--rounds 3]
 
 Installs the Triton anchor (../shared/anchors/triton/setup) if missing, builds the anchor's MLP
 weights, then alternates the two servers on loopback inside a private network namespace,
 running NVIDIA's perf_analyzer over HTTP and gRPC at each concurrency (batch 1 per request),
 with dynamic batching on (the anchor's ``mlp_onnx``, unmodified) and off (``mlp_onnx_nobatch``:
-the same model and config without ``dynamic_batching``). Triton serves the anchor's python-backend
+the same model and config without ``dynamic_batching``), and on the anchor's Python model
+``identity_fp32``, the same model.py in both servers (``--batching python``). Triton serves the anchor's python-backend
 model; rayinfer serves the same model.onnx natively with its ONNX Runtime adapter and the same
 settings. The batch sizes each server formed come from its statistics extension. The in-process
 limit (onnxruntime alone in this process, same threads) is measured in every round. Writes the
@@ -41,8 +42,11 @@ ANCHOR_HOME = Path(os.environ.get("TRITON_ANCHOR", "/tmp/anchor-triton"))
 TRITON_PORT = 18000
 RAYINFER_PORT = 18100
 MODEL = "mlp_onnx"
-# Batching on: the anchor's model; off: the same model with no dynamic_batching, for both servers.
-MODELS = {"on": MODEL, "off": f"{MODEL}_nobatch"}
+# Batching on: the anchor's model; off: the same model with no dynamic_batching, for both servers;
+# python: the anchor's identity_fp32, a Python-backend model both servers run unmodified.
+PYTHON_MODEL = "identity_fp32"
+MODELS = {"on": MODEL, "off": f"{MODEL}_nobatch", "python": PYTHON_MODEL}
+LABELS = {"on": "on", "off": "off", "python": f"`{PYTHON_MODEL}` (Python model, batching on)"}
 # The example repository's MLP config (same batching and threads as the anchor's), renamed.
 RAYINFER_CONFIG = MLP_CONFIG.replace('name: "mlp"', f'name: "{MODEL}"')
 MARK_BEGIN = "<!-- compare_triton:begin -->"
@@ -196,7 +200,10 @@ def prepare(work: Path) -> tuple[Path, Path]:
     for path in triton_repo.rglob("*"):
         path.chmod(0o755 if path.is_dir() else 0o644)
     ray_repo = work / "rayinfer"
+    shutil.copytree(triton_repo / PYTHON_MODEL, ray_repo / PYTHON_MODEL)
     for batching, name in MODELS.items():
+        if batching == "python":
+            continue
         (ray_repo / name / "1").mkdir(parents=True)
         config = RAYINFER_CONFIG if batching == "on" else without_batching(RAYINFER_CONFIG, name)
         (ray_repo / name / "config.pbtxt").write_text(config)
@@ -270,7 +277,8 @@ def render(results: Results, limits: list[dict[int, float]], points: list[Point]
         f"Measured {time.strftime('%Y-%m-%d')} on {os.cpu_count()} cores ({platform.processor() or platform.machine()}), "
         f"Python {platform.python_version()}, median of {args.rounds} round(s), servers alternated, perf_analyzer on the "
         "same cores, batch 1 per request, model `mlp_onnx` (256->1024->1024->10 FP32), max_batch_size 64, one "
-        "instance, one intra-op thread; batching on: dynamic batching with a 500 us queue delay, off: none. "
+        "instance, one intra-op thread; batching on: dynamic batching with a 500 us queue delay, off: none; "
+        f"`{PYTHON_MODEL}`: the anchor's Python model (FP32 [16] identity, max_batch_size 32, 500 us delay). "
         "\"batch\" is the average number of requests per model execution, from each server's statistics.",
         "",
         "| protocol | batching | concurrency | Triton infer/s | rayinfer infer/s | ratio | Triton p50 / p99 (us) "
@@ -280,7 +288,7 @@ def render(results: Results, limits: list[dict[int, float]], points: list[Point]
     for point in points:
         t, r = m("triton", point, "infer_s"), m("rayinfer", point, "infer_s")
         lines.append(
-            f"| {point[0]} | {point[1]} | {point[2]} | {t:,.0f} | {r:,.0f} | {r / t:.2f}x "
+            f"| {point[0]} | {LABELS[point[1]]} | {point[2]} | {t:,.0f} | {r:,.0f} | {r / t:.2f}x "
             f"| {m('triton', point, 'p50_us'):,.0f} / {m('triton', point, 'p99_us'):,.0f} "
             f"| {m('rayinfer', point, 'p50_us'):,.0f} / {m('rayinfer', point, 'p99_us'):,.0f} "
             f"| {m('rayinfer', point, 'p99_us') / m('triton', point, 'p99_us'):.2f}x "
@@ -295,7 +303,7 @@ def render(results: Results, limits: list[dict[int, float]], points: list[Point]
             t_gain = m("triton", (p, "on", c), "infer_s") / m("triton", (p, "off", c), "infer_s")
             r_gain = m("rayinfer", (p, "on", c), "infer_s") / m("rayinfer", (p, "off", c), "infer_s")
             lines.append(f"| {p} | {c} | {t_gain:.2f}x | {r_gain:.2f}x |")
-    best = max(m("rayinfer", point, "infer_s") for point in points)
+    best = max((m("rayinfer", point, "infer_s") for point in points if point[1] != "python"), default=0.0)
     lines += [
         "",
         "In-process limit: onnxruntime alone on the same model.onnx in one Python process, one intra-op thread, "
@@ -318,45 +326,6 @@ def render(results: Results, limits: list[dict[int, float]], points: list[Point]
     return "\n".join(lines)
 
 
-def plot(results: Results, points: list[Point], images: Path) -> None:
-    """Throughput against concurrency, and p50 / p99 latency against throughput, one panel per protocol."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    protocols = sorted({p for p, _, _ in points}, key=["http", "grpc"].index)
-    styles = {("triton", "on"): ("tab:green", "-"), ("triton", "off"): ("tab:green", ":"),
-              ("rayinfer", "on"): ("tab:blue", "-"), ("rayinfer", "off"): ("tab:blue", ":")}
-    images.mkdir(parents=True, exist_ok=True)
-    for name, xlabel, ylabel in (("throughput", "concurrency", "infer/s"), ("latency", "infer/s", "latency (ms)")):
-        fig, axes = plt.subplots(1, len(protocols), figsize=(6 * len(protocols), 4.2), squeeze=False)
-        for ax, protocol in zip(axes[0], protocols):
-            for (server, batching), (color, line) in styles.items():
-                series = [pt for pt in points if pt[0] == protocol and pt[1] == batching]
-                if not series:
-                    continue
-                label = f"{server}, batching {batching}"
-                throughput = [median(results, server, pt, "infer_s") for pt in series]
-                if name == "throughput":
-                    ax.plot([pt[2] for pt in series], throughput, line, color=color, marker="o", label=label)
-                    ax.set_xscale("log", base=2)
-                    ax.set_xticks([pt[2] for pt in series], [str(pt[2]) for pt in series])
-                else:
-                    for key, marker in (("p50_us", "o"), ("p99_us", "^")):
-                        latency = [median(results, server, pt, key) / 1000 for pt in series]
-                        ax.plot(throughput, latency, line, color=color, marker=marker,
-                                label=f"{label}, {key[:3]}")
-            ax.set_title(f"{PROTOCOL_NAMES[protocol]}: mlp_onnx, batch 1 per request")
-            ax.set_xlabel(xlabel)
-            ax.set_ylabel(ylabel)
-            ax.grid(True, alpha=0.3)
-            ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(images / f"bench_{name}.png", dpi=90)
-        plt.close(fig)
-
-
 def write_doc(section: str, path: Path, marks: tuple[str, str] = (MARK_BEGIN, MARK_END)) -> None:
     """Replaces the part of ``path`` between ``marks`` with ``section`` (which holds them), or appends it."""
     text = path.read_text() if path.exists() else "# Benchmarks\n\n"
@@ -372,7 +341,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--concurrency", default="1,2,4,8,16,32")
     parser.add_argument("--protocols", default="http,grpc")
-    parser.add_argument("--batching", default="on,off", help="on, off or both: dynamic batching in the model")
+    parser.add_argument("--batching", default="on,off,python",
+                        help="on, off (the MLP with and without dynamic batching), python (identity_fp32)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--measurement-interval", type=int, default=3000, help="ms per perf_analyzer window")
     parser.add_argument("--output", type=Path, default=ROOT / "docs" / "benchmarks.md")
@@ -400,6 +370,8 @@ def main() -> int:
     section = render(results, limits, points, args)
     print(section)
     write_doc(section, args.output)
+    from bench_plots import plot
+
     plot(results, points, args.images)
     return 0
 
