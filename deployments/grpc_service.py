@@ -122,28 +122,42 @@ class ServerGrpcMethods:
     async def ModelStreamInfer(
         self, requests: AsyncIterator[pb.ModelInferRequest]
     ) -> AsyncIterator[pb.ModelStreamInferResponse]:
-        """Each request goes to its model; responses come back in request order, and an error
-        is that response's ``error_message`` (the stream stays open)."""
-        window: asyncio.Queue[asyncio.Task | None] = asyncio.Queue(_STREAM_WINDOW)
+        """Each request goes to its model, whose responses (zero to many for a decoupled model)
+        stream back as they come; requests are answered in order, several in flight at once, and
+        an error is a response's ``error_message`` (the stream stays open)."""
+        window: asyncio.Queue[asyncio.Queue | None] = asyncio.Queue(_STREAM_WINDOW)
+        pumps: set[asyncio.Task] = set()
+
+        async def pump(request: pb.ModelInferRequest, out: asyncio.Queue) -> None:
+            try:
+                async for response in self._forwarder.stream(request):
+                    await out.put(response)
+            except Exception as exc:
+                await out.put(pb.ModelStreamInferResponse(error_message=as_serving_error(exc).message))
+            finally:
+                await out.put(None)
 
         async def submit() -> None:
             try:
                 async for request in requests:
-                    call = self._forwarder.forward("ModelInfer", request.model_name, request.model_version, request)
-                    await window.put(asyncio.ensure_future(call))
+                    out: asyncio.Queue = asyncio.Queue()
+                    task = asyncio.ensure_future(pump(request, out))
+                    pumps.add(task)
+                    task.add_done_callback(pumps.discard)
+                    await window.put(out)
             finally:
                 await window.put(None)
 
         feeder = asyncio.ensure_future(submit())
         try:
-            while (task := await window.get()) is not None:
-                try:
-                    yield pb.ModelStreamInferResponse(infer_response=await task)
-                except Exception as exc:
-                    yield pb.ModelStreamInferResponse(error_message=as_serving_error(exc).message)
+            while (out := await window.get()) is not None:
+                while (response := await out.get()) is not None:
+                    yield response
             await feeder
         finally:
             feeder.cancel()
+            for task in list(pumps):
+                task.cancel()
 
     async def ModelStatistics(self, request: pb.ModelStatisticsRequest, grpc_context: Any = None) -> Any:
         """Answered from the statistics model replicas report here (the front relays calls that
@@ -232,6 +246,18 @@ class ModelForwarder:
                            "with a new handle", method, name, exc.details())
             answer_bytes = await self._new_handle(route).grpc_forwarded.remote(method, payload)
         return MODEL_RPCS[method][1].FromString(answer_bytes)
+
+    async def stream(self, request: pb.ModelInferRequest) -> AsyncIterator[pb.ModelStreamInferResponse]:
+        """The responses of one stream request, from a replica of its model by streaming handle."""
+        name, version = request.model_name, request.model_version
+        if not name:
+            raise InvalidArgError("the request does not name a model")
+        route = await self.route(name, version)
+        if route is None:
+            raise await self._api.unavailable_model(name, version or None)
+        handle = self._handles.get(route) or self._new_handle(route)
+        async for payload in handle.options(stream=True).grpc_stream.remote(request.SerializeToString()):
+            yield pb.ModelStreamInferResponse.FromString(payload)
 
     def forget(self, model: str) -> None:
         """Drop the handles to the applications of an unloaded model."""

@@ -105,6 +105,12 @@ class ModelDeployment:
         (protobuf messages do not pickle); errors travel as ServingError."""
         return await model_grpc.call_serialized(self._core, method, payload)
 
+    async def grpc_stream(self, payload: bytes) -> Any:
+        """One request of a gRPC stream the ``/v2`` replica forwards by streaming handle: its
+        serialized ModelStreamInferResponse messages, as the model answers them."""
+        async for message in model_grpc.stream_serialized(self._core, payload):
+            yield message
+
     # ---- the /v2 replica: statistics and the listener's registration ------------------------
 
     def _server_handle(self) -> Any:

@@ -7,12 +7,13 @@ deployment handle both answer through :func:`call_serialized`; errors are raised
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from typing import Any
 
 from google.protobuf.message import DecodeError
 from tritonclient.grpc import service_pb2 as pb
 
-from rayinfer.protocol.errors import InvalidArgError, NotFoundError, UnsupportedError
+from rayinfer.protocol.errors import InvalidArgError, NotFoundError, ServingError, UnsupportedError, as_serving_error
 from rayinfer.protocol.grpc_codec import metadata_to_grpc, request_from_grpc, response_to_grpc, statistics_to_grpc
 from rayinfer.protocol.statistics import stats_to_json
 from rayinfer.serving.model_core import ModelCore
@@ -69,3 +70,22 @@ async def call_serialized(core: ModelCore, method: str, payload: bytes) -> bytes
     except DecodeError:
         raise InvalidArgError(f"malformed {method} request for model '{core.name}'") from None
     return (await call(core, method, request)).SerializeToString()
+
+
+async def stream_serialized(core: ModelCore, payload: bytes) -> AsyncIterator[bytes]:
+    """One request of a ModelStreamInfer stream: its responses (zero to many for a decoupled
+    model, else one) as serialized ``ModelStreamInferResponse`` messages; an error is a message
+    with ``error_message`` (the stream stays open)."""
+    try:
+        request = pb.ModelInferRequest.FromString(payload)
+        if request.model_version and request.model_version != core.version:
+            raise NotFoundError(f"Request for unknown model: '{core.name}' version {request.model_version} is not found")
+        prepared = core.prepare(request_from_grpc(request))
+    except Exception as exc:  # rejected before the model (DecodeError included)
+        yield pb.ModelStreamInferResponse(error_message=as_serving_error(exc).message).SerializeToString()
+        return
+    async for result in core.stream(prepared):
+        if isinstance(result, ServingError):
+            yield pb.ModelStreamInferResponse(error_message=result.message).SerializeToString()
+        else:
+            yield pb.ModelStreamInferResponse(infer_response=response_to_grpc(result)).SerializeToString()

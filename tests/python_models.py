@@ -145,6 +145,46 @@ class TritonPythonModel:
         return responses
 ''')
 
+# Triton's decoupled repeat example: one response per element of IN, sent from a thread of the
+# model's own after execute returned, then the final flag.
+MODELS["py_repeat"] = ("""name: "py_repeat"
+backend: "python"
+input [ { name: "IN" data_type: TYPE_INT32 dims: [ -1 ] } ]
+output [ { name: "OUT" data_type: TYPE_INT32 dims: [ 1 ] }, { name: "IDX" data_type: TYPE_UINT32 dims: [ 1 ] } ]
+model_transaction_policy { decoupled: true }
+""", '''import threading
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        if not pb_utils.using_decoupled_model_transaction_policy(__import__("json").loads(args["model_config"])):
+            raise pb_utils.TritonModelException("py_repeat must be decoupled")
+        self.threads = []
+
+    def execute(self, requests):
+        for request in requests:
+            values = pb_utils.get_input_tensor_by_name(request, "IN").as_numpy()
+            thread = threading.Thread(target=self.repeat, args=(request.get_response_sender(), values))
+            thread.start()
+            self.threads.append(thread)
+        return None
+
+    def repeat(self, sender, values):
+        for index, value in enumerate(values):
+            sender.send(pb_utils.InferenceResponse([
+                pb_utils.Tensor("OUT", np.array([value], dtype=np.int32)),
+                pb_utils.Tensor("IDX", np.array([index], dtype=np.uint32)),
+            ]))
+        sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+    def finalize(self):
+        for thread in self.threads:
+            thread.join()
+''')
+
 HELPERS = {
     ("py_add_sub", "1/arithmetic.py"): "def add_and_subtract(a, b):\n    return a + b, a - b\n",
     # In the model folder, not the version folder: both are on sys.path.

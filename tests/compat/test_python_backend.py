@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import queue
 
 import numpy as np
 import pytest
@@ -106,6 +107,32 @@ def test_wrong_input_is_refused_before_the_model(proto):
     with pytest.raises(InferenceServerException, match="py_add_sub"):
         client.infer("py_add_sub", [tensor(module, "INPUT0", np.ones(4, dtype=np.int32), "INT32"),
                                     tensor(module, "INPUT1", np.ones(4, dtype=np.float32), "FP32")])
+
+
+def test_a_decoupled_model_streams_zero_to_many_responses_over_grpc(server):
+    """Triton's repeat example: one response per element, then the next request's responses;
+    a non-decoupled model answers on the same stream; unary calls are refused."""
+    client = grpcclient.InferenceServerClient(server["grpc_url"])
+    received: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: received.put((result, error)))
+    try:
+        for values in ([4, 2, 7], [], [9]):
+            client.async_stream_infer("py_repeat", [tensor(grpcclient, "IN", np.array(values, dtype=np.int32), "INT32")])
+        x = np.ones((1, 4), dtype=np.float32)
+        client.async_stream_infer("py_auto_complete", [tensor(grpcclient, "INPUT0", x, "FP32")])
+        answers = [received.get(timeout=60) for _ in range(5)]
+    finally:
+        client.stop_stream()
+    assert all(error is None for _, error in answers)
+    assert [int(r.as_numpy("OUT")[0]) for r, _ in answers[:4]] == [4, 2, 7, 9]
+    assert [int(r.as_numpy("IDX")[0]) for r, _ in answers[:4]] == [0, 1, 2, 0]
+    np.testing.assert_array_equal(answers[4][0].as_numpy("OUTPUT0"), x * 2)
+    assert received.empty()
+    with pytest.raises(InferenceServerException, match="doesn't support models with decoupled transaction policy"):
+        client.infer("py_repeat", [tensor(grpcclient, "IN", np.array([1], dtype=np.int32), "INT32")])
+    http_client = httpclient.InferenceServerClient(server["url"])
+    with pytest.raises(InferenceServerException, match="HTTP end point doesn't support models with decoupled"):
+        http_client.infer("py_repeat", [tensor(httpclient, "IN", np.array([1], dtype=np.int32), "INT32")])
 
 
 @needs_anchors
