@@ -173,5 +173,6 @@ class ModelDeployment:
             core.close()
 
 
-def _change_key(snapshot: dict[str, Any]) -> tuple[int, int, int]:
-    return (snapshot["execution_count"], snapshot["durations"]["fail"][0], snapshot["pending_request_count"])
+def _change_key(snapshot: dict[str, Any]) -> tuple[int, int, int, int]:
+    return (snapshot["execution_count"], snapshot["durations"]["fail"][0], snapshot["pending_request_count"],
+            snapshot.get("custom_metrics_version", 0))

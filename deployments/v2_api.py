@@ -18,6 +18,7 @@ from typing import Any
 import rayinfer
 from rayinfer.deployments.route_table import RouteTable
 from rayinfer.deployments.serve_state import ServeState
+from rayinfer.protocol.custom_metrics import CustomMetricsCollector
 from rayinfer.protocol.errors import NotFoundError, ServingError, UnavailableError
 from rayinfer.protocol.metrics import CpuFigures, GpuFigures, ModelFigures, render
 from rayinfer.protocol.statistics import stats_to_json
@@ -115,7 +116,8 @@ class V2Api:
                          self.statistics.pending(r["name"], r["version"]))
             for r in await self.state.refresh() if r["state"] == "READY"
         ]
-        return await asyncio.to_thread(render, figures, cpu, gpus)
+        custom = CustomMetricsCollector(self.statistics.custom_metrics())
+        return await asyncio.to_thread(render, figures, cpu, gpus, extra=[custom])
 
     # ---- model control ------------------------------------------------------------------------
 

@@ -123,9 +123,13 @@ class ModelCore:
     # ---- statistics -------------------------------------------------------------------------
 
     def snapshot(self) -> dict[str, Any]:
-        """This replica's statistics plus its requests waiting for execution (a gauge)."""
+        """This replica's statistics plus its requests waiting for execution (a gauge) and the
+        model's own metrics, if it has any."""
         snapshot = self.executor.stats.snapshot()
         snapshot["pending_request_count"] = self._batcher.pending_requests if self._batcher is not None else 0
+        custom_metrics = getattr(self.executor, "custom_metrics", None)
+        if custom_metrics is not None:  # the model's own metric families (a Python model's)
+            snapshot["custom_metrics_version"], snapshot["custom_metrics"] = custom_metrics()
         return snapshot
 
     async def statistics(self, version: str) -> list[tuple[str, dict[str, Any]]]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from rayinfer.protocol.custom_metrics import Family, merge_families
 from rayinfer.protocol.statistics import merge_snapshots
 
 
@@ -27,6 +28,12 @@ class StatisticsStore:
     def pending(self, model: str, version: str) -> int:
         """Requests waiting for execution in every replica of the version."""
         return sum(s.get("pending_request_count", 0) for s in self._snapshots.get((model, version), {}).values())
+
+    def custom_metrics(self) -> list[Family]:
+        """Every model's own metric families, summed over replicas."""
+        return merge_families(
+            snapshot.get("custom_metrics", []) for replicas in self._snapshots.values() for snapshot in replicas.values()
+        )
 
     def forget(self, model: str) -> None:
         """Drop every version of an unloaded model."""

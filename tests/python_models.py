@@ -185,6 +185,41 @@ class TritonPythonModel:
             thread.join()
 ''')
 
+# Triton's custom_metrics example: a counter per request (labelled), a gauge of the last input
+# and a histogram of the inputs, created in initialize.
+MODELS["py_metrics"] = ("""name: "py_metrics"
+backend: "python"
+max_batch_size: 4
+input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ 1 ] } ]
+output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 1 ] } ]
+""", '''import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        labels = {"model": args["model_name"], "version": args["model_version"]}
+        self.requests = pb_utils.MetricFamily(
+            name="py_metrics_requests", description="Requests this model executed", kind=pb_utils.MetricFamily.COUNTER
+        ).Metric(labels=labels)
+        self.last = pb_utils.MetricFamily(
+            name="py_metrics_last_input", description="The last input", kind=pb_utils.MetricFamily.GAUGE
+        ).Metric(labels=labels)
+        self.values = pb_utils.MetricFamily(
+            name="py_metrics_inputs", description="Inputs seen", kind=pb_utils.MetricFamily.HISTOGRAM
+        ).Metric(labels=labels, buckets=[1.0, 10.0])
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            value = pb_utils.get_input_tensor_by_name(request, "INPUT0").as_numpy()
+            self.requests.increment(1)
+            self.last.set(float(value.reshape(-1)[-1]))
+            for v in value.reshape(-1):
+                self.values.observe(float(v))
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0", value)]))
+        return responses
+''')
+
 HELPERS = {
     ("py_add_sub", "1/arithmetic.py"): "def add_and_subtract(a, b):\n    return a + b, a - b\n",
     # In the model folder, not the version folder: both are on sys.path.

@@ -175,6 +175,10 @@ class PythonModelRunner(ModelRunner):
         self._record(batch, start, infer_start, infer_end, results)
         return results
 
+    def custom_metrics(self) -> tuple[int, list[dict[str, Any]]]:
+        """The model's own metric families (``pb_utils.MetricFamily``) and their update count."""
+        return pb_utils.metrics_snapshot()
+
     def _request(self, prepared: PreparedRequest) -> pb_utils.InferenceRequest:
         request = prepared.request
         inputs = [pb_utils.Tensor(name, array) for name, array in prepared.arrays.items()]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import queue
+import urllib.request
 
 import numpy as np
 import pytest
@@ -13,6 +14,7 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from python_models import ANCHOR_MODELS
+from waiting import wait_until
 
 needs_anchors = pytest.mark.skipif(not ANCHOR_MODELS.is_dir(), reason="needs ../shared/anchors beside the checkout")
 
@@ -133,6 +135,25 @@ def test_a_decoupled_model_streams_zero_to_many_responses_over_grpc(server):
     http_client = httpclient.InferenceServerClient(server["url"])
     with pytest.raises(InferenceServerException, match="HTTP end point doesn't support models with decoupled"):
         http_client.infer("py_repeat", [tensor(httpclient, "IN", np.array([1], dtype=np.int32), "INT32")])
+
+
+def test_custom_metrics_reach_the_metrics_port(server):
+    client = httpclient.InferenceServerClient(server["url"])
+    for value in (0.5, 4.0, 20.0):
+        client.infer("py_metrics", [tensor(httpclient, "INPUT0", np.array([[value]], dtype=np.float32), "FP32")])
+    labels = '{model="py_metrics",version="1"}'
+
+    def scraped() -> str | None:
+        with urllib.request.urlopen(server["metrics_url"], timeout=10) as response:
+            text = response.read().decode()
+        return text if f"py_metrics_requests{labels} 3" in text.splitlines() else None
+
+    lines = wait_until(scraped, "py_metrics_requests to reach 3 on the metrics port", timeout_s=30).splitlines()
+    assert "# TYPE py_metrics_requests counter" in lines
+    assert f"py_metrics_last_input{labels} 20" in lines
+    assert 'py_metrics_inputs_bucket{le="10",model="py_metrics",version="1"} 2' in lines
+    assert f"py_metrics_inputs_count{labels} 3" in lines
+    assert any(line.startswith('nv_inference_count{model="py_metrics"') for line in lines)
 
 
 @needs_anchors

@@ -141,3 +141,28 @@ def test_a_decoupled_model_streams_through_its_response_sender(tmp_path: Path) -
         return answers
 
     assert asyncio.run(main()) == [[0, 1, 2], []]
+
+
+def test_metric_families_follow_tritons_rules() -> None:
+    counter = pb_utils.MetricFamily("unit_requests", "Requests", pb_utils.MetricFamily.COUNTER)
+    metric = counter.Metric(labels={"route": "a"})
+    before, _ = pb_utils.metrics_snapshot()
+    metric.increment(2)
+    assert metric.value() == 2 and counter.Metric(labels={"route": "a"}) is metric
+    with pytest.raises(pb_utils.TritonModelException):
+        metric.increment(-1)
+    with pytest.raises(pb_utils.TritonModelException):
+        metric.set(3)
+    gauge = pb_utils.MetricFamily("unit_level", "Level", pb_utils.MetricFamily.GAUGE).Metric()
+    gauge.set(7)
+    gauge.increment(-2)
+    assert gauge.value() == 5
+    histogram = pb_utils.MetricFamily("unit_sizes", "Sizes", pb_utils.MetricFamily.HISTOGRAM).Metric(buckets=[1, 4])
+    for value in (0.5, 3, 9):
+        histogram.observe(value)
+    version, families = pb_utils.metrics_snapshot()
+    assert version > before
+    sizes = next(f for f in families if f["name"] == "unit_sizes")["metrics"][0]
+    assert (sizes["counts"], sizes["count"], sizes["sum"]) == ([1, 1], 3, 12.5)
+    with pytest.raises(pb_utils.TritonModelException, match="another kind"):
+        pb_utils.MetricFamily("unit_requests", "Requests", pb_utils.MetricFamily.GAUGE)
