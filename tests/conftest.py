@@ -142,6 +142,18 @@ def pytest_collection_modifyitems(config, items) -> None:
     items.sort(key=lambda item: item.get_closest_marker("own_cluster") is not None)
 
 
+@pytest.fixture(scope="module", params=["http", "grpc"])
+def proto(request, server):
+    """(tritonclient module, client) for each protocol, against the session server."""
+    import tritonclient.grpc as grpcclient
+    import tritonclient.http as httpclient
+
+    module = httpclient if request.param == "http" else grpcclient
+    client = module.InferenceServerClient(server["url"] if request.param == "http" else server["grpc_url"])
+    yield module, client
+    client.close()
+
+
 @pytest.fixture(scope="session")
 def server(model_repository: Path, tmp_path_factory: pytest.TempPathFactory):
     """``rayinfer serve`` on the test repository, started once; stopped with SIGINT at the end."""

@@ -15,15 +15,6 @@ A = np.arange(16, dtype=np.int32).reshape(1, 16)
 B = np.full((1, 16), 3, dtype=np.int32)
 
 
-@pytest.fixture(scope="module", params=["http", "grpc"])
-def proto(request, server):
-    """(client module, client) for each protocol."""
-    module = httpclient if request.param == "http" else grpcclient
-    client = module.InferenceServerClient(server["url"] if request.param == "http" else server["grpc_url"])
-    yield module, client
-    client.close()
-
-
 def inputs(module, a: np.ndarray, b: np.ndarray) -> list:
     tensors = [module.InferInput("INPUT0", list(a.shape), "INT32"), module.InferInput("INPUT1", list(b.shape), "INT32")]
     tensors[0].set_data_from_numpy(a)

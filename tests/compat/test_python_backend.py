@@ -19,15 +19,6 @@ from waiting import wait_until
 needs_anchors = pytest.mark.skipif(not ANCHOR_MODELS.is_dir(), reason="needs ../shared/anchors beside the checkout")
 
 
-@pytest.fixture(scope="module", params=["http", "grpc"])
-def proto(request, server):
-    """(client module, client) for each protocol."""
-    module = httpclient if request.param == "http" else grpcclient
-    client = module.InferenceServerClient(server["url"] if request.param == "http" else server["grpc_url"])
-    yield module, client
-    client.close()
-
-
 def tensor(module, name: str, array: np.ndarray, datatype: str):
     t = module.InferInput(name, list(array.shape), datatype)
     t.set_data_from_numpy(array)
