@@ -189,4 +189,6 @@ class ServeDeployer:
         while names and time.monotonic() < deadline:
             apps = serve.status().applications
             names = [name for name in names if name in apps]
+            # Serve tells of a removed application only through its status: poll it (the loop
+            # ends when they are gone, or at the deadline).
             time.sleep(0.1)

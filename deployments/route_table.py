@@ -82,6 +82,8 @@ class RouteTable:
             wanted = {k for k in self._state.routes if k.startswith(f"{model}/")}
             if wanted <= set(self._front.published):
                 return
+            # New replicas register their listener on their own schedule: look again shortly
+            # (until the deadline).
             await asyncio.sleep(0.1)
 
     def _routes(self, not_running: AbstractSet[str]) -> dict[str, list[tuple[str, int]]]:

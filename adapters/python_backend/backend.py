@@ -94,7 +94,6 @@ class PythonBackendAdapter:
 
     def execute_requests(self, requests: list[pb_utils.InferenceRequest]) -> Any:
         """The model's ``execute`` on one batch (awaited on the backend's loop when async)."""
-        pb_utils.set_model_dir(self.model_dir)
         return self._call(self.model.execute, requests)
 
     def _call(self, method: Any, *args: Any) -> Any:
@@ -105,10 +104,6 @@ class PythonBackendAdapter:
             self._loop = asyncio.new_event_loop()
             threading.Thread(target=self._loop.run_forever, name="python-model-loop", daemon=True).start()
         return asyncio.run_coroutine_threadsafe(_awaited(result), self._loop).result()
-
-    def is_ready(self) -> bool:
-        method = getattr(self.model, "is_ready", None)
-        return bool(method()) if method is not None else True
 
     def unload(self) -> None:
         if self.model is not None and hasattr(self.model, "finalize"):
@@ -219,7 +214,7 @@ class PythonModelRunner(ModelRunner):
             outputs.append(InferOutput(name, datatype, tuple(array.shape), array))
         return InferResponse(
             model_name=self.spec.name, model_version=self.version, outputs=outputs, id=prepared.request.id,
-            parameters=json.loads(response.parameters()),
+            parameters=response._parameters,  # the dict itself: parameters() is the model's JSON view
         )
 
     def _record(self, batch: Sequence[PreparedRequest], start: int, infer_start: int, infer_end: int,

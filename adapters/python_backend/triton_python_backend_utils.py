@@ -9,12 +9,18 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
+# Re-exported: a model reaches every name through this module.
+from rayinfer.adapters.python_backend.auto_complete import ModelConfig as ModelConfig
+from rayinfer.adapters.python_backend.errors import TritonError as TritonError
+from rayinfer.adapters.python_backend.errors import TritonModelException as TritonModelException
+from rayinfer.adapters.python_backend.model_metrics import Metric as Metric
+from rayinfer.adapters.python_backend.model_metrics import MetricFamily as MetricFamily
+from rayinfer.adapters.python_backend.model_metrics import metrics_snapshot as metrics_snapshot
 from rayinfer.protocol.dtypes import (
     numpy_dtype as _numpy_dtype,
     serialize_bytes_tensor as _serialize,
@@ -40,41 +46,8 @@ _CONFIG_TO_NUMPY = {
     "TYPE_STRING": np.object_,
 }
 
-_model_dir = threading.local()
+_model_dir = ""
 _logger = logging.getLogger("triton_python_backend_utils")
-
-
-class TritonError:
-    """An error carried by a response: a message and one of Triton's codes."""
-
-    UNKNOWN = 0
-    INTERNAL = 1
-    NOT_FOUND = 2
-    INVALID_ARG = 3
-    UNAVAILABLE = 4
-    UNSUPPORTED = 5
-    ALREADY_EXISTS = 6
-    CANCELLED = 7
-
-    def __init__(self, message: str, code: int = INTERNAL) -> None:
-        self._message = str(message)
-        self._code = int(code)
-
-    def message(self) -> str:
-        return self._message
-
-    def code(self) -> int:
-        return self._code
-
-    def __repr__(self) -> str:
-        return f"TritonError({self._message!r}, {self._code})"
-
-
-class TritonModelException(Exception):
-    """Raised by pb_utils calls that fail (and by models for their own errors)."""
-
-    def message(self) -> str:
-        return str(self)
 
 
 class Tensor:
@@ -170,7 +143,7 @@ class InferenceRequest:
         self.model_name = model_name
         self.model_version = model_version
         self._sender: InferenceResponseSender | None = None
-        self._cancelled = threading.Event()
+        self._cancelled = False  # client cancellation does not reach the model yet
 
     def inputs(self) -> list[Tensor]:
         return self._inputs
@@ -194,7 +167,7 @@ class InferenceRequest:
         return json.dumps(self._parameters)
 
     def is_cancelled(self) -> bool:
-        return self._cancelled.is_set()
+        return self._cancelled
 
     def get_response_sender(self) -> InferenceResponseSender:
         if self._sender is None:
@@ -297,172 +270,12 @@ def using_decoupled_model_transaction_policy(model_config: dict[str, Any]) -> bo
 
 
 def get_model_dir() -> str:
-    """The model's folder (``<repository>/<model>``) of the model being loaded or run."""
-    return getattr(_model_dir, "path", "")
+    """The model's folder (``<repository>/<model>``): a replica process serves one model."""
+    return _model_dir
 
 
 def set_model_dir(path: str) -> None:
-    """Set by the backend for the thread that loads or runs a model."""
-    _model_dir.path = path
+    """Set by the backend when it loads the model."""
+    global _model_dir
+    _model_dir = path
 
-
-class ModelConfig:
-    """The config ``auto_complete_config`` receives: Triton's JSON form, completed in place."""
-
-    def __init__(self, config: dict[str, Any]) -> None:
-        self._config = config
-
-    def as_dict(self) -> dict[str, Any]:
-        return self._config
-
-    def set_max_batch_size(self, max_batch_size: int) -> None:
-        current = int(self._config.get("max_batch_size", 0))
-        if current and current != max_batch_size:
-            raise TritonModelException(
-                f"configuration specified max_batch_size {current}, but auto-complete-config function "
-                f"for model '{self._config.get('name')}' tries to set max_batch_size to {max_batch_size}"
-            )
-        self._config["max_batch_size"] = int(max_batch_size)
-
-    def set_dynamic_batching(self) -> None:
-        self._config.setdefault("dynamic_batching", {})
-
-    def add_input(self, input: dict[str, Any]) -> None:
-        self._add("input", input)
-
-    def add_output(self, output: dict[str, Any]) -> None:
-        self._add("output", output)
-
-    def set_model_transaction_policy(self, transaction_policy_dict: dict[str, Any]) -> None:
-        self._config.setdefault("model_transaction_policy", {}).update(transaction_policy_dict)
-
-    def _add(self, kind: str, tensor: dict[str, Any]) -> None:
-        name = tensor.get("name")
-        if not name or "data_type" not in tensor or "dims" not in tensor:
-            raise TritonModelException(f"model {kind} must have 'name', 'data_type' and 'dims': {tensor}")
-        tensors = self._config.setdefault(kind, [])
-        existing = next((t for t in tensors if t.get("name") == name), None)
-        if existing is None:
-            tensors.append(dict(tensor))
-            return
-        for key in ("data_type", "dims"):
-            if key in existing and existing[key] and [str(v) for v in _listed(existing[key])] != \
-                    [str(v) for v in _listed(tensor[key])]:
-                raise TritonModelException(
-                    f"model {kind} '{name}': the configuration's {key} {existing[key]} differs from "
-                    f"auto-complete-config's {tensor[key]}"
-                )
-        for key, value in tensor.items():
-            existing.setdefault(key, value)
-
-
-class MetricFamily:
-    """A family of the model's own metrics, exported on the metrics port beside Triton's and
-    summed over the model's replicas. ``kind``: COUNTER, GAUGE or HISTOGRAM."""
-
-    COUNTER = 0
-    GAUGE = 1
-    HISTOGRAM = 2
-    _KINDS = {COUNTER: "counter", GAUGE: "gauge", HISTOGRAM: "histogram"}
-
-    name: str
-    description: str
-    kind: int
-
-    def __init__(self, name: str, description: str, kind: int) -> None:
-        if kind not in self._KINDS:
-            raise TritonModelException(f"metric family '{name}': unknown kind {kind}")
-        with _metrics_lock:
-            existing = _families.get(name)
-            if existing is not None and (existing.kind, existing.description) != (kind, description):
-                raise TritonModelException(f"metric family '{name}' exists with another kind or description")
-            self.name = name
-            self.description = description
-            self.kind = kind
-            self._metrics: dict[tuple, Metric] = existing._metrics if existing is not None else {}
-            _families[name] = self
-
-    def Metric(self, labels: dict[str, str] | None = None, buckets: Sequence[float] | None = None) -> Metric:  # noqa: N802
-        labels = dict(labels or {})
-        if self.kind == self.HISTOGRAM and not buckets:
-            raise TritonModelException(f"histogram metric of family '{self.name}' needs buckets")
-        key = tuple(sorted(labels.items()))
-        with _metrics_lock:
-            metric = self._metrics.get(key)
-            if metric is None:
-                metric = self._metrics[key] = Metric(self, labels, sorted(buckets or ()))
-            return metric
-
-    def _snapshot(self) -> dict[str, Any]:
-        return {"name": self.name, "description": self.description, "kind": self._KINDS[self.kind],
-                "metrics": [m._snapshot() for m in self._metrics.values()]}
-
-
-class Metric:
-    """One labelled metric of a :class:`MetricFamily`."""
-
-    def __init__(self, family: MetricFamily, labels: dict[str, str], buckets: list[float]) -> None:
-        self._family = family
-        self._labels = labels
-        self._value = 0.0
-        self._buckets = buckets
-        self._counts = [0] * len(buckets)
-        self._sum = 0.0
-        self._count = 0
-
-    def increment(self, value: float) -> None:
-        if self._family.kind == MetricFamily.HISTOGRAM:
-            raise TritonModelException("increment() is not supported for histograms")
-        if self._family.kind == MetricFamily.COUNTER and value < 0:
-            raise TritonModelException("a counter cannot be incremented by a negative value")
-        self._change(lambda: setattr(self, "_value", self._value + value))
-
-    def set(self, value: float) -> None:
-        if self._family.kind != MetricFamily.GAUGE:
-            raise TritonModelException("set() is only supported for gauges")
-        self._change(lambda: setattr(self, "_value", float(value)))
-
-    def observe(self, value: float) -> None:
-        if self._family.kind != MetricFamily.HISTOGRAM:
-            raise TritonModelException("observe() is only supported for histograms")
-
-        def record() -> None:
-            index = next((i for i, bound in enumerate(self._buckets) if value <= bound), None)
-            if index is not None:
-                self._counts[index] += 1
-            self._sum += value
-            self._count += 1
-
-        self._change(record)
-
-    def value(self) -> float:
-        if self._family.kind == MetricFamily.HISTOGRAM:
-            raise TritonModelException("value() is not supported for histograms")
-        return self._value
-
-    def _change(self, update: Any) -> None:
-        global _metrics_version
-        with _metrics_lock:
-            update()
-            _metrics_version += 1
-
-    def _snapshot(self) -> dict[str, Any]:
-        if self._family.kind == MetricFamily.HISTOGRAM:
-            return {"labels": dict(self._labels), "buckets": list(self._buckets), "counts": list(self._counts),
-                    "sum": self._sum, "count": self._count}
-        return {"labels": dict(self._labels), "value": self._value}
-
-
-_families: dict[str, MetricFamily] = {}
-_metrics_lock = threading.Lock()
-_metrics_version = 0
-
-
-def metrics_snapshot() -> tuple[int, list[dict[str, Any]]]:
-    """(a number that changes with every update, every family as plain data) of this process."""
-    with _metrics_lock:
-        return _metrics_version, [family._snapshot() for family in _families.values()]
-
-
-def _listed(value: Any) -> list[Any]:
-    return list(value) if isinstance(value, (list, tuple)) else [value]
