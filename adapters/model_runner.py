@@ -35,6 +35,8 @@ class PreparedRequest:
     arrival_ns: int
     # A decoupled executor's channel for this request's responses (set by the serving core).
     sender: Any = None
+    # Set by the serving core when the client gave up on the request (a model may look).
+    cancelled: bool = False
 
 
 # Request parameters that shape how a request travels or is encoded, not what the model computes:

@@ -22,10 +22,13 @@ import ray
 from ray import serve
 
 from rayinfer.adapters.loader import load_runner
+from rayinfer.adapters.python_backend import bls
 from rayinfer.deployments import asgi
+from rayinfer.deployments.bls_client import ReplicaBlsClient
 from rayinfer.deployments.names import SERVER_APP, SERVER_DEPLOYMENT
 from rayinfer.deployments.replica_listener import ReplicaListener
-from rayinfer.protocol.errors import NotFoundError
+from rayinfer.protocol.errors import NotFoundError, UnsupportedError
+from rayinfer.protocol.types import InferRequest, InferResponse
 from rayinfer.serving import model_grpc, model_http
 from rayinfer.serving.model_core import ModelCore
 from rayinfer.serving.routes import keep_request_headers, parse_model_route
@@ -53,15 +56,18 @@ class ModelDeployment:
         auto_complete: bool = True,
         config_override: str | None = None,
     ):
-        runner, entry = await asyncio.to_thread(
-            load_runner, Path(model_repository), model_name, int(version), auto_complete, config_override
-        )
-        self._core = ModelCore(runner, entry.versions, self._merged_statistics)
         context = serve.get_replica_context()
         self._replica_key = f"{context.app_name}/{context.replica_id.unique_id}"
         self._app_name = context.app_name
         self._stats_pushed_at: tuple[int, int, int] | None = None
         self._server: Any = None
+        # A Python model's calls to other models (set before loading: initialize may call).
+        self._bls = ReplicaBlsClient(context.deployment)
+        bls.set_client(self._bls)
+        runner, entry = await asyncio.to_thread(
+            load_runner, Path(model_repository), model_name, int(version), auto_complete, config_override
+        )
+        self._core = self._bls.core = ModelCore(runner, entry.versions, self._merged_statistics)
         self._listener = ReplicaListener(self._listener_grpc, self._listener_http)
         host = ray.util.get_node_ip_address()
         self._listener_address = (host, await self._listener.start(host))
@@ -104,6 +110,17 @@ class ModelDeployment:
         """A model RPC the ``/v2`` replica forwards by handle: messages travel serialized
         (protobuf messages do not pickle); errors travel as ServingError."""
         return await model_grpc.call_serialized(self._core, method, payload)
+
+    async def bls_infer(self, request: InferRequest) -> InferResponse:
+        """A Python model's BLS request (``exec`` / ``async_exec``) to this model."""
+        if self._core.decoupled:
+            raise UnsupportedError(f"model '{self._core.name}' is decoupled: call it with exec(decoupled=True)")
+        return await self._core.infer(self._core.prepare(request))
+
+    async def bls_stream(self, request: InferRequest) -> Any:
+        """A Python model's BLS request with ``exec(decoupled=True)``: each response as it comes."""
+        async for result in self._core.stream(self._core.prepare(request)):
+            yield result
 
     async def grpc_stream(self, payload: bytes) -> Any:
         """One request of a gRPC stream the ``/v2`` replica forwards by streaming handle: its
@@ -171,6 +188,9 @@ class ModelDeployment:
         core = getattr(self, "_core", None)
         if core is not None:
             core.close()
+        client = getattr(self, "_bls", None)
+        if client is not None:
+            client.close()
 
 
 def _change_key(snapshot: dict[str, Any]) -> tuple[int, int, int, int]:

@@ -92,6 +92,18 @@ class ServerDeployment(ServerGrpcMethods):
                                 wanted: str | None = None) -> list[tuple[str, dict[str, Any]]]:
         return await self._api.report_statistics(replica_key, model, version, snapshot, wanted)
 
+    async def model_route(self, name: str, version: str, strict: bool = True) -> tuple[str, str] | None:
+        """(application, deployment) serving ``name`` at ``version`` ("" for the default) for a
+        model's BLS call; Triton's error (or None when not ``strict``) if it is not served."""
+        route = await self._forwarder.route(name, version)
+        if route is None and strict:
+            raise await self._api.unavailable_model(name, version or None)
+        return route
+
+    async def change_model(self, action: str, model: str, parameters: dict[str, Any]) -> None:
+        """A Python model's ``pb_utils.load_model`` / ``unload_model``."""
+        await self._api.change_model(action, model, parameters)
+
     # ---- HTTP ---------------------------------------------------------------------------------
 
     def __serve_build_asgi_app__(self) -> Any:

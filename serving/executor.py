@@ -16,7 +16,8 @@ Executors know nothing of Ray, HTTP or gRPC.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+import queue
+from collections.abc import Iterator, Sequence
 from typing import Any, Protocol, TypeAlias
 
 from rayinfer.protocol.errors import ServingError
@@ -33,6 +34,7 @@ class Prepared(Protocol):
     request: InferRequest
     rows: int
     sender: Any
+    cancelled: bool
 
 
 class Executor(Protocol):
@@ -78,6 +80,31 @@ class ResponseSender:
         """The responses sent, in order, until the final flag."""
         while True:
             response, final = await self._queue.get()
+            if response is not None:
+                yield response
+            if final:
+                return
+
+
+class BlockingSender:
+    """A :class:`ResponseSender` for a thread that waits for the responses itself (a model's
+    call to itself, executed on its own thread)."""
+
+    __slots__ = ("_queue", "closed")
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[tuple[Result | None, bool]] = queue.SimpleQueue()
+        self.closed = False
+
+    def send(self, response: Result | None = None, final: bool = False) -> None:
+        if self.closed:
+            raise ServingError("a response was sent after the final flag")
+        self.closed = final
+        self._queue.put((response, final))
+
+    def responses(self) -> Iterator[Result]:
+        while True:
+            response, final = self._queue.get()
             if response is not None:
                 yield response
             if final:

@@ -11,15 +11,15 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from rayinfer.protocol.errors import ServingError, as_serving_error
+from rayinfer.protocol.errors import InternalError, ServingError, as_serving_error
 from rayinfer.protocol.types import InferRequest, InferResponse
 from rayinfer.repository.model_config import config_to_json
 from rayinfer.serving.batcher import DynamicBatcher
-from rayinfer.serving.executor import Executor, ResponseSender, Result
+from rayinfer.serving.executor import BlockingSender, Executor, ResponseSender, Result
 
 # Executions that take less than this (moving average) run on the event loop itself: handing a
 # short execution to a thread and back costs more than the execution. Longer ones run on the
@@ -66,7 +66,11 @@ class ModelCore:
 
     async def infer(self, prepared: Any) -> InferResponse:
         """The one response of a request to a non-decoupled model; raises its error."""
-        result = await self._schedule(prepared)
+        try:
+            result = await self._schedule(prepared)
+        except asyncio.CancelledError:
+            prepared.cancelled = True  # the client is gone: a model that looks can stop early
+            raise
         if isinstance(result, ServingError):
             raise result
         return result
@@ -94,8 +98,22 @@ class ModelCore:
             async for response in sender.responses():
                 yield response
         finally:
+            if not sender.closed:  # the caller stopped listening: the request is cancelled
+                prepared.cancelled = True
             if not done.done():
                 done.cancel()
+
+    def execute_here(self, request: InferRequest) -> Iterator[Result]:
+        """A request from this model's own ``execute`` (a model calling itself): validated and
+        executed on the calling thread, past the batcher and the model thread, which the calling
+        execution holds; its responses (errors included) as they come."""
+        prepared = self.prepare(request)
+        sender = prepared.sender = BlockingSender() if self.decoupled else None
+        results = self.executor.execute([prepared])
+        if sender is None or results is not None:  # an answer, or a decoupled execution that failed
+            yield results[0] if results else InternalError(f"model '{self.name}' gave no response")
+            return
+        yield from sender.responses()
 
     async def _schedule(self, prepared: Any) -> Any:
         if self._batcher is not None:

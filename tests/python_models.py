@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from python_bls_models import BLS_MODELS
+
 ANCHOR_MODELS = Path(__file__).resolve().parents[2] / "shared" / "anchors" / "models"
 # Loaded by tests through the repository API, not at start.
 NOT_LOADED_AT_START = ("py_init_fail",)
@@ -219,6 +221,44 @@ class TritonPythonModel:
             responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0", value)]))
         return responses
 ''')
+
+# Cancellation: a response every 10 ms until the client cancels (is_cancelled()), which the
+# model counts in a metric of its own, then the final flag.
+MODELS["py_cancel"] = ("""name: "py_cancel"
+backend: "python"
+input [ { name: "IN" data_type: TYPE_INT32 dims: [ 1 ] } ]
+output [ { name: "OUT" data_type: TYPE_INT32 dims: [ 1 ] } ]
+model_transaction_policy { decoupled: true }
+""", '''import threading
+import time
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.cancelled = pb_utils.MetricFamily(
+            name="py_cancel_cancelled", description="Requests the client cancelled", kind=pb_utils.MetricFamily.COUNTER
+        ).Metric(labels={"model": "py_cancel"})
+
+    def execute(self, requests):
+        for request in requests:
+            threading.Thread(target=self.stream, args=(request,), daemon=True).start()
+        return None
+
+    def stream(self, request):
+        sender = request.get_response_sender()
+        deadline = time.monotonic() + 60
+        while not request.is_cancelled() and time.monotonic() < deadline:
+            sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", np.array([1], dtype=np.int32))]))
+            time.sleep(0.01)
+        if request.is_cancelled():
+            self.cancelled.increment(1)
+        sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+''')
+
+MODELS.update(BLS_MODELS)
 
 HELPERS = {
     ("py_add_sub", "1/arithmetic.py"): "def add_and_subtract(a, b):\n    return a + b, a - b\n",

@@ -19,6 +19,7 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +49,7 @@ class PythonBackendAdapter:
         self.model: Any = None
         self.model_dir = ""
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread: threading.Thread | None = None
 
     @property
     def runner_class(self) -> type[ModelRunner]:
@@ -100,9 +102,15 @@ class PythonBackendAdapter:
         result = method(*args)
         if not inspect.isawaitable(result):
             return result
+        if threading.current_thread() is self._loop_thread:
+            # An async execute calling its own model with a blocking exec(): its loop is busy
+            # with the caller, so this execution gets a loop of its own.
+            with ThreadPoolExecutor(1) as pool:
+                return pool.submit(asyncio.run, _awaited(result)).result()
         if self._loop is None:
             self._loop = asyncio.new_event_loop()
-            threading.Thread(target=self._loop.run_forever, name="python-model-loop", daemon=True).start()
+            self._loop_thread = threading.Thread(target=self._loop.run_forever, name="python-model-loop", daemon=True)
+            self._loop_thread.start()
         return asyncio.run_coroutine_threadsafe(_awaited(result), self._loop).result()
 
     def unload(self) -> None:
@@ -186,6 +194,7 @@ class PythonModelRunner(ModelRunner):
             parameters=parameters, timeout=timeout if isinstance(timeout, int) else 0,
             model_name=self.spec.name, model_version=int(self.version),
         )
+        pb_request._cancelled = lambda: prepared.cancelled
         if prepared.sender is not None:
             sender = prepared.sender
             pb_request._sender = pb_utils.InferenceResponseSender(

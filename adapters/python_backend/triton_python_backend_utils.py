@@ -14,6 +14,8 @@ from typing import Any
 
 import numpy as np
 
+from rayinfer.adapters.python_backend import bls as _bls
+
 # Re-exported: a model reaches every name through this module.
 from rayinfer.adapters.python_backend.auto_complete import ModelConfig as ModelConfig
 from rayinfer.adapters.python_backend.errors import TritonError as TritonError
@@ -143,7 +145,7 @@ class InferenceRequest:
         self.model_name = model_name
         self.model_version = model_version
         self._sender: InferenceResponseSender | None = None
-        self._cancelled = False  # client cancellation does not reach the model yet
+        self._cancelled: Any = None  # set by the backend: says whether the client cancelled
 
     def inputs(self) -> list[Tensor]:
         return self._inputs
@@ -167,12 +169,21 @@ class InferenceRequest:
         return json.dumps(self._parameters)
 
     def is_cancelled(self) -> bool:
-        return self._cancelled
+        return bool(self._cancelled is not None and self._cancelled())
 
     def get_response_sender(self) -> InferenceResponseSender:
         if self._sender is None:
             raise TritonModelException("the response sender is only available to decoupled models")
         return self._sender
+
+    def exec(self, decoupled: bool = False) -> Any:
+        """BLS: send this request to ``model_name``; its InferenceResponse (an error inside it),
+        or with ``decoupled=True`` an iterator of its responses."""
+        return _bls.execute_decoupled(self) if decoupled else _bls.execute(self)
+
+    async def async_exec(self, decoupled: bool = False) -> Any:
+        """``exec`` for ``async def execute``."""
+        return await (_bls.execute_decoupled_async(self) if decoupled else _bls.execute_async(self))
 
 
 class Logger:
@@ -267,6 +278,23 @@ def deserialize_bytes_tensor(encoded_tensor: bytes | np.ndarray) -> np.ndarray:
 
 def using_decoupled_model_transaction_policy(model_config: dict[str, Any]) -> bool:
     return bool(model_config.get("model_transaction_policy", {}).get("decoupled", False))
+
+
+def load_model(model_name: str, config: str = "", files: dict[str, bytes] | None = None) -> None:
+    """Load (or reload) a model, as the repository API does (the server runs in explicit mode);
+    ``config`` is a JSON config, ``files`` maps ``file:<version>/<name>`` to the file's bytes."""
+    parameters: dict[str, Any] = dict(files or {})
+    if config:
+        parameters["config"] = config
+    _bls.model_control("load_model", model_name, parameters)
+
+
+def unload_model(model_name: str, unload_dependents: bool = False) -> None:
+    _bls.model_control("unload_model", model_name, bool(unload_dependents))
+
+
+def is_model_ready(model_name: str, model_version: str = "") -> bool:
+    return bool(_bls.model_control("is_model_ready", model_name, str(model_version or "")))
 
 
 def get_model_dir() -> str:

@@ -1,0 +1,142 @@
+"""Business logic scripting (BLS): a Python model calls other models from ``execute``.
+
+``pb_utils.InferenceRequest(model_name=..., inputs=..., requested_output_names=...)`` becomes a
+protocol :class:`InferRequest`; the replica's :class:`BlsClient` (set by the deployment that
+loaded the model, :mod:`rayinfer.deployments.bls_client`) sends it to a replica of the model,
+through that model's own batcher, and the answer comes back as a ``pb_utils.InferenceResponse``
+(an error travels in the response, as in Triton). Model control (``load_model``,
+``unload_model``, ``is_model_ready``) goes through the same client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any, Protocol
+
+from rayinfer.adapters.python_backend.errors import TritonError, TritonModelException
+from rayinfer.protocol.dtypes import wire_datatype
+from rayinfer.protocol.errors import Code, ServingError, as_serving_error
+from rayinfer.protocol.types import InferInput, InferRequest, InferResponse, RequestedOutput
+
+if TYPE_CHECKING:
+    from rayinfer.adapters.python_backend.triton_python_backend_utils import InferenceRequest, InferenceResponse
+
+TRITON_CODES = {
+    Code.UNKNOWN: TritonError.UNKNOWN, Code.INTERNAL: TritonError.INTERNAL, Code.NOT_FOUND: TritonError.NOT_FOUND,
+    Code.INVALID_ARG: TritonError.INVALID_ARG, Code.UNAVAILABLE: TritonError.UNAVAILABLE,
+    Code.UNSUPPORTED: TritonError.UNSUPPORTED, Code.ALREADY_EXISTS: TritonError.ALREADY_EXISTS,
+    Code.CANCELLED: TritonError.CANCELLED,
+}
+SERVING_CODES = {triton: code for code, triton in TRITON_CODES.items()}
+
+
+class BlsClient(Protocol):
+    """Sends requests to the models the cluster serves (blocking calls may come from any thread
+    but the client's own)."""
+
+    def infer(self, request: InferRequest) -> InferResponse:
+        """The one response of a non-decoupled model; raises its ServingError."""
+
+    async def infer_async(self, request: InferRequest) -> InferResponse:
+        """``infer`` for a coroutine on any event loop."""
+
+    def stream(self, request: InferRequest) -> Iterator[InferResponse | ServingError]:
+        """Every response of one request as the model sends them; an error ends the stream."""
+
+    def load_model(self, name: str, parameters: dict[str, Any]) -> None: ...
+
+    def unload_model(self, name: str, unload_dependents: bool) -> None: ...
+
+    def is_model_ready(self, name: str, version: str) -> bool: ...
+
+
+_client: BlsClient | None = None
+
+
+def set_client(client: BlsClient | None) -> None:
+    """Set by the replica that serves the model (one model per replica process)."""
+    global _client
+    _client = client
+
+
+def client() -> BlsClient:
+    if _client is None:
+        raise TritonModelException("BLS and model control need a running rayinfer server: none is reachable here")
+    return _client
+
+
+def to_infer_request(request: InferenceRequest) -> InferRequest:
+    """A pb_utils request for another model as the protocol's request."""
+    if not request.model_name:
+        raise TritonModelException("a BLS request needs 'model_name'")
+    inputs = []
+    for tensor in request.inputs():
+        array = tensor.as_numpy()
+        inputs.append(InferInput(tensor.name(), wire_datatype(array.dtype), tuple(array.shape), array))
+    outputs = [RequestedOutput(name) for name in request.requested_output_names()] or None
+    version = "" if int(request.model_version) < 0 else str(request.model_version)
+    parameters = dict(request._parameters)
+    if request.timeout():
+        parameters.setdefault("timeout", int(request.timeout()))
+    return InferRequest(model_name=request.model_name, model_version=version, id=request.request_id() or None,
+                        inputs=inputs, outputs=outputs, parameters=parameters)
+
+
+def to_inference_response(result: InferResponse | BaseException | None) -> InferenceResponse:
+    """The protocol's answer (or error) as what ``exec`` returns; None is the empty final one."""
+    from rayinfer.adapters.python_backend import triton_python_backend_utils as pb_utils
+
+    if result is None:
+        return pb_utils.InferenceResponse([])
+    if isinstance(result, BaseException):
+        error = as_serving_error(result)
+        return pb_utils.InferenceResponse(error=TritonError(error.message, TRITON_CODES.get(error.code, 1)))
+    tensors = [pb_utils.Tensor(output.name, output.data) for output in result.outputs]
+    return pb_utils.InferenceResponse(tensors, parameters=result.parameters)
+
+
+def execute(request: InferenceRequest) -> InferenceResponse:
+    """``request.exec()``: the target model's response; an error is in the response."""
+    try:
+        return to_inference_response(client().infer(to_infer_request(request)))
+    except Exception as exc:
+        return to_inference_response(exc)
+
+
+async def execute_async(request: InferenceRequest) -> InferenceResponse:
+    """``await request.async_exec()``."""
+    try:
+        return to_inference_response(await client().infer_async(to_infer_request(request)))
+    except Exception as exc:
+        return to_inference_response(exc)
+
+
+def execute_decoupled(request: InferenceRequest) -> Iterator[InferenceResponse]:
+    """``request.exec(decoupled=True)``: the model's responses as they come, then an empty final
+    one (as Triton's iterator gives when the model sends the final flag on its own)."""
+    try:
+        for result in client().stream(to_infer_request(request)):
+            yield to_inference_response(result)
+            if isinstance(result, ServingError):
+                return
+    except Exception as exc:
+        yield to_inference_response(exc)
+        return
+    yield to_inference_response(None)
+
+
+async def execute_decoupled_async(request: InferenceRequest) -> Iterator[InferenceResponse]:
+    """``await request.async_exec(decoupled=True)``: the responses, gathered off the caller's loop."""
+    return iter(await asyncio.to_thread(lambda: list(execute_decoupled(request))))
+
+
+def model_control(call: str, *args: Any) -> Any:
+    """``load_model`` / ``unload_model`` / ``is_model_ready``: a failure raises
+    TritonModelException with the server's message."""
+    try:
+        return getattr(client(), call)(*args)
+    except TritonModelException:
+        raise
+    except Exception as exc:
+        raise TritonModelException(as_serving_error(exc).message) from None

@@ -1,0 +1,150 @@
+"""The BLS client of a model replica: a Python model's calls to other models, by deployment handle.
+
+A request goes to a replica of the target model version (``ModelDeployment.bls_infer`` /
+``bls_stream``), where it takes the same path as a client's request: validation, the model's
+batcher, its statistics. The ``/v2`` replica names the application serving a model version
+(routes are kept for a second). A call from a model to itself executes in the calling replica,
+on the calling thread (:meth:`ModelCore.execute_here`): sent to its own batcher it would wait
+for the execution that is making it.
+
+The calls run on an event loop of the client's own, with handles of its own (a handle routes
+on the loop it was first used on), so a model may call from its ``execute`` wherever that runs
+(the replica's loop, the model's thread, an async model's loop).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from ray.serve.handle import DeploymentHandle
+
+from rayinfer.deployments.names import SERVER_APP, SERVER_DEPLOYMENT
+from rayinfer.protocol.errors import ServingError, as_serving_error
+from rayinfer.protocol.types import InferRequest, InferResponse
+from rayinfer.serving.model_core import ModelCore
+
+_ROUTE_TTL_S = 1.0
+
+
+class ReplicaBlsClient:
+    """Sends a Python model's BLS requests and model-control calls from its replica."""
+
+    def __init__(self, own_deployment: str) -> None:
+        self._own_deployment = own_deployment
+        self.core: ModelCore | None = None  # set once the model is loaded
+        self._routes: dict[tuple[str, str], tuple[float, tuple[str, str]]] = {}
+        self._handles: dict[tuple[str, str], Any] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._lock = threading.Lock()
+
+    # ---- the BlsClient interface (adapters/python_backend/bls.py) ----------------------------
+
+    def infer(self, request: InferRequest) -> InferResponse:
+        route = self._run(self._route(request))
+        if self._is_self(route):
+            return _single(self._here(request))
+        return self._run(self._infer(route, request))
+
+    async def infer_async(self, request: InferRequest) -> InferResponse:
+        route = await asyncio.wrap_future(self._submit(self._route(request)))
+        if self._is_self(route):
+            return await asyncio.to_thread(lambda: _single(self._here(request)))
+        return await asyncio.wrap_future(self._submit(self._infer(route, request)))
+
+    def stream(self, request: InferRequest) -> Iterator[InferResponse | ServingError]:
+        route = self._run(self._route(request))
+        if self._is_self(route):
+            yield from self._here(request)
+            return
+        results: concurrent.futures.Future[list[Any]] = self._submit(self._collect(route, request))
+        yield from results.result()
+
+    def load_model(self, name: str, parameters: dict[str, Any]) -> None:
+        self._run(self._server("change_model", "load", name, parameters))
+
+    def unload_model(self, name: str, unload_dependents: bool) -> None:
+        self._run(self._server("change_model", "unload", name, {"unload_dependents": unload_dependents}))
+
+    def is_model_ready(self, name: str, version: str) -> bool:
+        return self._run(self._server("model_route", name, version, False)) is not None
+
+    # ---- calls ----------------------------------------------------------------------------------
+
+    async def _route(self, request: InferRequest) -> tuple[str, str]:
+        key = (request.model_name, request.model_version)
+        cached = self._routes.get(key)
+        if cached is not None and time.monotonic() - cached[0] < _ROUTE_TTL_S:
+            return cached[1]
+        route = await self._server("model_route", *key)
+        self._routes[key] = (time.monotonic(), route)
+        return route
+
+    async def _server(self, method: str, *args: Any) -> Any:
+        return await getattr(self._handle((SERVER_APP, SERVER_DEPLOYMENT)), method).remote(*args)
+
+    async def _infer(self, route: tuple[str, str], request: InferRequest) -> InferResponse:
+        return await self._handle(route).bls_infer.remote(request)
+
+    async def _collect(self, route: tuple[str, str], request: InferRequest) -> list[Any]:
+        results: list[Any] = []
+        try:
+            async for result in self._handle(route).options(stream=True).bls_stream.remote(request):
+                results.append(result)
+        except Exception as exc:
+            results.append(as_serving_error(exc))
+        return results
+
+    def _here(self, request: InferRequest) -> Iterator[InferResponse | ServingError]:
+        if self.core is None:
+            raise ServingError(f"model '{request.model_name}' cannot call itself before it is loaded")
+        return self.core.execute_here(request)
+
+    def _is_self(self, route: tuple[str, str]) -> bool:
+        return route[1] == self._own_deployment
+
+    def _handle(self, route: tuple[str, str]) -> Any:
+        """A handle to ``route`` (application, deployment) of the client's own: a handle routes
+        on the event loop it was first used on."""
+        handle = self._handles.get(route)
+        if handle is None:
+            # Not serve.get_deployment_handle: that returns the replica's shared handle, which
+            # routes on the replica's loop.
+            handle = self._handles[route] = DeploymentHandle(route[1], route[0])
+        return handle
+
+    # ---- the client's event loop ------------------------------------------------------------
+
+    def _submit(self, coroutine: Any) -> concurrent.futures.Future:
+        with self._lock:
+            if self._loop is None:
+                self._loop = asyncio.new_event_loop()
+                threading.Thread(target=self._loop.run_forever, name="bls-client", daemon=True).start()
+        return asyncio.run_coroutine_threadsafe(_awaited(coroutine), self._loop)
+
+    def _run(self, awaitable: Any) -> Any:
+        """Block the calling thread (never the client's own) until ``awaitable`` is done."""
+        try:
+            return self._submit(awaitable).result()
+        except Exception as exc:
+            raise as_serving_error(exc) from None
+
+    def close(self) -> None:
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+
+
+async def _awaited(awaitable: Any) -> Any:
+    return await awaitable
+
+
+def _single(results: Iterator[InferResponse | ServingError]) -> InferResponse:
+    result = next(iter(results))
+    if isinstance(result, ServingError):
+        raise result
+    return result
+
