@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import Any
 from pathlib import Path
 
 from ray import serve
@@ -27,6 +28,7 @@ from rayinfer.deployments.names import (
 )
 from rayinfer.deployments.serve_state import failure_reason, status_name
 from rayinfer.protocol.errors import ModelConfigError
+from rayinfer.repository.python_env import python_runtime_env
 from rayinfer.repository.scanner import scan_model
 
 logger = logging.getLogger(__name__)
@@ -68,11 +70,15 @@ def model_application(
         raise ModelConfigError(entry.error or f"model '{model}' cannot be read")
     config = entry.config
     replicas = sum(max(group.count, 1) for group in config.instance_group) or 1
+    actor_options: dict[str, Any] = {"num_cpus": replica_num_cpus}
+    runtime_env = python_runtime_env(Path(model_repository) / model, version, config)
+    if runtime_env is not None:  # a Python model's own packages
+        actor_options["runtime_env"] = runtime_env
     deployment = ModelDeployment.options(
         name=model_deployment_name(model, version),
         num_replicas=replicas,
         max_ongoing_requests=max(MIN_ONGOING_REQUESTS, 2 * int(config.max_batch_size)),
-        ray_actor_options={"num_cpus": replica_num_cpus},
+        ray_actor_options=actor_options,
         health_check_period_s=5.0,
         graceful_shutdown_timeout_s=10.0,
         # A per-request access log line costs more than the request's own decoding.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -179,3 +180,7 @@ def server(model_repository: Path, tmp_path_factory: pytest.TempPathFactory):
         }
     finally:
         stop_shared_server()
+        # The Python models' pip environments (Ray clones the whole virtualenv for each): Ray
+        # keeps a session's files after it stops.
+        shutil.rmtree(Path(tempfile.gettempdir()) / "ray" / "session_latest" / "runtime_resources" / "pip",
+                      ignore_errors=True)

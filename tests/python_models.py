@@ -3,9 +3,14 @@ project's own words, plus models for each rule of the backend under test."""
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import io
 import shutil
 import subprocess
 import sys
+import tarfile
+import zipfile
 from pathlib import Path
 
 from python_bls_models import BLS_MODELS
@@ -258,6 +263,27 @@ class TritonPythonModel:
         sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 ''')
 
+# A model's own packages: a wheel named in requirements.txt beside model.py (a Ray pip runtime
+# environment), and Triton's EXECUTION_ENV_PATH (a conda-pack-style tarball).
+PROBE_MODEL = '''import numpy as np
+import triton_python_backend_utils as pb_utils
+from {module} import VALUE
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        return [pb_utils.InferenceResponse([pb_utils.Tensor(
+            "OUT", pb_utils.get_input_tensor_by_name(r, "IN").as_numpy() + np.int32(VALUE))]) for r in requests]
+'''
+PROBE_IO = """input [ { name: "IN" data_type: TYPE_INT32 dims: [ 1 ] } ]
+output [ { name: "OUT" data_type: TYPE_INT32 dims: [ 1 ] } ]
+"""
+MODELS["py_env_pip"] = ('name: "py_env_pip"\nbackend: "python"\n' + PROBE_IO,
+                        PROBE_MODEL.format(module="rayinfer_wheel_probe"))
+MODELS["py_env_tarball"] = ('name: "py_env_tarball"\nbackend: "python"\n' + PROBE_IO + """parameters: {
+  key: "EXECUTION_ENV_PATH" value: { string_value: "$$TRITON_MODEL_DIRECTORY/probe_env.tar.gz" } }
+""", PROBE_MODEL.format(module="rayinfer_env_probe"))
+
 MODELS.update(BLS_MODELS)
 
 HELPERS = {
@@ -266,7 +292,40 @@ HELPERS = {
     ("py_strings", "text_tools.py"): (
         "def shout(value, suffix):\n    return value.decode('utf-8').upper().encode('utf-8') + suffix.encode()\n"
     ),
+    # No index: the wheel is all pip needs (the tests run without a network).
+    ("py_env_pip", "1/requirements.txt"): "--no-index\n./wheels/rayinfer_wheel_probe-1.0-py3-none-any.whl  # local\n",
 }
+
+
+def write_wheel(folder: Path, package: str, code: str) -> Path:
+    """A pure-Python wheel of one package, written by hand (no build tools, no network)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    info = f"{package}-1.0.dist-info"
+    files = {
+        f"{package}/__init__.py": code,
+        f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {package.replace('_', '-')}\nVersion: 1.0\n",
+        f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: rayinfer-tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+    record = []
+    for name, text in files.items():
+        digest = base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b"=").decode()
+        record.append(f"{name},sha256={digest},{len(text.encode())}")
+    files[f"{info}/RECORD"] = "\n".join(record + [f"{info}/RECORD,,"]) + "\n"
+    path = folder / f"{package}-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w") as wheel:
+        for name, text in files.items():
+            wheel.writestr(name, text)
+    return path
+
+
+def write_env_tarball(path: Path, module: str, code: str) -> None:
+    """A conda-pack-style environment holding one module, for this interpreter's Python."""
+    site = f"lib/python{sys.version_info.major}.{sys.version_info.minor}/site-packages/{module}.py"
+    data = code.encode()
+    with tarfile.open(path, "w:gz") as tar:
+        member = tarfile.TarInfo(site)
+        member.size = len(data)
+        tar.addfile(member, io.BytesIO(data))
 
 
 def write_python_models(root: Path) -> None:
@@ -278,6 +337,8 @@ def write_python_models(root: Path) -> None:
         (root / name / "1" / "model.py").write_text(code)
     for (name, relative), code in HELPERS.items():
         (root / name / relative).write_text(code)
+    write_wheel(root / "py_env_pip" / "1" / "wheels", "rayinfer_wheel_probe", "VALUE = 7\n")
+    write_env_tarball(root / "py_env_tarball" / "probe_env.tar.gz", "rayinfer_env_probe", "VALUE = 5\n")
     if ANCHOR_MODELS.is_dir():
         for name in ("identity_fp32", "mlp_onnx"):
             shutil.copytree(ANCHOR_MODELS / name, root / name)

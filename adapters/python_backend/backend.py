@@ -27,6 +27,7 @@ from google.protobuf import json_format
 
 from rayinfer.adapters.base import model_file
 from rayinfer.adapters.model_runner import TRANSPORT_PARAMETERS, ModelRunner, PreparedRequest
+from rayinfer.adapters.python_backend import environment
 from rayinfer.adapters.python_backend import triton_python_backend_utils as pb_utils
 from rayinfer.protocol.dtypes import wire_datatype
 from rayinfer.protocol.errors import Code, InternalError, ModelConfigError, ServingError, as_serving_error
@@ -60,6 +61,9 @@ class PythonBackendAdapter:
         self.model_dir = str(model_dir)
         pb_utils.set_model_dir(self.model_dir)
         sys.modules.setdefault(_PB_UTILS, pb_utils)
+        env = config.parameters.get(environment.PARAMETER)
+        if env is not None and env.string_value:  # a conda-pack environment's packages
+            environment.activate_execution_env(env.string_value, model_dir, config.name)
         for folder in (str(model_dir), str(path.parent)):
             if folder not in sys.path:
                 sys.path.insert(0, folder)

@@ -155,3 +155,12 @@ def test_the_anchor_models_serve_unmodified(proto):
                                   .as_numpy("OUTPUT0"), x)
     y = client.infer("mlp_onnx", [tensor(module, "INPUT0", np.ones((2, 256), dtype=np.float32), "FP32")])
     assert y.as_numpy("OUTPUT0").shape == (2, 10)
+
+
+def test_a_models_own_packages_from_requirements_txt_and_execution_env_path(proto):
+    """py_env_pip imports a wheel its requirements.txt names (its replica runs in a Ray pip
+    environment), py_env_tarball a module from its EXECUTION_ENV_PATH tarball."""
+    module, client = proto
+    for model, value in (("py_env_pip", 7), ("py_env_tarball", 5)):
+        result = client.infer(model, [tensor(module, "IN", np.array([1], dtype=np.int32), "INT32")])
+        assert int(result.as_numpy("OUT")[0]) == 1 + value

@@ -1,0 +1,59 @@
+"""A Python model's own packages: the Ray runtime environment its replicas run in.
+
+Triton needs a conda-pack tarball for a Python model's dependencies (``EXECUTION_ENV_PATH``,
+still honoured: :mod:`rayinfer.adapters.python_backend.environment`). rayinfer also takes a
+``requirements.txt`` beside ``model.py`` (in the version folder, else the model folder) or a
+``pip_requirements`` parameter in config.pbtxt (one requirement per line or comma-separated);
+the model's replicas then run in a Ray ``pip`` runtime environment built from it, on every node
+that runs one, and cached by Ray per distinct list. A relative path in a requirement (a wheel,
+``-f ./wheels``) is taken from the folder of the file that names it (the model folder for the
+parameter).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from rayinfer.repository.model_config import ModelConfig
+
+REQUIREMENTS_FILE = "requirements.txt"
+PIP_PARAMETER = "pip_requirements"
+
+
+def python_runtime_env(model_dir: Path, version: int, config: ModelConfig) -> dict[str, Any] | None:
+    """The runtime environment for a Python model's replicas, or None when it names no packages."""
+    if (config.backend or "").lower() != "python":
+        return None
+    lines: list[str] = []
+    for folder in (model_dir / str(version), model_dir):
+        path = folder / REQUIREMENTS_FILE
+        if path.is_file():
+            lines += _absolute(path.read_text().splitlines(), folder)
+            break
+    parameter = config.parameters.get(PIP_PARAMETER)
+    if parameter is not None and parameter.string_value.strip():
+        text = parameter.string_value.replace(",", "\n")
+        lines += _absolute(text.splitlines(), model_dir)
+    packages = [line for line in lines if line]
+    if not packages:
+        return None
+    return {"pip": {"packages": packages, "pip_check": False}}
+
+
+def _absolute(lines: list[str], folder: Path) -> list[str]:
+    """Requirement lines without comments, with paths that exist under ``folder`` made absolute."""
+    out = []
+    for line in lines:
+        line = line.split(" #", 1)[0].strip()
+        if not line or line.startswith("#"):
+            continue
+        tokens = []
+        for token in line.split():
+            prefix, _, value = token.rpartition("=") if token.startswith("--") and "=" in token else ("", "", token)
+            candidate = folder / value
+            if value and not Path(value).is_absolute() and candidate.exists():
+                value = str(candidate.resolve())
+            tokens.append(f"{prefix}={value}" if prefix else value)
+        out.append(" ".join(tokens))
+    return out
