@@ -1,7 +1,8 @@
-"""Writes the example model repository: small ONNX models built in code, no downloaded weights.
+"""Writes the example model repository: small models built in code, no downloaded weights.
 
 ``simple``, ``simple_string`` and ``simple_identity`` have the names, tensors and semantics of
-Triton's own example models, so Triton's HTTP client examples for them run unmodified; ``mlp`` is the benchmark MLP
+Triton's own example models, so Triton's HTTP client examples for them run unmodified
+(``simple_identity`` is a Python model, ``model.py``); ``mlp`` is the benchmark MLP
 (256 -> 1024 -> 1024 -> 10) with dynamic batching.
 """
 
@@ -38,11 +39,26 @@ output [
 """
 
 SIMPLE_IDENTITY_CONFIG = """name: "simple_identity"
-platform: "onnxruntime_onnx"
+backend: "python"
 max_batch_size: 8
 input [ { name: "INPUT0" data_type: TYPE_STRING dims: [ -1 ] } ]
 output [ { name: "OUTPUT0" data_type: TYPE_STRING dims: [ -1 ] } ]
 """
+
+# A Python model (Triton's Python backend): the whole dynamic batch arrives as a list of requests.
+SIMPLE_IDENTITY_MODEL = '''import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    """OUTPUT0 = INPUT0, BYTES elements as numpy object arrays."""
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            data = pb_utils.get_input_tensor_by_name(request, "INPUT0").as_numpy()
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0", data)]))
+        return responses
+'''
 
 MLP_CONFIG = """name: "mlp"
 backend: "onnxruntime"
@@ -81,18 +97,6 @@ def add_sub_model(elem_type: int, batch: bool = True):
         nodes, "add_sub",
         [helper.make_tensor_value_info(n, elem_type, shape) for n in ("INPUT0", "INPUT1")],
         [helper.make_tensor_value_info(n, elem_type, shape) for n in ("OUTPUT0", "OUTPUT1")],
-    )
-    return _finish(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
-
-
-def identity_model(elem_type: int):
-    """OUTPUT0 = INPUT0 on [batch, n] tensors."""
-    from onnx import helper
-
-    graph = helper.make_graph(
-        [helper.make_node("Identity", ["INPUT0"], ["OUTPUT0"])], "identity",
-        [helper.make_tensor_value_info("INPUT0", elem_type, ["batch", "n"])],
-        [helper.make_tensor_value_info("OUTPUT0", elem_type, ["batch", "n"])],
     )
     return _finish(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
 
@@ -142,6 +146,15 @@ def write_model(repository: Path, name: str, config: str | None, model, version:
     return version_dir.parent
 
 
+def write_python_model(repository: Path, name: str, config: str, code: str, version: int = 1) -> Path:
+    """Write ``<repository>/<name>/config.pbtxt`` and ``<version>/model.py``."""
+    version_dir = Path(repository) / name / str(version)
+    version_dir.mkdir(parents=True, exist_ok=True)
+    (Path(repository) / name / "config.pbtxt").write_text(config)
+    (version_dir / "model.py").write_text(code)
+    return version_dir.parent
+
+
 def write_example_repository(repository: Path) -> list[Path]:
     """Create the example repository (idempotent) and return the model folders written."""
     from onnx import TensorProto
@@ -149,6 +162,6 @@ def write_example_repository(repository: Path) -> list[Path]:
     return [
         write_model(repository, "simple", SIMPLE_CONFIG, add_sub_model(TensorProto.INT32)),
         write_model(repository, "simple_string", SIMPLE_STRING_CONFIG, add_sub_model(TensorProto.STRING)),
-        write_model(repository, "simple_identity", SIMPLE_IDENTITY_CONFIG, identity_model(TensorProto.STRING)),
+        write_python_model(repository, "simple_identity", SIMPLE_IDENTITY_CONFIG, SIMPLE_IDENTITY_MODEL),
         write_model(repository, "mlp", MLP_CONFIG, mlp_model()),
     ]

@@ -255,7 +255,7 @@ class TritonPythonModel:
     def stream(self, request):
         sender = request.get_response_sender()
         deadline = time.monotonic() + 60
-        while not request.is_cancelled() and time.monotonic() < deadline:
+        while not sender.is_cancelled() and time.monotonic() < deadline:
             sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", np.array([1], dtype=np.int32))]))
             time.sleep(0.01)
         if request.is_cancelled():

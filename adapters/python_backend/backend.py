@@ -198,12 +198,13 @@ class PythonModelRunner(ModelRunner):
             parameters=parameters, timeout=timeout if isinstance(timeout, int) else 0,
             model_name=self.spec.name, model_version=int(self.version),
         )
-        pb_request._cancelled = lambda: prepared.cancelled
+        pb_request._cancelled = cancelled = lambda: prepared.cancelled
         if prepared.sender is not None:
             sender = prepared.sender
             pb_request._sender = pb_utils.InferenceResponseSender(
                 lambda response, final: sender.send(None if response is None else self._answer(prepared, response),
-                                                    final)
+                                                    final),
+                cancelled,
             )
         return pb_request
 

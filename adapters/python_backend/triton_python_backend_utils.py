@@ -121,11 +121,16 @@ class InferenceResponse:
 class InferenceResponseSender:
     """Sends a decoupled model's responses to one request (``request.get_response_sender()``)."""
 
-    def __init__(self, send: Any) -> None:
+    def __init__(self, send: Any, cancelled: Any = None) -> None:
         self._send = send
+        self._cancelled = cancelled
 
     def send(self, response: InferenceResponse | None = None, flags: int = 0) -> None:
         self._send(response, bool(flags & TRITONSERVER_RESPONSE_COMPLETE_FINAL))
+
+    def is_cancelled(self) -> bool:
+        """Whether the client cancelled the request (as ``request.is_cancelled()``)."""
+        return bool(self._cancelled is not None and self._cancelled())
 
 
 class InferenceRequest:
