@@ -2,11 +2,12 @@
 """CPU per request of every process while perf_analyzer drives rayinfer, per protocol.
 
     .venv/bin/python benchmarks/cpu_per_request.py [--protocols http,grpc] [--concurrency 8] [--profile [--native]]
-        [--env NAME=VALUE ...]
+        [--model mlp|identity_fp32] [--env NAME=VALUE ...]
 
 Writes the example repository to a temporary folder, starts ``rayinfer serve`` on it inside a
 private network namespace, warms up, then runs NVIDIA's perf_analyzer (from the Triton anchor,
-``../shared/anchors/triton``) against the ``mlp`` model for each protocol and prints, from
+``../shared/anchors/triton``) against the ``mlp`` model (or the anchor's Python model
+``identity_fp32``, copied into the repository) for each protocol and prints, from
 /proc, the CPU each process used per successful request in the measured window, with
 perf_analyzer's throughput, p50 and p99. ``--env`` sets environment variables for the server
 (and so for Ray's processes), to compare settings such as ``RAY_SERVE_CONTROL_LOOP_INTERVAL_S``
@@ -21,6 +22,7 @@ import argparse
 import csv
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -29,6 +31,7 @@ import urllib.request
 from pathlib import Path
 
 from compare_triton import (
+    ANCHORS,
     ensure_anchor,
     in_private_netns,
     perf_analyzer_command,
@@ -40,7 +43,7 @@ from compare_triton import (
 )
 
 PORT = 18300
-MODEL = "mlp"
+MODELS = ("mlp", "identity_fp32")
 
 
 def cpu_ticks() -> dict[int, tuple[int, str]]:
@@ -56,14 +59,16 @@ def cpu_ticks() -> dict[int, tuple[int, str]]:
     return out
 
 
-def success_count() -> int:
-    with urllib.request.urlopen(f"http://127.0.0.1:{PORT}/v2/models/{MODEL}/stats") as r:
+def success_count(model: str) -> int:
+    with urllib.request.urlopen(f"http://127.0.0.1:{PORT}/v2/models/{model}/stats") as r:
         return json.load(r)["model_stats"][0]["inference_stats"]["success"]["count"]
 
 
 # Where a sampled frame's file lies -> what it belongs to (first match wins; checked innermost first).
 COMPONENTS = [
     ("onnxruntime", "onnxruntime (the model itself)"),
+    ("(model.py", "the Python model itself (model.py)"),
+    ("(adapters/python_backend/", "rayinfer: the Python backend (pb_utils, requests, responses)"),
     ("(protocol/", "rayinfer: v2 / gRPC decoding and encoding"),
     ("(deployments/replica_listener", "rayinfer: the replica's listener (httptools)"),
     ("(serving/batcher", "rayinfer: batcher (merge, split, queue)"),
@@ -122,6 +127,7 @@ def main() -> int:
     parser.add_argument("--protocols", default="http,grpc")
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--seconds", type=int, default=4)
+    parser.add_argument("--model", choices=MODELS, default="mlp")
     parser.add_argument("--profile", action="store_true",
                         help="also sample the model replica with py-spy during a second window")
     parser.add_argument("--native", action="store_true", help="with --profile: include native (C) frames")
@@ -142,21 +148,23 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="rayinfer-cpu-") as tmp:
         repo = Path(tmp) / "repo"
         subprocess.run([str(bin_dir / "rayinfer"), "example-repository", str(repo)], check=True, capture_output=True)
+        if args.model == "identity_fp32":
+            shutil.copytree(ANCHORS / "models" / "identity_fp32", repo / "identity_fp32")
         server = start_rayinfer(repo, PORT, Path(tmp) / "rayinfer.log", env=server_env)
         try:
             wait_ready(PORT, server, 300)
             for protocol in args.protocols.split(","):
                 def command(interval_ms: int, protocol: str = protocol) -> list[str]:
-                    return perf_analyzer_command(PORT, MODEL, protocol, args.concurrency, interval_ms, 80, 3)
+                    return perf_analyzer_command(PORT, args.model, protocol, args.concurrency, interval_ms, 80, 3)
 
                 subprocess.run(command(2000), capture_output=True)  # warm-up
                 time.sleep(1)
-                before_n, before = success_count(), cpu_ticks()
+                before_n, before = success_count(args.model), cpu_ticks()
                 out_csv = Path(tmp) / "perf.csv"
                 result = subprocess.run([*command(args.seconds * 1000), "-f", str(out_csv)],
                                         capture_output=True, text=True)
                 time.sleep(1.5)  # replicas report statistics every half second
-                requests, after = success_count() - before_n, cpu_ticks()
+                requests, after = success_count(args.model) - before_n, cpu_ticks()
                 line = next((x for x in result.stdout.splitlines() if f"Concurrency: {args.concurrency}," in x), "?")
                 print(f"== {protocol}: {requests} requests in the window; perf_analyzer: {line.strip()}")
                 if result.returncode == 0:
@@ -175,7 +183,7 @@ def main() -> int:
                     try:
                         time.sleep(1)
                         raw = Path(tempfile.gettempdir()) / f"rayinfer-profile-{protocol}.txt"
-                        profile(replica_pid(MODEL), args.seconds, raw, args.native)
+                        profile(replica_pid(args.model), args.seconds, raw, args.native)
                     finally:
                         load.kill()
                         load.wait()
