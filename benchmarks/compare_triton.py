@@ -279,11 +279,14 @@ def render(results: Results, limits: list[dict[int, float]], points: list[Point]
         "same cores, batch 1 per request, model `mlp_onnx` (256->1024->1024->10 FP32), max_batch_size 64, one "
         "instance, one intra-op thread; batching on: dynamic batching with a 500 us queue delay, off: none; "
         f"`{PYTHON_MODEL}`: the anchor's Python model (FP32 [16] identity, max_batch_size 32, 500 us delay). "
-        "\"batch\" is the average number of requests per model execution, from each server's statistics.",
+        "\"batch\" is the average number of requests per model execution, from each server's statistics; "
+        "queue and compute are each server's own per-request figures as perf_analyzer reports them (compute: "
+        "input + infer + output; for a Python model in Triton it includes the round trip to its stub process).",
         "",
         "| protocol | batching | concurrency | Triton infer/s | rayinfer infer/s | ratio | Triton p50 / p99 (us) "
-        "| rayinfer p50 / p99 (us) | p99 ratio | batch Triton / rayinfer | rayinfer queue / compute (us) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| rayinfer p50 / p99 (us) | p99 ratio | batch Triton / rayinfer | queue / compute (us), Triton "
+        "| queue / compute (us), rayinfer |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for point in points:
         t, r = m("triton", point, "infer_s"), m("rayinfer", point, "infer_s")
@@ -293,6 +296,7 @@ def render(results: Results, limits: list[dict[int, float]], points: list[Point]
             f"| {m('rayinfer', point, 'p50_us'):,.0f} / {m('rayinfer', point, 'p99_us'):,.0f} "
             f"| {m('rayinfer', point, 'p99_us') / m('triton', point, 'p99_us'):.2f}x "
             f"| {m('triton', point, 'batch'):.1f} / {m('rayinfer', point, 'batch'):.1f} "
+            f"| {m('triton', point, 'queue_us'):,.0f} / {m('triton', point, 'compute_us'):,.0f} "
             f"| {m('rayinfer', point, 'queue_us'):,.0f} / {m('rayinfer', point, 'compute_us'):,.0f} |"
         )
     gains = [(p, c) for p, b, c in points if b == "on" and (p, "off", c) in points]
