@@ -138,6 +138,12 @@ class ModelCore:
         results = self.executor.execute(batch)
         return results, time.perf_counter() - start
 
+    async def ready(self) -> bool:
+        """Whether the model says it can serve (a Python model's ``is_ready()``, off the loop;
+        true when the executor has no such check)."""
+        check = getattr(self.executor, "is_ready", None)
+        return True if check is None else await asyncio.to_thread(check)
+
     # ---- statistics -------------------------------------------------------------------------
 
     def snapshot(self) -> dict[str, Any]:

@@ -49,7 +49,7 @@ async def call(core: ModelCore, method: str, request: Any) -> Any:
         prepared = core.prepare(request_from_grpc(request))
         return response_to_grpc(await core.infer(prepared))
     if method == "ModelReady":
-        return pb.ModelReadyResponse(ready=True)
+        return pb.ModelReadyResponse(ready=await core.ready())
     if method == "ModelMetadata":
         return metadata_to_grpc(core.metadata)
     if method == "ModelConfig":

@@ -51,7 +51,7 @@ async def respond(core: ModelCore, method: str, route: ModelRoute, headers: dict
     if route.action == "":
         return _json(core.metadata)
     if route.action == "ready":
-        return 200, [], b""
+        return (200 if await core.ready() else 400), [], b""
     if route.action == "config":
         return _json(core.config_json)
     # "stats"

@@ -15,6 +15,7 @@ import asyncio
 import importlib.util
 import inspect
 import json
+import logging
 import sys
 import threading
 import time
@@ -33,6 +34,8 @@ from rayinfer.protocol.dtypes import wire_datatype
 from rayinfer.protocol.errors import Code, InternalError, ModelConfigError, ServingError, as_serving_error
 from rayinfer.protocol.types import InferOutput, InferResponse
 from rayinfer.repository.model_config import ModelConfig, config_to_json
+
+logger = logging.getLogger(__name__)
 
 _PB_UTILS = "triton_python_backend_utils"
 _CODES = {
@@ -94,15 +97,16 @@ class PythonBackendAdapter:
         }
         if hasattr(self.model, "initialize"):
             try:
-                self._call(self.model.initialize, args)
+                self.call(self.model.initialize, args)
             except Exception as exc:
                 raise InternalError(f"Failed to initialize model '{config.name}': {type(exc).__name__}: {exc}") from None
 
     def execute_requests(self, requests: list[pb_utils.InferenceRequest]) -> Any:
         """The model's ``execute`` on one batch (awaited on the backend's loop when async)."""
-        return self._call(self.model.execute, requests)
+        return self.call(self.model.execute, requests)
 
-    def _call(self, method: Any, *args: Any) -> Any:
+    def call(self, method: Any, *args: Any) -> Any:
+        """Call one of the model's methods; a coroutine is run on the backend's loop."""
         result = method(*args)
         if not inspect.isawaitable(result):
             return result
@@ -119,7 +123,7 @@ class PythonBackendAdapter:
 
     def unload(self) -> None:
         if self.model is not None and hasattr(self.model, "finalize"):
-            self._call(self.model.finalize)
+            self.call(self.model.finalize)
         self.model = None
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self._loop.stop)
@@ -181,6 +185,17 @@ class PythonModelRunner(ModelRunner):
         results = [self._answer(p, r) for p, r in zip(batch, responses)]
         self._record(batch, start, infer_start, infer_end, results)
         return results
+
+    def is_ready(self) -> bool:
+        """The model's own ``is_ready()`` when it has one (an exception counts as not ready)."""
+        check = getattr(self.adapter.model, "is_ready", None)
+        if check is None:
+            return True
+        try:
+            return bool(self.adapter.call(check))
+        except Exception as exc:
+            logger.warning("model '%s': is_ready raised %s: %s", self.spec.name, type(exc).__name__, exc)
+            return False
 
     def custom_metrics(self) -> tuple[int, list[dict[str, Any]]]:
         """The model's own metric families (``pb_utils.MetricFamily``) and their update count."""

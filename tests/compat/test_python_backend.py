@@ -164,3 +164,15 @@ def test_a_models_own_packages_from_requirements_txt_and_execution_env_path(prot
     for model, value in (("py_env_pip", 7), ("py_env_tarball", 5)):
         result = client.infer(model, [tensor(module, "IN", np.array([1], dtype=np.int32), "INT32")])
         assert int(result.as_numpy("OUT")[0]) == 1 + value
+
+
+def test_the_models_is_ready_answers_model_readiness(proto, model_repository):
+    module, client = proto
+    marker = model_repository / "py_ready" / "not_ready"
+    assert client.is_model_ready("py_ready")
+    marker.write_text("")
+    try:
+        assert not client.is_model_ready("py_ready")
+    finally:
+        marker.unlink()
+    assert client.is_model_ready("py_ready")

@@ -166,3 +166,23 @@ def test_metric_families_follow_tritons_rules() -> None:
     assert (sizes["counts"], sizes["count"], sizes["sum"]) == ([1, 1], 3, 12.5)
     with pytest.raises(pb_utils.TritonModelException, match="another kind"):
         pb_utils.MetricFamily("unit_requests", "Requests", pb_utils.MetricFamily.GAUGE)
+
+
+def test_model_readiness_asks_the_models_is_ready(tmp_path: Path) -> None:
+    code = ('import triton_python_backend_utils as pb_utils\n\nclass TritonPythonModel:\n'
+            '    answer = True\n\n    def is_ready(self):\n        if self.answer is None:\n'
+            '            raise RuntimeError("broken")\n        return self.answer\n\n'
+            '    def execute(self, requests):\n        return []\n')
+    write(tmp_path, "ready", code, IO)
+    runner, entry = load_runner(tmp_path, "ready", 1)
+
+    async def readiness() -> list[bool]:
+        core = ModelCore(runner, entry.versions)
+        seen = []
+        for answer in (True, False, None):
+            runner.adapter.model.answer = answer
+            seen.append(await core.ready())
+        core.close()
+        return seen
+
+    assert asyncio.run(readiness()) == [True, False, False]
