@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import queue
 import threading
 import time
 from collections.abc import Iterator
@@ -57,12 +58,13 @@ class ReplicaBlsClient:
         return await asyncio.wrap_future(self._submit(self._infer(route, request)))
 
     def stream(self, request: InferRequest) -> Iterator[InferResponse | ServingError]:
+        """Sends the request now; the iterator yields each response as it arrives."""
         route = self._run(self._route(request))
         if self._is_self(route):
-            yield from self._here(request)
-            return
-        results: concurrent.futures.Future[list[Any]] = self._submit(self._collect(route, request))
-        yield from results.result()
+            return iter(list(self._here(request)))
+        results: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._submit(self._pump(route, request, results))
+        return _drain(results)
 
     def load_model(self, name: str, parameters: dict[str, Any]) -> None:
         self._run(self._server("change_model", "load", name, parameters))
@@ -90,14 +92,14 @@ class ReplicaBlsClient:
     async def _infer(self, route: tuple[str, str], request: InferRequest) -> InferResponse:
         return await self._handle(route).bls_infer.remote(request)
 
-    async def _collect(self, route: tuple[str, str], request: InferRequest) -> list[Any]:
-        results: list[Any] = []
+    async def _pump(self, route: tuple[str, str], request: InferRequest, results: queue.SimpleQueue) -> None:
         try:
             async for result in self._handle(route).options(stream=True).bls_stream.remote(request):
-                results.append(result)
+                results.put(result)
         except Exception as exc:
-            results.append(as_serving_error(exc))
-        return results
+            results.put(as_serving_error(exc))
+        finally:
+            results.put(_END)
 
     def _here(self, request: InferRequest) -> Iterator[InferResponse | ServingError]:
         if self.core is None:
@@ -140,6 +142,14 @@ class ReplicaBlsClient:
 
 async def _awaited(awaitable: Any) -> Any:
     return await awaitable
+
+
+_END = object()
+
+
+def _drain(results: queue.SimpleQueue) -> Iterator[Any]:
+    while (result := results.get()) is not _END:
+        yield result
 
 
 def _single(results: Iterator[InferResponse | ServingError]) -> InferResponse:

@@ -17,7 +17,7 @@ from python_bls_models import BLS_MODELS
 
 ANCHOR_MODELS = Path(__file__).resolve().parents[2] / "shared" / "anchors" / "models"
 # Loaded by tests through the repository API, not at start.
-NOT_LOADED_AT_START = ("py_init_fail",)
+NOT_LOADED_AT_START = ("py_init_fail", "py_env_broken")
 
 MODELS: dict[str, tuple[str, str]] = {}
 
@@ -280,9 +280,26 @@ output [ { name: "OUT" data_type: TYPE_INT32 dims: [ 1 ] } ]
 """
 MODELS["py_env_pip"] = ('name: "py_env_pip"\nbackend: "python"\n' + PROBE_IO,
                         PROBE_MODEL.format(module="rayinfer_wheel_probe"))
+MODELS["py_env_broken"] = ('name: "py_env_broken"\nbackend: "python"\n' + PROBE_IO,
+                           PROBE_MODEL.format(module="rayinfer_wheel_probe"))
 MODELS["py_env_tarball"] = ('name: "py_env_tarball"\nbackend: "python"\n' + PROBE_IO + """parameters: {
   key: "EXECUTION_ENV_PATH" value: { string_value: "$$TRITON_MODEL_DIRECTORY/probe_env.tar.gz" } }
 """, PROBE_MODEL.format(module="rayinfer_env_probe"))
+
+# is_ready(): the model is not ready while a file named "not_ready" lies in its folder.
+MODELS["py_ready"] = ('name: "py_ready"\nbackend: "python"\n' + PROBE_IO, '''import os
+
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def is_ready(self):
+        return not os.path.exists(os.path.join(pb_utils.get_model_dir(), "not_ready"))
+
+    def execute(self, requests):
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("OUT", pb_utils.get_input_tensor_by_name(r, "IN")
+                                                            .as_numpy())]) for r in requests]
+''')
 
 MODELS.update(BLS_MODELS)
 
@@ -294,6 +311,8 @@ HELPERS = {
     ),
     # No index: the wheel is all pip needs (the tests run without a network).
     ("py_env_pip", "1/requirements.txt"): "--no-index\n./wheels/rayinfer_wheel_probe-1.0-py3-none-any.whl  # local\n",
+    # A requirement pip cannot install (no index, no such package).
+    ("py_env_broken", "1/requirements.txt"): "--no-index\nrayinfer-no-such-package==9.9\n",
 }
 
 

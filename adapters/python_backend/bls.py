@@ -113,10 +113,19 @@ async def execute_async(request: InferenceRequest) -> InferenceResponse:
 
 
 def execute_decoupled(request: InferenceRequest) -> Iterator[InferenceResponse]:
-    """``request.exec(decoupled=True)``: the model's responses as they come, then an empty final
-    one (as Triton's iterator gives when the model sends the final flag on its own)."""
+    """``request.exec(decoupled=True)``: sends the request, then iterates the model's responses
+    as they come, and an empty final one (as Triton's iterator gives when the model sends the
+    final flag on its own)."""
     try:
-        for result in client().stream(to_infer_request(request)):
+        results = client().stream(to_infer_request(request))
+    except Exception as exc:
+        return iter([to_inference_response(exc)])
+    return _responses(results)
+
+
+def _responses(results: Iterator[InferResponse | ServingError]) -> Iterator[InferenceResponse]:
+    try:
+        for result in results:
             yield to_inference_response(result)
             if isinstance(result, ServingError):
                 return
@@ -127,8 +136,9 @@ def execute_decoupled(request: InferenceRequest) -> Iterator[InferenceResponse]:
 
 
 async def execute_decoupled_async(request: InferenceRequest) -> Iterator[InferenceResponse]:
-    """``await request.async_exec(decoupled=True)``: the responses, gathered off the caller's loop."""
-    return iter(await asyncio.to_thread(lambda: list(execute_decoupled(request))))
+    """``await request.async_exec(decoupled=True)``: the request is sent off the caller's loop;
+    iterating the answer waits for each response, as Triton's iterator does."""
+    return await asyncio.to_thread(execute_decoupled, request)
 
 
 def model_control(call: str, *args: Any) -> Any:
