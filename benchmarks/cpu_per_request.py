@@ -2,7 +2,7 @@
 """CPU per request of every process while perf_analyzer drives rayinfer, per protocol.
 
     .venv/bin/python benchmarks/cpu_per_request.py [--protocols http,grpc] [--concurrency 8] [--profile [--native]]
-        [--model mlp|identity_fp32] [--env NAME=VALUE ...]
+        [--model mlp|identity_fp32] [--profile-app rayinfer] [--env NAME=VALUE ...]
 
 Writes the example repository to a temporary folder, starts ``rayinfer serve`` on it inside a
 private network namespace, warms up, then runs NVIDIA's perf_analyzer (from the Triton anchor,
@@ -131,6 +131,9 @@ def main() -> int:
     parser.add_argument("--profile", action="store_true",
                         help="also sample the model replica with py-spy during a second window")
     parser.add_argument("--native", action="store_true", help="with --profile: include native (C) frames")
+    parser.add_argument("--profile-app", default=None, metavar="APP",
+                        help="with --profile: sample this application's replica instead of the model's "
+                             "(rayinfer: the /v2 replica)")
     parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                         help="an environment variable for the server and Ray's processes (repeatable)")
     args = parser.parse_args()
@@ -183,7 +186,7 @@ def main() -> int:
                     try:
                         time.sleep(1)
                         raw = Path(tempfile.gettempdir()) / f"rayinfer-profile-{protocol}.txt"
-                        profile(replica_pid(args.model), args.seconds, raw, args.native)
+                        profile(replica_pid(args.profile_app or args.model), args.seconds, raw, args.native)
                     finally:
                         load.kill()
                         load.wait()

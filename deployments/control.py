@@ -26,7 +26,7 @@ from rayinfer.deployments.names import (
     model_deployment_name,
     model_route_prefix,
 )
-from rayinfer.deployments.serve_state import failure_reason, status_name
+from rayinfer.deployments.serve_state import failure_reason, serve_applications, status_name
 from rayinfer.protocol.errors import ModelConfigError
 from rayinfer.repository.python_env import python_runtime_env
 from rayinfer.repository.scanner import scan_model
@@ -149,7 +149,7 @@ def _wait_for_apps(apps: dict[str, str], timeout_s: float) -> dict[str, str]:
     pending = set(apps)
     failures: dict[str, str] = {}
     while pending and time.monotonic() < deadline:
-        status = serve.status().applications
+        status = serve_applications()
         for name in list(pending):
             app = status.get(name)
             if app is None:
@@ -174,7 +174,7 @@ class ServeDeployer:
         self._control = control
 
     def serving(self, model: str) -> bool:
-        return bool(model_apps(model, serve.status().applications))
+        return bool(model_apps(model, serve_applications()))
 
     def trial_load(self, root: str, versions: list[tuple[str, int, bool]], override: str | None) -> None:
         trial_load(root, versions, self._control, override)
@@ -182,18 +182,18 @@ class ServeDeployer:
     def deploy(self, root: str, model: str, versions: list[tuple[str, int, bool]], override: str | None) -> str | None:
         failures = deploy_models(root, versions, self._control, {model: override} if override else None)
         wanted = {model_app_name(*v) for v in versions}
-        for name in model_apps(model, serve.status().applications):
+        for name in model_apps(model, serve_applications()):
             if name not in wanted:
                 serve.delete(name, _blocking=False)
         return failures.get(model)
 
     def remove(self, model: str) -> None:
-        names = model_apps(model, serve.status().applications)
+        names = model_apps(model, serve_applications())
         for name in names:
             serve.delete(name, _blocking=False)
         deadline = time.monotonic() + 60
         while names and time.monotonic() < deadline:
-            apps = serve.status().applications
+            apps = serve_applications()
             names = [name for name in names if name in apps]
             # Serve tells of a removed application only through its status: poll it (the loop
             # ends when they are gone, or at the deadline).

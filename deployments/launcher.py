@@ -13,6 +13,7 @@ from rayinfer.deployments.app import server_application
 from rayinfer.deployments.control import ModelControl, deploy_models
 from rayinfer.deployments.grpc_service import SERVICER_FUNCTION
 from rayinfer.deployments.names import SERVER_APP, SERVER_ROUTE_PREFIX, model_apps
+from rayinfer.deployments.serve_state import serve_applications
 from rayinfer.protocol.metrics import MetricsOptions
 
 logger = logging.getLogger(__name__)
@@ -86,7 +87,7 @@ def stop(models: list[str], *, whole_serve: bool) -> None:
     if whole_serve:
         serve.shutdown()
         return
-    running = list(serve.status().applications)
+    running = list(serve_applications())
     for model in models:
         for name in model_apps(model, running):
             serve.delete(name, _blocking=False)

@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-from ray import serve
 
 from rayinfer.deployments.names import model_app_name, model_deployment_name
 from rayinfer.repository.scanner import scan_repository
@@ -46,6 +45,46 @@ def short_reason(message: str) -> str:
         if "Error" in line.split(":", 1)[0]:
             return line.split(":", 1)[1].strip() or line
     return lines[-1] if lines else "failed to load"
+
+
+@dataclass(frozen=True, slots=True)
+class DeploymentState:
+    status: str
+    message: str
+    replica_states: dict[str, int]  # replica state -> how many replicas are in it
+
+
+@dataclass(frozen=True, slots=True)
+class ApplicationState:
+    status: str
+    message: str
+    deployments: dict[str, DeploymentState]
+
+
+def serve_applications() -> dict[str, ApplicationState]:
+    """Serve's applications and their deployments, from the controller's details as it sends them.
+
+    ``serve.status()`` parses the same details into Serve's pydantic models, which pickles each
+    deployment's request router class again: about 60 ms of CPU per call for a handful of
+    applications, against under 2 ms here (measured with the example repository).
+    """
+    from ray.serve.context import _get_global_client
+
+    client = _get_global_client(raise_if_no_controller_running=False)
+    if client is None:  # Serve has not started
+        return {}
+    apps = {}
+    for name, app in (client.get_serve_details().get("applications") or {}).items():
+        deployments = {}
+        for dname, deployment in (app.get("deployments") or {}).items():
+            states: dict[str, int] = {}
+            for replica in deployment.get("replicas") or []:
+                state = status_name(replica.get("state"))
+                states[state] = states.get(state, 0) + 1
+            deployments[dname] = DeploymentState(status_name(deployment.get("status")),
+                                                 deployment.get("message") or "", states)
+        apps[name] = ApplicationState(status_name(app.get("status")), app.get("message") or "", deployments)
+    return apps
 
 
 def running_replicas() -> set[str]:
@@ -107,7 +146,7 @@ class ServeState:
                        and not key.endswith("/")), key=lambda v: (len(v), v))
 
     def _read(self) -> None:
-        apps = serve.status().applications
+        apps = serve_applications()
         load_errors = self._controller.load_errors
         rows: list[dict[str, Any]] = []
         routes: dict[str, tuple[str, str]] = {}
