@@ -134,7 +134,12 @@ def trial_load(model_repository: str, versions: list[tuple[str, int, bool]], con
     # On this node: a load request's files are in a temporary directory here.
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     task = ray.remote(load).options(num_cpus=0, max_retries=0, scheduling_strategy=here)
-    refs = [task.remote(model_repository, model, version) for model, version, _ in versions]
+    refs = []
+    for model, version, _ in versions:
+        # A Python model with requirements loads in the runtime environment its replicas get.
+        config = scan_model(Path(model_repository) / model, config_override).config
+        env = python_runtime_env(Path(model_repository) / model, version, config) if config is not None else None
+        refs.append((task.options(runtime_env=env) if env else task).remote(model_repository, model, version))
     try:
         ray.get(refs, timeout=control.timeout_s)
     except ray.exceptions.GetTimeoutError:

@@ -41,6 +41,9 @@ def failure_reason(app: Any) -> str:
 def short_reason(message: str) -> str:
     """The last meaningful line of a Serve failure message (the exception, not the traceback)."""
     lines = [line.strip() for line in message.strip().splitlines() if line.strip()]
+    pip_errors = [line for line in lines if line.startswith("ERROR: ")]
+    if pip_errors:  # a Python model's runtime environment could not be built
+        return f"pip could not install the model's requirements: {pip_errors[-1][len('ERROR: '):]}"
     for line in reversed(lines):
         if "Error" in line.split(":", 1)[0]:
             return line.split(":", 1)[1].strip() or line

@@ -176,3 +176,21 @@ def test_the_models_is_ready_answers_model_readiness(proto, model_repository):
     finally:
         marker.unlink()
     assert client.is_model_ready("py_ready")
+
+
+def test_a_requirement_pip_cannot_install_fails_only_its_model(server):
+    """The model's Ray environment cannot be built: the load fails with pip's reason, and the
+    other models keep serving."""
+    client = httpclient.InferenceServerClient(server["url"], network_timeout=600.0)
+    try:
+        with pytest.raises(InferenceServerException) as failure:
+            client.load_model("py_env_broken")
+        reason = "pip could not install the model's requirements: No matching distribution found for " \
+                 "rayinfer-no-such-package==9.9"
+        assert "failed to load 'py_env_broken'" in str(failure.value) and reason in str(failure.value)
+        row = next(r for r in client.get_model_repository_index() if r["name"] == "py_env_broken")
+        assert row["state"] == "UNAVAILABLE" and row["reason"] == reason
+    finally:
+        client.unload_model("py_env_broken")
+    x = np.ones(4, dtype=np.float32)
+    assert client.infer("py_add_sub", [tensor(httpclient, "INPUT0", x, "FP32"), tensor(httpclient, "INPUT1", x, "FP32")])
