@@ -29,6 +29,7 @@ from google.protobuf import json_format
 from rayinfer.adapters.base import model_file
 from rayinfer.adapters.model_runner import TRANSPORT_PARAMETERS, ModelRunner, PreparedRequest
 from rayinfer.adapters.python_backend import environment
+from rayinfer.adapters.python_backend.errors import SERVING_CODES
 from rayinfer.adapters.python_backend import triton_python_backend_utils as pb_utils
 from rayinfer.protocol.dtypes import wire_datatype
 from rayinfer.protocol.errors import Code, InternalError, ModelConfigError, ServingError, as_serving_error
@@ -38,12 +39,6 @@ from rayinfer.repository.model_config import ModelConfig, config_to_json
 logger = logging.getLogger(__name__)
 
 _PB_UTILS = "triton_python_backend_utils"
-_CODES = {
-    pb_utils.TritonError.UNKNOWN: Code.UNKNOWN, pb_utils.TritonError.INTERNAL: Code.INTERNAL,
-    pb_utils.TritonError.NOT_FOUND: Code.NOT_FOUND, pb_utils.TritonError.INVALID_ARG: Code.INVALID_ARG,
-    pb_utils.TritonError.UNAVAILABLE: Code.UNAVAILABLE, pb_utils.TritonError.UNSUPPORTED: Code.UNSUPPORTED,
-    pb_utils.TritonError.ALREADY_EXISTS: Code.ALREADY_EXISTS, pb_utils.TritonError.CANCELLED: Code.CANCELLED,
-}
 
 
 class PythonBackendAdapter:
@@ -229,7 +224,7 @@ class PythonModelRunner(ModelRunner):
             return InternalError(f"model '{self.spec.name}' returned {type(response).__name__}, not an InferenceResponse")
         if response.has_error():
             error = response.error()
-            return ServingError(error.message(), _CODES.get(error.code(), Code.INTERNAL))
+            return ServingError(error.message(), SERVING_CODES.get(error.code(), Code.INTERNAL))
         by_name = {t.name(): t.as_numpy() for t in response.output_tensors()}
         outputs = []
         for name in prepared.output_names:

@@ -14,21 +14,14 @@ import asyncio
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Protocol
 
-from rayinfer.adapters.python_backend.errors import TritonError, TritonModelException
+from rayinfer.adapters.python_backend.errors import TRITON_CODES, TritonError, TritonModelException
 from rayinfer.protocol.dtypes import wire_datatype
-from rayinfer.protocol.errors import Code, ServingError, as_serving_error
+from rayinfer.protocol.errors import ServingError, as_serving_error
 from rayinfer.protocol.types import InferInput, InferRequest, InferResponse, RequestedOutput
 
 if TYPE_CHECKING:
     from rayinfer.adapters.python_backend.triton_python_backend_utils import InferenceRequest, InferenceResponse
 
-TRITON_CODES = {
-    Code.UNKNOWN: TritonError.UNKNOWN, Code.INTERNAL: TritonError.INTERNAL, Code.NOT_FOUND: TritonError.NOT_FOUND,
-    Code.INVALID_ARG: TritonError.INVALID_ARG, Code.UNAVAILABLE: TritonError.UNAVAILABLE,
-    Code.UNSUPPORTED: TritonError.UNSUPPORTED, Code.ALREADY_EXISTS: TritonError.ALREADY_EXISTS,
-    Code.CANCELLED: TritonError.CANCELLED,
-}
-SERVING_CODES = {triton: code for code, triton in TRITON_CODES.items()}
 
 
 class BlsClient(Protocol):
@@ -91,7 +84,7 @@ def to_inference_response(result: InferResponse | BaseException | None) -> Infer
         return pb_utils.InferenceResponse([])
     if isinstance(result, BaseException):
         error = as_serving_error(result)
-        return pb_utils.InferenceResponse(error=TritonError(error.message, TRITON_CODES.get(error.code, 1)))
+        return pb_utils.InferenceResponse(error=TritonError(error.message, TRITON_CODES.get(error.code, TritonError.INTERNAL)))
     tensors = [pb_utils.Tensor(output.name, output.data) for output in result.outputs]
     return pb_utils.InferenceResponse(tensors, parameters=result.parameters)
 

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from rayinfer.protocol.errors import Code
+
 class TritonError:
     """An error carried by a response: a message and one of Triton's codes."""
 
@@ -34,3 +36,13 @@ class TritonModelException(Exception):
 
     def message(self) -> str:
         return str(self)
+
+
+# The server's error codes as Triton's TritonError codes, and back.
+TRITON_CODES = {
+    Code.UNKNOWN: TritonError.UNKNOWN, Code.INTERNAL: TritonError.INTERNAL, Code.NOT_FOUND: TritonError.NOT_FOUND,
+    Code.INVALID_ARG: TritonError.INVALID_ARG, Code.UNAVAILABLE: TritonError.UNAVAILABLE,
+    Code.UNSUPPORTED: TritonError.UNSUPPORTED, Code.ALREADY_EXISTS: TritonError.ALREADY_EXISTS,
+    Code.CANCELLED: TritonError.CANCELLED,
+}
+SERVING_CODES = {triton: code for code, triton in TRITON_CODES.items()}
