@@ -23,7 +23,6 @@ if TYPE_CHECKING:
     from rayinfer.adapters.python_backend.triton_python_backend_utils import InferenceRequest, InferenceResponse
 
 
-
 class BlsClient(Protocol):
     """Sends requests to the models the cluster serves (blocking calls may come from any thread
     but the client's own)."""
