@@ -95,7 +95,8 @@ class ReplicaBlsClient:
     async def _pump(self, route: tuple[str, str], request: InferRequest, results: queue.SimpleQueue) -> None:
         try:
             async for result in self._handle(route).options(stream=True).bls_stream.remote(request):
-                results.put(result)
+                if result is not None:  # None ends every stream (ModelDeployment.bls_stream)
+                    results.put(result)
         except Exception as exc:
             results.put(as_serving_error(exc))
         finally:

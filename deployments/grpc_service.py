@@ -257,7 +257,8 @@ class ModelForwarder:
             raise await self._api.unavailable_model(name, version or None)
         handle = self._handles.get(route) or self._new_handle(route)
         async for payload in handle.options(stream=True).grpc_stream.remote(request.SerializeToString()):
-            yield pb.ModelStreamInferResponse.FromString(payload)
+            if payload:  # an empty one ends every stream (ModelDeployment.grpc_stream)
+                yield pb.ModelStreamInferResponse.FromString(payload)
 
     def forget(self, model: str) -> None:
         """Drop the handles to the applications of an unloaded model."""

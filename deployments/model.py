@@ -39,6 +39,11 @@ _STATS_PUSH_INTERVAL_S = 0.5
 # The replica's listener is registered with the ``/v2`` replica this often (which forgets
 # a listener not registered again within a few intervals: a replica that died).
 _LISTENER_REGISTER_INTERVAL_S = 2.0
+# The last message of every streaming handle call (grpc_stream, bls_stream), which the caller
+# drops: a call that yields nothing ends as a gRPC trailers-only response, without the initial
+# metadata Serve's handle waits for, and Serve then fails it ("Unexpected error
+# (StatusCode.OK)"), about once in 25 such calls here.
+_STREAM_END = b""
 # How long a replica being stopped waits for the calls its listener is answering.
 _LISTENER_DRAIN_S = 10.0
 
@@ -121,12 +126,14 @@ class ModelDeployment:
         """A Python model's BLS request with ``exec(decoupled=True)``: each response as it comes."""
         async for result in self._core.stream(self._core.prepare(request)):
             yield result
+        yield None  # the end (see _STREAM_END)
 
     async def grpc_stream(self, payload: bytes) -> Any:
         """One request of a gRPC stream the ``/v2`` replica forwards by streaming handle: its
         serialized ModelStreamInferResponse messages, as the model answers them."""
         async for message in model_grpc.stream_serialized(self._core, payload):
             yield message
+        yield _STREAM_END
 
     # ---- the /v2 replica: statistics and the listener's registration ------------------------
 

@@ -116,7 +116,7 @@ def test_a_decoupled_model_streams_zero_to_many_responses_over_grpc(server):
         answers = [received.get(timeout=60) for _ in range(5)]
     finally:
         client.stop_stream()
-    assert all(error is None for _, error in answers)
+    assert [error for _, error in answers] == [None] * 5
     assert [int(r.as_numpy("OUT")[0]) for r, _ in answers[:4]] == [4, 2, 7, 9]
     assert [int(r.as_numpy("IDX")[0]) for r, _ in answers[:4]] == [0, 1, 2, 0]
     np.testing.assert_array_equal(answers[4][0].as_numpy("OUTPUT0"), x * 2)
