@@ -127,22 +127,18 @@ class ReplicaBlsClient:
             if self._loop is None:
                 self._loop = asyncio.new_event_loop()
                 threading.Thread(target=self._loop.run_forever, name="bls-client", daemon=True).start()
-        return asyncio.run_coroutine_threadsafe(_awaited(coroutine), self._loop)
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop)
 
-    def _run(self, awaitable: Any) -> Any:
-        """Block the calling thread (never the client's own) until ``awaitable`` is done."""
+    def _run(self, coroutine: Any) -> Any:
+        """Block the calling thread (never the client's own) until ``coroutine`` is done."""
         try:
-            return self._submit(awaitable).result()
+            return self._submit(coroutine).result()
         except Exception as exc:
             raise as_serving_error(exc) from None
 
     def close(self) -> None:
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self._loop.stop)
-
-
-async def _awaited(awaitable: Any) -> Any:
-    return await awaitable
 
 
 _END = object()
@@ -158,4 +154,3 @@ def _single(results: Iterator[InferResponse | ServingError]) -> InferResponse:
     if isinstance(result, ServingError):
         raise result
     return result
-

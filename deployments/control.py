@@ -10,8 +10,8 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 from ray import serve
 
@@ -135,9 +135,12 @@ def trial_load(model_repository: str, versions: list[tuple[str, int, bool]], con
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     task = ray.remote(load).options(num_cpus=0, max_retries=0, scheduling_strategy=here)
     refs = []
+    configs: dict[str, Any] = {}
     for model, version, _ in versions:
         # A Python model with requirements loads in the runtime environment its replicas get.
-        config = scan_model(Path(model_repository) / model, config_override).config
+        if model not in configs:
+            configs[model] = scan_model(Path(model_repository) / model, config_override).config
+        config = configs[model]
         env = python_runtime_env(Path(model_repository) / model, version, config) if config is not None else None
         refs.append((task.options(runtime_env=env) if env else task).remote(model_repository, model, version))
     try:

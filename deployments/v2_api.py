@@ -172,4 +172,5 @@ class V2Api:
             except Exception:  # one bad poll must not end polling
                 logger.exception("poll: scanning the repository failed")
             finally:
+                # Poll mode is periodic by definition: Triton's --repository-poll-secs.
                 await asyncio.sleep(self._poll_secs)

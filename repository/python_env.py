@@ -4,8 +4,7 @@ Triton needs a conda-pack tarball for a Python model's dependencies (``EXECUTION
 still honoured: :mod:`rayinfer.adapters.python_backend.environment`). rayinfer also takes a
 ``requirements.txt`` beside ``model.py`` (in the version folder, else the model folder) or a
 ``pip_requirements`` parameter in config.pbtxt (one requirement per line or comma-separated);
-the model's replicas then run in a Ray ``pip`` runtime environment built from it, on every node
-that runs one, and cached by Ray per distinct list. A relative path in a requirement (a wheel,
+the model's replicas then run in a Ray ``pip`` runtime environment built from it. A relative path in a requirement (a wheel,
 ``-f ./wheels``) is taken from the folder of the file that names it (the model folder for the
 parameter).
 """

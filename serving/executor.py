@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import queue
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol, TypeAlias
 
 from rayinfer.protocol.errors import ServingError
@@ -55,26 +55,36 @@ class Executor(Protocol):
         """Unload the model."""
 
 
-class ResponseSender:
-    """Carries a decoupled request's responses from any thread to the waiting coroutine.
+class _Sender:
+    """``send`` for both senders below: responses in order, nothing after ``final``."""
 
-    ``send`` may be called from the model's own threads; responses are queued on the event loop
-    that created the sender, in the order sent, and the stream ends after ``final``.
-    """
+    __slots__ = ("closed", "_put")
 
-    __slots__ = ("_loop", "_queue", "closed")
-
-    def __init__(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._queue: asyncio.Queue[tuple[Result | None, bool]] = asyncio.Queue()
+    def __init__(self, put: Callable[[tuple[Result | None, bool]], object]) -> None:
         self.closed = False
+        self._put = put
 
     def send(self, response: Result | None = None, final: bool = False) -> None:
         """Queue one response (or none, with ``final`` only); nothing may follow ``final``."""
         if self.closed:
             raise ServingError("a response was sent after the final flag")
         self.closed = final
-        self._loop.call_soon_threadsafe(self._queue.put_nowait, (response, final))
+        self._put((response, final))
+
+
+class ResponseSender(_Sender):
+    """Carries a decoupled request's responses from any thread to the waiting coroutine.
+
+    ``send`` may be called from the model's own threads; responses are queued on the event loop
+    that created the sender, in the order sent, and the stream ends after ``final``.
+    """
+
+    __slots__ = ("_loop", "_queue")
+
+    def __init__(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._queue: asyncio.Queue[tuple[Result | None, bool]] = asyncio.Queue()
+        super().__init__(lambda item: self._loop.call_soon_threadsafe(self._queue.put_nowait, item))
 
     async def responses(self) -> Any:
         """The responses sent, in order, until the final flag."""
@@ -86,23 +96,18 @@ class ResponseSender:
                 return
 
 
-class BlockingSender:
+class BlockingSender(_Sender):
     """A :class:`ResponseSender` for a thread that waits for the responses itself (a model's
-    call to itself, executed on its own thread)."""
+    call to itself, executed on its own thread): no event loop involved."""
 
-    __slots__ = ("_queue", "closed")
+    __slots__ = ("_queue",)
 
     def __init__(self) -> None:
         self._queue: queue.SimpleQueue[tuple[Result | None, bool]] = queue.SimpleQueue()
-        self.closed = False
-
-    def send(self, response: Result | None = None, final: bool = False) -> None:
-        if self.closed:
-            raise ServingError("a response was sent after the final flag")
-        self.closed = final
-        self._queue.put((response, final))
+        super().__init__(self._queue.put)
 
     def responses(self) -> Iterator[Result]:
+        """The responses sent, in order, until the final flag."""
         while True:
             response, final = self._queue.get()
             if response is not None:

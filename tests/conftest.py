@@ -44,6 +44,13 @@ def http_json(method: str, path: str, doc: object | None = None) -> tuple[int, o
     return status, (json.loads(raw) if raw else None)
 
 
+def tensor(module, name: str, array, datatype: str):
+    """A tritonclient input (``module``: tritonclient.http or .grpc) holding ``array``."""
+    t = module.InferInput(name, list(array.shape), datatype)
+    t.set_data_from_numpy(array)
+    return t
+
+
 def add_sub_inputs(a, b, binary: bool = True, dtype: str = "INT32") -> list:
     """``tritonclient.http`` inputs INPUT0 = a, INPUT1 = b for the add/sub test models."""
     import tritonclient.http as httpclient

@@ -257,7 +257,7 @@ class TritonPythonModel:
         deadline = time.monotonic() + 60
         while not sender.is_cancelled() and time.monotonic() < deadline:
             sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", np.array([1], dtype=np.int32))]))
-            time.sleep(0.01)
+            time.sleep(0.01)  # the model's own pace: a response every 10 ms, as a generator streams
         if request.is_cancelled():
             self.cancelled.increment(1)
         sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from rayinfer.protocol.errors import Code
 
+
 class TritonError:
     """An error carried by a response: a message and one of Triton's codes."""
 

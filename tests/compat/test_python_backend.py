@@ -13,16 +13,11 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
+from conftest import tensor
 from python_models import ANCHOR_MODELS
 from waiting import wait_until
 
 needs_anchors = pytest.mark.skipif(not ANCHOR_MODELS.is_dir(), reason="needs ../shared/anchors beside the checkout")
-
-
-def tensor(module, name: str, array: np.ndarray, datatype: str):
-    t = module.InferInput(name, list(array.shape), datatype)
-    t.set_data_from_numpy(array)
-    return t
 
 
 def test_add_sub_with_a_helper_module(proto):

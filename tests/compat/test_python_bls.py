@@ -12,14 +12,9 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
+from conftest import tensor
 from model_factory import on_demand
 from waiting import wait_until
-
-
-def tensor(module, name: str, array: np.ndarray, datatype: str):
-    t = module.InferInput(name, list(array.shape), datatype)
-    t.set_data_from_numpy(array)
-    return t
 
 
 def bls_inputs(module, a: np.ndarray, b: np.ndarray, model: str) -> list:
