@@ -2,7 +2,7 @@
 """CPU per request of every process while perf_analyzer drives rayinfer, per protocol.
 
     .venv/bin/python benchmarks/cpu_per_request.py [--protocols http,grpc] [--concurrency 8] [--profile [--native]]
-        [--model mlp|identity_fp32] [--profile-app rayinfer] [--env NAME=VALUE ...]
+        [--model mlp|identity_fp32] [--profile-app rayinfer] [--env NAME=VALUE ...] [--server rayinfer|triton]
 
 Writes the example repository to a temporary folder, starts ``rayinfer serve`` on it inside a
 private network namespace, warms up, then runs NVIDIA's perf_analyzer (from the Triton anchor,
@@ -14,6 +14,10 @@ perf_analyzer's throughput, p50 and p99. ``--env`` sets environment variables fo
 run against run. With ``--profile``, a second window under the same load samples the model replica with py-spy and
 prints its busy time by component and its hottest functions (``--native`` adds C frames, but
 stops the process for each sample, which favours samples at system calls).
+
+``--server triton`` measures the Triton anchor the same way instead, on a repository holding only
+``--model`` (``identity_fp32``; the anchor's ``mlp_onnx`` for ``mlp``): tritonserver and its Python
+stub processes are listed like rayinfer's.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import urllib.request
 from pathlib import Path
 
 from compare_triton import (
+    ANCHOR_HOME,
     ANCHORS,
     ensure_anchor,
     in_private_netns,
@@ -134,6 +139,7 @@ def main() -> int:
     parser.add_argument("--profile-app", default=None, metavar="APP",
                         help="with --profile: sample this application's replica instead of the model's "
                              "(rayinfer: the /v2 replica)")
+    parser.add_argument("--server", choices=("rayinfer", "triton"), default="rayinfer")
     parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                         help="an environment variable for the server and Ray's processes (repeatable)")
     args = parser.parse_args()
@@ -150,24 +156,37 @@ def main() -> int:
     tick_us = 1e6 / os.sysconf("SC_CLK_TCK")
     with tempfile.TemporaryDirectory(prefix="rayinfer-cpu-") as tmp:
         repo = Path(tmp) / "repo"
-        subprocess.run([str(bin_dir / "rayinfer"), "example-repository", str(repo)], check=True, capture_output=True)
-        if args.model == "identity_fp32":
-            shutil.copytree(ANCHORS / "models" / "identity_fp32", repo / "identity_fp32")
-        server = start_rayinfer(repo, PORT, Path(tmp) / "rayinfer.log", env=server_env)
+        server = None
+        if args.server == "triton":
+            model = args.model if args.model == "identity_fp32" else "mlp_onnx"
+            shutil.copytree(ANCHORS / "models" / model, repo / model)
+            if model == "mlp_onnx":
+                subprocess.run([str(ANCHOR_HOME / "venv" / "bin" / "python"), str(ANCHORS / "models" / "make_mlp_onnx.py"),
+                                str(repo / model / "1" / "model.onnx")], check=True, capture_output=True)
+            for path in [repo, *repo.rglob("*")]:
+                path.chmod(0o755 if path.is_dir() else 0o644)
+            subprocess.run([str(ANCHORS / "triton" / "start"), str(repo), str(PORT)], check=True, capture_output=True)
+        else:
+            model = args.model
+            subprocess.run([str(bin_dir / "rayinfer"), "example-repository", str(repo)], check=True, capture_output=True)
+            if args.model == "identity_fp32":
+                shutil.copytree(ANCHORS / "models" / "identity_fp32", repo / "identity_fp32")
+            server = start_rayinfer(repo, PORT, Path(tmp) / "rayinfer.log", env=server_env)
         try:
-            wait_ready(PORT, server, 300)
+            if server is not None:
+                wait_ready(PORT, server, 300)
             for protocol in args.protocols.split(","):
                 def command(interval_ms: int, protocol: str = protocol) -> list[str]:
-                    return perf_analyzer_command(PORT, args.model, protocol, args.concurrency, interval_ms, 80, 3)
+                    return perf_analyzer_command(PORT, model, protocol, args.concurrency, interval_ms, 80, 3)
 
                 subprocess.run(command(2000), capture_output=True)  # warm-up
                 time.sleep(1)
-                before_n, before = success_count(args.model), cpu_ticks()
+                before_n, before = success_count(model), cpu_ticks()
                 out_csv = Path(tmp) / "perf.csv"
                 result = subprocess.run([*command(args.seconds * 1000), "-f", str(out_csv)],
                                         capture_output=True, text=True)
                 time.sleep(1.5)  # replicas report statistics every half second
-                requests, after = success_count(args.model) - before_n, cpu_ticks()
+                requests, after = success_count(model) - before_n, cpu_ticks()
                 line = next((x for x in result.stdout.splitlines() if f"Concurrency: {args.concurrency}," in x), "?")
                 print(f"== {protocol}: {requests} requests in the window; perf_analyzer: {line.strip()}")
                 if result.returncode == 0:
@@ -186,12 +205,15 @@ def main() -> int:
                     try:
                         time.sleep(1)
                         raw = Path(tempfile.gettempdir()) / f"rayinfer-profile-{protocol}.txt"
-                        profile(replica_pid(args.profile_app or args.model), args.seconds, raw, args.native)
+                        profile(replica_pid(args.profile_app or model), args.seconds, raw, args.native)
                     finally:
                         load.kill()
                         load.wait()
         finally:
-            stop_server(server)
+            if server is not None:
+                stop_server(server)
+            else:
+                subprocess.run([str(ANCHORS / "triton" / "stop")], check=False, capture_output=True)
     return 0
 
 
