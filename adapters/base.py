@@ -36,6 +36,7 @@ class ModelAdapter(Protocol):
 _REGISTRY = {
     "onnxruntime": "rayinfer.adapters.onnxruntime.adapter:OnnxRuntimeAdapter",
     "python": "rayinfer.adapters.python_backend.backend:PythonBackendAdapter",
+    "pytorch": "rayinfer.adapters.torchscript.adapter:TorchScriptAdapter",
 }
 
 

@@ -1,0 +1,1 @@
+"""TorchScript models (``platform: "pytorch_libtorch"``, ``model.pt``)."""

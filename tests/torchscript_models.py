@@ -1,0 +1,85 @@
+"""TorchScript test models (scripted with torch at test time, no downloads) and their configs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+ADD_SUB_CONFIG = """platform: "pytorch_libtorch"
+max_batch_size: 8
+input [
+  { name: "INPUT__0" data_type: TYPE_FP32 dims: [ 16 ] },
+  { name: "INPUT__1" data_type: TYPE_FP32 dims: [ 16 ] }
+]
+output [
+  { name: "OUTPUT__0" data_type: TYPE_FP32 dims: [ 16 ] },
+  { name: "OUTPUT__1" data_type: TYPE_FP32 dims: [ 16 ] }
+]
+dynamic_batching { max_queue_delay_microseconds: 20000 }
+instance_group [ { count: 1 kind: KIND_CPU } ]
+"""
+
+# Inputs declared in another order than forward(scale, values): bound by name.
+NAMED_CONFIG = """backend: "pytorch"
+max_batch_size: 4
+input [
+  { name: "values" data_type: TYPE_INT64 dims: [ -1 ] },
+  { name: "scale" data_type: TYPE_INT64 dims: [ 1 ] }
+]
+output [
+  { name: "scaled" data_type: TYPE_INT64 dims: [ -1 ] },
+  { name: "total" data_type: TYPE_INT64 dims: [ 1 ] }
+]
+parameters { key: "INFERENCE_MODE" value: { string_value: "false" } }
+parameters { key: "DISABLE_OPTIMIZED_EXECUTION" value: { string_value: "true" } }
+"""
+
+# The test repository's TorchScript models: name -> (config, module factory name).
+MODELS = {"ts_add_sub": (ADD_SUB_CONFIG, "add_sub"), "ts_named": (NAMED_CONFIG, "named")}
+
+
+def modules() -> dict:
+    """name -> a scripted module (torch imported here, only when models are written)."""
+    import torch
+    from torch import Tensor
+
+    class AddSub(torch.nn.Module):
+        def forward(self, a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
+            return a + b, a - b
+
+    class Named(torch.nn.Module):
+        def forward(self, scale: Tensor, values: Tensor) -> list[Tensor]:
+            return [values * scale, values.sum(dim=1, keepdim=True)]
+
+    class Identity(torch.nn.Module):
+        def forward(self, x: Tensor) -> Tensor:
+            return x.clone()
+
+    class Fails(torch.nn.Module):
+        def forward(self, x: Tensor) -> Tensor:
+            return x.reshape(3, -1)
+
+    return {
+        "add_sub": torch.jit.script(AddSub()),
+        "named": torch.jit.script(Named()),
+        "identity": torch.jit.script(Identity()),
+        "fails": torch.jit.script(Fails()),
+        "traced": torch.jit.trace(AddSub(), (torch.zeros(1, 16), torch.zeros(1, 16))),
+    }
+
+
+def write_torchscript_model(root: Path, name: str, config: str | None, module, version: int = 1) -> Path:
+    """``<root>/<name>/config.pbtxt`` and ``<version>/model.pt``."""
+    import torch
+
+    version_dir = root / name / str(version)
+    version_dir.mkdir(parents=True, exist_ok=True)
+    if config is not None:
+        (root / name / "config.pbtxt").write_text(config)
+    torch.jit.save(module, str(version_dir / "model.pt"))
+    return root / name
+
+
+def write_torchscript_models(root: Path) -> None:
+    built = modules()
+    for name, (config, module) in MODELS.items():
+        write_torchscript_model(root, name, config, built[module])
