@@ -10,6 +10,7 @@ from rayinfer.adapters.model_runner import ModelRunner
 from rayinfer.adapters.warmup import run_warmup
 from rayinfer.protocol.statistics import ModelStatistics
 from rayinfer.protocol.errors import ModelConfigError
+from rayinfer.repository.instance_groups import resolve_instance_kinds
 from rayinfer.repository.model_config import CONFIG_FILENAME, spec_from_config
 from rayinfer.repository.scanner import ModelEntry, scan_model
 
@@ -18,11 +19,13 @@ logger = logging.getLogger(__name__)
 
 def load_runner(
     repository: Path, model_name: str, version: int, auto_complete: bool = True,
-    config_override: str | None = None,
+    config_override: str | None = None, on_gpu: bool = False,
 ) -> tuple[ModelRunner, ModelEntry]:
     """Read the model's config, load ``version`` with its backend and return the runner.
 
-    Raises :class:`ModelConfigError` (naming the file) if the config or model file is broken.
+    ``on_gpu``: the replica has a GPU; its KIND_AUTO / KIND_GPU instance groups become GPU
+    instances (else CPU ones) before the backend loads. Raises :class:`ModelConfigError` (naming
+    the file) if the config or model file is broken.
     """
     model_dir = Path(repository) / model_name
     entry = scan_model(model_dir, config_override)
@@ -34,6 +37,7 @@ def load_runner(
             f"(serving {entry.versions})"
         )
     config = entry.config
+    resolve_instance_kinds(config, on_gpu)
     adapter = create_adapter(config.backend)
     adapter.load(model_dir, version, config, auto_complete)
     spec = spec_from_config(config, model_dir / CONFIG_FILENAME)

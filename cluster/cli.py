@@ -87,6 +87,12 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("--log-verbose", type=_log_verbose, default=None)
         sub.add_argument("--ray-address", default=None)
         sub.add_argument("--num-cpus", type=float, default=None, help="CPUs of the embedded local Ray")
+        sub.add_argument("--num-gpus", type=float, default=None,
+                         help="GPUs of the embedded local Ray (logical ones on a machine without GPUs)")
+        sub.add_argument("--gpu-fallback", choices=("none", "cpu"), default=None,
+                         help="cpu: run KIND_GPU instance groups on CPU replicas")
+        sub.add_argument("--gpu-wait-secs", type=float, default=None,
+                         help="how long a model waits for missing GPUs before it is UNAVAILABLE (default 180)")
         sub.add_argument("--ray-metrics-port", type=int, default=None, help="embedded Ray's metrics port")
         sub.add_argument("--dashboard-port", type=int, default=None, help="start the embedded Ray's dashboard here")
         sub.add_argument("--replica-num-cpus", type=float, default=None)
@@ -176,6 +182,7 @@ def serve(settings: ServerSettings) -> int:
     else:
         ray.init(
             num_cpus=settings.num_cpus,
+            num_gpus=settings.num_gpus,
             include_dashboard=settings.dashboard_port is not None,
             dashboard_host=settings.http_address,
             dashboard_port=settings.dashboard_port,
@@ -196,6 +203,8 @@ def serve(settings: ServerSettings) -> int:
             auto_complete=auto_complete(settings),
             replica_num_cpus=settings.replica_num_cpus,
             timeout_s=settings.startup_timeout_s,
+            gpu_fallback=settings.gpu_fallback == "cpu",
+            gpu_wait_s=settings.gpu_wait_secs,
             metrics=metrics_endpoint(settings),
             control_mode=settings.model_control_mode,
             poll_secs=settings.repository_poll_secs,

@@ -18,8 +18,12 @@ from rayinfer.deployments.names import (
     SERVER_APP,
     SERVER_ROUTE_PREFIX,
     model_app_name,
+    model_deployment_name,
     model_route_prefix,
 )
+from rayinfer.protocol.errors import ModelConfigError
+from rayinfer.repository.instance_groups import replica_plan
+from rayinfer.repository.python_env import python_runtime_env
 from rayinfer.repository.scanner import ModelEntry, scan_repository
 
 MODEL_IMPORT_PATH = "rayinfer.deployments.app:build_model_app"
@@ -51,6 +55,7 @@ def render_serve_config(
         "replica_num_cpus": settings.replica_num_cpus,
         "auto_complete": auto_complete(settings),
         "log_level": replica_log_level(settings),
+        "gpu_fallback": settings.gpu_fallback == "cpu",
     }
     entries = scan_repository(settings.model_repository) if entries is None else entries
     applications: list[dict[str, Any]] = [{
@@ -66,13 +71,15 @@ def render_serve_config(
             "front_threads": settings.http_thread_count,
             "model_control_mode": settings.model_control_mode,
             "repository_poll_secs": settings.repository_poll_secs,
+            "gpu_wait_secs": settings.gpu_wait_secs,
             **common,
         },
     }]
     if settings.model_control_mode == "explicit" and "*" not in settings.load_model:
         entries = [entry for entry in entries if entry.name in settings.load_model]
+    configs = {entry.name: entry for entry in entries}
     for model, version, is_default in served_versions(entries):
-        applications.append({
+        app: dict[str, Any] = {
             "name": model_app_name(model, version, is_default),
             "route_prefix": model_route_prefix(model, version, is_default),
             "import_path": MODEL_IMPORT_PATH,
@@ -83,7 +90,11 @@ def render_serve_config(
                 "is_default": is_default,
                 **common,
             },
-        })
+        }
+        deployment = _deployment_resources(settings, configs[model], version)
+        if deployment is not None:
+            app["deployments"] = [{"name": model_deployment_name(model, version), **deployment}]
+        applications.append(app)
     doc: dict[str, Any] = {
         "proxy_location": "EveryNode",
         # Serve's HTTP ingress sits behind the front's HTTP port (--http-port).
@@ -94,6 +105,26 @@ def render_serve_config(
         doc["grpc_options"] = {"port": front[3], "grpc_servicer_functions": [SERVICER_FUNCTION]}
     doc["applications"] = applications
     return doc
+
+
+def _deployment_resources(settings: ServerSettings, entry: ModelEntry, version: int) -> dict[str, Any] | None:
+    """The replicas and Ray resources of a model version, as Serve's config writes them (the
+    application builds the same from the instance groups; edit these to override them). A
+    KIND_AUTO group is rendered as GPU replicas when --num-gpus says the cluster has GPUs. None
+    when the instance groups cannot be served (the application reports why when deployed)."""
+    assert entry.config is not None
+    try:
+        plan = replica_plan(entry.config, entry.path / "config.pbtxt",
+                            cluster_has_gpus=bool(settings.num_gpus), gpu_fallback=settings.gpu_fallback == "cpu")
+    except ModelConfigError:
+        return None
+    options: dict[str, Any] = {"num_cpus": settings.replica_num_cpus}
+    if plan.num_gpus:
+        options["num_gpus"] = plan.num_gpus
+    runtime_env = python_runtime_env(entry.path, version, entry.config)
+    if runtime_env is not None:  # Serve replaces the options as a whole: keep the model's packages
+        options["runtime_env"] = runtime_env
+    return {"num_replicas": plan.replicas, "ray_actor_options": options}
 
 
 def _front_args(settings: ServerSettings) -> dict[str, Any]:

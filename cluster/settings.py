@@ -125,6 +125,19 @@ class ServerSettings(BaseSettings):
         None, description="Address of an existing Ray cluster; default: RAY_ADDRESS, else start a local Ray."
     )
     num_cpus: float | None = Field(None, description="CPUs of the embedded local Ray (default: all cores).")
+    num_gpus: float | None = Field(
+        None,
+        description="GPUs of the embedded local Ray (default: those Ray finds); on a machine without GPUs, "
+        "logical GPUs for trying out placement.",
+    )
+    gpu_fallback: Literal["none", "cpu"] = Field(
+        "none", description="cpu: run KIND_GPU instance groups as CPU replicas (development without a GPU)."
+    )
+    gpu_wait_secs: float = Field(
+        180.0, gt=0,
+        description="How long a model waits for GPUs the cluster does not have (an autoscaler may add a GPU "
+        "node) before it is UNAVAILABLE with the missing resource as its reason.",
+    )
     dashboard_port: int | None = Field(
         None,
         description="Start the embedded Ray's dashboard on this port (Ray's default is 8265), bound to "

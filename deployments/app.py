@@ -11,7 +11,7 @@ from typing import Any
 from ray.serve import Application
 from ray.serve.schema import LoggingConfig
 
-from rayinfer.deployments.control import MIN_ONGOING_REQUESTS, ModelControl, model_application
+from rayinfer.deployments.control import DEFAULT_GPU_WAIT_S, MIN_ONGOING_REQUESTS, ModelControl, model_application
 from rayinfer.deployments.names import DEFAULT_REPLICA_NUM_CPUS, parse_bool
 from rayinfer.deployments.server import ServerDeployment
 from rayinfer.protocol.metrics import MetricsOptions
@@ -62,7 +62,7 @@ def server_application(
 
 def build_model_app(args: dict[str, Any]) -> Application:
     """Serve-config entry point; ``args``: model_repository, model, version, is_default and
-    optionally replica_num_cpus, auto_complete, log_level."""
+    optionally replica_num_cpus, auto_complete, log_level, gpu_fallback."""
     return model_application(
         args["model_repository"],
         args["model"],
@@ -71,6 +71,7 @@ def build_model_app(args: dict[str, Any]) -> Application:
         replica_num_cpus=float(args.get("replica_num_cpus", DEFAULT_REPLICA_NUM_CPUS)),
         auto_complete=parse_bool(args.get("auto_complete", True)),
         log_level=str(args.get("log_level", "WARNING")),
+        gpu_fallback=parse_bool(args.get("gpu_fallback", False)),
     )
 
 
@@ -102,11 +103,14 @@ def build_server_app(args: dict[str, Any]) -> Application:
 
 
 def _control_from_args(args: dict[str, Any]) -> ModelControl:
-    """model_control_mode, replica_num_cpus, auto_complete, repository_poll_secs, log_level."""
+    """model_control_mode, replica_num_cpus, auto_complete, repository_poll_secs, log_level,
+    gpu_fallback, gpu_wait_secs."""
     return ModelControl(
         mode=str(args.get("model_control_mode", "none")),
         replica_num_cpus=float(args.get("replica_num_cpus", DEFAULT_REPLICA_NUM_CPUS)),
         auto_complete=parse_bool(args.get("auto_complete", True)),
         poll_secs=float(args.get("repository_poll_secs", 15.0)),
         log_level=str(args.get("log_level", "WARNING")),
+        gpu_fallback=parse_bool(args.get("gpu_fallback", False)),
+        gpu_wait_s=float(args.get("gpu_wait_secs", DEFAULT_GPU_WAIT_S)),
     )

@@ -26,8 +26,9 @@ from rayinfer.deployments.names import (
     model_deployment_name,
     model_route_prefix,
 )
-from rayinfer.deployments.serve_state import failure_reason, serve_applications, status_name
+from rayinfer.deployments.serve_state import failure_reason, gpu_shortage, serve_applications, status_name
 from rayinfer.protocol.errors import ModelConfigError
+from rayinfer.repository.instance_groups import replica_plan
 from rayinfer.repository.python_env import python_runtime_env
 from rayinfer.repository.scanner import scan_model
 
@@ -35,6 +36,14 @@ logger = logging.getLogger(__name__)
 
 # Ongoing requests a replica accepts; at least twice the largest batch so batches can fill.
 MIN_ONGOING_REQUESTS = 256
+DEFAULT_GPU_WAIT_S = 180.0
+
+
+def cluster_gpus() -> float:
+    """GPUs the Ray cluster has (logical ones included), 0 without a connected Ray."""
+    import ray
+
+    return float(ray.cluster_resources().get("GPU", 0.0)) if ray.is_initialized() else 0.0
 
 
 @dataclass(frozen=True)
@@ -47,6 +56,10 @@ class ModelControl:
     timeout_s: float = 600.0
     poll_secs: float = 15.0
     log_level: str = "WARNING"
+    # KIND_GPU groups run as CPU replicas (--gpu-fallback cpu).
+    gpu_fallback: bool = False
+    # How long a model waits for GPUs the cluster does not have before it is UNAVAILABLE.
+    gpu_wait_s: float = DEFAULT_GPU_WAIT_S
 
 
 def model_application(
@@ -59,18 +72,25 @@ def model_application(
     auto_complete: bool = True,
     config_override: str | None = None,
     log_level: str = "WARNING",
+    gpu_fallback: bool = False,
 ) -> Application:
-    """The application serving one version of one model; replicas from its ``instance_group``.
+    """The application serving one version of one model; replicas and their resources from its
+    ``instance_group`` (:mod:`rayinfer.repository.instance_groups`).
 
     ``config_override``: a load request's config (Triton's JSON form) used instead of config.pbtxt;
-    ``log_level``: the replicas' log level (``--log-verbose`` makes it DEBUG).
+    ``log_level``: the replicas' log level (``--log-verbose`` makes it DEBUG); ``gpu_fallback``:
+    GPU groups run as CPU replicas.
     """
     entry = scan_model(Path(model_repository) / model, config_override)
     if entry.config is None:
         raise ModelConfigError(entry.error or f"model '{model}' cannot be read")
     config = entry.config
-    replicas = sum(max(group.count, 1) for group in config.instance_group) or 1
+    plan = replica_plan(config, entry.path / "config.pbtxt", cluster_has_gpus=cluster_gpus() > 0,
+                        gpu_fallback=gpu_fallback)
+    replicas = plan.replicas
     actor_options: dict[str, Any] = {"num_cpus": replica_num_cpus}
+    if plan.num_gpus:
+        actor_options["num_gpus"] = plan.num_gpus
     runtime_env = python_runtime_env(Path(model_repository) / model, version, config)
     if runtime_env is not None:  # a Python model's own packages
         actor_options["runtime_env"] = runtime_env
@@ -96,23 +116,28 @@ def deploy_models(
     """Deploy (or update) one application per model version and wait for them; returns
     {model: reason} for models that failed, whose applications are removed again."""
     targets = {}
+    refused: dict[str, str] = {}
     for model, version, is_default in versions:
         name = model_app_name(model, version, is_default)
-        targets[name] = (model, serve.RunTarget(
-            model_application(
+        try:
+            app = model_application(
                 model_repository, model, version, is_default,
                 replica_num_cpus=control.replica_num_cpus, auto_complete=control.auto_complete,
                 config_override=(config_overrides or {}).get(model), log_level=control.log_level,
-            ),
-            name=name,
-            route_prefix=model_route_prefix(model, version, is_default),
-        ))
+                gpu_fallback=control.gpu_fallback,
+            )
+        except ModelConfigError as exc:  # e.g. instance groups Serve cannot express: this model only
+            logger.error("model '%s' failed to load: %s", model, exc)
+            refused[model] = str(exc)
+            continue
+        targets[name] = (model, serve.RunTarget(app, name=name, route_prefix=model_route_prefix(model, version, is_default)))
     if targets:
         serve.run_many([t for _, t in targets.values()], wait_for_applications_running=False)
-    load_errors = _wait_for_apps({name: model for name, (model, _) in targets.items()}, control.timeout_s)
+    load_errors = _wait_for_apps({name: model for name, (model, _) in targets.items()}, control.timeout_s,
+                                 gpu_wait_s=control.gpu_wait_s)
     for name in load_errors:
         serve.delete(name, _blocking=False)
-    return {targets[name][0]: reason for name, reason in load_errors.items()}
+    return {**refused, **{targets[name][0]: reason for name, reason in load_errors.items()}}
 
 
 def trial_load(model_repository: str, versions: list[tuple[str, int, bool]], control: ModelControl,
@@ -151,13 +176,29 @@ def trial_load(model_repository: str, versions: list[tuple[str, int, bool]], con
         raise TimeoutError(f"loading the new model took longer than {control.timeout_s:.0f} s") from None
 
 
-def _wait_for_apps(apps: dict[str, str], timeout_s: float) -> dict[str, str]:
-    """Poll Serve until every app runs or failed; returns {app: reason} for the failures."""
-    deadline = time.monotonic() + timeout_s
+def _wait_for_apps(apps: dict[str, str], timeout_s: float, gpu_wait_s: float = DEFAULT_GPU_WAIT_S) -> dict[str, str]:
+    """Poll Serve until every app runs or failed; returns {app: reason} for the failures. An app
+    whose replicas wait for GPUs the cluster does not have fails after ``gpu_wait_s``."""
+    start = time.monotonic()
+    deadline = start + timeout_s
     pending = set(apps)
     failures: dict[str, str] = {}
+    warned: set[str] = set()
     while pending and time.monotonic() < deadline:
+        waited = time.monotonic() - start
         status = serve_applications()
+        for name in list(pending):
+            app = status.get(name) if waited > min(5.0, gpu_wait_s) else None
+            shortage = gpu_shortage(app) if app is not None else None
+            if shortage is None:
+                continue
+            if waited >= gpu_wait_s:
+                pending.discard(name)
+                failures[name] = f"waited {gpu_wait_s:.0f} s for GPU resources: {shortage}"
+                logger.error("model '%s' failed to load: %s", apps[name], failures[name])
+            elif name not in warned:
+                warned.add(name)
+                logger.warning("model '%s' waits for GPU resources (up to %.0f s): %s", apps[name], gpu_wait_s, shortage)
         for name in list(pending):
             app = status.get(name)
             if app is None:

@@ -10,7 +10,7 @@ from ray import serve
 from ray.serve.schema import ServeDeploySchema
 
 from rayinfer.deployments.app import server_application
-from rayinfer.deployments.control import ModelControl, deploy_models
+from rayinfer.deployments.control import DEFAULT_GPU_WAIT_S, ModelControl, deploy_models
 from rayinfer.deployments.grpc_service import SERVICER_FUNCTION
 from rayinfer.deployments.names import SERVER_APP, SERVER_ROUTE_PREFIX, model_apps
 from rayinfer.deployments.serve_state import serve_applications
@@ -50,6 +50,8 @@ def deploy_repository(
     front_threads: int | None = None,
     log_level: str = "WARNING",
     load_errors: dict[str, str] | None = None,
+    gpu_fallback: bool = False,
+    gpu_wait_s: float = DEFAULT_GPU_WAIT_S,
 ) -> dict[str, str]:
     """Deploy the ``/v2`` app and one app per model version; returns models that failed to load.
 
@@ -57,7 +59,8 @@ def deploy_repository(
     the reason) and never stops the others. ``load_errors``: models asked for that could not be
     read (they count against readiness, and are returned with the failures).
     """
-    control = ModelControl(control_mode, replica_num_cpus, auto_complete, timeout_s, poll_secs, log_level)
+    control = ModelControl(control_mode, replica_num_cpus, auto_complete, timeout_s, poll_secs, log_level,
+                           gpu_fallback, gpu_wait_s)
     launch_version = f"rayinfer-{uuid.uuid4().hex}"
 
     def run_server_app(errors: dict[str, str]) -> None:

@@ -69,8 +69,11 @@ class ModelDeployment:
         # A Python model's calls to other models (set before loading: initialize may call).
         self._bls = ReplicaBlsClient(context.deployment)
         bls.set_client(self._bls)
+        # A replica given a share of a GPU runs the model's GPU instances (Ray sets
+        # CUDA_VISIBLE_DEVICES to that GPU); one given none runs them on the CPU.
+        on_gpu = bool(ray.get_gpu_ids())
         runner, entry = await asyncio.to_thread(
-            load_runner, Path(model_repository), model_name, int(version), auto_complete, config_override
+            load_runner, Path(model_repository), model_name, int(version), auto_complete, config_override, on_gpu
         )
         self._core = self._bls.core = ModelCore(runner, entry.versions, self._merged_statistics)
         self._listener = ReplicaListener(self._listener_grpc, self._listener_http)

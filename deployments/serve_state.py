@@ -55,6 +55,8 @@ class DeploymentState:
     status: str
     message: str
     replica_states: dict[str, int]  # replica state -> how many replicas are in it
+    target_replicas: int = 0
+    num_gpus: float = 0.0  # per replica
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +64,23 @@ class ApplicationState:
     status: str
     message: str
     deployments: dict[str, DeploymentState]
+
+
+def gpu_shortage(app: ApplicationState) -> str | None:
+    """Why ``app``'s replicas are not all placed, when they wait for GPUs the cluster does not
+    have free (else None)."""
+    import ray
+
+    for deployment in app.deployments.values():
+        running = deployment.replica_states.get("RUNNING", 0)
+        if not deployment.num_gpus or running >= deployment.target_replicas:
+            continue
+        resources = ray.available_resources(), ray.cluster_resources()
+        free, total = (float(r.get("GPU", 0.0)) for r in resources)
+        if free < deployment.num_gpus:
+            return (f"{deployment.target_replicas - running} of its {deployment.target_replicas} replicas need "
+                    f"{deployment.num_gpus:g} GPU each; the cluster has {total:g} GPU(s), {free:g} free")
+    return None
 
 
 def serve_applications() -> dict[str, ApplicationState]:
@@ -84,8 +103,11 @@ def serve_applications() -> dict[str, ApplicationState]:
             for replica in deployment.get("replicas") or []:
                 state = status_name(replica.get("state"))
                 states[state] = states.get(state, 0) + 1
-            deployments[dname] = DeploymentState(status_name(deployment.get("status")),
-                                                 deployment.get("message") or "", states)
+            deployments[dname] = DeploymentState(
+                status_name(deployment.get("status")), deployment.get("message") or "", states,
+                int(deployment.get("target_num_replicas") or 0),
+                float((deployment.get("required_resources") or {}).get("GPU") or 0.0),  # per replica
+            )
         apps[name] = ApplicationState(status_name(app.get("status")), app.get("message") or "", deployments)
     return apps
 
@@ -174,6 +196,10 @@ class ServeState:
                     row.update(state="UNAVAILABLE", reason="unloaded")
                 elif status_name(app.status) in _SERVE_STATE:
                     row.update(state=_SERVE_STATE[status_name(app.status)], reason="")
+                    if status_name(app.status) == "DEPLOYING":
+                        shortage = gpu_shortage(app)
+                        if shortage is not None:
+                            row["reason"] = f"waiting for GPU resources: {shortage}"
                     # A served version being updated (DEPLOYING) keeps serving from its old
                     # replicas, so it stays READY (as in Triton, and for readiness probes); one
                     # deploying for the first time is not ready yet.

@@ -152,15 +152,13 @@ def fill_defaults(config: ModelConfig) -> None:
     """Triton's defaults for fields a config may leave out (version policy, instance group)."""
     if not config.HasField("version_policy"):
         config.version_policy.latest.num_versions = 1
-    if not config.instance_group:
-        config.instance_group.add(count=1, kind=mc.ModelInstanceGroup.KIND_CPU)
+    if not config.instance_group:  # Triton's default: one instance, on a GPU when there is one
+        config.instance_group.add(count=1, kind=mc.ModelInstanceGroup.KIND_AUTO)
     for index, group in enumerate(config.instance_group):
         if not group.name:
             group.name = f"{config.name}_{index}" if index else config.name
         if group.count < 1:
             group.count = 1
-        if group.kind == mc.ModelInstanceGroup.KIND_AUTO:
-            group.kind = mc.ModelInstanceGroup.KIND_CPU
 
 
 def check_supported(config: ModelConfig, path: Path) -> None:
@@ -172,8 +170,6 @@ def check_supported(config: ModelConfig, path: Path) -> None:
         unsupported.append("ensemble models")
     if config.model_transaction_policy.decoupled and config.backend != "python":
         unsupported.append("decoupled model_transaction_policy (only Python models may be decoupled)")
-    if any(group.kind == mc.ModelInstanceGroup.KIND_GPU for group in config.instance_group):
-        unsupported.append("instance_group kind KIND_GPU (GPU instances)")
     if unsupported:
         raise ModelConfigError(f"{path}: not supported yet: {', '.join(unsupported)}")
     if config.max_batch_size < 0:

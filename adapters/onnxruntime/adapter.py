@@ -11,6 +11,7 @@ import numpy as np
 from rayinfer.adapters.base import model_file
 from rayinfer.protocol.dtypes import wire_to_config
 from rayinfer.protocol.errors import InternalError, InvalidArgError, ModelConfigError
+from rayinfer.repository.instance_groups import runs_on_gpu
 from rayinfer.repository.model_config import ModelConfig, mc
 
 logger = logging.getLogger(__name__)
@@ -36,8 +37,32 @@ _ORT_TO_WIRE = {
 DEFAULT_MAX_BATCH_SIZE = 4
 
 
+def execution_providers(config: ModelConfig, available: list[str]) -> list[str]:
+    """onnxruntime's providers for the model's (resolved) instance kind: CPU for CPU instances;
+    CUDA for GPU instances, TensorRT first when the config's ``gpu_execution_accelerator`` asks
+    for ``tensorrt``; a GPU instance without the CUDA provider is a load error naming the extra."""
+    if not runs_on_gpu(config):
+        return ["CPUExecutionProvider"]
+    if "CUDAExecutionProvider" not in available:
+        raise ModelConfigError(
+            f"model '{config.name}' has GPU instances, but onnxruntime here has no CUDA execution provider "
+            f"(available: {', '.join(available)}): install the gpu extra (pip install 'rayinfer[gpu]')"
+        )
+    accelerators = config.optimization.execution_accelerators.gpu_execution_accelerator
+    providers = ["CUDAExecutionProvider", "CPUExecutionProvider"]
+    if any(a.name == "tensorrt" for a in accelerators):
+        if "TensorrtExecutionProvider" not in available:
+            raise ModelConfigError(
+                f"model '{config.name}' asks for the tensorrt execution accelerator, which onnxruntime here "
+                f"does not have (available: {', '.join(available)})"
+            )
+        providers.insert(0, "TensorrtExecutionProvider")
+    return providers
+
+
 class OnnxRuntimeAdapter:
-    """Runs an ONNX model with onnxruntime on the CPU execution provider."""
+    """Runs an ONNX model with onnxruntime: the CPU execution provider, or CUDA (and TensorRT)
+    on a GPU replica."""
 
     def __init__(self) -> None:
         self._session: Any = None
@@ -66,10 +91,9 @@ class OnnxRuntimeAdapter:
             options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
         elif level == 1:
             options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
+        providers = execution_providers(config, ort.get_available_providers())
         try:
-            self._session = ort.InferenceSession(
-                str(path), sess_options=options, providers=["CPUExecutionProvider"]
-            )
+            self._session = ort.InferenceSession(str(path), sess_options=options, providers=providers)
         except Exception as exc:  # onnxruntime raises its own untyped errors
             raise ModelConfigError(f"failed to load ONNX model {path}: {exc}") from None
         if auto_complete:

@@ -34,6 +34,7 @@ from rayinfer.adapters.python_backend import triton_python_backend_utils as pb_u
 from rayinfer.protocol.dtypes import wire_datatype
 from rayinfer.protocol.errors import Code, InternalError, ModelConfigError, ServingError, as_serving_error
 from rayinfer.protocol.types import InferOutput, InferResponse
+from rayinfer.repository.instance_groups import runs_on_gpu
 from rayinfer.repository.model_config import ModelConfig, config_to_json
 
 logger = logging.getLogger(__name__)
@@ -83,7 +84,8 @@ class PythonBackendAdapter:
         self.model = model_class()
         args = {
             "model_config": json.dumps(config_to_json(config)),
-            "model_instance_kind": "CPU",
+            # A GPU replica sees its one GPU as device 0 (Ray sets CUDA_VISIBLE_DEVICES).
+            "model_instance_kind": "GPU" if runs_on_gpu(config) else "CPU",
             "model_instance_name": f"{config.name}_0_0",
             "model_instance_device_id": "0",
             "model_repository": self.model_dir,

@@ -28,6 +28,7 @@ import numpy as np
 from rayinfer.adapters.base import model_file
 from rayinfer.protocol.dtypes import config_to_wire
 from rayinfer.protocol.errors import InternalError, InvalidArgError, ModelConfigError
+from rayinfer.repository.instance_groups import runs_on_gpu
 from rayinfer.repository.model_config import ModelConfig, mc
 
 logger = logging.getLogger(__name__)
@@ -78,7 +79,7 @@ def _import_torch(model: str) -> Any:
 
 
 class TorchScriptAdapter:
-    """Runs a TorchScript module with torch on the CPU."""
+    """Runs a TorchScript module with torch on the CPU, or on the GPU of a GPU replica."""
 
     def __init__(self) -> None:
         self._torch: Any = None
@@ -93,6 +94,13 @@ class TorchScriptAdapter:
     def load(self, model_dir: Path, version: int, config: ModelConfig, auto_complete: bool) -> None:
         torch = self._torch = _import_torch(config.name)
         path = model_file(model_dir, version, config)
+        if runs_on_gpu(config):
+            if not torch.cuda.is_available():
+                raise ModelConfigError(
+                    f"model '{config.name}' has GPU instances, but torch sees no CUDA device in this replica "
+                    f"(torch {torch.__version__}, CUDA build: {torch.version.cuda or 'no'})"
+                )
+            self._device = "cuda"  # the replica's one GPU (Ray sets CUDA_VISIBLE_DEVICES)
         self._inference_mode = _flag(config, "INFERENCE_MODE", True)
         self._optimized = not _flag(config, "DISABLE_OPTIMIZED_EXECUTION", False)
         self._set_threads(config)

@@ -158,3 +158,26 @@ def test_broken_model_warmup_fails_the_load_naming_the_sample(tmp_path) -> None:
                 add_sub_model(TensorProto.INT32))
     with pytest.raises(ModelConfigError, match="model_warmup 'sample' of model 'warm' failed"):
         load_runner(tmp_path, "warm", 1)
+
+
+def test_execution_providers_follow_the_instance_kind() -> None:
+    from google.protobuf import text_format
+
+    from rayinfer.adapters.onnxruntime.adapter import execution_providers
+    from rayinfer.repository.model_config import ModelConfig
+
+    def config(text: str) -> ModelConfig:
+        return text_format.Parse('name: "m" ' + text, ModelConfig())
+
+    cpu = config("instance_group [ { kind: KIND_CPU } ]")
+    assert execution_providers(cpu, ["CPUExecutionProvider"]) == ["CPUExecutionProvider"]
+    gpu = config("instance_group [ { kind: KIND_GPU } ]")
+    with_cuda = ["TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"]
+    assert execution_providers(gpu, with_cuda) == ["CUDAExecutionProvider", "CPUExecutionProvider"]
+    with pytest.raises(ModelConfigError, match=r"no CUDA execution provider .*install the gpu extra"):
+        execution_providers(gpu, ["CPUExecutionProvider"])
+    trt = config("instance_group [ { kind: KIND_GPU } ] optimization { execution_accelerators { "
+                 'gpu_execution_accelerator: [ { name: "tensorrt" } ] } }')
+    assert execution_providers(trt, with_cuda)[0] == "TensorrtExecutionProvider"
+    with pytest.raises(ModelConfigError, match="asks for the tensorrt execution accelerator"):
+        execution_providers(trt, ["CUDAExecutionProvider", "CPUExecutionProvider"])

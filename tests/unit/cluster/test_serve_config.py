@@ -162,3 +162,29 @@ def test_replica_ports_lie_outside_the_ephemeral_range() -> None:
     assert len(http) >= 1000 and len(grpc) >= 1000 and not set(http) & set(grpc)
     low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
     assert max(http[-1], grpc[-1]) < low or min(http[0], grpc[0]) > high
+
+
+def test_instance_groups_become_deployment_resources(tmp_path: Path) -> None:
+    write_example_repository(tmp_path)
+    simple = tmp_path / "simple" / "config.pbtxt"
+    simple.write_text(simple.read_text() + "instance_group [ { count: 2 kind: KIND_GPU gpus: [ 0, 1 ] } ]\n")
+    mlp = tmp_path / "mlp" / "config.pbtxt"
+    mlp.write_text(mlp.read_text().replace("instance_group [ { count: 1 kind: KIND_CPU } ]",
+                                           "instance_group [ { kind: KIND_CPU }, { kind: KIND_GPU } ]"))
+
+    def deployments(**settings) -> dict:
+        doc = render_serve_config(ServerSettings(model_repository=tmp_path, replica_num_cpus=0.25, **settings))
+        return {app["name"]: app.get("deployments") for app in doc["applications"] if app["name"] != "rayinfer"}
+
+    rendered = deployments()
+    assert rendered["simple"] == [{"name": "simple_v1", "num_replicas": 4,
+                                   "ray_actor_options": {"num_cpus": 0.25, "num_gpus": 0.5}}]
+    assert rendered["mlp"] is None  # mixed kinds: the application reports the error when deployed
+    fallback = deployments(gpu_fallback="cpu")
+    # as KIND_CPU groups of the same count
+    assert fallback["simple"] == [{"name": "simple_v1", "num_replicas": 2, "ray_actor_options": {"num_cpus": 0.25}}]
+    apps = render_serve_config(ServerSettings(model_repository=tmp_path, gpu_fallback="cpu"))["applications"]
+    assert all(app["args"]["gpu_fallback"] for app in apps if app["name"] != "rayinfer")
+    # KIND_AUTO (no instance_group) counts as GPU only when the settings give the cluster GPUs.
+    assert deployments()["simple_string"][0]["ray_actor_options"] == {"num_cpus": 0.25}
+    assert deployments(num_gpus=1)["simple_string"][0]["ray_actor_options"] == {"num_cpus": 0.25, "num_gpus": 1.0}

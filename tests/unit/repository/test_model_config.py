@@ -124,7 +124,8 @@ def test_fill_defaults() -> None:
     assert config.version_policy.latest.num_versions == 1
     (group,) = config.instance_group
     assert (group.name, group.count) == ("m", 1)
-    assert mc.ModelInstanceGroup.Kind.Name(group.kind) == "KIND_CPU"
+    # Triton's default: a GPU instance when there is a GPU (resolved where the replica runs).
+    assert mc.ModelInstanceGroup.Kind.Name(group.kind) == "KIND_AUTO"
 
 
 def test_fill_defaults_keeps_given_values() -> None:
@@ -133,7 +134,7 @@ def test_fill_defaults_keeps_given_values() -> None:
     fill_defaults(config)
     assert config.version_policy.WhichOneof("policy_choice") == "all"
     assert [(g.name, g.count) for g in config.instance_group] == [("m", 2), ("m_1", 1)]
-    assert config.instance_group[1].kind == config.instance_group[0].kind  # AUTO -> CPU
+    assert mc.ModelInstanceGroup.Kind.Name(config.instance_group[1].kind) == "KIND_AUTO"
 
 
 def _spec(text: str, path: Path = Path("/repo/m/config.pbtxt")):
@@ -214,7 +215,7 @@ def test_config_to_json_numbers_and_enum_names() -> None:
     assert doc["output"][0]["data_type"] == "TYPE_STRING"
     assert doc["dynamic_batching"]["max_queue_delay_microseconds"] == 500
     assert isinstance(doc["dynamic_batching"]["max_queue_delay_microseconds"], int)
-    assert doc["instance_group"][0]["kind"] == "KIND_CPU"
+    assert doc["instance_group"][0]["kind"] == "KIND_AUTO"
     assert doc["version_policy"] == {"latest": {"num_versions": 1}}
     assert "sequence_batching" not in doc  # unset messages are left out
 

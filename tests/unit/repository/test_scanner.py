@@ -79,9 +79,8 @@ def test_empty_repository(tmp_path: Path) -> None:
     assert scan_repository(tmp_path) == []
 
 
-def test_gpu_instance_groups_are_reported_unsupported(tmp_path: Path) -> None:
+def test_gpu_instance_groups_are_servable(tmp_path: Path) -> None:
     config = 'platform: "onnxruntime_onnx"\nmax_batch_size: 8\ninstance_group [ { count: 2 kind: KIND_GPU } ]\n'
     write_model(tmp_path, "gpu_model", config, add_sub_model(TensorProto.INT32))
     (entry,) = scan_repository(tmp_path)
-    assert entry.error is not None
-    assert "gpu_model/config.pbtxt" in entry.error and "KIND_GPU" in entry.error
+    assert entry.error is None and entry.versions == [1]

@@ -1,0 +1,79 @@
+"""Instance groups as replicas and Ray resources (no Ray)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from google.protobuf import text_format
+
+from rayinfer.protocol.errors import ModelConfigError
+from rayinfer.repository.instance_groups import ReplicaPlan, replica_plan, resolve_instance_kinds, runs_on_gpu
+from rayinfer.repository.model_config import ModelConfig, fill_defaults, mc
+
+PATH = Path("/repo/m/config.pbtxt")
+
+
+def _config(groups: str) -> ModelConfig:
+    config = text_format.Parse(f'name: "m" backend: "onnxruntime" {groups}', ModelConfig())
+    fill_defaults(config)
+    return config
+
+
+def plan(groups: str, gpus: bool = True, fallback: bool = False) -> ReplicaPlan:
+    return replica_plan(_config(groups), PATH, cluster_has_gpus=gpus, gpu_fallback=fallback)
+
+
+def test_cpu_groups_add_up() -> None:
+    assert plan("instance_group [ { count: 2 kind: KIND_CPU }, { count: 3 kind: KIND_CPU } ]") == ReplicaPlan(5, "KIND_CPU")
+
+
+def test_gpu_count_shares_one_gpu() -> None:
+    assert plan("instance_group [ { count: 2 kind: KIND_GPU } ]") == ReplicaPlan(2, "KIND_GPU", 0.5)
+    assert plan("instance_group [ { count: 1 kind: KIND_GPU } ]") == ReplicaPlan(1, "KIND_GPU", 1.0)
+    assert plan("instance_group [ { count: 3 kind: KIND_GPU } ]").num_gpus == 0.3333
+
+
+def test_listed_gpus_multiply_the_count() -> None:
+    result = plan("instance_group [ { count: 2 kind: KIND_GPU gpus: [ 0, 1 ] } ]")
+    assert result == ReplicaPlan(4, "KIND_GPU", 0.5) and result.total_gpus == 2.0
+
+
+def test_auto_and_the_default_follow_the_cluster() -> None:
+    assert plan("", gpus=True) == ReplicaPlan(1, "KIND_GPU", 1.0)
+    assert plan("", gpus=False) == ReplicaPlan(1, "KIND_CPU")
+    assert plan("instance_group [ { count: 2 kind: KIND_AUTO } ]", gpus=False) == ReplicaPlan(2, "KIND_CPU")
+
+
+def test_model_kind_reserves_no_gpu() -> None:
+    assert plan("instance_group [ { count: 2 kind: KIND_MODEL } ]") == ReplicaPlan(2, "KIND_CPU")
+
+
+def test_gpu_fallback_runs_gpu_groups_on_cpu() -> None:
+    assert plan("instance_group [ { count: 2 kind: KIND_GPU } ]", fallback=True) == ReplicaPlan(2, "KIND_CPU")
+
+
+def test_kind_gpu_without_cluster_gpus_still_asks_for_them() -> None:
+    # Reported while it waits (an autoscaler may add a GPU node), not silently moved to the CPU.
+    assert plan("instance_group [ { kind: KIND_GPU } ]", gpus=False) == ReplicaPlan(1, "KIND_GPU", 1.0)
+
+
+def test_mixed_kinds_are_refused_naming_the_groups() -> None:
+    with pytest.raises(ModelConfigError, match=r"config.pbtxt: instance groups that resolve to both CPU and GPU "
+                                                r"replicas \('m' KIND_CPU, 'm_1' KIND_GPU\)"):
+        plan("instance_group [ { kind: KIND_CPU }, { kind: KIND_GPU } ]")
+
+
+def test_gpu_groups_with_different_counts_are_refused() -> None:
+    with pytest.raises(ModelConfigError, match=r"different counts \(\[1, 2\]\)"):
+        plan("instance_group [ { count: 1 kind: KIND_GPU }, { count: 2 kind: KIND_GPU } ]")
+
+
+def test_resolve_instance_kinds() -> None:
+    config = _config("instance_group [ { kind: KIND_AUTO }, { kind: KIND_GPU }, { kind: KIND_MODEL } ]")
+    resolve_instance_kinds(config, on_gpu=False)
+    assert [mc.ModelInstanceGroup.Kind.Name(g.kind) for g in config.instance_group] == ["KIND_CPU", "KIND_CPU", "KIND_MODEL"]
+    assert not runs_on_gpu(config)
+    config = _config("")
+    resolve_instance_kinds(config, on_gpu=True)
+    assert runs_on_gpu(config)
