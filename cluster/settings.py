@@ -31,6 +31,14 @@ RAY_ENVIRONMENT = {
     # latency tail on small machines, and each step of a deployment is noticed up to 0.4 s
     # later (docs/benchmarks.md has what each costs).
     "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",
+    # Serve reloads its HAProxy whenever applications or replicas change. The old process keeps
+    # the requests in flight, with its old routes, and was killed 120 s after the reload (Ray's
+    # default): a model load through Serve's ingress taking longer (a Python model's pip
+    # environment) lost its answer. Loads wait up to --startup-timeout-s (600 s by default).
+    "RAY_SERVE_HAPROXY_HARD_STOP_AFTER_S": "900",
+    # ...and its idle connections (the front's, kept for reuse) are closed within 2 s of a
+    # reload instead of staying on the old process and its old routes until that hard stop.
+    "RAY_SERVE_HAPROXY_CLOSE_SPREAD_TIME_S": "2",
     # HAProxy drops a stopping replica within a second here; Ray's default waits 30 s.
     "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2",
     # Ports of the replicas' own HTTP and gRPC servers, below Linux's ephemeral range

@@ -135,8 +135,12 @@ def deploy_models(
         serve.run_many([t for _, t in targets.values()], wait_for_applications_running=False)
     load_errors = _wait_for_apps({name: model for name, (model, _) in targets.items()}, control.timeout_s,
                                  gpu_wait_s=control.gpu_wait_s)
+    # Gone before the failure is answered: while a failed application exists, Serve's ingress
+    # sends the model's metadata and readiness requests to it, where no replica answers them.
     for name in load_errors:
         serve.delete(name, _blocking=False)
+    for name in load_errors:
+        serve.delete(name, _blocking=True)
     return {**refused, **{targets[name][0]: reason for name, reason in load_errors.items()}}
 
 

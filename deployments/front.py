@@ -109,7 +109,10 @@ frontend triton_http
     default_backend serve_http
 
 backend serve_http
-    http-reuse always
+    # A new connection to Serve's HAProxy per request: a kept one may still lead to a process
+    # Serve replaced on a reload, which routes with the applications of before (a removed
+    # model's replica) until Serve stops it.
+    option http-server-close
     server serve {upstream_host}:{upstream_port}
 """
 
