@@ -4,7 +4,7 @@
     .venv/bin/python benchmarks/torchscript_vs_onnx.py [--concurrency 8] [--protocols http,grpc] [--rounds 3]
 
 Writes a repository holding the example ``mlp`` (ONNX, onnxruntime) and ``mlp_torchscript``
-(the same weights as a scripted torch module), both with max_batch_size 64, dynamic batching
+(the ONNX model's own weights in a scripted torch module), both with max_batch_size 64, dynamic batching
 with a 500 us queue delay, one CPU instance and one intra-op thread, starts ``rayinfer serve``
 on it inside a private network namespace, checks that both give the same outputs, and runs
 NVIDIA's perf_analyzer (from the Triton anchor) against each model in turn, ``--rounds`` times,
@@ -44,18 +44,18 @@ TORCHSCRIPT_CONFIG = (
 )
 
 
-def torchscript_mlp(seed: int = 0):
-    """The example MLP's layers (the same generator and draws as ``mlp_model``) as a scripted module."""
+def torchscript_mlp(onnx_model):
+    """The ONNX MLP's layers as a scripted module, with its very weights (its Gemm initializers)."""
     import torch
+    from onnx import numpy_helper
 
-    rng = np.random.default_rng(seed)
+    weights = {init.name: numpy_helper.to_array(init) for init in onnx_model.graph.initializer}
     layers: list[torch.nn.Module] = []
     for i in range(len(DIMS) - 1):
-        w = (rng.standard_normal((DIMS[i], DIMS[i + 1])) / np.sqrt(DIMS[i])).astype(np.float32)
         linear = torch.nn.Linear(DIMS[i], DIMS[i + 1])
-        with torch.no_grad():
-            linear.weight.copy_(torch.from_numpy(w.T.copy()))
-            linear.bias.zero_()
+        with torch.no_grad():  # Gemm computes x @ W + B; Linear computes x @ weight.T + bias
+            linear.weight.copy_(torch.from_numpy(weights[f"W{i}"].T.copy()))
+            linear.bias.copy_(torch.from_numpy(weights[f"B{i}"].copy()))
         layers.append(linear)
         if i < len(DIMS) - 2:
             layers.append(torch.nn.ReLU())
@@ -65,10 +65,11 @@ def torchscript_mlp(seed: int = 0):
 def write_repository(root: Path) -> None:
     import torch
 
-    write_model(root, "mlp", MLP_CONFIG, mlp_model(DIMS))
+    onnx_model = mlp_model(DIMS)
+    write_model(root, "mlp", MLP_CONFIG, onnx_model)
     (root / "mlp_torchscript" / "1").mkdir(parents=True)
     (root / "mlp_torchscript" / "config.pbtxt").write_text(TORCHSCRIPT_CONFIG)
-    torch.jit.save(torchscript_mlp(), str(root / "mlp_torchscript" / "1" / "model.pt"))
+    torch.jit.save(torchscript_mlp(onnx_model), str(root / "mlp_torchscript" / "1" / "model.pt"))
 
 
 def check_same_outputs(port: int) -> float:

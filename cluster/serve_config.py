@@ -21,9 +21,8 @@ from rayinfer.deployments.names import (
     model_deployment_name,
     model_route_prefix,
 )
+from rayinfer.deployments.control import replica_resources
 from rayinfer.protocol.errors import ModelConfigError
-from rayinfer.repository.instance_groups import replica_plan
-from rayinfer.repository.python_env import python_runtime_env
 from rayinfer.repository.scanner import ModelEntry, scan_repository
 
 MODEL_IMPORT_PATH = "rayinfer.deployments.app:build_model_app"
@@ -112,19 +111,14 @@ def _deployment_resources(settings: ServerSettings, entry: ModelEntry, version: 
     application builds the same from the instance groups; edit these to override them). A
     KIND_AUTO group is rendered as GPU replicas when --num-gpus says the cluster has GPUs. None
     when the instance groups cannot be served (the application reports why when deployed)."""
-    assert entry.config is not None
     try:
-        plan = replica_plan(entry.config, entry.path / "config.pbtxt",
-                            cluster_has_gpus=bool(settings.num_gpus), gpu_fallback=settings.gpu_fallback == "cpu")
+        replicas, options = replica_resources(entry, version, settings.replica_num_cpus,
+                                              cluster_has_gpus=bool(settings.num_gpus),
+                                              gpu_fallback=settings.gpu_fallback == "cpu")
     except ModelConfigError:
         return None
-    options: dict[str, Any] = {"num_cpus": settings.replica_num_cpus}
-    if plan.num_gpus:
-        options["num_gpus"] = plan.num_gpus
-    runtime_env = python_runtime_env(entry.path, version, entry.config)
-    if runtime_env is not None:  # Serve replaces the options as a whole: keep the model's packages
-        options["runtime_env"] = runtime_env
-    return {"num_replicas": plan.replicas, "ray_actor_options": options}
+    # Serve replaces the options as a whole: they keep the model's packages (runtime_env).
+    return {"num_replicas": replicas, "ray_actor_options": options}
 
 
 def _front_args(settings: ServerSettings) -> dict[str, Any]:

@@ -31,13 +31,15 @@ RAY_ENVIRONMENT = {
     # latency tail on small machines, and each step of a deployment is noticed up to 0.4 s
     # later (docs/benchmarks.md has what each costs).
     "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",
-    # Serve reloads its HAProxy whenever applications or replicas change. The old process keeps
-    # the requests in flight, with its old routes, and was killed 120 s after the reload (Ray's
-    # default): a model load through Serve's ingress taking longer (a Python model's pip
-    # environment) lost its answer. Loads wait up to --startup-timeout-s (600 s by default).
+    # Serve reloads its HAProxy whenever applications or replicas change; the old process keeps
+    # the requests in flight and is stopped hard 120 s after the reload by Ray's default. A
+    # model load through Serve's ingress that took 135 s (a pip environment that could not be
+    # built), begun just before such a reload, lost its answer (seen once; the timing points
+    # here). Loads wait up to --startup-timeout-s (600 s by default).
     "RAY_SERVE_HAPROXY_HARD_STOP_AFTER_S": "900",
-    # ...and its idle connections (the front's, kept for reuse) are closed within 2 s of a
-    # reload instead of staying on the old process and its old routes until that hard stop.
+    # Ray's description: the old process's idle connections are closed over this window after
+    # a reload, so they move to the new process and its routes instead of staying until the
+    # hard stop.
     "RAY_SERVE_HAPROXY_CLOSE_SPREAD_TIME_S": "2",
     # HAProxy drops a stopping replica within a second here; Ray's default waits 30 s.
     "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2",

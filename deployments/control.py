@@ -26,11 +26,17 @@ from rayinfer.deployments.names import (
     model_deployment_name,
     model_route_prefix,
 )
-from rayinfer.deployments.serve_state import failure_reason, gpu_shortage, serve_applications, status_name
+from rayinfer.deployments.serve_state import (
+    cluster_gpus,
+    failure_reason,
+    gpu_shortage,
+    serve_applications,
+    status_name,
+)
 from rayinfer.protocol.errors import ModelConfigError
 from rayinfer.repository.instance_groups import replica_plan
 from rayinfer.repository.python_env import python_runtime_env
-from rayinfer.repository.scanner import scan_model
+from rayinfer.repository.scanner import ModelEntry, scan_model
 
 logger = logging.getLogger(__name__)
 
@@ -39,11 +45,21 @@ MIN_ONGOING_REQUESTS = 256
 DEFAULT_GPU_WAIT_S = 180.0
 
 
-def cluster_gpus() -> float:
-    """GPUs the Ray cluster has (logical ones included), 0 without a connected Ray."""
-    import ray
-
-    return float(ray.cluster_resources().get("GPU", 0.0)) if ray.is_initialized() else 0.0
+def replica_resources(entry: ModelEntry, version: int, replica_num_cpus: float, *, cluster_has_gpus: bool,
+                      gpu_fallback: bool) -> tuple[int, dict[str, Any]]:
+    """How many replicas serve a (readable) model version and the ``ray_actor_options`` of each:
+    CPUs, a share of a GPU for GPU instance groups, a Python model's own packages. Raises
+    :class:`ModelConfigError` for instance groups Serve cannot express."""
+    assert entry.config is not None
+    plan = replica_plan(entry.config, entry.path / "config.pbtxt", cluster_has_gpus=cluster_has_gpus,
+                        gpu_fallback=gpu_fallback)
+    options: dict[str, Any] = {"num_cpus": replica_num_cpus}
+    if plan.num_gpus:
+        options["num_gpus"] = plan.num_gpus
+    runtime_env = python_runtime_env(entry.path, version, entry.config)
+    if runtime_env is not None:  # a Python model's own packages
+        options["runtime_env"] = runtime_env
+    return plan.replicas, options
 
 
 @dataclass(frozen=True)
@@ -85,15 +101,8 @@ def model_application(
     if entry.config is None:
         raise ModelConfigError(entry.error or f"model '{model}' cannot be read")
     config = entry.config
-    plan = replica_plan(config, entry.path / "config.pbtxt", cluster_has_gpus=cluster_gpus() > 0,
-                        gpu_fallback=gpu_fallback)
-    replicas = plan.replicas
-    actor_options: dict[str, Any] = {"num_cpus": replica_num_cpus}
-    if plan.num_gpus:
-        actor_options["num_gpus"] = plan.num_gpus
-    runtime_env = python_runtime_env(Path(model_repository) / model, version, config)
-    if runtime_env is not None:  # a Python model's own packages
-        actor_options["runtime_env"] = runtime_env
+    replicas, actor_options = replica_resources(entry, version, replica_num_cpus,
+                                                cluster_has_gpus=cluster_gpus() > 0, gpu_fallback=gpu_fallback)
     deployment = ModelDeployment.options(
         name=model_deployment_name(model, version),
         num_replicas=replicas,
@@ -137,7 +146,7 @@ def deploy_models(
                                  gpu_wait_s=control.gpu_wait_s)
     # Gone before the failure is answered: while a failed application exists, Serve's ingress
     # sends the model's metadata and readiness requests to it, where no replica answers them.
-    for name in load_errors:
+    for name in load_errors:  # all removals at once, then wait for each
         serve.delete(name, _blocking=False)
     for name in load_errors:
         serve.delete(name, _blocking=True)

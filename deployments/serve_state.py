@@ -66,6 +66,13 @@ class ApplicationState:
     deployments: dict[str, DeploymentState]
 
 
+def cluster_gpus() -> float:
+    """GPUs the Ray cluster has (logical ones included), 0 without a connected Ray."""
+    import ray
+
+    return float(ray.cluster_resources().get("GPU", 0.0)) if ray.is_initialized() else 0.0
+
+
 def gpu_shortage(app: ApplicationState) -> str | None:
     """Why ``app``'s replicas are not all placed, when they wait for GPUs the cluster does not
     have free (else None)."""
@@ -75,11 +82,10 @@ def gpu_shortage(app: ApplicationState) -> str | None:
         running = deployment.replica_states.get("RUNNING", 0)
         if not deployment.num_gpus or running >= deployment.target_replicas:
             continue
-        resources = ray.available_resources(), ray.cluster_resources()
-        free, total = (float(r.get("GPU", 0.0)) for r in resources)
+        free = float(ray.available_resources().get("GPU", 0.0))
         if free < deployment.num_gpus:
             return (f"{deployment.target_replicas - running} of its {deployment.target_replicas} replicas need "
-                    f"{deployment.num_gpus:g} GPU each; the cluster has {total:g} GPU(s), {free:g} free")
+                    f"{deployment.num_gpus:g} GPU each; the cluster has {cluster_gpus():g} GPU(s), {free:g} free")
     return None
 
 

@@ -4,19 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-ADD_SUB_CONFIG = """platform: "pytorch_libtorch"
-max_batch_size: 8
-input [
-  { name: "INPUT__0" data_type: TYPE_FP32 dims: [ 16 ] },
-  { name: "INPUT__1" data_type: TYPE_FP32 dims: [ 16 ] }
-]
-output [
-  { name: "OUTPUT__0" data_type: TYPE_FP32 dims: [ 16 ] },
-  { name: "OUTPUT__1" data_type: TYPE_FP32 dims: [ 16 ] }
-]
-dynamic_batching { max_queue_delay_microseconds: 20000 }
-instance_group [ { count: 1 kind: KIND_CPU } ]
-"""
+from rayinfer.cluster.example_repository import SIMPLE_CONFIG
+
+# The example's "simple" add/sub config in TorchScript's names, FP32, with a 20 ms queue delay.
+ADD_SUB_CONFIG = (
+    SIMPLE_CONFIG.replace('name: "simple"\n', "").replace("onnxruntime_onnx", "pytorch_libtorch")
+    .replace("INPUT", "INPUT__").replace("OUTPUT", "OUTPUT__").replace("TYPE_INT32", "TYPE_FP32")
+    + "dynamic_batching { max_queue_delay_microseconds: 20000 }\ninstance_group [ { count: 1 kind: KIND_CPU } ]\n"
+)
 
 # Inputs declared in another order than forward(scale, values): bound by name.
 NAMED_CONFIG = """backend: "pytorch"

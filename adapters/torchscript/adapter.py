@@ -86,6 +86,7 @@ class TorchScriptAdapter:
         self._module: Any = None
         self._device = "cpu"
         self._input_positions: dict[str, int] = {}  # by position, when not by name
+        self._arg_count = 0
         self._by_name = False
         self._output_positions: dict[str, int] = {}
         self._inference_mode = True
@@ -119,6 +120,7 @@ class TorchScriptAdapter:
                     f"TorchScript backend does not support ({path})"
                 )
         self._bind_inputs(config, path)
+        self._arg_count = max(self._input_positions.values(), default=-1) + 1
         names = [t.name for t in config.output]
         indices = positions(names)
         self._output_positions = dict(zip(names, indices if indices is not None else range(len(names))))
@@ -176,7 +178,7 @@ class TorchScriptAdapter:
                 if self._by_name:
                     result = self._module(**tensors)
                 else:
-                    args: list[Any] = [None] * (max(self._input_positions.values(), default=-1) + 1)
+                    args: list[Any] = [None] * self._arg_count
                     for name, tensor in tensors.items():
                         args[self._input_positions[name]] = tensor
                     result = self._module(*args)
