@@ -86,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("--backend-directory", default=None, help="accepted and ignored: backends are built in")
         sub.add_argument("--log-verbose", type=_log_verbose, default=None)
         sub.add_argument("--ray-address", default=None)
-        sub.add_argument("--num-cpus", type=float, default=None, help="CPUs of the embedded local Ray")
+        sub.add_argument("--num-cpus", type=int, default=None, help="CPUs of the embedded local Ray")
         sub.add_argument("--num-gpus", type=float, default=None,
                          help="GPUs of the embedded local Ray (logical ones on a machine without GPUs)")
         sub.add_argument("--gpu-fallback", choices=("none", "cpu"), default=None,

@@ -134,7 +134,9 @@ class ServerSettings(BaseSettings):
     ray_address: str | None = Field(
         None, description="Address of an existing Ray cluster; default: RAY_ADDRESS, else start a local Ray."
     )
-    num_cpus: float | None = Field(None, description="CPUs of the embedded local Ray (default: all cores).")
+    # A whole number: Ray hands min(cores, num_cpus) to the raylet as an integer flag, and a float
+    # there (2.0 on a machine with more than 2 cores) stops the raylet before it logs anything.
+    num_cpus: int | None = Field(None, gt=0, description="CPUs of the embedded local Ray (default: all cores).")
     num_gpus: float | None = Field(
         None,
         description="GPUs of the embedded local Ray (default: those Ray finds); on a machine without GPUs, "

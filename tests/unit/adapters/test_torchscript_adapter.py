@@ -150,3 +150,27 @@ def test_without_torch_the_error_names_the_extra(tmp_path: Path, monkeypatch) ->
     monkeypatch.setitem(sys.modules, "torch", None)  # import torch now raises ImportError
     with pytest.raises(ModelConfigError, match=r"needs PyTorch: install rayinfer with the torch extra"):
         load_runner(tmp_path, "addsub", 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs an NVIDIA GPU with CUDA")
+def test_gpu_instances_run_on_cuda(tmp_path: Path) -> None:
+    config = ADD_SUB_CONFIG + "instance_group [ { count: 1 kind: KIND_GPU } ]\n"
+    write_torchscript_model(tmp_path, "addsub_gpu", config, MODULES["add_sub"])
+    runner, _ = load_runner(tmp_path, "addsub_gpu", 1, on_gpu=True)
+    assert runner.adapter._device == "cuda"
+    a = np.arange(32, dtype=np.float32).reshape(2, 16)
+    b = np.full((2, 16), 3, dtype=np.float32)
+    out = infer(runner, INPUT__0=("FP32", a), INPUT__1=("FP32", b))
+    np.testing.assert_array_equal(out["OUTPUT__0"], a + b)
+    np.testing.assert_array_equal(out["OUTPUT__1"], a - b)
+
+
+def test_gpu_instances_without_cuda_name_the_reason(tmp_path: Path) -> None:
+    torch = __import__("torch")
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA; the error is for replicas without it")
+    config = ADD_SUB_CONFIG + "instance_group [ { count: 1 kind: KIND_GPU } ]\n"
+    write_torchscript_model(tmp_path, "addsub_gpu", config, MODULES["add_sub"])
+    with pytest.raises(ModelConfigError, match="has GPU instances, but torch sees no CUDA device"):
+        load_runner(tmp_path, "addsub_gpu", 1, on_gpu=True)

@@ -221,3 +221,12 @@ def test_other_command_line_errors_are_one_line(
 ) -> None:
     line = exit_line(capsys, [arg.replace("{repo}", str(repository)) for arg in argv])
     assert line.startswith("rayinfer: error: ") and message in line
+
+
+def test_num_cpus_is_a_whole_number(repository: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # Ray passes min(cores, num_cpus) to the raylet as an integer flag: a float (2.0 on a machine
+    # with more than 2 cores) made the raylet exit before it wrote a log.
+    settings = settings_of(repository, "--num-cpus", "2")
+    assert settings.num_cpus == 2 and type(settings.num_cpus) is int
+    line = exit_line(capsys, ["serve", "--model-repository", str(repository), "--num-cpus", "2.5"])
+    assert line.startswith("rayinfer: error: ") and "num-cpus" in line.replace("_", "-")
