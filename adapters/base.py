@@ -37,6 +37,7 @@ _REGISTRY = {
     "onnxruntime": "rayinfer.adapters.onnxruntime.adapter:OnnxRuntimeAdapter",
     "python": "rayinfer.adapters.python_backend.backend:PythonBackendAdapter",
     "pytorch": "rayinfer.adapters.torchscript.adapter:TorchScriptAdapter",
+    "tensorrt": "rayinfer.adapters.tensorrt.adapter:TensorRTAdapter",
 }
 
 

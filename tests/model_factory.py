@@ -34,6 +34,8 @@ CONFIGS = {
     "broken_config": 'platform: "onnxruntime_onnx"\nmax_batch_size: 8\ninput [ { name: "INPUT0" ',
     "missing_file": 'platform: "onnxruntime_onnx"\nmax_batch_size: 8\n' + ADD_SUB_IO,
     "corrupt": 'platform: "onnxruntime_onnx"\nmax_batch_size: 8\n' + ADD_SUB_IO,
+    # A TensorRT plan on this CPU-only server: reported UNAVAILABLE, saying it needs a GPU.
+    "plan_without_gpu": 'platform: "tensorrt_plan"\nmax_batch_size: 8\n' + ADD_SUB_IO,
     "vardims": """backend: "onnxruntime"
 max_batch_size: 8
 input [ { name: "X" data_type: TYPE_FP32 dims: [ -1 ] } ]
@@ -105,6 +107,9 @@ def build_test_repository(root: Path) -> Path:
     write_model(root, "vardims", CONFIGS["vardims"], double_model())
     write_model(root, "autocomplete", None, add_sub)  # no config.pbtxt at all
     (root / "corrupt" / "1" / "model.onnx").write_bytes(b"this is not an ONNX model")
+    (root / "plan_without_gpu" / "1").mkdir(parents=True)
+    (root / "plan_without_gpu" / "config.pbtxt").write_text(CONFIGS["plan_without_gpu"])
+    (root / "plan_without_gpu" / "1" / "model.plan").write_bytes(b"a TensorRT engine would be here")
     (root / "broken_config" / "1").mkdir(parents=True)
     (root / "broken_config" / "config.pbtxt").write_text(CONFIGS["broken_config"])
     (root / "missing_file" / "1").mkdir(parents=True)

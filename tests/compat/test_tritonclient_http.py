@@ -172,6 +172,9 @@ def test_repository_index_reports_broken_models(client):
     assert "missing_file/1/model.onnx" in index[("missing_file", "1")]["reason"]
     assert index[("corrupt", "1")]["state"] == "UNAVAILABLE"
     assert "corrupt/1/model.onnx" in index[("corrupt", "1")]["reason"]
+    plan = index[("plan_without_gpu", "1")]
+    assert plan["state"] == "UNAVAILABLE"
+    assert "'plan_without_gpu' is a TensorRT plan and needs a GPU, but its replica has none" in plan["reason"]
 
 
 def test_repository_index_ready_filter(server):

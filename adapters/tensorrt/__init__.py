@@ -1,0 +1,1 @@
+"""TensorRT backend (tensorrt_plan)."""
