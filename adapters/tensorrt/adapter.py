@@ -55,6 +55,7 @@ class TensorRTAdapter:
     def __init__(self) -> None:
         self._trt: Any = None
         self._cudart: Any = None
+        self._runtime: Any = None
         self._engine: Any = None
         self._context: Any = None
         self._stream: Any = None
@@ -76,8 +77,8 @@ class TensorRTAdapter:
         trt, self._cudart = _import_runtime(config.name)
         self._trt = trt
         errors = _ErrorLog.create(trt)
-        runtime = trt.Runtime(errors)
-        self._engine = runtime.deserialize_cuda_engine(path.read_bytes())
+        self._runtime = trt.Runtime(errors)  # kept as long as the engine
+        self._engine = self._runtime.deserialize_cuda_engine(path.read_bytes())
         if self._engine is None:
             raise ModelConfigError(
                 f"failed to load TensorRT engine {path}: {'; '.join(errors.messages) or 'not a serialized engine'}"
@@ -195,7 +196,7 @@ class TensorRTAdapter:
             if self._stream is not None:
                 self._cudart.cudaStreamDestroy(self._stream)
         self._buffers.clear()
-        self._context = self._engine = self._stream = None
+        self._context = self._engine = self._runtime = self._stream = None
 
 
 class _ErrorLog:
@@ -209,9 +210,9 @@ class _ErrorLog:
                 self.messages: list[str] = []
 
             def log(self, severity: Any, msg: str) -> None:
-                if severity <= trt.ILogger.Severity.ERROR:
+                if int(severity) <= int(trt.ILogger.Severity.ERROR):
                     self.messages.append(msg)
-                elif severity <= trt.ILogger.Severity.WARNING:
+                elif int(severity) <= int(trt.ILogger.Severity.WARNING):
                     logger.warning("TensorRT: %s", msg)
 
         return ErrorLog()
