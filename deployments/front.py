@@ -7,16 +7,19 @@ costs more CPU than the model; and Serve's HAProxy routes a gRPC call to an appl
 its ``application`` metadata, which Triton clients do not send. The front finds the model and
 version itself:
 
-- HTTP: ``POST /v2/models/<model>[/versions/<version>]/infer``, from the path;
+- HTTP: ``POST /v2/models/<model>[/versions/<version>]/infer`` and ``GET`` of the model's
+  metadata, ``ready``, ``config`` and ``stats``, from the path;
 - gRPC: ``ModelInfer``, ``ModelReady``, ``ModelMetadata``, ``ModelConfig`` and
   ``ModelStatistics``, from the first bytes of the message (fields 1 and 2 of all five messages
   are the name and version).
 
 It looks ``<model>/<version>`` up in two maps, how many replicas serve that version and each
 replica's listener (:mod:`replica_listener`), picks one replica at random and relays the call to
-its listener as HTTP/1.1. Everything else (metadata and health over HTTP, server RPCs, the
-repository, streams, versions with no registered replica yet) goes to Serve's HTTP or gRPC
-ingress, the latter with ``application`` set to the ``/v2`` application. No Python process sees
+its listener as HTTP/1.1. Everything else (health, server RPCs, the repository, streams,
+versions with no registered replica yet) goes to Serve's HTTP or gRPC ingress, the latter with
+``application`` set to the ``/v2`` application; a model GET over HTTP with no replica gets the
+``/v2`` application's path prefix :data:`~rayinfer.serving.routes.UNROUTED_PREFIX` (Serve's HTTP
+ingress routes by path), so that a model still loading is answered "not ready" at once. No Python process sees
 a routed call before the model replica, and the maps are replaced through HAProxy's runtime API
 whenever the served versions or their replicas change.
 """
@@ -35,6 +38,8 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
+
+from rayinfer.serving.routes import UNROUTED_PREFIX
 
 logger = logging.getLogger(__name__)
 
@@ -75,8 +80,8 @@ _PICK_REPLICA = """\
     http-request set-var(txn.listener) var(txn.key),concat(/,txn.pick),map({listeners}) if {{ var(txn.pick) -m found }}
     http-request set-dst var(txn.listener),field(1,|) if {{ var(txn.listener) -m found }}
     http-request set-dst-port var(txn.listener),field(2,|) if {{ var(txn.listener) -m found }}
-    use_backend replica if {{ var(txn.listener) -m found }}
 """
+_USE_REPLICA = "    use_backend replica if { var(txn.listener) -m found }\n"
 
 _GRPC = """\
 frontend triton_grpc
@@ -89,6 +94,7 @@ frontend triton_grpc
     http-request set-var(txn.version) req.body,bytes(5),protobuf(2) if model_rpc
     http-request set-var(txn.key) var(txn.model),concat(/,txn.version) if model_rpc
 {pick}\
+{use_replica}\
     default_backend serve_grpc
 
 backend serve_grpc
@@ -99,13 +105,22 @@ backend serve_grpc
 _HTTP = """\
 frontend triton_http
     bind {address}:{port}
-    # POST /v2/models/<model>[/versions/<version>]/infer; the model name may be %-encoded.
+    # POST /v2/models/<model>[/versions/<version>]/infer, and a GET of a model's metadata,
+    # readiness, config or statistics; the model name may be %-encoded.
     acl post method POST
+    acl get method GET
     acl infer_path path_reg ^/v2/models/[^/]+(/versions/[^/]*)?/infer$
-    http-request set-var(txn.model) path,field(4,/),url_dec if post infer_path
-    http-request set-var(txn.version) path,field(6,/) if post infer_path {{ path,field(5,/) -m str versions }}
-    http-request set-var(txn.key) var(txn.model),concat(/,txn.version) if post infer_path
+    acl model_get path_reg ^/v2/models/[^/]+(/versions/[^/]+)?(/ready|/config|/stats)?/?$
+    acl versioned path,field(5,/) -m str versions
+    http-request set-var(txn.model) path,field(4,/),url_dec if post infer_path || get model_get
+    http-request set-var(txn.version) path,field(6,/) if post infer_path versioned || get model_get versioned
+    http-request set-var(txn.key) var(txn.model),concat(/,txn.version) if post infer_path || get model_get
 {pick}\
+    # A model GET with no replica registered goes to the /v2 application, which answers from the
+    # model's state: Serve's ingress would send it to the model's application while that exists,
+    # where it waits for a replica (a model still loading).
+    http-request set-path {unrouted}%[path] if get model_get !{{ var(txn.listener) -m found }}
+{use_replica}\
     default_backend serve_http
 
 backend serve_http
@@ -146,12 +161,14 @@ class Front:
         parts = [_GLOBAL.format(admin=self._admin, threads=threads)]
         if http is not None:
             parts.append(_HTTP.format(
-                address=http[0], port=http[1], pick=pick, upstream_host=http[2], upstream_port=http[3]
+                address=http[0], port=http[1], pick=pick, upstream_host=http[2], upstream_port=http[3],
+                use_replica=_USE_REPLICA, unrouted=UNROUTED_PREFIX,
             ))
         if grpc is not None:
             parts.append(_GRPC.format(
                 address=grpc[0], port=grpc[1], pick=pick, upstream_host=grpc[2], upstream_port=grpc[3],
                 paths=" ".join(_SERVICE + rpc for rpc in ROUTED_RPCS), server_app=server_app,
+                use_replica=_USE_REPLICA,
             ))
         config = self._dir / "haproxy.cfg"
         config.write_text("\n".join(parts))

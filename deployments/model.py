@@ -103,12 +103,14 @@ class ModelDeployment:
         status, extra_headers, payload = await model_http.respond(self._core, scope["method"], route, headers, body)
         await asgi.send_bytes(send, status, payload, extra_headers)
 
-    async def _listener_http(self, path: str, headers: dict[bytes, bytes], body: bytes) -> model_http.HttpResponse:
-        """An infer request the front relayed to this replica's listener."""
+    async def _listener_http(self, method: str, path: str, headers: dict[bytes, bytes],
+                             body: bytes) -> model_http.HttpResponse:
+        """A model route the front relayed to this replica's listener: an infer request, or a GET
+        of the model's metadata, readiness, config or statistics."""
         route = parse_model_route(path, encoded=True)
-        if route is None or route.action != "infer":
-            raise NotFoundError(f"Not Found: POST {path}")
-        return await model_http.respond(self._core, "POST", route, headers, body)
+        if route is None:
+            raise NotFoundError(f"Not Found: {method} {path}")
+        return await model_http.respond(self._core, method, route, headers, body)
 
     async def _listener_grpc(self, method: str, payload: bytes) -> bytes:
         """A model RPC the front relayed to this replica's listener."""

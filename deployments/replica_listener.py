@@ -40,8 +40,8 @@ _BAD_REQUEST = b"HTTP/1.1 400 Bad Request\r\ncontent-length: 0\r\nconnection: cl
 
 # (method name, serialized request message) -> serialized response message; raises on error.
 GrpcHandler = Callable[[str, bytes], Awaitable[bytes]]
-# (path, lower-case request headers, body) -> (status, extra response headers, body).
-HttpHandler = Callable[[str, dict[bytes, bytes], bytes], Awaitable[tuple[int, list[tuple[bytes, bytes]], bytes]]]
+# (method, path, lower-case request headers, body) -> (status, extra response headers, body).
+HttpHandler = Callable[[str, str, dict[bytes, bytes], bytes], Awaitable[tuple[int, list[tuple[bytes, bytes]], bytes]]]
 _REASONS = {status.value: status.phrase.encode() for status in HTTPStatus}
 # Request headers kept while parsing: the serving core's, and the relay's own.
 _KEPT_HEADERS = REQUEST_HEADERS | {b"grpc-encoding", b"expect"}
@@ -118,12 +118,12 @@ class ReplicaListener:
         self.port = self._server.sockets[0].getsockname()[1]
         return self.port
 
-    async def respond(self, path: bytes, headers: dict[bytes, bytes], body: bytes) -> bytes:
+    async def respond(self, path: bytes, headers: dict[bytes, bytes], body: bytes, method: bytes = b"POST") -> bytes:
         """The whole HTTP/1.1 response to one relayed request."""
         self.in_flight += 1
         try:
             if not path.startswith(SERVICE_PATH):
-                return await self._respond_http(path, headers, body)
+                return await self._respond_http(method, path, headers, body)
             message = unframe(body, headers.get(b"grpc-encoding"))
             return grpc_response(await self._grpc_handler(path[len(SERVICE_PATH):].decode("latin-1"), message))
         except Exception as exc:
@@ -131,11 +131,12 @@ class ReplicaListener:
         finally:
             self.in_flight -= 1
 
-    async def _respond_http(self, path: bytes, headers: dict[bytes, bytes], body: bytes) -> bytes:
+    async def _respond_http(self, method: bytes, path: bytes, headers: dict[bytes, bytes], body: bytes) -> bytes:
         try:
             if self._http_handler is None:
                 raise NotFoundError(f"Not Found: {path.decode('latin-1')}")
-            return http_response(*await self._http_handler(path.decode("latin-1"), headers, body))
+            return http_response(*await self._http_handler(method.decode("latin-1"), path.decode("latin-1"),
+                                                           headers, body))
         except Exception as exc:
             return http_response(*error_response(exc))
 
@@ -160,8 +161,8 @@ class _Connection(asyncio.Protocol):
         self._url = b""
         self._headers: dict[bytes, bytes] = {}
         self._body: list[bytes] = []
-        # (path, headers, body, keep the connection open afterwards)
-        self._pending: deque[tuple[bytes, dict[bytes, bytes], bytes, bool]] = deque()
+        # (path, headers, body, keep the connection open afterwards, method)
+        self._pending: deque[tuple[bytes, dict[bytes, bytes], bytes, bool, bytes]] = deque()
         self._task: asyncio.Task | None = None
 
     # asyncio.Protocol
@@ -210,15 +211,15 @@ class _Connection(asyncio.Protocol):
     def on_message_complete(self) -> None:
         body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
         path = self._url.partition(b"?")[0]
-        self._pending.append((path, self._headers, body, self._parser.should_keep_alive()))
+        self._pending.append((path, self._headers, body, self._parser.should_keep_alive(), self._parser.get_method()))
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._answer_pending())
 
     async def _answer_pending(self) -> None:
         try:
             while self._pending:
-                path, headers, body, keep_alive = self._pending.popleft()
-                response = await self._listener.respond(path, headers, body)
+                path, headers, body, keep_alive, method = self._pending.popleft()
+                response = await self._listener.respond(path, headers, body, method)
                 if self._transport is None:
                     return
                 self._transport.write(response)

@@ -25,10 +25,12 @@ from rayinfer.deployments.route_table import RouteTable
 from rayinfer.deployments.serve_state import ServeState
 from rayinfer.deployments.v2_api import V2Api
 from rayinfer.protocol.errors import InvalidArgError, NotFoundError, ServingError
+from tritonclient.grpc import service_pb2 as pb
 from rayinfer.protocol.http_codec import parse_json_body
 from rayinfer.protocol.metrics import MetricsOptions
+from rayinfer.repository.model_config import config_to_json
 from rayinfer.serving.model_control import ModelController
-from rayinfer.serving.routes import parse_model_route, parse_repository_route
+from rayinfer.serving.routes import UNROUTED_PREFIX, ModelRoute, parse_model_route, parse_repository_route
 
 # How often the front's routes are compared with the served versions and their replicas.
 _ROUTES_REFRESH_S = 2.0
@@ -116,6 +118,8 @@ class ServerDeployment(ServerGrpcMethods):
         path = scope["path"].rstrip("/")
         method = scope["method"]
         api = self._api
+        if path.startswith(UNROUTED_PREFIX + "/"):
+            path = path[len(UNROUTED_PREFIX):]
         try:
             if path == "/v2" and method == "GET":
                 await asgi.send_json(send, 200, api.server_metadata())
@@ -136,15 +140,36 @@ class ServerDeployment(ServerGrpcMethods):
                 await api.change_model(control[1], control[0], parameters)
                 await asgi.send_empty(send, 200)
             elif (route := parse_model_route(path)) is not None:
-                # A model route no model application claimed: unknown or not available.
-                if route.action == "ready" and method == "GET":
-                    await asgi.send_empty(send, 400)
-                else:
-                    raise await api.unavailable_model(route.model, route.version or None)
+                await self._unrouted_model(route, method, send)
             else:
                 raise NotFoundError(f"Not Found: {method} {scope['path']}")
         except ServingError as exc:
             await asgi.send_error(send, exc)
+
+    async def _unrouted_model(self, route: ModelRoute, method: str, send: asgi.Send) -> None:
+        """A model route the front had no replica for: the model is unknown, unavailable or still
+        loading (Triton's "not ready" at once), or its replicas run but are not registered with
+        the front yet (answered through a deployment handle, as over gRPC)."""
+        name, version = route.model, route.version
+        routed = method == "GET" and route.action != "infer" and await self._forwarder.route(name, version) is not None
+        if route.action == "ready" and method == "GET":
+            answer = await self.ModelReady(pb.ModelReadyRequest(name=name, version=version)) if routed else None
+            await asgi.send_empty(send, 200 if answer is not None and answer.ready else 400)
+        elif not routed:
+            raise await self._api.unavailable_model(name, version or None)
+        elif route.action == "":
+            meta = await self._forwarder.forward("ModelMetadata", name, version,
+                                                 pb.ModelMetadataRequest(name=name, version=version))
+            tensors = [[{"name": t.name, "datatype": t.datatype, "shape": list(t.shape)} for t in group]
+                       for group in (meta.inputs, meta.outputs)]
+            await asgi.send_json(send, 200, {"name": meta.name, "versions": list(meta.versions),
+                                             "platform": meta.platform, "inputs": tensors[0], "outputs": tensors[1]})
+        elif route.action == "config":
+            config = await self._forwarder.forward("ModelConfig", name, version,
+                                                   pb.ModelConfigRequest(name=name, version=version))
+            await asgi.send_json(send, 200, config_to_json(config.config))
+        else:  # stats
+            await asgi.send_json(send, 200, {"model_stats": await self._api.model_stats(name, version)})
 
     # ---- supervision ----------------------------------------------------------------------------
 

@@ -13,6 +13,9 @@ from urllib.parse import unquote
 from rayinfer.protocol import http_codec
 
 MODELS_PREFIX = "/v2/models/"
+# The front puts this before the path of a model GET it has no replica for, which sends it to
+# the ``/v2`` application (Serve would send it to the model's application while that exists).
+UNROUTED_PREFIX = "/v2/unrouted"
 REPOSITORY_PREFIX = "/v2/repository/models/"
 # Actions under a model route ("" is the model's metadata).
 MODEL_ACTIONS = frozenset({"", "ready", "config", "stats", "infer"})

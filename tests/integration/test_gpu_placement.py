@@ -132,6 +132,13 @@ def test_missing_gpus_make_the_model_unavailable_naming_them(gpu_server):
         # While it waits, the index says for what.
         wait_until(lambda: waiting_reason().startswith("waiting for GPU resources: 1 of its 1 replicas need 1 GPU"),
                    "the index to say that gpu_too_many waits for a GPU", timeout_s=GPU_WAIT_S)
+        # Readiness and metadata over HTTP answer at once while it loads, as in Triton.
+        with httpclient.InferenceServerClient(f"127.0.0.1:{PORT}", network_timeout=5.0) as quick:
+            assert not quick.is_model_ready("gpu_too_many")
+            with pytest.raises(InferenceServerException, match="waiting for GPU resources") as metadata:
+                quick.get_model_metadata("gpu_too_many")
+            assert metadata.value.status() == "404"  # as for any model not ready
+            assert quick.is_model_ready("gpu_probe") and quick.get_model_metadata("gpu_probe")["name"] == "gpu_probe"
         message = loading.result(timeout=120)
     assert (f"waited {GPU_WAIT_S} s for GPU resources: 1 of its 1 replicas need 1 GPU each; "
             "the cluster has 1 GPU(s), 0 free") in message

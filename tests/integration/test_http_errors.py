@@ -131,3 +131,26 @@ def test_rejected_requests_are_not_counted_as_failures(server):
         if path == "/v2/models/simple/infer":
             http_json("POST", path, body)
     assert counts() == before
+
+
+@pytest.mark.parametrize("suffix", ["", "/ready", "/config", "/stats", "/versions/1", "/versions/1/ready"])
+def test_the_v2_application_answers_a_model_get_as_its_replica_does(server, suffix):
+    # The front sends a model GET with no registered replica to the /v2 application under
+    # /v2/unrouted (a model loading, or one whose replicas are not registered with the front
+    # yet); for a served model that answers, through a deployment handle, what the replica does.
+    status, direct = http_json("GET", f"/v2/models/simple{suffix}")
+    status_v2, via_v2 = http_json("GET", f"/v2/unrouted/v2/models/simple{suffix}")
+    assert status == status_v2 == 200
+    if suffix == "/stats":  # from the statistics replicas report every half second
+        assert [(m["name"], m["version"]) for m in via_v2["model_stats"]] == \
+            [(m["name"], m["version"]) for m in direct["model_stats"]]
+        return
+    assert via_v2 == direct
+    if suffix == "":
+        assert direct["name"] == "simple" and direct["inputs"][0]["shape"] == [-1, 16]
+
+
+def test_the_v2_application_says_an_unknown_model_is_not_ready(server):
+    assert http("GET", "/v2/unrouted/v2/models/nope/ready")[0] == 400
+    status, doc = http_json("GET", "/v2/unrouted/v2/models/corrupt")
+    assert status == 404 and "'corrupt' has no available versions" in doc["error"]

@@ -61,10 +61,10 @@ class Replica:
             raise NotFoundError(UNICODE_ERROR)
         raise RuntimeError(f"no {method} here")
 
-    async def handle_http(self, path: str, headers: dict[bytes, bytes], body: bytes):
+    async def handle_http(self, method: str, path: str, headers: dict[bytes, bytes], body: bytes):
         if b"x-fail" in body:
             raise NotFoundError("Request for unknown model: 'x' is not found")
-        return 200, [(b"content-type", b"text/plain")], f"{self.name} {path} {len(body)}".encode()
+        return 200, [(b"content-type", b"text/plain")], f"{self.name} {method} {path} {len(body)}".encode()
 
 
 @pytest.fixture(scope="module")
@@ -186,10 +186,10 @@ def test_http_infer_requests_are_routed_by_path(loop, front):
     one, two = Replica(loop, "one"), Replica(loop, "two")
     publish(loop, frontend, {"m/": [("127.0.0.1", one.port)], "m\u00fc/2": [("127.0.0.1", two.port)]})
     port = frontend.http_port
-    assert http_exchange(port, post("/v2/models/m/infer", b"{}")).endswith(b"one /v2/models/m/infer 2")
+    assert http_exchange(port, post("/v2/models/m/infer", b"{}")).endswith(b"one POST /v2/models/m/infer 2")
     # The version from the path, the model name %-decoded; query strings do not matter.
     reply = http_exchange(port, post("/v2/models/m%C3%BC/versions/2/infer?a=1", b"12345"))
-    assert reply.startswith(b"HTTP/1.1 200") and reply.endswith(b"two /v2/models/m%C3%BC/versions/2/infer 5")
+    assert reply.startswith(b"HTTP/1.1 200") and reply.endswith(b"two POST /v2/models/m%C3%BC/versions/2/infer 5")
     # Errors keep Triton's status and body.
     reply = http_exchange(port, post("/v2/models/m/infer", b"x-fail"))
     assert reply.startswith(b"HTTP/1.1 404") and b"content-type: application/json" in reply
@@ -203,11 +203,41 @@ def test_http_infer_requests_are_routed_by_path(loop, front):
         reply = b""
         while chunk := sock.recv(65536):
             reply += chunk
-    assert reply.endswith(b"one /v2/models/m/infer 3")
-    # Not an infer request, an unrouted version, or a GET: Serve's ingress (absent here: 503).
+    assert reply.endswith(b"one POST /v2/models/m/infer 3")
+    # Not an infer request, an unrouted version, or a GET of infer: Serve's ingress (absent here: 503).
     for request in (post("/v2/models/m/versions/7/infer", b"{}"), post("/v2/models/m", b"{}"),
-                    b"GET /v2/models/m/infer HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n"):
+                    get("/v2/models/m/infer")):
         assert http_exchange(port, request).startswith(b"HTTP/1.1 503"), request
+    # A GET of a routed model's metadata, readiness, config or statistics: its replica.
+    for path in ("/v2/models/m", "/v2/models/m/ready", "/v2/models/m/config", "/v2/models/m/stats/"):
+        assert http_exchange(port, get(path)).endswith(b"one GET " + path.encode() + b" 0"), path
+    assert http_exchange(port, get("/v2/models/m%C3%BC/versions/2/ready")).endswith(
+        b"two GET /v2/models/m%C3%BC/versions/2/ready 0")
+
+
+def get(path: str) -> bytes:
+    return f"GET {path} HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n".encode()
+
+
+def test_unrouted_model_gets_go_to_the_v2_application(loop):
+    """A model GET with no replica gets the /v2 application's prefix on its way to Serve's
+    ingress (here a listener that echoes the path); other requests keep their path."""
+    ingress, one = Replica(loop, "ingress"), Replica(loop, "one")
+    http_port = _free_port()
+    frontend = Front(("127.0.0.1", http_port, "127.0.0.1", ingress.port), None, "v2")
+    try:
+        publish(loop, frontend, {"m/": [("127.0.0.1", one.port)]})
+        assert http_exchange(http_port, get("/v2/models/m/ready")).endswith(b"one GET /v2/models/m/ready 0")
+        for path in ("/v2/models/loading/ready", "/v2/models/loading", "/v2/models/m/versions/3/config",
+                     "/v2/models/stats"):
+            reply = http_exchange(http_port, get(path))
+            assert reply.endswith(b"ingress GET /v2/unrouted" + path.encode() + b" 0"), reply
+        for request, echoed in ((get("/v2/health/ready"), b"ingress GET /v2/health/ready 0"),
+                                (post("/v2/models/loading/infer", b"{}"), b"ingress POST /v2/models/loading/infer 2"),
+                                (get("/v2"), b"ingress GET /v2 0")):
+            assert http_exchange(http_port, request).endswith(echoed), request
+    finally:
+        frontend.stop()
 
 
 def test_framing_and_message_encoding():
