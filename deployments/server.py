@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ray import serve
+from tritonclient.grpc import service_pb2 as pb
 
 from rayinfer.deployments import asgi
 from rayinfer.deployments.control import ModelControl, ServeDeployer
@@ -24,8 +25,7 @@ from rayinfer.deployments.names import SERVER_APP
 from rayinfer.deployments.route_table import RouteTable
 from rayinfer.deployments.serve_state import ServeState
 from rayinfer.deployments.v2_api import V2Api
-from rayinfer.protocol.errors import InvalidArgError, NotFoundError, ServingError
-from tritonclient.grpc import service_pb2 as pb
+from rayinfer.protocol.errors import InvalidArgError, NotFoundError, ServingError, as_serving_error
 from rayinfer.protocol.http_codec import parse_json_body
 from rayinfer.protocol.metrics import MetricsOptions
 from rayinfer.repository.model_config import config_to_json
@@ -157,19 +157,30 @@ class ServerDeployment(ServerGrpcMethods):
             await asgi.send_empty(send, 200 if answer is not None and answer.ready else 400)
         elif not routed:
             raise await self._api.unavailable_model(name, version or None)
-        elif route.action == "":
-            meta = await self._forwarder.forward("ModelMetadata", name, version,
-                                                 pb.ModelMetadataRequest(name=name, version=version))
-            tensors = [[{"name": t.name, "datatype": t.datatype, "shape": list(t.shape)} for t in group]
-                       for group in (meta.inputs, meta.outputs)]
-            await asgi.send_json(send, 200, {"name": meta.name, "versions": list(meta.versions),
-                                             "platform": meta.platform, "inputs": tensors[0], "outputs": tensors[1]})
-        elif route.action == "config":
+        elif route.action == "stats":
+            await asgi.send_json(send, 200, {"model_stats": await self._api.model_stats(name, version)})
+        else:
+            try:
+                doc = await self._forwarded_document(route)
+            except ServingError:
+                raise
+            except Exception as exc:  # the replica's failure, as Ray raises it
+                raise as_serving_error(exc) from None
+            await asgi.send_json(send, 200, doc)
+
+    async def _forwarded_document(self, route: ModelRoute) -> dict[str, Any]:
+        """A served model's metadata or config from one of its replicas, in Triton's HTTP form."""
+        name, version = route.model, route.version
+        if route.action == "config":
             config = await self._forwarder.forward("ModelConfig", name, version,
                                                    pb.ModelConfigRequest(name=name, version=version))
-            await asgi.send_json(send, 200, config_to_json(config.config))
-        else:  # stats
-            await asgi.send_json(send, 200, {"model_stats": await self._api.model_stats(name, version)})
+            return config_to_json(config.config)
+        meta = await self._forwarder.forward("ModelMetadata", name, version,
+                                             pb.ModelMetadataRequest(name=name, version=version))
+        inputs, outputs = ([{"name": t.name, "datatype": t.datatype, "shape": list(t.shape)} for t in group]
+                           for group in (meta.inputs, meta.outputs))
+        return {"name": meta.name, "versions": list(meta.versions), "platform": meta.platform,
+                "inputs": inputs, "outputs": outputs}
 
     # ---- supervision ----------------------------------------------------------------------------
 
