@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +66,10 @@ class TensorRTAdapter:
         self._profiles: list[int] = []
         self._profile = -1
         self._buffers: dict[str, tuple[int, int]] = {}  # name -> (device pointer, bytes)
+        self._errors: Any = None  # TensorRT's error messages since the last look
+        # One execution at a time on the context, stream and buffers (the serving core may run a
+        # short execution on its loop while a long one still runs on the model thread).
+        self._lock = threading.Lock()
 
     def load(self, model_dir: Path, version: int, config: ModelConfig, auto_complete_config: bool) -> None:
         self._model = config.name
@@ -76,7 +81,7 @@ class TensorRTAdapter:
             )
         trt, self._cudart = _import_runtime(config.name)
         self._trt = trt
-        errors = _ErrorLog.create(trt)
+        errors = self._errors = _ErrorLog.create(trt)
         self._runtime = trt.Runtime(errors)  # kept as long as the engine
         self._engine = self._runtime.deserialize_cuda_engine(path.read_bytes())
         if self._engine is None:
@@ -96,6 +101,7 @@ class TensorRTAdapter:
             raise ModelConfigError(f"TensorRT could not create an execution context for {path}: "
                                    f"{'; '.join(errors.messages) or 'out of GPU memory?'}")
         self._use_profile(self._profiles[0])
+        errors.messages.clear()
 
     def _describe(self, path: Path) -> list[EngineTensor]:
         trt, engine = self._trt, self._engine
@@ -108,13 +114,17 @@ class TensorRTAdapter:
                     f"model '{self._model}': input '{name}' is a shape tensor, which rayinfer's TensorRT backend "
                     f"does not support ({path})"
                 )
+            shape = tuple(engine.get_tensor_shape(name))
             profiles = []
             if is_input:
-                for p in range(engine.num_optimization_profiles):
+                for p in range(max(engine.num_optimization_profiles, 1)):
+                    if -1 not in shape:  # a static input: its one shape in every profile
+                        profiles.append(Profile(shape, shape, shape))
+                        continue
                     low, opt, high = engine.get_tensor_profile_shape(name, p)
                     profiles.append(Profile(tuple(low), tuple(opt), tuple(high)))
             dtype = engine.get_tensor_dtype(name).name
-            tensor = EngineTensor(name, is_input, dtype, tuple(engine.get_tensor_shape(name)), profiles)
+            tensor = EngineTensor(name, is_input, dtype, shape, profiles)
             if tensor.wire is None:
                 raise ModelConfigError(
                     f"model '{self._model}': tensor '{name}' has TensorRT type {dtype}, which rayinfer's "
@@ -133,9 +143,19 @@ class TensorRTAdapter:
 
     def _use_profile(self, profile: int) -> None:
         if profile != self._profile:
-            if not self._context.set_optimization_profile_async(profile, int(self._stream)):
-                raise InternalError(f"model '{self._model}': TensorRT could not switch to profile {profile}")
+            try:  # TensorRT raises on failure (the bool it returns is always true)
+                self._context.set_optimization_profile_async(profile, int(self._stream))
+            except RuntimeError:
+                raise InternalError(f"model '{self._model}': TensorRT could not switch to optimization profile "
+                                    f"{profile}{self._logged()}") from None
             self._profile = profile
+
+    def _logged(self) -> str:
+        """TensorRT's error messages since the last look, for an error's text (and forgotten)."""
+        messages = self._errors.messages if self._errors is not None else []
+        text = f": {'; '.join(messages)}" if messages else ""
+        messages.clear()
+        return text
 
     def _buffer(self, name: str, nbytes: int) -> int:
         """A device buffer of at least ``nbytes`` for ``name``, grown (never shrunk) as needed."""
@@ -151,6 +171,10 @@ class TensorRTAdapter:
     def execute(
         self, inputs: dict[str, np.ndarray], output_names: list[str], parameters: dict[str, Any]
     ) -> dict[str, np.ndarray]:
+        with self._lock:
+            return self._execute(inputs, output_names)
+
+    def _execute(self, inputs: dict[str, np.ndarray], output_names: list[str]) -> dict[str, np.ndarray]:
         cudart, context, stream = self._cudart, self._context, int(self._stream)
         missing = [t.name for t in self._tensors if t.is_input and t.name not in inputs]
         if missing:
@@ -160,10 +184,10 @@ class TensorRTAdapter:
         host_inputs = []  # alive until the stream is done with them
         to_device = cudart.cudaMemcpyKind.cudaMemcpyHostToDevice
         for name, array in inputs.items():
-            array = np.ascontiguousarray(array, dtype=self._dtypes[name])
+            array = np.require(array, self._dtypes[name], "C")  # keeps a 0-d array 0-d
             if not context.set_input_shape(name, array.shape):
                 raise InvalidArgError(f"model '{self._model}': TensorRT rejected shape {list(array.shape)} "
-                                      f"for input '{name}'")
+                                      f"for input '{name}'{self._logged()}")
             pointer = self._buffer(name, array.nbytes)
             self._cuda(cudart.cudaMemcpyAsync(pointer, array.ctypes.data, array.nbytes, to_device, stream))
             context.set_tensor_address(name, pointer)
@@ -181,7 +205,7 @@ class TensorRTAdapter:
             if tensor.name in output_names:
                 results[tensor.name] = (np.empty(shape, dtype), pointer)
         if not context.execute_async_v3(stream):
-            raise InternalError(f"model '{self._model}': TensorRT execution failed")
+            raise InternalError(f"model '{self._model}': TensorRT execution failed{self._logged()}")
         to_host = cudart.cudaMemcpyKind.cudaMemcpyDeviceToHost
         for array, pointer in results.values():
             self._cuda(cudart.cudaMemcpyAsync(array.ctypes.data, pointer, array.nbytes, to_host, stream))
