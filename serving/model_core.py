@@ -47,6 +47,7 @@ class ModelCore:
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{spec.name}-v{self.version}")
         # Unknown until measured: the first executions run on the thread.
         self._execution_s_avg = float("inf")
+        self._on_thread = 0  # executions handed to the model thread and not finished
         batching = spec.dynamic_batching
         self._batcher: DynamicBatcher | None = None
         if batching is not None and spec.max_batch_size > 0:
@@ -121,12 +122,18 @@ class ModelCore:
         return (await self._execute([prepared]))[0]
 
     async def _execute(self, batch: list[Any]) -> list[Any]:
-        """Execute on the loop when executions are known to be short, else on the model thread."""
-        if self._execution_s_avg < INLINE_EXECUTION_LIMIT_S:
+        """Execute on the loop when executions are known to be short, else on the model thread;
+        one at a time either way (a model instance executes one batch at a time, as in Triton):
+        not on the loop while the thread still has executions."""
+        if self._execution_s_avg < INLINE_EXECUTION_LIMIT_S and not self._on_thread:
             results, elapsed = self._timed_execute(batch)
         else:
             loop = asyncio.get_running_loop()
-            results, elapsed = await loop.run_in_executor(self._thread, self._timed_execute, batch)
+            self._on_thread += 1
+            try:
+                results, elapsed = await loop.run_in_executor(self._thread, self._timed_execute, batch)
+            finally:
+                self._on_thread -= 1
         average = self._execution_s_avg
         self._execution_s_avg = elapsed if average == float("inf") else 0.8 * average + 0.2 * elapsed
         return results if results is not None else [None] * len(batch)

@@ -196,3 +196,53 @@ def test_a_decoupled_executor_streams_zero_to_many_responses(tmp_path: Path) -> 
     assert three == [0, 1, 2]
     assert none == []
     assert status == 501 and "decoupled transaction policy" in json.loads(body)["error"]
+
+
+class _Counting:
+    """An executor that records how many executions overlap; the first is slow (20 ms: the next
+    ones go to the model thread), the rest short (0.5 ms: once the average says so, the core
+    runs them on its loop, while the thread may still have some)."""
+
+    version = "1"
+
+    def __init__(self, spec: Any) -> None:
+        self.spec = spec
+        self.stats = ModelStatistics()
+        self.running = self.most = self.calls = 0
+        self._lock = threading.Lock()
+
+    def prepare(self, request: InferRequest) -> Any:
+        return type("Prepared", (), {"request": request, "rows": 1, "sender": None})()
+
+    def execute(self, batch: list[Any]) -> list[Any]:
+        with self._lock:
+            self.running += 1
+            self.calls += 1
+            self.most = max(self.most, self.running)
+            first = self.calls == 1
+        threading.Event().wait(0.02 if first else 0.0005)
+        with self._lock:
+            self.running -= 1
+        return [InferResponse("count", "1", []) for _ in batch]
+
+
+def test_executions_never_overlap_when_they_move_from_the_thread_to_the_loop(tmp_path: Path) -> None:
+    config = text_format.Parse(
+        'name: "count" backend: "python" max_batch_size: 0 '
+        'input [ { name: "IN" data_type: TYPE_INT32 dims: [ 1 ] } ] '
+        'output [ { name: "OUT" data_type: TYPE_INT32 dims: [ 1 ] } ]', ModelConfig())
+    executor = _Counting(spec_from_config(config, tmp_path / "config.pbtxt"))
+
+    async def main() -> None:
+        core = ModelCore(executor, ["1"])
+        request = InferRequest("count", inputs=[InferInput("IN", "INT32", (1,), np.array([1], dtype=np.int32))])
+        # No dynamic batching: every request is its own execution; they arrive one by one.
+        pending = []
+        for _ in range(300):
+            pending.append(asyncio.ensure_future(core.infer(core.prepare(request))))
+            await asyncio.sleep(0.0002)
+        await asyncio.gather(*pending)
+
+    asyncio.run(main())
+    assert executor.calls == 300
+    assert executor.most == 1
