@@ -144,8 +144,9 @@ def deploy_models(
         serve.run_many([t for _, t in targets.values()], wait_for_applications_running=False)
     load_errors = _wait_for_apps({name: model for name, (model, _) in targets.items()}, control.timeout_s,
                                  gpu_wait_s=control.gpu_wait_s)
-    # Gone before the failure is answered: while a failed application exists, Serve's ingress
-    # sends the model's metadata and readiness requests to it, where no replica answers them.
+    # Gone before the failure is answered: while a failed application exists, Serve's HTTP
+    # ingress sends requests under its route prefix to it (those that reach Serve's port
+    # directly: the front sends a model's GETs without a replica to the /v2 application).
     for name in load_errors:  # all removals at once, then wait for each
         serve.delete(name, _blocking=False)
     for name in load_errors:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from google.protobuf import json_format, text_format
 from google.protobuf.descriptor import FieldDescriptor
 
-from rayinfer.protocol.dtypes import config_to_wire
+from rayinfer.protocol.dtypes import config_to_wire, wire_to_config
 from rayinfer.protocol.errors import ModelConfigError
 from tritonclient.grpc import model_config_pb2 as mc
 
@@ -231,6 +231,31 @@ def _tensor(t: Any, path: Path, what: str) -> TensorSpec:
         reshape=reshape,
         optional=bool(getattr(t, "optional", False)),
     )
+
+
+# A model file's tensor for auto-complete: (name, wire datatype, shape with -1 where dynamic,
+# the batch dimension included).
+ModelTensor = tuple[str, str, list[int]]
+
+
+def auto_complete_io(config: ModelConfig, inputs: list[ModelTensor], outputs: list[ModelTensor],
+                     batch_size: int) -> None:
+    """Triton's auto-complete from what a model file declares: a config with no inputs, outputs
+    or max_batch_size gets ``batch_size`` (0: the model does not batch) and dynamic batching;
+    then every tensor the config lacks is added, without the batch dimension when it batches."""
+    if not config.input and not config.output and config.max_batch_size == 0 and batch_size > 0:
+        config.max_batch_size = batch_size
+        if not config.HasField("dynamic_batching") and not config.HasField("sequence_batching"):
+            config.dynamic_batching.SetInParent()
+    skip = 1 if config.max_batch_size > 0 else 0
+    for repeated, tensors in ((config.input, inputs), (config.output, outputs)):
+        declared = {t.name for t in repeated}
+        for name, wire, shape in tensors:
+            if name in declared:
+                continue
+            added = repeated.add(name=name)
+            added.data_type = mc.DataType.Value(wire_to_config(wire))
+            added.dims.extend(shape[skip:])
 
 
 def config_to_json(config: ModelConfig) -> dict[str, Any]:

@@ -12,7 +12,7 @@ from rayinfer.adapters.base import model_file
 from rayinfer.protocol.dtypes import wire_to_config
 from rayinfer.protocol.errors import InternalError, InvalidArgError, ModelConfigError
 from rayinfer.repository.instance_groups import runs_on_gpu
-from rayinfer.repository.model_config import ModelConfig, mc
+from rayinfer.repository.model_config import ModelConfig, ModelTensor, auto_complete_io, mc
 
 logger = logging.getLogger(__name__)
 
@@ -108,19 +108,13 @@ class OnnxRuntimeAdapter:
         model_outputs = self._session.get_outputs()
         all_io = list(model_inputs) + list(model_outputs)
         can_batch = all(io.shape and not isinstance(io.shape[0], int) for io in all_io)
-        if not config.input and not config.output and config.max_batch_size == 0 and can_batch:
-            config.max_batch_size = DEFAULT_MAX_BATCH_SIZE
-            if not config.HasField("dynamic_batching") and not config.HasField("sequence_batching"):
-                config.dynamic_batching.SetInParent()
-        skip = 1 if config.max_batch_size > 0 else 0
-        for repeated, model_io in ((config.input, model_inputs), (config.output, model_outputs)):
-            declared = {t.name for t in repeated}
-            for io in model_io:
-                if io.name in declared or io.type not in _ORT_TO_WIRE:
-                    continue
-                tensor = repeated.add(name=io.name)
-                tensor.data_type = mc.DataType.Value(wire_to_config(_ORT_TO_WIRE[io.type]))
-                tensor.dims.extend(d if isinstance(d, int) and d > 0 else -1 for d in io.shape[skip:])
+
+        def described(model_io: Any) -> list[ModelTensor]:
+            return [(io.name, _ORT_TO_WIRE[io.type], [d if isinstance(d, int) and d > 0 else -1 for d in io.shape])
+                    for io in model_io if io.type in _ORT_TO_WIRE]
+
+        auto_complete_io(config, described(model_inputs), described(model_outputs),
+                         DEFAULT_MAX_BATCH_SIZE if can_batch else 0)
 
     def _check_against_model(self, config: ModelConfig, path: Path) -> None:
         """Config tensors must exist in the graph with the same datatype."""

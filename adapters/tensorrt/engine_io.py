@@ -9,7 +9,7 @@ from pathlib import Path
 
 from rayinfer.protocol.dtypes import wire_to_config
 from rayinfer.protocol.errors import InvalidArgError, ModelConfigError
-from rayinfer.repository.model_config import ModelConfig, mc
+from rayinfer.repository.model_config import ModelConfig, ModelTensor, auto_complete_io, mc
 
 # TensorRT's DataType names -> Triton wire datatypes (BF16, FP8 and INT4 have no numpy type here).
 TRT_TO_WIRE = {
@@ -68,19 +68,11 @@ def batch_capacity(tensors: list[EngineTensor], profiles: list[int]) -> int:
 def auto_complete(config: ModelConfig, tensors: list[EngineTensor], profiles: list[int]) -> None:
     """Fill missing inputs, outputs and max_batch_size from the engine, as Triton does."""
     capacity = batch_capacity(tensors, profiles)
-    if not config.input and not config.output and config.max_batch_size == 0 and capacity > 1:
-        config.max_batch_size = capacity
-        if not config.HasField("dynamic_batching") and not config.HasField("sequence_batching"):
-            config.dynamic_batching.SetInParent()
-    skip = 1 if config.max_batch_size > 0 else 0
-    for repeated, is_input in ((config.input, True), (config.output, False)):
-        declared = {t.name for t in repeated}
-        for tensor in tensors:
-            if tensor.is_input != is_input or tensor.name in declared or tensor.wire is None:
-                continue
-            added = repeated.add(name=tensor.name)
-            added.data_type = mc.DataType.Value(wire_to_config(tensor.wire))
-            added.dims.extend(tensor.shape[skip:])
+
+    def described(is_input: bool) -> list[ModelTensor]:
+        return [(t.name, t.wire, list(t.shape)) for t in tensors if t.is_input == is_input and t.wire is not None]
+
+    auto_complete_io(config, described(True), described(False), capacity if capacity > 1 else 0)
 
 
 def check_config(config: ModelConfig, tensors: list[EngineTensor], profiles: list[int], path: Path) -> None:

@@ -17,10 +17,10 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from conftest import HTTP_PORT, start_server, stop_server, stop_shared_server
-from rayinfer.cluster.example_repository import add_sub_model, write_model, write_python_model
+from rayinfer.cluster.example_repository import SIMPLE_CONFIG, add_sub_model, write_model, write_python_model
 from waiting import wait_until
 
-torch = pytest.importorskip("torch", reason="torch is the test extra's")
+torch = pytest.importorskip("torch", reason="needs PyTorch (the torch or test extra)")
 pytestmark = [
     pytest.mark.own_cluster,
     pytest.mark.gpu,
@@ -71,18 +71,9 @@ instance_group [ { count: 1 kind: KIND_GPU gpus: [ 0 ] } ]
 dynamic_batching { max_queue_delay_microseconds: 2000 }
 """
 
-ONNX_CONFIG = """platform: "onnxruntime_onnx"
-max_batch_size: 8
-input [
-  { name: "INPUT0" data_type: TYPE_FP32 dims: [ 16 ] },
-  { name: "INPUT1" data_type: TYPE_FP32 dims: [ 16 ] }
-]
-output [
-  { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 16 ] },
-  { name: "OUTPUT1" data_type: TYPE_FP32 dims: [ 16 ] }
-]
-instance_group [ { count: 1 kind: KIND_GPU } ]
-"""
+# The example's simple model in FP32, on GPU instances.
+ONNX_CONFIG = SIMPLE_CONFIG.replace('name: "simple"\n', "").replace("TYPE_INT32", "TYPE_FP32") + \
+    "instance_group [ { count: 1 kind: KIND_GPU } ]\n"
 
 
 def cuda_linear():

@@ -13,7 +13,7 @@ from rayinfer.adapters.loader import load_runner
 from rayinfer.protocol.errors import InvalidArgError, ModelConfigError
 from rayinfer.protocol.types import InferInput, InferRequest
 
-pytest.importorskip("torch", reason="torch is the test extra's")
+pytest.importorskip("torch", reason="needs PyTorch (the torch or test extra)")
 
 from torchscript_models import ADD_SUB_CONFIG, NAMED_CONFIG, modules, write_torchscript_model  # noqa: E402
 
@@ -166,10 +166,9 @@ def test_gpu_instances_run_on_cuda(tmp_path: Path) -> None:
     np.testing.assert_array_equal(out["OUTPUT__1"], a - b)
 
 
-def test_gpu_instances_without_cuda_name_the_reason(tmp_path: Path) -> None:
-    torch = __import__("torch")
-    if torch.cuda.is_available():
-        pytest.skip("this machine has CUDA; the error is for replicas without it")
+def test_gpu_instances_without_cuda_name_the_reason(tmp_path: Path, monkeypatch) -> None:
+    # A replica whose torch sees no CUDA device (a CPU build, or no GPU), on any machine.
+    monkeypatch.setattr(__import__("torch").cuda, "is_available", lambda: False)
     config = ADD_SUB_CONFIG + "instance_group [ { count: 1 kind: KIND_GPU } ]\n"
     write_torchscript_model(tmp_path, "addsub_gpu", config, MODULES["add_sub"])
     with pytest.raises(ModelConfigError, match="has GPU instances, but torch sees no CUDA device"):
