@@ -29,6 +29,7 @@ from rayinfer.cluster.settings import (
 )
 from rayinfer.cluster.tritonserver_flags import OneLineErrorParser, add_unsupported_flags
 from rayinfer.deployments.names import parse_bool
+from rayinfer.repository.ensemble import member_names
 from rayinfer.repository.scanner import ModelEntry
 
 logger = logging.getLogger("rayinfer")
@@ -248,7 +249,17 @@ def startup_entries(settings: ServerSettings, entries: list[ModelEntry]) -> list
     unknown = [name for name in settings.load_model if name not in known]
     if unknown:
         raise SystemExit(f"error: --load-model {unknown[0]}: no such model in {settings.model_repository}")
-    return [entry for entry in entries if entry.name in settings.load_model]
+    by_name = {entry.name: entry for entry in entries}
+    wanted: list[str] = []
+    queue = list(settings.load_model)
+    while queue:  # an ensemble's members load with it, as in Triton
+        name = queue.pop(0)
+        if name in wanted or name not in by_name:
+            continue
+        wanted.append(name)
+        config = by_name[name].config
+        queue.extend(member_names(config) if config is not None else [])
+    return [entry for entry in entries if entry.name in wanted]
 
 
 def fatal_startup_failures(

@@ -34,6 +34,7 @@ from rayinfer.deployments.serve_state import (
     status_name,
 )
 from rayinfer.protocol.errors import ModelConfigError
+from rayinfer.repository.ensemble import dependency_waves, member_names
 from rayinfer.repository.instance_groups import replica_plan
 from rayinfer.repository.python_env import python_runtime_env
 from rayinfer.repository.scanner import ModelEntry, scan_model
@@ -123,7 +124,31 @@ def deploy_models(
     config_overrides: dict[str, str] | None = None,
 ) -> dict[str, str]:
     """Deploy (or update) one application per model version and wait for them; returns
-    {model: reason} for models that failed, whose applications are removed again."""
+    {model: reason} for models that failed, whose applications are removed again.
+
+    Ensembles are deployed after their members (an ensemble checks its steps against its
+    members' configs as it loads); one whose member failed is not deployed."""
+    overrides = config_overrides or {}
+    members = {}
+    for model in dict.fromkeys(v[0] for v in versions):
+        config = scan_model(Path(model_repository) / model, overrides.get(model)).config
+        members[model] = member_names(config) if config is not None else []
+    waves, cycle = dependency_waves(members)
+    failures = {m: f"ensemble '{m}' depends on itself through its steps' models ({', '.join(cycle)})" for m in cycle}
+    for wave in waves:
+        for model in wave:
+            failed = [n for n in members[model] if n in failures]
+            if failed:
+                failures[model] = (f"ensemble '{model}' depends on '{failed[0]}', which failed to load: "
+                                   f"{failures[failed[0]]}")
+        wanted = [v for v in versions if v[0] in wave and v[0] not in failures]
+        failures.update(_deploy_wave(model_repository, wanted, control, overrides))
+    return failures
+
+
+def _deploy_wave(model_repository: str, versions: list[tuple[str, int, bool]], control: ModelControl,
+                 config_overrides: dict[str, str]) -> dict[str, str]:
+    """Deploy model versions that do not depend on each other, at once; {model: reason} of failures."""
     targets = {}
     refused: dict[str, str] = {}
     for model, version, is_default in versions:
@@ -132,7 +157,7 @@ def deploy_models(
             app = model_application(
                 model_repository, model, version, is_default,
                 replica_num_cpus=control.replica_num_cpus, auto_complete=control.auto_complete,
-                config_override=(config_overrides or {}).get(model), log_level=control.log_level,
+                config_override=config_overrides.get(model), log_level=control.log_level,
                 gpu_fallback=control.gpu_fallback,
             )
         except ModelConfigError as exc:  # e.g. instance groups Serve cannot express: this model only

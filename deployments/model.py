@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import json
 import logging
 import time
 from pathlib import Path
@@ -25,10 +26,13 @@ from rayinfer.adapters.loader import load_runner
 from rayinfer.adapters.python_backend import bls
 from rayinfer.deployments import asgi
 from rayinfer.deployments.bls_client import ReplicaBlsClient
+from rayinfer.deployments.ensemble_members import EnsembleMembers, load_ensemble
 from rayinfer.deployments.names import SERVER_APP, SERVER_DEPLOYMENT
 from rayinfer.deployments.replica_listener import ReplicaListener
 from rayinfer.protocol.errors import NotFoundError, UnsupportedError
 from rayinfer.protocol.types import InferRequest, InferResponse
+from rayinfer.repository.ensemble import is_ensemble
+from rayinfer.repository.model_config import read_config
 from rayinfer.serving import model_grpc, model_http
 from rayinfer.serving.model_core import ModelCore
 from rayinfer.serving.routes import keep_request_headers, parse_model_route
@@ -72,9 +76,14 @@ class ModelDeployment:
         # A replica given a share of a GPU runs the model's GPU instances (Ray sets
         # CUDA_VISIBLE_DEVICES to that GPU); one given none runs them on the CPU.
         on_gpu = bool(ray.get_gpu_ids())
-        runner, entry = await asyncio.to_thread(
-            load_runner, Path(model_repository), model_name, int(version), auto_complete, config_override, on_gpu
-        )
+        if is_ensemble(read_config(Path(model_repository) / model_name, override=config_override)):
+            # An ensemble runs no model of its own: it calls its members' deployments.
+            runner, entry = await load_ensemble(Path(model_repository), model_name, int(version), config_override,
+                                                EnsembleMembers())
+        else:
+            runner, entry = await asyncio.to_thread(
+                load_runner, Path(model_repository), model_name, int(version), auto_complete, config_override, on_gpu
+            )
         self._core = self._bls.core = ModelCore(runner, entry.versions, self._merged_statistics)
         self._listener = ReplicaListener(self._listener_grpc, self._listener_http)
         host = ray.util.get_node_ip_address()
@@ -126,6 +135,14 @@ class ModelDeployment:
         if self._core.decoupled:
             raise UnsupportedError(f"model '{self._core.name}' is decoupled: call it with exec(decoupled=True)")
         return await self._core.infer(self._core.prepare(request))
+
+    async def model_ready(self) -> bool:
+        """Whether the model says it can serve (an ensemble asks its members this)."""
+        return await self._core.ready()
+
+    def model_config_json(self) -> str:
+        """The model's config as served (auto-completed), in Triton's JSON form."""
+        return json.dumps(self._core.config_json)
 
     async def bls_stream(self, request: InferRequest) -> Any:
         """A Python model's BLS request with ``exec(decoupled=True)``: each response as it comes."""

@@ -102,6 +102,18 @@ class ServerDeployment(ServerGrpcMethods):
             raise await self._api.unavailable_model(name, version or None)
         return route
 
+    async def member_route(self, name: str, version: str) -> tuple[str, str] | None:
+        """A loading ensemble's member: its route when served, None while it is still loading,
+        else Triton's error with the reason it is not served."""
+        route = await self._forwarder.route(name, version)
+        if route is not None:
+            return route
+        rows = [r for r in await self._api.state.refresh()
+                if r["name"] == name and (not version or r.get("version") == version)]
+        if any(r["state"] == "LOADING" for r in rows):
+            return None
+        raise await self._api.unavailable_model(name, version or None)
+
     async def change_model(self, action: str, model: str, parameters: dict[str, Any]) -> None:
         """A Python model's ``pb_utils.load_model`` / ``unload_model``."""
         await self._api.change_model(action, model, parameters)

@@ -135,6 +135,12 @@ class V2Api:
                 await self.routes.wait_routed(model)
             else:
                 await self._unload(model)
+                if _truthy(parameters.get("unload_dependents")):  # an ensemble's members too
+                    self.state.invalidate()
+                    await self.state.refresh()
+                    served = sorted(self.state.deployed)
+                    for member in await asyncio.to_thread(self.controller.dependents_to_unload, model, served):
+                        await self._unload(member)
 
     async def _unload(self, model: str) -> None:
         """Take the model out of the front's routes, then remove its applications."""
@@ -174,3 +180,8 @@ class V2Api:
             finally:
                 # Poll mode is periodic by definition: Triton's --repository-poll-secs.
                 await asyncio.sleep(self._poll_secs)
+
+
+def _truthy(value: Any) -> bool:
+    """A load/unload parameter's boolean (JSON true, or "true" from a string parameter)."""
+    return value is True or (isinstance(value, str) and value.lower() == "true")

@@ -152,6 +152,8 @@ def fill_defaults(config: ModelConfig) -> None:
     """Triton's defaults for fields a config may leave out (version policy, instance group)."""
     if not config.HasField("version_policy"):
         config.version_policy.latest.num_versions = 1
+    if config.platform == "ensemble":  # an ensemble runs no model of its own: no instances
+        return
     if not config.instance_group:  # Triton's default: one instance, on a GPU when there is one
         config.instance_group.add(count=1, kind=mc.ModelInstanceGroup.KIND_AUTO)
     for index, group in enumerate(config.instance_group):
@@ -166,8 +168,8 @@ def check_supported(config: ModelConfig, path: Path) -> None:
     unsupported = []
     if config.HasField("sequence_batching"):
         unsupported.append("sequence_batching")
-    if config.HasField("ensemble_scheduling") or config.platform == "ensemble":
-        unsupported.append("ensemble models")
+    if config.HasField("ensemble_scheduling") and config.platform != "ensemble":
+        raise ModelConfigError(f"{path}: ensemble_scheduling is only for platform 'ensemble'")
     if config.model_transaction_policy.decoupled and config.backend != "python":
         unsupported.append("decoupled model_transaction_policy (only Python models may be decoupled)")
     if unsupported:

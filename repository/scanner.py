@@ -15,6 +15,7 @@ from rayinfer.repository.model_config import (
     read_config,
     resolve_backend,
 )
+from rayinfer.repository.ensemble import is_ensemble, parse_ensemble
 from rayinfer.repository.version_policy import select_versions, version_dirs
 
 logger = logging.getLogger(__name__)
@@ -53,6 +54,8 @@ def scan_model(model_dir: Path, config_override: str | None = None) -> ModelEntr
         resolve_backend(config, model_dir)
         fill_defaults(config)
         check_supported(config, model_dir / CONFIG_FILENAME)
+        if is_ensemble(config):  # its step graph, checked before any member is asked
+            parse_ensemble(config, model_dir)
         available = version_dirs([p.name for p in model_dir.iterdir() if p.is_dir()])
         versions = select_versions(config.version_policy, available)
         if not versions:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from rayinfer.protocol.errors import InternalError, InvalidArgError, as_serving_error
+from rayinfer.repository.ensemble import first_step, member_names
 from rayinfer.repository.override_files import file_parameters, write_model_directory
 from rayinfer.repository.scanner import ModelEntry, scan_model
 
@@ -61,8 +62,10 @@ class ModelController:
         source = self.sources.get(name)
         return scanned if source is None else scan_model(source[0] / name, source[1])
 
-    def load(self, model: str, parameters: dict[str, Any]) -> None:
+    def load(self, model: str, parameters: dict[str, Any], loading: frozenset[str] = frozenset()) -> None:
         """Deploy every version the model's policy selects; remove versions no longer selected.
+        An ensemble's members that are not served are loaded first (``loading``: the ensembles
+        whose members are being loaded, outer first).
 
         ``parameters.config``: a config in Triton's JSON form used instead of config.pbtxt;
         ``file:<version>/<name>`` parameters: the model's files, served from a temporary model
@@ -79,6 +82,7 @@ class ModelController:
             raise InvalidArgError(f"failed to load '{model}': 'file:' parameters need the 'config' parameter")
         root = write_model_directory(model, files) if files else self.repository
         try:
+            self._load_members(root, model, override, loading)
             versions = self._versions_to_deploy(root, model, override)
         except BaseException:  # nothing was deployed from the new files
             if files:
@@ -96,6 +100,44 @@ class ModelController:
             self.load_errors[model] = failure
             raise InvalidArgError(f"failed to load '{model}': {failure}")
         self.load_errors.pop(model, None)
+
+    def _load_members(self, root: Path, model: str, override: str | None, loading: frozenset[str]) -> None:
+        """Load the members of an ensemble that no application serves yet, as Triton does."""
+        entry = scan_model(root / model, override)
+        if entry.config is None:
+            return
+        for member in member_names(entry.config):
+            if member in loading or member == model:
+                raise InvalidArgError(f"failed to load '{model}': ensemble '{model}' depends on itself "
+                                      f"through '{member}'")
+            if not (root / member).is_dir() and not (self.repository / member).is_dir():
+                self.load_errors[model] = (f"ensemble '{model}': step {first_step(entry.config, member)} names model "
+                                           f"'{member}', which is not in the model repository")
+                raise InvalidArgError(f"failed to load '{model}': {self.load_errors[model]}")
+            if not self._deployer.serving(member):
+                try:
+                    self.load(member, {}, loading | {model})
+                except Exception as exc:
+                    message = as_serving_error(exc).message
+                    self.load_errors[model] = f"ensemble '{model}' depends on '{member}', which failed to load: {message}"
+                    raise InvalidArgError(f"failed to load '{model}': {self.load_errors[model]}") from None
+
+    def dependents_to_unload(self, model: str, served: list[str]) -> list[str]:
+        """The members an ensemble's unload with ``unload_dependents`` takes along (nested ones
+        too): those no other served ensemble still uses."""
+        def members_of(name: str) -> list[str]:
+            entry = self.entry(name, scan_model(self.repository / name))
+            return member_names(entry.config) if entry.config is not None else []
+
+        closure: list[str] = []
+        queue = members_of(model)
+        while queue:
+            member = queue.pop(0)
+            if member not in closure and member != model:
+                closure.append(member)
+                queue.extend(members_of(member))
+        keep = {m for other in served if other != model and other not in closure for m in members_of(other)}
+        return [m for m in closure if m not in keep]
 
     def _versions_to_deploy(self, root: Path, model: str, override: str | None) -> list[Version]:
         """The versions to deploy; a serving model's new versions are loaded on trial first."""

@@ -48,9 +48,11 @@ class ModelCore:
         # Unknown until measured: the first executions run on the thread.
         self._execution_s_avg = float("inf")
         self._on_thread = 0  # executions handed to the model thread and not finished
+        # An executor that runs each request on the loop itself, without batcher or thread.
+        self._execute_async = getattr(executor, "execute_async", None)
         batching = spec.dynamic_batching
         self._batcher: DynamicBatcher | None = None
-        if batching is not None and spec.max_batch_size > 0:
+        if batching is not None and spec.max_batch_size > 0 and self._execute_async is None:
             self._batcher = DynamicBatcher(
                 self._execute,
                 max_batch_size=spec.max_batch_size,
@@ -117,6 +119,8 @@ class ModelCore:
         yield from sender.responses()
 
     async def _schedule(self, prepared: Any) -> Any:
+        if self._execute_async is not None:  # an ensemble: each request runs its own steps
+            return await self._execute_async(prepared)
         if self._batcher is not None:
             return await self._batcher.submit(prepared, prepared.rows)
         return (await self._execute([prepared]))[0]
@@ -148,6 +152,9 @@ class ModelCore:
     async def ready(self) -> bool:
         """Whether the model says it can serve (a Python model's ``is_ready()``, off the loop;
         true when the executor has no such check)."""
+        check_async = getattr(self.executor, "is_ready_async", None)
+        if check_async is not None:  # an ensemble: ready when its members are
+            return bool(await check_async())
         check = getattr(self.executor, "is_ready", None)
         return True if check is None else await asyncio.to_thread(check)
 

@@ -167,10 +167,12 @@ def server(model_repository: Path, tmp_path_factory: pytest.TempPathFactory):
     """``rayinfer serve`` on the test repository, started once; stopped with SIGINT at the end."""
     log_path = tmp_path_factory.mktemp("server") / "rayinfer.log"
     from model_factory import ON_DEMAND_MODELS
+    from ensemble_models import ENSEMBLE_NOT_LOADED_AT_START
     from python_models import NOT_LOADED_AT_START
 
     # Explicit model control: every model but the on-demand ones loads at start (--load-model each).
-    load = [arg for p in sorted(model_repository.iterdir()) if p.is_dir() and p.name not in ON_DEMAND_MODELS + NOT_LOADED_AT_START
+    later = ON_DEMAND_MODELS + NOT_LOADED_AT_START + ENSEMBLE_NOT_LOADED_AT_START
+    load = [arg for p in sorted(model_repository.iterdir()) if p.is_dir() and p.name not in later
             for arg in ("--load-model", p.name)]
     proc = start_server(model_repository, log_path, [
         "--model-control-mode", "explicit", *load, "--http-port", str(HTTP_PORT), "--metrics-port", str(METRICS_PORT),

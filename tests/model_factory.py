@@ -6,6 +6,7 @@ from pathlib import Path
 
 from onnx import TensorProto, helper
 
+from ensemble_models import write_ensemble_models
 from python_models import write_python_models
 from torchscript_models import write_torchscript_models
 from rayinfer.cluster.example_repository import _finish, add_sub_model, write_example_repository, write_model
@@ -116,4 +117,5 @@ def build_test_repository(root: Path) -> Path:
     (root / "missing_file" / "config.pbtxt").write_text(CONFIGS["missing_file"])
     write_python_models(root)
     write_torchscript_models(root)
+    write_ensemble_models(root)
     return root

@@ -1,0 +1,115 @@
+"""An ensemble replica's view of its members: their routes, specs, readiness, and the step calls.
+
+A step's request goes by deployment handle to a replica of the member version
+(``ModelDeployment.bls_infer``), tensors as numpy arrays in Ray's serialization, and takes that
+model's own path there (validation, batcher, statistics): the member an ensemble reaches is the
+deployment clients reach. The ``/v2`` replica names the application serving each member; routes
+are kept for a second. Calls run on the replica's event loop, with the replica's handles.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from google.protobuf import json_format
+from ray import serve
+
+from rayinfer.deployments.names import SERVER_APP, SERVER_DEPLOYMENT
+from rayinfer.protocol.errors import ModelConfigError, as_serving_error
+from rayinfer.protocol.types import InferRequest, InferResponse
+from rayinfer.repository.ensemble import check_members, parse_ensemble
+from rayinfer.repository.model_config import CONFIG_FILENAME, ModelConfig, ModelSpec, spec_from_config
+from rayinfer.repository.scanner import scan_model
+from rayinfer.serving.ensemble import EnsembleExecutor
+
+logger = logging.getLogger(__name__)
+
+_ROUTE_TTL_S = 1.0
+# How long a loading ensemble waits for a member that is still loading (a Serve config deploys
+# all applications at once; ``rayinfer serve`` deploys members first).
+MEMBER_WAIT_S = 120.0
+
+
+class EnsembleMembers:
+    """Routes and calls an ensemble's members from its replica."""
+
+    def __init__(self) -> None:
+        self._routes: dict[tuple[str, str], tuple[float, tuple[str, str] | None]] = {}
+        self._handles: dict[tuple[str, str], Any] = {}
+        self._server: Any = None
+
+    async def call(self, request: InferRequest) -> InferResponse:
+        """One step: the member's response, or its error (raised)."""
+        route = await self._route(request.model_name, request.model_version, strict=True)
+        assert route is not None
+        return await self._handle(route).bls_infer.remote(request)
+
+    async def ready(self, model: str, version: str) -> bool:
+        """Whether the member version is served and says it is ready."""
+        try:
+            route = await self._route(model, version, strict=False)
+            return route is not None and bool(await self._handle(route).model_ready.remote())
+        except Exception as exc:  # a replica going away: not ready now
+            logger.debug("member '%s' is not ready: %s", model, exc)
+            return False
+
+    async def spec(self, model: str, version: str, deadline: float) -> ModelSpec:
+        """The member's spec as its replica completed it (auto-complete included), waiting until
+        ``deadline`` for a member that is still loading; Triton's error if it is not served."""
+        while (route := await self._server_handle().member_route.remote(model, version)) is None:
+            if time.monotonic() >= deadline:
+                raise ModelConfigError(f"model '{model}' is still loading")
+            await asyncio.sleep(0.5)
+        config = ModelConfig()
+        json_format.Parse(await self._handle(tuple(route)).model_config_json.remote(), config)
+        return spec_from_config(config, Path(model) / CONFIG_FILENAME)
+
+    async def _route(self, model: str, version: str, *, strict: bool) -> tuple[str, str] | None:
+        key = (model, version)
+        cached = self._routes.get(key)
+        if cached is not None and cached[1] is not None and time.monotonic() - cached[0] < _ROUTE_TTL_S:
+            return cached[1]
+        route = await self._server_handle().model_route.remote(model, version, strict)
+        self._routes[key] = (time.monotonic(), tuple(route) if route is not None else None)
+        return self._routes[key][1]
+
+    def _handle(self, route: tuple[str, str]) -> Any:
+        handle = self._handles.get(route)
+        if handle is None:
+            handle = self._handles[route] = serve.get_deployment_handle(route[1], route[0])
+        return handle
+
+    def _server_handle(self) -> Any:
+        if self._server is None:
+            self._server = serve.get_deployment_handle(SERVER_DEPLOYMENT, SERVER_APP)
+        return self._server
+
+
+async def load_ensemble(repository: Path, model_name: str, version: int, config_override: str | None,
+                        members: EnsembleMembers, wait_s: float = MEMBER_WAIT_S) -> tuple[EnsembleExecutor, Any]:
+    """The executor of an ensemble version, its steps checked against its members' configs;
+    :class:`ModelConfigError` naming the step when a member is missing or does not fit."""
+    model_dir = Path(repository) / model_name
+    entry = scan_model(model_dir, config_override)
+    if entry.error is not None or entry.config is None:
+        raise ModelConfigError(entry.error or f"{model_dir}: cannot be read")
+    spec = spec_from_config(entry.config, model_dir / CONFIG_FILENAME)
+    plan = parse_ensemble(entry.config, model_dir)
+    deadline = time.monotonic() + wait_s
+    specs: dict[tuple[str, str], ModelSpec] = {}
+    for step in plan.steps:
+        key = (step.model_name, step.model_version)
+        if key in specs:
+            continue
+        try:
+            specs[key] = await members.spec(*key, deadline)
+        except Exception as exc:
+            raise ModelConfigError(
+                f"ensemble '{model_name}': {step.label} cannot run: {as_serving_error(exc).message}"
+            ) from None
+    check_members(plan, spec, specs, model_dir)
+    return EnsembleExecutor(spec, plan, version, members.call, members.ready), entry

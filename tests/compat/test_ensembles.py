@@ -1,0 +1,207 @@
+"""Ensembles through unmodified tritonclient, over HTTP and gRPC: step graphs, conditional steps,
+errors naming the step, load-time validation, explicit-mode loading (models in
+tests/ensemble_models.py)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+from conftest import tensor
+from waiting import wait_until
+
+
+def ints(module, **arrays: np.ndarray) -> list:
+    return [tensor(module, name, array, "INT32") for name, array in arrays.items()]
+
+
+def pair(seed: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return (rng.integers(0, 1000, (1, 16)).astype(np.int32), rng.integers(0, 1000, (1, 16)).astype(np.int32))
+
+
+def url_of(module, server: dict) -> str:
+    return server["url"] if module is httpclient else server["grpc_url"]
+
+
+def stats(client, module, model: str) -> dict:
+    kwargs = {"as_json": True} if module is grpcclient else {}
+    return client.get_inference_statistics(model, **kwargs)["model_stats"][0]
+
+
+def test_steps_chain_fan_out_and_nest(proto):
+    """A chain, a diamond whose middle steps run side by side, and an ensemble as a step."""
+    module, client = proto
+    a, b = pair(1)
+    result = client.infer("ens_chain", ints(module, A=a, B=b))
+    np.testing.assert_array_equal(result.as_numpy("TWICE_A"), 2 * a)
+    np.testing.assert_array_equal(result.as_numpy("TWICE_B"), 2 * b)
+    result = client.infer("ens_diamond", ints(module, A=a, B=b))
+    np.testing.assert_array_equal(result.as_numpy("SUM"), a + b)
+    np.testing.assert_array_equal(result.as_numpy("DIFF"), a - b)
+    np.testing.assert_array_equal(result.as_numpy("SUM2"), 2 * a + 2 * b)
+    np.testing.assert_array_equal(result.as_numpy("DIFF2"), 2 * a - 2 * b)
+    result = client.infer("ens_nested", ints(module, X=a, Y=b))
+    np.testing.assert_array_equal(result.as_numpy("OUT_SUM"), 2 * a + 2 * b)
+    np.testing.assert_array_equal(result.as_numpy("OUT_DIFF"), 2 * a - 2 * b)
+
+
+def test_only_the_requested_outputs_return(proto):
+    module, client = proto
+    a, b = pair(2)
+    result = client.infer("ens_diamond", ints(module, A=a, B=b), outputs=[module.InferRequestedOutput("DIFF2")])
+    np.testing.assert_array_equal(result.as_numpy("DIFF2"), 2 * a - 2 * b)
+    assert result.as_numpy("SUM") is None and result.as_numpy("SUM2") is None
+
+
+def test_bytes_pass_through_a_python_member(proto):
+    module, client = proto
+    text = np.array([["héllo".encode(), b"", b"\x00world"]], dtype=object)
+    result = client.infer("ens_strings", [tensor(module, "TEXT", text, "BYTES")])
+    np.testing.assert_array_equal(result.as_numpy("ECHO"), text)
+
+
+def test_conditional_steps_run_only_when_their_condition_holds(proto):
+    """step_1_run_if FLAG and step_2_run_if_present EXTRA: without them only SUM returns."""
+    module, client = proto
+    a, extra = pair(3)
+    result = client.infer("ens_conditional", ints(module, A=a))
+    np.testing.assert_array_equal(result.as_numpy("SUM"), 2 * a)
+    assert result.as_numpy("SUM2") is None and result.as_numpy("EXTRA2") is None
+    flag = tensor(module, "FLAG", np.array([[True]]), "BOOL")
+    result = client.infer("ens_conditional", [*ints(module, A=a, EXTRA=extra), flag])
+    np.testing.assert_array_equal(result.as_numpy("SUM2"), 4 * a)
+    np.testing.assert_array_equal(result.as_numpy("EXTRA2"), 2 * extra)
+    off = tensor(module, "FLAG", np.array([[False]]), "BOOL")
+    result = client.infer("ens_conditional", [*ints(module, A=a), off])
+    assert result.as_numpy("SUM2") is None
+
+
+def test_concurrent_requests_get_their_own_results_and_members_batch_them(proto, server):
+    """48 requests at once, each checked against its own inputs; the Python member with dynamic
+    batching executes the doublings of many ensemble requests together."""
+    module, client = proto
+    before = stats(client, module, "ens_double")
+    pairs = [pair(100 + i) for i in range(48)]
+
+    def one(ab: tuple[np.ndarray, np.ndarray]) -> tuple:
+        local = module.InferenceServerClient(url_of(module, server))
+        try:
+            result = local.infer("ens_diamond", ints(module, A=ab[0], B=ab[1]))
+            return result.as_numpy("SUM2"), result.as_numpy("DIFF")
+        finally:
+            local.close()
+
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(one, pairs))
+    for (a, b), (sum2, diff) in zip(pairs, results):
+        np.testing.assert_array_equal(sum2, 2 * a + 2 * b)
+        np.testing.assert_array_equal(diff, a - b)
+    after = stats(client, module, "ens_double")
+    inferences = int(after["inference_count"]) - int(before.get("inference_count", 0))
+    executions = int(after["execution_count"]) - int(before.get("execution_count", 0))
+    assert inferences == 2 * 48
+    assert executions < inferences  # some executions held several ensemble requests' rows
+
+
+def test_a_failing_step_fails_only_its_request(proto, server):
+    """Requests whose member step fails get an error naming the ensemble, step and model; the
+    requests running beside them are answered, and the ensemble keeps serving."""
+    module, client = proto
+    good = [pair(200 + i) for i in range(6)]
+    bad = np.full((1, 16), -13, dtype=np.int32)
+
+    def one(a: np.ndarray, b: np.ndarray) -> object:
+        local = module.InferenceServerClient(url_of(module, server))
+        try:
+            return local.infer("ens_diamond", ints(module, A=a, B=b)).as_numpy("SUM2")
+        except InferenceServerException as exc:
+            return exc
+        finally:
+            local.close()
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        futures = [pool.submit(one, bad, good[0][1]) for _ in range(3)] + [pool.submit(one, *ab) for ab in good]
+        results = [f.result() for f in futures]
+    for error in results[:3]:
+        assert isinstance(error, InferenceServerException)
+        assert "in ensemble 'ens_diamond', step 1 (model 'ens_double') failed: unlucky input -13" in str(error)
+    for (a, b), sum2 in zip(good, results[3:]):
+        np.testing.assert_array_equal(sum2, 2 * a + 2 * b)
+    a, b = pair(300)
+    np.testing.assert_array_equal(client.infer("ens_diamond", ints(module, A=a, B=b)).as_numpy("SUM2"), 2 * a + 2 * b)
+
+
+def test_the_ensemble_checks_requests_against_its_own_config(proto):
+    module, client = proto
+    a, b = pair(4)
+    with pytest.raises(InferenceServerException, match="input 'A' data-type is 'FP32', but model 'ens_chain'"):
+        client.infer("ens_chain", [tensor(module, "A", a.astype(np.float32), "FP32"), *ints(module, B=b)])
+    with pytest.raises(InferenceServerException, match="batch-size must be <= 8 for 'ens_chain'"):
+        client.infer("ens_chain", ints(module, A=np.zeros((9, 16), np.int32), B=np.zeros((9, 16), np.int32)))
+    with pytest.raises(InferenceServerException, match="missing required input"):
+        client.infer("ens_chain", ints(module, A=a))
+
+
+def test_metadata_config_readiness_and_statistics(proto):
+    module, client = proto
+    kwargs = {"as_json": True} if module is grpcclient else {}
+    metadata = client.get_model_metadata("ens_chain", **kwargs)
+    assert metadata["platform"] == "ensemble"
+    assert [(t["name"], t["datatype"], [int(d) for d in t["shape"]]) for t in metadata["inputs"]] == [
+        ("A", "INT32", [-1, 16]), ("B", "INT32", [-1, 16])]
+    config = client.get_model_config("ens_chain", **kwargs)
+    config = config.get("config", config)
+    assert config["platform"] == "ensemble"
+    assert [s["model_name"] for s in config["ensemble_scheduling"]["step"]] == ["simple", "simple"]
+    assert client.is_model_ready("ens_chain") and client.is_model_ready("ens_nested")
+    before = int(stats(client, module, "ens_chain").get("inference_count", 0))
+    a, b = pair(5)
+    client.infer("ens_chain", ints(module, A=np.concatenate([a, b]), B=np.concatenate([b, a])))
+    wait_until(lambda: int(stats(client, module, "ens_chain")["inference_count"]) == before + 2,
+               "the ensemble's statistics to count the request's two rows")
+
+
+@pytest.mark.parametrize("model, message", [
+    ("ensbad_unknown_model", "step 0 names model 'no_such_model', which is not in the model repository"),
+    ("ensbad_dtype", "step 0 (model 'simple') input 'INPUT0' is INT32, but tensor 'A' from the ensemble's input is FP32"),
+    ("ensbad_unmapped", "step 0 (model 'simple') does not map input 'INPUT1' of model 'simple'"),
+    ("ensbad_batch", "step 0 (model 'simple') allows batches of 8, fewer than the ensemble's max_batch_size 16"),
+    ("ensbad_cycle", "step 0 (model 'simple') and step 1 (model 'simple') wait for each other's outputs"),
+    ("ensbad_unused", "input 'C' is not read by any step"),
+])
+def test_a_broken_ensemble_fails_to_load_naming_the_step(server, model, message):
+    client = httpclient.InferenceServerClient(server["url"])
+    with pytest.raises(InferenceServerException, match=f"failed to load '{model}'") as raised:
+        client.load_model(model)
+    assert message in str(raised.value)
+    assert not client.is_model_ready(model)
+    row = next(r for r in client.get_model_repository_index() if r["name"] == model)
+    assert row["state"] == "UNAVAILABLE" and message in row["reason"]
+    assert client.is_model_ready("ens_chain")  # the others keep serving
+
+
+def test_loading_an_ensemble_loads_its_members_and_unload_dependents_removes_them(server):
+    """Explicit mode: the ensemble's load loads its member; with the member unloaded the
+    ensemble is not ready and says which step failed; unload_dependents takes the member along."""
+    client = httpclient.InferenceServerClient(server["url"])
+    a = np.arange(16, dtype=np.int32).reshape(1, 16)
+    assert not client.is_model_ready("ens_on_demand_member")
+    client.load_model("ens_on_demand")
+    assert client.is_model_ready("ens_on_demand") and client.is_model_ready("ens_on_demand_member")
+    np.testing.assert_array_equal(client.infer("ens_on_demand", ints(httpclient, A=a)).as_numpy("A2"), 2 * a)
+    client.unload_model("ens_on_demand_member")
+    wait_until(lambda: not client.is_model_ready("ens_on_demand"), "the ensemble to be not ready without its member")
+    with pytest.raises(InferenceServerException, match="step 0 \\(model 'ens_on_demand_member'\\) failed"):
+        client.infer("ens_on_demand", ints(httpclient, A=a))
+    client.load_model("ens_on_demand_member")
+    wait_until(lambda: client.is_model_ready("ens_on_demand"), "the ensemble to be ready with its member back")
+    client.unload_model("ens_on_demand", unload_dependents=True)
+    assert not client.is_model_ready("ens_on_demand")
+    assert not client.is_model_ready("ens_on_demand_member")
+    assert client.is_model_ready("simple")  # a member of other ensembles is not a dependent here
