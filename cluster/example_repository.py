@@ -3,7 +3,8 @@
 ``simple``, ``simple_string`` and ``simple_identity`` have the names, tensors and semantics of
 Triton's own example models, so Triton's HTTP client examples for them run unmodified
 (``simple_identity`` is a Python model, ``model.py``); ``mlp`` is the benchmark MLP
-(256 -> 1024 -> 1024 -> 10) with dynamic batching.
+(256 -> 1024 -> 1024 -> 10) with dynamic batching; ``nlp_ensemble`` is a text pipeline of
+three models (:mod:`example_nlp`).
 """
 
 from __future__ import annotations
@@ -11,6 +12,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+
+from rayinfer.cluster.model_files import finish_onnx, write_model, write_python_model
+
+__all__ = ["add_sub_model", "finish_onnx", "mlp_model", "write_example_repository", "write_model", "write_python_model"]
 
 SIMPLE_CONFIG = """name: "simple"
 platform: "onnxruntime_onnx"
@@ -98,7 +103,7 @@ def add_sub_model(elem_type: int, batch: bool = True):
         [helper.make_tensor_value_info(n, elem_type, shape) for n in ("INPUT0", "INPUT1")],
         [helper.make_tensor_value_info(n, elem_type, shape) for n in ("OUTPUT0", "OUTPUT1")],
     )
-    return _finish(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
+    return finish_onnx(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
 
 
 def mlp_model(dims: tuple[int, ...] = (256, 1024, 1024, 10), seed: int = 0):
@@ -123,45 +128,19 @@ def mlp_model(dims: tuple[int, ...] = (256, 1024, 1024, 10), seed: int = 0):
         [helper.make_tensor_value_info("OUTPUT0", TensorProto.FLOAT, ["batch", dims[-1]])],
         initializer=inits,
     )
-    return _finish(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
-
-
-def _finish(model):
-    import onnx
-
-    model.ir_version = 8
-    onnx.checker.check_model(model)
-    return model
-
-
-def write_model(repository: Path, name: str, config: str | None, model, version: int = 1) -> Path:
-    """Write ``<repository>/<name>/config.pbtxt`` (if given) and ``<version>/model.onnx``."""
-    import onnx
-
-    version_dir = Path(repository) / name / str(version)
-    version_dir.mkdir(parents=True, exist_ok=True)
-    if config is not None:
-        (Path(repository) / name / "config.pbtxt").write_text(config)
-    onnx.save(model, str(version_dir / "model.onnx"))
-    return version_dir.parent
-
-
-def write_python_model(repository: Path, name: str, config: str, code: str, version: int = 1) -> Path:
-    """Write ``<repository>/<name>/config.pbtxt`` and ``<version>/model.py``."""
-    version_dir = Path(repository) / name / str(version)
-    version_dir.mkdir(parents=True, exist_ok=True)
-    (Path(repository) / name / "config.pbtxt").write_text(config)
-    (version_dir / "model.py").write_text(code)
-    return version_dir.parent
+    return finish_onnx(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
 
 
 def write_example_repository(repository: Path) -> list[Path]:
     """Create the example repository (idempotent) and return the model folders written."""
     from onnx import TensorProto
 
+    from rayinfer.cluster.example_nlp import write_nlp_pipeline
+
     return [
         write_model(repository, "simple", SIMPLE_CONFIG, add_sub_model(TensorProto.INT32)),
         write_model(repository, "simple_string", SIMPLE_STRING_CONFIG, add_sub_model(TensorProto.STRING)),
         write_python_model(repository, "simple_identity", SIMPLE_IDENTITY_CONFIG, SIMPLE_IDENTITY_MODEL),
         write_model(repository, "mlp", MLP_CONFIG, mlp_model()),
+        *write_nlp_pipeline(repository),
     ]

@@ -9,7 +9,7 @@ from onnx import TensorProto, helper
 from ensemble_models import write_ensemble_models
 from python_models import write_python_models
 from torchscript_models import write_torchscript_models
-from rayinfer.cluster.example_repository import _finish, add_sub_model, write_example_repository, write_model
+from rayinfer.cluster.example_repository import add_sub_model, finish_onnx, write_example_repository, write_model
 
 ADD_SUB_IO = """input [
   { name: "INPUT0" data_type: TYPE_INT32 dims: [ 16 ] },
@@ -53,7 +53,7 @@ def double_model():
         [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["batch", "n"])],
         [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["batch", "n"])],
     )
-    return _finish(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
+    return finish_onnx(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
 
 
 def mul_sub_model():
@@ -65,7 +65,7 @@ def mul_sub_model():
         [helper.make_tensor_value_info(n, TensorProto.INT32, shape) for n in ("INPUT0", "INPUT1")],
         [helper.make_tensor_value_info(n, TensorProto.INT32, shape) for n in ("OUTPUT0", "OUTPUT1")],
     )
-    return _finish(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
+    return finish_onnx(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
 
 
 # Copies of the "on_demand" model that the test server does not load at start (explicit model
