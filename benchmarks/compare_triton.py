@@ -160,13 +160,13 @@ def perf_analyzer_command(base_port: int, model: str, protocol: str, concurrency
 
 
 def perf_analyzer(base_port: int, model: str, protocol: str, concurrency: int, interval_ms: int,
-                  out_csv: Path) -> dict[str, float]:
+                  out_csv: Path, extra_args: tuple[str, ...] = ()) -> dict[str, float]:
     """One perf_analyzer measurement; if it fails (as when no window is stable within 25%), one
-    more that accepts 50%."""
+    more that accepts 50%. ``extra_args``: more perf_analyzer flags (``--input-data``)."""
     inferences, executions = execution_counts(base_port, model)
     for stability in (25, 50):
         cmd = [*perf_analyzer_command(base_port, model, protocol, concurrency, interval_ms, stability),
-               "-f", str(out_csv)]
+               *extra_args, "-f", str(out_csv)]
         result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         if result.returncode == 0:
             break

@@ -86,6 +86,12 @@ class RouteTable:
             # (until the deadline).
             await asyncio.sleep(0.1)
 
+    def listeners(self, app: str) -> list[tuple[str, int]]:
+        """The listeners registered by the replicas of ``app`` (fresh ones only)."""
+        now = time.monotonic()
+        return sorted((host, port) for a, host, port, seen in self._listeners.values()
+                      if a == app and now - seen < LISTENER_TTL_S)
+
     def _routes(self, not_running: AbstractSet[str]) -> dict[str, list[tuple[str, int]]]:
         """``<model>/<version>`` -> the listeners of its replicas, less those in ``not_running``
         (versions none of whose replicas is routable are left to Serve)."""

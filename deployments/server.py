@@ -102,6 +102,13 @@ class ServerDeployment(ServerGrpcMethods):
             raise await self._api.unavailable_model(name, version or None)
         return route
 
+    async def member_listeners(self, name: str, version: str) -> tuple[str, str, list[tuple[str, int]]]:
+        """An ensemble's step target: (application, deployment, its replicas' listeners);
+        Triton's error when the version is not served."""
+        route = await self.model_route(name, version)
+        assert route is not None
+        return route[0], route[1], self._api.routes.listeners(route[0])
+
     async def member_route(self, name: str, version: str) -> tuple[str, str] | None:
         """A loading ensemble's member: its route when served, None while it is still loading,
         else Triton's error with the reason it is not served."""

@@ -178,6 +178,8 @@ def check_members(plan: EnsemblePlan, ensemble: ModelSpec, members: dict[tuple[s
         if ensemble.max_batch_size > 0 and 0 < spec.max_batch_size < ensemble.max_batch_size:
             raise fail(f"{step.label} allows batches of {spec.max_batch_size}, fewer than the ensemble's "
                        f"max_batch_size {ensemble.max_batch_size}")
+        if spec.config is not None and spec.config.model_transaction_policy.decoupled:
+            raise fail(f"{step.label} is decoupled: decoupled models in ensembles are not supported yet")
         member_batch = (-1,) if spec.max_batch_size > 0 else ()
         for member_input, tensor in step.input_map:
             declared = spec.input_map.get(member_input)

@@ -205,3 +205,23 @@ def test_loading_an_ensemble_loads_its_members_and_unload_dependents_removes_the
     assert not client.is_model_ready("ens_on_demand")
     assert not client.is_model_ready("ens_on_demand_member")
     assert client.is_model_ready("simple")  # a member of other ensembles is not a dependent here
+
+
+def test_the_example_text_pipeline_matches_its_members_called_one_by_one(proto):
+    """nlp_ensemble (tokenizer, ONNX encoder, head) from the example repository: text in, a label
+    and a confidence out, the same as calling the three models in turn."""
+    from rayinfer.cluster.example_nlp import LABELS
+
+    module, client = proto
+    text = np.array([["I love this great movie".encode()], ["this was terrible and I hate it".encode()]], dtype=object)
+    result = client.infer("nlp_ensemble", [tensor(module, "raw_text", text, "BYTES")])
+    labels, confidence = result.as_numpy("sentiment_label"), result.as_numpy("confidence")
+    assert labels.shape == (2, 1) and confidence.shape == (2, 1)
+    assert {label.decode() for label in labels.reshape(-1)} <= set(LABELS)
+    assert ((confidence > 0) & (confidence <= 1)).all()
+    tokens = client.infer("nlp_tokenizer", [tensor(module, "raw_text", text, "BYTES")])
+    embedding = client.infer("nlp_encoder", [tensor(module, name, tokens.as_numpy(name), "INT64")
+                                             for name in ("input_ids", "attention_mask")]).as_numpy("embedding")
+    head = client.infer("nlp_head", [tensor(module, "embedding", embedding, "FP32")])
+    np.testing.assert_array_equal(head.as_numpy("sentiment_label"), labels)
+    np.testing.assert_allclose(head.as_numpy("confidence"), confidence, rtol=1e-5)

@@ -132,3 +132,12 @@ def test_members_deploy_before_their_ensembles_and_cycles_are_found():
     assert waves == [["elsewhere", "m"], ["inner"], ["outer"]] and cycle == []
     waves, cycle = dependency_waves({"a": ["b"], "b": ["a"], "m": []})
     assert waves == [["m"]] and cycle == ["a", "b"]
+
+
+def test_a_decoupled_member_is_refused_naming_the_step():
+    cfg = config([step("add_sub", AB, {"OUTPUT0": "S"})])
+    decoupled = member(ADD_SUB.replace('backend: "onnxruntime"', 'backend: "python"') +
+                       "model_transaction_policy { decoupled: true }")
+    with pytest.raises(ModelConfigError, match="step 0 \\(model 'add_sub'\\) is decoupled"):
+        check_members(parse_ensemble(cfg, Path("repo/ens")), spec_from_config(cfg, Path("x")),
+                      {("add_sub", ""): decoupled}, Path("repo/ens"))
