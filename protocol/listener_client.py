@@ -37,7 +37,7 @@ class ListenerClient:
     async def infer(self, address: Address, request: InferRequest) -> InferResponse:
         """The listener's response to ``request``; its error (Triton's code from the status)
         raised as :class:`ServingError`; :class:`UnavailableError` when it cannot be reached."""
-        head, body = encode_request(request, address)
+        message = b"".join(encode_request(request, address))  # one send
         for attempt in (0, 1):
             reused = bool(self._idle.get(address))
             try:
@@ -45,8 +45,7 @@ class ListenerClient:
             except ConnectionError as exc:
                 raise UnavailableError(f"model '{request.model_name}' could not be reached: {exc}") from None
             try:
-                connection[1].write(head)
-                connection[1].write(body)
+                connection[1].write(message)
                 status, header_length, payload = await _read_response(connection[0])
             except (ConnectionError, asyncio.IncompleteReadError, OSError) as exc:
                 connection[1].close()

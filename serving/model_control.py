@@ -110,7 +110,7 @@ class ModelController:
             if member in loading or member == model:
                 raise InvalidArgError(f"failed to load '{model}': ensemble '{model}' depends on itself "
                                       f"through '{member}'")
-            if not (root / member).is_dir() and not (self.repository / member).is_dir():
+            if not (self.repository / member).is_dir():
                 self.load_errors[model] = (f"ensemble '{model}': step {first_step(entry.config, member)} names model "
                                            f"'{member}', which is not in the model repository")
                 raise InvalidArgError(f"failed to load '{model}': {self.load_errors[model]}")

@@ -133,3 +133,46 @@ def test_close_removes_every_temporary_directory(control, repository: Path) -> N
     root = Path(deployer.roots["simple"])
     controller.close()
     assert not root.exists()
+
+
+def _ensemble(root: Path, name: str, members: list[str]) -> None:
+    steps = ", ".join(f'{{ model_name: "{m}" model_version: -1 input_map {{ key: "INPUT0" value: "A" }} '
+                      f'input_map {{ key: "INPUT1" value: "A" }} output_map {{ key: "OUTPUT0" value: "S{i}" }} }}'
+                      for i, m in enumerate(members))
+    outputs = ", ".join(f'{{ name: "S{i}" data_type: TYPE_INT32 dims: [ 16 ] }}' for i in range(len(members)))
+    (root / name / "1").mkdir(parents=True)
+    (root / name / "config.pbtxt").write_text(
+        f'name: "{name}" platform: "ensemble" max_batch_size: 8\n'
+        f'input [ {{ name: "A" data_type: TYPE_INT32 dims: [ 16 ] }} ]\noutput [ {outputs} ]\n'
+        f'ensemble_scheduling {{ step [ {steps} ] }}\n')
+
+
+def test_loading_an_ensemble_loads_its_members_first(control, repository: Path) -> None:
+    controller, deployer = control
+    _ensemble(repository, "inner", ["simple"])
+    _ensemble(repository, "outer", ["inner", "simple"])
+    controller.load("outer", {})
+    assert list(deployer.served) == ["simple", "inner", "outer"]
+    _ensemble(repository, "lost", ["simple", "nowhere"])
+    with pytest.raises(InvalidArgError, match="ensemble 'lost': step 1 names model 'nowhere', which is not in"):
+        controller.load("lost", {})
+    assert "lost" not in deployer.served and "nowhere" in controller.load_errors["lost"]
+
+
+def test_a_members_failure_fails_the_ensemble_naming_the_member(control, repository: Path) -> None:
+    controller, deployer = control
+    _ensemble(repository, "ens", ["simple"])
+    deployer.fail = "replica died"
+    with pytest.raises(InvalidArgError, match="ensemble 'ens' depends on 'simple', which failed to load: "
+                                               "failed to load 'simple': replica died"):
+        controller.load("ens", {})
+
+
+def test_unload_dependents_keeps_members_other_ensembles_use(control, repository: Path) -> None:
+    controller, _ = control
+    write_model(repository, "other", SIMPLE_CONFIG.replace('"simple"', '"other"'), add_sub_model(TensorProto.INT32))
+    _ensemble(repository, "inner", ["other"])
+    _ensemble(repository, "outer", ["inner", "simple"])
+    _ensemble(repository, "neighbour", ["simple"])
+    assert controller.dependents_to_unload("outer", ["outer", "inner", "other", "simple", "neighbour"]) == ["inner", "other"]
+    assert controller.dependents_to_unload("outer", ["outer", "inner", "other", "simple"]) == ["inner", "simple", "other"]
