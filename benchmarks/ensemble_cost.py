@@ -8,7 +8,8 @@ Writes a repository holding the example ``mlp`` (ONNX, 256 -> 1024 -> 1024 -> 10
 batching with a 500 us queue delay, one intra-op thread), ``scale`` (a Python model: FP32 [256]
 times 0.5, the same batching) and ``mlp_pipeline`` (an ensemble: ``scale`` then ``mlp``), plus
 the example text pipeline (``nlp_ensemble``: a Python tokenizer, a transformer encoder in ONNX
-with dynamic batching, a Python head). Starts ``rayinfer serve`` on it inside a private network
+with dynamic batching, a Python head), and ``mlp_pipeline_batched``: ``mlp_pipeline`` with its
+own requests batched (the ``max_queue_delay_microseconds`` parameter, 500 us). Starts ``rayinfer serve`` on it inside a private network
 namespace and measures at the given concurrency, batch 1 per request, alternating in rounds:
 each member alone and the ensemble with NVIDIA's perf_analyzer (from the Triton anchor; the
 encoder is sent one tokenized sentence), and the members called one by one by a Python client
@@ -71,7 +72,10 @@ ensemble_scheduling { step [
   { model_name: "mlp" model_version: -1 input_map { key: "INPUT0" value: "SCALED" } output_map { key: "OUTPUT0" value: "OUTPUT0" } }
 ] }
 """
-PERF_MODELS = ("mlp", "scale", "mlp_pipeline", "nlp_encoder", "nlp_ensemble")
+# The same ensemble, its own requests batched too (rayinfer's max_queue_delay_microseconds).
+BATCHED_CONFIG = PIPELINE_CONFIG.replace('name: "mlp_pipeline"', 'name: "mlp_pipeline_batched"') + (
+    'parameters { key: "max_queue_delay_microseconds" value: { string_value: "500" } }\n')
+PERF_MODELS = ("mlp", "scale", "mlp_pipeline", "mlp_pipeline_batched", "nlp_encoder", "nlp_ensemble")
 # The encoder's inputs for perf_analyzer: random ids would index past the vocabulary.
 ENCODER_TEXT = "this was a really great movie and i would watch it again with my family"
 CHAIN = "one by one (client)"
@@ -92,6 +96,8 @@ def write_repository(root: Path) -> None:
     write_python_model(root, "scale", SCALE_CONFIG, SCALE_MODEL)
     (root / "mlp_pipeline" / "1").mkdir(parents=True)
     (root / "mlp_pipeline" / "config.pbtxt").write_text(PIPELINE_CONFIG)
+    (root / "mlp_pipeline_batched" / "1").mkdir(parents=True)
+    (root / "mlp_pipeline_batched" / "config.pbtxt").write_text(BATCHED_CONFIG)
     write_nlp_pipeline(root)
 
 
@@ -170,14 +176,16 @@ def main() -> int:
     print("\n| protocol | concurrency | what | infer/s | p50 / p99 (us) | batch | against the slowest member |")
     print("|---|---|---|---|---|---|---|")
     labels = {"mlp": "`mlp` alone", "scale": "`scale` alone", "mlp_pipeline": "`mlp_pipeline` (ensemble: `scale`, `mlp`)",
+              "mlp_pipeline_batched": "`mlp_pipeline_batched` (the same, its requests batched)",
               CHAIN: "`scale` then `mlp`, one by one from the client", "nlp_encoder": "`nlp_encoder` alone",
               "nlp_ensemble": "`nlp_ensemble` (tokenizer, encoder, head)"}
     for protocol in protocols:
         medians = {m: {k: statistics.median(r[k] for r in results[(protocol, m)]) for k in results[(protocol, m)][0]}
                    for m in (*PERF_MODELS, CHAIN)}
         slowest = min(medians["mlp"]["infer_s"], medians["scale"]["infer_s"])
-        against = {"mlp_pipeline": slowest, CHAIN: slowest, "nlp_ensemble": medians["nlp_encoder"]["infer_s"]}
-        for model in ("mlp", "scale", "mlp_pipeline", CHAIN, "nlp_encoder", "nlp_ensemble"):
+        against = {"mlp_pipeline": slowest, "mlp_pipeline_batched": slowest, CHAIN: slowest,
+                   "nlp_ensemble": medians["nlp_encoder"]["infer_s"]}
+        for model in ("mlp", "scale", "mlp_pipeline", "mlp_pipeline_batched", CHAIN, "nlp_encoder", "nlp_ensemble"):
             m = medians[model]
             ratio = f"{m['infer_s'] / against[model]:.2f}x" if model in against else ""
             batch = "" if np.isnan(m["batch"]) else f"{m['batch']:.1f}"

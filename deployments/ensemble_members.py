@@ -16,6 +16,7 @@ import asyncio
 import logging
 import random
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -23,10 +24,10 @@ from google.protobuf import json_format
 from ray import serve
 
 from rayinfer.deployments.names import SERVER_APP, SERVER_DEPLOYMENT
-from rayinfer.protocol.errors import ModelConfigError, UnavailableError, as_serving_error
+from rayinfer.protocol.errors import ModelConfigError, ServingError, UnavailableError, as_serving_error
 from rayinfer.protocol.listener_client import ListenerClient
 from rayinfer.protocol.types import InferRequest, InferResponse
-from rayinfer.repository.ensemble import check_members, parse_ensemble
+from rayinfer.repository.ensemble import check_members, decoupled_members, parse_ensemble
 from rayinfer.repository.model_config import CONFIG_FILENAME, ModelConfig, ModelSpec, spec_from_config
 from rayinfer.repository.scanner import scan_model
 from rayinfer.serving.ensemble import EnsembleExecutor
@@ -67,6 +68,16 @@ class EnsembleMembers:
                 self._client.forget(address)
                 self._targets.pop(key, None)
         return await self._handle(target[1]).bls_infer.remote(request)
+
+    async def stream(self, request: InferRequest) -> AsyncIterator[InferResponse]:
+        """A step to a decoupled member, by streaming handle: its responses as they come."""
+        route = await self._route(request.model_name, request.model_version, strict=True)
+        assert route is not None
+        async for result in self._handle(route).options(stream=True).bls_stream.remote(request):
+            if isinstance(result, ServingError):
+                raise result
+            if result is not None:  # None ends every stream (ModelDeployment.bls_stream)
+                yield result
 
     async def ready(self, model: str, version: str) -> bool:
         """Whether the member version is served and says it is ready."""
@@ -132,4 +143,7 @@ async def load_ensemble(repository: Path, model_name: str, version: int, config_
                 f"ensemble '{model_name}': {step.label} cannot run: {as_serving_error(exc).message}"
             ) from None
     check_members(plan, spec, specs, model_dir)
-    return EnsembleExecutor(spec, plan, version, members.call, members.ready), entry
+    decoupled = decoupled_members(specs)
+    if decoupled:  # it streams its members' responses: decoupled itself, as its config reports
+        spec.config.model_transaction_policy.decoupled = True
+    return EnsembleExecutor(spec, plan, version, members.call, members.ready, members.stream, decoupled), entry

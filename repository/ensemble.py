@@ -16,6 +16,10 @@ Triton configs keep Triton's meaning: ``step_<i>_run_if_present`` names an ensem
 step runs only when it exists; ``step_<i>_run_if`` names a BOOL tensor of one element the step
 runs only when it is true. A tensor only a conditional step produces is optional for the steps
 that read it: they must be conditional on it too, or be optional inputs of their model.
+
+Also beyond Triton (whose ``dynamic_batching`` and ``ensemble_scheduling`` exclude each other):
+the ``max_queue_delay_microseconds`` parameter batches the ensemble's own requests, so that each
+step sends its member the rows of several requests at once.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from rayinfer.repository.model_config import CONFIG_FILENAME, ModelConfig, Model
 ENSEMBLE_PLATFORM = "ensemble"
 _RUN_IF_PRESENT = "run_if_present"
 _RUN_IF = "run_if"
+BATCH_DELAY_PARAMETER = "max_queue_delay_microseconds"
 
 
 @dataclass(frozen=True)
@@ -70,6 +75,9 @@ class EnsemblePlan:
     steps: tuple[EnsembleStep, ...]
     # Tensors that may be absent at run time: produced only by conditional steps.
     optional_tensors: frozenset[str] = frozenset()
+    # Batch the ensemble's own requests, waiting at most this long (parameter
+    # max_queue_delay_microseconds); None: each request runs its steps alone, as in Triton.
+    batch_delay_us: int | None = None
 
     @property
     def members(self) -> tuple[tuple[str, str], ...]:
@@ -155,7 +163,16 @@ def parse_ensemble(config: ModelConfig, model_dir: Path) -> EnsemblePlan:
     ordered = _topological(steps, producer, fail)
     optional = frozenset([t.name for t in config.input if t.optional]
                          + [t for s in steps if s.conditional for _, t in s.output_map])
-    return EnsemblePlan(name, inputs, outputs, tuple(ordered), optional)
+    delay = config.parameters.get(BATCH_DELAY_PARAMETER)
+    batch_delay_us = None
+    if delay is not None:
+        if not delay.string_value.strip().isdigit():
+            raise fail(f"parameter '{BATCH_DELAY_PARAMETER}' must be a whole number of microseconds, "
+                       f"got '{delay.string_value}'")
+        if config.max_batch_size < 1:
+            raise fail(f"parameter '{BATCH_DELAY_PARAMETER}' needs max_batch_size >= 1")
+        batch_delay_us = int(delay.string_value)
+    return EnsemblePlan(name, inputs, outputs, tuple(ordered), optional, batch_delay_us)
 
 
 def check_members(plan: EnsemblePlan, ensemble: ModelSpec, members: dict[tuple[str, str], ModelSpec],
@@ -178,8 +195,6 @@ def check_members(plan: EnsemblePlan, ensemble: ModelSpec, members: dict[tuple[s
         if ensemble.max_batch_size > 0 and 0 < spec.max_batch_size < ensemble.max_batch_size:
             raise fail(f"{step.label} allows batches of {spec.max_batch_size}, fewer than the ensemble's "
                        f"max_batch_size {ensemble.max_batch_size}")
-        if spec.config is not None and spec.config.model_transaction_policy.decoupled:
-            raise fail(f"{step.label} is decoupled: decoupled models in ensembles are not supported yet")
         member_batch = (-1,) if spec.max_batch_size > 0 else ()
         for member_input, tensor in step.input_map:
             declared = spec.input_map.get(member_input)
@@ -211,6 +226,7 @@ def check_members(plan: EnsemblePlan, ensemble: ModelSpec, members: dict[tuple[s
                     and not spec.input_map[member_input].optional:
                 raise fail(f"{step.label} reads '{tensor}', which a conditional step may not write: "
                            f"make the step run_if_present '{tensor}', or the input optional")
+    _check_decoupled_on_one_path(plan, members, fail)
     for output in ensemble.outputs:
         datatype, shape, source = tensors[output.name]
         if datatype != output.datatype:
@@ -218,6 +234,28 @@ def check_members(plan: EnsemblePlan, ensemble: ModelSpec, members: dict[tuple[s
         if not _compatible(shape, batch + output.dims):
             raise fail(f"output '{output.name}' has shape {_fmt(batch + output.dims)}, but {source} writes "
                        f"shape {_fmt(shape)}")
+
+
+def decoupled_members(members: dict[tuple[str, str], ModelSpec]) -> frozenset[tuple[str, str]]:
+    """The members whose config makes them decoupled (zero to many responses per request)."""
+    return frozenset(key for key, spec in members.items()
+                     if spec.config is not None and spec.config.model_transaction_policy.decoupled)
+
+
+def _check_decoupled_on_one_path(plan: EnsemblePlan, members: dict[tuple[str, str], ModelSpec], fail: Any) -> None:
+    """Each response of a decoupled step runs the steps after it once more; two decoupled steps
+    neither of which feeds the other would need every pairing of their responses: refused."""
+    producer = {t: s for s in plan.steps for _, t in s.output_map}
+    before: dict[int, set[int]] = {}
+    for step in plan.steps:  # in order: a step's writers come first
+        writers = {producer[t].index for t in step.consumes if t in producer}
+        before[step.index] = writers.union(*(before[w] for w in writers))
+    decoupled = [s for s in plan.steps if (s.model_name, s.model_version) in decoupled_members(members)]
+    for i, a in enumerate(decoupled):
+        for b in decoupled[i + 1:]:
+            if a.index not in before[b.index] and b.index not in before[a.index]:
+                raise fail(f"{a.label} and {b.label} are decoupled and neither feeds the other: decoupled "
+                           "steps must lie on one path")
 
 
 def _conditions(config: ModelConfig, fail: Any) -> dict[int, tuple[str | None, str | None]]:

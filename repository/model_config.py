@@ -170,7 +170,7 @@ def check_supported(config: ModelConfig, path: Path) -> None:
         unsupported.append("sequence_batching")
     if config.HasField("ensemble_scheduling") and config.platform != "ensemble":
         raise ModelConfigError(f"{path}: ensemble_scheduling is only for platform 'ensemble'")
-    if config.model_transaction_policy.decoupled and config.backend != "python":
+    if config.model_transaction_policy.decoupled and config.backend != "python" and config.platform != "ensemble":
         unsupported.append("decoupled model_transaction_policy (only Python models may be decoupled)")
     if unsupported:
         raise ModelConfigError(f"{path}: not supported yet: {', '.join(unsupported)}")

@@ -59,6 +59,11 @@ class ModelCore:
                 max_queue_delay_s=batching.max_queue_delay_us / 1e6,
                 preferred_batch_sizes=batching.preferred_batch_sizes,
             )
+        elif getattr(executor, "batch_delay_s", None) is not None:  # an ensemble batching its requests
+            self._batcher = DynamicBatcher(
+                executor.execute_batch_async, max_batch_size=spec.max_batch_size,
+                max_queue_delay_s=executor.batch_delay_s, preferred_batch_sizes=(),
+            )
 
     # ---- requests ---------------------------------------------------------------------------
 
@@ -119,10 +124,10 @@ class ModelCore:
         yield from sender.responses()
 
     async def _schedule(self, prepared: Any) -> Any:
-        if self._execute_async is not None:  # an ensemble: each request runs its own steps
-            return await self._execute_async(prepared)
         if self._batcher is not None:
             return await self._batcher.submit(prepared, prepared.rows)
+        if self._execute_async is not None:  # an ensemble: each request runs its own steps
+            return await self._execute_async(prepared)
         return (await self._execute([prepared]))[0]
 
     async def _execute(self, batch: list[Any]) -> list[Any]:

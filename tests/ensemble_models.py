@@ -1,16 +1,11 @@
 """Ensembles of the test repository, over the example's ``simple`` (INT32 add/sub, [16], batches
-of up to 8), ``simple_identity`` (BYTES) and one Python member of their own, plus broken
-ensembles that tests load to see the error."""
+of up to 8), ``simple_identity`` (BYTES), the decoupled ``py_repeat`` and Python members of
+their own, plus broken ensembles that tests load to see the error."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-# Loaded by tests through the repository API, not at start.
-ENSEMBLE_NOT_LOADED_AT_START = (
-    "ensbad_unknown_model", "ensbad_dtype", "ensbad_unmapped", "ensbad_batch", "ensbad_cycle", "ensbad_unused",
-    "ens_on_demand", "ens_on_demand_member",
-)
 
 _INT16 = 'data_type: TYPE_INT32 dims: [ 16 ]'
 
@@ -64,6 +59,11 @@ ENSEMBLES = {
         _step("simple", ADD_SUB, {"OUTPUT0": "SUM", "OUTPUT1": "DIFF"}),
         _step("simple", {"INPUT0": "SUM", "INPUT1": "DIFF"}, {"OUTPUT0": "TWICE_A", "OUTPUT1": "TWICE_B"}),
     ]),
+    # ens_chain with its own requests batched (rayinfer's max_queue_delay_microseconds parameter).
+    "ens_chain_batched": _ensemble("ens_chain_batched", [_int("A"), _int("B")], [_int("TWICE_A"), _int("TWICE_B")], [
+        _step("simple", ADD_SUB, {"OUTPUT0": "SUM", "OUTPUT1": "DIFF"}),
+        _step("simple", {"INPUT0": "SUM", "INPUT1": "DIFF"}, {"OUTPUT0": "TWICE_A", "OUTPUT1": "TWICE_B"}),
+    ], extra='parameters { key: "max_queue_delay_microseconds" value: { string_value: "5000" } }\n'),
     # A diamond: add/sub and two doublings run side by side, then add/sub of the doubled.
     "ens_diamond": _ensemble("ens_diamond", [_int("A"), _int("B")],
                              [_int("SUM"), _int("DIFF"), _int("SUM2"), _int("DIFF2")], [
@@ -94,6 +94,13 @@ ENSEMBLES = {
         extra='parameters { key: "step_1_run_if" value: { string_value: "FLAG" } }\n'
               'parameters { key: "step_2_run_if_present" value: { string_value: "EXTRA" } }\n',
     ),
+    # A decoupled member (py_repeat: one response per element of VALUES) then a step per response:
+    # the ensemble streams one response per element.
+    "ens_stream": _ensemble(
+        "ens_stream", ['{ name: "VALUES" data_type: TYPE_INT32 dims: [ -1 ] }'],
+        ['{ name: "SQUARE" data_type: TYPE_INT32 dims: [ 1 ] }', '{ name: "INDEX" data_type: TYPE_UINT32 dims: [ 1 ] }'],
+        [_step("py_repeat", {"IN": "VALUES"}, {"OUT": "VALUE", "IDX": "INDEX"}),
+         _step("ens_square", {"INPUT": "VALUE"}, {"OUTPUT": "SQUARE"})], max_batch_size=0),
     # Loaded on demand: loading it loads its member; unloading with unload_dependents unloads both.
     "ens_on_demand": _ensemble("ens_on_demand", [_int("A")], [_int("A2")],
                                [_step("ens_on_demand_member", {"INPUT": "A"}, {"OUTPUT": "A2"})]),
@@ -115,6 +122,22 @@ ENSEMBLES = {
 }
 
 
+SQUARE_CONFIG = """name: "ens_square"
+backend: "python"
+input [ { name: "INPUT" data_type: TYPE_INT32 dims: [ 1 ] } ]
+output [ { name: "OUTPUT" data_type: TYPE_INT32 dims: [ 1 ] } ]
+instance_group [ { kind: KIND_CPU } ]
+"""
+SQUARE_MODEL = '''import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        return [pb_utils.InferenceResponse([pb_utils.Tensor(
+            "OUTPUT", pb_utils.get_input_tensor_by_name(r, "INPUT").as_numpy() ** 2)]) for r in requests]
+'''
+
+
 def write_ensemble_models(root: Path) -> None:
     for name, config in ENSEMBLES.items():
         (root / name / "1").mkdir(parents=True)
@@ -123,3 +146,21 @@ def write_ensemble_models(root: Path) -> None:
         (root / name / "1").mkdir(parents=True)
         (root / name / "config.pbtxt").write_text(DOUBLE_CONFIG.replace("{name}", name))
         (root / name / "1" / "model.py").write_text(DOUBLE_MODEL)
+    (root / "ens_square" / "1").mkdir(parents=True)
+    (root / "ens_square" / "config.pbtxt").write_text(SQUARE_CONFIG)
+    (root / "ens_square" / "1" / "model.py").write_text(SQUARE_MODEL)
+
+
+# Members of no ensemble here but their own.
+MEMBERS = ("ens_double", "ens_on_demand_member", "ens_square")
+# The example repository's text pipeline.
+NLP_MODELS = ("nlp_tokenizer", "nlp_encoder", "nlp_head", "nlp_ensemble")
+# Not loaded at start: loaded by tests through the repository API, or (the text pipeline) by
+# test_triton_example_repository's own server.
+ENSEMBLE_NOT_LOADED_AT_START = (
+    "ensbad_unknown_model", "ensbad_dtype", "ensbad_unmapped", "ensbad_batch", "ensbad_cycle", "ensbad_unused",
+    "ens_on_demand", "ens_on_demand_member", *NLP_MODELS,
+)
+# Unloaded when test_ensembles ends, so that the tests after it do not share the two cores with
+# these replicas (they load at start, in parallel, which costs less than loading them one by one).
+ENSEMBLE_MODELS = (*ENSEMBLES, *MEMBERS)

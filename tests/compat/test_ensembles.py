@@ -5,6 +5,7 @@ tests/ensemble_models.py)."""
 from __future__ import annotations
 
 import concurrent.futures
+import threading
 
 import numpy as np
 import pytest
@@ -13,7 +14,18 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from conftest import tensor
+from ensemble_models import ENSEMBLE_MODELS
 from waiting import wait_until
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ensembles(server):
+    """The ensembles, their members and the broken ones tried here, unloaded when this module
+    ends (the broken ones' errors would count against readiness)."""
+    yield
+    client = httpclient.InferenceServerClient(server["url"], network_timeout=600.0)
+    for model in ENSEMBLE_MODELS:
+        client.unload_model(model)
 
 
 def ints(module, **arrays: np.ndarray) -> list:
@@ -27,6 +39,19 @@ def pair(seed: int) -> tuple[np.ndarray, np.ndarray]:
 
 def url_of(module, server: dict) -> str:
     return server["url"] if module is httpclient else server["grpc_url"]
+
+
+_LOCAL = threading.local()
+
+
+def thread_client(module, server: dict):
+    """One client per thread and protocol (a client is not shared between threads)."""
+    key = f"{module.__name__}:{url_of(module, server)}"
+    client = getattr(_LOCAL, "clients", {}).get(key)
+    if client is None:
+        _LOCAL.clients = {**getattr(_LOCAL, "clients", {}), key: module.InferenceServerClient(url_of(module, server))}
+        client = _LOCAL.clients[key]
+    return client
 
 
 def stats(client, module, model: str) -> dict:
@@ -90,12 +115,8 @@ def test_concurrent_requests_get_their_own_results_and_members_batch_them(proto,
     pairs = [pair(100 + i) for i in range(48)]
 
     def one(ab: tuple[np.ndarray, np.ndarray]) -> tuple:
-        local = module.InferenceServerClient(url_of(module, server))
-        try:
-            result = local.infer("ens_diamond", ints(module, A=ab[0], B=ab[1]))
-            return result.as_numpy("SUM2"), result.as_numpy("DIFF")
-        finally:
-            local.close()
+        result = thread_client(module, server).infer("ens_diamond", ints(module, A=ab[0], B=ab[1]))
+        return result.as_numpy("SUM2"), result.as_numpy("DIFF")
 
     with concurrent.futures.ThreadPoolExecutor(16) as pool:
         results = list(pool.map(one, pairs))
@@ -117,13 +138,10 @@ def test_a_failing_step_fails_only_its_request(proto, server):
     bad = np.full((1, 16), -13, dtype=np.int32)
 
     def one(a: np.ndarray, b: np.ndarray) -> object:
-        local = module.InferenceServerClient(url_of(module, server))
         try:
-            return local.infer("ens_diamond", ints(module, A=a, B=b)).as_numpy("SUM2")
+            return thread_client(module, server).infer("ens_diamond", ints(module, A=a, B=b)).as_numpy("SUM2")
         except InferenceServerException as exc:
             return exc
-        finally:
-            local.close()
 
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         futures = [pool.submit(one, bad, good[0][1]) for _ in range(3)] + [pool.submit(one, *ab) for ab in good]
@@ -207,21 +225,49 @@ def test_loading_an_ensemble_loads_its_members_and_unload_dependents_removes_the
     assert client.is_model_ready("simple")  # a member of other ensembles is not a dependent here
 
 
-def test_the_example_text_pipeline_matches_its_members_called_one_by_one(proto):
-    """nlp_ensemble (tokenizer, ONNX encoder, head) from the example repository: text in, a label
-    and a confidence out, the same as calling the three models in turn."""
-    from rayinfer.cluster.example_nlp import LABELS
+def test_a_decoupled_member_streams_through_the_ensemble(server):
+    """ens_stream: py_repeat answers once per element; each answer runs the next step, and the
+    ensemble streams one response per element over gRPC (decoupled, like its member)."""
+    import queue
 
+    client = grpcclient.InferenceServerClient(server["grpc_url"])
+    config = client.get_model_config("ens_stream", as_json=True)["config"]
+    assert config["model_transaction_policy"]["decoupled"] is True
+    received: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: received.put((result, error)))
+    try:
+        client.async_stream_infer("ens_stream", [tensor(grpcclient, "VALUES", np.array([3, 5, 7], dtype=np.int32), "INT32")])
+        client.async_stream_infer("ens_stream", [tensor(grpcclient, "VALUES", np.array([-2], dtype=np.int32), "INT32")])
+        answers = [received.get(timeout=60) for _ in range(4)]
+    finally:
+        client.stop_stream()
+    assert [error for _, error in answers] == [None] * 4
+    squares = sorted((int(r.as_numpy("INDEX")[0]), int(r.as_numpy("SQUARE")[0])) for r, _ in answers)
+    assert squares == [(0, 4), (0, 9), (1, 25), (2, 49)]
+    with pytest.raises(InferenceServerException, match="doesn't support models with decoupled transaction policy"):
+        client.infer("ens_stream", [tensor(grpcclient, "VALUES", np.array([1], dtype=np.int32), "INT32")])
+    http_client = httpclient.InferenceServerClient(server["url"])
+    with pytest.raises(InferenceServerException, match="HTTP end point doesn't support models with decoupled"):
+        http_client.infer("ens_stream", [tensor(httpclient, "VALUES", np.array([1], dtype=np.int32), "INT32")])
+
+
+def test_an_ensemble_batching_its_requests_answers_each_with_its_own_rows(proto, server):
+    """max_queue_delay_microseconds: concurrent requests run the steps together (fewer
+    executions than requests), each answered with its own rows."""
     module, client = proto
-    text = np.array([["I love this great movie".encode()], ["this was terrible and I hate it".encode()]], dtype=object)
-    result = client.infer("nlp_ensemble", [tensor(module, "raw_text", text, "BYTES")])
-    labels, confidence = result.as_numpy("sentiment_label"), result.as_numpy("confidence")
-    assert labels.shape == (2, 1) and confidence.shape == (2, 1)
-    assert {label.decode() for label in labels.reshape(-1)} <= set(LABELS)
-    assert ((confidence > 0) & (confidence <= 1)).all()
-    tokens = client.infer("nlp_tokenizer", [tensor(module, "raw_text", text, "BYTES")])
-    embedding = client.infer("nlp_encoder", [tensor(module, name, tokens.as_numpy(name), "INT64")
-                                             for name in ("input_ids", "attention_mask")]).as_numpy("embedding")
-    head = client.infer("nlp_head", [tensor(module, "embedding", embedding, "FP32")])
-    np.testing.assert_array_equal(head.as_numpy("sentiment_label"), labels)
-    np.testing.assert_allclose(head.as_numpy("confidence"), confidence, rtol=1e-5)
+    before = stats(client, module, "ens_chain_batched")
+    pairs = [pair(400 + i) for i in range(24)]
+
+    def one(ab: tuple[np.ndarray, np.ndarray]) -> tuple:
+        result = thread_client(module, server).infer("ens_chain_batched", ints(module, A=ab[0], B=ab[1]))
+        return result.as_numpy("TWICE_A"), result.as_numpy("TWICE_B")
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(one, pairs))
+    for (a, b), (twice_a, twice_b) in zip(pairs, results):
+        np.testing.assert_array_equal(twice_a, 2 * a)
+        np.testing.assert_array_equal(twice_b, 2 * b)
+    after = wait_until(lambda: (s := stats(client, module, "ens_chain_batched")) and
+                       int(s["inference_count"]) - int(before.get("inference_count", 0)) == 24 and s,
+                       "the ensemble's statistics to count the 24 requests")
+    assert int(after["execution_count"]) - int(before.get("execution_count", 0)) < 24

@@ -1,6 +1,8 @@
 """Triton's example model repository in explicit mode, on a server of its own: readiness counts
 only the models rayinfer was asked to load, and Triton's model-control examples
-(simple_http_model_control.py, simple_grpc_model_control.py), in this test's own words, pass.
+(simple_http_model_control.py, simple_grpc_model_control.py), in this test's own words, pass;
+the example's text pipeline (an ensemble asked for with --load-model, its members loading with
+it) answers as its members do.
 
 The repository is the project's example repository (ONNX versions of Triton's simple,
 simple_string and simple_identity) plus Triton's other example folders as a fresh checkout has
@@ -12,12 +14,13 @@ from __future__ import annotations
 
 import urllib.request
 
+import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from conftest import HTTP_PORT, start_server, stop_server, stop_shared_server
+from conftest import HTTP_PORT, start_server, stop_server, stop_shared_server, tensor
 from rayinfer.cluster.example_repository import write_example_repository
 
 pytestmark = pytest.mark.own_cluster
@@ -66,7 +69,8 @@ def example_server(tmp_path_factory):
     (repo / "simple_sequence" / "1" / "model.graphdef").write_bytes(b"\0")
     log = tmp_path_factory.mktemp("triton_examples_server") / "rayinfer.log"
     proc = start_server(repo, log, [
-        "--model-control-mode", "explicit", "--load-model", "simple", "--http-port", str(PORT),
+        "--model-control-mode", "explicit", "--load-model", "simple", "--load-model", "nlp_ensemble",
+        "--http-port", str(PORT),
         "--grpc-port", str(PORT + 1), "--metrics-port", str(PORT + 2), "--serve-grpc-port", str(PORT + 11),
         "--serve-http-port", str(PORT + 10),
     ])
@@ -112,3 +116,26 @@ def test_a_model_asked_for_that_cannot_load_makes_the_server_unready(example_ser
     assert not client.is_server_ready()
     client.unload_model("simple_sequence")
     assert client.is_server_ready()
+
+
+@pytest.mark.parametrize("module", [httpclient, grpcclient], ids=["http", "grpc"])
+def test_the_text_pipeline_matches_its_members_called_one_by_one(example_server, module):
+    """nlp_ensemble (a Python tokenizer, an ONNX encoder, a Python head), loaded at start with
+    its members by --load-model nlp_ensemble: text in, a label and a confidence out, the same as
+    calling the three models in turn."""
+    from rayinfer.cluster.example_nlp import LABELS
+
+    client = module.InferenceServerClient(f"127.0.0.1:{PORT + (1 if module is grpcclient else 0)}")
+    assert all(client.is_model_ready(m) for m in ("nlp_tokenizer", "nlp_encoder", "nlp_head", "nlp_ensemble"))
+    text = np.array([["I love this great movie".encode()], ["this was terrible and I hate it".encode()]], dtype=object)
+    result = client.infer("nlp_ensemble", [tensor(module, "raw_text", text, "BYTES")])
+    labels, confidence = result.as_numpy("sentiment_label"), result.as_numpy("confidence")
+    assert labels.shape == (2, 1) and confidence.shape == (2, 1)
+    assert {label.decode() for label in labels.reshape(-1)} <= set(LABELS)
+    assert ((confidence > 0) & (confidence <= 1)).all()
+    tokens = client.infer("nlp_tokenizer", [tensor(module, "raw_text", text, "BYTES")])
+    embedding = client.infer("nlp_encoder", [tensor(module, name, tokens.as_numpy(name), "INT64")
+                                             for name in ("input_ids", "attention_mask")]).as_numpy("embedding")
+    head = client.infer("nlp_head", [tensor(module, "embedding", embedding, "FP32")])
+    np.testing.assert_array_equal(head.as_numpy("sentiment_label"), labels)
+    np.testing.assert_allclose(head.as_numpy("confidence"), confidence, rtol=1e-5)

@@ -8,7 +8,13 @@ import pytest
 from google.protobuf import text_format
 
 from rayinfer.protocol.errors import ModelConfigError
-from rayinfer.repository.ensemble import check_members, dependency_waves, member_names, parse_ensemble
+from rayinfer.repository.ensemble import (
+    check_members,
+    decoupled_members,
+    dependency_waves,
+    member_names,
+    parse_ensemble,
+)
 from rayinfer.repository.model_config import ModelConfig, spec_from_config
 
 ADD_SUB = """name: "add_sub" backend: "onnxruntime" max_batch_size: 8
@@ -134,10 +140,26 @@ def test_members_deploy_before_their_ensembles_and_cycles_are_found():
     assert waves == [["m"]] and cycle == ["a", "b"]
 
 
-def test_a_decoupled_member_is_refused_naming_the_step():
-    cfg = config([step("add_sub", AB, {"OUTPUT0": "S"})])
+def test_decoupled_steps_must_lie_on_one_path():
     decoupled = member(ADD_SUB.replace('backend: "onnxruntime"', 'backend: "python"') +
-                       "model_transaction_policy { decoupled: true }")
-    with pytest.raises(ModelConfigError, match="step 0 \\(model 'add_sub'\\) is decoupled"):
-        check_members(parse_ensemble(cfg, Path("repo/ens")), spec_from_config(cfg, Path("x")),
-                      {("add_sub", ""): decoupled}, Path("repo/ens"))
+                       "model_transaction_policy { decoupled: true }", name="gen")
+    io = IO.replace('output [ { name: "S"', 'output [ { name: "S2" data_type: TYPE_INT32 dims: [ 16 ] }, { name: "S"')
+    chain = config([step("gen", AB, {"OUTPUT0": "T"}), step("gen", {"INPUT0": "T", "INPUT1": "B"}, {"OUTPUT0": "S"})])
+    check_members(parse_ensemble(chain, Path("repo/ens")), spec_from_config(chain, Path("x")),
+                  {("gen", ""): decoupled}, Path("repo/ens"))
+    assert decoupled_members({("gen", ""): decoupled, ("add_sub", ""): member(ADD_SUB)}) == {("gen", "")}
+    side_by_side = config([step("gen", AB, {"OUTPUT0": "S"}), step("gen", AB, {"OUTPUT0": "S2"})], io)
+    with pytest.raises(ModelConfigError, match="step 0 \\(model 'gen'\\) and step 1 \\(model 'gen'\\) are decoupled "
+                                               "and neither feeds the other"):
+        check_members(parse_ensemble(side_by_side, Path("repo/ens")), spec_from_config(side_by_side, Path("x")),
+                      {("gen", ""): decoupled}, Path("repo/ens"))
+
+
+def test_the_batching_parameter_is_a_whole_number_and_needs_batches():
+    steps = [step("m", AB, {"OUTPUT0": "S"})]
+    with pytest.raises(ModelConfigError, match="'max_queue_delay_microseconds' must be a whole number of microseconds"):
+        parse(steps, IO, 'parameters { key: "max_queue_delay_microseconds" value: { string_value: "soon" } }')
+    with pytest.raises(ModelConfigError, match="'max_queue_delay_microseconds' needs max_batch_size >= 1"):
+        parse(steps, IO.replace("max_batch_size: 8", "max_batch_size: 0"),
+              'parameters { key: "max_queue_delay_microseconds" value: { string_value: "10" } }')
+    assert parse(steps).batch_delay_us is None

@@ -14,7 +14,7 @@ from onnx import TensorProto
 from rayinfer.adapters.loader import load_runner
 from rayinfer.cluster.example_repository import add_sub_model, write_model
 from rayinfer.protocol.errors import InvalidArgError, ServingError
-from rayinfer.protocol.types import InferInput, InferRequest, InferResponse
+from rayinfer.protocol.types import InferInput, InferOutput, InferRequest, InferResponse
 from rayinfer.repository.ensemble import parse_ensemble
 from rayinfer.repository.model_config import ModelConfig, spec_from_config
 from rayinfer.serving.ensemble import EnsembleExecutor
@@ -133,3 +133,87 @@ def test_a_failing_step_names_itself_keeps_its_code_and_cancels_the_rest(member)
     assert error.message == "in ensemble 'diamond', step 1 (model 'add_sub') failed: the member refused it"
     assert caller.cancelled == 1  # step 0, still held, was cancelled
     assert executor.stats.snapshot()["durations"]["fail"][0] == 1
+
+
+# A decoupled first step (in-process stand-in: one response per row of A), then add_sub per
+# response; a step reading only the inputs (step 2) is started before the fork and shared.
+STREAMED = f"""name: "streamed" platform: "ensemble" max_batch_size: 0
+input [ {{ name: "A" data_type: TYPE_INT32 dims: [ 3, 16 ] }}, {{ name: "B" data_type: TYPE_INT32 dims: [ 1, 16 ] }} ]
+output [ {{ name: "OUT" data_type: TYPE_INT32 dims: [ 1, 16 ] }}, {{ name: "SHARED" data_type: TYPE_INT32 dims: [ 1, 16 ] }} ]
+ensemble_scheduling {{ step [
+  {{ model_name: "rows" model_version: -1 input_map {{ key: "IN" value: "A" }} output_map {{ key: "ROW" value: "ROW" }} }},
+  {{ model_name: "add_sub" model_version: -1 input_map {{ key: "INPUT0" value: "ROW" }} input_map {{ key: "INPUT1" value: "B" }}
+     output_map {{ key: "OUTPUT0" value: "OUT" }} }},
+  {{ model_name: "add_sub" model_version: -1 input_map {{ key: "INPUT0" value: "B" }} input_map {{ key: "INPUT1" value: "B" }}
+     output_map {{ key: "OUTPUT0" value: "SHARED" }} }}
+] }}
+"""
+
+
+def test_a_decoupled_step_forks_one_response_per_member_response(member):
+    class Sender:
+        def __init__(self) -> None:
+            self.sent: list = []
+
+        def send(self, response=None, final=False) -> None:
+            self.sent.append((response, final))
+
+    caller = Caller(member)
+    calls_to_shared = []
+
+    async def call(request: InferRequest) -> InferResponse:
+        if {t.name for t in request.inputs} and all(t.data is request.inputs[0].data for t in request.inputs):
+            calls_to_shared.append(request)
+        return await caller(request)
+
+    async def stream(request: InferRequest):
+        for row in request.inputs[0].data:
+            await asyncio.sleep(0.01)
+            yield InferResponse("rows", "1", outputs=[InferOutput("ROW", "INT32", (1, 16), row.reshape(1, 16))])
+
+    config = text_format.Parse(STREAMED, ModelConfig())
+    executor = EnsembleExecutor(spec_from_config(config, Path("streamed/config.pbtxt")),
+                                parse_ensemble(config, Path("streamed")), 1, call, stream=stream,
+                                decoupled_members=frozenset({("rows", "")}))
+    assert executor.decoupled
+    a = np.arange(48, dtype=np.int32).reshape(3, 16)
+    b = np.ones((1, 16), dtype=np.int32)
+    prepared = executor.prepare(InferRequest("streamed", inputs=[InferInput("A", "INT32", (3, 16), a),
+                                                                 InferInput("B", "INT32", (1, 16), b)]))
+    prepared.sender = Sender()
+    assert asyncio.run(executor.execute_async(prepared)) is None
+    *responses, (last, final) = prepared.sender.sent
+    assert last is None and final and len(responses) == 3
+    outs = sorted({o.name: o.data for o in response.outputs}["OUT"].tolist()[0] for response, _ in responses)
+    assert outs == sorted((a[i] + 1).tolist() for i in range(3))
+    assert all(({o.name: o.data for o in r.outputs}["SHARED"] == 2).all() for r, _ in responses)
+    assert len(calls_to_shared) == 1  # the step the flows share ran once
+
+
+def test_batched_requests_run_the_steps_once_with_all_their_rows(member):
+    caller = Caller(member)
+    rows_seen = []
+
+    async def call(request: InferRequest) -> InferResponse:
+        rows_seen.append(request.inputs[0].shape[0])
+        return await caller(request)
+
+    text = DIAMOND.replace('parameters {', 'parameters { key: "max_queue_delay_microseconds" value: { string_value: "100" } }\nparameters {')
+    config = text_format.Parse(text, ModelConfig())
+    plan = parse_ensemble(config, Path("diamond"))
+    assert plan.batch_delay_us == 100
+    executor = EnsembleExecutor(spec_from_config(config, Path("diamond/config.pbtxt")), plan, 1, call)
+    core = ModelCore(executor, [1])
+    first, a, b = request(executor)
+    second = executor.prepare(InferRequest("diamond", id="2", inputs=[
+        InferInput("A", "INT32", (2, 16), np.stack([a[0], 2 * a[0]])), InferInput("B", "INT32", (2, 16), np.stack([b[0], b[0]]))]))
+
+    async def both():
+        return await asyncio.gather(core.infer(first), core.infer(second))
+
+    one, two = asyncio.run(both())
+    np.testing.assert_array_equal({o.name: o.data for o in one.outputs}["OUT"], 2 * a)
+    np.testing.assert_array_equal({o.name: o.data for o in two.outputs}["OUT"], np.stack([2 * a[0], 4 * a[0]]))
+    assert two.id == "2" and {o.name: o.data.shape for o in two.outputs}["S"] == (2, 16)
+    assert rows_seen == [3, 3, 3]  # steps 0, 1 and 2 ran once, with the three rows of both requests
+    assert executor.stats.snapshot()["execution_count"] == 1
