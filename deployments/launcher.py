@@ -12,7 +12,7 @@ from ray.serve.schema import ServeDeploySchema
 from rayinfer.deployments.app import server_application
 from rayinfer.deployments.control import DEFAULT_GPU_WAIT_S, ModelControl, deploy_models
 from rayinfer.deployments.grpc_service import SERVICER_FUNCTION
-from rayinfer.deployments.names import SERVER_APP, SERVER_ROUTE_PREFIX, model_apps
+from rayinfer.deployments.names import SERVER_APP, SERVER_DEPLOYMENT, SERVER_ROUTE_PREFIX, model_apps
 from rayinfer.deployments.serve_state import serve_applications
 from rayinfer.protocol.metrics import MetricsOptions
 
@@ -81,6 +81,11 @@ def deploy_repository(
     by_model = {**unreadable, **deploy_models(model_repository, versions, control)}
     if by_model != unreadable:
         run_server_app(by_model)
+    served = sorted({model for model, _, _ in versions if model not in by_model})
+    try:  # the front routes what was deployed before the server says it started
+        serve.get_deployment_handle(SERVER_DEPLOYMENT, SERVER_APP).wait_routed.remote(served).result(timeout_s=30)
+    except Exception as exc:  # the /v2 app answers for models the front does not route yet
+        logger.warning("the front does not route every model yet: %s", exc)
     return by_model
 
 

@@ -74,12 +74,12 @@ class RouteTable:
             finally:
                 self._state.invalidate()
 
-    async def wait_routed(self, model: str, timeout_s: float = 15.0) -> None:
-        """Wait (a little) until the front routes every served version of ``model``."""
+    async def wait_routed(self, *models: str, timeout_s: float = 15.0) -> None:
+        """Wait (a little) until the front routes every served version of ``models``."""
         deadline = time.monotonic() + timeout_s
         while self._front is not None and time.monotonic() < deadline:
             await self.publish()
-            wanted = {k for k in self._state.routes if k.startswith(f"{model}/")}
+            wanted = {k for k in self._state.routes if k.split("/", 1)[0] in models}
             if wanted <= set(self._front.published):
                 return
             # New replicas register their listener on their own schedule: look again shortly

@@ -102,6 +102,13 @@ class ServerDeployment(ServerGrpcMethods):
             raise await self._api.unavailable_model(name, version or None)
         return route
 
+    async def wait_routed(self, models: list[str]) -> None:
+        """``rayinfer serve`` at start: return once the front routes the models it deployed
+        (their replicas register their listeners every 2 s), so that a client told the server
+        started finds them ready (up to 15 s; after that the ``/v2`` app answers for them)."""
+        self._api.state.invalidate()
+        await self._api.routes.wait_routed(*models)
+
     async def member_listeners(self, name: str, version: str) -> tuple[str, str, list[tuple[str, int]]]:
         """An ensemble's step target: (application, deployment, its replicas' listeners);
         Triton's error when the version is not served."""
