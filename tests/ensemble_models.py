@@ -163,4 +163,4 @@ ENSEMBLE_NOT_LOADED_AT_START = (
 )
 # Unloaded when test_ensembles ends, so that the tests after it do not share the two cores with
 # these replicas (they load at start, in parallel, which costs less than loading them one by one).
-ENSEMBLE_MODELS = (*ENSEMBLES, *MEMBERS)
+ENSEMBLE_MODELS = tuple(m for m in (*ENSEMBLES, *MEMBERS) if m not in ENSEMBLE_NOT_LOADED_AT_START)

@@ -20,8 +20,7 @@ from waiting import wait_until
 
 @pytest.fixture(scope="module", autouse=True)
 def ensembles(server):
-    """The ensembles, their members and the broken ones tried here, unloaded when this module
-    ends (the broken ones' errors would count against readiness)."""
+    """The ensembles and their members, unloaded when this module ends."""
     yield
     client = httpclient.InferenceServerClient(server["url"], network_timeout=600.0)
     for model in ENSEMBLE_MODELS:
@@ -195,13 +194,16 @@ def test_metadata_config_readiness_and_statistics(proto):
 ])
 def test_a_broken_ensemble_fails_to_load_naming_the_step(server, model, message):
     client = httpclient.InferenceServerClient(server["url"])
-    with pytest.raises(InferenceServerException, match=f"failed to load '{model}'") as raised:
-        client.load_model(model)
-    assert message in str(raised.value)
-    assert not client.is_model_ready(model)
-    row = next(r for r in client.get_model_repository_index() if r["name"] == model)
-    assert row["state"] == "UNAVAILABLE" and message in row["reason"]
-    assert client.is_model_ready("ens_chain")  # the others keep serving
+    try:
+        with pytest.raises(InferenceServerException, match=f"failed to load '{model}'") as raised:
+            client.load_model(model)
+        assert message in str(raised.value)
+        assert not client.is_model_ready(model)
+        row = next(r for r in client.get_model_repository_index() if r["name"] == model)
+        assert row["state"] == "UNAVAILABLE" and message in row["reason"]
+        assert client.is_model_ready("ens_chain")  # the others keep serving
+    finally:
+        client.unload_model(model)  # its load error would count against the server's readiness
 
 
 def test_loading_an_ensemble_loads_its_members_and_unload_dependents_removes_them(server):
