@@ -178,11 +178,7 @@ class ModelRunner:
                 self._response(p, out) for p, out in zip(group, per_request)
             ]
         except Exception as exc:  # reported per request, never crashes the replica
-            error = as_serving_error(exc)
-            now = time.perf_counter_ns()
-            for p in group:
-                self.stats.record_failure(now - p.arrival_ns)
-            return [error] * len(group)
+            return self._failed(group, exc)
         end = time.perf_counter_ns()
         self.stats.record_execution(
             len(group), sum(rows), infer_start - start, infer_end - infer_start, end - infer_end
@@ -190,6 +186,14 @@ class ModelRunner:
         for p in group:
             self.stats.record_success(end - p.arrival_ns, start - p.arrival_ns)
         return responses
+
+    def _failed(self, group: Sequence[PreparedRequest], exc: BaseException) -> list[InferResponse | ServingError]:
+        """``exc`` as every request's error in ``group``, each counted as a failure."""
+        error = as_serving_error(exc)
+        now = time.perf_counter_ns()
+        for p in group:
+            self.stats.record_failure(now - p.arrival_ns)
+        return [error] * len(group)
 
     def _response(self, prepared: PreparedRequest, outputs: dict[str, np.ndarray]) -> InferResponse:
         batching = self.spec.max_batch_size > 0

@@ -94,7 +94,7 @@ class EnsembleMembers:
         while (route := await self._server_handle().member_route.remote(model, version)) is None:
             if time.monotonic() >= deadline:
                 raise ModelConfigError(f"model '{model}' is still loading")
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(0.5)  # the poll interval: Serve tells of a member's start only by its status
         config = ModelConfig()
         json_format.Parse(await self._handle(tuple(route)).model_config_json.remote(), config)
         return spec_from_config(config, Path(model) / CONFIG_FILENAME)

@@ -84,8 +84,7 @@ class EnsembleExecutor(ModelRunner):
         try:
             await _Run(self, prepared.request, emit).run()
         except Exception as exc:  # the request's own error; the replica keeps serving
-            self.stats.record_failure(time.perf_counter_ns() - prepared.arrival_ns)
-            return as_serving_error(exc)
+            return self._failed([prepared], exc)[0]
         end = time.perf_counter_ns()
         self.stats.record_execution(1, prepared.rows, 0, end - start, 0)
         self.stats.record_success(end - prepared.arrival_ns, start - prepared.arrival_ns)
@@ -125,11 +124,7 @@ class EnsembleExecutor(ModelRunner):
             names = [n for n in group[0].output_names if n in outcome[0]]
             pieces = split_outputs({n: outcome[0][n][2] for n in names}, rows)
         except Exception as exc:
-            error = as_serving_error(exc)
-            now = time.perf_counter_ns()
-            for p in group:
-                self.stats.record_failure(now - p.arrival_ns)
-            return [error] * len(group)
+            return self._failed(group, exc)
         end = time.perf_counter_ns()
         self.stats.record_execution(len(group), sum(rows), 0, end - start, 0)
         responses: list[InferResponse | ServingError] = []

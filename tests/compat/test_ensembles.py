@@ -53,6 +53,17 @@ def thread_client(module, server: dict):
     return client
 
 
+def infer_concurrently(module, server: dict, model: str, pairs: list, outputs: tuple[str, str],
+                       threads: int) -> list[tuple]:
+    """``model`` on each (A, B) pair from ``threads`` threads at once; each pair's two outputs."""
+    def one(ab: tuple[np.ndarray, np.ndarray]) -> tuple:
+        result = thread_client(module, server).infer(model, ints(module, A=ab[0], B=ab[1]))
+        return tuple(result.as_numpy(name) for name in outputs)
+
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+        return list(pool.map(one, pairs))
+
+
 def stats(client, module, model: str) -> dict:
     kwargs = {"as_json": True} if module is grpcclient else {}
     return client.get_inference_statistics(model, **kwargs)["model_stats"][0]
@@ -113,12 +124,7 @@ def test_concurrent_requests_get_their_own_results_and_members_batch_them(proto,
     before = stats(client, module, "ens_double")
     pairs = [pair(100 + i) for i in range(48)]
 
-    def one(ab: tuple[np.ndarray, np.ndarray]) -> tuple:
-        result = thread_client(module, server).infer("ens_diamond", ints(module, A=ab[0], B=ab[1]))
-        return result.as_numpy("SUM2"), result.as_numpy("DIFF")
-
-    with concurrent.futures.ThreadPoolExecutor(16) as pool:
-        results = list(pool.map(one, pairs))
+    results = infer_concurrently(module, server, "ens_diamond", pairs, ("SUM2", "DIFF"), threads=16)
     for (a, b), (sum2, diff) in zip(pairs, results):
         np.testing.assert_array_equal(sum2, 2 * a + 2 * b)
         np.testing.assert_array_equal(diff, a - b)
@@ -260,12 +266,7 @@ def test_an_ensemble_batching_its_requests_answers_each_with_its_own_rows(proto,
     before = stats(client, module, "ens_chain_batched")
     pairs = [pair(400 + i) for i in range(24)]
 
-    def one(ab: tuple[np.ndarray, np.ndarray]) -> tuple:
-        result = thread_client(module, server).infer("ens_chain_batched", ints(module, A=ab[0], B=ab[1]))
-        return result.as_numpy("TWICE_A"), result.as_numpy("TWICE_B")
-
-    with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        results = list(pool.map(one, pairs))
+    results = infer_concurrently(module, server, "ens_chain_batched", pairs, ("TWICE_A", "TWICE_B"), threads=8)
     for (a, b), (twice_a, twice_b) in zip(pairs, results):
         np.testing.assert_array_equal(twice_a, 2 * a)
         np.testing.assert_array_equal(twice_b, 2 * b)

@@ -66,7 +66,7 @@ class Caller:
         self.in_flight += 1
         self.most_in_flight = max(self.most_in_flight, self.in_flight)
         try:
-            await asyncio.sleep(0.01)  # let the other ready steps start
+            await asyncio.sleep(0)  # yield: the other ready steps start before this one answers
             names = {t.name: t for t in request.inputs}
             if self.fail_when_s_is_given and request.outputs[0].name == "OUTPUT1":
                 raise InvalidArgError("the member refused it")
@@ -168,7 +168,7 @@ def test_a_decoupled_step_forks_one_response_per_member_response(member):
 
     async def stream(request: InferRequest):
         for row in request.inputs[0].data:
-            await asyncio.sleep(0.01)
+            await asyncio.sleep(0)  # yield between responses, as a member streaming them would
             yield InferResponse("rows", "1", outputs=[InferOutput("ROW", "INT32", (1, 16), row.reshape(1, 16))])
 
     config = text_format.Parse(STREAMED, ModelConfig())

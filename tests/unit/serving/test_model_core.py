@@ -240,7 +240,7 @@ def test_executions_never_overlap_when_they_move_from_the_thread_to_the_loop(tmp
         pending = []
         for _ in range(300):
             pending.append(asyncio.ensure_future(core.infer(core.prepare(request))))
-            await asyncio.sleep(0.0002)
+            await asyncio.sleep(0.0002)  # paces arrivals (the test's load), waits for nothing
         await asyncio.gather(*pending)
 
     asyncio.run(main())
