@@ -111,6 +111,12 @@ def model_application(
         ray_actor_options=actor_options,
         health_check_period_s=5.0,
         graceful_shutdown_timeout_s=10.0,
+        # Serve's drain waits one loop period before it first counts the replica's requests
+        # (2 s by default); requests from the front are withdrawn before an unload anyway.
+        graceful_shutdown_wait_loop_s=0.2,
+        # A replica that fails to load fails the model at once, as in Triton (Serve would start
+        # it again up to three times per replica: a broken model file took about 20 s to report).
+        max_constructor_retry_count=1,
         # A per-request access log line costs more than the request's own decoding.
         logging_config=LoggingConfig(enable_access_log=False, log_level=log_level),
     )

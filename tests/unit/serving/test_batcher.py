@@ -157,7 +157,8 @@ def test_sub_millisecond_queue_delay_is_kept():
             waits.append(time.monotonic() - start)
         return sorted(waits)[len(waits) // 2]
 
-    # uvloop (the replicas' loop) rounds timers to whole milliseconds; the batcher must not.
+    # uvloop (the replicas' loop) rounds timers to whole milliseconds; the batcher must not. The
+    # best of three medians: a machine busy with other work delays some rounds past 1 ms.
     uvloop = pytest.importorskip("uvloop", reason="uvloop comes with ray[serve]")
-    median = uvloop.run(main())
+    median = min(uvloop.run(main()) for _ in range(3))
     assert 0.0004 <= median < 0.00095
