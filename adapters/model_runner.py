@@ -37,6 +37,8 @@ class PreparedRequest:
     sender: Any = None
     # Set by the serving core when the client gave up on the request (a model may look).
     cancelled: bool = False
+    # Set by the serving core when the request's execution begins.
+    started: bool = False
 
 
 # Request parameters that shape how a request travels or is encoded, not what the model computes:

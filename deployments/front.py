@@ -64,6 +64,9 @@ defaults
     timeout client 1h
     timeout server 1h
     timeout http-request 30s
+    # A client that closes its connection before the answer has left: close the one to the
+    # replica too, whose listener then cancels the request (one still queued never runs).
+    option abortonclose
 
 backend replica
     # HTTP/1.1 to the replica's listener, to the address the frontend set.

@@ -174,6 +174,8 @@ class _Connection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._listener._connections.discard(self)
         self._transport = None
+        if self._task is not None:  # the client went away: its request is cancelled
+            self._task.cancel()
 
     def data_received(self, data: bytes) -> None:
         try:

@@ -108,14 +108,32 @@ def request_from_grpc(message: pb.ModelInferRequest) -> InferRequest:
     outputs = [
         RequestedOutput(out.name, None, parameters_from_grpc(out.parameters)) for out in message.outputs
     ] or None
+    parameters = parameters_from_grpc(message.parameters)
+    if "priority" in parameters or "timeout" in parameters:
+        _check_schedule_parameters(message.parameters, parameters)
     return InferRequest(
         model_name=model,
         model_version=message.model_version,
         id=message.id or None,
         inputs=inputs,
         outputs=outputs,
-        parameters=parameters_from_grpc(message.parameters),
+        parameters=parameters,
     )
+
+
+def _check_schedule_parameters(message_parameters: Any, parameters: dict[str, Any]) -> None:
+    """Triton's rules for ``priority`` (int64 >= 0 or uint64) and ``timeout`` (int64, in
+    microseconds; a negative one sets no timeout of the request's own)."""
+    if "priority" in parameters:
+        kind = message_parameters["priority"].WhichOneof("parameter_choice")
+        if kind not in ("int64_param", "uint64_param"):
+            raise InvalidArgError("invalid value type for 'priority' parameter, expected int64_param or uint64_param.")
+        if parameters["priority"] < 0:
+            raise InvalidArgError("invalid value for 'priority', expected value >= 0.")
+    if "timeout" in parameters:
+        if message_parameters["timeout"].WhichOneof("parameter_choice") != "int64_param":
+            raise InvalidArgError("invalid value type for 'timeout' parameter, expected int64_param.")
+        parameters["timeout"] = max(parameters["timeout"], 0)
 
 
 def _array_from_contents(name: str, model: str, datatype: str, shape: tuple[int, ...], count: int,

@@ -19,7 +19,7 @@ from rayinfer.protocol.dtypes import (
     numpy_dtype,
     serialize_bytes_tensor,
 )
-from rayinfer.protocol.errors import InvalidArgError, UnsupportedError, as_serving_error, http_status
+from rayinfer.protocol.errors import Code, InvalidArgError, ServingError, UnsupportedError, as_serving_error, http_status
 from rayinfer.protocol.types import InferInput, InferRequest, InferResponse, RequestedOutput
 
 HEADER_LENGTH = "inference-header-content-length"
@@ -68,6 +68,8 @@ def request_from_http(
     params = doc.get("parameters") or {}
     if not isinstance(params, dict):
         raise InvalidArgError("request 'parameters' must be a JSON object")
+    if "priority" in params or "timeout" in params:
+        _check_schedule_parameters(params)
     request_id = doc.get("id")
     return InferRequest(
         model_name=model_name,
@@ -77,6 +79,17 @@ def request_from_http(
         outputs=_outputs_from_json(doc.get("outputs"), params),
         parameters=params,
     )
+
+
+def _check_schedule_parameters(params: dict[str, Any]) -> None:
+    """``priority`` and ``timeout`` (microseconds) must be unsigned integers (Triton's message
+    and code, INTERNAL)."""
+    for key in ("priority", "timeout"):
+        value = params.get(key, 0)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ServingError(
+                f"Unable to parse '{key}': attempt to access JSON non-unsigned-integer as unsigned-integer",
+                Code.INTERNAL)
 
 
 def _input_from_json(raw: Any, binary: memoryview, offset: int) -> tuple[InferInput, int]:

@@ -154,10 +154,12 @@ class TritonCollector:
             family = Metric(metric, help_text, "counter")
             for m in self._models:
                 if metric == "nv_inference_request_failure":
-                    failed = int(m.snapshot["durations"]["fail"][0])
+                    # Failures not counted under another reason are the model's own (BACKEND).
+                    others = m.snapshot.get("failure_reasons", {})
+                    backend = int(m.snapshot["durations"]["fail"][0]) - sum(others.values())
                     for reason in _FAILURE_REASONS:
                         labels = {"model": m.name, "reason": reason, "version": m.version}
-                        family.add_sample(metric, labels, failed if reason == "BACKEND" else 0)
+                        family.add_sample(metric, labels, backend if reason == "BACKEND" else others.get(reason, 0))
                     continue
                 family.add_sample(metric, {"model": m.name, "version": m.version}, _counter_value(metric, m.snapshot))
             yield family

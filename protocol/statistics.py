@@ -22,14 +22,19 @@ class ModelStatistics:
     last_inference_ms: int = 0
     durations: dict[str, list[int]] = field(default_factory=lambda: {k: [0, 0] for k in _DURATIONS})
     batch_stats: dict[int, dict[str, list[int]]] = field(default_factory=dict)
+    # Failures other than the model's own (Triton's REJECTED, CANCELED, OTHER), by reason.
+    failure_reasons: dict[str, int] = field(default_factory=dict)
 
     def record_success(self, request_ns: int, queue_ns: int) -> None:
         self._add("success", request_ns)
         self._add("queue", queue_ns)
         self.last_inference_ms = int(time.time() * 1000)
 
-    def record_failure(self, request_ns: int) -> None:
+    def record_failure(self, request_ns: int, reason: str = "BACKEND") -> None:
+        """A failed request; ``reason`` as the failure metric labels it (BACKEND: the model's)."""
         self._add("fail", request_ns)
+        if reason != "BACKEND":
+            self.failure_reasons[reason] = self.failure_reasons.get(reason, 0) + 1
         self.last_inference_ms = int(time.time() * 1000)
 
     def record_execution(
@@ -60,6 +65,7 @@ class ModelStatistics:
             "last_inference": self.last_inference_ms,
             "durations": {k: list(v) for k, v in self.durations.items()},
             "batch_stats": {b: {k: list(v) for k, v in d.items()} for b, d in self.batch_stats.items()},
+            "failure_reasons": dict(self.failure_reasons),
         }
 
 
@@ -73,6 +79,8 @@ def merge_snapshots(snapshots: list[dict[str, Any]]) -> dict[str, Any]:
         for key, (count, ns) in snap["durations"].items():
             total["durations"][key][0] += count
             total["durations"][key][1] += ns
+        for reason, count in snap.get("failure_reasons", {}).items():
+            total["failure_reasons"][reason] = total["failure_reasons"].get(reason, 0) + count
         for size, per in snap["batch_stats"].items():
             dest = total["batch_stats"].setdefault(int(size), {k: [0, 0] for k in _BATCH_DURATIONS})
             for key, (count, ns) in per.items():

@@ -54,11 +54,39 @@ class TensorSpec:
 
 
 @dataclass(frozen=True)
+class QueuePolicy:
+    """Triton's ``ModelQueuePolicy`` for one priority level's queue (0: no limit, no timeout)."""
+
+    delay_on_timeout: bool = False  # timeout_action DELAY (else REJECT)
+    default_timeout_us: int = 0
+    allow_timeout_override: bool = False
+    max_queue_size: int = 0
+
+    def timeout_us(self, requested_us: int) -> int:
+        """A request's queue timeout: the default, or the request's own if the policy allows it
+        and it is shorter (Triton's rule: a request may only shorten the default, so with no
+        default timeout a request's own is ignored)."""
+        timeout = self.default_timeout_us
+        if self.allow_timeout_override and 0 < requested_us < timeout:
+            timeout = requested_us
+        return timeout
+
+
+@dataclass(frozen=True)
 class BatchingSpec:
-    """Triton's ``dynamic_batching`` settings used by the batcher."""
+    """Triton's ``dynamic_batching`` settings used by the batcher.
+
+    Priority levels run from 1 (the highest) to ``priority_levels``; 0 levels means one queue.
+    """
 
     max_queue_delay_us: int = 0
     preferred_batch_sizes: tuple[int, ...] = ()
+    preserve_ordering: bool = False
+    priority_levels: int = 0
+    default_priority_level: int = 0
+    default_queue_policy: QueuePolicy = QueuePolicy()
+    # (level, policy) pairs for the levels with a policy of their own.
+    priority_queue_policy: tuple[tuple[int, QueuePolicy], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -194,10 +222,7 @@ def spec_from_config(config: ModelConfig, path: Path) -> ModelSpec:
                     f"{path}: preferred_batch_size {size} must be in 1..max_batch_size "
                     f"({config.max_batch_size})"
                 )
-        batching = BatchingSpec(
-            max_queue_delay_us=int(db.max_queue_delay_microseconds),
-            preferred_batch_sizes=tuple(sorted(int(s) for s in db.preferred_batch_size)),
-        )
+        batching = _batching_spec(db, config.name, path)
     count = sum(max(g.count, 1) for g in config.instance_group) or 1
     kinds = {mc.ModelInstanceGroup.Kind.Name(g.kind) for g in config.instance_group}
     kind = "KIND_GPU" if "KIND_GPU" in kinds else "KIND_CPU"
@@ -214,6 +239,47 @@ def spec_from_config(config: ModelConfig, path: Path) -> ModelSpec:
         default_model_filename=config.default_model_filename,
         parameters={k: v.string_value for k, v in config.parameters.items()},
         config=config,
+    )
+
+
+def _queue_policy(policy: Any) -> QueuePolicy:
+    return QueuePolicy(
+        delay_on_timeout=policy.timeout_action == mc.ModelQueuePolicy.DELAY,
+        default_timeout_us=int(policy.default_timeout_microseconds),
+        allow_timeout_override=bool(policy.allow_timeout_override),
+        max_queue_size=int(policy.max_queue_size),
+    )
+
+
+def _batching_spec(db: Any, name: str, path: Path) -> BatchingSpec:
+    """The batcher's settings from ``dynamic_batching``, with Triton's checks of the priority
+    levels and queue policies (its messages, after the file's path)."""
+    levels = int(db.priority_levels)
+    default_level = int(db.default_priority_level)
+    policies = {int(k): _queue_policy(v) for k, v in db.priority_queue_policy.items()}
+    default_policy = _queue_policy(db.default_queue_policy)
+    if levels:
+        if not 1 <= default_level <= levels:
+            raise ModelConfigError(f"{path}: default priority level must be in range [1, {levels}] for {name}")
+        if any(not 1 <= level <= levels for level in policies):
+            raise ModelConfigError(
+                f"{path}: priority queue policy must have priority level in range [1, {levels}] for {name}")
+    if db.preserve_ordering:
+        if levels > 1:
+            raise ModelConfigError(
+                f"{path}: Only one priority level is allowed when 'preserve_ordering' is true for {name}")
+        for policy in (default_policy, *policies.values()):
+            if policy.default_timeout_us and policy.delay_on_timeout:
+                raise ModelConfigError(f"{path}: Queue policy can not have DELAY as timeout action when "
+                                       f"'preserve_ordering' is true for {name}")
+    return BatchingSpec(
+        max_queue_delay_us=int(db.max_queue_delay_microseconds),
+        preferred_batch_sizes=tuple(sorted(int(s) for s in db.preferred_batch_size)),
+        preserve_ordering=bool(db.preserve_ordering),
+        priority_levels=levels,
+        default_priority_level=default_level if levels else 0,
+        default_queue_policy=default_policy,
+        priority_queue_policy=tuple(sorted(policies.items())),
     )
 
 

@@ -5,24 +5,66 @@ Requests queue in arrival order; a batch is formed when the queued rows reach
 the largest preferred size the queue can fill), or when the oldest request has waited
 ``max_queue_delay``. One batch executes at a time; requests arriving meanwhile form the next.
 Batch size counts rows (the first dimension), not requests.
+
+With priority levels, each level has its own queue and queue policy, and a batch takes the
+requests of level 1 (the highest) first, then level 2, and so on. A policy may bound its queue
+(a request that finds it full is refused) and give requests a timeout: one still queued when it
+expires is rejected, or, with the DELAY action, moved behind the level's requests that have not
+expired.
 """
 
 from __future__ import annotations
 
 import asyncio
+import bisect
 import logging
 import time
 from collections import deque
 from typing import Generic, TypeVar
 from collections.abc import Awaitable, Callable, Sequence
 
+from rayinfer.protocol.errors import UnavailableError
+from rayinfer.repository.model_config import QueuePolicy
+
 logger = logging.getLogger(__name__)
 
 # uvloop (libuv) timers fire on whole milliseconds.
 _TIMER_RESOLUTION_S = 0.001
+# Triton's message for a request whose queue timeout expired (UNAVAILABLE).
+TIMEOUT_MESSAGE = "Request timeout expired"
 
 T = TypeVar("T")
 R = TypeVar("R")
+
+
+class QueueFullError(Exception):
+    """A request found its priority level's queue at ``max_queue_size`` (the serving core answers
+    it with Triton's UNAVAILABLE error, naming the request)."""
+
+
+class _Entry:
+    """One queued submission."""
+
+    __slots__ = ("item", "rows", "arrived", "future", "timer", "level")
+
+    def __init__(self, item: object, rows: int, arrived: float, future: asyncio.Future, level: _Level) -> None:
+        self.item = item
+        self.rows = rows
+        self.arrived = arrived
+        self.future = future
+        self.timer: asyncio.TimerHandle | None = None
+        self.level = level
+
+
+class _Level:
+    """One priority level: its policy, its queue, and its requests delayed past their timeout."""
+
+    __slots__ = ("policy", "queue", "delayed")
+
+    def __init__(self, policy: QueuePolicy) -> None:
+        self.policy = policy
+        self.queue: deque[_Entry] = deque()
+        self.delayed: deque[_Entry] = deque()
 
 
 class DynamicBatcher(Generic[T, R]):
@@ -35,12 +77,27 @@ class DynamicBatcher(Generic[T, R]):
         max_batch_size: int,
         max_queue_delay_s: float = 0.0,
         preferred_batch_sizes: Sequence[int] = (),
+        priority_levels: int = 0,
+        default_priority_level: int = 0,
+        default_policy: QueuePolicy = QueuePolicy(),
+        level_policies: dict[int, QueuePolicy] | None = None,
+        on_reject: Callable[[T], None] | None = None,
     ):
+        """``priority_levels``: 0 for one queue, else levels 1 (highest) to that; a request's
+        priority 0 or out of range means ``default_priority_level``. ``on_reject``: called with
+        each request rejected because its queue timeout expired."""
         self._execute = execute
         self.max_batch_size = max_batch_size
         self.max_queue_delay_s = max_queue_delay_s
         self.preferred_batch_sizes = tuple(sorted(preferred_batch_sizes))
-        self._pending: deque[tuple[T, int, float, asyncio.Future]] = deque()
+        self.priority_levels = priority_levels
+        self.default_priority_level = default_priority_level if priority_levels else 0
+        self._default_policy = default_policy
+        self._level_policies = dict(level_policies or {}) if priority_levels else {}
+        self._on_reject = on_reject
+        self._levels: dict[int, _Level] = {}
+        self._order: list[int] = []  # the levels' numbers, highest priority (lowest number) first
+        self._count = 0
         self._queued_rows = 0
         self._arrived: asyncio.Event | None = None
         self._worker: asyncio.Task | None = None
@@ -48,20 +105,70 @@ class DynamicBatcher(Generic[T, R]):
     @property
     def pending_requests(self) -> int:
         """Submissions waiting for a batch (not yet executing)."""
-        return len(self._pending)
+        return self._count
 
-    async def submit(self, item: T, rows: int = 1) -> R:
-        """Queue ``item`` (``rows`` rows, at most ``max_batch_size``) and wait for its result."""
+    def _level(self, priority: int) -> _Level:
+        number = priority if 0 < priority <= self.priority_levels else self.default_priority_level
+        level = self._levels.get(number)
+        if level is None:
+            level = self._levels[number] = _Level(self._level_policies.get(number, self._default_policy))
+            bisect.insort(self._order, number)
+        return level
+
+    async def submit(self, item: T, rows: int = 1, priority: int = 0, timeout_us: int = 0) -> R:
+        """Queue ``item`` (``rows`` rows, at most ``max_batch_size``) and wait for its result.
+
+        ``priority`` and ``timeout_us`` are the request's own (0: the defaults). Raises
+        :class:`QueueFullError` when the level's queue is full, and Triton's UNAVAILABLE error
+        when the request's queue timeout expires before it is batched."""
         loop = asyncio.get_running_loop()
         if self._arrived is None:
             self._arrived = asyncio.Event()
+        level = self._level(priority)
+        policy = level.policy
+        if policy.max_queue_size and len(level.queue) + len(level.delayed) >= policy.max_queue_size:
+            self._forget_gone(level)
+            if len(level.queue) + len(level.delayed) >= policy.max_queue_size:
+                raise QueueFullError("Exceeds maximum queue size")
         future = loop.create_future()
-        self._pending.append((item, rows, time.monotonic(), future))
+        entry = _Entry(item, rows, time.monotonic(), future, level)
+        level.queue.append(entry)
+        self._count += 1
         self._queued_rows += rows
+        timeout = policy.timeout_us(timeout_us) if policy.default_timeout_us else 0
+        if timeout:
+            entry.timer = loop.call_later(timeout / 1e6, self._expire, entry)
         self._arrived.set()
         if self._worker is None or self._worker.done():
             self._worker = loop.create_task(self._run())
         return await future
+
+    def _expire(self, entry: _Entry) -> None:
+        """A queued request's timeout expired: delay it behind its level's other requests, or
+        reject it."""
+        entry.timer = None
+        level = entry.level
+        if not _remove(level.queue, entry):  # already taken into a batch
+            return
+        if level.policy.delay_on_timeout:
+            level.delayed.append(entry)
+            return
+        self._count -= 1
+        self._queued_rows -= entry.rows
+        if not entry.future.done():
+            entry.future.set_exception(UnavailableError(TIMEOUT_MESSAGE))
+            if self._on_reject is not None:
+                self._on_reject(entry.item)  # type: ignore[arg-type]
+
+    def _forget_gone(self, level: _Level) -> None:
+        """Drop a level's queued requests whose callers went away (before judging it full)."""
+        for queue in (level.queue, level.delayed):
+            for entry in [e for e in queue if e.future.done()]:
+                _remove(queue, entry)
+                self._count -= 1
+                self._queued_rows -= entry.rows
+                if entry.timer is not None:
+                    entry.timer.cancel()
 
     def _should_dispatch(self) -> bool:
         if self._queued_rows >= self.max_batch_size:
@@ -75,19 +182,30 @@ class DynamicBatcher(Generic[T, R]):
         reachable = [p for p in self.preferred_batch_sizes if p <= self._queued_rows]
         return reachable[-1] if reachable else self.max_batch_size
 
+    def _oldest(self) -> float:
+        """When the longest-waiting queued request arrived."""
+        return min(q[0].arrived for n in self._order for q in (self._levels[n].queue, self._levels[n].delayed) if q)
+
     def _take(self, limit: int) -> list[tuple[T, asyncio.Future]]:
+        """The next batch: whole requests in priority order, up to ``limit`` rows."""
         batch: list[tuple[T, asyncio.Future]] = []
         rows = 0
-        while self._pending:
-            item, item_rows, _, future = self._pending[0]
-            if batch and rows + item_rows > limit:
-                break
-            self._pending.popleft()
-            self._queued_rows -= item_rows
-            if future.done():  # the caller went away (cancelled)
-                continue
-            batch.append((item, future))
-            rows += item_rows
+        for number in self._order:
+            level = self._levels[number]
+            for queue in (level.queue, level.delayed):
+                while queue:
+                    entry = queue[0]
+                    if batch and rows + entry.rows > limit:
+                        return batch
+                    queue.popleft()
+                    self._count -= 1
+                    self._queued_rows -= entry.rows
+                    if entry.timer is not None:
+                        entry.timer.cancel()
+                    if entry.future.done():  # the caller went away (cancelled)
+                        continue
+                    batch.append((entry.item, entry.future))  # type: ignore[arg-type]
+                    rows += entry.rows
         return batch
 
     async def _run(self) -> None:
@@ -96,10 +214,10 @@ class DynamicBatcher(Generic[T, R]):
         arrived = self._arrived
         assert arrived is not None
         while True:
-            while not self._pending:
+            while not self._count:
                 arrived.clear()
                 await arrived.wait()
-            deadline = self._pending[0][2] + self.max_queue_delay_s
+            deadline = self._oldest() + self.max_queue_delay_s
             while not self._should_dispatch() and time.monotonic() < deadline:
                 remaining = deadline - time.monotonic()
                 if remaining < _TIMER_RESOLUTION_S:
@@ -127,3 +245,12 @@ class DynamicBatcher(Generic[T, R]):
         for (_, future), result in zip(batch, results):
             if not future.done():
                 future.set_result(result)
+
+
+def _remove(queue: deque[_Entry], entry: _Entry) -> bool:
+    """Remove ``entry`` (by identity) from ``queue``; whether it was there."""
+    for index, queued in enumerate(queue):
+        if queued is entry:
+            del queue[index]
+            return True
+    return False

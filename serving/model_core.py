@@ -15,10 +15,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequen
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from rayinfer.protocol.errors import InternalError, ServingError, as_serving_error
+from rayinfer.protocol.errors import InternalError, ServingError, UnavailableError, as_serving_error
 from rayinfer.protocol.types import InferRequest, InferResponse
 from rayinfer.repository.model_config import config_to_json
-from rayinfer.serving.batcher import DynamicBatcher
+from rayinfer.serving.batcher import DynamicBatcher, QueueFullError
 from rayinfer.serving.executor import BlockingSender, Executor, ResponseSender, Result
 
 # Executions that take less than this (moving average) run on the event loop itself: handing a
@@ -58,6 +58,11 @@ class ModelCore:
                 max_batch_size=spec.max_batch_size,
                 max_queue_delay_s=batching.max_queue_delay_us / 1e6,
                 preferred_batch_sizes=batching.preferred_batch_sizes,
+                priority_levels=batching.priority_levels,
+                default_priority_level=batching.default_priority_level,
+                default_policy=batching.default_queue_policy,
+                level_policies=dict(batching.priority_queue_policy),
+                on_reject=self._rejected,
             )
         elif getattr(executor, "batch_delay_s", None) is not None:  # an ensemble batching its requests
             self._batcher = DynamicBatcher(
@@ -77,7 +82,7 @@ class ModelCore:
         try:
             result = await self._schedule(prepared)
         except asyncio.CancelledError:
-            prepared.cancelled = True  # the client is gone: a model that looks can stop early
+            self._cancelled(prepared)
             raise
         if isinstance(result, ServingError):
             raise result
@@ -107,7 +112,7 @@ class ModelCore:
                 yield response
         finally:
             if not sender.closed:  # the caller stopped listening: the request is cancelled
-                prepared.cancelled = True
+                self._cancelled(prepared)
             if not done.done():
                 done.cancel()
 
@@ -125,7 +130,13 @@ class ModelCore:
 
     async def _schedule(self, prepared: Any) -> Any:
         if self._batcher is not None:
-            return await self._batcher.submit(prepared, prepared.rows)
+            # The schedule-policy parameters (checked by the codecs: non-negative integers).
+            parameters = prepared.request.parameters
+            try:
+                return await self._batcher.submit(prepared, prepared.rows, parameters.get("priority", 0),
+                                                  parameters.get("timeout", 0))
+            except QueueFullError as exc:  # Triton's message names the request
+                raise UnavailableError(f"[request id: {prepared.request.id or '<id_unknown>'}] {exc}") from None
         if self._execute_async is not None:  # an ensemble: each request runs its own steps
             return await self._execute_async(prepared)
         return (await self._execute([prepared]))[0]
@@ -147,10 +158,24 @@ class ModelCore:
         self._execution_s_avg = elapsed if average == float("inf") else 0.8 * average + 0.2 * elapsed
         return results if results is not None else [None] * len(batch)
 
+    def _cancelled(self, prepared: Any) -> None:
+        """The client gave up on a request: a running model that looks (``is_cancelled()``) can
+        stop early; one that had not started never will (the batcher skips it, the model thread
+        drops it), and counts as a failure, as in Triton (CANCELED)."""
+        prepared.cancelled = True
+        if not prepared.started:
+            self.executor.stats.record_failure(time.perf_counter_ns() - prepared.arrival_ns, "CANCELED")
+
+    def _rejected(self, prepared: Any) -> None:
+        """A request whose queue timeout expired: a failure, as Triton counts it (REJECTED)."""
+        self.executor.stats.record_failure(time.perf_counter_ns() - prepared.arrival_ns, "REJECTED")
+
     def _timed_execute(self, batch: list[Any]) -> tuple[list[Result] | None, float]:
         """The execution and its own duration: the hand-off to and from the model thread is not
         the model's time, and counting it would keep a busy loop from ever running inline."""
         start = time.perf_counter()
+        for prepared in batch:
+            prepared.started = True
         results = self.executor.execute(batch)
         return results, time.perf_counter() - start
 

@@ -98,3 +98,26 @@ def test_metadata_statistics_and_index_messages():
                            {"name": "bad", "state": "UNAVAILABLE", "reason": "broken"}])
     assert [(m.name, m.version, m.state, m.reason) for m in index.models] == [
         ("m", "1", "READY", ""), ("bad", "", "UNAVAILABLE", "broken")]
+
+
+def test_priority_and_timeout_follow_tritons_parameter_types():
+    message = request_with_raw({"X": ("FP32", np.zeros((1, 2), np.float32))})
+    message.parameters["priority"].uint64_param = 2
+    message.parameters["timeout"].int64_param = 5000
+    assert request_from_grpc(message).parameters == {"priority": 2, "timeout": 5000}
+    message.parameters["timeout"].int64_param = -1  # no timeout of the request's own
+    assert request_from_grpc(message).parameters["timeout"] == 0
+
+
+@pytest.mark.parametrize("key, kind, value, message", [
+    ("priority", "string_param", "high",
+     "invalid value type for 'priority' parameter, expected int64_param or uint64_param."),
+    ("priority", "int64_param", -1, "invalid value for 'priority', expected value >= 0."),
+    ("timeout", "uint64_param", 5, "invalid value type for 'timeout' parameter, expected int64_param."),
+])
+def test_priority_and_timeout_of_the_wrong_type_are_refused(key, kind, value, message):
+    request = request_with_raw({"X": ("FP32", np.zeros((1, 2), np.float32))})
+    setattr(request.parameters[key], kind, value)
+    with pytest.raises(InvalidArgError) as info:
+        request_from_grpc(request)
+    assert info.value.message == message

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from rayinfer.protocol.dtypes import serialize_bytes_tensor
-from rayinfer.protocol.errors import InvalidArgError, UnsupportedError
+from rayinfer.protocol.errors import Code, InvalidArgError, ServingError, UnsupportedError
 from rayinfer.protocol.http_codec import request_from_http
 
 
@@ -214,3 +214,21 @@ def test_bad_outputs_and_parameters() -> None:
 @pytest.mark.parametrize("datatype, data", [("INT32", ["1", "2"]), ("INT32", [1.5, 2.0]), ("FP32", [True, False])])
 def test_json_numbers_must_match_the_datatype(datatype: str, data: list[Any]) -> None:
     assert "input 'INPUT0': data is not valid" in _error(_one_input(datatype=datatype, shape=[2], data=data))
+
+
+def test_priority_and_timeout_pass_as_unsigned_integers() -> None:
+    doc = json.loads(_one_input())
+    doc["parameters"] = {"priority": 2, "timeout": 5000}
+    assert request_from_http(_json_body(doc), None, "m").parameters == {"priority": 2, "timeout": 5000}
+
+
+@pytest.mark.parametrize("key, value", [("priority", -1), ("priority", "high"), ("timeout", 1.5), ("timeout", True)])
+def test_priority_and_timeout_must_be_unsigned_integers(key: str, value: Any) -> None:
+    doc = json.loads(_one_input())
+    doc["parameters"] = {key: value}
+    with pytest.raises(ServingError) as info:
+        request_from_http(_json_body(doc), None, "m")
+    # Triton's message, and its code (INTERNAL, HTTP 500).
+    assert info.value.code == Code.INTERNAL
+    assert info.value.message == (
+        f"Unable to parse '{key}': attempt to access JSON non-unsigned-integer as unsigned-integer")

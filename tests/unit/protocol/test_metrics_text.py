@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from rayinfer.protocol.metrics import CpuFigures, CpuSampler, GpuFigures, GpuSampler, ModelFigures, render
-from rayinfer.protocol.statistics import ModelStatistics
+from rayinfer.protocol.statistics import ModelStatistics, merge_snapshots
 
 
 def figures() -> ModelFigures:
@@ -20,6 +20,20 @@ def figures() -> ModelFigures:
     stats.record_success(request_ns=60_000, queue_ns=1_999)
     stats.record_failure(request_ns=10)
     return ModelFigures("my_model", "1", stats.snapshot(), pending=4)
+
+
+def test_failures_are_labelled_with_their_reason():
+    stats = ModelStatistics()
+    stats.record_failure(request_ns=10)
+    stats.record_failure(request_ns=10, reason="REJECTED")
+    stats.record_failure(request_ns=10, reason="REJECTED")
+    other = ModelStatistics()  # a second replica's
+    other.record_failure(request_ns=10, reason="REJECTED")
+    snapshot = merge_snapshots([stats.snapshot(), other.snapshot()])
+    lines = render([ModelFigures("m", "1", snapshot, pending=0)], None).splitlines()
+    assert 'nv_inference_request_failure{model="m",reason="BACKEND",version="1"} 1' in lines
+    assert 'nv_inference_request_failure{model="m",reason="REJECTED",version="1"} 3' in lines
+    assert 'nv_inference_request_failure{model="m",reason="CANCELED",version="1"} 0' in lines
 
 
 def test_render_uses_triton_names_labels_and_microseconds():

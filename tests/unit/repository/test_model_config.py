@@ -12,6 +12,7 @@ from rayinfer.protocol.errors import ModelConfigError
 from rayinfer.repository.model_config import (
     BatchingSpec,
     ModelConfig,
+    QueuePolicy,
     TensorSpec,
     config_to_json,
     fill_defaults,
@@ -162,6 +163,33 @@ def test_spec_without_dynamic_batching() -> None:
 def test_spec_invalid_preferred_size(size: int) -> None:
     with pytest.raises(ModelConfigError, match=f"preferred_batch_size {size} must be in 1..max_batch_size"):
         _spec(f"max_batch_size: 8 dynamic_batching {{ preferred_batch_size: [ {size} ] }}" + IO)
+
+
+def test_spec_with_priority_levels_and_queue_policies() -> None:
+    spec = _spec("max_batch_size: 8 dynamic_batching { priority_levels: 3 default_priority_level: 2 "
+                 "default_queue_policy { timeout_action: DELAY default_timeout_microseconds: 500 "
+                 "allow_timeout_override: true max_queue_size: 4 } "
+                 "priority_queue_policy { key: 1 value: { max_queue_size: 2 } } }" + IO)
+    batching = spec.dynamic_batching
+    assert (batching.priority_levels, batching.default_priority_level) == (3, 2)
+    assert batching.default_queue_policy == QueuePolicy(delay_on_timeout=True, default_timeout_us=500,
+                                                        allow_timeout_override=True, max_queue_size=4)
+    assert batching.priority_queue_policy == ((1, QueuePolicy(max_queue_size=2)),)
+
+
+@pytest.mark.parametrize("batching, message", [
+    ("priority_levels: 2 default_priority_level: 0", r"default priority level must be in range \[1, 2\] for m"),
+    ("priority_levels: 2 default_priority_level: 3", r"default priority level must be in range \[1, 2\] for m"),
+    ("priority_levels: 2 default_priority_level: 1 priority_queue_policy { key: 3 value: { } }",
+     r"priority queue policy must have priority level in range \[1, 2\] for m"),
+    ("preserve_ordering: true priority_levels: 2 default_priority_level: 1",
+     "Only one priority level is allowed when 'preserve_ordering' is true for m"),
+    ("preserve_ordering: true default_queue_policy { timeout_action: DELAY default_timeout_microseconds: 5 }",
+     "Queue policy can not have DELAY as timeout action when 'preserve_ordering' is true for m"),
+])
+def test_spec_refuses_priority_settings_as_triton_does(batching: str, message: str) -> None:
+    with pytest.raises(ModelConfigError, match="^/repo/m/config.pbtxt: " + message):
+        _spec(f"max_batch_size: 8 dynamic_batching {{ {batching} }}" + IO)
 
 
 def test_spec_rejects_sequence_batching_naming_the_file() -> None:

@@ -92,6 +92,37 @@ def test_requests_with_different_parameters_are_executed_apart(repository: Path)
     assert sorted(snapshot["batch_stats"]) == [1, 2]
 
 
+def test_queue_policy_refuses_and_rejects_with_tritons_errors(tmp_path: Path) -> None:
+    # Requests wait 200 ms for a batch: two fill the queue; a third is refused at once; one whose
+    # own 1 ms timeout expires while it waits is rejected without running, counted as REJECTED.
+    policy = ("dynamic_batching { max_queue_delay_microseconds: 200000 default_queue_policy { "
+              "max_queue_size: 2 default_timeout_microseconds: 10000000 allow_timeout_override: true } }\n")
+    write_model(tmp_path, "addsub", BATCHED.split("dynamic_batching")[0] + policy, add_sub_model(TensorProto.INT32))
+
+    async def main() -> tuple[list[Any], list[Any], dict[str, Any]]:
+        runner, entry = load_runner(tmp_path, "addsub", 1)
+        core = ModelCore(runner, entry.versions)
+        route = ModelRoute("addsub", "", "infer")
+
+        def call(request_id: str, **parameters: Any) -> Any:
+            body = json.loads(_body([1] * 16, [1] * 16, **parameters))
+            body["id"] = request_id
+            return model_http.respond(core, "POST", route, {}, json.dumps(body).encode())
+
+        full = await asyncio.gather(call("r1"), call("r2"), call("r3"))
+        expired = await asyncio.gather(call("r4", timeout=1000), call("r5"))
+        return full, expired, core.snapshot()
+
+    full, expired, snapshot = asyncio.run(main())
+    assert [status for status, _, _ in full] == [200, 200, 503]
+    assert json.loads(full[2][2]) == {"error": "[request id: r3] Exceeds maximum queue size"}
+    assert [status for status, _, _ in expired] == [503, 200]
+    assert json.loads(expired[0][2]) == {"error": "Request timeout expired"}
+    # The refused request is not counted (as in Triton); the expired one is a failure.
+    assert snapshot["durations"]["success"][0] == 3 and snapshot["durations"]["fail"][0] == 1
+    assert snapshot["failure_reasons"] == {"REJECTED": 1}
+
+
 def test_model_routes_over_http(repository: Path) -> None:
     async def main() -> list[Any]:
         core = _core(repository)
