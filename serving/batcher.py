@@ -135,7 +135,7 @@ class DynamicBatcher(Generic[T, R]):
         level.queue.append(entry)
         self._count += 1
         self._queued_rows += rows
-        timeout = policy.timeout_us(timeout_us) if policy.default_timeout_us else 0
+        timeout = policy.timeout_us(timeout_us)
         if timeout:
             entry.timer = loop.call_later(timeout / 1e6, self._expire, entry)
         self._arrived.set()
@@ -148,13 +148,14 @@ class DynamicBatcher(Generic[T, R]):
         reject it."""
         entry.timer = None
         level = entry.level
-        if not _remove(level.queue, entry):  # already taken into a batch
+        try:
+            level.queue.remove(entry)  # by identity: entries define no equality
+        except ValueError:  # already taken into a batch
             return
         if level.policy.delay_on_timeout:
             level.delayed.append(entry)
             return
-        self._count -= 1
-        self._queued_rows -= entry.rows
+        self._forget(entry)
         if not entry.future.done():
             entry.future.set_exception(UnavailableError(TIMEOUT_MESSAGE))
             if self._on_reject is not None:
@@ -164,11 +165,15 @@ class DynamicBatcher(Generic[T, R]):
         """Drop a level's queued requests whose callers went away (before judging it full)."""
         for queue in (level.queue, level.delayed):
             for entry in [e for e in queue if e.future.done()]:
-                _remove(queue, entry)
-                self._count -= 1
-                self._queued_rows -= entry.rows
-                if entry.timer is not None:
-                    entry.timer.cancel()
+                queue.remove(entry)
+                self._forget(entry)
+
+    def _forget(self, entry: _Entry) -> None:
+        """Account for an entry that left its queue."""
+        self._count -= 1
+        self._queued_rows -= entry.rows
+        if entry.timer is not None:
+            entry.timer.cancel()
 
     def _should_dispatch(self) -> bool:
         if self._queued_rows >= self.max_batch_size:
@@ -198,10 +203,7 @@ class DynamicBatcher(Generic[T, R]):
                     if batch and rows + entry.rows > limit:
                         return batch
                     queue.popleft()
-                    self._count -= 1
-                    self._queued_rows -= entry.rows
-                    if entry.timer is not None:
-                        entry.timer.cancel()
+                    self._forget(entry)
                     if entry.future.done():  # the caller went away (cancelled)
                         continue
                     batch.append((entry.item, entry.future))  # type: ignore[arg-type]
@@ -246,11 +248,3 @@ class DynamicBatcher(Generic[T, R]):
             if not future.done():
                 future.set_result(result)
 
-
-def _remove(queue: deque[_Entry], entry: _Entry) -> bool:
-    """Remove ``entry`` (by identity) from ``queue``; whether it was there."""
-    for index, queued in enumerate(queue):
-        if queued is entry:
-            del queue[index]
-            return True
-    return False

@@ -160,8 +160,7 @@ class ModelCore:
 
     def _cancelled(self, prepared: Any) -> None:
         """The client gave up on a request: a running model that looks (``is_cancelled()``) can
-        stop early; one that had not started never will (the batcher skips it, the model thread
-        drops it), and counts as a failure, as in Triton (CANCELED)."""
+        stop early; one that had not started never will (the batcher skips it), and counts as a failure, as in Triton (CANCELED)."""
         prepared.cancelled = True
         if not prepared.started:
             self.executor.stats.record_failure(time.perf_counter_ns() - prepared.arrival_ns, "CANCELED")

@@ -79,7 +79,7 @@ def test_a_full_queue_refuses_the_request_at_once():
         with pytest.raises(QueueFullError, match="^Exceeds maximum queue size$"):
             await batcher.submit(3)
         queued[0].cancel()  # a caller that went away frees its place
-        await asyncio.sleep(0)
+        await wait_until_async(queued[0].done, "the first queued caller to be cancelled")
         fourth = asyncio.ensure_future(batcher.submit(4))
         await wait_until_async(lambda: batcher.pending_requests == 2, "the fourth request to be queued")
         rec.release.set()
