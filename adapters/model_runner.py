@@ -39,11 +39,16 @@ class PreparedRequest:
     cancelled: bool = False
     # Set by the serving core when the request's execution begins.
     started: bool = False
+    # A row the sequence batcher added for a slot with no request: executed, never answered.
+    padding: bool = False
+    # A sequence model's implicit state after this request (state output -> array, no batch dim).
+    state_outputs: dict[str, np.ndarray] | None = None
 
 
 # Request parameters that shape how a request travels or is encoded, not what the model computes:
 # requests differing only in these may share one execution.
-TRANSPORT_PARAMETERS = frozenset({"binary_data_output", "priority", "timeout"})
+TRANSPORT_PARAMETERS = frozenset({"binary_data_output", "priority", "timeout", "sequence_id", "sequence_start",
+                                  "sequence_end"})
 
 
 def parameters_key(parameters: dict[str, Any]) -> tuple:
@@ -77,6 +82,8 @@ class ModelRunner:
         self._inputs = spec.input_map
         self._outputs = spec.output_map
         self._required = [t.name for t in spec.inputs if not t.optional]
+        sequences = spec.sequence_batching
+        self._state_outputs = [s.output_name for s in sequences.states] if sequences is not None else []
 
     def prepare(self, request: InferRequest) -> PreparedRequest:
         """Check names, datatypes, shapes and batch size against the config (INVALID_ARG if wrong)."""
@@ -169,13 +176,15 @@ class ModelRunner:
         rows = [p.rows for p in group]
         try:
             merged = merge_inputs([p.arrays for p in group])
-            wanted = list(dict.fromkeys(n for p in group for n in p.output_names))
+            wanted = list(dict.fromkeys(n for p in group for n in p.output_names)) + self._state_outputs
             infer_start = time.perf_counter_ns()
             # Requests of one group have equal parameters but for TRANSPORT_PARAMETERS (the
             # signature holds the rest); the first request's are passed.
             outputs = self.adapter.execute(merged, wanted, group[0].request.parameters)
             infer_end = time.perf_counter_ns()
             per_request = split_outputs(outputs, rows) if self.spec.max_batch_size > 0 else [outputs]
+            if self._state_outputs:
+                keep_state(group, per_request, self._state_outputs, self.spec.max_batch_size > 0)
             responses: list[InferResponse | ServingError] = [
                 self._response(p, out) for p, out in zip(group, per_request)
             ]
@@ -186,7 +195,8 @@ class ModelRunner:
             len(group), sum(rows), infer_start - start, infer_end - infer_start, end - infer_end
         )
         for p in group:
-            self.stats.record_success(end - p.arrival_ns, start - p.arrival_ns)
+            if not p.padding:
+                self.stats.record_success(end - p.arrival_ns, start - p.arrival_ns)
         return responses
 
     def _failed(self, group: Sequence[PreparedRequest], exc: BaseException) -> list[InferResponse | ServingError]:
@@ -215,6 +225,14 @@ class ModelRunner:
             outputs=tensors,
             id=prepared.request.id,
         )
+
+
+def keep_state(group: Sequence[PreparedRequest], outputs: Sequence[dict[str, np.ndarray]], names: Sequence[str],
+               batching: bool) -> None:
+    """Each request's implicit state outputs (without the batch dimension), for its sequence's
+    next request."""
+    for prepared, out in zip(group, outputs):
+        prepared.state_outputs = {n: (out[n][0] if batching else out[n]) for n in names if n in out}
 
 
 def _to_model_shape(data: np.ndarray, config: TensorSpec, batching: bool, rows: int) -> np.ndarray:

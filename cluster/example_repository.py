@@ -4,7 +4,9 @@
 Triton's own example models, so Triton's HTTP client examples for them run unmodified
 (``simple_identity`` is a Python model, ``model.py``); ``mlp`` is the benchmark MLP
 (256 -> 1024 -> 1024 -> 10) with dynamic batching; ``nlp_ensemble`` is a text pipeline of
-three models (:mod:`example_nlp`).
+three models (:mod:`example_nlp`); ``simple_sequence``, ``simple_dyna_sequence`` and
+``simple_string_dyna_sequence`` are stateful models for Triton's sequence client examples
+(:mod:`example_sequences`).
 """
 
 from __future__ import annotations
@@ -136,6 +138,7 @@ def write_example_repository(repository: Path) -> list[Path]:
     from onnx import TensorProto
 
     from rayinfer.cluster.example_nlp import write_nlp_pipeline
+    from rayinfer.cluster.example_sequences import write_sequence_models
 
     return [
         write_model(repository, "simple", SIMPLE_CONFIG, add_sub_model(TensorProto.INT32)),
@@ -143,4 +146,5 @@ def write_example_repository(repository: Path) -> list[Path]:
         write_python_model(repository, "simple_identity", SIMPLE_IDENTITY_CONFIG, SIMPLE_IDENTITY_MODEL),
         write_model(repository, "mlp", MLP_CONFIG, mlp_model()),
         *write_nlp_pipeline(repository),
+        *write_sequence_models(repository),
     ]

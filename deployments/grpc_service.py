@@ -124,12 +124,18 @@ class ServerGrpcMethods:
     ) -> AsyncIterator[pb.ModelStreamInferResponse]:
         """Each request goes to its model, whose responses (zero to many for a decoupled model)
         stream back as they come; requests are answered in order, several in flight at once, and
-        an error is a response's ``error_message`` (the stream stays open)."""
+        an error is a response's ``error_message`` (the stream stays open). The requests of one
+        sequence (``sequence_id``) go to the model one after another, in stream order: in flight
+        together, a later one could reach the model's sequence batcher first."""
         window: asyncio.Queue[asyncio.Queue | None] = asyncio.Queue(_STREAM_WINDOW)
         pumps: set[asyncio.Task] = set()
+        # (model, sequence id) -> the pump of that sequence's latest request in this stream
+        sequences: dict[tuple[str, str], asyncio.Task] = {}
 
-        async def pump(request: pb.ModelInferRequest, out: asyncio.Queue) -> None:
+        async def pump(request: pb.ModelInferRequest, out: asyncio.Queue, after: asyncio.Task | None) -> None:
             try:
+                if after is not None:
+                    await asyncio.wait([after])
                 async for response in self._forwarder.stream(request):
                     await out.put(response)
             except Exception as exc:
@@ -141,7 +147,11 @@ class ServerGrpcMethods:
             try:
                 async for request in requests:
                     out: asyncio.Queue = asyncio.Queue()
-                    task = asyncio.ensure_future(pump(request, out))
+                    key = _sequence_key(request)
+                    task = asyncio.ensure_future(pump(request, out, sequences.get(key) if key else None))
+                    if key is not None:
+                        sequences[key] = task
+                        task.add_done_callback(lambda done, key=key: sequences.get(key) is done and sequences.pop(key))
                     pumps.add(task)
                     task.add_done_callback(pumps.discard)
                     await window.put(out)
@@ -282,3 +292,12 @@ async def _then(call: Awaitable[Any], response: type) -> Any:
 def _unimplemented(grpc_context: Any, what: str, empty: type) -> Any:
     set_error(grpc_context, UnsupportedError(f"{what} is not supported by rayinfer {rayinfer.__version__}"))
     return empty()
+
+
+def _sequence_key(request: pb.ModelInferRequest) -> tuple[str, str] | None:
+    """(model, sequence id) of a stream request that belongs to a sequence, else None."""
+    if "sequence_id" not in request.parameters:
+        return None
+    parameter = request.parameters["sequence_id"]
+    value = str(getattr(parameter, parameter.WhichOneof("parameter_choice") or "string_param"))
+    return None if value in ("", "0") else (request.model_name, value)

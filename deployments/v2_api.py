@@ -34,6 +34,7 @@ EXTENSIONS = [
     "model_repository",
     "model_configuration",
     "schedule_policy",
+    "sequence",
 ]
 
 

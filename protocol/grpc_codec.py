@@ -111,6 +111,8 @@ def request_from_grpc(message: pb.ModelInferRequest) -> InferRequest:
     parameters = parameters_from_grpc(message.parameters)
     if "priority" in parameters or "timeout" in parameters:
         _check_schedule_parameters(message.parameters, parameters)
+    if "sequence_id" in parameters or "sequence_start" in parameters or "sequence_end" in parameters:
+        _check_sequence_parameters(message.parameters)
     return InferRequest(
         model_name=model,
         model_version=message.model_version,
@@ -134,6 +136,17 @@ def _check_schedule_parameters(message_parameters: Any, parameters: dict[str, An
         if message_parameters["timeout"].WhichOneof("parameter_choice") != "int64_param":
             raise InvalidArgError("invalid value type for 'timeout' parameter, expected int64_param.")
         parameters["timeout"] = max(parameters["timeout"], 0)
+
+
+def _check_sequence_parameters(message_parameters: Any) -> None:
+    """Triton's rules: ``sequence_id`` an int64 or a string, ``sequence_start`` and
+    ``sequence_end`` booleans."""
+    if "sequence_id" in message_parameters:
+        if message_parameters["sequence_id"].WhichOneof("parameter_choice") not in ("int64_param", "string_param"):
+            raise InvalidArgError("invalid value type for 'sequence_id' parameter, expected int64_param or string_param.")
+    for key in ("sequence_start", "sequence_end"):
+        if key in message_parameters and message_parameters[key].WhichOneof("parameter_choice") != "bool_param":
+            raise InvalidArgError(f"invalid value type for '{key}' parameter, expected bool_param.")
 
 
 def _array_from_contents(name: str, model: str, datatype: str, shape: tuple[int, ...], count: int,

@@ -70,6 +70,8 @@ def request_from_http(
         raise InvalidArgError("request 'parameters' must be a JSON object")
     if "priority" in params or "timeout" in params:
         _check_schedule_parameters(params)
+    if "sequence_id" in params or "sequence_start" in params or "sequence_end" in params:
+        _check_sequence_parameters(params)
     request_id = doc.get("id")
     return InferRequest(
         model_name=model_name,
@@ -90,6 +92,18 @@ def _check_schedule_parameters(params: dict[str, Any]) -> None:
             raise ServingError(
                 f"Unable to parse '{key}': attempt to access JSON non-unsigned-integer as unsigned-integer",
                 Code.INTERNAL)
+
+
+def _check_sequence_parameters(params: dict[str, Any]) -> None:
+    """``sequence_id`` an unsigned integer or a string, ``sequence_start`` / ``sequence_end``
+    booleans (Triton's messages and code, INTERNAL)."""
+    sequence_id = params.get("sequence_id", 0)
+    if not isinstance(sequence_id, str) and (not isinstance(sequence_id, int) or isinstance(sequence_id, bool)
+                                             or sequence_id < 0):
+        raise ServingError("Unable to parse 'sequence_id': attempt to access JSON non-string as string", Code.INTERNAL)
+    for key in ("sequence_start", "sequence_end"):
+        if not isinstance(params.get(key, False), bool):
+            raise ServingError(f"Unable to parse '{key}': attempt to access JSON non-boolean as boolean", Code.INTERNAL)
 
 
 def _input_from_json(raw: Any, binary: memoryview, offset: int) -> tuple[InferInput, int]:

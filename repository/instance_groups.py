@@ -14,6 +14,11 @@ only that GPU. So here:
   the cluster has GPUs, else CPU.
 - ``gpu_fallback``: GPU groups run as CPU replicas (development on a machine without a GPU).
 
+A model with ``sequence_batching`` runs as one replica whatever its count: every request of a
+sequence must reach the replica that holds the sequence's slot and state, and the front routes
+each request to a replica of its own choosing. That one replica's sequence batcher has the
+slots of one instance (``max_batch_size`` for the direct strategy).
+
 One model's groups must resolve to one kind, and its GPU groups to one ``count``: a Serve
 deployment has one set of resources for all its replicas.
 """
@@ -70,8 +75,9 @@ def replica_plan(config: ModelConfig, path: Path, *, cluster_has_gpus: bool,
             f"{path}: instance groups that resolve to both CPU and GPU replicas ({listed}) are not "
             "supported: one model's replicas share one set of resources; use one kind"
         )
+    sequences = config.HasField("sequence_batching")  # one replica: see the module's notes
     if kinds == {_KIND.KIND_CPU}:
-        return ReplicaPlan(sum(max(g.count, 1) for g in groups), "KIND_CPU")
+        return ReplicaPlan(1 if sequences else sum(max(g.count, 1) for g in groups), "KIND_CPU")
     counts = {max(g.count, 1) for g, _ in resolved}
     if len(counts) > 1:
         raise ModelConfigError(
@@ -79,7 +85,7 @@ def replica_plan(config: ModelConfig, path: Path, *, cluster_has_gpus: bool,
             "each replica reserves 1/count of a GPU, and one model's replicas reserve the same"
         )
     count = counts.pop()
-    replicas = sum(count * max(1, len(g.gpus)) for g, _ in resolved)
+    replicas = 1 if sequences else sum(count * max(1, len(g.gpus)) for g, _ in resolved)
     share = int(_RESOURCE_STEP / count) / _RESOURCE_STEP  # 1/3 -> 0.3333: never more than a GPU
     return ReplicaPlan(replicas, "KIND_GPU", share)
 

@@ -16,6 +16,7 @@ from google.protobuf.descriptor import FieldDescriptor
 
 from rayinfer.protocol.dtypes import config_to_wire, wire_to_config
 from rayinfer.protocol.errors import ModelConfigError
+from rayinfer.repository.sequence_config import SequenceSpec, hidden_tensor_names, sequence_spec
 from tritonclient.grpc import model_config_pb2 as mc
 
 if TYPE_CHECKING:
@@ -105,6 +106,7 @@ class ModelSpec:
     default_model_filename: str
     parameters: dict[str, str] = field(default_factory=dict)
     config: Any = field(default=None, compare=False, repr=False)
+    sequence_batching: SequenceSpec | None = None
 
     @property
     def input_map(self) -> dict[str, TensorSpec]:
@@ -194,8 +196,6 @@ def fill_defaults(config: ModelConfig) -> None:
 def check_supported(config: ModelConfig, path: Path) -> None:
     """Reject config features rayinfer does not implement yet, naming the file."""
     unsupported = []
-    if config.HasField("sequence_batching"):
-        unsupported.append("sequence_batching")
     if config.HasField("ensemble_scheduling") and config.platform != "ensemble":
         raise ModelConfigError(f"{path}: ensemble_scheduling is only for platform 'ensemble'")
     if config.model_transaction_policy.decoupled and config.backend != "python" and config.platform != "ensemble":
@@ -239,6 +239,7 @@ def spec_from_config(config: ModelConfig, path: Path) -> ModelSpec:
         default_model_filename=config.default_model_filename,
         parameters={k: v.string_value for k, v in config.parameters.items()},
         config=config,
+        sequence_batching=sequence_spec(config, path) if config.HasField("sequence_batching") else None,
     )
 
 
@@ -316,8 +317,9 @@ def auto_complete_io(config: ModelConfig, inputs: list[ModelTensor], outputs: li
         if not config.HasField("dynamic_batching") and not config.HasField("sequence_batching"):
             config.dynamic_batching.SetInParent()
     skip = 1 if config.max_batch_size > 0 else 0
+    hidden = hidden_tensor_names(config)  # a sequence model's control and state tensors
     for repeated, tensors in ((config.input, inputs), (config.output, outputs)):
-        declared = {t.name for t in repeated}
+        declared = {t.name for t in repeated} | hidden
         for name, wire, shape in tensors:
             if name in declared:
                 continue

@@ -19,6 +19,7 @@ from rayinfer.protocol.errors import InternalError, ServingError, UnavailableErr
 from rayinfer.protocol.types import InferRequest, InferResponse
 from rayinfer.repository.model_config import config_to_json
 from rayinfer.serving.batcher import DynamicBatcher, QueueFullError
+from rayinfer.serving.sequencer import SequenceBatcher
 from rayinfer.serving.executor import BlockingSender, Executor, ResponseSender, Result
 
 # Executions that take less than this (moving average) run on the event loop itself: handing a
@@ -52,6 +53,10 @@ class ModelCore:
         self._execute_async = getattr(executor, "execute_async", None)
         batching = spec.dynamic_batching
         self._batcher: DynamicBatcher | None = None
+        self._sequencer: SequenceBatcher | None = None
+        if spec.sequence_batching is not None and self._execute_async is None:
+            self._sequencer = SequenceBatcher(self._execute, spec.sequence_batching, model=spec.name,
+                                              max_batch_size=spec.max_batch_size)
         if batching is not None and spec.max_batch_size > 0 and self._execute_async is None:
             self._batcher = DynamicBatcher(
                 self._execute,
@@ -129,6 +134,8 @@ class ModelCore:
         yield from sender.responses()
 
     async def _schedule(self, prepared: Any) -> Any:
+        if self._sequencer is not None:
+            return await self._sequencer.submit(prepared)
         if self._batcher is not None:
             # The schedule-policy parameters (checked by the codecs: non-negative integers).
             parameters = prepared.request.parameters
@@ -193,7 +200,8 @@ class ModelCore:
         """This replica's statistics plus its requests waiting for execution (a gauge) and the
         model's own metrics, if it has any."""
         snapshot = self.executor.stats.snapshot()
-        snapshot["pending_request_count"] = self._batcher.pending_requests if self._batcher is not None else 0
+        queue = self._sequencer or self._batcher
+        snapshot["pending_request_count"] = queue.pending_requests if queue is not None else 0
         custom_metrics = getattr(self.executor, "custom_metrics", None)
         if custom_metrics is not None:  # the model's own metric families (a Python model's)
             snapshot["custom_metrics_version"], snapshot["custom_metrics"] = custom_metrics()
@@ -212,6 +220,8 @@ class ModelCore:
     def close(self) -> None:
         """Unload the model, then let its thread go."""
         close = getattr(self.executor, "close", None)
+        if self._sequencer is not None:
+            self._sequencer.close()
         try:
             if close is not None:
                 close()

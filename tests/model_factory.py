@@ -9,6 +9,7 @@ from onnx import TensorProto, helper
 from ensemble_models import write_ensemble_models
 from python_models import write_python_models
 from schedule_models import write_schedule_models
+from sequence_models import write_sequence_test_models
 from torchscript_models import write_torchscript_models
 from rayinfer.cluster.example_repository import add_sub_model, finish_onnx, write_example_repository, write_model
 
@@ -120,4 +121,5 @@ def build_test_repository(root: Path) -> Path:
     write_torchscript_models(root)
     write_ensemble_models(root)
     write_schedule_models(root)
+    write_sequence_test_models(root)
     return root

@@ -27,7 +27,7 @@ from typing import Any
 from google.protobuf import json_format
 
 from rayinfer.adapters.base import model_file
-from rayinfer.adapters.model_runner import TRANSPORT_PARAMETERS, ModelRunner, PreparedRequest
+from rayinfer.adapters.model_runner import TRANSPORT_PARAMETERS, ModelRunner, PreparedRequest, keep_state
 from rayinfer.adapters.python_backend import environment
 from rayinfer.adapters.python_backend.errors import SERVING_CODES
 from rayinfer.adapters.python_backend import triton_python_backend_utils as pb_utils
@@ -36,6 +36,7 @@ from rayinfer.protocol.errors import Code, InternalError, ModelConfigError, Serv
 from rayinfer.protocol.types import InferOutput, InferResponse
 from rayinfer.repository.instance_groups import runs_on_gpu
 from rayinfer.repository.model_config import ModelConfig, config_to_json
+from rayinfer.repository.sequence_config import sequence_flags
 
 logger = logging.getLogger(__name__)
 
@@ -205,8 +206,12 @@ class PythonModelRunner(ModelRunner):
         # (binary_data_output) and scheduled (priority, timeout) are the server's.
         parameters = {k: v for k, v in request.parameters.items() if k not in TRANSPORT_PARAMETERS}
         timeout = request.parameters.get("timeout", 0)
+        correlation_id, start, end = sequence_flags(request.parameters)
+        flags = (pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_START if start else 0) | \
+            (pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_END if end else 0)
         pb_request = pb_utils.InferenceRequest(
             inputs=inputs, requested_output_names=list(prepared.output_names), request_id=request.id or "",
+            correlation_id=correlation_id, flags=flags,
             parameters=parameters, timeout=timeout if isinstance(timeout, int) else 0,
             model_name=self.spec.name, model_version=int(self.version),
         )
@@ -228,6 +233,8 @@ class PythonModelRunner(ModelRunner):
             error = response.error()
             return ServingError(error.message(), SERVING_CODES.get(error.code(), Code.INTERNAL))
         by_name = {t.name(): t.as_numpy() for t in response.output_tensors()}
+        if self._state_outputs:  # a sequence model's implicit state, for the sequence's next request
+            keep_state([prepared], [by_name], self._state_outputs, self.spec.max_batch_size > 0)
         outputs = []
         for name in prepared.output_names:
             array = by_name.get(name)
@@ -249,6 +256,8 @@ class PythonModelRunner(ModelRunner):
         self.stats.record_execution(len(batch), sum(p.rows for p in batch), infer_start - start,
                                     infer_end - infer_start, end - infer_end)
         for index, p in enumerate(batch):
+            if p.padding:
+                continue
             if results is not None and isinstance(results[index], ServingError):
                 self.stats.record_failure(end - p.arrival_ns)
             else:

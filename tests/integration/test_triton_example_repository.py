@@ -12,6 +12,7 @@ Triton's fetch script), and simple_sequence with sequence batching.
 
 from __future__ import annotations
 
+import shutil
 import urllib.request
 
 import numpy as np
@@ -64,6 +65,8 @@ def example_server(tmp_path_factory):
     for name, config in FETCHED_LATER.items():
         (repo / name).mkdir()
         (repo / name / "config.pbtxt").write_text(config)
+    # Triton's own simple_sequence (a TensorFlow model) in place of the project's ONNX one.
+    shutil.rmtree(repo / "simple_sequence")
     (repo / "simple_sequence" / "1").mkdir(parents=True)
     (repo / "simple_sequence" / "config.pbtxt").write_text(SEQUENCE)
     (repo / "simple_sequence" / "1" / "model.graphdef").write_bytes(b"\0")

@@ -72,7 +72,8 @@ def test_render_serve_config(example_repository: Path) -> None:
     front_args = {k: apps["rayinfer"]["args"][k] for k in ("http_address", "http_port", "serve_http_port")}
     assert front_args == {"http_address": "127.0.0.1", "http_port": 8123, "serve_http_port": 9000}
     assert sorted(apps) == ["mlp", "nlp_encoder", "nlp_ensemble", "nlp_head", "nlp_tokenizer", "rayinfer", "simple",
-                            "simple_identity", "simple_string"]
+                            "simple_dyna_sequence", "simple_identity", "simple_sequence", "simple_string",
+                            "simple_string_dyna_sequence"]
     server = apps["rayinfer"]
     assert server["route_prefix"] == "/v2"
     assert server["args"]["model_repository"] == str(example_repository.resolve())

@@ -121,3 +121,20 @@ def test_priority_and_timeout_of_the_wrong_type_are_refused(key, kind, value, me
     with pytest.raises(InvalidArgError) as info:
         request_from_grpc(request)
     assert info.value.message == message
+
+
+@pytest.mark.parametrize("key, kind, value, message", [
+    ("sequence_id", "uint64_param", 5, "invalid value type for 'sequence_id' parameter, expected int64_param or string_param."),
+    ("sequence_start", "int64_param", 1, "invalid value type for 'sequence_start' parameter, expected bool_param."),
+    ("sequence_end", "string_param", "yes", "invalid value type for 'sequence_end' parameter, expected bool_param."),
+])
+def test_sequence_parameters_of_the_wrong_type_are_refused(key, kind, value, message):
+    request = request_with_raw({"X": ("FP32", np.zeros((1, 2), np.float32))})
+    setattr(request.parameters[key], kind, value)
+    with pytest.raises(InvalidArgError) as info:
+        request_from_grpc(request)
+    assert info.value.message == message
+    request = request_with_raw({"X": ("FP32", np.zeros((1, 2), np.float32))})
+    request.parameters["sequence_id"].string_param = "abc"
+    request.parameters["sequence_start"].bool_param = True
+    assert request_from_grpc(request).parameters == {"sequence_id": "abc", "sequence_start": True}

@@ -232,3 +232,19 @@ def test_priority_and_timeout_must_be_unsigned_integers(key: str, value: Any) ->
     assert info.value.code == Code.INTERNAL
     assert info.value.message == (
         f"Unable to parse '{key}': attempt to access JSON non-unsigned-integer as unsigned-integer")
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("sequence_id", -1, "Unable to parse 'sequence_id': attempt to access JSON non-string as string"),
+    ("sequence_id", 1.5, "Unable to parse 'sequence_id': attempt to access JSON non-string as string"),
+    ("sequence_start", 1, "Unable to parse 'sequence_start': attempt to access JSON non-boolean as boolean"),
+    ("sequence_end", "true", "Unable to parse 'sequence_end': attempt to access JSON non-boolean as boolean"),
+])
+def test_sequence_parameters_follow_tritons_types(key: str, value: Any, message: str) -> None:
+    doc = json.loads(_one_input())
+    doc["parameters"] = {"sequence_id": 7, "sequence_start": True, "sequence_end": False}
+    assert request_from_http(_json_body(doc), None, "m").parameters == doc["parameters"]
+    doc["parameters"] = {key: value}
+    with pytest.raises(ServingError) as info:
+        request_from_http(_json_body(doc), None, "m")
+    assert (info.value.code, info.value.message) == (Code.INTERNAL, message)

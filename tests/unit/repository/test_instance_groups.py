@@ -28,6 +28,14 @@ def test_cpu_groups_add_up() -> None:
     assert plan("instance_group [ { count: 2 kind: KIND_CPU }, { count: 3 kind: KIND_CPU } ]") == ReplicaPlan(5, "KIND_CPU")
 
 
+def test_a_sequence_model_runs_as_one_replica() -> None:
+    """Every request of a sequence must reach the replica holding its state."""
+    sequences = "sequence_batching { } "
+    assert plan(sequences + "instance_group [ { count: 3 kind: KIND_CPU } ]") == ReplicaPlan(1, "KIND_CPU")
+    assert plan(sequences + "instance_group [ { count: 2 kind: KIND_GPU gpus: [ 0, 1 ] } ]") == \
+        ReplicaPlan(1, "KIND_GPU", 0.5)
+
+
 def test_gpu_count_shares_one_gpu() -> None:
     assert plan("instance_group [ { count: 2 kind: KIND_GPU } ]") == ReplicaPlan(2, "KIND_GPU", 0.5)
     assert plan("instance_group [ { count: 1 kind: KIND_GPU } ]") == ReplicaPlan(1, "KIND_GPU", 1.0)

@@ -192,11 +192,43 @@ def test_spec_refuses_priority_settings_as_triton_does(batching: str, message: s
         _spec(f"max_batch_size: 8 dynamic_batching {{ {batching} }}" + IO)
 
 
-def test_spec_rejects_sequence_batching_naming_the_file() -> None:
-    path = Path("/repo/seq/config.pbtxt")
-    with pytest.raises(ModelConfigError) as info:
-        _spec("max_batch_size: 8 sequence_batching { }" + IO, path)
-    assert info.value.message == f"{path}: not supported yet: sequence_batching"
+SEQUENCE_CONTROLS = """control_input [ { name: "S" control [ { kind: CONTROL_SEQUENCE_START fp32_false_true: [ 0, 1 ] } ] } ]
+control_input [ { name: "C" control [ { kind: CONTROL_SEQUENCE_CORRID data_type: TYPE_STRING } ] } ]
+state [ { input_name: "SI" output_name: "SO" data_type: TYPE_INT32 dims: [ 2 ] initial_state { name: "z" data_type: TYPE_INT32 dims: [ 2 ] zero_data: true } } ]
+"""
+
+
+def test_spec_reads_sequence_batching_with_tritons_defaults() -> None:
+    direct = _spec("max_batch_size: 8 sequence_batching { " + SEQUENCE_CONTROLS + " }" + IO).sequence_batching
+    assert direct is not None and direct.direct and direct.max_candidate_sequences == 8
+    assert direct.max_sequence_idle_us == 1_000_000
+    start, corrid = direct.controls
+    assert (start.kind, start.datatype, start.value(True), start.value(False)) == ("START", "FP32", 1.0, 0.0)
+    assert (corrid.kind, corrid.datatype) == ("CORRID", "BYTES")
+    (state,) = direct.states
+    assert state.initial_value().tolist() == [0, 0]
+    assert direct.hidden_inputs == {"S", "C", "SI"} and direct.hidden_outputs == {"SO"}
+    oldest = _spec("max_batch_size: 4 sequence_batching { oldest { preferred_batch_size: 2 } "
+                   "max_sequence_idle_microseconds: 5 }" + IO).sequence_batching
+    assert oldest is not None and not oldest.direct
+    assert (oldest.max_candidate_sequences, oldest.preferred_batch_sizes, oldest.max_sequence_idle_us) == (4, (2,), 5)
+
+
+@pytest.mark.parametrize("sequence, message", [
+    ('control_input [ { name: "C" control [ { kind: CONTROL_SEQUENCE_CORRID data_type: TYPE_FP32 } ] } ]',
+     "unexpected data type for control CONTROL_SEQUENCE_CORRID for m. Allowed data types are TYPE_UINT64, "
+     "TYPE_INT64, TYPE_UINT32, TYPE_INT32 and TYPE_STRING"),
+    ('control_input [ { name: "S" control [ { kind: CONTROL_SEQUENCE_START int32_false_true: [ 1 ] } ] } ]',
+     "sequence batching control tensor 'S' for m must have exactly 2 entries in int32_false_true"),
+    ("direct { minimum_slot_utilization: 1.5 }",
+     "sequence batching minimum slot utilization must be in range \\(0.0, 1.0\\] for m"),
+    ("oldest { preferred_batch_size: 16 }", "sequence batching preferred batch size must be <= max batch size for m"),
+    ('control_input [ { name: "INPUT0" control [ { kind: CONTROL_SEQUENCE_READY bool_false_true: [ false, true ] } ] } ]',
+     "'INPUT0' of sequence_batching for m is also declared as a model input or output"),
+])
+def test_spec_refuses_sequence_settings_as_triton_does(sequence: str, message: str) -> None:
+    with pytest.raises(ModelConfigError, match="^/repo/m/config.pbtxt: " + message):
+        _spec(f"max_batch_size: 8 sequence_batching {{ {sequence} }}" + IO)
 
 
 def test_spec_rejects_decoupled_and_negative_batch_size() -> None:

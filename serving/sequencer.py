@@ -1,0 +1,283 @@
+"""Triton's sequence batcher for one model instance, on the replica's event loop (no Ray).
+
+A stateful model's requests belong to sequences, named by their correlation id
+(``sequence_id``); the first request of a sequence carries ``sequence_start``, the last
+``sequence_end``. A sequence holds a *slot* from its start to its end (or until it has been idle
+for ``max_sequence_idle_microseconds``); sequences that find every slot taken wait for one, in
+arrival order. A batch holds at most one request of each sequence, and a sequence's requests
+run in the order they came.
+
+- **direct**: ``max_batch_size`` slots, and a sequence's requests always run in its slot's row
+  of the batch, so a model may keep its state per row. The batch has as many rows as the highest
+  slot with a request; rows of slots with none carry READY false and zeros.
+- **oldest**: ``max_candidate_sequences`` slots; a batch takes the oldest requests of up to
+  ``max_batch_size`` sequences, rows in no fixed order (the model tells sequences apart by their
+  CORRID control, or keeps its state in the implicit ``state`` tensors).
+
+Either way the batcher gives each row the model's control inputs (START, END, READY, CORRID) and
+its sequence's implicit state: the state outputs of the sequence's previous request, or the
+initial state on a START.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from rayinfer.protocol.dtypes import numpy_dtype
+from rayinfer.protocol.errors import InvalidArgError, ServingError, UnavailableError
+from rayinfer.repository.sequence_config import CorrelationId, SequenceSpec, sequence_flags
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class _Pending:
+    prepared: Any
+    start: bool
+    end: bool
+    arrived: float
+    future: asyncio.Future
+
+
+@dataclass(eq=False)
+class _Sequence:
+    corrid: CorrelationId
+    queue: deque[_Pending] = field(default_factory=deque)
+    slot: int | None = None
+    state: dict[str, np.ndarray] | None = None
+    last_used: float = 0.0
+    ended: bool = False  # its END request has come (a request after it must START again)
+
+
+class SequenceBatcher:
+    """Queues the requests of a sequence model and executes them in batches, one at a time."""
+
+    def __init__(self, execute: Callable[[list[Any]], Awaitable[Sequence[Any]]], spec: SequenceSpec, *,
+                 model: str, max_batch_size: int) -> None:
+        self._execute = execute
+        self._spec = spec
+        self._model = model
+        self._batching = max_batch_size > 0
+        self._max_rows = max(max_batch_size, 1)
+        self._slots: list[_Sequence | None] = [None] * (spec.max_candidate_sequences or 1)
+        self._sequences: dict[CorrelationId, _Sequence] = {}
+        self._backlog: deque[_Sequence] = deque()
+        self._idle_s = spec.max_sequence_idle_us / 1e6
+        self._delay_s = spec.max_queue_delay_us / 1e6
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+
+    @property
+    def pending_requests(self) -> int:
+        return sum(len(s.queue) for s in self._sequences.values())
+
+    @property
+    def active_sequences(self) -> int:
+        return sum(1 for s in self._slots if s is not None)
+
+    async def submit(self, prepared: Any) -> Any:
+        """Queue one request of a sequence; returns its result once its batch has executed."""
+        corrid, start, end = sequence_flags(prepared.request.parameters)
+        self._check(corrid, start, prepared.rows)
+        sequence = self._sequences.get(corrid)
+        if sequence is None or (sequence.ended and not sequence.queue and start):
+            sequence = self._sequences[corrid] = _Sequence(corrid)
+            self._assign(sequence)
+        elif sequence.ended and not start:
+            raise self._not_started(corrid)
+        sequence.ended = end
+        now = time.monotonic()
+        pending = _Pending(prepared, start, end, now, asyncio.get_running_loop().create_future())
+        sequence.queue.append(pending)
+        sequence.last_used = now
+        self._ensure_running()
+        self._wake.set()
+        try:
+            return await pending.future
+        except asyncio.CancelledError:
+            if pending in sequence.queue:  # not taken into a batch: it never runs
+                sequence.queue.remove(pending)
+            raise
+
+    def _check(self, corrid: CorrelationId, start: bool, rows: int) -> None:
+        if corrid == 0 or corrid == "":
+            raise InvalidArgError(f"inference request to model '{self._model}' must specify a non-zero or "
+                                  "non-empty correlation ID")
+        if self._batching and rows != 1:
+            raise InvalidArgError(f"inference request to model '{self._model}' must specify batch-size 1 due "
+                                  "to requirements of sequence batcher")
+        if not start and corrid not in self._sequences:
+            raise self._not_started(corrid)
+        if start and corrid in self._sequences and not self._sequences[corrid].ended:
+            logger.warning("model '%s': sequence %s started again before it ended; the model is given its "
+                           "START and the sequence goes on", self._model, corrid)
+
+    def _not_started(self, corrid: CorrelationId) -> ServingError:
+        return InvalidArgError(f"inference request for sequence {corrid} to model '{self._model}' must specify "
+                               "the START flag on the first request of the sequence")
+
+    # ---- slots --------------------------------------------------------------------------------
+
+    def _assign(self, sequence: _Sequence) -> None:
+        """A free slot for a new sequence, else a place in the backlog."""
+        for index, holder in enumerate(self._slots):
+            if holder is None:
+                self._slots[index] = sequence
+                sequence.slot = index
+                return
+        self._backlog.append(sequence)
+
+    def _release(self, sequence: _Sequence) -> None:
+        """The sequence ended or went idle: its slot goes to the oldest waiting sequence."""
+        if sequence.slot is not None:
+            index, sequence.slot = sequence.slot, None
+            self._slots[index] = None
+            if self._backlog:
+                waiting = self._backlog.popleft()
+                self._slots[index] = waiting
+                waiting.slot = index
+                waiting.last_used = time.monotonic()
+        if self._sequences.get(sequence.corrid) is sequence:
+            del self._sequences[sequence.corrid]
+
+    def _reap(self, now: float) -> float | None:
+        """Release the sequences idle for too long; the seconds until the next one may be."""
+        soonest = None
+        for sequence in list(self._slots):
+            if sequence is None or sequence.queue:
+                continue
+            idle_until = sequence.last_used + self._idle_s
+            if idle_until <= now:
+                logger.info("model '%s': sequence %s timed out after %.3f s idle; its slot is released",
+                            self._model, sequence.corrid, self._idle_s)
+                self._release(sequence)
+            else:
+                soonest = idle_until - now if soonest is None else min(soonest, idle_until - now)
+        return soonest
+
+    # ---- batches ------------------------------------------------------------------------------
+
+    def _ensure_running(self) -> None:
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._run())
+
+    def _ready(self) -> list[_Sequence]:
+        return [s for s in self._slots if s is not None and s.queue]
+
+    def _enough(self, ready: list[_Sequence]) -> bool:
+        if self._spec.direct:  # Triton's rule: ready slots / max_batch_size
+            return len(ready) / self._max_rows >= self._spec.minimum_slot_utilization or len(ready) == len(self._slots)
+        count = min(len(ready), self._max_rows)
+        return count >= self._max_rows or count in self._spec.preferred_batch_sizes
+
+    async def _wait(self, timeout: float | None) -> None:
+        self._wake.clear()
+        try:
+            await asyncio.wait_for(self._wake.wait(), timeout)
+        except asyncio.TimeoutError:
+            pass
+
+    async def _run(self) -> None:
+        while self._sequences:
+            next_idle = self._reap(time.monotonic())
+            ready = self._ready()
+            if not ready:
+                await self._wait(next_idle)
+                continue
+            if self._delay_s > 0 and not self._enough(ready):
+                deadline = min(s.queue[0].arrived for s in ready) + self._delay_s
+                while (left := deadline - time.monotonic()) > 0 and not self._enough(ready):
+                    await self._wait(left)
+                    ready = self._ready()
+                if not ready:
+                    continue
+            try:
+                await self._run_batch(ready)
+            except Exception:  # never leaves a request without an answer; the loop goes on
+                logger.exception("model '%s': a sequence batch failed", self._model)
+
+    async def _run_batch(self, ready: list[_Sequence]) -> None:
+        if self._spec.direct:
+            rows: list[tuple[_Sequence | None, _Pending | None]] = []
+            highest = max(s.slot for s in ready if s.slot is not None)
+            for index in range(min(highest + 1, self._max_rows)):
+                holder = self._slots[index]
+                rows.append((holder, holder.queue.popleft()) if holder is not None and holder.queue else (None, None))
+        else:
+            oldest = sorted(ready, key=lambda s: s.queue[0].arrived)[:self._max_rows]
+            rows = [(s, s.queue.popleft()) for s in oldest]
+        template = next(p for _, p in rows if p is not None).prepared
+        batch = []
+        for sequence, pending in rows:
+            if pending is None:
+                batch.append(self._padding(template))
+            else:
+                self._give_inputs(pending.prepared, sequence, pending.start, pending.end, True)
+                batch.append(pending.prepared)
+        try:
+            results: Sequence[Any] = await self._execute(batch)
+        except Exception as exc:  # noqa: BLE001 - every request gets the error
+            results = [exc] * len(batch)
+        now = time.monotonic()
+        for (sequence, pending), prepared, result in zip(rows, batch, results):
+            if sequence is None or pending is None:
+                continue
+            if self._spec.states and not isinstance(result, BaseException | ServingError):
+                sequence.state = prepared.state_outputs or sequence.state
+            sequence.last_used = now
+            if pending.end and not sequence.queue:
+                self._release(sequence)
+            if not pending.future.done():
+                if isinstance(result, BaseException):
+                    pending.future.set_exception(result)
+                else:
+                    pending.future.set_result(result)
+
+    def _give_inputs(self, prepared: Any, sequence: _Sequence | None, start: bool, end: bool, ready: bool) -> None:
+        """The control inputs and the implicit state of one row."""
+        shape = (1, 1) if self._batching else (1,)
+        for control in self._spec.controls:
+            if control.kind == "CORRID":  # an id of the other kind than the control's is given as 0 / ""
+                strings = control.datatype == "BYTES"
+                corrid = sequence.corrid if sequence is not None else None
+                if strings:
+                    value: Any = corrid.encode() if isinstance(corrid, str) else b""
+                else:
+                    value = corrid if isinstance(corrid, int) else 0
+                prepared.arrays[control.name] = np.full(shape, value, dtype=numpy_dtype(control.datatype))
+                continue
+            flag = {"START": start, "END": end, "READY": ready}[control.kind]
+            prepared.arrays[control.name] = np.full(shape, control.value(flag), dtype=numpy_dtype(control.datatype))
+        for state in self._spec.states:
+            held = None if start or sequence is None or sequence.state is None else sequence.state.get(state.output_name)
+            value = state.initial_value() if held is None else held
+            prepared.arrays[state.input_name] = value[None] if self._batching else value
+
+    def _padding(self, template: Any) -> Any:
+        """A row for a slot with no request (direct strategy): zeros, READY false."""
+        padding = copy.copy(template)
+        padding.arrays = {name: np.zeros_like(array) if array.dtype != object else np.full(array.shape, b"", object)
+                          for name, array in template.arrays.items()}
+        padding.padding = True
+        padding.state_outputs = None
+        self._give_inputs(padding, None, False, False, False)
+        return padding
+
+    def close(self) -> None:
+        """Fail what is still queued (the model is unloading)."""
+        for sequence in list(self._sequences.values()):
+            while sequence.queue:
+                pending = sequence.queue.popleft()
+                if not pending.future.done():
+                    pending.future.set_exception(UnavailableError(f"model '{self._model}' is unloading"))
+        if self._task is not None:
+            self._task.cancel()

@@ -1,0 +1,174 @@
+"""Triton's sequence batcher through unmodified tritonclient, over HTTP and gRPC (and gRPC
+streams): the flows of Triton's sequence client examples on the example repository's
+``simple_sequence``, ``simple_dyna_sequence`` and ``simple_string_dyna_sequence``, implicit
+state with an initial state from a file, a Python model keeping state per correlation id, and
+Triton's errors for requests that break a sequence's rules."""
+
+from __future__ import annotations
+
+import queue
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import pytest
+from tritonclient.utils import InferenceServerException
+
+from sequence_models import INITIAL_VALUE
+
+VALUES = [11, 7, 5, 3, 2, 0, 1]
+
+
+def _send(module: Any, client: Any, model: str, sequence_id: int | str, values: list[int],
+          output: str = "OUTPUT") -> list[int]:
+    """One sequence, one synchronous request per value, as Triton's sync sequence clients send it."""
+    results = []
+    for index, value in enumerate(values):
+        data = np.full((1, 1), value, np.int32)
+        inp = module.InferInput("INPUT", list(data.shape), "INT32")
+        inp.set_data_from_numpy(data)
+        result = client.infer(model, [inp], outputs=[module.InferRequestedOutput(output)], sequence_id=sequence_id,
+                              sequence_start=index == 0, sequence_end=index == len(values) - 1)
+        results.append(int(result.as_numpy(output)[0][0]))
+    return results
+
+
+def _expected(dyna: bool, string_ids: bool, sequence_id: int, first: int, negate: bool,
+              previous: list[int] | None = None) -> list[int]:
+    """What Triton's sequence client examples check for one sequence."""
+    sign = -1 if negate else 1
+    if string_ids and dyna:  # the string dyna model accumulates
+        out = [first]
+        for value in VALUES:
+            out.append(out[-1] + sign * value)
+        out[-1] += sequence_id
+        return out
+    out = [first + 1] + [sign * v for v in VALUES]
+    if dyna:
+        out[-1] += sequence_id
+    return out
+
+
+@pytest.mark.parametrize("dyna", [False, True], ids=["simple_sequence", "dyna"])
+def test_tritons_sync_sequence_client_flow(proto: tuple[Any, Any], dyna: bool) -> None:
+    module, client = proto
+    model = "simple_dyna_sequence" if dyna else "simple_sequence"
+    string_model = "simple_string_dyna_sequence" if dyna else "simple_sequence"
+    string_id = "1002" if dyna else str(uuid.uuid4())
+    seq0 = _send(module, client, model, 1000, [0] + VALUES)
+    seq1 = _send(module, client, model, 1001, [100] + [-v for v in VALUES])
+    seq2 = _send(module, client, string_model, string_id, [20] + [-v for v in VALUES])
+    assert seq0 == _expected(dyna, False, 1000, 0, False)
+    assert seq1 == _expected(dyna, False, 1001, 100, True)
+    expected_string = _expected(dyna, True, 1002, 20, True) if dyna else [21] + [-v for v in VALUES]
+    assert seq2 == expected_string
+
+
+def test_tritons_stream_sequence_client_flow(server: dict[str, Any]) -> None:
+    """Three sequences interleaved on one gRPC stream, as simple_grpc_sequence_stream_infer_client
+    --dyna sends them; answers are told apart by request id."""
+    import tritonclient.grpc as grpcclient
+
+    answers: queue.Queue = queue.Queue()
+    sequences = {"1000": ("simple_dyna_sequence", 1000, [0] + VALUES),
+                 "1001": ("simple_dyna_sequence", 1001, [100] + [-v for v in VALUES]),
+                 "1002": ("simple_string_dyna_sequence", "1002", [20] + [-v for v in VALUES])}
+    with grpcclient.InferenceServerClient(server["grpc_url"]) as client:
+        client.start_stream(callback=lambda result, error: answers.put(error or result))
+        for key, (model, sequence_id, values) in sequences.items():
+            for index, value in enumerate(values):
+                inp = grpcclient.InferInput("INPUT", [1, 1], "INT32")
+                inp.set_data_from_numpy(np.full((1, 1), value, np.int32))
+                client.async_stream_infer(model, [inp], outputs=[grpcclient.InferRequestedOutput("OUTPUT")],
+                                          request_id=f"{key}_{index}", sequence_id=sequence_id,
+                                          sequence_start=index == 0, sequence_end=index == len(values) - 1)
+        got: dict[str, dict[int, int]] = {key: {} for key in sequences}
+        for _ in range(3 * (len(VALUES) + 1)):
+            answer = answers.get(timeout=60)
+            assert not isinstance(answer, InferenceServerException), answer
+            key, index = answer.get_response().id.split("_")
+            got[key][int(index)] = int(answer.as_numpy("OUTPUT")[0][0])
+        client.stop_stream()
+    assert [got["1000"][i] for i in range(8)] == _expected(True, False, 1000, 0, False)
+    assert [got["1001"][i] for i in range(8)] == _expected(True, False, 1001, 100, True)
+    assert [got["1002"][i] for i in range(8)] == _expected(True, True, 1002, 20, True)
+
+
+def _own_client(module: Any, server: dict[str, Any]) -> Any:
+    """A client per sequence: an HTTP client holds one connection, so sequences sharing it would
+    wait on each other (one waiting for a slot would hold the connection the others need)."""
+    return module.InferenceServerClient(server["url"] if module.__name__.endswith("http") else server["grpc_url"])
+
+
+def test_implicit_state_starts_from_the_initial_state_and_sequences_keep_their_own(
+        proto: tuple[Any, Any], server: dict[str, Any]) -> None:
+    """Six sequences at once on four direct slots: two wait for a slot; each sums its own inputs
+    from the initial state (100) read from the model's initial_state folder."""
+    module, _ = proto
+    base = 5000 if module.__name__.endswith("http") else 6000
+
+    def one(k: int) -> list[int]:
+        with _own_client(module, server) as client:
+            return _send(module, client, "seq_state_direct", base + k, [k + 1] * 5)
+
+    with ThreadPoolExecutor(6) as pool:
+        results = list(pool.map(one, range(6)))
+    assert results == [[INITIAL_VALUE + (k + 1) * n for n in range(1, 6)] for k in range(6)]
+
+
+def test_python_model_keeps_state_per_string_correlation_id(proto: tuple[Any, Any], server: dict[str, Any]) -> None:
+    """Three sequences at once (string ids) on a Python model that keeps a sum per
+    ``correlation_id()`` and answers with ``flags()``."""
+    module, _ = proto
+    prefix = module.__name__.rsplit(".", 1)[-1]
+
+    def one(k: int) -> list[tuple[int, int]]:
+        out = []
+        with _own_client(module, server) as client:
+            for index in range(4):
+                inp = module.InferInput("INPUT", [1, 1], "INT32")
+                inp.set_data_from_numpy(np.full((1, 1), 10 * k + index, np.int32))
+                result = client.infer("seq_python", [inp], sequence_id=f"{prefix}-{k}",
+                                      sequence_start=index == 0, sequence_end=index == 3)
+                out.append((int(result.as_numpy("SUM")[0][0]), int(result.as_numpy("FLAGS")[0][0])))
+        return out
+
+    with ThreadPoolExecutor(3) as pool:
+        results = list(pool.map(one, range(3)))
+    for k, result in enumerate(results):
+        sums = np.cumsum([10 * k + i for i in range(4)]).tolist()
+        assert result == list(zip(sums, [1, 0, 0, 2]))
+
+
+def test_requests_breaking_a_sequences_rules_get_tritons_errors(proto: tuple[Any, Any]) -> None:
+    module, client = proto
+    inp = module.InferInput("INPUT", [1, 1], "INT32")
+    inp.set_data_from_numpy(np.ones((1, 1), np.int32))
+    with pytest.raises(InferenceServerException) as not_started:
+        client.infer("simple_sequence", [inp], sequence_id=424242)
+    assert ("inference request for sequence 424242 to model 'simple_sequence' must specify the START flag on the "
+            "first request of the sequence") in str(not_started.value)
+    with pytest.raises(InferenceServerException) as no_id:
+        client.infer("simple_sequence", [inp], sequence_start=True)
+    assert ("inference request to model 'simple_sequence' must specify a non-zero or non-empty correlation ID"
+            in str(no_id.value))
+    two = module.InferInput("INPUT", [2, 1], "INT32")
+    two.set_data_from_numpy(np.ones((2, 1), np.int32))
+    with pytest.raises(InferenceServerException) as batch:
+        client.infer("simple_sequence", [two], sequence_id=434343, sequence_start=True)
+    assert ("inference request to model 'simple_sequence' must specify batch-size 1 due to requirements of "
+            "sequence batcher") in str(batch.value)
+    if module.__name__.endswith("http"):
+        assert not_started.value.status() == "400"
+    else:
+        assert not_started.value.status() == "StatusCode.INVALID_ARGUMENT"
+    # The model still serves.
+    assert _send(module, client, "simple_sequence", 454545, [3, 4]) == [4, 4]
+
+
+def test_server_lists_the_sequence_extension(proto: tuple[Any, Any]) -> None:
+    module, client = proto
+    metadata = client.get_server_metadata()
+    extensions = metadata["extensions"] if isinstance(metadata, dict) else list(metadata.extensions)
+    assert "sequence" in extensions

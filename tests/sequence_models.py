@@ -1,0 +1,97 @@
+"""Models of the test repository for the sequence batcher (tests/compat/test_sequences.py).
+
+- ``seq_state_direct`` (ONNX, direct strategy, four slots): an accumulator kept in the model's
+  implicit state, ``ACC_OUT = ACC_IN + INPUT * READY``, whose initial state (100) is read from
+  ``initial_state/start_value``.
+- ``seq_python`` (a Python model, oldest strategy): keeps a running sum per correlation id in
+  the model itself (string ids), and answers with the sum and the request's flags.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from rayinfer.cluster.model_files import finish_onnx, write_model, write_python_model
+
+INITIAL_VALUE = 100
+
+SEQ_STATE_DIRECT_CONFIG = """name: "seq_state_direct"
+platform: "onnxruntime_onnx"
+max_batch_size: 4
+sequence_batching {
+  direct { }
+  control_input [ { name: "READY" control [ { kind: CONTROL_SEQUENCE_READY int32_false_true: [ 0, 1 ] } ] } ]
+  state [ {
+    input_name: "ACC_IN" output_name: "ACC_OUT" data_type: TYPE_INT32 dims: [ 1 ]
+    initial_state { name: "start" data_type: TYPE_INT32 dims: [ 1 ] data_file: "start_value" }
+  } ]
+}
+input [ { name: "INPUT" data_type: TYPE_INT32 dims: [ 1 ] } ]
+output [ { name: "OUTPUT" data_type: TYPE_INT32 dims: [ 1 ] } ]
+instance_group [ { count: 2 kind: KIND_CPU } ]
+"""
+
+SEQ_PYTHON_CONFIG = """name: "seq_python"
+backend: "python"
+max_batch_size: 4
+sequence_batching {
+  oldest { max_candidate_sequences: 4 max_queue_delay_microseconds: 1000 }
+  control_input [ { name: "START" control [ { kind: CONTROL_SEQUENCE_START bool_false_true: [ false, true ] } ] } ]
+  control_input [ { name: "CORRID" control [ { kind: CONTROL_SEQUENCE_CORRID data_type: TYPE_STRING } ] } ]
+}
+input [ { name: "INPUT" data_type: TYPE_INT32 dims: [ 1 ] } ]
+output [ { name: "SUM" data_type: TYPE_INT32 dims: [ 1 ] }, { name: "FLAGS" data_type: TYPE_INT32 dims: [ 1 ] } ]
+instance_group [ { count: 1 kind: KIND_CPU } ]
+"""
+
+SEQ_PYTHON_MODEL = '''import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.sums = {}
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            sequence = request.correlation_id()
+            corrid = pb_utils.get_input_tensor_by_name(request, "CORRID").as_numpy()[0, 0]
+            start = bool(pb_utils.get_input_tensor_by_name(request, "START").as_numpy()[0, 0])
+            if corrid.decode() != sequence or start != bool(request.flags() & pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_START):
+                responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError("control inputs disagree with the request")))
+                continue
+            value = int(pb_utils.get_input_tensor_by_name(request, "INPUT").as_numpy()[0, 0])
+            total = value if start else self.sums[sequence] + value
+            self.sums[sequence] = total
+            if request.flags() & pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_END:
+                del self.sums[sequence]
+            responses.append(pb_utils.InferenceResponse([
+                pb_utils.Tensor("SUM", np.array([[total]], np.int32)),
+                pb_utils.Tensor("FLAGS", np.array([[request.flags()]], np.int32)),
+            ]))
+        return responses
+'''
+
+
+def seq_state_direct_model():
+    from onnx import TensorProto as T, helper
+
+    nodes = [helper.make_node("Mul", ["INPUT", "READY"], ["added"]),
+             helper.make_node("Add", ["ACC_IN", "added"], ["ACC_OUT"]),
+             helper.make_node("Identity", ["ACC_OUT"], ["OUTPUT"])]
+    graph = helper.make_graph(
+        nodes, "seq_state_direct",
+        [helper.make_tensor_value_info(n, T.INT32, ["batch", 1]) for n in ("INPUT", "READY", "ACC_IN")],
+        [helper.make_tensor_value_info(n, T.INT32, ["batch", 1]) for n in ("OUTPUT", "ACC_OUT")],
+    )
+    return finish_onnx(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
+
+
+def write_sequence_test_models(root: Path) -> None:
+    folder = write_model(root, "seq_state_direct", SEQ_STATE_DIRECT_CONFIG, seq_state_direct_model())
+    (folder / "initial_state").mkdir(exist_ok=True)
+    (folder / "initial_state" / "start_value").write_bytes(np.array([INITIAL_VALUE], "<i4").tobytes())
+    write_python_model(root, "seq_python", SEQ_PYTHON_CONFIG, SEQ_PYTHON_MODEL)

@@ -1,0 +1,163 @@
+"""The sequence batcher on its own event loop, with an execute function that records each batch
+(no Ray, no model): slots and padding rows, the backlog, the oldest strategy, control inputs,
+implicit state, idle release, cancellation and Triton's request errors."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import numpy as np
+import pytest
+
+from rayinfer.adapters.model_runner import PreparedRequest
+from rayinfer.protocol.errors import InvalidArgError
+from rayinfer.protocol.types import InferInput, InferRequest
+from rayinfer.repository.sequence_config import ControlSpec, SequenceSpec, StateSpec
+from rayinfer.serving.sequencer import SequenceBatcher
+from waiting import wait_until_async
+
+CONTROLS = (ControlSpec("START", "START", "INT32"), ControlSpec("END", "END", "INT32"),
+            ControlSpec("READY", "READY", "INT32"), ControlSpec("CORRID", "CORRID", "UINT64"))
+STATE = StateSpec("ACC_IN", "ACC_OUT", "INT32", (1,))
+
+
+def _request(sequence_id: Any, value: int, start: bool = False, end: bool = False, rows: int = 1) -> PreparedRequest:
+    data = np.full((rows, 1), value, np.int32)
+    request = InferRequest(model_name="m", model_version="", id=None, inputs=[InferInput("INPUT", "INT32", data.shape, data)],
+                           outputs=None, parameters={"sequence_id": sequence_id, "sequence_start": start, "sequence_end": end})
+    return PreparedRequest(request=request, arrays={"INPUT": data}, rows=rows, output_names=("OUTPUT",),
+                           signature=(), arrival_ns=0)
+
+
+class Recorder:
+    """Executes batches like an accumulator model with implicit state: ACC_OUT = (START ? 0 :
+    ACC_IN) + INPUT where READY, and records each batch's rows as (READY, START, END, CORRID)."""
+
+    def __init__(self, gate: asyncio.Event | None = None) -> None:
+        self.batches: list[list[tuple[int, int, int, int]]] = []
+        self.gate = gate
+
+    async def __call__(self, batch: list[PreparedRequest]) -> list[Any]:
+        if self.gate is not None:
+            await self.gate.wait()
+        self.batches.append([tuple(int(p.arrays[n][0, 0]) for n in ("READY", "START", "END", "CORRID")) for p in batch])
+        results = []
+        for p in batch:
+            acc = (0 if p.arrays["START"][0, 0] else p.arrays["ACC_IN"][0, 0]) + p.arrays["INPUT"][0, 0]
+            p.state_outputs = {"ACC_OUT": np.array([acc], np.int32)}
+            results.append(int(acc))
+        return results
+
+
+def _batcher(recorder: Recorder, **spec: Any) -> SequenceBatcher:
+    spec.setdefault("max_candidate_sequences", 2)
+    return SequenceBatcher(recorder, SequenceSpec(controls=CONTROLS, states=(STATE,), **spec), model="m", max_batch_size=2)
+
+
+async def _sequence(batcher: SequenceBatcher, sequence_id: Any, values: list[int]) -> list[int]:
+    return [await batcher.submit(_request(sequence_id, v, i == 0, i == len(values) - 1)) for i, v in enumerate(values)]
+
+
+def test_each_sequence_keeps_its_own_state_and_a_third_waits_for_a_slot() -> None:
+    async def main() -> tuple[list[list[int]], Recorder]:
+        recorder = Recorder()
+        batcher = _batcher(recorder)
+        results = await asyncio.gather(*(_sequence(batcher, sid, [sid, 1, 1]) for sid in (10, 20, 30)))
+        return list(results), recorder
+
+    results, recorder = asyncio.run(main())
+    assert results == [[10, 11, 12], [20, 21, 22], [30, 31, 32]]
+    # Two slots: sequence 30 runs only once one of the others ended, in the slot it freed.
+    first_rows = {row[3] for batch in recorder.batches[:3] for row in batch}
+    assert 30 not in first_rows
+    assert all(len(batch) <= 2 for batch in recorder.batches)
+
+
+def test_direct_rows_are_slots_and_an_empty_slot_gets_a_padding_row() -> None:
+    async def main() -> Recorder:
+        gate = asyncio.Event()
+        recorder = Recorder(gate)
+        batcher = _batcher(recorder)
+        first = asyncio.ensure_future(batcher.submit(_request(1, 5, start=True)))
+        await wait_until_async(lambda: batcher.pending_requests == 0 or batcher.active_sequences == 1,
+                               "the first sequence to take slot 0")
+        second = asyncio.ensure_future(batcher.submit(_request(2, 7, start=True)))
+        gate.set()
+        await asyncio.gather(first, second)
+        # Slot 0's sequence sends nothing now: the next batch of slot 1 carries a padding row 0.
+        await batcher.submit(_request(2, 1, end=True))
+        return recorder
+
+    recorder = asyncio.run(main())
+    rows = [row for batch in recorder.batches for row in batch]
+    assert (1, 1, 0, 1) in rows and (1, 1, 0, 2) in rows
+    assert recorder.batches[-1] == [(0, 0, 0, 0), (1, 0, 1, 2)]
+
+
+def test_oldest_strategy_takes_the_oldest_request_of_each_sequence_without_padding() -> None:
+    async def main() -> tuple[list[int], Recorder]:
+        gate = asyncio.Event()
+        recorder = Recorder(gate)
+        batcher = _batcher(recorder, direct=False)
+        a = asyncio.ensure_future(_sequence(batcher, 1, [1, 2, 3]))
+        b = asyncio.ensure_future(_sequence(batcher, 2, [10]))
+        await wait_until_async(lambda: batcher.pending_requests == 0 and batcher.active_sequences == 2,
+                               "both sequences to have their first request taken")
+        gate.set()
+        return [*(await a), *(await b)], recorder
+
+    results, recorder = asyncio.run(main())
+    assert results == [1, 3, 6, 10]
+    assert all(row[0] == 1 for batch in recorder.batches for row in batch)  # READY in every row
+    assert recorder.batches[0] == [(1, 1, 0, 1), (1, 1, 1, 2)]
+
+
+def test_requests_that_break_the_sequence_rules_get_tritons_errors() -> None:
+    async def main() -> list[str]:
+        batcher = _batcher(Recorder())
+        messages = []
+        for request in (_request(0, 1, start=True), _request("", 1, start=True), _request(5, 1),
+                        _request(6, 1, start=True, rows=2)):
+            with pytest.raises(InvalidArgError) as caught:
+                await batcher.submit(request)
+            messages.append(caught.value.message)
+        return messages
+
+    messages = asyncio.run(main())
+    assert messages[0] == messages[1] == "inference request to model 'm' must specify a non-zero or non-empty correlation ID"
+    assert messages[2] == ("inference request for sequence 5 to model 'm' must specify the START flag on the first "
+                           "request of the sequence")
+    assert messages[3] == "inference request to model 'm' must specify batch-size 1 due to requirements of sequence batcher"
+
+
+def test_an_idle_sequence_loses_its_slot_and_must_start_again() -> None:
+    async def main() -> str:
+        batcher = _batcher(Recorder(), max_sequence_idle_us=50_000)
+        assert await batcher.submit(_request("s", 4, start=True)) == 4
+        await wait_until_async(lambda: batcher.active_sequences == 0, "the idle sequence to be released", timeout_s=5)
+        with pytest.raises(InvalidArgError) as caught:
+            await batcher.submit(_request("s", 1))
+        return caught.value.message
+
+    assert "sequence s to model 'm' must specify the START flag" in asyncio.run(main())
+
+
+def test_a_cancelled_request_leaves_its_queue_without_running() -> None:
+    async def main() -> Recorder:
+        gate = asyncio.Event()
+        recorder = Recorder(gate)
+        batcher = _batcher(recorder)
+        first = asyncio.ensure_future(batcher.submit(_request(1, 1, start=True)))
+        await wait_until_async(lambda: batcher.pending_requests == 0, "the first request to be taken")
+        queued = asyncio.ensure_future(batcher.submit(_request(1, 100)))
+        await wait_until_async(lambda: batcher.pending_requests == 1, "the second request to queue")
+        queued.cancel()
+        await wait_until_async(lambda: batcher.pending_requests == 0, "the cancelled request to leave")
+        gate.set()
+        await first
+        assert await batcher.submit(_request(1, 2, end=True)) == 3  # 1 + 2: the cancelled 100 never ran
+        return recorder
+
+    recorder = asyncio.run(main())
+    assert sum(len(batch) for batch in recorder.batches) == 2
