@@ -16,6 +16,7 @@ import numpy as np
 
 from rayinfer.adapters.base import ModelAdapter
 from rayinfer.adapters.batching import group_by_signature, merge_inputs, split_outputs
+from rayinfer.protocol.classification import check_classifiable, classification_count, classify
 from rayinfer.protocol.dtypes import numpy_dtype, wire_datatype
 from rayinfer.protocol.errors import InvalidArgError, ServingError, as_serving_error
 from rayinfer.protocol.statistics import ModelStatistics
@@ -43,6 +44,8 @@ class PreparedRequest:
     padding: bool = False
     # A sequence model's implicit state after this request (state output -> array, no batch dim).
     state_outputs: dict[str, np.ndarray] | None = None
+    # Outputs asked for as classifications: name -> how many classes (Triton's extension).
+    classes: dict[str, int] | None = None
 
 
 # Request parameters that shape how a request travels or is encoded, not what the model computes:
@@ -141,8 +144,10 @@ class ModelRunner:
                         f"unexpected inference output '{out.name}' for model '{spec.name}'"
                     )
             output_names = tuple(dict.fromkeys(o.name for o in request.outputs))
+            classes = self._classes(request)
         else:
             output_names = tuple(self._outputs)
+            classes = None
         signature.sort()
         return PreparedRequest(
             request=request,
@@ -151,7 +156,18 @@ class ModelRunner:
             output_names=output_names,
             signature=(tuple(signature), output_names, parameters_key(request.parameters)),
             arrival_ns=time.perf_counter_ns(),
+            classes=classes,
         )
+
+    def _classes(self, request: InferRequest) -> dict[str, int] | None:
+        """The outputs a request asks for as classifications (their datatype must allow it)."""
+        classes = {}
+        for out in request.outputs or ():
+            count = classification_count(out.parameters) if out.parameters else 0
+            if count:
+                check_classifiable(self._outputs[out.name].datatype)
+                classes[out.name] = count
+        return classes or None
 
     def close(self) -> None:
         """Unload the model (its backend frees what it holds; a Python model is finalized)."""
@@ -218,6 +234,7 @@ class ModelRunner:
             datatype = config.datatype
             if datatype != "BYTES" and wire_datatype(array.dtype) != datatype:
                 array = array.astype(numpy_dtype(datatype))
+            datatype, array = self.classified(prepared, name, datatype, array)
             tensors.append(InferOutput(name, datatype, tuple(array.shape), array))
         return InferResponse(
             model_name=self.spec.name,
@@ -225,6 +242,16 @@ class ModelRunner:
             outputs=tensors,
             id=prepared.request.id,
         )
+
+
+    def classified(self, prepared: PreparedRequest, name: str, datatype: str,
+                   array: np.ndarray) -> tuple[str, np.ndarray]:
+        """An output as the request asked for it: its top classes (BYTES) when it asked for a
+        classification (Triton's extension), else the tensor itself."""
+        if prepared.classes is None or name not in prepared.classes:
+            return datatype, array
+        return "BYTES", classify(array, datatype, prepared.classes[name], self._outputs[name].labels,
+                                 self.spec.max_batch_size > 0)
 
 
 def keep_state(group: Sequence[PreparedRequest], outputs: Sequence[dict[str, np.ndarray]], names: Sequence[str],

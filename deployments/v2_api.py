@@ -28,6 +28,7 @@ from rayinfer.serving.statistics_store import StatisticsStore
 logger = logging.getLogger(__name__)
 
 EXTENSIONS = [
+    "classification",
     "binary_tensor_data",
     "parameters",
     "statistics",

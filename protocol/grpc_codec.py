@@ -106,7 +106,7 @@ def request_from_grpc(message: pb.ModelInferRequest) -> InferRequest:
             data = _array_from_contents(name, model, datatype, shape, count, tensor)
         inputs.append(InferInput(name, datatype, shape, data, parameters_from_grpc(tensor.parameters)))
     outputs = [
-        RequestedOutput(out.name, None, parameters_from_grpc(out.parameters)) for out in message.outputs
+        RequestedOutput(out.name, None, _output_parameters(out.parameters)) for out in message.outputs
     ] or None
     parameters = parameters_from_grpc(message.parameters)
     if "priority" in parameters or "timeout" in parameters:
@@ -136,6 +136,17 @@ def _check_schedule_parameters(message_parameters: Any, parameters: dict[str, An
         if message_parameters["timeout"].WhichOneof("parameter_choice") != "int64_param":
             raise InvalidArgError("invalid value type for 'timeout' parameter, expected int64_param.")
         parameters["timeout"] = max(parameters["timeout"], 0)
+
+
+def _output_parameters(message_parameters: Any) -> dict[str, Any]:
+    """A requested output's parameters, with Triton's checks of ``classification``."""
+    parameters = parameters_from_grpc(message_parameters)
+    if "classification" in parameters:
+        if message_parameters["classification"].WhichOneof("parameter_choice") != "int64_param":
+            raise InvalidArgError("invalid value type for 'classification' parameter, expected int64_param")
+        if parameters["classification"] < 1:
+            raise InvalidArgError("invalid value for 'classification' parameter, expected >= 1")
+    return parameters
 
 
 def _check_sequence_parameters(message_parameters: Any) -> None:

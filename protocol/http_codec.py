@@ -182,6 +182,10 @@ def _outputs_from_json(raw: Any, params: dict[str, Any]) -> list[RequestedOutput
             raise InvalidArgError("each requested output must be an object with a 'name'")
         oparams = dict(item.get("parameters") or {})
         binary = oparams.pop("binary_data", None)
+        classes = oparams.get("classification", 0)
+        if not isinstance(classes, int) or isinstance(classes, bool) or classes < 0:
+            raise ServingError("Unable to set 'classification': attempt to access JSON non-unsigned-integer as "
+                               "unsigned-integer", Code.INTERNAL)
         outputs.append(RequestedOutput(item["name"], None if binary is None else bool(binary), oparams))
     return outputs
 

@@ -7,7 +7,7 @@ an error naming the file.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -52,6 +52,8 @@ class TensorSpec:
     dims: tuple[int, ...]
     reshape: tuple[int, ...] | None = None
     optional: bool = False
+    # An output's class labels, line i of its label_filename for class i (classification).
+    labels: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -210,7 +212,8 @@ def spec_from_config(config: ModelConfig, path: Path) -> ModelSpec:
     """Build the frozen spec from a complete (possibly auto-completed) config."""
     check_supported(config, path)
     inputs = tuple(_tensor(t, path, "input") for t in config.input)
-    outputs = tuple(_tensor(t, path, "output") for t in config.output)
+    outputs = tuple(_with_labels(_tensor(t, path, "output"), t.label_filename, config.name, path)
+                    for t in config.output)
     if not inputs or not outputs:
         raise ModelConfigError(f"{path}: model must declare at least one input and one output")
     batching = None
@@ -282,6 +285,23 @@ def _batching_spec(db: Any, name: str, path: Path) -> BatchingSpec:
         default_queue_policy=default_policy,
         priority_queue_policy=tuple(sorted(policies.items())),
     )
+
+
+def _with_labels(tensor: TensorSpec, label_filename: str, model: str, path: Path) -> TensorSpec:
+    """The output with the labels of its ``label_filename`` (in the model's folder), if any."""
+    if not label_filename:
+        return tensor
+    model_dir = path.parent.resolve()
+    file = (model_dir / label_filename).resolve()
+    if not file.is_relative_to(model_dir):
+        raise ModelConfigError(f"{path}: label file path '{label_filename}' for output '{tensor.name}' in model "
+                               f"'{model}' is outside model directory")
+    try:
+        text = file.read_text(encoding="utf-8", errors="replace")
+    except OSError as exc:
+        raise ModelConfigError(f"{path}: unable to read label file {file} for output '{tensor.name}': "
+                               f"{exc.strerror}") from None
+    return replace(tensor, labels=tuple(text.split("\n")))
 
 
 def _tensor(t: Any, path: Path, what: str) -> TensorSpec:

@@ -130,7 +130,8 @@ class EnsembleExecutor(ModelRunner):
         responses: list[InferResponse | ServingError] = []
         for p, piece in zip(group, pieces):
             self.stats.record_success(end - p.arrival_ns, start - p.arrival_ns)
-            outputs = [InferOutput(n, outcome[0][n][0], tuple(piece[n].shape), piece[n]) for n in names]
+            outputs = [InferOutput(n, *self._as_asked(p, n, outcome[0][n][0], tuple(piece[n].shape), piece[n]))
+                       for n in names]
             responses.append(InferResponse(self.spec.name, self.version, outputs=outputs, id=p.request.id))
         return responses
 
@@ -190,14 +191,21 @@ class EnsembleExecutor(ModelRunner):
         return ServingError(f"in ensemble '{self.spec.name}', step {step.index} (model "
                             f"'{step.model_name}'{version}) failed: {error.message}", error.code)
 
+    def _as_asked(self, prepared: PreparedRequest, name: str, datatype: str, shape: tuple[int, ...],
+                  data: Any) -> tuple[str, tuple[int, ...], Any]:
+        """(datatype, shape, data) of an output as the request asked for it (a classification)."""
+        if prepared.classes is None or name not in prepared.classes:
+            return datatype, shape, data
+        datatype, data = self.classified(prepared, name, datatype, np.asarray(data).reshape(shape))
+        return datatype, tuple(data.shape), data
+
     def _response(self, prepared: PreparedRequest, tensors: dict[str, Any]) -> InferResponse:  # type: ignore[override]
         outputs = []
         for name in prepared.output_names:
             tensor = tensors.get(name)
             if tensor is None:
                 continue  # written only by a step that did not run
-            datatype, shape, data = tensor
-            outputs.append(InferOutput(name, datatype, shape, data))
+            outputs.append(InferOutput(name, *self._as_asked(prepared, name, *tensor)))
         return InferResponse(model_name=self.spec.name, model_version=self.version, outputs=outputs,
                              id=prepared.request.id)
 

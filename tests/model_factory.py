@@ -45,7 +45,15 @@ input [ { name: "X" data_type: TYPE_FP32 dims: [ -1 ] } ]
 output [ { name: "Y" data_type: TYPE_FP32 dims: [ -1 ] } ]
 dynamic_batching { max_queue_delay_microseconds: 300000 }
 """,
+    # Y = 2 X with class labels: Triton's classification extension (tests/compat/test_classification.py).
+    "classes": """backend: "onnxruntime"
+max_batch_size: 4
+input [ { name: "X" data_type: TYPE_FP32 dims: [ -1 ] } ]
+output [ { name: "Y" data_type: TYPE_FP32 dims: [ -1 ] label_filename: "labels.txt" } ]
+""",
 }
+# The labels of "classes": classes 0-3 are named, class 4 has an empty line, later ones none.
+CLASS_LABELS = "zero\none\ntwo\nthree\n\n"
 
 
 def double_model():
@@ -108,6 +116,8 @@ def build_test_repository(root: Path) -> Path:
     write_model(root, "nobatch", CONFIGS["nobatch"], add_sub_model(TensorProto.INT32, batch=False))
     write_model(root, "versioned", None, mul_sub_model(), version=2)
     write_model(root, "vardims", CONFIGS["vardims"], double_model())
+    write_model(root, "classes", CONFIGS["classes"], double_model())
+    (root / "classes" / "labels.txt").write_text(CLASS_LABELS)
     write_model(root, "autocomplete", None, add_sub)  # no config.pbtxt at all
     (root / "corrupt" / "1" / "model.onnx").write_bytes(b"this is not an ONNX model")
     (root / "plan_without_gpu" / "1").mkdir(parents=True)

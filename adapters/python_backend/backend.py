@@ -244,6 +244,10 @@ class PythonModelRunner(ModelRunner):
                 datatype = wire_datatype(array.dtype)
             except ServingError as exc:
                 return InternalError(f"output '{name}' of model '{self.spec.name}': {exc.message}")
+            try:
+                datatype, array = self.classified(prepared, name, datatype, array)
+            except ServingError as exc:
+                return exc
             outputs.append(InferOutput(name, datatype, tuple(array.shape), array))
         return InferResponse(
             model_name=self.spec.name, model_version=self.version, outputs=outputs, id=prepared.request.id,

@@ -64,6 +64,17 @@ def infer_concurrently(module, server: dict, model: str, pairs: list, outputs: t
         return list(pool.map(one, pairs))
 
 
+def test_an_ensemble_output_asked_for_as_a_classification(proto):
+    """Triton's classification extension on an ensemble's output: its top classes as strings."""
+    module, client = proto
+    a, b = pair(1)
+    top = client.infer("ens_chain", ints(module, A=a, B=b),
+                       outputs=[module.InferRequestedOutput("TWICE_A", class_count=2)]).as_numpy("TWICE_A")
+    order = np.argsort(-a[0], kind="stable")[:2]
+    expected = [[f"{2 * a[0][i]}:{i}".encode() for i in order]]
+    assert [[e if isinstance(e, bytes) else e.encode() for e in row] for row in top.tolist()] == expected
+
+
 def stats(client, module, model: str) -> dict:
     kwargs = {"as_json": True} if module is grpcclient else {}
     return client.get_inference_statistics(model, **kwargs)["model_stats"][0]

@@ -138,3 +138,18 @@ def test_sequence_parameters_of_the_wrong_type_are_refused(key, kind, value, mes
     request.parameters["sequence_id"].string_param = "abc"
     request.parameters["sequence_start"].bool_param = True
     assert request_from_grpc(request).parameters == {"sequence_id": "abc", "sequence_start": True}
+
+
+@pytest.mark.parametrize("kind, value, message", [
+    ("uint64_param", 3, "invalid value type for 'classification' parameter, expected int64_param"),
+    ("int64_param", 0, "invalid value for 'classification' parameter, expected >= 1"),
+])
+def test_classification_must_be_a_positive_int64(kind, value, message):
+    request = request_with_raw({"X": ("FP32", np.zeros((1, 2), np.float32))})
+    output = request.outputs.add(name="Y")
+    setattr(output.parameters["classification"], kind, value)
+    with pytest.raises(InvalidArgError) as info:
+        request_from_grpc(request)
+    assert info.value.message == message
+    output.parameters["classification"].int64_param = 3
+    assert request_from_grpc(request).outputs[0].parameters == {"classification": 3}

@@ -248,3 +248,15 @@ def test_sequence_parameters_follow_tritons_types(key: str, value: Any, message:
     with pytest.raises(ServingError) as info:
         request_from_http(_json_body(doc), None, "m")
     assert (info.value.code, info.value.message) == (Code.INTERNAL, message)
+
+
+@pytest.mark.parametrize("value", [-1, 1.5, "3", True])
+def test_classification_must_be_an_unsigned_integer(value: Any) -> None:
+    doc = json.loads(_one_input())
+    doc["outputs"] = [{"name": "Y", "parameters": {"classification": 3}}]
+    assert request_from_http(_json_body(doc), None, "m").outputs[0].parameters == {"classification": 3}
+    doc["outputs"] = [{"name": "Y", "parameters": {"classification": value}}]
+    with pytest.raises(ServingError) as info:
+        request_from_http(_json_body(doc), None, "m")
+    assert (info.value.code, info.value.message) == (
+        Code.INTERNAL, "Unable to set 'classification': attempt to access JSON non-unsigned-integer as unsigned-integer")

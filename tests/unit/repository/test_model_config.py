@@ -283,3 +283,17 @@ def test_config_to_json_numbers_and_enum_names() -> None:
 def test_config_to_json_maps() -> None:
     config = _config('name: "m" parameters { key: "k" value: { string_value: "v" } }')
     assert config_to_json(config)["parameters"] == {"k": {"string_value": "v"}}
+
+
+def test_output_labels_come_from_the_model_folder(tmp_path: Path) -> None:
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "labels.txt").write_text("cat\ndog\n")
+    path = tmp_path / "m" / "config.pbtxt"
+    labelled = 'max_batch_size: 8 input [ { name: "X" data_type: TYPE_FP32 dims: [ 2 ] } ] output [ { name: "Y" ' \
+               'data_type: TYPE_FP32 dims: [ 2 ] label_filename: "%s" } ]'
+    assert _spec(labelled % "labels.txt", path).outputs[0].labels == ("cat", "dog", "")
+    with pytest.raises(ModelConfigError, match="unable to read label file .*missing.txt for output 'Y'"):
+        _spec(labelled % "missing.txt", path)
+    with pytest.raises(ModelConfigError, match="label file path '../labels.txt' for output 'Y' in model 'm' is "
+                                               "outside model directory"):
+        _spec(labelled % "../labels.txt", path)
