@@ -28,6 +28,7 @@ from rayinfer.protocol.errors import (
     as_serving_error,
     grpc_status_name,
 )
+from rayinfer.protocol import log_settings
 from rayinfer.protocol.grpc_codec import index_to_grpc, parameters_from_grpc, statistics_to_grpc
 from rayinfer.serving.model_grpc import MODEL_RPCS
 
@@ -215,7 +216,18 @@ class ServerGrpcMethods:
         return _unimplemented(grpc_context, "trace settings", pb.TraceSettingResponse)
 
     async def LogSettings(self, request: Any, grpc_context: Any = None) -> Any:
-        return _unimplemented(grpc_context, "log settings", pb.LogSettingsResponse)
+        """The logging extension: change the settings given, answer all of them."""
+        try:
+            settings = self._api.set_log_settings(log_settings.update_from_grpc(self._api.log_settings,
+                                                                                request.settings))
+        except ServingError as exc:
+            set_error(grpc_context, exc)
+            return pb.LogSettingsResponse()
+        response = pb.LogSettingsResponse()
+        for key, value in settings.items():
+            kind = {bool: "bool_param", int: "uint32_param", str: "string_param"}[type(value)]
+            setattr(response.settings[key], kind, value)
+        return response
 
 
 class ModelForwarder:

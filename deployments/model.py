@@ -29,6 +29,7 @@ from rayinfer.deployments.bls_client import ReplicaBlsClient
 from rayinfer.deployments.ensemble_members import EnsembleMembers, load_ensemble
 from rayinfer.deployments.names import SERVER_APP, SERVER_DEPLOYMENT
 from rayinfer.deployments.replica_listener import ReplicaListener
+from rayinfer.protocol import log_settings
 from rayinfer.protocol.errors import NotFoundError, UnsupportedError
 from rayinfer.protocol.types import InferRequest, InferResponse
 from rayinfer.repository.ensemble import is_ensemble
@@ -69,6 +70,7 @@ class ModelDeployment:
         self._replica_key = f"{context.app_name}/{context.replica_id.unique_id}"
         self._app_name = context.app_name
         self._stats_pushed_at: tuple[int, int, int] | None = None
+        self._log_settings: dict[str, Any] | None = None  # as the /v2 replica last gave them
         self._server: Any = None
         # A Python model's calls to other models (set before loading: initialize may call).
         self._bls = ReplicaBlsClient(context.deployment)
@@ -184,10 +186,13 @@ class ModelDeployment:
         while True:
             if time.monotonic() - registered_at >= _LISTENER_REGISTER_INTERVAL_S:
                 try:
-                    await self._server_handle().register_listener.remote(
+                    settings = await self._server_handle().register_listener.remote(
                         self._replica_key, self._app_name, *self._listener_address
                     )
                     registered_at = time.monotonic()
+                    if settings and settings != self._log_settings:  # the logging extension's
+                        self._log_settings = settings
+                        log_settings.apply(settings)
                 except Exception as exc:  # the server app may not be deployed (yet)
                     logger.debug("could not register the listener: %s", exc)
             await asyncio.sleep(_STATS_PUSH_INTERVAL_S)

@@ -25,6 +25,7 @@ from rayinfer.deployments.names import SERVER_APP
 from rayinfer.deployments.route_table import RouteTable
 from rayinfer.deployments.serve_state import ServeState
 from rayinfer.deployments.v2_api import V2Api
+from rayinfer.protocol import log_settings
 from rayinfer.protocol.errors import InvalidArgError, NotFoundError, ServingError, as_serving_error
 from rayinfer.protocol.http_codec import parse_json_body
 from rayinfer.protocol.metrics import MetricsOptions
@@ -64,6 +65,8 @@ class ServerDeployment(ServerGrpcMethods):
             self._front = Front(http_front, grpc_front, SERVER_APP, front_threads)
         self._api = V2Api(server_id, strict_readiness, self._controller, state, RouteTable(state, self._front),
                           control.poll_secs)
+        if control.log_level == "DEBUG":  # --log-verbose
+            self._api.set_log_settings(log_settings.default_settings(verbose_level=1))
         self._forwarder = ModelForwarder(self._api)
         self._api.on_unload.append(self._forwarder.forget)
         loop = asyncio.get_running_loop()
@@ -84,8 +87,10 @@ class ServerDeployment(ServerGrpcMethods):
 
     # ---- calls from model replicas ----------------------------------------------------------
 
-    async def register_listener(self, replica_key: str, app: str, host: str, port: int) -> None:
+    async def register_listener(self, replica_key: str, app: str, host: str, port: int) -> dict[str, Any]:
+        """Register a model replica's listener; answers the log settings it is to follow."""
         await self._api.routes.register(replica_key, app, host, port)
+        return self._api.log_settings
 
     async def withdraw_listener(self, replica_key: str) -> None:
         await self._api.routes.withdraw(replica_key)
@@ -156,6 +161,11 @@ class ServerDeployment(ServerGrpcMethods):
             elif path == "/v2/repository/index" and method == "POST":
                 options = parse_json_body(await asgi.read_body(receive) or b"{}", "repository index")
                 await asgi.send_json(send, 200, await api.index(bool(options.get("ready", False))))
+            elif path == "/v2/logging" and method in ("GET", "POST"):
+                if method == "POST":
+                    doc = parse_json_body(await asgi.read_body(receive), "logging")
+                    api.set_log_settings(log_settings.update_from_http(api.log_settings, doc))
+                await asgi.send_json(send, 200, api.log_settings)
             elif path == "/v2/models/stats" and method == "GET":
                 await asgi.send_json(send, 200, {"model_stats": await api.model_stats("", "")})
             elif (control := parse_repository_route(path)) is not None and method == "POST":

@@ -22,6 +22,7 @@ from rayinfer.protocol.custom_metrics import CustomMetricsCollector
 from rayinfer.protocol.errors import NotFoundError, ServingError, UnavailableError
 from rayinfer.protocol.metrics import CpuFigures, GpuFigures, ModelFigures, render
 from rayinfer.protocol.statistics import stats_to_json
+from rayinfer.protocol import log_settings
 from rayinfer.serving.model_control import ModelController
 from rayinfer.serving.statistics_store import StatisticsStore
 
@@ -36,6 +37,7 @@ EXTENSIONS = [
     "model_configuration",
     "schedule_policy",
     "sequence",
+    "logging",
 ]
 
 
@@ -55,6 +57,16 @@ class V2Api:
         self._control_lock = asyncio.Lock()
         # Called with a model's name once it is unloaded (to drop what was kept for it).
         self.on_unload: list[Callable[[str], None]] = []
+        # The logging extension's settings; model replicas take them when they register.
+        self.log_settings = log_settings.default_settings()
+        log_settings.apply(self.log_settings)
+
+    def set_log_settings(self, settings: dict[str, Any]) -> dict[str, Any]:
+        """New log settings: applied here at once, in model replicas when they next register
+        (within a few seconds)."""
+        self.log_settings = settings
+        log_settings.apply(settings)
+        return settings
 
     def server_metadata(self) -> dict[str, Any]:
         return {"name": self._server_id, "version": rayinfer.__version__, "extensions": EXTENSIONS}

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import logging
 import time
 from collections import deque
@@ -265,6 +266,10 @@ class SequenceBatcher:
     def _padding(self, template: Any) -> Any:
         """A row for a slot with no request (direct strategy): zeros, READY false."""
         padding = copy.copy(template)
+        # Not the template's sequence: no correlation id or flags, no answer channel.
+        padding.request = dataclasses.replace(template.request, id=None, parameters={})
+        padding.sender = None
+        padding.cancelled = False
         padding.arrays = {name: np.zeros_like(array) if array.dtype != object else np.full(array.shape, b"", object)
                           for name, array in template.arrays.items()}
         padding.padding = True

@@ -229,6 +229,33 @@ class TritonPythonModel:
 
 # Cancellation: a response every 10 ms until the client cancels (is_cancelled()), which the
 # model counts in a metric of its own, then the final flag.
+# The logging extension reaching a replica: whether this replica's model logger would write a
+# verbose (DEBUG) line and an INFO line now (tests/compat/test_logging_extension.py).
+MODELS["py_log_probe"] = ("""name: "py_log_probe"
+backend: "python"
+input [ { name: "IN" data_type: TYPE_INT32 dims: [ 1 ] } ]
+output [ { name: "VERBOSE" data_type: TYPE_INT32 dims: [ 1 ] }, { name: "INFO" data_type: TYPE_INT32 dims: [ 1 ] } ]
+instance_group [ { kind: KIND_CPU } ]
+""", '''import logging
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+def would_log(level):
+    logger = logging.getLogger("triton_python_backend_utils")
+    record = logging.LogRecord(logger.name, level, __file__, 0, "probe", None, None)
+    return int(logger.isEnabledFor(level) and bool(logger.filter(record)))
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        return [pb_utils.InferenceResponse([
+            pb_utils.Tensor("VERBOSE", np.array([would_log(logging.DEBUG)], np.int32)),
+            pb_utils.Tensor("INFO", np.array([would_log(logging.INFO)], np.int32)),
+        ]) for _ in requests]
+''')
+
 MODELS["py_cancel"] = ("""name: "py_cancel"
 backend: "python"
 input [ { name: "IN" data_type: TYPE_INT32 dims: [ 1 ] } ]

@@ -37,12 +37,14 @@ class Recorder:
     def __init__(self, gate: asyncio.Event | None = None) -> None:
         self.batches: list[list[tuple[int, int, int, int]]] = []
         self.gate = gate
+        self.padding_parameters: list[dict] = []  # the request parameters of each padding row
 
     async def __call__(self, batch: list[PreparedRequest]) -> list[Any]:
         if self.gate is not None:
             await self.gate.wait()
         self.batches.append([tuple(int(p.arrays[n][0, 0]) for n in ("READY", "START", "END", "CORRID")) for p in batch])
         results = []
+        self.padding_parameters += [p.request.parameters for p in batch if p.padding]
         for p in batch:
             acc = (0 if p.arrays["START"][0, 0] else p.arrays["ACC_IN"][0, 0]) + p.arrays["INPUT"][0, 0]
             p.state_outputs = {"ACC_OUT": np.array([acc], np.int32)}
@@ -93,6 +95,7 @@ def test_direct_rows_are_slots_and_an_empty_slot_gets_a_padding_row() -> None:
     rows = [row for batch in recorder.batches for row in batch]
     assert (1, 1, 0, 1) in rows and (1, 1, 0, 2) in rows
     assert recorder.batches[-1] == [(0, 0, 0, 0), (1, 0, 1, 2)]
+    assert recorder.padding_parameters == [{}]  # a padding row claims no sequence
 
 
 def test_oldest_strategy_takes_the_oldest_request_of_each_sequence_without_padding() -> None:
