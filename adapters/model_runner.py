@@ -220,7 +220,8 @@ class ModelRunner:
         error = as_serving_error(exc)
         now = time.perf_counter_ns()
         for p in group:
-            self.stats.record_failure(now - p.arrival_ns)
+            if not p.padding:
+                self.stats.record_failure(now - p.arrival_ns)
         return [error] * len(group)
 
     def _response(self, prepared: PreparedRequest, outputs: dict[str, np.ndarray]) -> InferResponse:

@@ -70,7 +70,6 @@ class ModelDeployment:
         self._replica_key = f"{context.app_name}/{context.replica_id.unique_id}"
         self._app_name = context.app_name
         self._stats_pushed_at: tuple[int, int, int] | None = None
-        self._log_settings: dict[str, Any] | None = None  # as the /v2 replica last gave them
         self._server: Any = None
         # A Python model's calls to other models (set before loading: initialize may call).
         self._bls = ReplicaBlsClient(context.deployment)
@@ -190,8 +189,7 @@ class ModelDeployment:
                         self._replica_key, self._app_name, *self._listener_address
                     )
                     registered_at = time.monotonic()
-                    if settings and settings != self._log_settings:  # the logging extension's
-                        self._log_settings = settings
+                    if settings:  # the logging extension's (again: loggers created since get them too)
                         log_settings.apply(settings)
                 except Exception as exc:  # the server app may not be deployed (yet)
                     logger.debug("could not register the listener: %s", exc)

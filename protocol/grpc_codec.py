@@ -113,6 +113,8 @@ def request_from_grpc(message: pb.ModelInferRequest) -> InferRequest:
         _check_schedule_parameters(message.parameters, parameters)
     if "sequence_id" in parameters or "sequence_start" in parameters or "sequence_end" in parameters:
         _check_sequence_parameters(message.parameters)
+        if isinstance(parameters.get("sequence_id"), int) and parameters["sequence_id"] < 0:
+            parameters["sequence_id"] += 1 << 64  # an int64 id taken as unsigned, as in Triton
     return InferRequest(
         model_name=model,
         model_version=message.model_version,

@@ -51,7 +51,7 @@ class StateSpec:
 
     def initial_value(self) -> np.ndarray:
         if self.initial is not None:
-            return self.initial
+            return self.initial.copy()  # a model may change its state input in place
         dims = tuple(d if d > 0 else 1 for d in self.dims)
         return np.zeros(dims, dtype=numpy_dtype(self.datatype))
 

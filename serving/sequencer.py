@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from rayinfer.protocol.dtypes import numpy_dtype
-from rayinfer.protocol.errors import InvalidArgError, ServingError, UnavailableError
+from rayinfer.protocol.errors import InvalidArgError, ServingError, UnavailableError, as_serving_error
 from rayinfer.repository.sequence_config import CorrelationId, SequenceSpec, sequence_flags
 
 logger = logging.getLogger(__name__)
@@ -76,6 +76,8 @@ class SequenceBatcher:
         self._delay_s = spec.max_queue_delay_us / 1e6
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
+        self._running: list[_Pending] = []  # the requests of the batch executing now
+        self._closed = False
 
     @property
     def pending_requests(self) -> int:
@@ -87,6 +89,8 @@ class SequenceBatcher:
 
     async def submit(self, prepared: Any) -> Any:
         """Queue one request of a sequence; returns its result once its batch has executed."""
+        if self._closed:
+            raise UnavailableError(f"model '{self._model}' is unloading")
         corrid, start, end = sequence_flags(prepared.request.parameters)
         self._check(corrid, start, prepared.rows)
         sequence = self._sequences.get(corrid)
@@ -107,6 +111,8 @@ class SequenceBatcher:
         except asyncio.CancelledError:
             if pending in sequence.queue:  # not taken into a batch: it never runs
                 sequence.queue.remove(pending)
+                if pending.end:  # its END never came after all
+                    sequence.ended = any(p.end for p in sequence.queue)
             raise
 
     def _check(self, corrid: CorrelationId, start: bool, rows: int) -> None:
@@ -203,20 +209,34 @@ class SequenceBatcher:
                     continue
             try:
                 await self._run_batch(ready)
-            except Exception:  # never leaves a request without an answer; the loop goes on
+            except Exception as exc:  # the loop goes on; no request taken is left without an answer
                 logger.exception("model '%s': a sequence batch failed", self._model)
+                self._fail_running(exc)
+            finally:
+                self._running = []
+
+    def _fail_running(self, exc: BaseException) -> None:
+        for pending in self._running:
+            if not pending.future.done():
+                pending.future.set_exception(exc)
 
     async def _run_batch(self, ready: list[_Sequence]) -> None:
         if self._spec.direct:
+            # One execution: requests that would execute apart (other shapes, outputs or
+            # parameters) would lose their slot's row; they wait for a batch of their own.
+            signature = min(ready, key=lambda s: s.slot or 0).queue[0].prepared.signature
+            ready = [s for s in ready if s.queue[0].prepared.signature == signature]
             rows: list[tuple[_Sequence | None, _Pending | None]] = []
             highest = max(s.slot for s in ready if s.slot is not None)
             for index in range(min(highest + 1, self._max_rows)):
                 holder = self._slots[index]
-                rows.append((holder, holder.queue.popleft()) if holder is not None and holder.queue else (None, None))
+                taken = holder is not None and holder in ready
+                rows.append((holder, holder.queue.popleft()) if taken and holder is not None else (None, None))
         else:
             oldest = sorted(ready, key=lambda s: s.queue[0].arrived)[:self._max_rows]
             rows = [(s, s.queue.popleft()) for s in oldest]
-        template = next(p for _, p in rows if p is not None).prepared
+        self._running = [p for _, p in rows if p is not None]
+        template = self._running[0].prepared
         batch = []
         for sequence, pending in rows:
             if pending is None:
@@ -227,7 +247,7 @@ class SequenceBatcher:
         try:
             results: Sequence[Any] = await self._execute(batch)
         except Exception as exc:  # noqa: BLE001 - every request gets the error
-            results = [exc] * len(batch)
+            results = [as_serving_error(exc)] * len(batch)
         now = time.monotonic()
         for (sequence, pending), prepared, result in zip(rows, batch, results):
             if sequence is None or pending is None:
@@ -237,11 +257,8 @@ class SequenceBatcher:
             sequence.last_used = now
             if pending.end and not sequence.queue:
                 self._release(sequence)
-            if not pending.future.done():
-                if isinstance(result, BaseException):
-                    pending.future.set_exception(result)
-                else:
-                    pending.future.set_result(result)
+            if not pending.future.done():  # an error is the request's result, as from the dynamic batcher
+                pending.future.set_result(result)
 
     def _give_inputs(self, prepared: Any, sequence: _Sequence | None, start: bool, end: bool, ready: bool) -> None:
         """The control inputs and the implicit state of one row."""
@@ -251,10 +268,11 @@ class SequenceBatcher:
                 strings = control.datatype == "BYTES"
                 corrid = sequence.corrid if sequence is not None else None
                 if strings:
-                    value: Any = corrid.encode() if isinstance(corrid, str) else b""
+                    text = corrid.encode() if isinstance(corrid, str) else b""
+                    prepared.arrays[control.name] = np.full(shape, text, dtype=object)
                 else:
-                    value = corrid if isinstance(corrid, int) else 0
-                prepared.arrays[control.name] = np.full(shape, value, dtype=numpy_dtype(control.datatype))
+                    prepared.arrays[control.name] = _integer_id(corrid if isinstance(corrid, int) else 0,
+                                                                numpy_dtype(control.datatype), shape)
                 continue
             flag = {"START": start, "END": end, "READY": ready}[control.kind]
             prepared.arrays[control.name] = np.full(shape, control.value(flag), dtype=numpy_dtype(control.datatype))
@@ -268,7 +286,7 @@ class SequenceBatcher:
         padding = copy.copy(template)
         # Not the template's sequence: no correlation id or flags, no answer channel.
         padding.request = dataclasses.replace(template.request, id=None, parameters={})
-        padding.sender = None
+        padding.sender = None if template.sender is None else _DISCARD
         padding.cancelled = False
         padding.arrays = {name: np.zeros_like(array) if array.dtype != object else np.full(array.shape, b"", object)
                           for name, array in template.arrays.items()}
@@ -278,7 +296,9 @@ class SequenceBatcher:
         return padding
 
     def close(self) -> None:
-        """Fail what is still queued (the model is unloading)."""
+        """Fail what is still queued or executing (the model is unloading); refuse new requests."""
+        self._closed = True
+        self._fail_running(UnavailableError(f"model '{self._model}' is unloading"))
         for sequence in list(self._sequences.values()):
             while sequence.queue:
                 pending = sequence.queue.popleft()
@@ -286,3 +306,21 @@ class SequenceBatcher:
                     pending.future.set_exception(UnavailableError(f"model '{self._model}' is unloading"))
         if self._task is not None:
             self._task.cancel()
+
+
+class _Discard:
+    """The response sender of a padding row of a decoupled model: its responses go nowhere."""
+
+    def send(self, response: Any, final: bool = False) -> None:
+        pass
+
+
+_DISCARD = _Discard()
+
+
+def _integer_id(corrid: int, dtype: Any, shape: tuple[int, ...]) -> np.ndarray:
+    """An integer correlation id as the CORRID control's type holds it: its low bytes, as Triton
+    copies them (a gRPC int64 id is taken as unsigned)."""
+    bits = np.dtype(dtype).itemsize * 8
+    unsigned = np.array(corrid % (1 << bits), dtype=f"uint{bits}")
+    return np.full(shape, unsigned.view(dtype))

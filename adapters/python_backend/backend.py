@@ -270,5 +270,6 @@ class PythonModelRunner(ModelRunner):
     def _failed(self, batch: Sequence[PreparedRequest], error: ServingError) -> list[InferResponse | ServingError]:
         now = time.perf_counter_ns()
         for p in batch:
-            self.stats.record_failure(now - p.arrival_ns)
+            if not p.padding:
+                self.stats.record_failure(now - p.arrival_ns)
         return [as_serving_error(error)] * len(batch)

@@ -164,3 +164,42 @@ def test_a_cancelled_request_leaves_its_queue_without_running() -> None:
 
     recorder = asyncio.run(main())
     assert sum(len(batch) for batch in recorder.batches) == 2
+
+
+def test_integer_ids_fill_the_corrid_type_as_triton_copies_them() -> None:
+    from rayinfer.serving.sequencer import _integer_id
+
+    assert _integer_id(-1 + (1 << 64), np.uint64, (1, 1)).tolist() == [[(1 << 64) - 1]]
+    assert _integer_id((1 << 40) + 7, np.int32, (1,)).tolist() == [7]  # the low four bytes
+
+
+def test_close_answers_the_running_batch_and_refuses_new_requests() -> None:
+    async def main() -> tuple[Any, str]:
+        gate = asyncio.Event()  # never set: the batch stays executing
+        batcher = _batcher(Recorder(gate))
+        running = asyncio.ensure_future(batcher.submit(_request(1, 1, start=True)))
+        await wait_until_async(lambda: batcher.pending_requests == 0 and batcher.active_sequences == 1,
+                               "the request to execute")
+        batcher.close()
+        with pytest.raises(Exception) as refused:
+            await batcher.submit(_request(2, 1, start=True))
+        with pytest.raises(Exception) as failed:
+            await running
+        return failed.value, refused.value.message
+
+    failed, refused = asyncio.run(main())
+    assert "is unloading" in str(failed) and refused == "model 'm' is unloading"
+
+
+def test_direct_rows_with_other_signatures_wait_for_their_own_batch() -> None:
+    async def main() -> Recorder:
+        recorder = Recorder()
+        batcher = _batcher(recorder)
+        first, second = _request(1, 1, start=True), _request(2, 2, start=True)
+        second.signature = ("other outputs",)
+        await asyncio.gather(batcher.submit(first), batcher.submit(second))
+        return recorder
+
+    recorder = asyncio.run(main())
+    # Sequence 2 keeps row 1 in a batch of its own, with a padding row 0.
+    assert recorder.batches == [[(1, 1, 0, 1)], [(0, 0, 0, 0), (1, 1, 0, 2)]]
