@@ -203,3 +203,31 @@ def test_direct_rows_with_other_signatures_wait_for_their_own_batch() -> None:
     recorder = asyncio.run(main())
     # Sequence 2 keeps row 1 in a batch of its own, with a padding row 0.
     assert recorder.batches == [[(1, 1, 0, 1)], [(0, 0, 0, 0), (1, 1, 0, 2)]]
+
+
+def test_oldest_waits_out_its_queue_delay_for_a_preferred_batch() -> None:
+    """With a queue delay, the oldest strategy holds its first request until the batch reaches a
+    preferred size (here 2: both sequences in one batch), not longer than the delay."""
+    async def main() -> Recorder:
+        recorder = Recorder()
+        batcher = _batcher(recorder, direct=False, max_queue_delay_us=5_000_000, preferred_batch_sizes=(2,))
+        first = asyncio.ensure_future(batcher.submit(_request(1, 1, start=True, end=True)))
+        await wait_until_async(lambda: batcher.pending_requests == 1, "the first request to queue")
+        await batcher.submit(_request(2, 2, start=True, end=True))
+        await first
+        return recorder
+
+    assert [len(batch) for batch in asyncio.run(main()).batches] == [2]
+
+
+def test_direct_waits_for_its_minimum_slot_utilization_until_the_delay_expires() -> None:
+    async def main() -> tuple[Recorder, float]:
+        recorder = Recorder()
+        batcher = _batcher(recorder, max_queue_delay_us=200_000, minimum_slot_utilization=1.0)
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        await batcher.submit(_request(1, 1, start=True, end=True))  # one of two slots: waits out the delay
+        return recorder, loop.time() - start
+
+    recorder, waited = asyncio.run(main())
+    assert recorder.batches == [[(1, 1, 1, 1)]] and waited >= 0.19
