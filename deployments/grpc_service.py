@@ -23,6 +23,7 @@ from tritonclient.grpc import service_pb2 as pb
 import rayinfer
 from rayinfer.protocol.errors import (
     InvalidArgError,
+    NotFoundError,
     ServingError,
     UnsupportedError,
     as_serving_error,
@@ -194,23 +195,43 @@ class ServerGrpcMethods:
 
     # ---- extensions not implemented --------------------------------------------------------
 
+    # ---- shared memory ---------------------------------------------------------------------
+
     async def SystemSharedMemoryStatus(self, request: Any, grpc_context: Any = None) -> Any:
-        return _unimplemented(grpc_context, "system shared memory", pb.SystemSharedMemoryStatusResponse)
+        response = pb.SystemSharedMemoryStatusResponse()
+        try:
+            for region in self._api.shm.status(request.name):
+                response.regions[region["name"]].CopyFrom(
+                    pb.SystemSharedMemoryStatusResponse.RegionStatus(**region))
+        except ServingError as exc:
+            set_error(grpc_context, exc)
+            return pb.SystemSharedMemoryStatusResponse()
+        return response
 
     async def SystemSharedMemoryRegister(self, request: Any, grpc_context: Any = None) -> Any:
-        return _unimplemented(grpc_context, "system shared memory", pb.SystemSharedMemoryRegisterResponse)
+        try:
+            self._api.shm_register(request.name, request.key, request.offset, request.byte_size)
+        except ServingError as exc:
+            set_error(grpc_context, exc)
+        return pb.SystemSharedMemoryRegisterResponse()
 
     async def SystemSharedMemoryUnregister(self, request: Any, grpc_context: Any = None) -> Any:
-        return _unimplemented(grpc_context, "system shared memory", pb.SystemSharedMemoryUnregisterResponse)
+        await self._api.shm_unregister(request.name)
+        return pb.SystemSharedMemoryUnregisterResponse()
 
     async def CudaSharedMemoryStatus(self, request: Any, grpc_context: Any = None) -> Any:
-        return _unimplemented(grpc_context, "CUDA shared memory", pb.CudaSharedMemoryStatusResponse)
+        """No CUDA region can be registered here (as in a Triton built without GPU support)."""
+        if request.name:
+            set_error(grpc_context, NotFoundError(f"Unable to find cuda shared memory region: '{request.name}'"))
+        return pb.CudaSharedMemoryStatusResponse()
 
     async def CudaSharedMemoryRegister(self, request: Any, grpc_context: Any = None) -> Any:
-        return _unimplemented(grpc_context, "CUDA shared memory", pb.CudaSharedMemoryRegisterResponse)
+        set_error(grpc_context, InvalidArgError(
+            f"failed to register CUDA shared memory region: '{request.name}', GPUs not supported"))
+        return pb.CudaSharedMemoryRegisterResponse()
 
     async def CudaSharedMemoryUnregister(self, request: Any, grpc_context: Any = None) -> Any:
-        return _unimplemented(grpc_context, "CUDA shared memory", pb.CudaSharedMemoryUnregisterResponse)
+        return pb.CudaSharedMemoryUnregisterResponse()
 
     async def TraceSetting(self, request: Any, grpc_context: Any = None) -> Any:
         return _unimplemented(grpc_context, "trace settings", pb.TraceSettingResponse)

@@ -17,6 +17,7 @@ import json
 import logging
 import time
 from pathlib import Path
+from urllib.parse import unquote
 from typing import Any
 
 import ray
@@ -27,10 +28,11 @@ from rayinfer.adapters.python_backend import bls
 from rayinfer.deployments import asgi
 from rayinfer.deployments.bls_client import ReplicaBlsClient
 from rayinfer.deployments.ensemble_members import EnsembleMembers, load_ensemble
-from rayinfer.deployments.names import SERVER_APP, SERVER_DEPLOYMENT
+from rayinfer.deployments.names import SERVER_APP, SERVER_DEPLOYMENT, SHM_FORGET_PATH
 from rayinfer.deployments.replica_listener import ReplicaListener
 from rayinfer.protocol import log_settings
 from rayinfer.protocol.errors import NotFoundError, UnsupportedError
+from rayinfer.protocol.shared_memory import Registration, SharedMemoryRegistry
 from rayinfer.protocol.types import InferRequest, InferResponse
 from rayinfer.repository.ensemble import is_ensemble
 from rayinfer.repository.model_config import read_config
@@ -85,7 +87,8 @@ class ModelDeployment:
             runner, entry = await asyncio.to_thread(
                 load_runner, Path(model_repository), model_name, int(version), auto_complete, config_override, on_gpu
             )
-        self._core = self._bls.core = ModelCore(runner, entry.versions, self._merged_statistics)
+        self._core = self._bls.core = ModelCore(runner, entry.versions, self._merged_statistics,
+                                                SharedMemoryRegistry(self._shared_memory_region))
         self._listener = ReplicaListener(self._listener_grpc, self._listener_http)
         host = ray.util.get_node_ip_address()
         self._listener_address = (host, await self._listener.start(host))
@@ -119,6 +122,10 @@ class ModelDeployment:
         of the model's metadata, readiness, config or statistics."""
         route = parse_model_route(path, encoded=True)
         if route is None:
+            if method == "POST" and path.startswith(SHM_FORGET_PATH):
+                # The /v2 replica: a region was unregistered (all of them for an empty name).
+                self._core.shm.unregister(unquote(path[len(SHM_FORGET_PATH):]))
+                return 200, [], b""
             raise NotFoundError(f"Not Found: {method} {path}")
         return await model_http.respond(self._core, method, route, headers, body)
 
@@ -165,6 +172,11 @@ class ModelDeployment:
         if self._server is None:
             self._server = serve.get_deployment_handle(SERVER_DEPLOYMENT, SERVER_APP)
         return self._server
+
+    async def _shared_memory_region(self, name: str) -> Registration | None:
+        """A system shared memory region a request names that this replica has not mapped:
+        its registration with the ``/v2`` replica (None if there is none)."""
+        return await self._server_handle().shared_memory_region.remote(name)
 
     async def _merged_statistics(self, version: str, snapshot: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
         """Report this replica's figures and read back every replica's sum (one Ray call);

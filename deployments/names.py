@@ -9,6 +9,9 @@ SERVER_APP = "rayinfer"
 SERVER_DEPLOYMENT = "ServerDeployment"
 SERVER_ROUTE_PREFIX = "/v2"
 MODEL_DEPLOYMENT = "ModelDeployment"
+# The path on a model replica's listener by which the ``/v2`` replica tells it to forget a
+# system shared memory region (the region's name follows, percent-encoded; none: every region).
+SHM_FORGET_PATH = "/rayinfer/systemsharedmemory/forget/"
 # CPU reserved by each model replica: small, so many models fit on a small machine.
 DEFAULT_REPLICA_NUM_CPUS = 0.1
 

@@ -92,6 +92,11 @@ class RouteTable:
         return sorted((host, port) for a, host, port, seen in self._listeners.values()
                       if a == app and now - seen < LISTENER_TTL_S)
 
+    def all_listeners(self) -> list[tuple[str, int]]:
+        """Every model replica's listener registered lately."""
+        now = time.monotonic()
+        return sorted({(host, port) for _, host, port, seen in self._listeners.values() if now - seen < LISTENER_TTL_S})
+
     def _routes(self, not_running: AbstractSet[str]) -> dict[str, list[tuple[str, int]]]:
         """``<model>/<version>`` -> the listeners of its replicas, less those in ``not_running``
         (versions none of whose replicas is routable are left to Serve)."""

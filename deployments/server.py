@@ -11,6 +11,7 @@ repository poller, route publishing). Its HTTP routes are below, its gRPC method
 from __future__ import annotations
 
 import asyncio
+import re
 from pathlib import Path
 from typing import Any
 
@@ -29,10 +30,13 @@ from rayinfer.protocol import log_settings
 from rayinfer.protocol.errors import InvalidArgError, NotFoundError, ServingError, as_serving_error
 from rayinfer.protocol.http_codec import parse_json_body
 from rayinfer.protocol.metrics import MetricsOptions
+from rayinfer.protocol.shared_memory import Registration, registration_from_json
 from rayinfer.repository.model_config import config_to_json
 from rayinfer.serving.model_control import ModelController
 from rayinfer.serving.routes import UNROUTED_PREFIX, ModelRoute, parse_model_route, parse_repository_route
 
+# The shared memory extensions' routes: (system|cuda, region name or None, action).
+_SHM_ROUTE = re.compile(r"/v2/(system|cuda)sharedmemory(?:/region/([^/]+))?/(status|register|unregister)")
 # How often the front's routes are compared with the served versions and their replicas.
 _ROUTES_REFRESH_S = 2.0
 
@@ -91,6 +95,10 @@ class ServerDeployment(ServerGrpcMethods):
         """Register a model replica's listener; answers the log settings it is to follow."""
         await self._api.routes.register(replica_key, app, host, port)
         return self._api.log_settings
+
+    async def shared_memory_region(self, name: str) -> Registration | None:
+        """A model replica's request names a region it has not mapped: its registration, if any."""
+        return self._api.shm_registration(name)
 
     async def withdraw_listener(self, replica_key: str) -> None:
         await self._api.routes.withdraw(replica_key)
@@ -166,6 +174,8 @@ class ServerDeployment(ServerGrpcMethods):
                     doc = parse_json_body(await asgi.read_body(receive), "logging")
                     api.set_log_settings(log_settings.update_from_http(api.log_settings, doc))
                 await asgi.send_json(send, 200, api.log_settings)
+            elif (shm := _SHM_ROUTE.fullmatch(path)) is not None:
+                await self._shared_memory(shm[1], shm[2] or "", shm[3], method, receive, send)
             elif path == "/v2/models/stats" and method == "GET":
                 await asgi.send_json(send, 200, {"model_stats": await api.model_stats("", "")})
             elif (control := parse_repository_route(path)) is not None and method == "POST":
@@ -181,6 +191,30 @@ class ServerDeployment(ServerGrpcMethods):
                 raise NotFoundError(f"Not Found: {method} {scope['path']}")
         except ServingError as exc:
             await asgi.send_error(send, exc)
+
+    async def _shared_memory(self, kind: str, name: str, action: str, method: str, receive: asgi.Receive,
+                             send: asgi.Send) -> None:
+        """The system and CUDA shared memory extensions' routes (CUDA: no region can be registered
+        here, as in a Triton built without GPU support)."""
+        if method != ("GET" if action == "status" else "POST"):
+            raise NotFoundError(f"Not Found: {method} /v2/{kind}sharedmemory")
+        if kind == "cuda":
+            if action == "register":
+                raise InvalidArgError(f"failed to register CUDA shared memory region: '{name}', GPUs not supported")
+            if action == "status" and name:
+                raise NotFoundError(f"Unable to find cuda shared memory region: '{name}'")
+            await (asgi.send_json(send, 200, []) if action == "status" else asgi.send_empty(send, 200))
+        elif action == "status":
+            await asgi.send_json(send, 200, self._api.shm.status(name))
+        elif action == "register":
+            if not name:
+                raise InvalidArgError("'region name' is necessary to register system shared memory region")
+            doc = parse_json_body(await asgi.read_body(receive), "register")
+            self._api.shm_register(name, *registration_from_json(doc))
+            await asgi.send_empty(send, 200)
+        else:
+            await self._api.shm_unregister(name)
+            await asgi.send_empty(send, 200)
 
     async def _unrouted_model(self, route: ModelRoute, method: str, send: asgi.Send) -> None:
         """A model route the front had no replica for: the model is unknown, unavailable or still

@@ -14,8 +14,10 @@ import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import rayinfer
+from rayinfer.deployments.names import SHM_FORGET_PATH
 from rayinfer.deployments.route_table import RouteTable
 from rayinfer.deployments.serve_state import ServeState
 from rayinfer.protocol.custom_metrics import CustomMetricsCollector
@@ -23,10 +25,15 @@ from rayinfer.protocol.errors import NotFoundError, ServingError, UnavailableErr
 from rayinfer.protocol.metrics import CpuFigures, GpuFigures, ModelFigures, render
 from rayinfer.protocol.statistics import stats_to_json
 from rayinfer.protocol import log_settings
+from rayinfer.protocol.listener_client import post_empty
+from rayinfer.protocol.shared_memory import Registration, SharedMemoryRegistry
 from rayinfer.serving.model_control import ModelController
 from rayinfer.serving.statistics_store import StatisticsStore
 
 logger = logging.getLogger(__name__)
+
+# How long the /v2 replica waits for each model replica to forget an unregistered region.
+_SHM_FORGET_TIMEOUT_S = 5.0
 
 EXTENSIONS = [
     "classification",
@@ -38,6 +45,7 @@ EXTENSIONS = [
     "schedule_policy",
     "sequence",
     "logging",
+    "system_shared_memory",
 ]
 
 
@@ -60,6 +68,8 @@ class V2Api:
         # The logging extension's settings; model replicas take them when they register.
         self.log_settings = log_settings.default_settings()
         log_settings.apply(self.log_settings)
+        # The system shared memory regions clients registered.
+        self.shm = SharedMemoryRegistry()
 
     def set_log_settings(self, settings: dict[str, Any]) -> dict[str, Any]:
         """New log settings: applied here at once, in model replicas when they next register
@@ -67,6 +77,32 @@ class V2Api:
         self.log_settings = settings
         log_settings.apply(settings)
         return settings
+
+    # ---- system shared memory --------------------------------------------------------------
+
+    def shm_register(self, name: str, key: str, offset: int, byte_size: int) -> None:
+        """Register a region clients name in requests (mapped here to check it exists and is
+        large enough); model replicas map it when a request first names it."""
+        self.shm.register(name, key, offset, byte_size)
+
+    def shm_registration(self, name: str) -> Registration | None:
+        try:
+            return self.shm.registration(name)
+        except NotFoundError:
+            return None
+
+    async def shm_unregister(self, name: str = "") -> None:
+        """Forget a region (every region for an empty name), here and in every model replica:
+        a request naming it afterwards gets Triton's NOT_FOUND error."""
+        self.shm.unregister(name)
+        listeners = self.routes.all_listeners()
+        path = SHM_FORGET_PATH + quote(name, safe="")
+        results = await asyncio.gather(*(post_empty(address, path, _SHM_FORGET_TIMEOUT_S) for address in listeners),
+                                       return_exceptions=True)
+        for address, result in zip(listeners, results):
+            if result != 200:  # a replica going away keeps nothing; one that stays keeps a stale mapping
+                logger.warning("model replica at %s:%d did not forget shared memory region '%s': %s",
+                               *address, name or "(all)", result)
 
     def server_metadata(self) -> dict[str, Any]:
         return {"name": self._server_id, "version": rayinfer.__version__, "extensions": EXTENSIONS}

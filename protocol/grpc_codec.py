@@ -21,7 +21,8 @@ from rayinfer.protocol.dtypes import (
     numpy_dtype,
     serialize_bytes_tensor,
 )
-from rayinfer.protocol.errors import InvalidArgError
+from rayinfer.protocol.errors import InvalidArgError, UnsupportedError
+from rayinfer.protocol.shared_memory import REGION, TENSOR_PARAMETERS, SharedMemoryRegistry, tensor_location, write_output
 from rayinfer.protocol.types import InferInput, InferRequest, InferResponse, RequestedOutput
 
 # Typed ``InferTensorContents`` field for each datatype (FP16 and BF16 only travel raw).
@@ -71,19 +72,22 @@ def parameters_to_grpc(values: dict[str, Any], target: Any) -> None:
 
 # ---- inference ---------------------------------------------------------------------------------
 
-def request_from_grpc(message: pb.ModelInferRequest) -> InferRequest:
-    """Decode a ``ModelInferRequest``; errors name the offending input (and the model)."""
+def request_from_grpc(message: pb.ModelInferRequest, shm: SharedMemoryRegistry | None = None) -> InferRequest:
+    """Decode a ``ModelInferRequest``; errors name the offending input (and the model). Inputs
+    in shared memory are read from ``shm``'s regions (and outputs there checked against them)."""
     model = message.model_name
     raw = message.raw_input_contents
-    if raw and len(raw) != len(message.inputs):
+    in_shm = [REGION in tensor.parameters for tensor in message.inputs]
+    if raw and len(raw) != len(message.inputs) - sum(in_shm):
         raise InvalidArgError(
-            f"expected {len(message.inputs)} raw_input_contents (one per input) for model '{model}', "
-            f"got {len(raw)}"
+            f"expected {len(message.inputs) - sum(in_shm)} raw_input_contents (one per input not in shared "
+            f"memory) for model '{model}', got {len(raw)}"
         )
     if not message.inputs:
         raise InvalidArgError(f"request for model '{model}' must contain at least one input")
     inputs = []
-    for position, tensor in enumerate(message.inputs):
+    position = 0
+    for tensor, shared in zip(message.inputs, in_shm):
         name, datatype = tensor.name, tensor.datatype
         if datatype not in WIRE_DATATYPES:
             raise InvalidArgError(f"input '{name}' has invalid datatype '{datatype}' for model '{model}'")
@@ -91,23 +95,28 @@ def request_from_grpc(message: pb.ModelInferRequest) -> InferRequest:
         if any(d < 0 for d in shape):
             raise InvalidArgError(f"input '{name}' has invalid shape {list(shape)} for model '{model}'")
         count = math.prod(shape)
-        if raw:
+        parameters = parameters_from_grpc(tensor.parameters)
+        if shared or raw:
             if tensor.HasField("contents"):
                 raise InvalidArgError(
                     f"unexpected explicit tensor data for input tensor '{name}' for model '{model}', "
                     "binary data was already supplied."
                 )
+            if shared:
+                buffer = _shared_input(shm, parameters, f"input '{name}'")
+                parameters = {k: v for k, v in parameters.items() if k not in TENSOR_PARAMETERS}
+            else:
+                buffer = raw[position]
+                position += 1
             data = array_from_buffer(
-                raw[position], datatype, shape, name, f"input '{name}' for model '{model}'",
+                buffer, datatype, shape, name, f"input '{name}' for model '{model}'",
                 lambda got, expected, name=name: f"input byte size mismatch for input '{name}' for model '{model}'. "
                 f"Expected {expected}, got {got}",
             )
         else:
             data = _array_from_contents(name, model, datatype, shape, count, tensor)
-        inputs.append(InferInput(name, datatype, shape, data, parameters_from_grpc(tensor.parameters)))
-    outputs = [
-        RequestedOutput(out.name, None, _output_parameters(out.parameters)) for out in message.outputs
-    ] or None
+        inputs.append(InferInput(name, datatype, shape, data, parameters))
+    outputs = [_requested_output(out, shm) for out in message.outputs] or None
     parameters = parameters_from_grpc(message.parameters)
     if "priority" in parameters or "timeout" in parameters:
         _check_schedule_parameters(message.parameters, parameters)
@@ -123,6 +132,27 @@ def request_from_grpc(message: pb.ModelInferRequest) -> InferRequest:
         outputs=outputs,
         parameters=parameters,
     )
+
+
+def _shared_input(shm: SharedMemoryRegistry | None, parameters: dict[str, Any], what: str) -> bytes:
+    location = tensor_location(parameters, what)
+    assert location is not None
+    if shm is None:
+        raise UnsupportedError(f"{what}: shared memory is not available here")
+    return shm.read(location)
+
+
+def _requested_output(out: Any, shm: SharedMemoryRegistry | None) -> RequestedOutput:
+    output = RequestedOutput(out.name, None, _output_parameters(out.parameters))
+    if REGION in output.parameters:
+        if "classification" in output.parameters:
+            raise InvalidArgError("Output can't set both 'shared_memory_region' and 'classification'")
+        output.shm = tensor_location(output.parameters, f"output '{out.name}'")
+        output.parameters = {k: v for k, v in output.parameters.items() if k not in TENSOR_PARAMETERS}
+        if shm is None:
+            raise UnsupportedError(f"output '{out.name}': shared memory is not available here")
+        shm.check(output.shm)
+    return output
 
 
 def _check_schedule_parameters(message_parameters: Any, parameters: dict[str, Any]) -> None:
@@ -183,8 +213,12 @@ def _array_from_contents(name: str, model: str, datatype: str, shape: tuple[int,
     return array.reshape(shape)
 
 
-def response_to_grpc(response: InferResponse) -> pb.ModelInferResponse:
-    """Encode a response with every output's data in ``raw_output_contents``."""
+def response_to_grpc(response: InferResponse, request: InferRequest | None = None,
+                     shm: SharedMemoryRegistry | None = None) -> pb.ModelInferResponse:
+    """Encode a response with every output's data in ``raw_output_contents``; an output the
+    request placed in shared memory is written to ``shm`` (its raw contents left empty, so
+    that the others keep their positions)."""
+    wanted = {o.name: o.shm for o in request.outputs if o.shm is not None} if request and request.outputs else {}
     message = pb.ModelInferResponse(model_name=response.model_name, model_version=response.model_version)
     if response.id is not None:
         message.id = response.id
@@ -195,7 +229,12 @@ def response_to_grpc(response: InferResponse) -> pb.ModelInferResponse:
         tensor = message.outputs.add(name=out.name, datatype=out.datatype, shape=out.shape)
         if out.parameters:
             parameters_to_grpc(out.parameters, tensor.parameters)
-        if out.datatype == "BYTES":
+        location = wanted.get(out.name)
+        if location is not None:
+            assert shm is not None  # the request was decoded against it
+            write_output(shm, location, out.name, out.datatype, out.data)
+            raw.append(b"")
+        elif out.datatype == "BYTES":
             raw.append(serialize_bytes_tensor(out.data))
         else:
             raw.append(np.ascontiguousarray(out.data).tobytes())

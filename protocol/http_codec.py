@@ -20,6 +20,14 @@ from rayinfer.protocol.dtypes import (
     serialize_bytes_tensor,
 )
 from rayinfer.protocol.errors import Code, InvalidArgError, ServingError, UnsupportedError, as_serving_error, http_status
+from rayinfer.protocol.shared_memory import (
+    BYTE_SIZE,
+    REGION,
+    TENSOR_PARAMETERS,
+    SharedMemoryRegistry,
+    tensor_location,
+    write_output,
+)
 from rayinfer.protocol.types import InferInput, InferRequest, InferResponse, RequestedOutput
 
 HEADER_LENGTH = "inference-header-content-length"
@@ -39,9 +47,11 @@ def parse_json_body(body: bytes, what: str = "request") -> dict[str, Any]:
 
 
 def request_from_http(
-    body: bytes, header_length: int | None, model_name: str, model_version: str = ""
+    body: bytes, header_length: int | None, model_name: str, model_version: str = "",
+    shm: SharedMemoryRegistry | None = None,
 ) -> InferRequest:
-    """Decode an HTTP infer body (JSON, or JSON + binary tensors) into an :class:`InferRequest`."""
+    """Decode an HTTP infer body (JSON, or JSON + binary tensors) into an :class:`InferRequest`;
+    tensors in shared memory are read from ``shm``'s regions (and outputs checked against them)."""
     if header_length is None:
         header, binary = body, memoryview(b"")
     else:
@@ -59,7 +69,7 @@ def request_from_http(
     offset = 0
     inputs = []
     for raw in raw_inputs:
-        tensor, offset = _input_from_json(raw, binary, offset)
+        tensor, offset = _input_from_json(raw, binary, offset, shm)
         inputs.append(tensor)
     if offset != len(binary):
         raise InvalidArgError(
@@ -78,7 +88,7 @@ def request_from_http(
         model_version=model_version,
         id=str(request_id) if request_id is not None else None,
         inputs=inputs,
-        outputs=_outputs_from_json(doc.get("outputs"), params),
+        outputs=_outputs_from_json(doc.get("outputs"), params, shm),
         parameters=params,
     )
 
@@ -106,7 +116,8 @@ def _check_sequence_parameters(params: dict[str, Any]) -> None:
             raise ServingError(f"Unable to parse '{key}': attempt to access JSON non-boolean as boolean", Code.INTERNAL)
 
 
-def _input_from_json(raw: Any, binary: memoryview, offset: int) -> tuple[InferInput, int]:
+def _input_from_json(raw: Any, binary: memoryview, offset: int,
+                     shm: SharedMemoryRegistry | None) -> tuple[InferInput, int]:
     if not isinstance(raw, dict):
         raise InvalidArgError("each entry of 'inputs' must be a JSON object")
     name = raw.get("name")
@@ -119,7 +130,20 @@ def _input_from_json(raw: Any, binary: memoryview, offset: int) -> tuple[InferIn
     if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
         raise InvalidArgError(f"input '{name}' has invalid shape {shape!r}")
     params = raw.get("parameters") or {}
+    if not isinstance(params, dict):
+        raise InvalidArgError(f"input '{name}': 'parameters' must be a JSON object")
+    _check_content(name, "data" in raw, "binary_data_size" in params, REGION in params)
     count = math.prod(shape)
+    location = tensor_location(params, f"input '{name}'") if params else None
+    if location is not None:
+        if shm is None:
+            raise UnsupportedError(f"input '{name}': shared memory is not available here")
+        data = array_from_buffer(
+            shm.read(location), datatype, shape, name, f"input '{name}'",
+            lambda got, expected: f"input byte size mismatch for input '{name}'. Expected {expected}, got {got}",
+        )
+        params = {k: v for k, v in params.items() if k not in TENSOR_PARAMETERS}
+        return InferInput(name, datatype, tuple(shape), data, params), offset
     if "binary_data_size" in params:
         size = params["binary_data_size"]
         if not isinstance(size, int) or size < 0 or offset + size > len(binary):
@@ -134,10 +158,20 @@ def _input_from_json(raw: Any, binary: memoryview, offset: int) -> tuple[InferIn
         )
         params = {k: v for k, v in params.items() if k != "binary_data_size"}
         return InferInput(name, datatype, tuple(shape), data, params), offset + size
-    if "data" not in raw:
-        raise InvalidArgError(f"input '{name}' has neither 'data' nor binary_data_size")
     data = _array_from_json(name, datatype, shape, count, raw["data"])
     return InferInput(name, datatype, tuple(shape), data, params), offset
+
+
+def _check_content(name: str, has_data: bool, has_binary: bool, has_shm: bool) -> None:
+    """Triton's rule: exactly one of 'data', binary data and shared memory."""
+    if has_data + has_binary + has_shm == 1:
+        return
+    given = [f"'{field}'" for field, present in (("data", has_data), ("binary_data_size", has_binary),
+                                                 ("shared_memory_region", has_shm)) if present]
+    raise InvalidArgError(
+        "Input must set only one of the following fields: 'data', 'binary_data_size' in 'parameters', "
+        "'shared_memory_region' in 'parameters'. But " + (f"set {' '.join(given)}" if given else "no field is set")
+        + f" for input '{name}'")
 
 
 def _array_from_json(name: str, datatype: str, shape: list[int], count: int, data: Any) -> np.ndarray:
@@ -171,7 +205,8 @@ def _array_from_json(name: str, datatype: str, shape: list[int], count: int, dat
     return array.reshape(shape)
 
 
-def _outputs_from_json(raw: Any, params: dict[str, Any]) -> list[RequestedOutput] | None:
+def _outputs_from_json(raw: Any, params: dict[str, Any],
+                       shm: SharedMemoryRegistry | None) -> list[RequestedOutput] | None:
     if raw is None:
         return None
     if not isinstance(raw, list):
@@ -186,12 +221,30 @@ def _outputs_from_json(raw: Any, params: dict[str, Any]) -> list[RequestedOutput
         if not isinstance(classes, int) or isinstance(classes, bool) or classes < 0:
             raise ServingError("Unable to set 'classification': attempt to access JSON non-unsigned-integer as "
                                "unsigned-integer", Code.INTERNAL)
-        outputs.append(RequestedOutput(item["name"], None if binary is None else bool(binary), oparams))
+        output = RequestedOutput(item["name"], None if binary is None else bool(binary), oparams)
+        if REGION in oparams or BYTE_SIZE in oparams:
+            if binary:
+                raise InvalidArgError("Output can't set both 'shared_memory_region' and 'binary_data'")
+            _output_location(output, shm)
+        outputs.append(output)
     return outputs
 
 
-def response_to_http(response: InferResponse, request: InferRequest) -> tuple[bytes, int | None]:
-    """Encode a response; returns the body and the JSON header length when binary data follows."""
+def _output_location(output: RequestedOutput, shm: SharedMemoryRegistry | None) -> None:
+    """Move an output's shared memory parameters to ``output.shm``, checked against ``shm``."""
+    if "classification" in output.parameters:
+        raise InvalidArgError("Output can't set both 'shared_memory_region' and 'classification'")
+    output.shm = tensor_location(output.parameters, f"output '{output.name}'")
+    output.parameters = {k: v for k, v in output.parameters.items() if k not in TENSOR_PARAMETERS}
+    if shm is None:
+        raise UnsupportedError(f"output '{output.name}': shared memory is not available here")
+    shm.check(output.shm)
+
+
+def response_to_http(response: InferResponse, request: InferRequest,
+                     shm: SharedMemoryRegistry | None = None) -> tuple[bytes, int | None]:
+    """Encode a response; returns the body and the JSON header length when binary data follows.
+    Outputs the request placed in shared memory are written to ``shm``'s regions."""
     default_binary = bool(request.parameters.get("binary_data_output", False))
     wanted = {o.name: o for o in request.outputs} if request.outputs else {}
     chunks: list[bytes] = []
@@ -201,7 +254,10 @@ def response_to_http(response: InferResponse, request: InferRequest) -> tuple[by
         binary = default_binary if requested is None or requested.binary is None else requested.binary
         doc: dict[str, Any] = {"name": out.name, "datatype": out.datatype, "shape": list(out.shape)}
         params = dict(out.parameters)
-        if binary:
+        if requested is not None and requested.shm is not None:
+            assert shm is not None  # the request was decoded against it
+            write_output(shm, requested.shm, out.name, out.datatype, out.data)
+        elif binary:
             raw = (
                 serialize_bytes_tensor(out.data)
                 if out.datatype == "BYTES"

@@ -87,6 +87,20 @@ class ListenerClient:
             self.forget(address)
 
 
+async def post_empty(address: Address, path: str, timeout_s: float) -> int:
+    """POST an empty body to ``path`` on a listener (a new connection); the response's status."""
+    async def call() -> int:
+        reader, writer = await asyncio.open_connection(*address)
+        try:
+            writer.write(b"POST %b HTTP/1.1\r\nhost: %s:%d\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+                         % (path.encode("latin-1"), address[0].encode(), address[1]))
+            status, _, _ = await _read_response(reader)
+            return status
+        finally:
+            writer.close()
+    return await asyncio.wait_for(call(), timeout_s)
+
+
 def encode_request(request: InferRequest, address: Address) -> tuple[bytes, bytes]:
     """(request line and headers, body) of ``request``: every tensor binary, both ways."""
     inputs = []

@@ -21,11 +21,13 @@ class InferInput:
 
 @dataclass(slots=True)
 class RequestedOutput:
-    """An output the client asked for; ``binary`` None means the request's default."""
+    """An output the client asked for; ``binary`` None means the request's default; ``shm``
+    (a :class:`~rayinfer.protocol.shared_memory.TensorLocation`) where to write it instead."""
 
     name: str
     binary: bool | None = None
     parameters: dict[str, Any] = field(default_factory=dict)
+    shm: Any = None
 
 
 @dataclass(slots=True)

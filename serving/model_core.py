@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from rayinfer.protocol.errors import InternalError, ServingError, UnavailableError, as_serving_error
+from rayinfer.protocol.shared_memory import SharedMemoryRegistry
 from rayinfer.protocol.types import InferRequest, InferResponse
 from rayinfer.repository.model_config import config_to_json
 from rayinfer.serving.batcher import DynamicBatcher, QueueFullError
@@ -35,8 +36,10 @@ class ModelCore:
     """Answers one model version's requests in one replica; keeps its metadata and config."""
 
     def __init__(self, executor: Executor, versions: Sequence[int | str],
-                 statistics: StatisticsSource | None = None) -> None:
+                 statistics: StatisticsSource | None = None, shm: SharedMemoryRegistry | None = None) -> None:
         spec = executor.spec
+        # The system shared memory regions requests may name (the codecs read and write them).
+        self.shm = shm if shm is not None else SharedMemoryRegistry()
         self.executor = executor
         self.spec = spec
         self.name = spec.name

@@ -15,6 +15,7 @@ from tritonclient.grpc import service_pb2 as pb
 
 from rayinfer.protocol.errors import InvalidArgError, NotFoundError, ServingError, UnsupportedError, as_serving_error
 from rayinfer.protocol.grpc_codec import metadata_to_grpc, request_from_grpc, response_to_grpc, statistics_to_grpc
+from rayinfer.protocol.shared_memory import RegionMissing, decode_with_regions
 from rayinfer.protocol.statistics import stats_to_json
 from rayinfer.serving.model_core import ModelCore
 
@@ -46,8 +47,8 @@ async def call(core: ModelCore, method: str, request: Any) -> Any:
         if core.decoupled:
             raise UnsupportedError("ModelInfer RPC doesn't support models with decoupled transaction policy")
         # A request rejected here never reaches the executor, so it is not counted (as in Triton).
-        prepared = core.prepare(request_from_grpc(request))
-        return response_to_grpc(await core.infer(prepared))
+        decoded = await _decoded(core, request)
+        return response_to_grpc(await core.infer(core.prepare(decoded)), decoded, core.shm)
     if method == "ModelReady":
         return pb.ModelReadyResponse(ready=await core.ready())
     if method == "ModelMetadata":
@@ -58,6 +59,14 @@ async def call(core: ModelCore, method: str, request: Any) -> Any:
         figures = await core.statistics(version)
         return statistics_to_grpc([stats_to_json(core.name, v, snapshot) for v, snapshot in figures])
     raise UnsupportedError(f"unknown gRPC method '{method}' for model '{core.name}'")
+
+
+async def _decoded(core: ModelCore, request: pb.ModelInferRequest) -> Any:
+    """The request decoded, with the shared memory regions it names mapped."""
+    try:
+        return request_from_grpc(request, core.shm)
+    except RegionMissing:  # a region this replica has not mapped yet
+        return await decode_with_regions(core.shm, lambda: request_from_grpc(request, core.shm))
 
 
 async def call_serialized(core: ModelCore, method: str, payload: bytes) -> bytes:
@@ -80,7 +89,8 @@ async def stream_serialized(core: ModelCore, payload: bytes) -> AsyncIterator[by
         request = pb.ModelInferRequest.FromString(payload)
         if request.model_version and request.model_version != core.version:
             raise NotFoundError(f"Request for unknown model: '{core.name}' version {request.model_version} is not found")
-        prepared = core.prepare(request_from_grpc(request))
+        decoded = await _decoded(core, request)
+        prepared = core.prepare(decoded)
     except Exception as exc:  # rejected before the model (DecodeError included)
         yield pb.ModelStreamInferResponse(error_message=as_serving_error(exc).message).SerializeToString()
         return
@@ -88,4 +98,8 @@ async def stream_serialized(core: ModelCore, payload: bytes) -> AsyncIterator[by
         if isinstance(result, ServingError):
             yield pb.ModelStreamInferResponse(error_message=result.message).SerializeToString()
         else:
-            yield pb.ModelStreamInferResponse(infer_response=response_to_grpc(result)).SerializeToString()
+            try:
+                message = pb.ModelStreamInferResponse(infer_response=response_to_grpc(result, decoded, core.shm))
+            except Exception as exc:  # an output that does not fit its shared memory
+                message = pb.ModelStreamInferResponse(error_message=as_serving_error(exc).message)
+            yield message.SerializeToString()

@@ -12,6 +12,7 @@ from typing import Any
 from rayinfer.protocol.compression import compress_body, decompress_body, response_encoding
 from rayinfer.protocol.errors import InvalidArgError, NotFoundError, UnsupportedError
 from rayinfer.protocol.http_codec import error_response, request_from_http, response_to_http
+from rayinfer.protocol.shared_memory import RegionMissing, decode_with_regions
 from rayinfer.protocol.statistics import stats_to_json
 from rayinfer.serving.model_core import ModelCore
 from rayinfer.serving.routes import HEADER_LENGTH, ModelRoute
@@ -73,12 +74,16 @@ async def infer(core: ModelCore, headers: dict[bytes, bytes], body: bytes) -> Ht
             header_length = int(raw_length) if raw_length is not None else None
         except ValueError:
             raise InvalidArgError(f"invalid Inference-Header-Content-Length '{raw_length}'") from None
-        request = request_from_http(body, header_length, core.name, core.version)
+        try:
+            request = request_from_http(body, header_length, core.name, core.version, core.shm)
+        except RegionMissing:  # a shared memory region this replica has not mapped yet
+            request = await decode_with_regions(
+                core.shm, lambda: request_from_http(body, header_length, core.name, core.version, core.shm))
         prepared = core.prepare(request)
     except Exception as exc:
         return error_response(exc)
     try:
-        payload, json_length = response_to_http(await core.infer(prepared), request)
+        payload, json_length = response_to_http(await core.infer(prepared), request, core.shm)
     except Exception as exc:  # execution failures are counted by the executor
         return error_response(exc)
     extra = [_JSON] if json_length is None else [_OCTET, (HEADER_LENGTH, str(json_length).encode())]

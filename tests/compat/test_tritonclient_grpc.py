@@ -201,8 +201,7 @@ def test_malformed_tensor_data(stub):
 
 
 def test_unimplemented_extensions_answer_unimplemented(client):
-    for call in (client.get_system_shared_memory_status, client.get_cuda_shared_memory_status,
-                 client.get_trace_settings):
+    for call in (client.get_trace_settings,):
         err = error_of(call)
         assert err.status() == "StatusCode.UNIMPLEMENTED" and "not supported" in err.message()
 

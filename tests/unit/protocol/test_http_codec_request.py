@@ -160,7 +160,7 @@ def test_data_not_valid_for_datatype_names_the_input(datatype: str, data: list[A
 
 def test_missing_data_names_the_input() -> None:
     tensor = {"name": "INPUT0", "datatype": "INT32", "shape": [2]}
-    assert "input 'INPUT0' has neither 'data'" in _error(_json_body({"inputs": [tensor]}))
+    assert "But no field is set for input 'INPUT0'" in _error(_json_body({"inputs": [tensor]}))
 
 
 def test_binary_data_size_past_the_end_names_the_input() -> None:
