@@ -26,6 +26,7 @@ from rayinfer.cluster.settings import (
     http_front,
     metrics_endpoint,
     replica_log_level,
+    response_cache_bytes,
 )
 from rayinfer.cluster.tritonserver_flags import OneLineErrorParser, add_unsupported_flags
 from rayinfer.deployments.names import parse_bool
@@ -92,6 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
                          help="GPUs of the embedded local Ray (logical ones on a machine without GPUs)")
         sub.add_argument("--gpu-fallback", choices=("none", "cpu"), default=None,
                          help="cpu: run KIND_GPU instance groups on CPU replicas")
+        sub.add_argument("--cache-config", action="append", default=None,
+                         help="local,size=<bytes>: the response cache (models with response_cache enabled)")
         sub.add_argument("--gpu-wait-secs", type=float, default=None,
                          help="how long a model waits for missing GPUs before it is UNAVAILABLE (default 180)")
         sub.add_argument("--ray-metrics-port", type=int, default=None, help="embedded Ray's metrics port")
@@ -206,6 +209,7 @@ def serve(settings: ServerSettings) -> int:
             timeout_s=settings.startup_timeout_s,
             gpu_fallback=settings.gpu_fallback == "cpu",
             gpu_wait_s=settings.gpu_wait_secs,
+            cache_size_bytes=response_cache_bytes(settings),
             metrics=metrics_endpoint(settings),
             control_mode=settings.model_control_mode,
             poll_secs=settings.repository_poll_secs,

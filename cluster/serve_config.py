@@ -12,6 +12,7 @@ from rayinfer.cluster.settings import (
     http_front,
     metrics_endpoint,
     replica_log_level,
+    response_cache_bytes,
 )
 from rayinfer.deployments.grpc_service import SERVICER_FUNCTION
 from rayinfer.deployments.names import (
@@ -55,6 +56,7 @@ def render_serve_config(
         "auto_complete": auto_complete(settings),
         "log_level": replica_log_level(settings),
         "gpu_fallback": settings.gpu_fallback == "cpu",
+        "cache_size_bytes": response_cache_bytes(settings),
     }
     entries = scan_repository(settings.model_repository) if entries is None else entries
     applications: list[dict[str, Any]] = [{

@@ -7,11 +7,12 @@ import os
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from rayinfer.deployments.names import DEFAULT_REPLICA_NUM_CPUS
 from rayinfer.protocol.metrics import MetricsOptions
+from rayinfer.serving.response_cache import parse_cache_config
 
 logger = logging.getLogger(__name__)
 
@@ -145,6 +146,11 @@ class ServerSettings(BaseSettings):
     gpu_fallback: Literal["none", "cpu"] = Field(
         "none", description="cpu: run KIND_GPU instance groups as CPU replicas (development without a GPU)."
     )
+    cache_config: list[str] = Field(
+        default_factory=list,
+        description="tritonserver's --cache-config: local,size=<bytes> enables the response cache for models "
+        "whose config sets response_cache { enable: true }.",
+    )
     gpu_wait_secs: float = Field(
         180.0, gt=0,
         description="How long a model waits for GPUs the cluster does not have (an autoscaler may add a GPU "
@@ -165,6 +171,12 @@ class ServerSettings(BaseSettings):
     )
     startup_timeout_s: float = Field(600.0, description="How long to wait for models to finish loading.")
 
+    @field_validator("cache_config")
+    @classmethod
+    def _parse_cache_config(cls, values: list[str]) -> list[str]:
+        parse_cache_config(values)  # ValueError naming the value
+        return values
+
     @model_validator(mode="after")
     def _warn_on_overridden_strict_model_config(self) -> ServerSettings:
         if self.disable_auto_complete_config and self.strict_model_config is False:
@@ -175,6 +187,11 @@ class ServerSettings(BaseSettings):
 def auto_complete(settings: ServerSettings) -> bool:
     """Whether missing config fields are filled from the model (tritonserver's auto-complete)."""
     return not (settings.disable_auto_complete_config or settings.strict_model_config)
+
+
+def response_cache_bytes(settings: ServerSettings) -> int:
+    """The response cache's size on each node, in bytes (0: no cache)."""
+    return parse_cache_config(settings.cache_config)
 
 
 def replica_log_level(settings: ServerSettings) -> str:

@@ -36,7 +36,7 @@ UNSUPPORTED_FLAGS: tuple[str, ...] = (
     "metrics-config", "trace-config", "trace-file", "trace-level", "trace-rate", "trace-count",
     "trace-log-frequency",
     # Response cache and rate limiter
-    "cache-config", "cache-directory", "response-cache-byte-size", "rate-limit", "rate-limit-resource",
+    "cache-directory", "response-cache-byte-size", "rate-limit", "rate-limit-resource",
     # Memory, devices and backends
     "pinned-memory-pool-byte-size", "cuda-memory-pool-byte-size", "cuda-virtual-address-size",
     "min-supported-compute-capability", "buffer-manager-thread-count", "host-policy",

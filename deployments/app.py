@@ -62,7 +62,7 @@ def server_application(
 
 def build_model_app(args: dict[str, Any]) -> Application:
     """Serve-config entry point; ``args``: model_repository, model, version, is_default and
-    optionally replica_num_cpus, auto_complete, log_level, gpu_fallback."""
+    optionally replica_num_cpus, auto_complete, log_level, gpu_fallback, cache_size_bytes."""
     return model_application(
         args["model_repository"],
         args["model"],
@@ -72,6 +72,7 @@ def build_model_app(args: dict[str, Any]) -> Application:
         auto_complete=parse_bool(args.get("auto_complete", True)),
         log_level=str(args.get("log_level", "WARNING")),
         gpu_fallback=parse_bool(args.get("gpu_fallback", False)),
+        cache_size_bytes=int(args.get("cache_size_bytes", 0)),
     )
 
 
@@ -104,7 +105,7 @@ def build_server_app(args: dict[str, Any]) -> Application:
 
 def _control_from_args(args: dict[str, Any]) -> ModelControl:
     """model_control_mode, replica_num_cpus, auto_complete, repository_poll_secs, log_level,
-    gpu_fallback, gpu_wait_secs."""
+    gpu_fallback, gpu_wait_secs, cache_size_bytes."""
     return ModelControl(
         mode=str(args.get("model_control_mode", "none")),
         replica_num_cpus=float(args.get("replica_num_cpus", DEFAULT_REPLICA_NUM_CPUS)),
@@ -113,4 +114,5 @@ def _control_from_args(args: dict[str, Any]) -> ModelControl:
         log_level=str(args.get("log_level", "WARNING")),
         gpu_fallback=parse_bool(args.get("gpu_fallback", False)),
         gpu_wait_s=float(args.get("gpu_wait_secs", DEFAULT_GPU_WAIT_S)),
+        cache_size_bytes=int(args.get("cache_size_bytes", 0)),
     )

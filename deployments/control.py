@@ -77,6 +77,8 @@ class ModelControl:
     gpu_fallback: bool = False
     # How long a model waits for GPUs the cluster does not have before it is UNAVAILABLE.
     gpu_wait_s: float = DEFAULT_GPU_WAIT_S
+    # The response cache's size on each node (--cache-config local,size=N); 0: no cache.
+    cache_size_bytes: int = 0
 
 
 def model_application(
@@ -90,13 +92,14 @@ def model_application(
     config_override: str | None = None,
     log_level: str = "WARNING",
     gpu_fallback: bool = False,
+    cache_size_bytes: int = 0,
 ) -> Application:
     """The application serving one version of one model; replicas and their resources from its
     ``instance_group`` (:mod:`rayinfer.repository.instance_groups`).
 
     ``config_override``: a load request's config (Triton's JSON form) used instead of config.pbtxt;
     ``log_level``: the replicas' log level (``--log-verbose`` makes it DEBUG); ``gpu_fallback``:
-    GPU groups run as CPU replicas.
+    GPU groups run as CPU replicas; ``cache_size_bytes``: the response cache's size on a node.
     """
     entry = scan_model(Path(model_repository) / model, config_override)
     if entry.config is None:
@@ -120,7 +123,8 @@ def model_application(
         # A per-request access log line costs more than the request's own decoding.
         logging_config=LoggingConfig(enable_access_log=False, log_level=log_level),
     )
-    return deployment.bind(str(model_repository), model, int(version), auto_complete, config_override)
+    return deployment.bind(str(model_repository), model, int(version), auto_complete, config_override,
+                           cache_size_bytes)
 
 
 def deploy_models(
@@ -164,7 +168,7 @@ def _deploy_wave(model_repository: str, versions: list[tuple[str, int, bool]], c
                 model_repository, model, version, is_default,
                 replica_num_cpus=control.replica_num_cpus, auto_complete=control.auto_complete,
                 config_override=config_overrides.get(model), log_level=control.log_level,
-                gpu_fallback=control.gpu_fallback,
+                gpu_fallback=control.gpu_fallback, cache_size_bytes=control.cache_size_bytes,
             )
         except ModelConfigError as exc:  # e.g. instance groups Serve cannot express: this model only
             logger.error("model '%s' failed to load: %s", model, exc)

@@ -52,6 +52,7 @@ def deploy_repository(
     load_errors: dict[str, str] | None = None,
     gpu_fallback: bool = False,
     gpu_wait_s: float = DEFAULT_GPU_WAIT_S,
+    cache_size_bytes: int = 0,
 ) -> dict[str, str]:
     """Deploy the ``/v2`` app and one app per model version; returns models that failed to load.
 
@@ -60,7 +61,7 @@ def deploy_repository(
     read (they count against readiness, and are returned with the failures).
     """
     control = ModelControl(control_mode, replica_num_cpus, auto_complete, timeout_s, poll_secs, log_level,
-                           gpu_fallback, gpu_wait_s)
+                           gpu_fallback, gpu_wait_s, cache_size_bytes)
     launch_version = f"rayinfer-{uuid.uuid4().hex}"
 
     def run_server_app(errors: dict[str, str]) -> None:

@@ -35,9 +35,11 @@ from rayinfer.protocol.errors import NotFoundError, UnsupportedError
 from rayinfer.protocol.shared_memory import Registration, SharedMemoryRegistry
 from rayinfer.protocol.types import InferRequest, InferResponse
 from rayinfer.repository.ensemble import is_ensemble
-from rayinfer.repository.model_config import read_config
+from rayinfer.repository.model_config import config_to_json, read_config
 from rayinfer.serving import model_grpc, model_http
+from rayinfer.serving import response_cache
 from rayinfer.serving.model_core import ModelCore
+from rayinfer.serving.response_cache import ResponseCache, model_fingerprint
 from rayinfer.serving.routes import keep_request_headers, parse_model_route
 
 logger = logging.getLogger(__name__)
@@ -67,11 +69,12 @@ class ModelDeployment:
         version: int,
         auto_complete: bool = True,
         config_override: str | None = None,
+        cache_size_bytes: int = 0,
     ):
         context = serve.get_replica_context()
         self._replica_key = f"{context.app_name}/{context.replica_id.unique_id}"
         self._app_name = context.app_name
-        self._stats_pushed_at: tuple[int, int, int] | None = None
+        self._stats_pushed_at: tuple[int, ...] | None = None
         self._server: Any = None
         # A Python model's calls to other models (set before loading: initialize may call).
         self._bls = ReplicaBlsClient(context.deployment)
@@ -87,8 +90,9 @@ class ModelDeployment:
             runner, entry = await asyncio.to_thread(
                 load_runner, Path(model_repository), model_name, int(version), auto_complete, config_override, on_gpu
             )
+        cache = _response_cache(Path(model_repository) / model_name, runner, cache_size_bytes)
         self._core = self._bls.core = ModelCore(runner, entry.versions, self._merged_statistics,
-                                                SharedMemoryRegistry(self._shared_memory_region))
+                                                SharedMemoryRegistry(self._shared_memory_region), cache)
         self._listener = ReplicaListener(self._listener_grpc, self._listener_http)
         host = ray.util.get_node_ip_address()
         self._listener_address = (host, await self._listener.start(host))
@@ -237,6 +241,28 @@ class ModelDeployment:
             client.close()
 
 
-def _change_key(snapshot: dict[str, Any]) -> tuple[int, int, int, int]:
-    return (snapshot["execution_count"], snapshot["durations"]["fail"][0], snapshot["pending_request_count"],
-            snapshot.get("custom_metrics_version", 0))
+def _response_cache(model_dir: Path, runner: Any, size_bytes: int) -> ResponseCache | None:
+    """The node's response cache for this model version, when the server has one
+    (``--cache-config``) and the model's config enables it; Triton's rules for the models that
+    cannot use one (decoupled and sequence models) are logged, and the model serves uncached."""
+    spec = runner.spec
+    if not spec.config.response_cache.enable:
+        return None
+    name = spec.name
+    if size_bytes <= 0:
+        logger.warning("model '%s' enables response_cache but the server has no cache (--cache-config "
+                       "local,size=N): its responses are not cached", name)
+        return None
+    if getattr(runner, "decoupled", False) or spec.sequence_batching is not None:
+        logger.warning("model '%s': the response cache does not support decoupled or sequence models: its "
+                       "responses are not cached", name)
+        return None
+    version = str(getattr(runner, "version", ""))
+    fingerprint = model_fingerprint(model_dir, version, json.dumps(config_to_json(spec.config), sort_keys=True))
+    return ResponseCache(response_cache.default_root(), name, version, fingerprint, size_bytes)
+
+
+def _change_key(snapshot: dict[str, Any]) -> tuple[int, ...]:
+    durations = snapshot["durations"]  # successes count the response cache's hits, which execute nothing
+    return (snapshot["execution_count"], durations["success"][0], durations["fail"][0],
+            snapshot["pending_request_count"], snapshot.get("custom_metrics_version", 0))

@@ -32,6 +32,7 @@ from rayinfer.protocol.http_codec import parse_json_body
 from rayinfer.protocol.metrics import MetricsOptions
 from rayinfer.protocol.shared_memory import Registration, registration_from_json
 from rayinfer.repository.model_config import config_to_json
+from rayinfer.serving import response_cache
 from rayinfer.serving.model_control import ModelController
 from rayinfer.serving.routes import UNROUTED_PREFIX, ModelRoute, parse_model_route, parse_repository_route
 
@@ -71,6 +72,8 @@ class ServerDeployment(ServerGrpcMethods):
                           control.poll_secs)
         if control.log_level == "DEBUG":  # --log-verbose
             self._api.set_log_settings(log_settings.default_settings(verbose_level=1))
+        if control.cache_size_bytes:  # a new server: its models may differ from the last one's
+            response_cache.clear(response_cache.default_root())
         self._forwarder = ModelForwarder(self._api)
         self._api.on_unload.append(self._forwarder.forget)
         loop = asyncio.get_running_loop()

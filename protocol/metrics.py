@@ -56,6 +56,14 @@ _PENDING = (
     "nv_inference_pending_request_count",
     "Instantaneous number of pending requests awaiting execution per-model.",
 )
+# The response cache's families, for the models that use it: (name, help, duration, count or us).
+_CACHE_FAMILIES = (
+    ("nv_cache_num_hits_per_model", "Number of cache hits per model", "cache_hit", 0),
+    ("nv_cache_num_misses_per_model", "Number of cache misses per model", "cache_miss", 0),
+    ("nv_cache_hit_duration_per_model", "Total cache hit duration per model, in microseconds", "cache_hit", 1),
+    ("nv_cache_miss_duration_per_model", "Total cache miss (insert+lookup) duration per model, in microseconds",
+     "cache_miss", 1),
+)
 # Triton 2.51 splits failures by reason; rayinfer's failures are all the backend's.
 _FAILURE_REASONS = ("OTHER", "BACKEND", "CANCELED", "REJECTED")
 _DURATION_OF = {
@@ -167,6 +175,13 @@ class TritonCollector:
         for m in self._models:
             pending.add_metric((m.name, m.version), m.pending)
         yield pending
+        cached = [m for m in self._models if m.snapshot.get("response_cache")]
+        for metric, help_text, key, field in _CACHE_FAMILIES if cached else ():
+            family = Metric(metric, help_text, "counter")
+            for m in cached:
+                count, ns = m.snapshot["durations"].get(key, (0, 0))
+                family.add_sample(metric, {"model": m.name, "version": m.version}, ns // 1000 if field else count)
+            yield family
 
     def _cpu_families(self) -> Iterator[Metric]:
         cpu = self._cpu

@@ -234,7 +234,7 @@ def write_output(shm: SharedMemoryRegistry, location: TensorLocation, name: str,
         shm.write(location, memoryview(serialize_bytes_tensor(data)), name)
     else:
         array = np.ascontiguousarray(data)
-        shm.write(location, memoryview(array).cast("B") if array.size else memoryview(b""), name)
+        shm.write(location, array.data.cast("B") if array.size else memoryview(b""), name)
 
 
 async def decode_with_regions(registry: SharedMemoryRegistry | None, decode: Callable[[], Any]) -> Any:

@@ -6,7 +6,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-_DURATIONS = ("success", "fail", "queue", "compute_input", "compute_infer", "compute_output")
+_DURATIONS = ("success", "fail", "queue", "compute_input", "compute_infer", "compute_output", "cache_hit",
+              "cache_miss")
 _BATCH_DURATIONS = ("compute_input", "compute_infer", "compute_output")
 
 
@@ -52,6 +53,15 @@ class ModelStatistics:
             per_batch[key][0] += 1
             per_batch[key][1] += ns
 
+    def record_cache_hit(self, request_ns: int, lookup_ns: int) -> None:
+        """A request answered from the response cache: a success with no execution."""
+        self._add("cache_hit", lookup_ns)
+        self.record_success(request_ns, 0)
+
+    def record_cache_miss(self, ns: int) -> None:
+        """A request not in the cache: its lookup and insertion time."""
+        self._add("cache_miss", ns)
+
     def _add(self, key: str, ns: int) -> None:
         pair = self.durations[key]
         pair[0] += 1
@@ -77,8 +87,10 @@ def merge_snapshots(snapshots: list[dict[str, Any]]) -> dict[str, Any]:
         total["execution_count"] += snap["execution_count"]
         total["last_inference"] = max(total["last_inference"], snap["last_inference"])
         for key, (count, ns) in snap["durations"].items():
-            total["durations"][key][0] += count
-            total["durations"][key][1] += ns
+            pair = total["durations"].setdefault(key, [0, 0])
+            pair[0] += count
+            pair[1] += ns
+        total["response_cache"] = total.get("response_cache", False) or snap.get("response_cache", False)
         for reason, count in snap.get("failure_reasons", {}).items():
             total["failure_reasons"][reason] = total["failure_reasons"].get(reason, 0) + count
         for size, per in snap["batch_stats"].items():
@@ -92,8 +104,6 @@ def merge_snapshots(snapshots: list[dict[str, Any]]) -> dict[str, Any]:
 def stats_to_json(name: str, version: str, snap: dict[str, Any]) -> dict[str, Any]:
     """One entry of ``model_stats`` in Triton's JSON form."""
     inference_stats = {k: {"count": c, "ns": ns} for k, (c, ns) in snap["durations"].items()}
-    for key in ("cache_hit", "cache_miss"):
-        inference_stats[key] = {"count": 0, "ns": 0}
     return {
         "name": name,
         "version": version,

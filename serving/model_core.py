@@ -20,6 +20,7 @@ from rayinfer.protocol.shared_memory import SharedMemoryRegistry
 from rayinfer.protocol.types import InferRequest, InferResponse
 from rayinfer.repository.model_config import config_to_json
 from rayinfer.serving.batcher import DynamicBatcher, QueueFullError
+from rayinfer.serving.response_cache import ResponseCache
 from rayinfer.serving.sequencer import SequenceBatcher
 from rayinfer.serving.executor import BlockingSender, Executor, ResponseSender, Result
 
@@ -36,8 +37,13 @@ class ModelCore:
     """Answers one model version's requests in one replica; keeps its metadata and config."""
 
     def __init__(self, executor: Executor, versions: Sequence[int | str],
-                 statistics: StatisticsSource | None = None, shm: SharedMemoryRegistry | None = None) -> None:
+                 statistics: StatisticsSource | None = None, shm: SharedMemoryRegistry | None = None,
+                 cache: ResponseCache | None = None) -> None:
         spec = executor.spec
+        # The response cache, when the model and the server enable it (else no lookup at all).
+        self._cache = cache
+        if cache is None:
+            self._schedule = self._schedule_model  # type: ignore[method-assign]
         # The system shared memory regions requests may name (the codecs read and write them).
         self.shm = shm if shm is not None else SharedMemoryRegistry()
         self.executor = executor
@@ -137,6 +143,25 @@ class ModelCore:
         yield from sender.responses()
 
     async def _schedule(self, prepared: Any) -> Any:
+        """The request's result: from the response cache when it holds it, else the model's."""
+        cache = self._cache
+        assert cache is not None  # without one, _schedule is _schedule_model
+        start = time.perf_counter_ns()
+        key = cache.key(prepared.request)
+        cached = cache.get(key, prepared.request, self.name, self.version)
+        lookup_end = time.perf_counter_ns()
+        stats = self.executor.stats
+        if cached is not None:
+            stats.record_cache_hit(lookup_end - prepared.arrival_ns, lookup_end - start)
+            return cached
+        result = await self._schedule_model(prepared)
+        if isinstance(result, InferResponse):
+            insert_start = time.perf_counter_ns()
+            cache.put(key, result)
+            stats.record_cache_miss(lookup_end - start + time.perf_counter_ns() - insert_start)
+        return result
+
+    async def _schedule_model(self, prepared: Any) -> Any:
         if self._sequencer is not None:
             return await self._sequencer.submit(prepared)
         if self._batcher is not None:
@@ -205,6 +230,7 @@ class ModelCore:
         snapshot = self.executor.stats.snapshot()
         queue = self._sequencer or self._batcher
         snapshot["pending_request_count"] = queue.pending_requests if queue is not None else 0
+        snapshot["response_cache"] = self._cache is not None
         custom_metrics = getattr(self.executor, "custom_metrics", None)
         if custom_metrics is not None:  # the model's own metric families (a Python model's)
             snapshot["custom_metrics_version"], snapshot["custom_metrics"] = custom_metrics()

@@ -177,6 +177,7 @@ def server(model_repository: Path, tmp_path_factory: pytest.TempPathFactory):
     proc = start_server(model_repository, log_path, [
         "--model-control-mode", "explicit", *load, "--http-port", str(HTTP_PORT), "--metrics-port", str(METRICS_PORT),
         "--grpc-port", str(GRPC_PORT), "--serve-grpc-port", str(SERVE_GRPC_PORT), "--serve-http-port", str(SERVE_HTTP_PORT),
+        "--cache-config", "local,size=1048576",
     ])
     _SHARED["server"] = proc
     try:

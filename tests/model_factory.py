@@ -32,6 +32,9 @@ CONFIGS = {
     "preferred": 'backend: "onnxruntime"\nmax_batch_size: 8\n' + ADD_SUB_IO
     + "dynamic_batching { preferred_batch_size: [ 4 ] max_queue_delay_microseconds: 5000000 }\n",
     "nobatch": 'platform: "onnxruntime_onnx"\nmax_batch_size: 0\n' + ADD_SUB_IO,
+    # The response cache, shared by its two replicas (the server runs with --cache-config).
+    "cached": 'platform: "onnxruntime_onnx"\nmax_batch_size: 8\n' + ADD_SUB_IO
+    + "instance_group [ { count: 2 kind: KIND_CPU } ]\nresponse_cache { enable: true }\n",
     "on_demand": 'platform: "onnxruntime_onnx"\nmax_batch_size: 8\n' + ADD_SUB_IO,
     "versioned": 'platform: "onnxruntime_onnx"\nmax_batch_size: 8\nversion_policy: { all { } }\n' + ADD_SUB_IO,
     "broken_config": 'platform: "onnxruntime_onnx"\nmax_batch_size: 8\ninput [ { name: "INPUT0" ',
@@ -109,7 +112,7 @@ def build_test_repository(root: Path) -> Path:
     """The example repository plus the models above; returns its path."""
     write_example_repository(root)
     add_sub = add_sub_model(TensorProto.INT32)
-    for name in ("batched", "preferred", "versioned", "corrupt"):
+    for name in ("batched", "preferred", "versioned", "corrupt", "cached"):
         write_model(root, name, CONFIGS[name], add_sub)
     for name in ON_DEMAND_MODELS:
         write_model(root, name, CONFIGS["on_demand"], add_sub)

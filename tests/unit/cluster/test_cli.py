@@ -194,7 +194,7 @@ def test_the_common_tritonserver_flags_are_known() -> None:
     """The flags users' manifests carry most are either taken or refused by name."""
     for flag in ("model-load-thread-count", "backend-config", "pinned-memory-pool-byte-size",
                  "cuda-memory-pool-byte-size", "trace-config", "log-info", "log-warning", "log-error",
-                 "log-format", "log-file", "rate-limit", "cache-config", "response-cache-byte-size",
+                 "log-format", "log-file", "rate-limit", "response-cache-byte-size",
                  "allow-sagemaker", "allow-vertex-ai", "model-namespacing", "buffer-manager-thread-count",
                  "min-supported-compute-capability", "grpc-use-ssl", "reuse-http-port", "reuse-grpc-port",
                  "allow-http", "exit-timeout-secs"):
@@ -230,3 +230,16 @@ def test_num_cpus_is_a_whole_number(repository: Path, capsys: pytest.CaptureFixt
     assert settings.num_cpus == 2 and type(settings.num_cpus) is int
     line = exit_line(capsys, ["serve", "--model-repository", str(repository), "--num-cpus", "2.5"])
     assert line.startswith("rayinfer: error: ") and "num-cpus" in line.replace("_", "-")
+
+
+def test_cache_config_sizes_the_response_cache_of_every_model_app(repository: Path) -> None:
+    settings = settings_of(repository, "--cache-config", "local,size=1048576")
+    assert all(args["cache_size_bytes"] == 1048576 for args in all_args(settings))
+    assert all(args["cache_size_bytes"] == 0 for args in all_args(settings_of(repository)))
+
+
+@pytest.mark.parametrize("value", ["redis,host=x", "local,size=lots", "local"])
+def test_a_cache_config_rayinfer_cannot_serve_is_one_line(repository: Path, capsys: pytest.CaptureFixture[str],
+                                                         value: str) -> None:
+    line = exit_line(capsys, ["serve", "--model-repository", str(repository), "--cache-config", value])
+    assert line.startswith("rayinfer: error:") and value in line

@@ -1,0 +1,205 @@
+"""Triton's response cache (``response_cache { enable: true }`` with ``--cache-config
+local,size=N``): a request identical to an earlier one is answered with that one's response,
+without running the model.
+
+The cache is shared by every replica on a node: each entry is one file in a directory on the
+node's memory file system (``/dev/shm``), named by the hash of what decides the response (the
+model, its version and files, the inputs' names, datatypes, shapes and bytes, the requested
+outputs and the parameters the model sees). A hit reads the file; a miss writes it once the model
+answered. The directory stays under ``size`` bytes: a process that finds the total over it removes
+the entries used longest ago (a hit touches its file) until the total is under nine tenths of it.
+Each process counts what it wrote since it last summed the directory, so the bound holds to
+within the entries the other processes wrote meanwhile.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from rayinfer.protocol.dtypes import array_from_buffer, serialize_bytes_tensor
+from rayinfer.protocol.types import InferOutput, InferRequest, InferResponse
+
+logger = logging.getLogger(__name__)
+
+# Request parameters that change nothing in the response (how it travels, who asked).
+_TRANSPORT_PARAMETERS = frozenset({"binary_data_output", "priority", "timeout", "headers"})
+# A process sums the directory again after this many of its own insertions at the latest.
+_RESUM_EVERY = 64
+
+
+def parse_cache_config(values: list[str]) -> int:
+    """The local cache's size in bytes from tritonserver's ``--cache-config`` values
+    (``local,size=N``, possibly given as several flags); 0 when there is none."""
+    size = 0
+    for value in values:
+        name, _, setting = value.partition(",")
+        if name != "local":
+            raise ValueError(f"unsupported cache '{name}' in --cache-config {value} (rayinfer has 'local')")
+        key, _, number = setting.partition("=")
+        if key != "size" or not number.isdigit():
+            raise ValueError(f"--cache-config {value}: expected local,size=<bytes>")
+        size = int(number)
+    return size
+
+
+def default_root() -> Path:
+    """Where the node's cache directories live: the memory file system when there is one."""
+    shm = Path("/dev/shm")
+    base = shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
+    return base / f"rayinfer-response-cache-{os.getuid()}"
+
+
+def clear(root: Path) -> None:
+    """Remove every entry (a server starting: its models may differ from the last one's)."""
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def model_fingerprint(model_dir: Path, version: str, config_json: str) -> str:
+    """What identifies a model's answers: its config and its version's files (names, sizes and
+    modification times), so that a model changed on disk never meets its old entries."""
+    digest = hashlib.blake2b(config_json.encode(), digest_size=16)
+    version_dir = model_dir / version
+    for path in sorted(p for p in version_dir.rglob("*") if p.is_file()) if version_dir.is_dir() else ():
+        stat = path.stat()
+        digest.update(f"{path.relative_to(version_dir)}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+    return digest.hexdigest()
+
+
+class ResponseCache:
+    """One model version's view of the node's cache (``root``), bounded at ``size_bytes`` in all."""
+
+    def __init__(self, root: Path, model: str, version: str, fingerprint: str, size_bytes: int) -> None:
+        self._root = root
+        self._size_bytes = size_bytes
+        self._directory = root / hashlib.blake2b(f"{model}\0{version}\0{fingerprint}".encode(),
+                                                 digest_size=16).hexdigest()
+        root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if root.stat().st_uid != os.getuid():  # another user's directory: never read its entries
+            raise PermissionError(f"the response cache directory {root} belongs to another user")
+        self._directory.mkdir(mode=0o700, exist_ok=True)
+        self._written = 0  # bytes this process wrote since it last summed the directory
+        self._total = 0  # the directory's size when last summed
+        self._insertions = 0
+
+    def key(self, request: InferRequest) -> str:
+        """The hash of what decides the response to ``request``."""
+        digest = hashlib.blake2b(digest_size=20)
+        for tensor in request.inputs:
+            digest.update(f"{tensor.name}\0{tensor.datatype}\0{tensor.shape}\0".encode())
+            data = tensor.data
+            if data.dtype == object:  # BYTES: each element's length and bytes
+                for item in data.reshape(-1):
+                    raw = item.encode() if isinstance(item, str) else bytes(item)
+                    digest.update(len(raw).to_bytes(8, "little"))
+                    digest.update(raw)
+            else:
+                digest.update(np.ascontiguousarray(data).tobytes())
+        outputs = sorted((o.name, sorted(o.parameters.items())) for o in request.outputs or ())
+        parameters = sorted((k, v) for k, v in request.parameters.items() if k not in _TRANSPORT_PARAMETERS)
+        digest.update(repr((outputs, parameters)).encode())
+        return digest.hexdigest()
+
+    def get(self, key: str, request: InferRequest, model: str, version: str) -> InferResponse | None:
+        """The cached response to a request with this key (with ``request``'s id), or None."""
+        path = self._directory / key
+        try:
+            with open(path, "rb") as file:
+                payload = file.read()
+            os.utime(path)  # used now: the last to be evicted
+            return decode_entry(payload, request, model, version)
+        except (OSError, ValueError, KeyError):  # gone meanwhile (evicted), or not whole
+            return None
+
+    def put(self, key: str, response: InferResponse) -> None:
+        """Keep ``response``; one larger than the whole cache is not kept."""
+        payload = encode_entry(response)
+        if len(payload) > self._size_bytes:
+            return
+        path = self._directory / key
+        temporary = path.with_name(f".{key}.{os.getpid()}")
+        try:
+            try:
+                file = open(temporary, "wb")
+            except FileNotFoundError:  # the directory was cleared (a server starting): again
+                self._directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+                file = open(temporary, "wb")
+            with file:
+                file.write(payload)
+            os.replace(temporary, path)  # whole or not at all, for the other replicas
+        except OSError as exc:  # the memory file system is full: no entry
+            logger.debug("could not cache a response of %s: %s", self._directory, exc)
+            temporary.unlink(missing_ok=True)
+            return
+        self._written += len(payload)
+        self._insertions += 1
+        if self._total + self._written > self._size_bytes or self._insertions >= _RESUM_EVERY:
+            self._trim()
+
+    def _trim(self) -> None:
+        """Sum the node's entries; remove the least recently used while over the bound."""
+        entries = []
+        for directory in self._root.iterdir() if self._root.is_dir() else ():
+            try:
+                with os.scandir(directory) as found:
+                    for entry in found:
+                        if not entry.name.startswith("."):
+                            try:
+                                stat = entry.stat()
+                            except FileNotFoundError:  # removed by another replica meanwhile
+                                continue
+                            entries.append((stat.st_mtime_ns, stat.st_size, entry.path))
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+        total = sum(size for _, size, _ in entries)
+        if total > self._size_bytes:
+            entries.sort()
+            target = self._size_bytes * 0.9
+            for _, size, path in entries:
+                if total <= target:
+                    break
+                try:
+                    os.unlink(path)
+                    total -= size
+                except FileNotFoundError:
+                    pass
+        self._total, self._written, self._insertions = total, 0, 0
+
+    def entry_count(self) -> int:
+        """Entries of this model version on the node now."""
+        try:
+            return sum(1 for name in os.listdir(self._directory) if not name.startswith("."))
+        except FileNotFoundError:
+            return 0
+
+
+def encode_entry(response: InferResponse) -> bytes:
+    """An entry's bytes: a JSON header (its length first, 8 bytes) then each output's raw data."""
+    chunks, outputs = [], []
+    for out in response.outputs:
+        raw = serialize_bytes_tensor(out.data) if out.datatype == "BYTES" else np.ascontiguousarray(out.data).tobytes()
+        outputs.append({"name": out.name, "datatype": out.datatype, "shape": list(out.shape), "size": len(raw),
+                        "parameters": out.parameters})
+        chunks.append(raw)
+    header = json.dumps({"outputs": outputs, "parameters": response.parameters}).encode()
+    return len(header).to_bytes(8, "little") + header + b"".join(chunks)
+
+
+def decode_entry(payload: bytes, request: InferRequest, model: str, version: str) -> InferResponse:
+    header_length = int.from_bytes(payload[:8], "little")
+    doc = json.loads(payload[8:8 + header_length])
+    view = memoryview(payload)[8 + header_length:]
+    outputs, offset = [], 0
+    for out in doc["outputs"]:
+        data = array_from_buffer(view[offset:offset + out["size"]], out["datatype"], out["shape"], out["name"],
+                                 f"cached output '{out['name']}'", lambda got, want: f"{got} != {want} bytes")
+        offset += out["size"]
+        outputs.append(InferOutput(out["name"], out["datatype"], tuple(out["shape"]), data, out["parameters"]))
+    return InferResponse(model, version, outputs, id=request.id, parameters=doc["parameters"])
