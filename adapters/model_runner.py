@@ -46,6 +46,15 @@ class PreparedRequest:
     state_outputs: dict[str, np.ndarray] | None = None
     # Outputs asked for as classifications: name -> how many classes (Triton's extension).
     classes: dict[str, int] | None = None
+    # A traced request's timestamps, (name, perf_counter ns), set by the serving core.
+    trace: list[tuple[str, int]] | None = None
+
+
+def trace_compute(batch: Sequence[PreparedRequest], infer_start: int, infer_end: int) -> None:
+    """Note where the model's own part of an execution began and ended, in traced requests."""
+    for p in batch:
+        if p.trace is not None:
+            p.trace += [("COMPUTE_INPUT_END", infer_start), ("COMPUTE_OUTPUT_START", infer_end)]
 
 
 # Request parameters that shape how a request travels or is encoded, not what the model computes:
@@ -198,6 +207,7 @@ class ModelRunner:
             # signature holds the rest); the first request's are passed.
             outputs = self.adapter.execute(merged, wanted, group[0].request.parameters)
             infer_end = time.perf_counter_ns()
+            trace_compute(group, infer_start, infer_end)
             per_request = split_outputs(outputs, rows) if self.spec.max_batch_size > 0 else [outputs]
             if self._state_outputs:
                 keep_state(group, per_request, self._state_outputs, self.spec.max_batch_size > 0)

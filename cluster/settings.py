@@ -13,6 +13,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from rayinfer.deployments.names import DEFAULT_REPLICA_NUM_CPUS
 from rayinfer.protocol.metrics import MetricsOptions
 from rayinfer.serving.response_cache import parse_cache_config
+from rayinfer.serving.trace import settings_from_flags
 
 logger = logging.getLogger(__name__)
 
@@ -151,6 +152,11 @@ class ServerSettings(BaseSettings):
         description="tritonserver's --cache-config: local,size=<bytes> enables the response cache for models "
         "whose config sets response_cache { enable: true }.",
     )
+    trace_config: list[str] = Field(
+        default_factory=list,
+        description="tritonserver's --trace-config: rate=N, level=OFF|TIMESTAMPS|TENSORS, count=N, "
+        "triton,file=PATH, triton,log-frequency=N (the trace extension's settings at start).",
+    )
     gpu_wait_secs: float = Field(
         180.0, gt=0,
         description="How long a model waits for GPUs the cluster does not have (an autoscaler may add a GPU "
@@ -175,6 +181,12 @@ class ServerSettings(BaseSettings):
     @classmethod
     def _parse_cache_config(cls, values: list[str]) -> list[str]:
         parse_cache_config(values)  # ValueError naming the value
+        return values
+
+    @field_validator("trace_config")
+    @classmethod
+    def _parse_trace_config(cls, values: list[str]) -> list[str]:
+        settings_from_flags(values)  # ValueError naming the value
         return values
 
     @model_validator(mode="after")

@@ -33,7 +33,7 @@ UNSUPPORTED_FLAGS: tuple[str, ...] = (
     "allow-sagemaker", "sagemaker-port", "sagemaker-safe-port-range", "sagemaker-thread-count",
     "allow-vertex-ai", "vertex-ai-port", "vertex-ai-thread-count", "vertex-ai-default-model",
     # Metrics and tracing
-    "metrics-config", "trace-config", "trace-file", "trace-level", "trace-rate", "trace-count",
+    "metrics-config", "trace-file", "trace-level", "trace-rate", "trace-count",
     "trace-log-frequency",
     # Response cache and rate limiter
     "cache-directory", "response-cache-byte-size", "rate-limit", "rate-limit-resource",

@@ -105,7 +105,7 @@ def build_server_app(args: dict[str, Any]) -> Application:
 
 def _control_from_args(args: dict[str, Any]) -> ModelControl:
     """model_control_mode, replica_num_cpus, auto_complete, repository_poll_secs, log_level,
-    gpu_fallback, gpu_wait_secs, cache_size_bytes."""
+    gpu_fallback, gpu_wait_secs, cache_size_bytes, trace_config."""
     return ModelControl(
         mode=str(args.get("model_control_mode", "none")),
         replica_num_cpus=float(args.get("replica_num_cpus", DEFAULT_REPLICA_NUM_CPUS)),
@@ -115,4 +115,5 @@ def _control_from_args(args: dict[str, Any]) -> ModelControl:
         gpu_fallback=parse_bool(args.get("gpu_fallback", False)),
         gpu_wait_s=float(args.get("gpu_wait_secs", DEFAULT_GPU_WAIT_S)),
         cache_size_bytes=int(args.get("cache_size_bytes", 0)),
+        trace_config=tuple(args.get("trace_config") or ()),
     )

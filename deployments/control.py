@@ -79,6 +79,8 @@ class ModelControl:
     gpu_wait_s: float = DEFAULT_GPU_WAIT_S
     # The response cache's size on each node (--cache-config local,size=N); 0: no cache.
     cache_size_bytes: int = 0
+    # tritonserver's --trace-config values (the trace extension's settings at start).
+    trace_config: tuple[str, ...] = ()
 
 
 def model_application(

@@ -20,7 +20,6 @@ import grpc
 from ray import serve
 from tritonclient.grpc import service_pb2 as pb
 
-import rayinfer
 from rayinfer.protocol.errors import (
     InvalidArgError,
     NotFoundError,
@@ -32,6 +31,7 @@ from rayinfer.protocol.errors import (
 from rayinfer.protocol import log_settings
 from rayinfer.protocol.grpc_codec import index_to_grpc, parameters_from_grpc, statistics_to_grpc
 from rayinfer.serving.model_grpc import MODEL_RPCS
+from rayinfer.serving.trace import parse_update
 
 if TYPE_CHECKING:
     from rayinfer.deployments.v2_api import V2Api
@@ -234,7 +234,20 @@ class ServerGrpcMethods:
         return pb.CudaSharedMemoryUnregisterResponse()
 
     async def TraceSetting(self, request: Any, grpc_context: Any = None) -> Any:
-        return _unimplemented(grpc_context, "trace settings", pb.TraceSettingResponse)
+        """The trace extension: change the settings given (an empty value clears one), answer all."""
+        doc: dict[str, Any] = {}
+        for key, setting in request.settings.items():
+            values = list(setting.value)
+            doc[key] = None if not values else values if key == "trace_level" else values[0]
+        try:
+            settings = await self._api.trace_setting(request.model_name, parse_update(doc) if doc else None)
+        except ServingError as exc:
+            set_error(grpc_context, exc)
+            return pb.TraceSettingResponse()
+        response = pb.TraceSettingResponse()
+        for key, value in settings.items():
+            response.settings[key].value.extend(value if isinstance(value, list) else [value])
+        return response
 
     async def LogSettings(self, request: Any, grpc_context: Any = None) -> Any:
         """The logging extension: change the settings given, answer all of them."""
@@ -320,11 +333,6 @@ async def _map(call: Awaitable[Any], convert: Callable[[Any], Any]) -> Any:
 async def _then(call: Awaitable[Any], response: type) -> Any:
     await call
     return response()
-
-
-def _unimplemented(grpc_context: Any, what: str, empty: type) -> Any:
-    set_error(grpc_context, UnsupportedError(f"{what} is not supported by rayinfer {rayinfer.__version__}"))
-    return empty()
 
 
 def _sequence_key(request: pb.ModelInferRequest) -> tuple[str, str] | None:

@@ -53,6 +53,7 @@ def deploy_repository(
     gpu_fallback: bool = False,
     gpu_wait_s: float = DEFAULT_GPU_WAIT_S,
     cache_size_bytes: int = 0,
+    trace_config: tuple[str, ...] = (),
 ) -> dict[str, str]:
     """Deploy the ``/v2`` app and one app per model version; returns models that failed to load.
 
@@ -61,7 +62,7 @@ def deploy_repository(
     read (they count against readiness, and are returned with the failures).
     """
     control = ModelControl(control_mode, replica_num_cpus, auto_complete, timeout_s, poll_secs, log_level,
-                           gpu_fallback, gpu_wait_s, cache_size_bytes)
+                           gpu_fallback, gpu_wait_s, cache_size_bytes, trace_config)
     launch_version = f"rayinfer-{uuid.uuid4().hex}"
 
     def run_server_app(errors: dict[str, str]) -> None:

@@ -15,6 +15,7 @@ import asyncio
 import gc
 import json
 import logging
+import re
 import time
 from pathlib import Path
 from urllib.parse import unquote
@@ -28,10 +29,11 @@ from rayinfer.adapters.python_backend import bls
 from rayinfer.deployments import asgi
 from rayinfer.deployments.bls_client import ReplicaBlsClient
 from rayinfer.deployments.ensemble_members import EnsembleMembers, load_ensemble
-from rayinfer.deployments.names import SERVER_APP, SERVER_DEPLOYMENT, SHM_FORGET_PATH
+from rayinfer.deployments.names import SERVER_APP, SERVER_DEPLOYMENT, SHM_FORGET_PATH, TRACE_SETTINGS_PATH
 from rayinfer.deployments.replica_listener import ReplicaListener
 from rayinfer.protocol import log_settings
-from rayinfer.protocol.errors import NotFoundError, UnsupportedError
+from rayinfer.protocol.errors import NotFoundError, UnsupportedError, as_serving_error
+from rayinfer.protocol.http_codec import parse_json_body
 from rayinfer.protocol.shared_memory import Registration, SharedMemoryRegistry
 from rayinfer.protocol.types import InferRequest, InferResponse
 from rayinfer.repository.ensemble import is_ensemble
@@ -40,6 +42,7 @@ from rayinfer.serving import model_grpc, model_http
 from rayinfer.serving import response_cache
 from rayinfer.serving.model_core import ModelCore
 from rayinfer.serving.response_cache import ResponseCache, model_fingerprint
+from rayinfer.serving.trace import TraceSettings
 from rayinfer.serving.routes import keep_request_headers, parse_model_route
 
 logger = logging.getLogger(__name__)
@@ -55,6 +58,8 @@ _LISTENER_REGISTER_INTERVAL_S = 2.0
 _STREAM_END = b""
 # How long a replica being stopped waits for the calls its listener is answering.
 _LISTENER_DRAIN_S = 10.0
+# A model's trace settings, which Serve routes to the model's application (its route prefix).
+_TRACE_ROUTE = re.compile(r"/v2/models/([^/]+)/trace/setting")
 
 
 @serve.deployment(name="ModelDeployment")
@@ -113,6 +118,11 @@ class ModelDeployment:
             return
         route = parse_model_route(scope["path"])
         if route is None:
+            trace = _TRACE_ROUTE.fullmatch(scope["path"].rstrip("/"))
+            if trace is not None and scope["method"] in ("GET", "POST"):
+                # Serve sends the model's prefix here: the trace settings live in the /v2 replica.
+                await self._trace_setting(trace[1], scope["method"], receive, send)
+                return
             await asgi.send_error(send, NotFoundError(f"Not Found: {scope['method']} {scope['path']}"))
             return
         body = await asgi.read_body(receive) if scope["method"] == "POST" else b""
@@ -120,12 +130,24 @@ class ModelDeployment:
         status, extra_headers, payload = await model_http.respond(self._core, scope["method"], route, headers, body)
         await asgi.send_bytes(send, status, payload, extra_headers)
 
+    async def _trace_setting(self, model: str, method: str, receive: asgi.Receive, send: asgi.Send) -> None:
+        try:
+            doc = parse_json_body(await asgi.read_body(receive), "trace setting") if method == "POST" else None
+            settings = await self._server_handle().trace_setting.remote(model, doc)
+        except Exception as exc:
+            await asgi.send_error(send, as_serving_error(exc))
+            return
+        await asgi.send_json(send, 200, settings)
+
     async def _listener_http(self, method: str, path: str, headers: dict[bytes, bytes],
                              body: bytes) -> model_http.HttpResponse:
         """A model route the front relayed to this replica's listener: an infer request, or a GET
         of the model's metadata, readiness, config or statistics."""
         route = parse_model_route(path, encoded=True)
         if route is None:
+            if method == "POST" and path == TRACE_SETTINGS_PATH:  # the /v2 replica: new trace settings
+                self._trace_settings(json.loads(body))
+                return 200, [], b""
             if method == "POST" and path.startswith(SHM_FORGET_PATH):
                 # The /v2 replica: a region was unregistered (all of them for an empty name).
                 self._core.shm.unregister(unquote(path[len(SHM_FORGET_PATH):]))
@@ -177,6 +199,10 @@ class ModelDeployment:
             self._server = serve.get_deployment_handle(SERVER_DEPLOYMENT, SERVER_APP)
         return self._server
 
+    def _trace_settings(self, doc: dict[str, Any]) -> None:
+        """The trace extension's settings from the ``/v2`` replica: this model's apply."""
+        self._core.tracer.configure(TraceSettings.from_dict(doc).of(self._core.name))
+
     async def _shared_memory_region(self, name: str) -> Registration | None:
         """A system shared memory region a request names that this replica has not mapped:
         its registration with the ``/v2`` replica (None if there is none)."""
@@ -205,11 +231,18 @@ class ModelDeployment:
                         self._replica_key, self._app_name, *self._listener_address
                     )
                     registered_at = time.monotonic()
-                    if settings:  # the logging extension's (again: loggers created since get them too)
-                        log_settings.apply(settings)
+                    # The logging extension's (again: loggers created since get them too).
+                    log_settings.apply(settings["log"])
+                    self._trace_settings(settings["trace"])
                 except Exception as exc:  # the server app may not be deployed (yet)
                     logger.debug("could not register the listener: %s", exc)
             await asyncio.sleep(_STATS_PUSH_INTERVAL_S)
+            traces = self._core.tracer.collect()
+            if traces:
+                try:
+                    await self._server_handle().report_traces.remote(self._core.name, traces)
+                except Exception as exc:  # the server app may be gone: those traces are lost
+                    logger.debug("could not report traces: %s", exc)
             snapshot = self._core.snapshot()
             if _change_key(snapshot) == self._stats_pushed_at:
                 continue

@@ -34,10 +34,13 @@ from rayinfer.protocol.shared_memory import Registration, registration_from_json
 from rayinfer.repository.model_config import config_to_json
 from rayinfer.serving import response_cache
 from rayinfer.serving.model_control import ModelController
+from rayinfer.serving.trace import parse_update, settings_from_flags
 from rayinfer.serving.routes import UNROUTED_PREFIX, ModelRoute, parse_model_route, parse_repository_route
 
 # The shared memory extensions' routes: (system|cuda, region name or None, action).
 _SHM_ROUTE = re.compile(r"/v2/(system|cuda)sharedmemory(?:/region/([^/]+))?/(status|register|unregister)")
+# The trace extension's routes: the server's settings, or a model's.
+_TRACE_ROUTE = re.compile(r"/v2(?:/models/([^/]+))?/trace/setting")
 # How often the front's routes are compared with the served versions and their replicas.
 _ROUTES_REFRESH_S = 2.0
 
@@ -69,7 +72,8 @@ class ServerDeployment(ServerGrpcMethods):
 
             self._front = Front(http_front, grpc_front, SERVER_APP, front_threads)
         self._api = V2Api(server_id, strict_readiness, self._controller, state, RouteTable(state, self._front),
-                          control.poll_secs)
+                          control.poll_secs,
+                          settings_from_flags(list(control.trace_config)))
         if control.log_level == "DEBUG":  # --log-verbose
             self._api.set_log_settings(log_settings.default_settings(verbose_level=1))
         if control.cache_size_bytes:  # a new server: its models may differ from the last one's
@@ -95,9 +99,17 @@ class ServerDeployment(ServerGrpcMethods):
     # ---- calls from model replicas ----------------------------------------------------------
 
     async def register_listener(self, replica_key: str, app: str, host: str, port: int) -> dict[str, Any]:
-        """Register a model replica's listener; answers the log settings it is to follow."""
+        """Register a model replica's listener; answers the log and trace settings it is to follow."""
         await self._api.routes.register(replica_key, app, host, port)
-        return self._api.log_settings
+        return {"log": self._api.log_settings, "trace": self._api.trace_settings.as_dict()}
+
+    async def trace_setting(self, model: str, doc: dict[str, Any] | None) -> dict[str, Any]:
+        """A model's trace settings over HTTP, which Serve routes to the model's replica."""
+        return await self._api.trace_setting(model, parse_update(doc) if doc is not None else None)
+
+    async def report_traces(self, model: str, traces: list[dict[str, Any]]) -> None:
+        """Traces a model replica took (the trace extension)."""
+        self._api.report_traces(model, traces)
 
     async def shared_memory_region(self, name: str) -> Registration | None:
         """A model replica's request names a region it has not mapped: its registration, if any."""
@@ -179,6 +191,10 @@ class ServerDeployment(ServerGrpcMethods):
                 await asgi.send_json(send, 200, api.log_settings)
             elif (shm := _SHM_ROUTE.fullmatch(path)) is not None:
                 await self._shared_memory(shm[1], shm[2] or "", shm[3], method, receive, send)
+            elif (trace := _TRACE_ROUTE.fullmatch(path)) is not None and method in ("GET", "POST"):
+                update = parse_update(parse_json_body(await asgi.read_body(receive), "trace setting")) \
+                    if method == "POST" else None
+                await asgi.send_json(send, 200, await api.trace_setting(trace[1] or "", update))
             elif path == "/v2/models/stats" and method == "GET":
                 await asgi.send_json(send, 200, {"model_stats": await api.model_stats("", "")})
             elif (control := parse_repository_route(path)) is not None and method == "POST":
@@ -279,3 +295,6 @@ class ServerDeployment(ServerGrpcMethods):
         front = getattr(self, "_front", None)
         if front is not None:
             front.stop()
+        api = getattr(self, "_api", None)
+        if api is not None:  # traces kept for the end (log_frequency 0) go to the trace file now
+            api.traces.close()

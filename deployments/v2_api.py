@@ -10,6 +10,7 @@ runs model control (load, unload, polling) through the
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -17,23 +18,25 @@ from typing import Any
 from urllib.parse import quote
 
 import rayinfer
-from rayinfer.deployments.names import SHM_FORGET_PATH
+from rayinfer.deployments.names import SHM_FORGET_PATH, TRACE_SETTINGS_PATH
 from rayinfer.deployments.route_table import RouteTable
 from rayinfer.deployments.serve_state import ServeState
 from rayinfer.protocol.custom_metrics import CustomMetricsCollector
-from rayinfer.protocol.errors import NotFoundError, ServingError, UnavailableError
+from rayinfer.protocol.errors import InvalidArgError, NotFoundError, ServingError, UnavailableError
 from rayinfer.protocol.metrics import CpuFigures, GpuFigures, ModelFigures, render
 from rayinfer.protocol.statistics import stats_to_json
 from rayinfer.protocol import log_settings
-from rayinfer.protocol.listener_client import post_empty
+from rayinfer.protocol.listener_client import post
 from rayinfer.protocol.shared_memory import Registration, SharedMemoryRegistry
 from rayinfer.serving.model_control import ModelController
 from rayinfer.serving.statistics_store import StatisticsStore
+from rayinfer.serving.trace import TraceSettings, TraceWriter
 
 logger = logging.getLogger(__name__)
 
-# How long the /v2 replica waits for each model replica to forget an unregistered region.
-_SHM_FORGET_TIMEOUT_S = 5.0
+# How long the /v2 replica waits for each model replica to take a change (a region forgotten,
+# trace settings).
+_LISTENER_PUSH_TIMEOUT_S = 5.0
 
 EXTENSIONS = [
     "classification",
@@ -46,6 +49,7 @@ EXTENSIONS = [
     "sequence",
     "logging",
     "system_shared_memory",
+    "trace",
 ]
 
 
@@ -54,7 +58,8 @@ class V2Api:
     table and the statistics store."""
 
     def __init__(self, server_id: str, strict_readiness: bool, controller: ModelController,
-                 state: ServeState, routes: RouteTable, poll_secs: float = 15.0) -> None:
+                 state: ServeState, routes: RouteTable, poll_secs: float = 15.0,
+                 trace: dict[str, Any] | None = None) -> None:
         self._server_id = server_id
         self._strict = strict_readiness
         self.controller = controller
@@ -70,6 +75,9 @@ class V2Api:
         log_settings.apply(self.log_settings)
         # The system shared memory regions clients registered.
         self.shm = SharedMemoryRegistry()
+        # The trace extension: settings (model replicas take them) and the trace files.
+        self.trace_settings = TraceSettings(dict(trace)) if trace else TraceSettings()
+        self.traces = TraceWriter()
 
     def set_log_settings(self, settings: dict[str, Any]) -> dict[str, Any]:
         """New log settings: applied here at once, in model replicas when they next register
@@ -97,12 +105,38 @@ class V2Api:
         self.shm.unregister(name)
         listeners = self.routes.all_listeners()
         path = SHM_FORGET_PATH + quote(name, safe="")
-        results = await asyncio.gather(*(post_empty(address, path, _SHM_FORGET_TIMEOUT_S) for address in listeners),
+        results = await asyncio.gather(*(post(address, path, _LISTENER_PUSH_TIMEOUT_S) for address in listeners),
                                        return_exceptions=True)
         for address, result in zip(listeners, results):
             if result != 200:  # a replica going away keeps nothing; one that stays keeps a stale mapping
                 logger.warning("model replica at %s:%d did not forget shared memory region '%s': %s",
                                *address, name or "(all)", result)
+
+    # ---- trace --------------------------------------------------------------------------------
+
+    async def trace_setting(self, model: str, update: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The trace settings of ``model`` (the server's for ""), after ``update`` (checked by
+        :func:`~rayinfer.serving.trace.parse_update`); model replicas get new settings before
+        this answers."""
+        if model and not any(row["name"] == model for row in await self.index(ready_only=True)):
+            raise InvalidArgError(f"Request for unknown model : {model}")
+        if update:
+            self.trace_settings.update(model, update)
+            body = json.dumps(self.trace_settings.as_dict()).encode()
+            listeners = self.routes.all_listeners()
+            await asyncio.gather(*(post(address, TRACE_SETTINGS_PATH, _LISTENER_PUSH_TIMEOUT_S, body)
+                                   for address in listeners), return_exceptions=True)
+        return self.trace_settings.of(model)
+
+    def report_traces(self, model: str, traces: list[dict[str, Any]]) -> None:
+        """Traces a model replica took: written out, and taken off the count left."""
+        settings = self.trace_settings.of(model)
+        self.traces.add(traces, settings)
+        count = int(settings["trace_count"])
+        if count > 0:
+            own = self.trace_settings.models.get(model, {})
+            target = own if "trace_count" in own else self.trace_settings.server
+            target["trace_count"] = str(max(0, count - len(traces)))
 
     def server_metadata(self) -> dict[str, Any]:
         return {"name": self._server_id, "version": rayinfer.__version__, "extensions": EXTENSIONS}

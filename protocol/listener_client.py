@@ -87,13 +87,13 @@ class ListenerClient:
             self.forget(address)
 
 
-async def post_empty(address: Address, path: str, timeout_s: float) -> int:
-    """POST an empty body to ``path`` on a listener (a new connection); the response's status."""
+async def post(address: Address, path: str, timeout_s: float, body: bytes = b"") -> int:
+    """POST ``body`` to ``path`` on a listener (a new connection); the response's status."""
     async def call() -> int:
         reader, writer = await asyncio.open_connection(*address)
         try:
-            writer.write(b"POST %b HTTP/1.1\r\nhost: %s:%d\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
-                         % (path.encode("latin-1"), address[0].encode(), address[1]))
+            writer.write(b"POST %b HTTP/1.1\r\nhost: %s:%d\r\ncontent-length: %d\r\nconnection: close\r\n\r\n%b"
+                         % (path.encode("latin-1"), address[0].encode(), address[1], len(body), body))
             status, _, _ = await _read_response(reader)
             return status
         finally:

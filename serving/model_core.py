@@ -21,6 +21,7 @@ from rayinfer.protocol.types import InferRequest, InferResponse
 from rayinfer.repository.model_config import config_to_json
 from rayinfer.serving.batcher import DynamicBatcher, QueueFullError
 from rayinfer.serving.response_cache import ResponseCache
+from rayinfer.serving.trace import Tracer, tensor_activity
 from rayinfer.serving.sequencer import SequenceBatcher
 from rayinfer.serving.executor import BlockingSender, Executor, ResponseSender, Result
 
@@ -53,6 +54,8 @@ class ModelCore:
         self.decoupled = bool(getattr(executor, "decoupled", False))
         self.metadata = _metadata(spec, [str(v) for v in versions])
         self.config_json = config_to_json(spec.config)
+        # The trace extension's sampling of this model's requests (off until configured).
+        self.tracer = Tracer(self.name, self.version)
         self._statistics = statistics
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{spec.name}-v{self.version}")
         # Unknown until measured: the first executions run on the thread.
@@ -94,7 +97,7 @@ class ModelCore:
     async def infer(self, prepared: Any) -> InferResponse:
         """The one response of a request to a non-decoupled model; raises its error."""
         try:
-            result = await self._schedule(prepared)
+            result = await (self._traced(prepared) if self.tracer.active else self._schedule(prepared))
         except asyncio.CancelledError:
             self._cancelled(prepared)
             raise
@@ -107,7 +110,7 @@ class ModelCore:
         exactly one (its error included). A decoupled execution that fails ends the stream
         with its error."""
         if not self.decoupled:
-            yield await self._schedule(prepared)
+            yield await (self._traced(prepared) if self.tracer.active else self._schedule(prepared))
             return
         sender = prepared.sender = ResponseSender()
         done = asyncio.ensure_future(self._schedule(prepared))
@@ -129,6 +132,27 @@ class ModelCore:
                 self._cancelled(prepared)
             if not done.done():
                 done.cancel()
+
+    async def _traced(self, prepared: Any) -> Any:
+        """Schedule a request, tracing it when the tracer samples it (Triton's timestamps, and
+        its tensors at the TENSORS level)."""
+        tracer = self.tracer
+        stamps = tracer.sample()
+        if stamps is None:
+            return await self._schedule(prepared)
+        prepared.trace = stamps
+        stamps += [("REQUEST_START", prepared.arrival_ns), ("QUEUE_START", time.perf_counter_ns())]
+        request = prepared.request
+        tensors = [tensor_activity("TENSOR_QUEUE_INPUT", t.name, t.datatype, t.data)
+                   for t in request.inputs] if tracer.tensors else []
+        try:
+            result = await self._schedule(prepared)
+        finally:
+            stamps.append(("REQUEST_END", time.perf_counter_ns()))
+        if tracer.tensors and isinstance(result, InferResponse):
+            tensors += [tensor_activity("TENSOR_BACKEND_OUTPUT", o.name, o.datatype, o.data) for o in result.outputs]
+        tracer.finish(request, stamps, tensors)
+        return result
 
     def execute_here(self, request: InferRequest) -> Iterator[Result]:
         """A request from this model's own ``execute`` (a model calling itself): validated and
@@ -211,7 +235,11 @@ class ModelCore:
         for prepared in batch:
             prepared.started = True
         results = self.executor.execute(batch)
-        return results, time.perf_counter() - start
+        end = time.perf_counter()
+        for prepared in batch:
+            if getattr(prepared, "trace", None) is not None:
+                prepared.trace += [("COMPUTE_START", int(start * 1e9)), ("COMPUTE_END", int(end * 1e9))]
+        return results, end - start
 
     async def ready(self) -> bool:
         """Whether the model says it can serve (a Python model's ``is_ready()``, off the loop;

@@ -166,6 +166,7 @@ def proto(request, server):
 def server(model_repository: Path, tmp_path_factory: pytest.TempPathFactory):
     """``rayinfer serve`` on the test repository, started once; stopped with SIGINT at the end."""
     log_path = tmp_path_factory.mktemp("server") / "rayinfer.log"
+    trace_file = log_path.parent / "trace.json"  # the trace extension's file (tracing is off at start)
     from model_factory import ON_DEMAND_MODELS
     from ensemble_models import ENSEMBLE_NOT_LOADED_AT_START
     from python_models import NOT_LOADED_AT_START
@@ -177,7 +178,7 @@ def server(model_repository: Path, tmp_path_factory: pytest.TempPathFactory):
     proc = start_server(model_repository, log_path, [
         "--model-control-mode", "explicit", *load, "--http-port", str(HTTP_PORT), "--metrics-port", str(METRICS_PORT),
         "--grpc-port", str(GRPC_PORT), "--serve-grpc-port", str(SERVE_GRPC_PORT), "--serve-http-port", str(SERVE_HTTP_PORT),
-        "--cache-config", "local,size=1048576",
+        "--cache-config", "local,size=1048576", "--trace-config", f"triton,file={trace_file}",
     ])
     _SHARED["server"] = proc
     try:
@@ -186,6 +187,7 @@ def server(model_repository: Path, tmp_path_factory: pytest.TempPathFactory):
             "grpc_url": f"127.0.0.1:{GRPC_PORT}",
             "metrics_url": f"http://127.0.0.1:{METRICS_PORT}/metrics",
             "log": log_path,
+            "trace_file": trace_file,
             "process": proc,
         }
     finally:

@@ -27,7 +27,13 @@ from typing import Any
 from google.protobuf import json_format
 
 from rayinfer.adapters.base import model_file
-from rayinfer.adapters.model_runner import TRANSPORT_PARAMETERS, ModelRunner, PreparedRequest, keep_state
+from rayinfer.adapters.model_runner import (
+    TRANSPORT_PARAMETERS,
+    ModelRunner,
+    PreparedRequest,
+    keep_state,
+    trace_compute,
+)
 from rayinfer.adapters.python_backend import environment
 from rayinfer.adapters.python_backend.errors import SERVING_CODES
 from rayinfer.adapters.python_backend import triton_python_backend_utils as pb_utils
@@ -167,6 +173,7 @@ class PythonModelRunner(ModelRunner):
             )
             return self._failed(batch, error)
         infer_end = time.perf_counter_ns()
+        trace_compute(batch, infer_start, infer_end)
         if self.decoupled:
             if responses is not None:
                 return self._failed(batch, InternalError(

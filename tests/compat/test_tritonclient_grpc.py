@@ -200,12 +200,6 @@ def test_malformed_tensor_data(stub):
     assert "expected 2 raw_input_contents" in info.value.details()
 
 
-def test_unimplemented_extensions_answer_unimplemented(client):
-    for call in (client.get_trace_settings,):
-        err = error_of(call)
-        assert err.status() == "StatusCode.UNIMPLEMENTED" and "not supported" in err.message()
-
-
 # ---- streaming ---------------------------------------------------------------------------------
 
 def test_stream_answers_in_order_and_survives_errors(client):

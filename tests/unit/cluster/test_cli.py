@@ -193,7 +193,7 @@ def test_unsupported_tritonserver_flags_answer_in_one_line(
 def test_the_common_tritonserver_flags_are_known() -> None:
     """The flags users' manifests carry most are either taken or refused by name."""
     for flag in ("model-load-thread-count", "backend-config", "pinned-memory-pool-byte-size",
-                 "cuda-memory-pool-byte-size", "trace-config", "log-info", "log-warning", "log-error",
+                 "cuda-memory-pool-byte-size", "trace-file", "log-info", "log-warning", "log-error",
                  "log-format", "log-file", "rate-limit", "response-cache-byte-size",
                  "allow-sagemaker", "allow-vertex-ai", "model-namespacing", "buffer-manager-thread-count",
                  "min-supported-compute-capability", "grpc-use-ssl", "reuse-http-port", "reuse-grpc-port",
@@ -242,4 +242,18 @@ def test_cache_config_sizes_the_response_cache_of_every_model_app(repository: Pa
 def test_a_cache_config_rayinfer_cannot_serve_is_one_line(repository: Path, capsys: pytest.CaptureFixture[str],
                                                          value: str) -> None:
     line = exit_line(capsys, ["serve", "--model-repository", str(repository), "--cache-config", value])
+    assert line.startswith("rayinfer: error:") and value in line
+
+
+def test_trace_config_reaches_the_server_app(repository: Path) -> None:
+    flags = ("--trace-config", "triton,file=/tmp/t.json", "--trace-config", "level=TIMESTAMPS",
+             "--trace-config", "rate=5")
+    server_args = all_args(settings_of(repository, *flags))[0]
+    assert server_args["trace_config"] == ["triton,file=/tmp/t.json", "level=TIMESTAMPS", "rate=5"]
+
+
+@pytest.mark.parametrize("value", ["opentelemetry,url=x", "level=LOUD", "rate=fast", "colour=red"])
+def test_a_trace_config_rayinfer_cannot_serve_is_one_line(repository: Path, capsys: pytest.CaptureFixture[str],
+                                                         value: str) -> None:
+    line = exit_line(capsys, ["serve", "--model-repository", str(repository), "--trace-config", value])
     assert line.startswith("rayinfer: error:") and value in line

@@ -1,0 +1,241 @@
+"""Triton's trace extension: settings (server-wide and per model), which requests a replica
+traces, and the trace files.
+
+Settings follow Triton's ``--trace-config`` and ``/v2[/models/<m>]/trace/setting``: a level
+(``OFF``, or ``TIMESTAMPS`` and/or ``TENSORS``), a rate (every rate-th request is traced), a count
+(traces left to take, -1 for no limit), a log frequency (traces per file; 0: one file when the
+server stops) and the trace file, which only the command line sets. A model's own settings
+override the server's, setting by setting; a null value clears the model's own.
+
+A model replica's :class:`Tracer` samples requests and keeps their timestamps (and tensors, at
+the TENSORS level); the ``/v2`` replica collects them, numbers them and writes Triton's JSON
+trace files (:class:`TraceWriter`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from rayinfer.protocol.errors import Code, InvalidArgError, ServingError, UnsupportedError
+
+DEFAULTS: dict[str, Any] = {"trace_level": ["OFF"], "trace_rate": "1000", "trace_count": "-1",
+                            "log_frequency": "0", "trace_file": "", "trace_mode": "triton"}
+logger = logging.getLogger(__name__)
+
+_LEVELS = ("TIMESTAMPS", "TENSORS")
+_UINT32_MAX = 2**32 - 1
+_INT32_MAX = 2**31 - 1
+
+
+def settings_from_flags(values: list[str]) -> dict[str, Any]:
+    """The server-wide settings from tritonserver's ``--trace-config`` values (``rate=N``,
+    ``level=L`` (repeatable), ``count=N``, ``mode=triton``, ``triton,file=PATH``,
+    ``triton,log-frequency=N``)."""
+    settings = dict(DEFAULTS, trace_level=list(DEFAULTS["trace_level"]))
+    levels: list[str] = []
+    for value in values:
+        mode, _, setting = value.rpartition(",")
+        key, _, number = setting.partition("=")
+        if mode not in ("", "triton"):
+            raise ValueError(f"--trace-config {value}: rayinfer traces in the 'triton' mode only")
+        if key == "level":
+            if number not in ("OFF", *_LEVELS):
+                raise ValueError(f"--trace-config {value}: the level is OFF, TIMESTAMPS or TENSORS")
+            levels = [] if number == "OFF" else [*levels, number]
+        elif key == "mode":
+            if number != "triton":
+                raise ValueError(f"--trace-config {value}: rayinfer traces in the 'triton' mode only")
+        elif key == "file":
+            settings["trace_file"] = number
+        elif key in ("rate", "count", "log-frequency"):
+            name = {"rate": "trace_rate", "count": "trace_count", "log-frequency": "log_frequency"}[key]
+            try:
+                settings[name] = _number(name, number, -1 if key == "count" else 0,
+                                         _INT32_MAX if key == "count" else _UINT32_MAX, error=ValueError)
+            except ValueError as exc:
+                raise ValueError(f"--trace-config {value}: {exc}") from None
+        else:
+            raise ValueError(f"--trace-config {value}: unknown setting '{key}'")
+    settings["trace_level"] = [level for level in _LEVELS if level in levels] or ["OFF"]
+    return settings
+
+
+def _number(name: str, text: str, low: int, high: int, error: type[Exception] = InvalidArgError) -> str:
+    try:
+        value = int(text)
+    except ValueError:
+        raise error(f"Unable to parse '{name}', got: {text}") from None
+    if name == "trace_count" and value < low:
+        raise error(f"Unable to parse 'trace_count'. Expecting value >= {low}, got:{text}")
+    if not low <= value <= high:
+        raise error(f"Unable to parse '{name}', value is out of range [ {low}, {high} ], got: {text}")
+    return str(value)
+
+
+def parse_update(doc: dict[str, Any]) -> dict[str, Any]:
+    """A settings update (HTTP body, or gRPC's settings as lists) checked as Triton checks it:
+    {setting: new value, or None to clear}."""
+    update: dict[str, Any] = {}
+    if "trace_file" in doc:
+        raise UnsupportedError("trace file location can not be updated through network protocol")
+    for name, value in doc.items():
+        if value is None:
+            update[name] = None
+        elif name == "trace_level":
+            if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+                raise ServingError("attempt to access JSON non-array as array", Code.INTERNAL)
+            if "OFF" in value and len(value) > 1:
+                raise InvalidArgError("Expect only one trace level 'OFF' is specified")
+            levels = [level for level in _LEVELS if level in value]
+            update[name] = levels or ["OFF"]
+        elif name in ("trace_rate", "trace_count", "log_frequency"):
+            if not isinstance(value, str):
+                raise ServingError("attempt to access JSON non-string as string", Code.INTERNAL)
+            update[name] = _number(name, value, -1 if name == "trace_count" else 0,
+                                   _INT32_MAX if name == "trace_count" else _UINT32_MAX)
+    return update
+
+
+@dataclass
+class TraceSettings:
+    """The server-wide settings and each model's own."""
+
+    server: dict[str, Any] = field(default_factory=lambda: dict(DEFAULTS))
+    models: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def of(self, model: str = "") -> dict[str, Any]:
+        """The settings in effect for ``model`` (the server's for ""), in Triton's order."""
+        own = self.models.get(model, {}) if model else {}
+        merged = {**self.server, **own}
+        return {key: merged[key] for key in DEFAULTS}
+
+    def update(self, model: str, update: dict[str, Any]) -> None:
+        target = self.models.setdefault(model, {}) if model else self.server
+        for name, value in update.items():
+            if value is None:
+                if model:
+                    target.pop(name, None)
+                else:  # the server's own setting back to its default
+                    target[name] = DEFAULTS[name]
+            else:
+                target[name] = value
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"server": self.server, "models": self.models}
+
+    @classmethod
+    def from_dict(cls, doc: dict[str, Any]) -> TraceSettings:
+        return cls(dict(doc["server"]), {k: dict(v) for k, v in doc["models"].items()})
+
+
+class Tracer:
+    """One model version's sampling in one replica, and the traces it took since last collected."""
+
+    def __init__(self, model: str, version: str) -> None:
+        self.model, self.version = model, version
+        self._lock = threading.Lock()
+        self._levels: tuple[str, ...] = ()
+        self._rate = 1000
+        self._left = -1
+        self._seen = 0
+        self._traces: list[dict[str, Any]] = []
+        # Whether any request may be traced (read on every request: a plain attribute).
+        self.active = False
+
+    def configure(self, settings: dict[str, Any]) -> None:
+        self._levels = tuple(level for level in settings["trace_level"] if level != "OFF")
+        self._rate = max(1, int(settings["trace_rate"]))
+        self._left = int(settings["trace_count"])
+        self.active = bool(self._levels) and self._left != 0
+
+    @property
+    def tensors(self) -> bool:
+        return "TENSORS" in self._levels
+
+    def sample(self) -> list[tuple[str, int]] | None:
+        """A new trace's timestamp list when this request is to be traced, else None."""
+        if not self._levels or self._left == 0:
+            return None
+        self._seen += 1
+        if self._seen % self._rate:
+            return None
+        if self._left > 0:
+            self._left -= 1
+            self.active = self._left != 0
+        return []
+
+    def finish(self, request: Any, stamps: list[tuple[str, int]], tensors: list[dict[str, Any]]) -> None:
+        trace = {"model_name": self.model, "model_version": int(self.version) if self.version.isdigit() else 0,
+                 "request_id": request.id or "", "timestamps": sorted(stamps, key=lambda s: s[1]), "tensors": tensors}
+        with self._lock:
+            self._traces.append(trace)
+
+    def collect(self) -> list[dict[str, Any]]:
+        with self._lock:
+            traces, self._traces = self._traces, []
+        return traces
+
+
+def tensor_activity(activity: str, name: str, datatype: str, data: np.ndarray) -> dict[str, Any]:
+    """A TENSORS-level entry: Triton's tensor activity with the data as comma-separated text."""
+    flat = data.reshape(-1)
+    text = ",".join(v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v) for v in flat.tolist())
+    return {"activity": activity, "tensor": {"name": name, "data": text, "shape": ",".join(map(str, data.shape)),
+                                            "dtype": datatype}}
+
+
+class TraceWriter:
+    """Numbers the traces replicas took and writes Triton's JSON trace files: every
+    ``log_frequency`` traces to ``<file>.<n>`` (n from 0), or, with 0, all of them to ``<file>``
+    when the server stops (:meth:`close`)."""
+
+    def __init__(self) -> None:
+        self._next_id = 1
+        self._pending: dict[str, list[dict[str, Any]]] = {}
+        self._file_index: dict[str, int] = {}
+        self._counts: dict[str, int] = {}  # traces pending per file
+
+    def add(self, traces: list[dict[str, Any]], settings: dict[str, Any]) -> None:
+        path = settings["trace_file"]
+        if not path:
+            return
+        frequency = int(settings["log_frequency"])
+        for trace in traces:
+            pending = self._pending.setdefault(path, [])
+            pending.extend(self._entries(trace))
+            self._counts[path] = count = self._counts.get(path, 0) + 1
+            if frequency > 0 and count >= frequency:
+                index = self._file_index.get(path, 0)
+                self._file_index[path] = index + 1
+                _write(f"{path}.{index}", pending)
+                self._pending[path], self._counts[path] = [], 0
+
+    def _entries(self, trace: dict[str, Any]) -> list[dict[str, Any]]:
+        trace_id = self._next_id
+        self._next_id += 1
+        entries = [{"id": trace_id, "model_name": trace["model_name"], "model_version": trace["model_version"],
+                    "request_id": trace["request_id"], "parent_id": 0}]
+        entries += [{"id": trace_id, **tensor} for tensor in trace["tensors"]]
+        if trace["timestamps"]:
+            entries.append({"id": trace_id, "timestamps": [{"name": n, "ns": ns} for n, ns in trace["timestamps"]]})
+        return entries
+
+    def close(self) -> None:
+        for path, pending in self._pending.items():
+            if pending:
+                _write(path, pending)
+        self._pending, self._counts = {}, {}
+
+
+def _write(path: str, entries: list[dict[str, Any]]) -> None:
+    try:
+        with open(path, "w") as file:
+            json.dump(entries, file)
+    except OSError as exc:  # the traces are lost; the server keeps serving
+        logger.error("could not write the trace file %s: %s", path, exc)

@@ -1,0 +1,121 @@
+"""Triton's trace extension through unmodified tritonclient, over HTTP and gRPC: the settings as
+Triton reports them (the session server starts with ``--trace-config triton,file=...``), a
+model's own settings over the server's, Triton's errors, and trace files with Triton's
+timestamps (and tensors) for the requests the rate samples."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
+
+from waiting import wait_until
+
+ORDER = ["REQUEST_START", "QUEUE_START", "COMPUTE_START", "COMPUTE_INPUT_END", "COMPUTE_OUTPUT_START", "COMPUTE_END",
+         "REQUEST_END"]
+
+
+def _settings(module: Any, client: Any, model: str | None = None) -> dict[str, Any]:
+    if module is grpcclient:
+        doc = client.get_trace_settings(model_name=model, as_json=True)["settings"]
+        return {k: v.get("value", []) if k == "trace_level" else (v.get("value") or [""])[0] for k, v in doc.items()}
+    return client.get_trace_settings(model_name=model)
+
+
+def _update(module: Any, client: Any, settings: dict[str, Any], model: str | None = None) -> None:
+    client.update_trace_settings(model_name=model, settings=settings)
+
+
+def _infer(module: Any, client: Any, times: int) -> None:
+    a = np.arange(16, dtype=np.int32).reshape(1, 16)
+    inputs = [module.InferInput("INPUT0", [1, 16], "INT32"), module.InferInput("INPUT1", [1, 16], "INT32")]
+    for tensor in inputs:
+        tensor.set_data_from_numpy(a)
+    for _ in range(times):
+        client.infer("simple", inputs)
+
+
+def _files(trace_file: Path) -> set[Path]:
+    return set(trace_file.parent.glob(trace_file.name + ".*"))
+
+
+def _traces(paths: set[Path]) -> dict[int, list[dict[str, Any]]]:
+    by_id: dict[int, list[dict[str, Any]]] = {}
+    for path in paths:
+        for entry in json.loads(path.read_text()):
+            by_id.setdefault(entry["id"], []).append(entry)
+    return by_id
+
+
+def test_the_server_settings_come_from_the_command_line(proto: tuple[Any, Any], server: dict) -> None:
+    module, client = proto
+    assert _settings(module, client) == {"trace_level": ["OFF"], "trace_rate": "1000", "trace_count": "-1",
+                                         "log_frequency": "0", "trace_file": str(server["trace_file"]),
+                                         "trace_mode": "triton"}
+    metadata = client.get_server_metadata()
+    extensions = metadata["extensions"] if isinstance(metadata, dict) else list(metadata.extensions)
+    assert "trace" in extensions
+
+
+def test_a_models_settings_trace_its_requests_to_files(proto: tuple[Any, Any], server: dict) -> None:
+    module, client = proto
+    before = _files(server["trace_file"])
+    _update(module, client, {"trace_level": ["TIMESTAMPS", "TENSORS"], "trace_rate": "2", "log_frequency": "1"},
+            "simple")
+    try:
+        assert _settings(module, client, "simple")["trace_level"] == ["TIMESTAMPS", "TENSORS"]
+        assert _settings(module, client)["trace_level"] == ["OFF"]  # the server's stay
+        _infer(module, client, 4)  # every second request: two traces, one file each
+        new = wait_until(lambda: len(_files(server["trace_file"]) - before) >= 2 and _files(server["trace_file"]) - before,
+                         "two trace files", timeout_s=30, interval_s=0.3)
+    finally:
+        _update(module, client, {"trace_level": None, "trace_rate": None, "log_frequency": None}, "simple")
+    assert _settings(module, client, "simple") == _settings(module, client)
+    traces = _traces(new)
+    assert len(traces) == 2
+    for entries in traces.values():
+        assert entries[0]["model_name"] == "simple" and entries[0]["model_version"] == 1
+        stamps = [s for e in entries for s in e.get("timestamps", [])]
+        assert [s["name"] for s in stamps] == ORDER
+        assert all(a["ns"] <= b["ns"] for a, b in zip(stamps, stamps[1:]))
+        tensors = {(e["activity"], e["tensor"]["name"]) for e in entries if "tensor" in e}
+        assert {("TENSOR_QUEUE_INPUT", "INPUT0"), ("TENSOR_BACKEND_OUTPUT", "OUTPUT0")} <= tensors
+        output = next(e["tensor"] for e in entries if e.get("activity") == "TENSOR_BACKEND_OUTPUT"
+                      and e["tensor"]["name"] == "OUTPUT0")
+        assert output["shape"] == "1,16" and output["dtype"] == "INT32"
+        assert output["data"].split(",")[:3] == ["0", "2", "4"]
+
+
+def test_the_count_stops_tracing(proto: tuple[Any, Any], server: dict) -> None:
+    module, client = proto
+    before = _files(server["trace_file"])
+    _update(module, client, {"trace_level": ["TIMESTAMPS"], "trace_rate": "1", "trace_count": "1",
+                             "log_frequency": "1"}, "simple")
+    try:
+        _infer(module, client, 3)
+        wait_until(lambda: _settings(module, client, "simple")["trace_count"] == "0", "the count to reach 0",
+                   timeout_s=30, interval_s=0.3)
+        assert len(_traces(_files(server["trace_file"]) - before)) == 1
+    finally:
+        _update(module, client, {"trace_level": None, "trace_rate": None, "trace_count": None, "log_frequency": None},
+                "simple")
+
+
+def test_wrong_settings_get_tritons_errors(proto: tuple[Any, Any]) -> None:
+    module, client = proto
+    for settings, model, message in (
+        ({"trace_file": "/tmp/elsewhere.json"}, None, "trace file location can not be updated through network protocol"),
+        ({"trace_level": ["OFF", "TIMESTAMPS"]}, None, "Expect only one trace level 'OFF' is specified"),
+        ({"trace_rate": "often"}, None, "Unable to parse 'trace_rate', got: often"),
+        ({"trace_count": "-2"}, None, "Unable to parse 'trace_count'. Expecting value >= -1, got:-2"),
+        ({"trace_rate": "1"}, "no_such_model", "Request for unknown model : no_such_model"),
+    ):
+        with pytest.raises(InferenceServerException) as caught:
+            _update(module, client, settings, model)
+        assert message in str(caught.value)
+    assert _settings(module, client)["trace_rate"] == "1000"

@@ -1,0 +1,68 @@
+"""The trace extension without a server: --trace-config, Triton's checks of updates, a model's
+settings over the server's, sampling by rate and count, and the trace files' form."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from rayinfer.protocol.errors import ServingError
+from rayinfer.protocol.types import InferRequest
+from rayinfer.serving.trace import TraceSettings, Tracer, TraceWriter, parse_update, settings_from_flags
+
+
+def test_flags_give_the_server_settings() -> None:
+    settings = settings_from_flags(["triton,file=/tmp/t.json", "triton,log-frequency=5", "rate=10",
+                                    "level=TENSORS", "level=TIMESTAMPS", "count=3"])
+    assert settings == {"trace_level": ["TIMESTAMPS", "TENSORS"], "trace_rate": "10", "trace_count": "3",
+                        "log_frequency": "5", "trace_file": "/tmp/t.json", "trace_mode": "triton"}
+    for wrong in (["opentelemetry,url=x"], ["level=LOUD"], ["rate=x"], ["count=-5"], ["colour=red"]):
+        with pytest.raises(ValueError):
+            settings_from_flags(wrong)
+
+
+def test_updates_are_checked_and_a_model_overrides_setting_by_setting() -> None:
+    settings = TraceSettings(settings_from_flags(["triton,file=/t"]))
+    settings.update("m", parse_update({"trace_rate": "1", "trace_level": ["TIMESTAMPS"]}))
+    settings.update("", parse_update({"trace_count": "7"}))
+    assert settings.of("m")["trace_rate"] == "1" and settings.of("m")["trace_count"] == "7"
+    assert settings.of("")["trace_rate"] == "1000"
+    settings.update("m", parse_update({"trace_rate": None}))
+    assert settings.of("m")["trace_rate"] == "1000"
+    settings.update("", parse_update({"trace_count": None}))
+    assert settings.of("")["trace_count"] == "-1"
+    assert TraceSettings.from_dict(json.loads(json.dumps(settings.as_dict()))).of("m") == settings.of("m")
+    for update, message in (({"trace_file": "x"}, "trace file location can not be updated through network protocol"),
+                            ({"trace_level": ["OFF", "TENSORS"]}, "Expect only one trace level 'OFF' is specified"),
+                            ({"log_frequency": "-1"}, "Unable to parse 'log_frequency', value is out of range"),
+                            ({"trace_rate": 5}, "attempt to access JSON non-string as string")):
+        with pytest.raises(ServingError, match=message):
+            parse_update(update)
+
+
+def test_the_tracer_samples_every_rate_th_request_until_the_count_is_spent() -> None:
+    tracer = Tracer("m", "1")
+    assert not tracer.active
+    tracer.configure({"trace_level": ["TIMESTAMPS"], "trace_rate": "3", "trace_count": "2"})
+    sampled = [tracer.sample() is not None for _ in range(12)]
+    assert sampled == [False, False, True, False, False, True] + [False] * 6
+    assert not tracer.active
+
+
+def test_the_writer_numbers_traces_and_writes_tritons_files(tmp_path: Path) -> None:
+    tracer = Tracer("m", "2")
+    settings = {"trace_file": str(tmp_path / "t.json"), "log_frequency": "2"}
+    request = InferRequest("m", "2", "r1")
+    for start in (10, 20, 30):
+        tracer.finish(request, [("REQUEST_END", start + 5), ("REQUEST_START", start)], [])
+    writer = TraceWriter()
+    writer.add(tracer.collect(), settings)
+    first = json.loads((tmp_path / "t.json.0").read_text())
+    assert first[0] == {"id": 1, "model_name": "m", "model_version": 2, "request_id": "r1", "parent_id": 0}
+    assert first[1] == {"id": 1, "timestamps": [{"name": "REQUEST_START", "ns": 10}, {"name": "REQUEST_END", "ns": 15}]}
+    assert {e["id"] for e in first} == {1, 2}
+    writer.add([], {**settings, "log_frequency": "0"})
+    writer.close()  # the third trace, at the end
+    assert [e["id"] for e in json.loads((tmp_path / "t.json").read_text())] == [3, 3]
