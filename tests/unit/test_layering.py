@@ -78,3 +78,11 @@ def test_no_module_imports_itself_through_others() -> None:
 
     cycles = [cycle for module in sorted(graph) if (cycle := cycle_from(module)) is not None]
     assert not cycles, f"import cycle: {' -> '.join(cycles[0])}"
+
+
+def test_test_modules_have_unique_basenames() -> None:
+    """pytest imports test modules by basename (no packages here): two with one name stop the
+    whole suite at collection."""
+    tests = Path(__file__).resolve().parents[1]
+    names = [path.name for path in tests.rglob("test_*.py")]
+    assert sorted({n for n in names if names.count(n) > 1}) == []
