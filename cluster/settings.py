@@ -187,7 +187,9 @@ class ServerSettings(BaseSettings):
     @classmethod
     def _parse_trace_config(cls, values: list[str]) -> list[str]:
         settings_from_flags(values)  # ValueError naming the value
-        return values
+        # A relative trace file is relative to where the command runs, not to Ray's workers.
+        return [f"triton,file={os.path.abspath(v.split('=', 1)[1])}"
+                if v.startswith("triton,file=") and v.split("=", 1)[1] else v for v in values]
 
     @model_validator(mode="after")
     def _warn_on_overridden_strict_model_config(self) -> ServerSettings:

@@ -32,7 +32,7 @@ from rayinfer.deployments.ensemble_members import EnsembleMembers, load_ensemble
 from rayinfer.deployments.names import SERVER_APP, SERVER_DEPLOYMENT, SHM_FORGET_PATH, TRACE_SETTINGS_PATH
 from rayinfer.deployments.replica_listener import ReplicaListener
 from rayinfer.protocol import log_settings
-from rayinfer.protocol.errors import NotFoundError, UnsupportedError, as_serving_error
+from rayinfer.protocol.errors import NotFoundError, UnavailableError, UnsupportedError, as_serving_error
 from rayinfer.protocol.http_codec import parse_json_body
 from rayinfer.protocol.shared_memory import Registration, SharedMemoryRegistry
 from rayinfer.protocol.types import InferRequest, InferResponse
@@ -58,6 +58,8 @@ _LISTENER_REGISTER_INTERVAL_S = 2.0
 _STREAM_END = b""
 # How long a replica being stopped waits for the calls its listener is answering.
 _LISTENER_DRAIN_S = 10.0
+# How long a replica waits for the /v2 replica to tell it a shared memory region's registration.
+_SHM_FETCH_S = 10.0
 # A model's trace settings, which Serve routes to the model's application (its route prefix).
 _TRACE_ROUTE = re.compile(r"/v2/models/([^/]+)/trace/setting")
 
@@ -201,12 +203,16 @@ class ModelDeployment:
 
     def _trace_settings(self, doc: dict[str, Any]) -> None:
         """The trace extension's settings from the ``/v2`` replica: this model's apply."""
-        self._core.tracer.configure(TraceSettings.from_dict(doc).of(self._core.name))
+        settings = TraceSettings.from_dict(doc)
+        self._core.tracer.configure(settings.of(self._core.name), settings.version)
 
     async def _shared_memory_region(self, name: str) -> Registration | None:
         """A system shared memory region a request names that this replica has not mapped:
         its registration with the ``/v2`` replica (None if there is none)."""
-        return await self._server_handle().shared_memory_region.remote(name)
+        try:
+            return await asyncio.wait_for(self._server_handle().shared_memory_region.remote(name), _SHM_FETCH_S)
+        except asyncio.TimeoutError:
+            raise UnavailableError(f"shared memory region '{name}': the server did not answer in time") from None
 
     async def _merged_statistics(self, version: str, snapshot: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
         """Report this replica's figures and read back every replica's sum (one Ray call);
@@ -292,7 +298,11 @@ def _response_cache(model_dir: Path, runner: Any, size_bytes: int) -> ResponseCa
         return None
     version = str(getattr(runner, "version", ""))
     fingerprint = model_fingerprint(model_dir, version, json.dumps(config_to_json(spec.config), sort_keys=True))
-    return ResponseCache(response_cache.default_root(), name, version, fingerprint, size_bytes)
+    try:
+        return ResponseCache(response_cache.default_root(), name, version, fingerprint, size_bytes)
+    except OSError as exc:  # the node's cache folder is unusable (another user's, ...): no cache
+        logger.warning("model '%s': the response cache is off: %s", name, exc)
+        return None
 
 
 def _change_key(snapshot: dict[str, Any]) -> tuple[int, ...]:

@@ -109,7 +109,7 @@ class ServerDeployment(ServerGrpcMethods):
 
     async def report_traces(self, model: str, traces: list[dict[str, Any]]) -> None:
         """Traces a model replica took (the trace extension)."""
-        self._api.report_traces(model, traces)
+        await self._api.report_traces(model, traces)
 
     async def shared_memory_region(self, name: str) -> Registration | None:
         """A model replica's request names a region it has not mapped: its registration, if any."""

@@ -122,21 +122,20 @@ class V2Api:
             raise InvalidArgError(f"Request for unknown model : {model}")
         if update:
             self.trace_settings.update(model, update)
-            body = json.dumps(self.trace_settings.as_dict()).encode()
-            listeners = self.routes.all_listeners()
-            await asyncio.gather(*(post(address, TRACE_SETTINGS_PATH, _LISTENER_PUSH_TIMEOUT_S, body)
-                                   for address in listeners), return_exceptions=True)
+            await self._push_trace_settings()
         return self.trace_settings.of(model)
 
-    def report_traces(self, model: str, traces: list[dict[str, Any]]) -> None:
-        """Traces a model replica took: written out, and taken off the count left."""
-        settings = self.trace_settings.of(model)
-        self.traces.add(traces, settings)
-        count = int(settings["trace_count"])
-        if count > 0:
-            own = self.trace_settings.models.get(model, {})
-            target = own if "trace_count" in own else self.trace_settings.server
-            target["trace_count"] = str(max(0, count - len(traces)))
+    async def report_traces(self, model: str, traces: list[dict[str, Any]]) -> None:
+        """Traces a model replica took: written out, and taken off the count left (every replica
+        hears at once when that spends it)."""
+        self.traces.add(traces, self.trace_settings.of(model))
+        if self.trace_settings.spend(model, len(traces)):
+            await self._push_trace_settings()
+
+    async def _push_trace_settings(self) -> None:
+        body = json.dumps(self.trace_settings.as_dict()).encode()
+        await asyncio.gather(*(post(address, TRACE_SETTINGS_PATH, _LISTENER_PUSH_TIMEOUT_S, body)
+                               for address in self.routes.all_listeners()), return_exceptions=True)
 
     def server_metadata(self) -> dict[str, Any]:
         return {"name": self._server_id, "version": rayinfer.__version__, "extensions": EXTENSIONS}

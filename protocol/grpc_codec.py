@@ -96,6 +96,8 @@ def request_from_grpc(message: pb.ModelInferRequest, shm: SharedMemoryRegistry |
             raise InvalidArgError(f"input '{name}' has invalid shape {list(shape)} for model '{model}'")
         count = math.prod(shape)
         parameters = parameters_from_grpc(tensor.parameters)
+        if not shared and parameters and any(key in parameters for key in TENSOR_PARAMETERS):
+            tensor_location(parameters, f"input '{name}'")  # Triton's error: a size or offset needs a region
         if shared or raw:
             if tensor.HasField("contents"):
                 raise InvalidArgError(
@@ -144,14 +146,15 @@ def _shared_input(shm: SharedMemoryRegistry | None, parameters: dict[str, Any], 
 
 def _requested_output(out: Any, shm: SharedMemoryRegistry | None) -> RequestedOutput:
     output = RequestedOutput(out.name, None, _output_parameters(out.parameters))
-    if REGION in output.parameters:
+    if any(key in output.parameters for key in TENSOR_PARAMETERS):
         if "classification" in output.parameters:
             raise InvalidArgError("Output can't set both 'shared_memory_region' and 'classification'")
-        output.shm = tensor_location(output.parameters, f"output '{out.name}'")
+        location = tensor_location(output.parameters, f"output '{out.name}'")
+        assert location is not None
         output.parameters = {k: v for k, v in output.parameters.items() if k not in TENSOR_PARAMETERS}
         if shm is None:
             raise UnsupportedError(f"output '{out.name}': shared memory is not available here")
-        shm.check(output.shm)
+        output.shm = shm.resolve(location)
     return output
 
 

@@ -69,7 +69,7 @@ def request_from_http(
     offset = 0
     inputs = []
     for raw in raw_inputs:
-        tensor, offset = _input_from_json(raw, binary, offset, shm)
+        tensor, offset = _input_from_json(raw, binary, offset, shm, model_name)
         inputs.append(tensor)
     if offset != len(binary):
         raise InvalidArgError(
@@ -116,8 +116,8 @@ def _check_sequence_parameters(params: dict[str, Any]) -> None:
             raise ServingError(f"Unable to parse '{key}': attempt to access JSON non-boolean as boolean", Code.INTERNAL)
 
 
-def _input_from_json(raw: Any, binary: memoryview, offset: int,
-                     shm: SharedMemoryRegistry | None) -> tuple[InferInput, int]:
+def _input_from_json(raw: Any, binary: memoryview, offset: int, shm: SharedMemoryRegistry | None,
+                     model: str) -> tuple[InferInput, int]:
     if not isinstance(raw, dict):
         raise InvalidArgError("each entry of 'inputs' must be a JSON object")
     name = raw.get("name")
@@ -140,7 +140,8 @@ def _input_from_json(raw: Any, binary: memoryview, offset: int,
             raise UnsupportedError(f"input '{name}': shared memory is not available here")
         data = array_from_buffer(
             shm.read(location), datatype, shape, name, f"input '{name}'",
-            lambda got, expected: f"input byte size mismatch for input '{name}'. Expected {expected}, got {got}",
+            lambda got, expected: f"input byte size mismatch for input '{name}' for model '{model}'. "
+            f"Expected {expected}, got {got}",
         )
         params = {k: v for k, v in params.items() if k not in TENSOR_PARAMETERS}
         return InferInput(name, datatype, tuple(shape), data, params), offset
@@ -222,7 +223,7 @@ def _outputs_from_json(raw: Any, params: dict[str, Any],
             raise ServingError("Unable to set 'classification': attempt to access JSON non-unsigned-integer as "
                                "unsigned-integer", Code.INTERNAL)
         output = RequestedOutput(item["name"], None if binary is None else bool(binary), oparams)
-        if REGION in oparams or BYTE_SIZE in oparams:
+        if any(key in oparams for key in TENSOR_PARAMETERS):
             if binary:
                 raise InvalidArgError("Output can't set both 'shared_memory_region' and 'binary_data'")
             _output_location(output, shm)
@@ -234,11 +235,12 @@ def _output_location(output: RequestedOutput, shm: SharedMemoryRegistry | None) 
     """Move an output's shared memory parameters to ``output.shm``, checked against ``shm``."""
     if "classification" in output.parameters:
         raise InvalidArgError("Output can't set both 'shared_memory_region' and 'classification'")
-    output.shm = tensor_location(output.parameters, f"output '{output.name}'")
+    location = tensor_location(output.parameters, f"output '{output.name}'")
+    assert location is not None
     output.parameters = {k: v for k, v in output.parameters.items() if k not in TENSOR_PARAMETERS}
     if shm is None:
         raise UnsupportedError(f"output '{output.name}': shared memory is not available here")
-    shm.check(output.shm)
+    output.shm = shm.resolve(location)
 
 
 def response_to_http(response: InferResponse, request: InferRequest,

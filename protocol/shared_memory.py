@@ -17,7 +17,8 @@ from __future__ import annotations
 import mmap
 import os
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+import stat
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -38,11 +39,14 @@ Registration = tuple[str, int, int]
 
 @dataclass(frozen=True, slots=True)
 class TensorLocation:
-    """Where one tensor lies: ``byte_size`` bytes at ``offset`` in the region ``region``."""
+    """Where one tensor lies: ``byte_size`` bytes at ``offset`` in the region ``region``;
+    ``mapping``: the region as it was when the request was decoded (an output is written there
+    even if the region is unregistered meanwhile)."""
 
     region: str
     offset: int
     byte_size: int
+    mapping: Any = field(default=None, compare=False)
 
 
 class RegionMissing(Exception):
@@ -105,11 +109,14 @@ class _Region:
     def __init__(self, name: str, key: str, offset: int, byte_size: int):
         path = shm_path(key)
         try:
-            fd = os.open(path, os.O_RDWR)
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)  # as shm_open: never a link to elsewhere
         except OSError:
             raise ServingError(f"Unable to open shared memory region: '{key}'", Code.INTERNAL) from None
         try:
-            size = os.fstat(fd).st_size
+            status = os.fstat(fd)
+            if not stat.S_ISREG(status.st_mode):
+                raise ServingError(f"Unable to open shared memory region: '{key}'", Code.INTERNAL)
+            size = status.st_size
             if offset + byte_size > size or byte_size == 0:
                 raise InvalidArgError(f"failed to register shared memory region '{name}': invalid args")
             try:
@@ -136,11 +143,6 @@ class _Region:
     def write(self, start: int, data: bytes | memoryview) -> None:
         self._map[start:start + len(data)] = data
 
-    def close(self) -> None:
-        try:
-            self._map.close()
-        except BufferError:  # a view is still exported: the mapping goes with the last reference
-            pass
 
 
 class SharedMemoryRegistry:
@@ -153,6 +155,8 @@ class SharedMemoryRegistry:
     def __init__(self, fetch: Callable[[str], Awaitable[Registration | None]] | None = None):
         self._regions: dict[str, _Region] = {}
         self._fetch = fetch
+        # Unregistrations so far: a fetch that saw one happen while it waited maps nothing.
+        self._forgotten = 0
 
     def register(self, name: str, key: str, offset: int, byte_size: int) -> None:
         if not name:
@@ -165,11 +169,12 @@ class SharedMemoryRegistry:
 
     def unregister(self, name: str = "") -> None:
         """Forget ``name`` (every region when empty); an unknown name is no error (Triton's rule)."""
-        names = [name] if name else list(self._regions)
-        for each in names:
-            region = self._regions.pop(each, None)
-            if region is not None:
-                region.close()
+        # A mapping goes with its last reference: requests decoded against it still finish.
+        self._forgotten += 1
+        if name:
+            self._regions.pop(name, None)
+        else:
+            self._regions.clear()
 
     def registration(self, name: str) -> Registration:
         region = self._regions.get(name)
@@ -187,11 +192,12 @@ class SharedMemoryRegistry:
 
     async def fetch(self, name: str) -> None:
         """Map a region registered with the ``/v2`` replica (its NOT_FOUND error if it is not)."""
+        forgotten = self._forgotten
         registration = await self._fetch(name) if self._fetch is not None else None
         if registration is None:
             raise NotFoundError(f"Unable to find shared memory region: '{name}'")
         key, offset, byte_size = registration
-        if name not in self._regions:
+        if forgotten == self._forgotten and name not in self._regions:  # else: stale, ask again
             self._regions[name] = _Region(name, key, offset, byte_size)
 
     def _region(self, name: str) -> _Region:
@@ -202,9 +208,12 @@ class SharedMemoryRegistry:
             raise NotFoundError(f"Unable to find shared memory region: '{name}'")
         return region
 
-    def check(self, location: TensorLocation) -> None:
-        """Raise the request's error if ``location`` is not inside a registered region."""
-        self._region(location.region).window(location.region, location.offset, location.byte_size)
+    def resolve(self, location: TensorLocation) -> TensorLocation:
+        """``location`` with its region's mapping; the request's error if it is not inside a
+        registered region."""
+        region = self._region(location.region)
+        region.window(location.region, location.offset, location.byte_size)
+        return replace(location, mapping=region)
 
     def read(self, location: TensorLocation) -> bytes:
         """A copy of the tensor's bytes (the client may reuse the region once answered)."""
@@ -213,17 +222,13 @@ class SharedMemoryRegistry:
 
     def write(self, location: TensorLocation, data: bytes | memoryview, output: str) -> None:
         """Write an output's bytes; Triton's INTERNAL error when the window is too small."""
-        region = self._region(location.region)
+        region = location.mapping if location.mapping is not None else self._region(location.region)
         start, _ = region.window(location.region, location.offset, location.byte_size)
         if len(data) > location.byte_size:
             raise ServingError(
                 f"shared memory size specified with the request for output '{output}' ({location.byte_size} bytes) "
                 f"should be at least {len(data)} bytes to hold the results", Code.INTERNAL)
         region.write(start, data)
-
-    def close(self) -> None:
-        self.unregister()
-
 
 def write_output(shm: SharedMemoryRegistry, location: TensorLocation, name: str, datatype: str,
                  data: np.ndarray) -> None:

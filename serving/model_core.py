@@ -181,8 +181,10 @@ class ModelCore:
         result = await self._schedule_model(prepared)
         if isinstance(result, InferResponse):
             insert_start = time.perf_counter_ns()
-            cache.put(key, result)
+            trim = cache.put(key, result)
             stats.record_cache_miss(lookup_end - start + time.perf_counter_ns() - insert_start)
+            if trim:  # every entry's size on the node: not on the loop
+                await asyncio.to_thread(cache.trim)
         return result
 
     async def _schedule_model(self, prepared: Any) -> Any:

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
+import stat
 import logging
 import os
 import shutil
@@ -33,6 +35,8 @@ logger = logging.getLogger(__name__)
 _TRANSPORT_PARAMETERS = frozenset({"binary_data_output", "priority", "timeout", "headers"})
 # A process sums the directory again after this many of its own insertions at the latest.
 _RESUM_EVERY = 64
+# The names of entries (hashes) and of model folders: nothing else in the cache is touched.
+_NAME = re.compile(r"[0-9a-f]{32,40}")
 
 
 def parse_cache_config(values: list[str]) -> int:
@@ -82,8 +86,9 @@ class ResponseCache:
         self._directory = root / hashlib.blake2b(f"{model}\0{version}\0{fingerprint}".encode(),
                                                  digest_size=16).hexdigest()
         root.mkdir(mode=0o700, parents=True, exist_ok=True)
-        if root.stat().st_uid != os.getuid():  # another user's directory: never read its entries
-            raise PermissionError(f"the response cache directory {root} belongs to another user")
+        status = root.lstat()  # a link is refused: the cache reads and deletes only its own files
+        if not stat.S_ISDIR(status.st_mode) or status.st_uid != os.getuid() or status.st_mode & 0o077:
+            raise PermissionError(f"the response cache directory {root} is not a private directory of this user")
         self._directory.mkdir(mode=0o700, exist_ok=True)
         self._written = 0  # bytes this process wrote since it last summed the directory
         self._total = 0  # the directory's size when last summed
@@ -118,11 +123,12 @@ class ResponseCache:
         except (OSError, ValueError, KeyError):  # gone meanwhile (evicted), or not whole
             return None
 
-    def put(self, key: str, response: InferResponse) -> None:
-        """Keep ``response``; one larger than the whole cache is not kept."""
+    def put(self, key: str, response: InferResponse) -> bool:
+        """Keep ``response`` (one larger than the whole cache is not kept); True when the cache
+        should be trimmed now (:meth:`trim`: off the event loop, it reads every entry's size)."""
         payload = encode_entry(response)
         if len(payload) > self._size_bytes:
-            return
+            return False
         path = self._directory / key
         temporary = path.with_name(f".{key}.{os.getpid()}")
         try:
@@ -137,20 +143,21 @@ class ResponseCache:
         except OSError as exc:  # the memory file system is full: no entry
             logger.debug("could not cache a response of %s: %s", self._directory, exc)
             temporary.unlink(missing_ok=True)
-            return
+            return False
         self._written += len(payload)
         self._insertions += 1
-        if self._total + self._written > self._size_bytes or self._insertions >= _RESUM_EVERY:
-            self._trim()
+        return self._total + self._written > self._size_bytes or self._insertions >= _RESUM_EVERY
 
-    def _trim(self) -> None:
+    def trim(self) -> None:
         """Sum the node's entries; remove the least recently used while over the bound."""
         entries = []
         for directory in self._root.iterdir() if self._root.is_dir() else ():
+            if not _NAME.fullmatch(directory.name) or directory.is_symlink():
+                continue
             try:
                 with os.scandir(directory) as found:
                     for entry in found:
-                        if not entry.name.startswith("."):
+                        if _NAME.fullmatch(entry.name) and entry.is_file(follow_symlinks=False):
                             try:
                                 stat = entry.stat()
                             except FileNotFoundError:  # removed by another replica meanwhile
@@ -175,7 +182,7 @@ class ResponseCache:
     def entry_count(self) -> int:
         """Entries of this model version on the node now."""
         try:
-            return sum(1 for name in os.listdir(self._directory) if not name.startswith("."))
+            return sum(1 for name in os.listdir(self._directory) if _NAME.fullmatch(name))
         except FileNotFoundError:
             return 0
 

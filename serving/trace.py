@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -52,7 +53,7 @@ def settings_from_flags(values: list[str]) -> dict[str, Any]:
             if number != "triton":
                 raise ValueError(f"--trace-config {value}: rayinfer traces in the 'triton' mode only")
         elif key == "file":
-            settings["trace_file"] = number
+            settings["trace_file"] = os.path.abspath(number) if number else ""
         elif key in ("rate", "count", "log-frequency"):
             name = {"rate": "trace_rate", "count": "trace_count", "log-frequency": "log_frequency"}[key]
             try:
@@ -85,6 +86,8 @@ def parse_update(doc: dict[str, Any]) -> dict[str, Any]:
     if "trace_file" in doc:
         raise UnsupportedError("trace file location can not be updated through network protocol")
     for name, value in doc.items():
+        if name not in DEFAULTS or name in ("trace_file", "trace_mode"):
+            continue  # Triton reads only the settings it knows and may change
         if value is None:
             update[name] = None
         elif name == "trace_level":
@@ -108,6 +111,9 @@ class TraceSettings:
 
     server: dict[str, Any] = field(default_factory=lambda: dict(DEFAULTS))
     models: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # Counts the changes replicas must take (a client's update, a count spent); a replica
+    # registering again with the same version keeps its own sampling state.
+    version: int = 0
 
     def of(self, model: str = "") -> dict[str, Any]:
         """The settings in effect for ``model`` (the server's for ""), in Triton's order."""
@@ -116,6 +122,7 @@ class TraceSettings:
         return {key: merged[key] for key in DEFAULTS}
 
     def update(self, model: str, update: dict[str, Any]) -> None:
+        self.version += 1
         target = self.models.setdefault(model, {}) if model else self.server
         for name, value in update.items():
             if value is None:
@@ -126,12 +133,25 @@ class TraceSettings:
             else:
                 target[name] = value
 
+    def spend(self, model: str, traces: int) -> bool:
+        """Take ``traces`` off the count in effect for ``model``; True when that spent it."""
+        count = int(self.of(model)["trace_count"])
+        if count <= 0:
+            return False
+        own = self.models.get(model, {})
+        target = own if "trace_count" in own else self.server
+        target["trace_count"] = str(max(0, count - traces))
+        if count - traces > 0:
+            return False
+        self.version += 1
+        return True
+
     def as_dict(self) -> dict[str, Any]:
-        return {"server": self.server, "models": self.models}
+        return {"server": self.server, "models": self.models, "version": self.version}
 
     @classmethod
     def from_dict(cls, doc: dict[str, Any]) -> TraceSettings:
-        return cls(dict(doc["server"]), {k: dict(v) for k, v in doc["models"].items()})
+        return cls(dict(doc["server"]), {k: dict(v) for k, v in doc["models"].items()}, int(doc.get("version", 0)))
 
 
 class Tracer:
@@ -147,8 +167,14 @@ class Tracer:
         self._traces: list[dict[str, Any]] = []
         # Whether any request may be traced (read on every request: a plain attribute).
         self.active = False
+        self._version = -1
 
-    def configure(self, settings: dict[str, Any]) -> None:
+    def configure(self, settings: dict[str, Any], version: int = 0) -> None:
+        """New settings; the same version again (a replica registering anew) changes nothing,
+        so that the count this replica spent is not given back."""
+        if version == self._version:
+            return
+        self._version = version
         self._levels = tuple(level for level in settings["trace_level"] if level != "OFF")
         self._rate = max(1, int(settings["trace_rate"]))
         self._left = int(settings["trace_count"])
@@ -171,8 +197,9 @@ class Tracer:
         return []
 
     def finish(self, request: Any, stamps: list[tuple[str, int]], tensors: list[dict[str, Any]]) -> None:
+        timestamps = sorted(stamps, key=lambda s: s[1]) if "TIMESTAMPS" in self._levels else []
         trace = {"model_name": self.model, "model_version": int(self.version) if self.version.isdigit() else 0,
-                 "request_id": request.id or "", "timestamps": sorted(stamps, key=lambda s: s[1]), "tensors": tensors}
+                 "request_id": request.id or "", "timestamps": timestamps, "tensors": tensors}
         with self._lock:
             self._traces.append(trace)
 
@@ -200,21 +227,30 @@ class TraceWriter:
         self._pending: dict[str, list[dict[str, Any]]] = {}
         self._file_index: dict[str, int] = {}
         self._counts: dict[str, int] = {}  # traces pending per file
+        self._frequency: dict[str, int] = {}  # the log frequency last in effect per file
 
     def add(self, traces: list[dict[str, Any]], settings: dict[str, Any]) -> None:
         path = settings["trace_file"]
         if not path:
             return
         frequency = int(settings["log_frequency"])
+        self._frequency[path] = frequency
         for trace in traces:
             pending = self._pending.setdefault(path, [])
             pending.extend(self._entries(trace))
             self._counts[path] = count = self._counts.get(path, 0) + 1
             if frequency > 0 and count >= frequency:
-                index = self._file_index.get(path, 0)
-                self._file_index[path] = index + 1
-                _write(f"{path}.{index}", pending)
-                self._pending[path], self._counts[path] = [], 0
+                self._flush(path)
+
+    def _flush(self, path: str) -> None:
+        """Write ``path``'s pending traces: to ``<path>.<n>`` with a log frequency, else ``<path>``."""
+        if self._frequency.get(path, 0) > 0:
+            index = self._file_index.get(path, 0)
+            self._file_index[path] = index + 1
+            _write(f"{path}.{index}", self._pending[path])
+        else:
+            _write(path, self._pending[path])
+        self._pending[path], self._counts[path] = [], 0
 
     def _entries(self, trace: dict[str, Any]) -> list[dict[str, Any]]:
         trace_id = self._next_id
@@ -227,10 +263,10 @@ class TraceWriter:
         return entries
 
     def close(self) -> None:
-        for path, pending in self._pending.items():
+        """Write what is pending (the server stops)."""
+        for path, pending in list(self._pending.items()):
             if pending:
-                _write(path, pending)
-        self._pending, self._counts = {}, {}
+                self._flush(path)
 
 
 def _write(path: str, entries: list[dict[str, Any]]) -> None:

@@ -53,7 +53,8 @@ def test_a_repeated_request_is_answered_from_the_cache(proto: tuple[Any, Any], s
         np.testing.assert_array_equal(result.as_numpy("OUTPUT1"), a - 1)
     expected = {"execution_count": before["execution_count"] + 1, "success": before["success"] + 8,
                 "cache_hit": before["cache_hit"] + 7, "cache_miss": before["cache_miss"] + 1}
-    # Both replicas answered some of the seven hits (the front picks at random), from one entry.
+    # One execution for eight answers, whichever of the two replicas the front picked for each
+    # (sharing between two cache objects is checked in tests/unit/serving/test_response_cache_store.py).
     wait_until(lambda: _stats(module, client) == expected, f"the statistics to read {expected}",
                timeout_s=30, interval_s=0.3)
     other = np.full((1, 16), 2000 + int(module is grpcclient), np.int32)

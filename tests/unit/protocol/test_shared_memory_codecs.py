@@ -17,7 +17,13 @@ from tritonclient.grpc import service_pb2 as pb
 from rayinfer.protocol.errors import Code, NotFoundError, ServingError
 from rayinfer.protocol.grpc_codec import request_from_grpc, response_to_grpc
 from rayinfer.protocol.http_codec import request_from_http, response_to_http
-from rayinfer.protocol.shared_memory import RegionMissing, SharedMemoryRegistry, decode_with_regions, shm_path
+from rayinfer.protocol.shared_memory import (
+    RegionMissing,
+    SharedMemoryRegistry,
+    TensorLocation,
+    decode_with_regions,
+    shm_path,
+)
 from rayinfer.protocol.types import InferOutput, InferResponse
 
 KEY = f"/rayinfer_unit_{os.getpid()}"
@@ -106,7 +112,7 @@ def test_http_errors_name_the_region_or_the_tensor(region) -> None:
 
     assert decode(_shm_params("in", 64, 8)).message == "Invalid offset + byte size for shared memory region: 'in'"
     assert decode(_shm_params("in", 64, 64)).message == "Invalid offset for shared memory region: 'in'"
-    assert decode(_shm_params("in", 32)).message == "input byte size mismatch for input 'X'. Expected 64, got 32"
+    assert decode(_shm_params("in", 32)).message == "input byte size mismatch for input 'X' for model 'm'. Expected 64, got 32"
     unknown = decode(_shm_params("gone", 64))
     assert (unknown.code, unknown.message) == (Code.NOT_FOUND, "Unable to find shared memory region: 'gone'")
     both = decode(_shm_params("in", 64), data=list(range(16)))
@@ -169,3 +175,40 @@ def test_a_replica_maps_a_region_when_a_request_first_names_it(region) -> None:
     home.unregister("r")
     with pytest.raises(NotFoundError, match="Unable to find shared memory region: 'r'"):
         asyncio.run(decode_with_regions(replica, lambda: request_from_http(body, None, "m", "", replica)))
+
+
+def test_a_link_in_the_shared_memory_folder_is_not_followed(tmp_path) -> None:
+    target = tmp_path / "target"
+    target.write_bytes(b"\0" * 64)
+    link = f"/dev/shm/rayinfer_unit_link_{os.getpid()}"
+    os.symlink(target, link)
+    try:
+        error = _error(SharedMemoryRegistry().register, "l", link, 0, 64)
+        assert error.message == f"Unable to open shared memory region: '{link}'"
+    finally:
+        os.unlink(link)
+
+
+def test_an_output_goes_to_the_region_decoded_even_if_it_is_unregistered_meanwhile(region) -> None:
+    registry = SharedMemoryRegistry()
+    registry.register("out", KEY, 0, 64)
+    body = _http_body([{"name": "X", "datatype": "INT32", "shape": [1], "data": [1]}],
+                      [{"name": "Y", "parameters": _shm_params("out", 16)}])
+    request = request_from_http(body, None, "m", "", registry)
+    registry.unregister()
+    response = InferResponse("m", "1", [InferOutput("Y", "INT32", (4,), np.arange(4, dtype=np.int32))])
+    response_to_http(response, request, registry)
+    assert shm_client.get_contents_as_numpy(region, np.int32, [4]).tolist() == [0, 1, 2, 3]
+
+
+def test_a_fetch_overtaken_by_an_unregister_maps_nothing(region) -> None:
+    replica: SharedMemoryRegistry
+
+    async def fetch(name: str):
+        replica.unregister()  # the /v2 replica's word arrives while the fetch waits
+        return KEY, 0, 64
+
+    replica = SharedMemoryRegistry(fetch)
+    asyncio.run(replica.fetch("r"))
+    with pytest.raises(RegionMissing):
+        replica.read(TensorLocation("r", 0, 4))

@@ -64,10 +64,12 @@ def test_the_directory_stays_under_its_size_evicting_the_least_recently_used(tmp
     keys = []
     for value in range(5):
         keys.append(cache.key(_request(value)))
-        cache.put(keys[-1], _response(value))
+        if cache.put(keys[-1], _response(value)):
+            cache.trim()
         time.sleep(0.01)  # distinct modification times
     assert cache.get(keys[0], _request(0), "m", "1") is not None  # used again: the newest now
-    cache.put(cache.key(_request(99)), _response(99))
+    assert cache.put(cache.key(_request(99)), _response(99))  # over the size: trim now
+    cache.trim()
     total = sum(f.stat().st_size for f in (tmp_path / "bounded").rglob("*") if f.is_file())
     assert total <= entry_bytes * 5
     assert cache.get(keys[0], _request(0), "m", "1") is not None
@@ -81,6 +83,19 @@ def open_entry(tmp_path: Path) -> bytes:
     probe = ResponseCache(tmp_path / "probe", "m", "1", "f", 1 << 20)
     probe.put("k", _response(1))
     return next((tmp_path / "probe").rglob("k")).read_bytes()
+
+
+def test_the_cache_refuses_a_folder_it_does_not_own_alone(tmp_path: Path) -> None:
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (tmp_path / "link").symlink_to(elsewhere)
+    with pytest.raises(PermissionError):
+        ResponseCache(tmp_path / "link", "m", "1", "f", 100)
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o777)
+    shared.chmod(0o777)
+    with pytest.raises(PermissionError):
+        ResponseCache(shared, "m", "1", "f", 100)
 
 
 def test_a_model_changed_on_disk_gets_another_fingerprint(tmp_path: Path) -> None:

@@ -49,10 +49,24 @@ def test_the_tracer_samples_every_rate_th_request_until_the_count_is_spent() -> 
     sampled = [tracer.sample() is not None for _ in range(12)]
     assert sampled == [False, False, True, False, False, True] + [False] * 6
     assert not tracer.active
+    tracer.configure({"trace_level": ["TIMESTAMPS"], "trace_rate": "3", "trace_count": "2"})  # version 0 again
+    assert not tracer.active  # a replica registering anew does not get its spent count back
+    tracer.configure({"trace_level": ["TIMESTAMPS"], "trace_rate": "1", "trace_count": "1"}, version=1)
+    assert tracer.sample() is not None and tracer.sample() is None
+
+
+def test_a_spent_count_is_a_new_version_for_the_replicas() -> None:
+    settings = TraceSettings(settings_from_flags([]))
+    settings.update("m", parse_update({"trace_count": "3", "bogus": None}))  # unknown keys are ignored
+    version = settings.version
+    assert not settings.spend("m", 2) and settings.version == version
+    assert settings.spend("m", 2) and settings.version == version + 1
+    assert settings.of("m")["trace_count"] == "0" and not settings.spend("m", 1)
 
 
 def test_the_writer_numbers_traces_and_writes_tritons_files(tmp_path: Path) -> None:
     tracer = Tracer("m", "2")
+    tracer.configure({"trace_level": ["TIMESTAMPS"], "trace_rate": "1", "trace_count": "-1"})
     settings = {"trace_file": str(tmp_path / "t.json"), "log_frequency": "2"}
     request = InferRequest("m", "2", "r1")
     for start in (10, 20, 30):
@@ -63,6 +77,11 @@ def test_the_writer_numbers_traces_and_writes_tritons_files(tmp_path: Path) -> N
     assert first[0] == {"id": 1, "model_name": "m", "model_version": 2, "request_id": "r1", "parent_id": 0}
     assert first[1] == {"id": 1, "timestamps": [{"name": "REQUEST_START", "ns": 10}, {"name": "REQUEST_END", "ns": 15}]}
     assert {e["id"] for e in first} == {1, 2}
-    writer.add([], {**settings, "log_frequency": "0"})
-    writer.close()  # the third trace, at the end
-    assert [e["id"] for e in json.loads((tmp_path / "t.json").read_text())] == [3, 3]
+    writer.close()  # the third trace, at the end: the next numbered file
+    assert [e["id"] for e in json.loads((tmp_path / "t.json.1").read_text())] == [3, 3]
+    once = TraceWriter()
+    once.add(Tracer("m", "2").collect() or [{"model_name": "m", "model_version": 2, "request_id": "",
+                                             "timestamps": [("REQUEST_START", 1)], "tensors": []}],
+             {**settings, "log_frequency": "0"})
+    once.close()  # log_frequency 0: every trace to the file itself when the server stops
+    assert [e["id"] for e in json.loads((tmp_path / "t.json").read_text())] == [1, 1]
