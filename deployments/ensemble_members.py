@@ -88,16 +88,18 @@ class EnsembleMembers:
             logger.debug("member '%s' is not ready: %s", model, exc)
             return False
 
-    async def spec(self, model: str, version: str, deadline: float) -> ModelSpec:
+    async def spec(self, model: str, version: str, deadline: float, repository: Path = Path()) -> ModelSpec:
         """The member's spec as its replica completed it (auto-complete included), waiting until
-        ``deadline`` for a member that is still loading; Triton's error if it is not served."""
+        ``deadline`` for a member that is still loading; Triton's error if it is not served.
+        ``repository``: where the member's folder is (its files, a sequence model's initial state
+        for one, are read from there)."""
         while (route := await self._server_handle().member_route.remote(model, version)) is None:
             if time.monotonic() >= deadline:
                 raise ModelConfigError(f"model '{model}' is still loading")
             await asyncio.sleep(0.5)  # the poll interval: Serve tells of a member's start only by its status
         config = ModelConfig()
         json_format.Parse(await self._handle(tuple(route)).model_config_json.remote(), config)
-        return spec_from_config(config, Path(model) / CONFIG_FILENAME)
+        return spec_from_config(config, repository / model / CONFIG_FILENAME)
 
     async def _route(self, model: str, version: str, *, strict: bool) -> tuple[str, str] | None:
         key = (model, version)
@@ -137,7 +139,7 @@ async def load_ensemble(repository: Path, model_name: str, version: int, config_
         if key in specs:
             continue
         try:
-            specs[key] = await members.spec(*key, deadline)
+            specs[key] = await members.spec(*key, deadline, Path(repository))
         except Exception as exc:
             raise ModelConfigError(
                 f"ensemble '{model_name}': {step.label} cannot run: {as_serving_error(exc).message}"

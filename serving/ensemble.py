@@ -38,6 +38,8 @@ StepStreamer = Callable[[InferRequest], AsyncIterator[InferResponse]]
 ReadyCheck = Callable[[str, str], Awaitable[bool]]
 # (datatype, shape, data) of one ensemble tensor.
 Tensor = tuple[str, tuple[int, ...], np.ndarray]
+# Transport parameters of the ensemble's request that its steps' requests carry too.
+_STEP_PARAMETERS = frozenset({"priority", "sequence_id", "sequence_start", "sequence_end"})
 
 
 class EnsembleExecutor(ModelRunner):
@@ -219,8 +221,10 @@ class _Run:
         self.x = executor
         self.request = request
         self.emit = emit
+        # The steps get the request's priority and sequence (a stateful member sees the
+        # ensemble's correlation id and start / end flags, as in Triton).
         self.parameters = {k: v for k, v in request.parameters.items()
-                           if k not in TRANSPORT_PARAMETERS or k == "priority"}
+                           if k not in TRANSPORT_PARAMETERS or k in _STEP_PARAMETERS}
         self.tasks: set[asyncio.Future] = set()  # flows, streams and step calls
         self.error: BaseException | None = None
         self.finished = asyncio.Event()

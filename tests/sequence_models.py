@@ -3,6 +3,8 @@
 - ``seq_state_direct`` (ONNX, direct strategy, four slots): an accumulator kept in the model's
   implicit state, ``ACC_OUT = ACC_IN + INPUT * READY``, whose initial state (100) is read from
   ``initial_state/start_value``.
+- ``seq_ensemble``: an ensemble whose one step is ``seq_state_direct`` (its sequences pass
+  through).
 - ``seq_python`` (a Python model, oldest strategy): keeps a running sum per correlation id in
   the model itself (string ids), and answers with the sum and the request's flags.
 """
@@ -90,8 +92,23 @@ def seq_state_direct_model():
     return finish_onnx(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
 
 
+SEQ_ENSEMBLE_CONFIG = """name: "seq_ensemble"
+platform: "ensemble"
+max_batch_size: 4
+input [ { name: "INPUT" data_type: TYPE_INT32 dims: [ 1 ] } ]
+output [ { name: "TOTAL" data_type: TYPE_INT32 dims: [ 1 ] } ]
+ensemble_scheduling { step [ {
+  model_name: "seq_state_direct" model_version: -1
+  input_map { key: "INPUT" value: "INPUT" }
+  output_map { key: "OUTPUT" value: "TOTAL" }
+} ] }
+"""
+
+
 def write_sequence_test_models(root: Path) -> None:
     folder = write_model(root, "seq_state_direct", SEQ_STATE_DIRECT_CONFIG, seq_state_direct_model())
     (folder / "initial_state").mkdir(exist_ok=True)
     (folder / "initial_state" / "start_value").write_bytes(np.array([INITIAL_VALUE], "<i4").tobytes())
     write_python_model(root, "seq_python", SEQ_PYTHON_CONFIG, SEQ_PYTHON_MODEL)
+    (root / "seq_ensemble" / "1").mkdir(parents=True, exist_ok=True)
+    (root / "seq_ensemble" / "config.pbtxt").write_text(SEQ_ENSEMBLE_CONFIG)

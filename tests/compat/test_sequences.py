@@ -117,6 +117,21 @@ def test_implicit_state_starts_from_the_initial_state_and_sequences_keep_their_o
     assert results == [[INITIAL_VALUE + (k + 1) * n for n in range(1, 6)] for k in range(6)]
 
 
+def test_a_sequence_passes_through_an_ensemble_to_its_stateful_step(
+        proto: tuple[Any, Any], server: dict[str, Any]) -> None:
+    """The ensemble's correlation id and flags reach its step, which keeps the state."""
+    module, _ = proto
+    base = 7000 if module.__name__.endswith("http") else 8000
+
+    def one(k: int) -> list[int]:
+        with _own_client(module, server) as client:
+            return _send(module, client, "seq_ensemble", base + k, [k + 2] * 4, output="TOTAL")
+
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(one, range(2)))
+    assert results == [[INITIAL_VALUE + (k + 2) * n for n in range(1, 5)] for k in range(2)]
+
+
 def test_python_model_keeps_state_per_string_correlation_id(proto: tuple[Any, Any], server: dict[str, Any]) -> None:
     """Three sequences at once (string ids) on a Python model that keeps a sum per
     ``correlation_id()`` and answers with ``flags()``."""
