@@ -78,6 +78,7 @@ class ServerDeployment(ServerGrpcMethods):
             self._api.set_log_settings(log_settings.default_settings(verbose_level=1))
         if control.cache_size_bytes:  # a new server: its models may differ from the last one's
             response_cache.clear(response_cache.default_root())
+            self._api.cache_size_bytes = control.cache_size_bytes
         self._forwarder = ModelForwarder(self._api)
         self._api.on_unload.append(self._forwarder.forget)
         loop = asyncio.get_running_loop()

@@ -23,12 +23,13 @@ from rayinfer.deployments.route_table import RouteTable
 from rayinfer.deployments.serve_state import ServeState
 from rayinfer.protocol.custom_metrics import CustomMetricsCollector
 from rayinfer.protocol.errors import InvalidArgError, NotFoundError, ServingError, UnavailableError
-from rayinfer.protocol.metrics import CpuFigures, GpuFigures, ModelFigures, render
+from rayinfer.protocol.metrics import CacheFigures, CpuFigures, GpuFigures, ModelFigures, render
 from rayinfer.protocol.statistics import stats_to_json
 from rayinfer.protocol import log_settings
 from rayinfer.protocol.listener_client import post
 from rayinfer.protocol.shared_memory import Registration, SharedMemoryRegistry
 from rayinfer.serving.model_control import ModelController
+from rayinfer.serving import response_cache
 from rayinfer.serving.statistics_store import StatisticsStore
 from rayinfer.serving.trace import TraceSettings, TraceWriter
 
@@ -78,6 +79,8 @@ class V2Api:
         # The trace extension: settings (model replicas take them) and the trace files.
         self.trace_settings = TraceSettings(dict(trace)) if trace else TraceSettings()
         self.traces = TraceWriter()
+        # The response cache's size on each node (0: none; the metrics port then shows no gauges).
+        self.cache_size_bytes = 0
 
     def set_log_settings(self, settings: dict[str, Any]) -> dict[str, Any]:
         """New log settings: applied here at once, in model replicas when they next register
@@ -200,7 +203,16 @@ class V2Api:
             for r in await self.state.refresh() if r["state"] == "READY"
         ]
         custom = CustomMetricsCollector(self.statistics.custom_metrics())
-        return await asyncio.to_thread(render, figures, cpu, gpus, extra=[custom])
+
+        def rendered() -> str:
+            cache = None
+            if self.cache_size_bytes:  # the node's cache: read here, off the loop
+                used, entries = response_cache.usage(response_cache.default_root())
+                evictions = sum(f.snapshot.get("cache_evictions", 0) for f in figures)
+                cache = CacheFigures(self.cache_size_bytes, used, entries, evictions)
+            return render(figures, cpu, gpus, extra=[custom], cache=cache)
+
+        return await asyncio.to_thread(rendered)
 
     # ---- model control ------------------------------------------------------------------------
 

@@ -102,6 +102,29 @@ class ModelFigures:
 
 
 @dataclass(frozen=True)
+class CacheFigures:
+    """The response cache of the node, for Triton's server-wide cache gauges."""
+
+    size_bytes: int
+    used_bytes: int
+    entries: int
+    evictions: int
+
+
+# Triton's server-wide cache gauges: (name, help).
+_CACHE_GAUGES = (
+    ("nv_cache_util", "Cache utilization [0.0 - 1.0]"),
+    ("nv_cache_num_entries", "Number of responses stored in response cache"),
+    ("nv_cache_num_hits", "Number of cache hits in response cache"),
+    ("nv_cache_num_misses", "Number of cache misses in response cache"),
+    ("nv_cache_num_lookups", "Number of cache lookups in response cache"),
+    ("nv_cache_num_evictions", "Number of cache evictions in response cache"),
+    ("nv_cache_lookup_duration", "Total cache lookup duration (hit and miss), in microseconds"),
+    ("nv_cache_insertion_duration", "Total cache insertion duration, in microseconds"),
+)
+
+
+@dataclass(frozen=True)
 class CpuFigures:
     utilization: float
     memory_total_bytes: int
@@ -143,10 +166,12 @@ class TritonCollector:
     sorted, the order Triton's labels (``model``, ``reason``, ``version``) have.
     """
 
-    def __init__(self, models: Sequence[ModelFigures], cpu: CpuFigures | None, gpus: Sequence[GpuFigures] = ()) -> None:
+    def __init__(self, models: Sequence[ModelFigures], cpu: CpuFigures | None, gpus: Sequence[GpuFigures] = (),
+                 cache: CacheFigures | None = None) -> None:
         self._models = models
         self._cpu = cpu
         self._gpus = gpus
+        self._cache = cache
 
     def describe(self) -> Iterator[Metric]:
         """The families ``collect`` yields, so a registry refuses an extra collector that clashes with them."""
@@ -154,6 +179,7 @@ class TritonCollector:
 
     def collect(self) -> Iterator[Metric]:
         yield from self._model_families()
+        yield from self._cache_families()
         yield from self._cpu_families()
         yield from self._gpu_families()
 
@@ -183,6 +209,21 @@ class TritonCollector:
                 family.add_sample(metric, {"model": m.name, "version": m.version}, ns // 1000 if field else count)
             yield family
 
+    def _cache_families(self) -> Iterator[Metric]:
+        """The node's cache as a whole. Lookup time is not split into hits and misses' lookups:
+        a miss's lookup and insertion are counted together (as ``cache_miss``)."""
+        cache = self._cache
+        if cache is None:
+            return
+        hits = sum(m.snapshot["durations"].get("cache_hit", (0, 0))[0] for m in self._models)
+        hit_ns = sum(m.snapshot["durations"].get("cache_hit", (0, 0))[1] for m in self._models)
+        misses = sum(m.snapshot["durations"].get("cache_miss", (0, 0))[0] for m in self._models)
+        miss_ns = sum(m.snapshot["durations"].get("cache_miss", (0, 0))[1] for m in self._models)
+        values = (cache.used_bytes / cache.size_bytes if cache.size_bytes else 0.0, cache.entries, hits, misses,
+                  hits + misses, cache.evictions, hit_ns // 1000, miss_ns // 1000)
+        for (name, help_text), value in zip(_CACHE_GAUGES, values):
+            yield GaugeMetricFamily(name, help_text, value=value)
+
     def _cpu_families(self) -> Iterator[Metric]:
         cpu = self._cpu
         if cpu is None:
@@ -209,6 +250,7 @@ def render(
     gpus: Sequence[GpuFigures] = (),
     *,
     extra: Iterable[Collector] = (),
+    cache: CacheFigures | None = None,
 ) -> str:
     """The Prometheus text exposition Triton serves on its metrics port, followed by the families
     of ``extra`` prometheus_client collectors (a Python backend's custom metrics, for instance).
@@ -217,7 +259,7 @@ def render(
     describes itself and clashes with Triton's names raises ``ValueError``.
     """
     registry = CollectorRegistry()
-    registry.register(TritonCollector(models, cpu, gpus))
+    registry.register(TritonCollector(models, cpu, gpus, cache))
     for collector in extra:
         registry.register(collector)
     return _classic_text(registry.collect())

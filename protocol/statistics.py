@@ -91,6 +91,7 @@ def merge_snapshots(snapshots: list[dict[str, Any]]) -> dict[str, Any]:
             pair[0] += count
             pair[1] += ns
         total["response_cache"] = total.get("response_cache", False) or snap.get("response_cache", False)
+        total["cache_evictions"] = total.get("cache_evictions", 0) + snap.get("cache_evictions", 0)
         for reason, count in snap.get("failure_reasons", {}).items():
             total["failure_reasons"][reason] = total["failure_reasons"].get(reason, 0) + count
         for size, per in snap["batch_stats"].items():

@@ -261,6 +261,8 @@ class ModelCore:
         queue = self._sequencer or self._batcher
         snapshot["pending_request_count"] = queue.pending_requests if queue is not None else 0
         snapshot["response_cache"] = self._cache is not None
+        if self._cache is not None:
+            snapshot["cache_evictions"] = self._cache.evictions
         custom_metrics = getattr(self.executor, "custom_metrics", None)
         if custom_metrics is not None:  # the model's own metric families (a Python model's)
             snapshot["custom_metrics_version"], snapshot["custom_metrics"] = custom_metrics()

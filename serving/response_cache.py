@@ -77,6 +77,26 @@ def model_fingerprint(model_dir: Path, version: str, config_json: str) -> str:
     return digest.hexdigest()
 
 
+def usage(root: Path) -> tuple[int, int]:
+    """(bytes, entries) of every entry in the node's cache."""
+    used = entries = 0
+    for directory in root.iterdir() if root.is_dir() else ():
+        if not _NAME.fullmatch(directory.name) or directory.is_symlink():
+            continue
+        try:
+            with os.scandir(directory) as found:
+                for entry in found:
+                    if _NAME.fullmatch(entry.name):
+                        try:
+                            used += entry.stat(follow_symlinks=False).st_size
+                            entries += 1
+                        except FileNotFoundError:
+                            continue
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+    return used, entries
+
+
 class ResponseCache:
     """One model version's view of the node's cache (``root``), bounded at ``size_bytes`` in all."""
 
@@ -90,6 +110,7 @@ class ResponseCache:
         if not stat.S_ISDIR(status.st_mode) or status.st_uid != os.getuid() or status.st_mode & 0o077:
             raise PermissionError(f"the response cache directory {root} is not a private directory of this user")
         self._directory.mkdir(mode=0o700, exist_ok=True)
+        self.evictions = 0  # entries this process removed to stay under the size
         self._written = 0  # bytes this process wrote since it last summed the directory
         self._total = 0  # the directory's size when last summed
         self._insertions = 0
@@ -175,6 +196,7 @@ class ResponseCache:
                 try:
                     os.unlink(path)
                     total -= size
+                    self.evictions += 1
                 except FileNotFoundError:
                     pass
         self._total, self._written, self._insertions = total, 0, 0

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import tritonclient.grpc as grpcclient
 
-from waiting import wait_until
+from waiting import WaitTimeout, wait_until
 
 MODEL = "cached"
 
@@ -32,6 +32,20 @@ def _stats(module: Any, client: Any, model: str = MODEL) -> dict[str, Any]:
             **{key: int(inference.get(key, {}).get("count", 0)) for key in ("success", "cache_hit", "cache_miss")}}
 
 
+def _settled_stats(module: Any, client: Any) -> dict[str, int]:
+    """The statistics once two readings a replica report apart agree (earlier tests' requests
+    may still be on their way from the other replica)."""
+    previous: dict[str, int] = {}
+
+    def same() -> dict[str, int] | None:
+        nonlocal previous
+        now = _stats(module, client)
+        agreed, previous = now == previous, now
+        return now if agreed else None
+
+    return wait_until(same, "the statistics to settle", timeout_s=30, interval_s=0.7)
+
+
 def _metrics(server: dict) -> str:
     with urllib.request.urlopen(server["metrics_url"], timeout=10) as response:
         return response.read().decode()
@@ -46,7 +60,7 @@ def test_a_repeated_request_is_answered_from_the_cache(proto: tuple[Any, Any], s
     module, client = proto
     # A request no other test sends (each protocol its own), so that its first call misses.
     a = np.full((1, 16), 1000 + int(module is grpcclient), np.int32)
-    before = _stats(module, client)
+    before = _settled_stats(module, client)
     results = [client.infer(MODEL, _inputs(module, a)) for _ in range(8)]
     for result in results:
         np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), a + 1)
@@ -55,8 +69,16 @@ def test_a_repeated_request_is_answered_from_the_cache(proto: tuple[Any, Any], s
                 "cache_hit": before["cache_hit"] + 7, "cache_miss": before["cache_miss"] + 1}
     # One execution for eight answers, whichever of the two replicas the front picked for each
     # (sharing between two cache objects is checked in tests/unit/serving/test_response_cache_store.py).
-    wait_until(lambda: _stats(module, client) == expected, f"the statistics to read {expected}",
-               timeout_s=30, interval_s=0.3)
+    last: dict[str, int] = {}
+
+    def settled() -> bool:
+        last.update(_stats(module, client))
+        return last == expected
+
+    try:
+        wait_until(settled, "the statistics", timeout_s=30, interval_s=0.3)
+    except WaitTimeout:
+        assert (before, last) == (before, expected)
     other = np.full((1, 16), 2000 + int(module is grpcclient), np.int32)
     np.testing.assert_array_equal(client.infer(MODEL, _inputs(module, other)).as_numpy("OUTPUT0"), other + 1)
     wait_until(lambda: _stats(module, client)["cache_miss"] == expected["cache_miss"] + 1,
@@ -80,6 +102,10 @@ def test_cache_metrics_follow_the_statistics(proto: tuple[Any, Any], server: dic
     assert (_metric(text, "nv_cache_hit_duration_per_model") or 0) > 0
     assert (_metric(text, "nv_cache_miss_duration_per_model") or 0) > 0
     assert _metric(text, "nv_cache_num_hits_per_model", "simple") is None  # no cache there
+    gauges = dict(line.split(" ", 1) for line in text.splitlines() if line.startswith("nv_cache_") and "{" not in line)
+    assert float(gauges["nv_cache_num_entries"]) >= 1 and 0 < float(gauges["nv_cache_util"]) < 1
+    assert float(gauges["nv_cache_num_lookups"]) == float(gauges["nv_cache_num_hits"]) + float(
+        gauges["nv_cache_num_misses"])
 
 
 def test_a_model_without_response_cache_runs_every_request(proto: tuple[Any, Any]) -> None:

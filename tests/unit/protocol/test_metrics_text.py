@@ -9,7 +9,15 @@ import pytest
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
-from rayinfer.protocol.metrics import CpuFigures, CpuSampler, GpuFigures, GpuSampler, ModelFigures, render
+from rayinfer.protocol.metrics import (
+    CacheFigures,
+    CpuFigures,
+    CpuSampler,
+    GpuFigures,
+    GpuSampler,
+    ModelFigures,
+    render,
+)
 from rayinfer.protocol.statistics import ModelStatistics, merge_snapshots
 
 
@@ -245,3 +253,23 @@ def test_gpu_sampler_reads_every_gpu_of_the_node():
         assert gpu.energy_j is None or gpu.energy_j >= 0.0
     text = render([], None, figures)
     assert f'nv_gpu_memory_total_bytes{{gpu_uuid="{figures[0].uuid}"}} {figures[0].memory_total_bytes}' in text
+
+
+def test_the_response_cache_has_tritons_per_model_and_server_wide_families():
+    stats = ModelStatistics()
+    stats.record_cache_miss(40_000)
+    stats.record_cache_hit(60_000, 20_000)
+    stats.record_cache_hit(60_000, 22_000)
+    cached = {**stats.snapshot(), "response_cache": True}
+    plain = ModelStatistics().snapshot()
+    text = render([ModelFigures("c", "1", cached), ModelFigures("p", "1", plain)], None,
+                  cache=CacheFigures(1000, 250, 3, 1))
+    assert 'nv_cache_num_hits_per_model{model="c",version="1"} 2' in text
+    assert 'nv_cache_num_misses_per_model{model="c",version="1"} 1' in text
+    assert 'nv_cache_hit_duration_per_model{model="c",version="1"} 42' in text
+    assert 'nv_cache_miss_duration_per_model{model="c",version="1"} 40' in text
+    assert 'model="p"' not in "".join(line for line in text.splitlines() if line.startswith("nv_cache"))
+    for line in ("nv_cache_util 0.25", "nv_cache_num_entries 3", "nv_cache_num_hits 2", "nv_cache_num_misses 1",
+                 "nv_cache_num_lookups 3", "nv_cache_num_evictions 1"):
+        assert line in text.splitlines()
+    assert "nv_cache" not in render([ModelFigures("p", "1", plain)], None)
