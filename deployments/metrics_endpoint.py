@@ -16,7 +16,8 @@ from typing import Any
 
 from rayinfer.deployments import asgi
 from rayinfer.protocol.errors import UnavailableError
-from rayinfer.protocol.metrics import CpuFigures, CpuSampler, GpuFigures, GpuSampler, MetricsOptions
+from rayinfer.protocol.host_figures import CpuFigures, CpuSampler, GpuFigures, GpuSampler
+from rayinfer.protocol.metrics import MetricsOptions
 
 logger = logging.getLogger(__name__)
 

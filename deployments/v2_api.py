@@ -23,7 +23,8 @@ from rayinfer.deployments.route_table import RouteTable
 from rayinfer.deployments.serve_state import ServeState
 from rayinfer.protocol.custom_metrics import CustomMetricsCollector
 from rayinfer.protocol.errors import InvalidArgError, NotFoundError, ServingError, UnavailableError
-from rayinfer.protocol.metrics import CacheFigures, CpuFigures, GpuFigures, ModelFigures, render
+from rayinfer.protocol.host_figures import CpuFigures, GpuFigures
+from rayinfer.protocol.metrics import CacheFigures, ModelFigures, render
 from rayinfer.protocol.statistics import stats_to_json
 from rayinfer.protocol import log_settings
 from rayinfer.protocol.listener_client import post
@@ -106,14 +107,9 @@ class V2Api:
         """Forget a region (every region for an empty name), here and in every model replica:
         a request naming it afterwards gets Triton's NOT_FOUND error."""
         self.shm.unregister(name)
-        listeners = self.routes.all_listeners()
-        path = SHM_FORGET_PATH + quote(name, safe="")
-        results = await asyncio.gather(*(post(address, path, _LISTENER_PUSH_TIMEOUT_S) for address in listeners),
-                                       return_exceptions=True)
-        for address, result in zip(listeners, results):
-            if result != 200:  # a replica going away keeps nothing; one that stays keeps a stale mapping
-                logger.warning("model replica at %s:%d did not forget shared memory region '%s': %s",
-                               *address, name or "(all)", result)
+        # A replica going away keeps nothing; one that stays keeps a stale mapping (logged).
+        await self._tell_replicas(SHM_FORGET_PATH + quote(name, safe=""), b"",
+                                  f"forget shared memory region '{name or '(all)'}'")
 
     # ---- trace --------------------------------------------------------------------------------
 
@@ -136,9 +132,18 @@ class V2Api:
             await self._push_trace_settings()
 
     async def _push_trace_settings(self) -> None:
-        body = json.dumps(self.trace_settings.as_dict()).encode()
-        await asyncio.gather(*(post(address, TRACE_SETTINGS_PATH, _LISTENER_PUSH_TIMEOUT_S, body)
-                               for address in self.routes.all_listeners()), return_exceptions=True)
+        await self._tell_replicas(TRACE_SETTINGS_PATH, json.dumps(self.trace_settings.as_dict()).encode(),
+                                  "take the new trace settings")
+
+    async def _tell_replicas(self, path: str, body: bytes, what: str) -> None:
+        """POST ``body`` to ``path`` on every registered model replica's listener, at once;
+        a replica that does not answer 200 is logged."""
+        listeners = self.routes.all_listeners()
+        results = await asyncio.gather(*(post(address, path, _LISTENER_PUSH_TIMEOUT_S, body) for address in listeners),
+                                       return_exceptions=True)
+        for address, result in zip(listeners, results):
+            if result != 200:
+                logger.warning("model replica at %s:%d did not %s: %s", *address, what, result)
 
     def server_metadata(self) -> dict[str, Any]:
         return {"name": self._server_id, "version": rayinfer.__version__, "extensions": EXTENSIONS}

@@ -21,8 +21,16 @@ from rayinfer.protocol.dtypes import (
     numpy_dtype,
     serialize_bytes_tensor,
 )
-from rayinfer.protocol.errors import InvalidArgError, UnsupportedError
-from rayinfer.protocol.shared_memory import REGION, TENSOR_PARAMETERS, SharedMemoryRegistry, tensor_location, write_output
+from rayinfer.protocol.errors import InvalidArgError
+from rayinfer.protocol.shared_memory import (
+    REGION,
+    TENSOR_PARAMETERS,
+    SharedMemoryRegistry,
+    place_output,
+    read_input,
+    tensor_location,
+    write_output,
+)
 from rayinfer.protocol.types import InferInput, InferRequest, InferResponse, RequestedOutput
 
 # Typed ``InferTensorContents`` field for each datatype (FP16 and BF16 only travel raw).
@@ -105,7 +113,9 @@ def request_from_grpc(message: pb.ModelInferRequest, shm: SharedMemoryRegistry |
                     "binary data was already supplied."
                 )
             if shared:
-                buffer = _shared_input(shm, parameters, f"input '{name}'")
+                shared_bytes = read_input(shm, parameters, f"input '{name}'")
+                assert shared_bytes is not None  # the parameters name a region
+                buffer = shared_bytes
                 parameters = {k: v for k, v in parameters.items() if k not in TENSOR_PARAMETERS}
             else:
                 buffer = raw[position]
@@ -136,25 +146,10 @@ def request_from_grpc(message: pb.ModelInferRequest, shm: SharedMemoryRegistry |
     )
 
 
-def _shared_input(shm: SharedMemoryRegistry | None, parameters: dict[str, Any], what: str) -> bytes:
-    location = tensor_location(parameters, what)
-    assert location is not None
-    if shm is None:
-        raise UnsupportedError(f"{what}: shared memory is not available here")
-    return shm.read(location)
-
-
 def _requested_output(out: Any, shm: SharedMemoryRegistry | None) -> RequestedOutput:
     output = RequestedOutput(out.name, None, _output_parameters(out.parameters))
     if any(key in output.parameters for key in TENSOR_PARAMETERS):
-        if "classification" in output.parameters:
-            raise InvalidArgError("Output can't set both 'shared_memory_region' and 'classification'")
-        location = tensor_location(output.parameters, f"output '{out.name}'")
-        assert location is not None
-        output.parameters = {k: v for k, v in output.parameters.items() if k not in TENSOR_PARAMETERS}
-        if shm is None:
-            raise UnsupportedError(f"output '{out.name}': shared memory is not available here")
-        output.shm = shm.resolve(location)
+        place_output(output, shm)
     return output
 
 

@@ -25,7 +25,8 @@ from rayinfer.protocol.shared_memory import (
     REGION,
     TENSOR_PARAMETERS,
     SharedMemoryRegistry,
-    tensor_location,
+    place_output,
+    read_input,
     write_output,
 )
 from rayinfer.protocol.types import InferInput, InferRequest, InferResponse, RequestedOutput
@@ -134,12 +135,10 @@ def _input_from_json(raw: Any, binary: memoryview, offset: int, shm: SharedMemor
         raise InvalidArgError(f"input '{name}': 'parameters' must be a JSON object")
     _check_content(name, "data" in raw, "binary_data_size" in params, REGION in params)
     count = math.prod(shape)
-    location = tensor_location(params, f"input '{name}'") if params else None
-    if location is not None:
-        if shm is None:
-            raise UnsupportedError(f"input '{name}': shared memory is not available here")
+    shared = read_input(shm, params, f"input '{name}'")
+    if shared is not None:
         data = array_from_buffer(
-            shm.read(location), datatype, shape, name, f"input '{name}'",
+            shared, datatype, shape, name, f"input '{name}'",
             lambda got, expected: f"input byte size mismatch for input '{name}' for model '{model}'. "
             f"Expected {expected}, got {got}",
         )
@@ -226,21 +225,9 @@ def _outputs_from_json(raw: Any, params: dict[str, Any],
         if any(key in oparams for key in TENSOR_PARAMETERS):
             if binary:
                 raise InvalidArgError("Output can't set both 'shared_memory_region' and 'binary_data'")
-            _output_location(output, shm)
+            place_output(output, shm)
         outputs.append(output)
     return outputs
-
-
-def _output_location(output: RequestedOutput, shm: SharedMemoryRegistry | None) -> None:
-    """Move an output's shared memory parameters to ``output.shm``, checked against ``shm``."""
-    if "classification" in output.parameters:
-        raise InvalidArgError("Output can't set both 'shared_memory_region' and 'classification'")
-    location = tensor_location(output.parameters, f"output '{output.name}'")
-    assert location is not None
-    output.parameters = {k: v for k, v in output.parameters.items() if k not in TENSOR_PARAMETERS}
-    if shm is None:
-        raise UnsupportedError(f"output '{output.name}': shared memory is not available here")
-    output.shm = shm.resolve(location)
 
 
 def response_to_http(response: InferResponse, request: InferRequest,

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from rayinfer.protocol.dtypes import serialize_bytes_tensor
-from rayinfer.protocol.errors import Code, InvalidArgError, NotFoundError, ServingError
+from rayinfer.protocol.errors import Code, InvalidArgError, NotFoundError, ServingError, UnsupportedError
 
 # The request and response parameters of a tensor held in shared memory.
 REGION = "shared_memory_region"
@@ -229,6 +229,29 @@ class SharedMemoryRegistry:
                 f"shared memory size specified with the request for output '{output}' ({location.byte_size} bytes) "
                 f"should be at least {len(data)} bytes to hold the results", Code.INTERNAL)
         region.write(start, data)
+
+def read_input(shm: SharedMemoryRegistry | None, parameters: dict[str, Any], what: str) -> bytes | None:
+    """The bytes of an input whose parameters name a region (None when they do not)."""
+    location = tensor_location(parameters, what) if parameters else None
+    if location is None:
+        return None
+    if shm is None:
+        raise UnsupportedError(f"{what}: shared memory is not available here")
+    return shm.read(location)
+
+
+def place_output(output: Any, shm: SharedMemoryRegistry | None) -> None:
+    """Move a requested output's shared memory parameters to ``output.shm``, checked against
+    ``shm`` (a :class:`~rayinfer.protocol.types.RequestedOutput` with any of them)."""
+    if "classification" in output.parameters:
+        raise InvalidArgError("Output can't set both 'shared_memory_region' and 'classification'")
+    location = tensor_location(output.parameters, f"output '{output.name}'")
+    assert location is not None
+    output.parameters = {k: v for k, v in output.parameters.items() if k not in TENSOR_PARAMETERS}
+    if shm is None:
+        raise UnsupportedError(f"output '{output.name}': shared memory is not available here")
+    output.shm = shm.resolve(location)
+
 
 def write_output(shm: SharedMemoryRegistry, location: TensorLocation, name: str, datatype: str,
                  data: np.ndarray) -> None:

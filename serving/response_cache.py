@@ -14,6 +14,7 @@ within the entries the other processes wrote meanwhile.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import re
@@ -77,24 +78,32 @@ def model_fingerprint(model_dir: Path, version: str, config_json: str) -> str:
     return digest.hexdigest()
 
 
-def usage(root: Path) -> tuple[int, int]:
-    """(bytes, entries) of every entry in the node's cache."""
-    used = entries = 0
+def _entries(root: Path) -> list[tuple[int, int, str]]:
+    """(modification time ns, size, path) of every entry in the node's cache (hash-named files in
+    hash-named folders; links and anything else are left alone)."""
+    found: list[tuple[int, int, str]] = []
     for directory in root.iterdir() if root.is_dir() else ():
         if not _NAME.fullmatch(directory.name) or directory.is_symlink():
             continue
         try:
-            with os.scandir(directory) as found:
-                for entry in found:
-                    if _NAME.fullmatch(entry.name):
-                        try:
-                            used += entry.stat(follow_symlinks=False).st_size
-                            entries += 1
-                        except FileNotFoundError:
-                            continue
-        except (FileNotFoundError, NotADirectoryError):
+            with os.scandir(directory) as entries:
+                for entry in entries:
+                    if not (_NAME.fullmatch(entry.name) and entry.is_file(follow_symlinks=False)):
+                        continue
+                    try:
+                        status = entry.stat(follow_symlinks=False)
+                    except FileNotFoundError:  # removed by another replica meanwhile
+                        continue
+                    found.append((status.st_mtime_ns, status.st_size, entry.path))
+        except (FileNotFoundError, NotADirectoryError):  # a folder removed meanwhile
             continue
-    return used, entries
+    return found
+
+
+def usage(root: Path) -> tuple[int, int]:
+    """(bytes, entries) of every entry in the node's cache."""
+    entries = _entries(root)
+    return sum(size for _, size, _ in entries), len(entries)
 
 
 class ResponseCache:
@@ -171,34 +180,17 @@ class ResponseCache:
 
     def trim(self) -> None:
         """Sum the node's entries; remove the least recently used while over the bound."""
-        entries = []
-        for directory in self._root.iterdir() if self._root.is_dir() else ():
-            if not _NAME.fullmatch(directory.name) or directory.is_symlink():
-                continue
-            try:
-                with os.scandir(directory) as found:
-                    for entry in found:
-                        if _NAME.fullmatch(entry.name) and entry.is_file(follow_symlinks=False):
-                            try:
-                                stat = entry.stat()
-                            except FileNotFoundError:  # removed by another replica meanwhile
-                                continue
-                            entries.append((stat.st_mtime_ns, stat.st_size, entry.path))
-            except (FileNotFoundError, NotADirectoryError):
-                continue
+        entries = _entries(self._root)
         total = sum(size for _, size, _ in entries)
         if total > self._size_bytes:
-            entries.sort()
             target = self._size_bytes * 0.9
-            for _, size, path in entries:
+            for _, size, path in sorted(entries):
                 if total <= target:
                     break
-                try:
+                with contextlib.suppress(FileNotFoundError):  # another replica evicted it first
                     os.unlink(path)
-                    total -= size
                     self.evictions += 1
-                except FileNotFoundError:
-                    pass
+                total -= size
         self._total, self._written, self._insertions = total, 0, 0
 
     def entry_count(self) -> int:

@@ -16,7 +16,8 @@ import pytest
 
 from rayinfer.deployments import metrics_endpoint
 from rayinfer.deployments.metrics_endpoint import MetricsEndpoint
-from rayinfer.protocol.metrics import CpuFigures, CpuSampler, GpuFigures, MetricsOptions, render
+from rayinfer.protocol.host_figures import CpuFigures, CpuSampler, GpuFigures
+from rayinfer.protocol.metrics import MetricsOptions, render
 from waiting import wait_until_async
 
 

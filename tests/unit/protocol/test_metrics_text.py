@@ -9,15 +9,8 @@ import pytest
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
-from rayinfer.protocol.metrics import (
-    CacheFigures,
-    CpuFigures,
-    CpuSampler,
-    GpuFigures,
-    GpuSampler,
-    ModelFigures,
-    render,
-)
+from rayinfer.protocol.host_figures import CpuFigures, CpuSampler, GpuFigures, GpuSampler
+from rayinfer.protocol.metrics import CacheFigures, ModelFigures, render
 from rayinfer.protocol.statistics import ModelStatistics, merge_snapshots
 
 

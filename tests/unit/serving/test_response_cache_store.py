@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import time
 from pathlib import Path
 
 import numpy as np
@@ -66,8 +65,9 @@ def test_the_directory_stays_under_its_size_evicting_the_least_recently_used(tmp
         keys.append(cache.key(_request(value)))
         if cache.put(keys[-1], _response(value)):
             cache.trim()
-        time.sleep(0.01)  # distinct modification times
-    assert cache.get(keys[0], _request(0), "m", "1") is not None  # used again: the newest now
+        entry = next((tmp_path / "bounded").rglob(keys[-1]))
+        os.utime(entry, ns=(value * 10**9, value * 10**9))  # written in this order, a second apart
+    assert cache.get(keys[0], _request(0), "m", "1") is not None  # used again (now): the newest
     assert cache.put(cache.key(_request(99)), _response(99))  # over the size: trim now
     cache.trim()
     total = sum(f.stat().st_size for f in (tmp_path / "bounded").rglob("*") if f.is_file())
