@@ -97,6 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
                          help="local,size=<bytes>: the response cache (models with response_cache enabled)")
         sub.add_argument("--trace-config", action="append", default=None,
                          help="rate=N, level=L, count=N, triton,file=PATH, triton,log-frequency=N: tracing")
+        sub.add_argument("--http-max-input-size", type=int, default=None,
+                         help="the largest HTTP request body in bytes (default 64 MiB)")
         sub.add_argument("--gpu-wait-secs", type=float, default=None,
                          help="how long a model waits for missing GPUs before it is UNAVAILABLE (default 180)")
         sub.add_argument("--ray-metrics-port", type=int, default=None, help="embedded Ray's metrics port")
@@ -213,6 +215,7 @@ def serve(settings: ServerSettings) -> int:
             gpu_wait_s=settings.gpu_wait_secs,
             cache_size_bytes=response_cache_bytes(settings),
             trace_config=tuple(settings.trace_config),
+            max_input_size=settings.http_max_input_size,
             metrics=metrics_endpoint(settings),
             control_mode=settings.model_control_mode,
             poll_secs=settings.repository_poll_secs,

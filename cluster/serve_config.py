@@ -57,6 +57,7 @@ def render_serve_config(
         "log_level": replica_log_level(settings),
         "gpu_fallback": settings.gpu_fallback == "cpu",
         "cache_size_bytes": response_cache_bytes(settings),
+        "http_max_input_size": settings.http_max_input_size,
     }
     entries = scan_repository(settings.model_repository) if entries is None else entries
     applications: list[dict[str, Any]] = [{
@@ -80,6 +81,7 @@ def render_serve_config(
     if settings.model_control_mode == "explicit" and "*" not in settings.load_model:
         entries = [entry for entry in entries if entry.name in settings.load_model]
     configs = {entry.name: entry for entry in entries}
+    applications[0]["args"]["startup_models"] = sorted(configs)
     for model, version, is_default in served_versions(entries):
         app: dict[str, Any] = {
             "name": model_app_name(model, version, is_default),

@@ -12,6 +12,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from rayinfer.deployments.names import DEFAULT_REPLICA_NUM_CPUS
 from rayinfer.protocol.metrics import MetricsOptions
+from rayinfer.protocol.limits import DEFAULT_HTTP_MAX_INPUT_SIZE
 from rayinfer.serving.response_cache import parse_cache_config
 from rayinfer.serving.trace import settings_from_flags
 
@@ -156,6 +157,11 @@ class ServerSettings(BaseSettings):
         default_factory=list,
         description="tritonserver's --trace-config: rate=N, level=OFF|TIMESTAMPS|TENSORS, count=N, "
         "triton,file=PATH, triton,log-frequency=N (the trace extension's settings at start).",
+    )
+    http_max_input_size: int = Field(
+        DEFAULT_HTTP_MAX_INPUT_SIZE, gt=0, le=2**31 - 1,
+        description="tritonserver's --http-max-input-size: the largest HTTP request body, in bytes, after "
+        "decompression (at most 2 GiB - 1); a larger one is refused with 400 before it is read whole.",
     )
     gpu_wait_secs: float = Field(
         180.0, gt=0,

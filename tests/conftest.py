@@ -9,6 +9,8 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -121,6 +123,37 @@ def start_server(repository: Path, log_path: Path, args: list[str]) -> subproces
         stop_server(proc)
         pytest.fail(f"{exc}:\n{log_path.read_text()[-4000:]}")
     return proc
+
+
+class ReadinessWatch(threading.Thread):
+    """Polls /v2/health/ready on ``port`` while a server starts; the first time it answers 200,
+    asks each of ``models`` whether it is ready (``models_ready``: {model: answered 200})."""
+
+    def __init__(self, port: int, models: list[str]) -> None:
+        super().__init__(daemon=True)
+        self._url = f"http://127.0.0.1:{port}"
+        self._models = models
+        self._stopping = threading.Event()
+        self.models_ready: dict[str, bool] | None = None
+
+    def run(self) -> None:
+        while not self._stopping.is_set() and self.models_ready is None:
+            if self._status("/v2/health/ready") == 200:
+                self.models_ready = {m: self._status(f"/v2/models/{m}/ready") == 200 for m in self._models}
+            time.sleep(0.25)
+
+    def _status(self, path: str) -> int | None:
+        try:
+            with urllib.request.urlopen(self._url + path, timeout=5.0) as response:
+                return response.status
+        except urllib.error.HTTPError as exc:
+            return exc.code
+        except OSError:  # not listening yet
+            return None
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self.join()
 
 
 def stop_server(proc: subprocess.Popen) -> None:

@@ -48,6 +48,16 @@ ERRORS = [
     ("malformed-json", "/v2/models/simple/infer", b'{"inputs": [', 400, "failed to parse the request JSON"),
     ("empty-body", "/v2/models/simple/infer", b"", 400, "failed to parse the request JSON"),
     ("no-inputs", "/v2/models/simple/infer", {"inputs": []}, 400, "non-empty 'inputs'"),
+    ("duplicate-output", "/v2/models/simple/infer", {**GOOD, "outputs": [{"name": "OUTPUT0"}, {"name": "OUTPUT0"}]},
+     400, "inference output 'OUTPUT0' is requested more than once for model 'simple'"),
+    ("data-nested-too-deep", "/v2/models/simple/infer",
+     {"inputs": [tensor("INPUT0", data=[[[ONES]]]), tensor("INPUT1")]}, 400,
+     "input 'INPUT0': 'data' is nested 4 levels deep, deeper than its shape [1, 16] allows"),
+    ("json-nested-too-deep", "/v2/models/simple/infer", b'{"inputs": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+     400, "failed to parse the request JSON buffer: the document is nested too deeply"),
+    ("element-count-overflow", "/v2/models/simple/infer",
+     {"inputs": [tensor("INPUT0", shape=(4294967296, 4294967296)), tensor("INPUT1")]}, 400,
+     "input 'INPUT0' has shape [4294967296, 4294967296], whose element count 18446744073709551616 is too large"),
 ]
 
 

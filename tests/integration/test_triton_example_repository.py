@@ -21,12 +21,13 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from conftest import HTTP_PORT, start_server, stop_server, stop_shared_server, tensor
+from conftest import HTTP_PORT, ReadinessWatch, start_server, stop_server, stop_shared_server, tensor
 from rayinfer.cluster.example_repository import write_example_repository
 
 pytestmark = pytest.mark.own_cluster
 
 PORT = HTTP_PORT + 200
+STARTUP_MODELS = ["simple", "nlp_ensemble"]
 FETCHED_LATER = {
     "densenet_onnx": """name: "densenet_onnx"
 platform: "onnxruntime_onnx"
@@ -71,16 +72,27 @@ def example_server(tmp_path_factory):
     (repo / "simple_sequence" / "config.pbtxt").write_text(SEQUENCE)
     (repo / "simple_sequence" / "1" / "model.graphdef").write_bytes(b"\0")
     log = tmp_path_factory.mktemp("triton_examples_server") / "rayinfer.log"
+    watch = ReadinessWatch(PORT, STARTUP_MODELS)
+    watch.start()
     proc = start_server(repo, log, [
-        "--model-control-mode", "explicit", "--load-model", "simple", "--load-model", "nlp_ensemble",
+        "--model-control-mode", "explicit", *[arg for m in STARTUP_MODELS for arg in ("--load-model", m)],
         "--http-port", str(PORT),
         "--grpc-port", str(PORT + 1), "--metrics-port", str(PORT + 2), "--serve-grpc-port", str(PORT + 11),
         "--serve-http-port", str(PORT + 10),
     ])
+    watch.stop()
     try:
-        yield log
+        yield log, watch.models_ready
     finally:
         stop_server(proc)
+
+
+def test_ready_only_once_the_models_named_at_start_are(example_server):
+    """Polled while the server started: /v2/health/ready first answered 200 when every model
+    named with --load-model answered ready too (not while they were still being deployed)."""
+    ready = example_server[1]
+    assert ready is not None, "/v2/health/ready never answered 200 before the server said it started"
+    assert [model for model, ok in ready.items() if not ok] == []
 
 
 def test_ready_with_models_it_was_not_asked_to_load(example_server):

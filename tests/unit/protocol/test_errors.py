@@ -19,6 +19,7 @@ from rayinfer.protocol.errors import (
     grpc_status_name,
     http_status,
 )
+from rayinfer.protocol.limits import BodyTooLarge, MessageTooLarge
 
 ERRORS = [
     (ServingError("generic failure"), Code.INTERNAL),
@@ -29,6 +30,8 @@ ERRORS = [
     (UnsupportedError("BF16 is not supported"), Code.UNSUPPORTED),
     (InternalError("boom"), Code.INTERNAL),
     (ModelConfigError("/repo/m/config.pbtxt: broken"), Code.INVALID_ARG),
+    (BodyTooLarge("Request body size exceeds the maximum allowed value of 1 bytes."), Code.INVALID_ARG),
+    (MessageTooLarge("Received message larger than max (3 vs. 2)"), Code.INVALID_ARG),
 ]
 
 

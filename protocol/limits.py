@@ -1,0 +1,42 @@
+"""Size limits on what a client may send, checked while reading (before a body is buffered).
+
+- HTTP bodies: tritonserver's ``--http-max-input-size`` (64 MiB by default), after
+  decompression too. The front refuses a ``Content-Length`` over it before reading the body; the
+  replica listener and the ``/v2`` application count bodies sent in chunks as they arrive.
+- gRPC messages: tritonserver's gRPC server takes messages up to ``INT32_MAX`` bytes and has no
+  flag for it; gRPC's own message and status (RESOURCE_EXHAUSTED) answer a larger one.
+"""
+
+from __future__ import annotations
+
+from rayinfer.protocol.errors import InvalidArgError
+
+DEFAULT_HTTP_MAX_INPUT_SIZE = 1 << 26
+GRPC_MAX_MESSAGE_SIZE = 2**31 - 1
+_INCREASE = "Use --http-max-input-size to increase the limit."
+
+
+class BodyTooLarge(InvalidArgError):
+    """An HTTP request body (or its decompressed form) over ``--http-max-input-size``."""
+
+
+class MessageTooLarge(InvalidArgError):
+    """A gRPC message over the server's maximum; answered with gRPC's own status for it."""
+
+    grpc_status = "RESOURCE_EXHAUSTED"
+
+
+def body_too_large(limit: int, size: int | None = None, what: str = "Request body") -> BodyTooLarge:
+    """Triton's rejection of a body over the limit; ``size`` when it is known (a Content-Length)."""
+    of = f" of {size} bytes" if size is not None else ""
+    return BodyTooLarge(f"{what} size{of} exceeds the maximum allowed value of {limit} bytes. {_INCREASE}")
+
+
+def body_limit_message(limit: int) -> str:
+    """The front's message for a ``Content-Length`` over the limit (the size is filled in there)."""
+    return f"exceeds the maximum allowed value of {limit} bytes. {_INCREASE}"
+
+
+def message_too_large(size: int, limit: int = GRPC_MAX_MESSAGE_SIZE) -> MessageTooLarge:
+    """gRPC's own rejection of a message over the server's maximum receive size."""
+    return MessageTooLarge(f"Received message larger than max ({size} vs. {limit})")

@@ -1,0 +1,147 @@
+"""Requests too large or malformed to read whole, and raw binary requests, on the shared server.
+
+A body over --http-max-input-size (64 MiB here) is refused with Triton's 400 and a JSON error
+while it arrives: by the front when its Content-Length says so (before any of it is read), by
+whoever reads it when it comes in chunks, and after decompression for a compressed one. The
+server keeps serving afterwards.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import socket
+
+import numpy as np
+import pytest
+import tritonclient.http as httpclient
+
+from conftest import HTTP_PORT, http, http_json
+
+LIMIT = 64 * 1024 * 1024
+TOO_LARGE = f"exceeds the maximum allowed value of {LIMIT} bytes. Use --http-max-input-size to increase the limit."
+# Paths that read a body: a model's infer (the replica's listener) and the load API (the /v2
+# application through Serve's ingress).
+PATHS = ["/v2/models/simple/infer", "/v2/repository/models/simple/load"]
+
+
+def exchange(head: bytes, body_parts, timeout_s: float = 30.0) -> tuple[int, dict | None]:
+    """Send ``head`` then ``body_parts`` on one connection, stopping early if the server answers
+    or closes; returns the status and the JSON error of the answer (None if not JSON)."""
+    with socket.create_connection(("127.0.0.1", HTTP_PORT), timeout=timeout_s) as sock:
+        sock.sendall(head)
+        try:
+            for part in body_parts:
+                sock.sendall(part)
+        except OSError:  # the server answered and closed while the body was still coming
+            pass
+        answer = b""
+        while b"\r\n\r\n" not in answer or not _complete(answer):
+            data = sock.recv(65536)
+            if not data:
+                break
+            answer += data
+    head_bytes, _, payload = answer.partition(b"\r\n\r\n")
+    status = int(head_bytes.split(b" ", 2)[1])
+    try:
+        return status, json.loads(payload)
+    except ValueError:
+        return status, None
+
+
+def _complete(answer: bytes) -> bool:
+    head, _, payload = answer.partition(b"\r\n\r\n")
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            return len(payload) >= int(value)
+    return False
+
+
+def chunks(total: int, size: int = 1 << 20):
+    for _ in range(total // size):
+        yield b"%x\r\n%b\r\n" % (size, b"a" * size)
+    yield b"0\r\n\r\n"
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("length", [LIMIT + 1, 3_000_000_000, 10**20])
+def test_a_content_length_over_the_limit_is_refused_before_the_body(server, path, length):
+    # Only 1 KB of the announced body is ever sent: the answer cannot wait for the rest.
+    head = b"POST %b HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % (path.encode(), length)
+    status, doc = exchange(head, [b"{" * 1024], timeout_s=10)
+    assert status == 400
+    if length < 2**63:
+        assert doc == {"error": f"Request body size of {length} bytes {TOO_LARGE}"}
+    # else a length no 64-bit integer holds: the front's HTTP parser refuses the header itself
+    # (with HAProxy's own HTML page)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_chunked_body_over_the_limit_is_refused_while_it_arrives(server, path):
+    head = b"POST %b HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n" % path.encode()
+    status, doc = exchange(head, chunks(LIMIT + (4 << 20)))
+    assert status == 400
+    assert doc == {"error": f"Request body size {TOO_LARGE}"}
+
+
+def test_a_compressed_body_is_limited_once_inflated(server):
+    bomb = gzip.compress(b"\0" * (LIMIT + 1))  # about 65 KB on the wire
+    status, _, raw = http("POST", "/v2/models/simple/infer", bomb, {"Content-Encoding": "gzip"})
+    assert status == 400
+    assert json.loads(raw) == {"error": f"Decompressed request body size {TOO_LARGE}"}
+
+
+def test_the_server_serves_on_after_oversized_requests(server):
+    for path in PATHS:
+        exchange(b"POST %b HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n" % path.encode(),
+                 chunks(LIMIT + (1 << 20)))
+    assert http("GET", "/v2/health/live")[0] == 200
+    ones = [1] * 16
+    status, doc = http_json("POST", "/v2/models/simple/infer", {"inputs": [
+        {"name": n, "shape": [1, 16], "datatype": "INT32", "data": ones} for n in ("INPUT0", "INPUT1")]})
+    assert status == 200 and doc["outputs"][0]["data"] == [2] * 16
+    status, index = http_json("POST", "/v2/repository/index", {})
+    assert status == 200 and any(row["name"] == "simple" for row in index)
+
+
+def test_a_deeply_nested_body_to_the_repository_index_gets_a_json_error(server):
+    status, doc = http_json("POST", "/v2/repository/index", b"[" * 100_000 + b"]" * 100_000)
+    assert status == 400
+    assert doc == {"error": "failed to parse the repository index JSON buffer: the document is nested too deeply"}
+
+
+# ---- raw binary requests (Inference-Header-Content-Length: 0) ---------------------------------
+
+
+def test_a_raw_binary_request_is_the_models_one_input(server):
+    """mlp has one input, FP32 [256] with batching: the body is a batch of one row; every
+    output comes back as binary data, as the JSON request's would."""
+    row = np.linspace(-1, 1, 256, dtype=np.float32)
+    status, headers, raw = http("POST", "/v2/models/mlp/infer", row.tobytes(), {"Inference-Header-Content-Length": "0"})
+    assert status == 200
+    header_length = int({k.lower(): v for k, v in headers.items()}["inference-header-content-length"])
+    doc = json.loads(raw[:header_length])
+    assert doc["outputs"][0]["name"] == "OUTPUT0" and doc["outputs"][0]["shape"] == [1, 10]
+    assert doc["outputs"][0]["parameters"] == {"binary_data_size": 40}
+    got = np.frombuffer(raw[header_length:], dtype=np.float32)
+    client = httpclient.InferenceServerClient(server["url"])
+    try:
+        tensor = httpclient.InferInput("INPUT0", [1, 256], "FP32")
+        tensor.set_data_from_numpy(row[None, :])
+        expected = client.infer("mlp", [tensor]).as_numpy("OUTPUT0")
+    finally:
+        client.close()
+    np.testing.assert_allclose(got, expected.reshape(-1), rtol=1e-6)
+
+
+@pytest.mark.parametrize("model,body,message", [
+    ("simple", b"\0" * 64,
+     "Raw request must only have 1 input (found 1) to be deduced but got 2 inputs in 'simple' model configuration"),
+    ("simple_identity", b"hello", "For BYTE datatype raw input 'INPUT0', the model must have input shape [1]"),
+    ("mlp", b"\0" * 10, "input byte size mismatch for input 'INPUT0' for model 'mlp'. Expected 1024, got 10"),
+], ids=["two-inputs", "bytes-not-shape-1", "wrong-size"])
+def test_raw_binary_requests_the_model_cannot_take(server, model, body, message):
+    status, _, raw = http("POST", f"/v2/models/{model}/infer", body, {"Inference-Header-Content-Length": "0"})
+    assert status == 400
+    assert json.loads(raw) == {"error": message}
