@@ -97,6 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
                          help="local,size=<bytes>: the response cache (models with response_cache enabled)")
         sub.add_argument("--trace-config", action="append", default=None,
                          help="rate=N, level=L, count=N, triton,file=PATH, triton,log-frequency=N: tracing")
+        sub.add_argument("--http-restricted-api", action="append", default=None,
+                         help="<group>[,<group>...]:<header>=<value>: HTTP endpoints needing that header")
+        sub.add_argument("--grpc-restricted-protocol", action="append", default=None,
+                         help="<group>[,<group>...]:<header>=<value>: gRPC methods needing that header")
         sub.add_argument("--http-max-input-size", type=int, default=None,
                          help="the largest HTTP request body in bytes (default 64 MiB)")
         sub.add_argument("--gpu-wait-secs", type=float, default=None,
@@ -222,6 +226,8 @@ def serve(settings: ServerSettings) -> int:
             grpc_front=front,
             http_front=http_front(settings),
             front_threads=settings.http_thread_count,
+            http_restricted=settings.http_restricted_api,
+            grpc_restricted=settings.grpc_restricted_protocol,
             log_level=replica_log_level(settings),
             # Models asked for whose config cannot be read count as failed loads (readiness).
             load_errors={entry.name: entry.error for entry in loaded if entry.error is not None},

@@ -7,12 +7,13 @@ import os
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from rayinfer.deployments.names import DEFAULT_REPLICA_NUM_CPUS
 from rayinfer.protocol.metrics import MetricsOptions
 from rayinfer.protocol.limits import DEFAULT_HTTP_MAX_INPUT_SIZE
+from rayinfer.protocol.restricted_api import parse_restrictions
 from rayinfer.serving.response_cache import parse_cache_config
 from rayinfer.serving.trace import settings_from_flags
 
@@ -158,6 +159,16 @@ class ServerSettings(BaseSettings):
         description="tritonserver's --trace-config: rate=N, level=OFF|TIMESTAMPS|TENSORS, count=N, "
         "triton,file=PATH, triton,log-frequency=N (the trace extension's settings at start).",
     )
+    http_restricted_api: list[str] = Field(
+        default_factory=list,
+        description="tritonserver's --http-restricted-api: '<group>[,<group>...]:<header>=<value>'; the groups' "
+        "endpoints answer 403 to HTTP requests without that header and value.",
+    )
+    grpc_restricted_protocol: list[str] = Field(
+        default_factory=list,
+        description="tritonserver's --grpc-restricted-protocol: the same for gRPC, whose calls must carry "
+        "'triton-grpc-protocol-<header>' (UNAVAILABLE otherwise).",
+    )
     http_max_input_size: int = Field(
         DEFAULT_HTTP_MAX_INPUT_SIZE, gt=0, le=2**31 - 1,
         description="tritonserver's --http-max-input-size: the largest HTTP request body, in bytes, after "
@@ -187,6 +198,12 @@ class ServerSettings(BaseSettings):
     @classmethod
     def _parse_cache_config(cls, values: list[str]) -> list[str]:
         parse_cache_config(values)  # ValueError naming the value
+        return values
+
+    @field_validator("http_restricted_api", "grpc_restricted_protocol")
+    @classmethod
+    def _parse_restrictions(cls, values: list[str], info: ValidationInfo) -> list[str]:
+        parse_restrictions(values, "--" + str(info.field_name).replace("_", "-"))  # ValueError naming the value
         return values
 
     @field_validator("trace_config")

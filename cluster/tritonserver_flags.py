@@ -21,14 +21,14 @@ UNSUPPORTED_FLAGS: tuple[str, ...] = (
     # Model repository
     "model-load-thread-count", "model-load-retry-count", "model-namespacing", "repoagent-directory",
     # HTTP
-    "allow-http", "reuse-http-port", "http-header-forward-pattern", "http-restricted-api",
+    "allow-http", "reuse-http-port", "http-header-forward-pattern",
     # gRPC
     "reuse-grpc-port", "grpc-header-forward-pattern", "grpc-infer-allocation-pool-size",
     "grpc-use-ssl", "grpc-use-ssl-mutual", "grpc-server-cert", "grpc-server-key", "grpc-root-cert",
     "grpc-infer-response-compression-level", "grpc-keepalive-time", "grpc-keepalive-timeout",
     "grpc-keepalive-permit-without-calls", "grpc-http2-max-pings-without-data",
     "grpc-http2-min-recv-ping-interval-without-data", "grpc-http2-max-ping-strikes",
-    "grpc-max-connection-age", "grpc-max-connection-age-grace", "grpc-restricted-protocol",
+    "grpc-max-connection-age", "grpc-max-connection-age-grace",
     # SageMaker and Vertex AI endpoints
     "allow-sagemaker", "sagemaker-port", "sagemaker-safe-port-range", "sagemaker-thread-count",
     "allow-vertex-ai", "vertex-ai-port", "vertex-ai-thread-count", "vertex-ai-default-model",

@@ -34,6 +34,8 @@ def server_application(
     front_threads: int | None = None,
     version: str | None = None,
     startup_models: list[str] | None = None,
+    http_restricted: list[str] | None = None,
+    grpc_restricted: list[str] | None = None,
 ) -> Application:
     """The ``/v2`` application: health, metadata, repository index, statistics, unknown models,
     Triton's metrics port as ``metrics`` says and the front's gRPC and HTTP ports at
@@ -45,6 +47,8 @@ def server_application(
     launch, so that running the app again with new ``load_errors`` only reconfigures the
     replica (which keeps its metrics port and the front's routes). ``startup_models``: the
     models the server loads at start; it is not ready before each is served or failed.
+    ``http_restricted`` / ``grpc_restricted``: the values of --http-restricted-api and
+    --grpc-restricted-protocol (the front enforces them).
     """
     control = control or ModelControl()
     deployment = ServerDeployment.options(
@@ -59,7 +63,8 @@ def server_application(
         # ``version`` left Serve's public options; the pinned Ray still takes it with ``_internal``.
         deployment = deployment.options(version=version, _internal=True)
     return deployment.bind(
-        str(model_repository), server_id, strict_readiness, metrics, control, grpc_front, http_front, front_threads
+        str(model_repository), server_id, strict_readiness, metrics, control, grpc_front, http_front, front_threads,
+        list(http_restricted or ()), list(grpc_restricted or ()),
     )
 
 
@@ -106,6 +111,8 @@ def build_server_app(args: dict[str, Any]) -> Application:
         if args.get("http_port") else None,
         front_threads=int(args["front_threads"]) if args.get("front_threads") else None,
         startup_models=[str(m) for m in args.get("startup_models") or ()],
+        http_restricted=[str(v) for v in args.get("http_restricted_api") or ()],
+        grpc_restricted=[str(v) for v in args.get("grpc_restricted_protocol") or ()],
     )
 
 

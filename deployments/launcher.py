@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import uuid
 from typing import Any
@@ -56,6 +57,8 @@ def deploy_repository(
     cache_size_bytes: int = 0,
     trace_config: tuple[str, ...] = (),
     max_input_size: int = DEFAULT_HTTP_MAX_INPUT_SIZE,
+    http_restricted: list[str] | None = None,
+    grpc_restricted: list[str] | None = None,
 ) -> dict[str, str]:
     """Deploy the ``/v2`` app and one app per model version; returns models that failed to load.
 
@@ -76,6 +79,7 @@ def deploy_repository(
                 load_errors=errors, metrics=metrics, control=control, grpc_front=grpc_front,
                 http_front=http_front, front_threads=front_threads, version=launch_version,
                 startup_models=sorted({model for model, _, _ in versions}),
+                http_restricted=http_restricted, grpc_restricted=grpc_restricted,
             ),
             name=SERVER_APP,
             route_prefix=SERVER_ROUTE_PREFIX,
@@ -88,10 +92,18 @@ def deploy_repository(
         run_server_app(by_model)
     served = sorted({model for model, _, _ in versions if model not in by_model})
     try:  # the front routes what was deployed before the server says it started
-        serve.get_deployment_handle(SERVER_DEPLOYMENT, SERVER_APP).wait_routed.remote(served).result(timeout_s=30)
+        asyncio.run(_wait_routed(served, 30.0))
     except Exception as exc:  # the /v2 app answers for models the front does not route yet
         logger.warning("the front does not route every model yet: %s", exc)
     return by_model
+
+
+async def _wait_routed(models: list[str], timeout_s: float) -> None:
+    """Ask the ``/v2`` replica to return once the front routes ``models``. In a loop of its own:
+    with Serve's throughput-optimized settings a handle routes on the running event loop, and
+    a blocking call from outside one fails at once."""
+    handle = serve.get_deployment_handle(SERVER_DEPLOYMENT, SERVER_APP)
+    await asyncio.wait_for(handle.wait_routed.remote(models), timeout_s)
 
 
 def stop(models: list[str], *, whole_serve: bool) -> None:

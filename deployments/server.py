@@ -28,6 +28,7 @@ from rayinfer.deployments.serve_state import ServeState
 from rayinfer.deployments.v2_api import V2Api
 from rayinfer.protocol import log_settings
 from rayinfer.protocol.errors import InvalidArgError, NotFoundError, ServingError, as_serving_error
+from rayinfer.protocol.restricted_api import parse_restrictions
 from rayinfer.protocol.http_codec import parse_json_body
 from rayinfer.protocol.metrics import MetricsOptions
 from rayinfer.protocol.shared_memory import Registration, registration_from_json
@@ -61,6 +62,8 @@ class ServerDeployment(ServerGrpcMethods):
         grpc_front: tuple[str, int, str, int] | None = None,
         http_front: tuple[str, int, str, int] | None = None,
         front_threads: int | None = None,
+        http_restricted: list[str] | None = None,
+        grpc_restricted: list[str] | None = None,
     ):
         control = control or ModelControl()
         repository = Path(model_repository)
@@ -70,7 +73,9 @@ class ServerDeployment(ServerGrpcMethods):
         if grpc_front is not None or http_front is not None:
             from rayinfer.deployments.front import Front
 
-            self._front = Front(http_front, grpc_front, SERVER_APP, front_threads, control.max_input_size)
+            self._front = Front(http_front, grpc_front, SERVER_APP, front_threads, control.max_input_size,
+                                parse_restrictions(http_restricted or [], "--http-restricted-api"),
+                                parse_restrictions(grpc_restricted or [], "--grpc-restricted-protocol"))
         self._max_input_size = control.max_input_size
         self._api = V2Api(server_id, strict_readiness, self._controller, state, RouteTable(state, self._front),
                           control.poll_secs,
@@ -282,7 +287,7 @@ class ServerDeployment(ServerGrpcMethods):
             await asyncio.sleep(_ROUTES_REFRESH_S)
 
     def check_health(self) -> None:
-        """Serve restarts this replica (and so the front) if the front has died."""
+        """Serve restarts this replica (which starts a new front) if the front has died."""
         if self._front is not None and not self._front.running:
             raise RuntimeError("the front (HAProxy) has exited")
 

@@ -82,8 +82,18 @@ def front_folder(server: dict) -> Path:
     Folders of earlier, stopped fronts are removed when a front starts."""
     port = server["grpc_url"].rsplit(":", 1)[1]
     (front,) = [p.parent for p in Path(tempfile.gettempdir()).glob("rayinfer-front-*/haproxy.cfg")
-                if f":{port} proto h2" in p.read_text()]
+                if f":{port} proto h2" in p.read_text() and _in_this_network(p.parent)]
     return front
+
+
+def _in_this_network(folder: Path) -> bool:
+    """Whether a front's keeper runs in this network namespace (a test run beside this one may
+    use the same ports in another)."""
+    try:
+        keeper = (folder / "keeper.pid").read_text()
+        return os.readlink(f"/proc/{keeper}/ns/net") == os.readlink("/proc/self/ns/net")
+    except OSError:
+        return False
 
 
 def read_map(path: Path) -> dict[str, str]:

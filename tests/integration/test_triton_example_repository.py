@@ -76,6 +76,8 @@ def example_server(tmp_path_factory):
     watch.start()
     proc = start_server(repo, log, [
         "--model-control-mode", "explicit", *[arg for m in STARTUP_MODELS for arg in ("--load-model", m)],
+        "--http-restricted-api", "statistics,logging:stats-key=s3cr3t",
+        "--grpc-restricted-protocol", "statistics:stats-key=s3cr3t",
         "--http-port", str(PORT),
         "--grpc-port", str(PORT + 1), "--metrics-port", str(PORT + 2), "--serve-grpc-port", str(PORT + 11),
         "--serve-http-port", str(PORT + 10),
@@ -93,6 +95,31 @@ def test_ready_only_once_the_models_named_at_start_are(example_server):
     ready = example_server[1]
     assert ready is not None, "/v2/health/ready never answered 200 before the server said it started"
     assert [model for model, ok in ready.items() if not ok] == []
+
+
+def test_restricted_groups_need_their_header_over_both_protocols(example_server):
+    """--http-restricted-api / --grpc-restricted-protocol reach the front from the command line:
+    statistics (and, over HTTP, logging) answer only with the header; the rest stays open."""
+    http = httpclient.InferenceServerClient(f"127.0.0.1:{PORT}")
+    with pytest.raises(InferenceServerException) as error:
+        http.get_inference_statistics("simple")
+    assert error.value.status() == "403"
+    assert "This API is restricted, expecting header 'stats-key'" in error.value.message()
+    with pytest.raises(InferenceServerException, match="expecting header 'stats-key'"):
+        http.get_log_settings()
+    stats = http.get_inference_statistics("simple", headers={"stats-key": "s3cr3t"})
+    assert stats["model_stats"][0]["name"] == "simple"
+    assert http.is_model_ready("simple")  # health is not restricted
+    grpc = grpcclient.InferenceServerClient(f"127.0.0.1:{PORT + 1}")
+    with pytest.raises(InferenceServerException) as error:
+        grpc.get_inference_statistics("simple")
+    assert error.value.status() == "StatusCode.UNAVAILABLE"
+    assert error.value.message() == "This protocol is restricted, expecting header 'triton-grpc-protocol-stats-key'"
+    stats = grpc.get_inference_statistics("simple", headers={"triton-grpc-protocol-stats-key": "s3cr3t"})
+    assert stats.model_stats[0].name == "simple"
+    assert grpc.get_log_settings()  # logging is restricted over HTTP only
+    http.close()
+    grpc.close()
 
 
 def test_ready_with_models_it_was_not_asked_to_load(example_server):

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import re
 import socket
 import threading
 from collections import Counter
@@ -19,6 +21,7 @@ from tritonclient.utils import InferenceServerException
 from rayinfer.deployments.front import Front
 from rayinfer.deployments.replica_listener import ReplicaListener, grpc_message_header, unframe
 from rayinfer.protocol.errors import NotFoundError
+from rayinfer.protocol.restricted_api import parse_restrictions
 from waiting import wait_until
 
 UNICODE_ERROR = "Request for unknown model: 'm\u00fc' is not found (100% sure)"
@@ -249,3 +252,110 @@ def test_framing_and_message_encoding():
     with pytest.raises(Exception, match="exactly one message"):
         unframe(b"\x00\x00\x00\x00\x05hi", None)
     assert grpc_message_header("a 100% \u00fc") == b"a 100%25 %C3%BC"
+
+
+@pytest.fixture(scope="module")
+def restricted_front(loop):
+    """A front with --http-restricted-api and --grpc-restricted-protocol groups."""
+    port, http_port = _free_port(), _free_port()
+    front = Front(("127.0.0.1", http_port, "127.0.0.1", _free_port()),
+                  ("127.0.0.1", port, "127.0.0.1", _free_port()), "v2",
+                  http_restricted=parse_restrictions(["inference,metadata:infer-key=secret",
+                                                      "model-repository:admin=s3cr3t"], "--http-restricted-api"),
+                  grpc_restricted=parse_restrictions(["inference:infer-key=secret"], "--grpc-restricted-protocol"))
+    front.http_port = http_port
+    replica = Replica(loop, "one")
+    publish(loop, front, {"m/": [("127.0.0.1", replica.port)]})
+    yield front, port
+    front.stop()
+
+
+def with_header(request: bytes, header: bytes) -> bytes:
+    return request.replace(b"\r\n", b"\r\n" + header + b"\r\n", 1)
+
+
+def test_restricted_http_groups_need_their_header(restricted_front):
+    frontend, _ = restricted_front
+    port = frontend.http_port
+    refused = {"inference": post("/v2/models/m/infer", b"{}"), "metadata": get("/v2"),
+               "model metadata": get("/v2/models/m/versions/1"), "repository": post("/v2/repository/index", b"{}")}
+    for what, request in refused.items():
+        reply = http_exchange(port, request)
+        assert reply.startswith(b"HTTP/1.1 403") and b"content-type: application/json" in reply, what
+        key = "admin" if what == "repository" else "infer-key"
+        assert json.loads(reply.partition(b"\r\n\r\n")[2]) == {"error": f"This API is restricted, expecting header '{key}'"}
+    # With the header (any case in its name) and its value, the request goes on to the replica.
+    reply = http_exchange(port, with_header(post("/v2/models/m/infer", b"{}"), b"Infer-Key: secret"))
+    assert reply.endswith(b"one POST /v2/models/m/infer 2")
+    assert http_exchange(port, with_header(post("/v2/models/m/infer", b"{}"), b"infer-key: wrong")).startswith(
+        b"HTTP/1.1 403")
+    # Groups left open: health, statistics (/v2/models/stats is not a model's metadata), config.
+    for path in ("/v2/health/live", "/v2/models/stats", "/v2/models/m/ready", "/v2/models/m/config"):
+        assert not http_exchange(port, get(path)).startswith(b"HTTP/1.1 403"), path
+
+
+def test_restricted_grpc_groups_need_their_header(restricted_front):
+    _, port = restricted_front
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
+    data = np.arange(3, dtype=np.float32).reshape(1, 3)
+    with pytest.raises(InferenceServerException) as error:
+        infer(client, "m", data)
+    assert error.value.status() == "StatusCode.UNAVAILABLE"
+    assert error.value.message() == "This protocol is restricted, expecting header 'triton-grpc-protocol-infer-key'"
+    tensor = grpcclient.InferInput("X", [1, 3], "FP32")
+    tensor.set_data_from_numpy(data)
+    response = client.infer("m", [tensor], headers={"triton-grpc-protocol-infer-key": "secret"}).get_response()
+    assert response.model_name == "one"
+    with pytest.raises(InferenceServerException) as error:  # not restricted: the replica's own answer
+        client.is_model_ready("m")
+    assert error.value.message() == UNICODE_ERROR
+    client.close()
+
+
+@pytest.mark.parametrize("value,message", [
+    ("inference", "--http-restricted-api option format is '<config name>:<setting>=<value>'. Got inference"),
+    ("inference:key", "option format is"),
+    ("inferences:k=v", "unknown restricted api 'inferences'"),
+    ("inference:a b=c", "the header 'a b' and its value 'c' must be plain HTTP tokens"),
+])
+def test_restricted_api_values_are_checked(value, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        parse_restrictions([value], "--http-restricted-api")
+    with pytest.raises(ValueError, match="restricted protocol 'health' can not be specified in multiple config groups"):
+        parse_restrictions(["health:a=b", "health,logging:c=d"], "--grpc-restricted-protocol")
+
+
+def test_a_new_front_with_the_same_settings_takes_the_running_one_over(loop):
+    """A /v2 replica started again (after a crash) finds the front still serving: it takes it
+    over, routes and all, instead of stopping it; one with other settings replaces it."""
+    port, http_port = _free_port(), _free_port()
+    endpoints = (("127.0.0.1", http_port, "127.0.0.1", _free_port()), ("127.0.0.1", port, "127.0.0.1", _free_port()))
+    first = Front(*endpoints, "v2")
+    replica = Replica(loop, "one")
+    publish(loop, first, {"m/": [("127.0.0.1", replica.port)]})
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
+    data = np.ones((1, 3), dtype=np.float32)
+    second = Front(*endpoints, "v2")
+    assert second._dir == first._dir and second.running and second.published == first.published
+    assert infer(client, "m", data).model_name == "one"  # the same HAProxy kept serving
+    # A route the new owner has not been told of yet is kept for a few seconds.
+    publish(loop, second, {})
+    assert second.published == first.published
+    third = Front(*endpoints, "v2", max_input_size=1000)  # other settings: a new HAProxy
+    assert third._dir != first._dir and not first.running and third.running
+    publish(loop, third, {"m/": [("127.0.0.1", replica.port)]})
+    assert infer(client, "m", data).model_name == "one"
+    client.close()
+    third.stop()
+    assert not third.running and refuses_connections(port)
+
+
+def test_an_orphaned_front_stops_after_its_grace_period(loop, monkeypatch):
+    monkeypatch.setenv("RAYINFER_FRONT_ORPHAN_GRACE_S", "0.5")
+    http_port = _free_port()
+    front = Front(("127.0.0.1", http_port, "127.0.0.1", _free_port()), None, "v2")
+    (front._dir / "owner").write_text("999999999")  # an owner that is gone
+    wait_until(lambda: not front.running, "the orphaned front to stop", timeout_s=10)
+    assert refuses_connections(http_port)
+    (front._dir / "owner").write_text(str(os.getpid()))
+    front.stop()  # removes its folder

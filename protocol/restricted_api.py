@@ -1,0 +1,81 @@
+"""tritonserver's ``--http-restricted-api`` and ``--grpc-restricted-protocol``: groups of
+endpoints answered only to requests that carry a given header with a given value.
+
+A flag's value is ``<group>[,<group>...]:<key>=<value>``; it may be given again for other groups
+(each group in one flag at most). Over HTTP a request without the header gets 403 and
+``{"error": "This API is restricted, expecting header '<key>'"}``; over gRPC the header is
+``triton-grpc-protocol-<key>`` and a call without it fails with UNAVAILABLE, as in Triton.
+"""
+
+from __future__ import annotations
+
+import re
+
+GROUPS = ("health", "metadata", "inference", "shared-memory", "model-config", "model-repository", "statistics",
+          "trace", "logging")
+GRPC_HEADER_PREFIX = "triton-grpc-protocol-"
+# Header names are HTTP tokens; values are kept to what a config line carries unquoted.
+_KEY = re.compile(r"[A-Za-z0-9!#$&'*+.^_`|~-]+")
+_VALUE = re.compile(r"[A-Za-z0-9!#$&*+./:;<>?@^_`|~=-]+")
+
+_M = "/v2/models/[^/]+(/versions/[^/]+)?"
+# HTTP paths of each group (regular expressions HAProxy matches against the path).
+HTTP_PATHS: dict[str, tuple[str, ...]] = {
+    "health": ("^/v2/health(/.*)?$", f"^{_M}/ready/?$"),
+    "metadata": ("^/v2/?$", f"^{_M}/?$"),
+    "inference": (f"^{_M}/(infer|generate|generate_stream)/?$",),
+    "shared-memory": ("^/v2/(system|cuda)sharedmemory(/.*)?$",),
+    "model-config": (f"^{_M}/config/?$",),
+    "model-repository": ("^/v2/repository(/.*)?$",),
+    "statistics": ("^/v2/models/stats/?$", f"^{_M}/stats/?$"),
+    "trace": ("^/v2/trace/setting/?$", f"^{_M}/trace/setting/?$"),
+    "logging": ("^/v2/logging/?$",),
+}
+# Paths a group's patterns match that belong to another group.
+HTTP_EXCLUDED: dict[str, str] = {"metadata": "^/v2/models/stats/?$"}
+# GRPCInferenceService's methods in each group.
+GRPC_METHODS: dict[str, tuple[str, ...]] = {
+    "health": ("ServerLive", "ServerReady", "ModelReady"),
+    "metadata": ("ServerMetadata", "ModelMetadata"),
+    "inference": ("ModelInfer", "ModelStreamInfer"),
+    "shared-memory": ("SystemSharedMemoryStatus", "SystemSharedMemoryRegister", "SystemSharedMemoryUnregister",
+                      "CudaSharedMemoryStatus", "CudaSharedMemoryRegister", "CudaSharedMemoryUnregister"),
+    "model-config": ("ModelConfig",),
+    "model-repository": ("RepositoryIndex", "RepositoryModelLoad", "RepositoryModelUnload"),
+    "statistics": ("ModelStatistics",),
+    "trace": ("TraceSetting",),
+    "logging": ("LogSettings",),
+}
+
+# {group: (header key, value)}
+Restrictions = dict[str, tuple[str, str]]
+
+
+def parse_restrictions(values: list[str], flag: str) -> Restrictions:
+    """The groups the flag's values restrict; ValueError with tritonserver's message (``flag``:
+    ``--http-restricted-api`` or ``--grpc-restricted-protocol``)."""
+    what = "api" if "api" in flag else "protocol"
+    restrictions: Restrictions = {}
+    for value in values:
+        groups, colon, setting = value.partition(":")
+        key, equals, expected = setting.partition("=")
+        if not (colon and equals and groups and key):
+            raise ValueError(f"{flag} option format is '<config name>:<setting>=<value>'. Got {value}")
+        if not _KEY.fullmatch(key) or not _VALUE.fullmatch(expected):
+            raise ValueError(f"{flag}: the header '{key}' and its value '{expected}' must be plain HTTP tokens "
+                             "(no spaces or quotes)")
+        for group in groups.split(","):
+            if group not in GROUPS:
+                raise ValueError(f"unknown restricted {what} '{group}'")
+            if group in restrictions:
+                raise ValueError(f"restricted {what} '{group}' can not be specified in multiple config groups")
+            restrictions[group] = (key, expected)
+    return restrictions
+
+
+def http_message(key: str) -> str:
+    return f"This API is restricted, expecting header '{key}'"
+
+
+def grpc_message(key: str) -> str:
+    return f"This protocol is restricted, expecting header '{GRPC_HEADER_PREFIX}{key}'"

@@ -1,0 +1,118 @@
+"""The /v2 replica killed under load, on a server of its own: the front (HAProxy, kept by its
+keeper process) goes on relaying inference calls to the model replicas while Serve starts a new
+/v2 replica, which takes the running front over; no inference call fails meanwhile."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+
+from conftest import HTTP_PORT, start_server, stop_server, stop_shared_server
+from rayinfer.cluster.example_repository import write_example_repository
+from waiting import wait_until
+
+pytestmark = pytest.mark.own_cluster
+
+PORT = HTTP_PORT + 300
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    stop_shared_server()  # one Ray cluster at a time on a small machine
+    repo = tmp_path_factory.mktemp("restart_repo")
+    write_example_repository(repo)
+    log = tmp_path_factory.mktemp("restart_server") / "rayinfer.log"
+    proc = start_server(repo, log, [
+        "--model-control-mode", "explicit", "--load-model", "simple", "--http-port", str(PORT),
+        "--grpc-port", str(PORT + 1), "--metrics-port", str(PORT + 2), "--serve-grpc-port", str(PORT + 11),
+        "--serve-http-port", str(PORT + 10),
+    ])
+    try:
+        yield proc
+    finally:
+        stop_server(proc)
+
+
+def v2_replica_pids() -> list[int]:
+    """Processes whose title Ray set to the /v2 deployment's replica."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                command = (entry / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if b"ServeReplica:rayinfer:ServerDeployment" in command:
+                pids.append(int(entry.name))
+    return pids
+
+
+def metadata_answers() -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{PORT}/v2", timeout=2) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+class Load(threading.Thread):
+    """Calls simple over HTTP and gRPC in turn until stopped; counts answers and failures."""
+
+    def __init__(self) -> None:
+        super().__init__(daemon=True)
+        self.stopping = threading.Event()
+        self.ok = 0
+        self.failures: list[str] = []
+
+    def run(self) -> None:
+        clients = [httpclient.InferenceServerClient(f"127.0.0.1:{PORT}"),
+                   grpcclient.InferenceServerClient(f"127.0.0.1:{PORT + 1}")]
+        a = np.arange(16, dtype=np.int32).reshape(1, 16)
+        while not self.stopping.is_set():
+            for module, client in zip((httpclient, grpcclient), clients):
+                inputs = []
+                for name in ("INPUT0", "INPUT1"):
+                    tensor = module.InferInput(name, [1, 16], "INT32")
+                    tensor.set_data_from_numpy(a)
+                    inputs.append(tensor)
+                try:
+                    result = client.infer("simple", inputs)
+                    assert result.as_numpy("OUTPUT0").tolist() == (2 * a).tolist()
+                    self.ok += 1
+                except Exception as exc:  # noqa: BLE001  # every failure is reported by the test
+                    self.failures.append(f"{type(exc).__name__}: {exc}")
+            time.sleep(0.01)
+        for client in clients:
+            client.close()
+
+
+def test_inference_goes_on_while_the_v2_replica_restarts(server):
+    (before,) = v2_replica_pids()
+    load = Load()
+    load.start()
+    wait_until(lambda: load.ok >= 20, "the load to start", timeout_s=30)
+    os.kill(before, signal.SIGKILL)
+    killed_at = time.monotonic()
+    wait_until(lambda: not metadata_answers(), "the /v2 application to be gone", timeout_s=10, interval_s=0.05)
+    served_while_down = load.ok
+    wait_until(metadata_answers, "a new /v2 replica to answer", timeout_s=120, interval_s=0.2)
+    restart_s = time.monotonic() - killed_at
+    time.sleep(3)  # the model replica registers with the new /v2 replica; calls go on meanwhile
+    load.stopping.set()
+    load.join(30)
+    assert load.failures == [], load.failures[:5]
+    assert v2_replica_pids() and before not in v2_replica_pids()
+    assert load.ok > served_while_down + 10
+    print(f"/v2 replica back after {restart_s:.1f} s; {load.ok} calls answered, none failed")
+    # The new replica owns the front and answers what only it answers.
+    with urllib.request.urlopen(f"http://127.0.0.1:{PORT}/v2/health/ready", timeout=10) as response:
+        assert response.status == 200
