@@ -251,7 +251,8 @@ def serve(settings: ServerSettings) -> int:
         print("Stopping rayinfer...", flush=True)
         try:
             # On a cluster we joined, remove only our applications; Serve may host others.
-            launcher.stop([entry.name for entry in entries], whole_serve=not address)
+            binds = [endpoint[:2] for endpoint in (http_front(settings), grpc_front(settings)) if endpoint is not None]
+            launcher.stop([entry.name for entry in entries], whole_serve=not address, fronts=binds)
         finally:
             ray.shutdown()
     return 0

@@ -250,7 +250,9 @@ class Front:
         self._keep_routes_until = 0.0
         self._keeper: subprocess.Popen | None = None
         running = _running_front(self._binds[0]) if self._binds else None
-        if running is not None and (running / "haproxy.cfg").read_text() == render(running):
+        node = _ray_node()
+        if running is not None and (running / "haproxy.cfg").read_text() == render(running) \
+                and _read(running / "node") == node:
             self._use_folder(running)
             self._keeper_pid = int((running / "keeper.pid").read_text())
             self._published = _routes_on_disk(self._counts_path, self._listeners_path)
@@ -258,7 +260,7 @@ class Front:
             (running / "owner").write_text(str(os.getpid()))
             logger.info("took over the running front in %s", running)
             return
-        if running is not None:  # another server's front, or this one's with other settings
+        if running is not None:  # a front of another Ray node (an earlier server), or other settings
             _stop_keeper(running)
         for address, port in self._binds:
             _remove_stale_fronts(address, port)
@@ -267,6 +269,7 @@ class Front:
             path.write_text("")
         (self._dir / "haproxy.cfg").write_text(render(self._dir))
         (self._dir / "owner").write_text(str(os.getpid()))
+        (self._dir / "node").write_text(node)
         self._keeper = subprocess.Popen(
             [sys.executable, str(Path(front_keeper.__file__)), str(self._dir), get_haproxy_binary()],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
@@ -371,6 +374,33 @@ class Front:
         if owner != os.getpid():
             return
         _stop_keeper(self._dir, self._keeper)
+
+
+def stop_fronts(binds: list[tuple[str, int]]) -> None:
+    """Stop the fronts serving ``binds`` in this network namespace: the server stops (its ``/v2``
+    replica may be gone without stopping its front)."""
+    for bind in binds:
+        folder = _running_front(bind)
+        if folder is not None:
+            _stop_keeper(folder)
+
+
+def _ray_node() -> str:
+    """The Ray node this process runs on ("" outside Ray): a front is taken over only by a
+    ``/v2`` replica of the same node, never by a later server's (whose routes differ)."""
+    try:
+        import ray
+
+        return ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
+    except Exception:  # noqa: BLE001  # no Ray here
+        return ""
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
 
 
 def _running_front(bind: tuple[str, int]) -> Path | None:

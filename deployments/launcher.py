@@ -12,6 +12,7 @@ from ray.serve.schema import ServeDeploySchema
 
 from rayinfer.deployments.app import server_application
 from rayinfer.deployments.control import DEFAULT_GPU_WAIT_S, ModelControl, deploy_models
+from rayinfer.deployments.front import stop_fronts
 from rayinfer.deployments.grpc_service import SERVICER_FUNCTION
 from rayinfer.deployments.names import SERVER_APP, SERVER_DEPLOYMENT, SERVER_ROUTE_PREFIX, model_apps
 from rayinfer.deployments.serve_state import serve_applications
@@ -106,14 +107,19 @@ async def _wait_routed(models: list[str], timeout_s: float) -> None:
     await asyncio.wait_for(handle.wait_routed.remote(models), timeout_s)
 
 
-def stop(models: list[str], *, whole_serve: bool) -> None:
+def stop(models: list[str], *, whole_serve: bool, fronts: list[tuple[str, int]] | None = None) -> None:
     """Shut Serve down (a cluster we started) or delete only rayinfer's applications (one we
-    joined): those of the repository's ``models``, whichever versions are loaded now."""
-    if whole_serve:
-        serve.shutdown()
-        return
-    running = list(serve_applications())
-    for model in models:
-        for name in model_apps(model, running):
-            serve.delete(name, _blocking=False)
-    serve.delete(SERVER_APP)
+    joined): those of the repository's ``models``, whichever versions are loaded now. Then stop
+    the front on ``fronts`` (address, port) if it runs on this machine: the ``/v2`` replica may
+    have been stopped without stopping it (its keeper would otherwise stop it a minute later)."""
+    try:
+        if whole_serve:
+            serve.shutdown()
+            return
+        running = list(serve_applications())
+        for model in models:
+            for name in model_apps(model, running):
+                serve.delete(name, _blocking=False)
+        serve.delete(SERVER_APP)
+    finally:
+        stop_fronts(fronts or [])

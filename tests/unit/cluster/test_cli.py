@@ -130,7 +130,8 @@ def test_serve_passes_the_flags_to_the_launcher_and_exits_on_error(
     monkeypatch.setattr(ray, "shutdown", lambda: calls.setdefault("ray.shutdown", True))
     monkeypatch.setattr(cli.signal, "signal", lambda *args: None)
     monkeypatch.setattr(launcher, "start_serve", lambda *args: None)
-    monkeypatch.setattr(launcher, "stop", lambda names, whole_serve: calls.setdefault("stop", (names, whole_serve)))
+    monkeypatch.setattr(launcher, "stop", lambda names, whole_serve, fronts: calls.setdefault("stop", (names, whole_serve,
+                                                                                                    fronts)))
 
     def deploy_repository(model_repository: str, versions: list, **kwargs: object) -> dict[str, str]:
         calls["deploy"] = kwargs
@@ -143,7 +144,9 @@ def test_serve_passes_the_flags_to_the_launcher_and_exits_on_error(
     deployed = calls["deploy"]
     assert isinstance(deployed, dict)
     assert (deployed["log_level"], deployed["front_threads"], deployed["auto_complete"]) == ("DEBUG", 3, True)
-    assert calls["stop"] == (["simple"], True) and calls["ray.shutdown"] is True
+    # The front is stopped by its ports, in case its /v2 replica went without stopping it.
+    assert calls["stop"] == (["simple"], True, [("127.0.0.1", 8000), ("127.0.0.1", 8001)])
+    assert calls["ray.shutdown"] is True
     err = capsys.readouterr().err
     assert "--exit-on-error" in err and "simple" in err
 

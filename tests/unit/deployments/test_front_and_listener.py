@@ -18,7 +18,7 @@ import tritonclient.grpc as grpcclient
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.utils import InferenceServerException
 
-from rayinfer.deployments.front import Front
+from rayinfer.deployments.front import Front, stop_fronts
 from rayinfer.deployments.replica_listener import ReplicaListener, grpc_message_header, unframe
 from rayinfer.protocol.errors import NotFoundError
 from rayinfer.protocol.restricted_api import parse_restrictions
@@ -345,9 +345,14 @@ def test_a_new_front_with_the_same_settings_takes_the_running_one_over(loop):
     assert third._dir != first._dir and not first.running and third.running
     publish(loop, third, {"m/": [("127.0.0.1", replica.port)]})
     assert infer(client, "m", data).model_name == "one"
+    # A front an earlier server left (its node file names another Ray node) is never taken over:
+    # its routes lead to that server's replicas.
+    (third._dir / "node").write_text("an earlier server's node")
+    fourth = Front(*endpoints, "v2", max_input_size=1000)
+    assert fourth._dir != third._dir and not third.running and fourth.running
     client.close()
-    third.stop()
-    assert not third.running and refuses_connections(port)
+    stop_fronts([("127.0.0.1", http_port)])  # what the CLI does as it stops
+    assert not fourth.running and refuses_connections(port) and not fourth._dir.exists()
 
 
 def test_an_orphaned_front_stops_after_its_grace_period(loop, monkeypatch):

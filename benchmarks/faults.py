@@ -1,0 +1,175 @@
+#!/usr/bin/env python3
+"""Faults under a steady load: what clients see when a process of the server is killed.
+
+    .venv/bin/python benchmarks/faults.py [--seconds 40] [--kill-at 10] [--clients 4]
+
+Serves the example repository's ``simple`` (explicit mode, only ``simple`` loaded) inside a
+private network namespace and keeps ``--clients`` HTTP clients calling it in a loop (each call
+with a 15 s timeout, so a hung call shows as one). At ``--kill-at`` seconds one process gets
+SIGKILL, a fresh server for each case:
+
+- ``model replica (1 of 2)``: ``simple`` with ``instance_group count: 2``, one replica killed;
+- ``model replica (the only one)``: ``count: 1``, its replica killed;
+- ``/v2 replica``: the ``/v2`` application's replica (the front stays up, see README).
+
+For each: the calls answered and failed (by status), the longest call, when the last failure
+came after the kill, and when Serve had a new replica running (from the processes' titles).
+Writes the table to docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import signal
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections import Counter
+from pathlib import Path
+
+from compare_triton import ROOT, in_private_netns, reexec_in_netns, start_rayinfer, stop_server, wait_ready, write_doc
+
+from rayinfer.cluster.example_repository import write_example_repository
+
+PORT = 18700
+MARKS = ("<!-- faults:begin -->", "<!-- faults:end -->")
+CASES = {
+    "model replica (1 of 2)": (2, b"ServeReplica:simple:"),
+    "model replica (the only one)": (1, b"ServeReplica:simple:"),
+    "/v2 replica": (1, b"ServeReplica:rayinfer:ServerDeployment"),
+}
+BODY = json.dumps({"inputs": [{"name": n, "shape": [1, 16], "datatype": "INT32", "data": list(range(16))}
+                              for n in ("INPUT0", "INPUT1")]}).encode()
+
+
+def pids_titled(title: bytes) -> set[int]:
+    pids = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if title in (entry / "cmdline").read_bytes():
+                    pids.add(int(entry.name))
+            except OSError:
+                continue
+    return pids
+
+
+class Client(threading.Thread):
+    """Calls simple over HTTP until stopped; records (start, seconds, outcome) of each call."""
+
+    def __init__(self, stopping: threading.Event) -> None:
+        super().__init__(daemon=True)
+        self.stopping = stopping
+        self.calls: list[tuple[float, float, str]] = []
+
+    def run(self) -> None:
+        url = f"http://127.0.0.1:{PORT}/v2/models/simple/infer"
+        while not self.stopping.is_set():
+            start = time.monotonic()
+            try:
+                with urllib.request.urlopen(urllib.request.Request(url, data=BODY), timeout=15) as response:
+                    outcome = str(response.status)
+                    response.read()
+            except urllib.error.HTTPError as exc:
+                outcome = f"{exc.code} {json.loads(exc.read() or b'{}').get('error', '')[:80]}"
+            except OSError as exc:
+                outcome = f"{type(exc).__name__}: {str(exc)[:80]}"
+            self.calls.append((start, time.monotonic() - start, outcome))
+
+
+def run_case(name: str, count: int, title: bytes, seconds: float, kill_at: float, clients: int) -> dict:
+    repo = Path(tempfile.mkdtemp(prefix="faults-"))
+    write_example_repository(repo)
+    config = repo / "simple" / "config.pbtxt"
+    config.write_text(config.read_text() + f"instance_group [ {{ count: {count} kind: KIND_CPU }} ]\n")
+    log = repo / "rayinfer.log"
+    proc = start_rayinfer(repo, PORT, log, ("--model-control-mode", "explicit", "--load-model", "simple",
+                                            "--replica-num-cpus", "0.1"))
+    try:
+        wait_ready(PORT, proc, 300)
+        stopping = threading.Event()
+        threads = [Client(stopping) for _ in range(clients)]
+        start = time.monotonic()
+        for thread in threads:
+            thread.start()
+        time.sleep(kill_at)
+        before = pids_titled(title)
+        victim = min(before)
+        os.kill(victim, signal.SIGKILL)
+        killed = time.monotonic()
+        replaced = None
+        while time.monotonic() - start < seconds:
+            if replaced is None and len(pids_titled(title) - {victim}) >= len(before):
+                replaced = time.monotonic() - killed
+            time.sleep(0.1)
+        stopping.set()
+        for thread in threads:
+            thread.join(30)
+    finally:
+        stop_server(proc)
+    calls = [call for thread in threads for call in thread.calls]
+    failures = [(t, outcome) for t, _, outcome in calls if outcome != "200"]
+    return {
+        "case": name,
+        "calls": len(calls),
+        "failed": len(failures),
+        "failed_before_kill": sum(t < killed for t, _ in failures),
+        "first_failures": [(round(t - start, 2), outcome) for t, outcome in sorted(failures)[:6]],
+        "kinds": Counter(outcome for _, outcome in failures).most_common(3),
+        "longest_s": max(seconds_ for _, seconds_, _ in calls),
+        "last_failure_s": max((t - killed for t, _ in failures), default=None),
+        "replaced_s": replaced,
+    }
+
+
+def table(results: list[dict], args: argparse.Namespace) -> str:
+    lines = [
+        MARKS[0],
+        f"Measured {time.strftime('%Y-%m-%d')} on {os.cpu_count()} cores ({platform.machine()}), "
+        f"{args.clients} HTTP clients calling `simple` in a loop for {args.seconds:.0f} s, SIGKILL at "
+        f"{args.kill_at:.0f} s.",
+        "",
+        "| killed | calls | failed | failures (first kinds) | longest call (s) | last failure after the kill (s) | "
+        "new replica running after (s) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        kinds = "; ".join(f"{n} x {k}" for k, n in r["kinds"]) or "none"
+        last = f"{r['last_failure_s']:.1f}" if r["last_failure_s"] is not None else "-"
+        replaced = f"{r['replaced_s']:.1f}" if r["replaced_s"] is not None else "not within the run"
+        lines.append(f"| {r['case']} | {r['calls']:,} | {r['failed']:,} | {kinds.replace('|', '/')} | "
+                     f"{r['longest_s']:.2f} | {last} | {replaced} |")
+    lines += ["", "Reproduce: `.venv/bin/python benchmarks/faults.py`", MARKS[1]]
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=40.0)
+    parser.add_argument("--kill-at", type=float, default=10.0)
+    parser.add_argument("--clients", type=int, default=4)
+    parser.add_argument("--cases", default=",".join(CASES), help="which of the cases, comma-separated")
+    parser.add_argument("--output", type=Path, default=ROOT / "docs" / "benchmarks.md")
+    args = parser.parse_args()
+    if not in_private_netns():
+        reexec_in_netns()
+    os.environ.setdefault("RAY_worker_niceness", "0")
+    results = []
+    for name in args.cases.split(","):
+        count, title = CASES[name]
+        results.append(run_case(name, count, title, args.seconds, args.kill_at, args.clients))
+        print(results[-1], flush=True)
+    section = table(results, args)
+    print(section)
+    write_doc(section, args.output, MARKS)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
