@@ -258,13 +258,15 @@ def test_framing_and_message_encoding():
 def restricted_front(loop):
     """A front with --http-restricted-api and --grpc-restricted-protocol groups."""
     port, http_port = _free_port(), _free_port()
-    front = Front(("127.0.0.1", http_port, "127.0.0.1", _free_port()),
+    replica = Replica(loop, "one")
+    # The replica's listener stands in for Serve's HTTP ingress too: what the front does not
+    # route is answered at once (a closed upstream port costs the front 3 s of retries).
+    front = Front(("127.0.0.1", http_port, "127.0.0.1", replica.port),
                   ("127.0.0.1", port, "127.0.0.1", _free_port()), "v2",
                   http_restricted=parse_restrictions(["inference,metadata:infer-key=secret",
                                                       "model-repository:admin=s3cr3t"], "--http-restricted-api"),
                   grpc_restricted=parse_restrictions(["inference:infer-key=secret"], "--grpc-restricted-protocol"))
     front.http_port = http_port
-    replica = Replica(loop, "one")
     publish(loop, front, {"m/": [("127.0.0.1", replica.port)]})
     yield front, port
     front.stop()
@@ -291,7 +293,7 @@ def test_restricted_http_groups_need_their_header(restricted_front):
         b"HTTP/1.1 403")
     # Groups left open: health, statistics (/v2/models/stats is not a model's metadata), config.
     for path in ("/v2/health/live", "/v2/models/stats", "/v2/models/m/ready", "/v2/models/m/config"):
-        assert not http_exchange(port, get(path)).startswith(b"HTTP/1.1 403"), path
+        assert http_exchange(port, get(path)).startswith(b"HTTP/1.1 200"), path
 
 
 def test_restricted_grpc_groups_need_their_header(restricted_front):
