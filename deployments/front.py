@@ -36,7 +36,6 @@ import contextlib
 import json
 import logging
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -65,7 +64,6 @@ ROUTED_RPCS = ("ModelInfer", "ModelReady", "ModelMetadata", "ModelConfig", "Mode
 # How long a front taken over keeps the routes the new /v2 replica has not been told of yet.
 _TAKEOVER_GRACE_S = 5.0
 _ADDS_PER_LINE = 40
-_DIR_PREFIX = "rayinfer-front-"
 # (address, port) a front port binds to, and (host, port) of Serve's ingress behind it.
 Endpoint = tuple[str, int, str, int]
 
@@ -249,10 +247,10 @@ class Front:
         # of yet (its model replicas register again within a second or two) are kept.
         self._keep_routes_until = 0.0
         self._keeper: subprocess.Popen | None = None
-        running = _running_front(self._binds[0]) if self._binds else None
+        running = front_keeper.running_front(self._binds[0]) if self._binds else None
         node = _ray_node()
         if running is not None and (running / "haproxy.cfg").read_text() == render(running) \
-                and _read(running / "node") == node:
+                and front_keeper.read_text(running / "node") == node:
             self._use_folder(running)
             self._keeper_pid = int((running / "keeper.pid").read_text())
             self._published = _routes_on_disk(self._counts_path, self._listeners_path)
@@ -261,10 +259,10 @@ class Front:
             logger.info("took over the running front in %s", running)
             return
         if running is not None:  # a front of another Ray node (an earlier server), or other settings
-            _stop_keeper(running)
+            front_keeper.stop_keeper(running)
         for address, port in self._binds:
-            _remove_stale_fronts(address, port)
-        self._use_folder(Path(tempfile.mkdtemp(prefix=_DIR_PREFIX)))
+            front_keeper.remove_stale_fronts(address, port)
+        self._use_folder(Path(tempfile.mkdtemp(prefix=front_keeper.DIR_PREFIX)))
         for path in (self._counts_path, self._listeners_path):
             path.write_text("")
         (self._dir / "haproxy.cfg").write_text(render(self._dir))
@@ -373,16 +371,7 @@ class Front:
             owner = os.getpid()
         if owner != os.getpid():
             return
-        _stop_keeper(self._dir, self._keeper)
-
-
-def stop_fronts(binds: list[tuple[str, int]]) -> None:
-    """Stop the fronts serving ``binds`` in this network namespace: the server stops (its ``/v2``
-    replica may be gone without stopping its front)."""
-    for bind in binds:
-        folder = _running_front(bind)
-        if folder is not None:
-            _stop_keeper(folder)
+        front_keeper.stop_keeper(self._dir, self._keeper)
 
 
 def _ray_node() -> str:
@@ -394,53 +383,6 @@ def _ray_node() -> str:
         return ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
     except Exception:  # noqa: BLE001  # no Ray here
         return ""
-
-
-def _read(path: Path) -> str:
-    try:
-        return path.read_text()
-    except OSError:
-        return ""
-
-
-def _running_front(bind: tuple[str, int]) -> Path | None:
-    """The folder of a front whose keeper and HAProxy run in this network namespace (a server
-    in another one may use the same port) and which binds ``bind``."""
-    line = ["bind", f"{bind[0]}:{bind[1]}"]
-    for config in Path(tempfile.gettempdir()).glob(f"{_DIR_PREFIX}*/haproxy.cfg"):
-        folder = config.parent
-        try:
-            if not any(text.split()[:2] == line for text in config.read_text().splitlines()):
-                continue
-            keeper = int((folder / "keeper.pid").read_text())
-            if os.readlink(f"/proc/{keeper}/ns/net") != os.readlink("/proc/self/ns/net"):
-                continue
-            with socket.socket(socket.AF_UNIX) as admin:
-                admin.connect(str(folder / "admin.sock"))
-        except (OSError, ValueError):
-            continue
-        return folder
-    return None
-
-
-def _stop_keeper(folder: Path, keeper: subprocess.Popen | None = None) -> None:
-    """SIGTERM to a front's keeper (which stops its HAProxy), then remove its folder."""
-    try:
-        pid = keeper.pid if keeper is not None else int((folder / "keeper.pid").read_text())
-        os.kill(pid, signal.SIGTERM)
-    except (OSError, ValueError):
-        pid = None
-    if keeper is not None:
-        try:
-            keeper.wait(10)
-        except subprocess.TimeoutExpired:
-            keeper.kill()
-            keeper.wait()
-    elif pid is not None:
-        deadline = time.monotonic() + 10
-        while front_keeper.pid_alive(pid) and time.monotonic() < deadline:
-            time.sleep(0.05)
-    shutil.rmtree(folder, ignore_errors=True)
 
 
 def _routes_on_disk(counts: Path, listeners: Path) -> dict[str, list[tuple[str, int]]]:
@@ -455,17 +397,3 @@ def _routes_on_disk(counts: Path, listeners: Path) -> dict[str, list[tuple[str, 
         key, _, count = line.partition(" ")
         routes[key] = [addresses[f"{key}/{n}"] for n in range(int(count)) if f"{key}/{n}" in addresses]
     return routes
-
-
-def _remove_stale_fronts(address: str, port: int) -> None:
-    """Remove the folders of earlier fronts on this address and port whose HAProxy is gone
-    (a replica that is killed cannot clean up after itself)."""
-    bind = ["bind", f"{address}:{port}"]
-    for config in Path(tempfile.gettempdir()).glob(f"{_DIR_PREFIX}*/haproxy.cfg"):
-        try:
-            if not any(line.split()[:2] == bind for line in config.read_text().splitlines()):
-                continue
-            with socket.socket(socket.AF_UNIX) as admin:
-                admin.connect(str(config.parent / "admin.sock"))
-        except OSError:  # no live HAProxy behind it
-            shutil.rmtree(config.parent, ignore_errors=True)

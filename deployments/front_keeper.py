@@ -14,12 +14,16 @@ from __future__ import annotations
 
 import ctypes
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
+DIR_PREFIX = "rayinfer-front-"
 ORPHAN_GRACE_S = float(os.environ.get("RAYINFER_FRONT_ORPHAN_GRACE_S", "60"))
 _PR_SET_PDEATHSIG = 1
 
@@ -44,6 +48,76 @@ def owner_alive(folder: Path) -> bool:
         return pid_alive(int((folder / "owner").read_text()))
     except (OSError, ValueError):
         return False
+
+
+def stop_fronts(binds: list[tuple[str, int]]) -> None:
+    """Stop the fronts serving ``binds`` in this network namespace: the server stops (its ``/v2``
+    replica may be gone without stopping its front)."""
+    for bind in binds:
+        folder = running_front(bind)
+        if folder is not None:
+            stop_keeper(folder)
+
+
+def read_text(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
+
+
+def running_front(bind: tuple[str, int]) -> Path | None:
+    """The folder of a front whose keeper and HAProxy run in this network namespace (a server
+    in another one may use the same port) and which binds ``bind``."""
+    line = ["bind", f"{bind[0]}:{bind[1]}"]
+    for config in Path(tempfile.gettempdir()).glob(f"{DIR_PREFIX}*/haproxy.cfg"):
+        folder = config.parent
+        try:
+            if not any(text.split()[:2] == line for text in config.read_text().splitlines()):
+                continue
+            keeper = int((folder / "keeper.pid").read_text())
+            if os.readlink(f"/proc/{keeper}/ns/net") != os.readlink("/proc/self/ns/net"):
+                continue
+            with socket.socket(socket.AF_UNIX) as admin:
+                admin.connect(str(folder / "admin.sock"))
+        except (OSError, ValueError):
+            continue
+        return folder
+    return None
+
+
+def stop_keeper(folder: Path, keeper: subprocess.Popen | None = None) -> None:
+    """SIGTERM to a front's keeper (which stops its HAProxy), then remove its folder."""
+    try:
+        pid = keeper.pid if keeper is not None else int((folder / "keeper.pid").read_text())
+        os.kill(pid, signal.SIGTERM)
+    except (OSError, ValueError):
+        pid = None
+    if keeper is not None:
+        try:
+            keeper.wait(10)
+        except subprocess.TimeoutExpired:
+            keeper.kill()
+            keeper.wait()
+    elif pid is not None:
+        deadline = time.monotonic() + 10
+        while pid_alive(pid) and time.monotonic() < deadline:  # not our child: no wait() to call
+            time.sleep(0.05)
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def remove_stale_fronts(address: str, port: int) -> None:
+    """Remove the folders of earlier fronts on this address and port whose HAProxy is gone
+    (a replica that is killed cannot clean up after itself)."""
+    bind = ["bind", f"{address}:{port}"]
+    for config in Path(tempfile.gettempdir()).glob(f"{DIR_PREFIX}*/haproxy.cfg"):
+        try:
+            if not any(line.split()[:2] == bind for line in config.read_text().splitlines()):
+                continue
+            with socket.socket(socket.AF_UNIX) as admin:
+                admin.connect(str(config.parent / "admin.sock"))
+        except OSError:  # no live HAProxy behind it
+            shutil.rmtree(config.parent, ignore_errors=True)
 
 
 def _die_with_parent() -> None:
@@ -72,6 +146,8 @@ def main(folder: Path, binary: str) -> int:
                 orphaned_since = time.monotonic()
             elif time.monotonic() - orphaned_since > ORPHAN_GRACE_S:
                 break
+            # Polled: the owner is a process of another parent (nothing to wait on), and a quarter
+            # of a second is nothing against the grace period.
             time.sleep(0.25)
         if haproxy.poll() is None:
             haproxy.terminate()

@@ -10,7 +10,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -150,7 +149,7 @@ class ReadinessWatch(threading.Thread):
         while not self._stopping.is_set() and self.models_ready is None:
             if self._status("/v2/health/ready") == 200:
                 self.models_ready = {m: self._status(f"/v2/models/{m}/ready") == 200 for m in self._models}
-            time.sleep(0.25)
+            self._stopping.wait(0.25)
 
     def _status(self, path: str) -> int | None:
         try:

@@ -18,7 +18,8 @@ import tritonclient.grpc as grpcclient
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.utils import InferenceServerException
 
-from rayinfer.deployments.front import Front, stop_fronts
+from rayinfer.deployments.front import Front
+from rayinfer.deployments.front_keeper import stop_fronts
 from rayinfer.deployments.replica_listener import ReplicaListener, grpc_message_header, unframe
 from rayinfer.protocol.errors import NotFoundError
 from rayinfer.protocol.restricted_api import parse_restrictions
