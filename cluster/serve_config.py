@@ -122,7 +122,6 @@ def _deployment_resources(settings: ServerSettings, entry: ModelEntry, version: 
                                               gpu_fallback=settings.gpu_fallback == "cpu")
     except ModelConfigError:
         return None
-    # Serve replaces the options as a whole: they keep the model's packages (runtime_env).
     return {"num_replicas": replicas, "ray_actor_options": options}
 
 

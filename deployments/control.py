@@ -37,7 +37,6 @@ from rayinfer.protocol.errors import ModelConfigError
 from rayinfer.protocol.limits import DEFAULT_HTTP_MAX_INPUT_SIZE
 from rayinfer.repository.ensemble import dependency_waves, member_names
 from rayinfer.repository.instance_groups import replica_plan
-from rayinfer.repository.python_env import python_runtime_env
 from rayinfer.repository.scanner import ModelEntry, scan_model
 
 logger = logging.getLogger(__name__)
@@ -58,9 +57,6 @@ def replica_resources(entry: ModelEntry, version: int, replica_num_cpus: float, 
     options: dict[str, Any] = {"num_cpus": replica_num_cpus}
     if plan.num_gpus:
         options["num_gpus"] = plan.num_gpus
-    runtime_env = python_runtime_env(entry.path, version, entry.config)
-    if runtime_env is not None:  # a Python model's own packages
-        options["runtime_env"] = runtime_env
     return plan.replicas, options
 
 
@@ -216,15 +212,7 @@ def trial_load(model_repository: str, versions: list[tuple[str, int, bool]], con
     # On this node: a load request's files are in a temporary directory here.
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     task = ray.remote(load).options(num_cpus=0, max_retries=0, scheduling_strategy=here)
-    refs = []
-    configs: dict[str, Any] = {}
-    for model, version, _ in versions:
-        # A Python model with requirements loads in the runtime environment its replicas get.
-        if model not in configs:
-            configs[model] = scan_model(Path(model_repository) / model, config_override).config
-        config = configs[model]
-        env = python_runtime_env(Path(model_repository) / model, version, config) if config is not None else None
-        refs.append((task.options(runtime_env=env) if env else task).remote(model_repository, model, version))
+    refs = [task.remote(model_repository, model, version) for model, version, _ in versions]
     try:
         ray.get(refs, timeout=control.timeout_s)
     except ray.exceptions.GetTimeoutError:

@@ -1,10 +1,11 @@
-"""A Python model's own packages: the Ray runtime environment its replicas run in.
+"""A Python model's own packages: the requirement lines its replicas install.
 
 Triton needs a conda-pack tarball for a Python model's dependencies (``EXECUTION_ENV_PATH``,
 still honoured: :mod:`rayinfer.adapters.python_backend.environment`). rayinfer also takes a
 ``requirements.txt`` beside ``model.py`` (in the version folder, else the model folder) or a
 ``pip_requirements`` parameter in config.pbtxt (one requirement per line or comma-separated);
-the model's replicas then run in a Ray ``pip`` runtime environment built from it. A relative path in a requirement (a wheel,
+each replica installs them before importing ``model.py``
+(:mod:`rayinfer.adapters.python_backend.requirements`). A relative path in a requirement (a wheel,
 ``-f ./wheels``) is taken from the folder of the file that names it (the model folder for the
 parameter).
 """
@@ -12,7 +13,6 @@ parameter).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 from rayinfer.repository.model_config import ModelConfig
 
@@ -20,10 +20,10 @@ REQUIREMENTS_FILE = "requirements.txt"
 PIP_PARAMETER = "pip_requirements"
 
 
-def python_runtime_env(model_dir: Path, version: int, config: ModelConfig) -> dict[str, Any] | None:
-    """The runtime environment for a Python model's replicas, or None when it names no packages."""
+def model_requirements(model_dir: Path, version: int, config: ModelConfig) -> list[str]:
+    """A Python model's requirement lines (none for other models, or when it names none)."""
     if (config.backend or "").lower() != "python":
-        return None
+        return []
     lines: list[str] = []
     for folder in (model_dir / str(version), model_dir):
         path = folder / REQUIREMENTS_FILE
@@ -34,10 +34,7 @@ def python_runtime_env(model_dir: Path, version: int, config: ModelConfig) -> di
     if parameter is not None and parameter.string_value.strip():
         text = parameter.string_value.replace(",", "\n")
         lines += _absolute(text.splitlines(), model_dir)
-    packages = [line for line in lines if line]
-    if not packages:
-        return None
-    return {"pip": {"packages": packages, "pip_check": False}}
+    return [line for line in lines if line]
 
 
 def _absolute(lines: list[str], folder: Path) -> list[str]:

@@ -35,6 +35,7 @@ from rayinfer.adapters.model_runner import (
     trace_compute,
 )
 from rayinfer.adapters.python_backend import environment
+from rayinfer.adapters.python_backend.requirements import activate_requirements
 from rayinfer.adapters.python_backend.errors import SERVING_CODES
 from rayinfer.adapters.python_backend import triton_python_backend_utils as pb_utils
 from rayinfer.protocol.dtypes import wire_datatype
@@ -42,6 +43,7 @@ from rayinfer.protocol.errors import Code, InternalError, ModelConfigError, Serv
 from rayinfer.protocol.types import InferOutput, InferResponse
 from rayinfer.repository.instance_groups import runs_on_gpu
 from rayinfer.repository.model_config import ModelConfig, config_to_json
+from rayinfer.repository.python_env import model_requirements
 from rayinfer.repository.sequence_config import sequence_flags
 
 logger = logging.getLogger(__name__)
@@ -70,6 +72,9 @@ class PythonBackendAdapter:
         env = config.parameters.get(environment.PARAMETER)
         if env is not None and env.string_value:  # a conda-pack environment's packages
             environment.activate_execution_env(env.string_value, model_dir, config.name)
+        packages = model_requirements(model_dir, version, config)
+        if packages:  # requirements.txt or the pip_requirements parameter
+            activate_requirements(packages, config.name)
         for folder in (str(model_dir), str(path.parent)):
             if folder not in sys.path:
                 sys.path.insert(0, folder)

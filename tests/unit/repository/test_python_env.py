@@ -1,5 +1,5 @@
-"""A Python model's own packages: the runtime environment from requirements.txt or the
-``pip_requirements`` parameter, and Triton's EXECUTION_ENV_PATH."""
+"""A Python model's own packages: requirements.txt or the ``pip_requirements`` parameter
+(installed by pip into a node-local environment), and Triton's EXECUTION_ENV_PATH."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from rayinfer.protocol.errors import ModelConfigError
 from google.protobuf import text_format
 
 from rayinfer.repository.model_config import ModelConfig
-from rayinfer.repository.python_env import python_runtime_env
+from rayinfer.repository.python_env import model_requirements
 
 
 def parse_config_text(text: str) -> ModelConfig:
@@ -32,18 +32,17 @@ def test_requirements_beside_model_py_with_paths_made_absolute(tmp_path: Path) -
         "# comment\nnumpy>=1.0  # pinned\n\n./wheels/a-1.0-py3-none-any.whl\n--find-links=./wheels\n-f ./wheels\n")
     (tmp_path / "requirements.txt").write_text("ignored-when-the-version-folder-has-one\n")
     wheels = str((tmp_path / "1" / "wheels").resolve())
-    env = python_runtime_env(tmp_path, 1, config())
-    assert env == {"pip": {"packages": ["numpy>=1.0", f"{wheels}/a-1.0-py3-none-any.whl",
-                                        f"--find-links={wheels}", f"-f {wheels}"], "pip_check": False}}
+    assert model_requirements(tmp_path, 1, config()) == ["numpy>=1.0", f"{wheels}/a-1.0-py3-none-any.whl",
+                                                          f"--find-links={wheels}", f"-f {wheels}"]
 
 
 def test_the_pip_parameter_and_the_model_folder_file(tmp_path: Path) -> None:
     (tmp_path / "requirements.txt").write_text("requests\n")
     text = 'parameters: { key: "pip_requirements" value: { string_value: "six==1.16, attrs" } }\n'
-    assert python_runtime_env(tmp_path, 1, config(text))["pip"]["packages"] == ["requests", "six==1.16", "attrs"]
-    assert python_runtime_env(tmp_path / "none", 1, config()) is None
+    assert model_requirements(tmp_path, 1, config(text)) == ["requests", "six==1.16", "attrs"]
+    assert model_requirements(tmp_path / "none", 1, config()) == []
     onnx = parse_config_text('name: "m"\nbackend: "onnxruntime"\n')
-    assert python_runtime_env(tmp_path, 1, onnx) is None  # only Python models
+    assert model_requirements(tmp_path, 1, onnx) == []  # only Python models
 
 
 def test_execution_env_path_puts_the_environments_packages_first(tmp_path: Path) -> None:
@@ -70,3 +69,31 @@ def test_execution_env_path_errors_name_the_model_and_the_problem(tmp_path: Path
     (tmp_path / "bad.tar.gz").write_bytes(b"not a tarball")
     with pytest.raises(ModelConfigError, match="is not a readable tarball"):
         activate_execution_env(str(tmp_path / "bad.tar.gz"), tmp_path, "m")
+
+
+def test_requirements_install_once_beside_the_servers_packages(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """pip installs only what the server lacks (numpy is the server's), into a node-local
+    environment that a second replica reuses; pip's own reason when it cannot."""
+    import importlib
+
+    from python_models import write_wheel
+    from rayinfer.adapters.python_backend import requirements
+
+    monkeypatch.setattr(requirements.tempfile, "gettempdir", lambda: str(tmp_path))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    wheel = write_wheel(tmp_path / "wheels", "rayinfer_env_probe", "VALUE = 11\n")
+    packages = ["--no-index", f"--find-links={wheel.parent}", "rayinfer_env_probe", "numpy"]
+    site = requirements.activate_requirements(packages, "m")
+    assert sys.path[0] == str(site)
+    assert importlib.import_module("rayinfer_env_probe").VALUE == 11
+    assert sorted(p.name for p in site.iterdir() if not p.name.startswith("_")) == [
+        "rayinfer_env_probe", "rayinfer_env_probe-1.0.dist-info"]  # numpy was not installed again
+    marker = requirements.environment_root(packages) / ".installed"
+    stamp = marker.stat().st_mtime_ns
+    assert requirements.activate_requirements(packages, "m") == site and marker.stat().st_mtime_ns == stamp
+    with pytest.raises(ModelConfigError, match="^pip could not install the model's requirements: "
+                                               "No matching distribution found for nope==1$"):
+        requirements.activate_requirements(["--no-index", "nope==1"], "m")
+    assert not requirements.environment_root(["--no-index", "nope==1"]).exists()
