@@ -3,7 +3,9 @@
 As in Triton, such a load serves the model from a temporary model directory holding exactly
 those files (the request's ``config`` parameter is its configuration), never from the
 repository's copy. Every path is checked before anything is written: relative, no ``.`` or
-``..`` components, no component longer than NAME_MAX, and inside the temporary directory.
+``..`` components, no component longer than NAME_MAX, and inside the temporary directory; a
+request carries at most :data:`MAX_FILES` files (their bytes are bounded by the request's size
+limit).
 """
 
 from __future__ import annotations
@@ -19,11 +21,16 @@ from rayinfer.protocol.errors import InvalidArgError
 
 FILE_PREFIX = "file:"
 _NAME_MAX_BYTES = 255
+MAX_FILES = 1024
 
 
 def file_parameters(model: str, parameters: dict[str, Any]) -> dict[str, bytes]:
     """The ``file:`` parameters as {relative path: content}; HTTP sends contents base64-encoded,
     gRPC as bytes."""
+    count = sum(1 for key in parameters if key.startswith(FILE_PREFIX))
+    if count > MAX_FILES:
+        raise InvalidArgError(f"failed to load '{model}': {count} 'file:' parameters, more than the "
+                              f"{MAX_FILES} a load request may carry")
     files = {}
     for key, value in parameters.items():
         if not key.startswith(FILE_PREFIX):

@@ -43,21 +43,57 @@ def test_a_model_not_named_at_start_is_unloaded(client):
         add_sub(client, model)
 
 
-def test_load_serves_the_model_and_unload_removes_it(client):
+def test_loads_and_unloads_in_a_row_under_traffic(server, client):
+    """A model loaded, served and unloaded twice while other models answer HTTP and gRPC calls
+    throughout: no call to them fails or hangs, and each load and unload takes effect."""
+    import threading
+
+    import tritonclient.grpc as grpcclient
+
     model = on_demand("load_unload")
+    stop = threading.Event()
+    calls: dict[str, list] = {"http": [], "grpc": []}
+
+    def traffic(protocol: str) -> None:
+        if protocol == "http":
+            c, infer = httpclient.InferenceServerClient(server["url"], network_timeout=30.0), add_sub
+        else:
+            c, infer = grpcclient.InferenceServerClient(server["grpc_url"]), grpc_add_sub
+        try:
+            while not stop.is_set():
+                try:
+                    np.testing.assert_array_equal(infer(c, "batched"), np.arange(16).reshape(1, 16) * 2)
+                    calls[protocol].append("ok")
+                except Exception as exc:  # every failure is a finding
+                    calls[protocol].append(repr(exc))
+        finally:
+            c.close()
+
+    threads = [threading.Thread(target=traffic, args=(p,)) for p in calls]
+    for thread in threads:
+        thread.start()
     try:
-        client.load_model(model)  # answers when the model is ready, as Triton does
-        assert client.is_model_ready(model)
-        assert index_row(model)["state"] == "READY"
-        np.testing.assert_array_equal(add_sub(client, model), np.arange(16).reshape(1, 16) * 2)
-    finally:
-        client.unload_model(model)
-    wait_until(lambda: not client.is_model_ready(model), f"'{model}' to be no longer ready", timeout_s=60)
-    wait_until(lambda: index_row(model)["state"] == "UNAVAILABLE", f"the index to show '{model}' UNAVAILABLE",
-               timeout_s=60)
-    assert index_row(model) == {"name": model, "version": "1", "state": "UNAVAILABLE", "reason": "unloaded"}
-    # The other models were not touched.
-    np.testing.assert_array_equal(add_sub(client, "batched"), np.arange(16).reshape(1, 16) * 2)
+        for _ in range(2):
+            try:
+                client.load_model(model)  # answers when the model is ready, as Triton does
+                assert client.is_model_ready(model)
+                assert index_row(model)["state"] == "READY"
+                np.testing.assert_array_equal(add_sub(client, model), np.arange(16).reshape(1, 16) * 2)
+            finally:
+                client.unload_model(model)
+            wait_until(lambda: not client.is_model_ready(model), f"'{model}' to be no longer ready", timeout_s=60)
+            wait_until(lambda: index_row(model)["state"] == "UNAVAILABLE",
+                       f"the index to show '{model}' UNAVAILABLE", timeout_s=60)
+            assert index_row(model) == {"name": model, "version": "1", "state": "UNAVAILABLE", "reason": "unloaded"}
+            with pytest.raises(InferenceServerException, match=f"Request for unknown model: '{model}'"):
+                add_sub(client, model)
+    finally:  # the callers stop even when an assertion above fails
+        stop.set()
+        for thread in threads:
+            thread.join(60)
+    assert not any(t.is_alive() for t in threads), "a call to a served model hung"
+    for protocol, outcomes in calls.items():
+        assert outcomes and set(outcomes) == {"ok"}, (protocol, [o for o in outcomes if o != "ok"][:3])
 
 
 def test_load_errors_name_the_model():

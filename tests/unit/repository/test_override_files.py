@@ -7,7 +7,7 @@ import base64
 import pytest
 
 from rayinfer.protocol.errors import InvalidArgError
-from rayinfer.repository.override_files import checked_relative_path, file_parameters, write_model_directory
+from rayinfer.repository.override_files import MAX_FILES, checked_relative_path, file_parameters, write_model_directory
 
 
 def test_http_contents_are_base64_and_grpc_contents_bytes():
@@ -15,6 +15,14 @@ def test_http_contents_are_base64_and_grpc_contents_bytes():
     assert file_parameters("m", params) == {"1/model.onnx": b"\x01\x02", "1/extra": b"raw"}
     with pytest.raises(InvalidArgError, match="not valid base64"):
         file_parameters("m", {"file:1/model.onnx": "not base64!"})
+
+
+def test_a_load_request_carries_a_bounded_number_of_files():
+    many = {f"file:1/f{i}": b"" for i in range(MAX_FILES + 1)}
+    with pytest.raises(InvalidArgError, match=f"1025 'file:' parameters, more than the {MAX_FILES}"):
+        file_parameters("m", many)
+    many.popitem()
+    assert len(file_parameters("m", many)) == MAX_FILES
 
 
 @pytest.mark.parametrize("path", ["", "/etc/passwd", "../x", "1/../../x", ".", "a\\b", "A" * 256, "1/\0"])
