@@ -103,6 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
                          help="<group>[,<group>...]:<header>=<value>: gRPC methods needing that header")
         sub.add_argument("--http-max-input-size", type=int, default=None,
                          help="the largest HTTP request body in bytes (default 64 MiB)")
+        sub.add_argument("--max-inflight-requests", type=int, default=None,
+                         help="inference calls the front relays to model replicas at once; more answer "
+                              "503 / UNAVAILABLE (default 1024)")
         sub.add_argument("--gpu-wait-secs", type=float, default=None,
                          help="how long a model waits for missing GPUs before it is UNAVAILABLE (default 180)")
         sub.add_argument("--ray-metrics-port", type=int, default=None, help="embedded Ray's metrics port")
@@ -226,6 +229,7 @@ def serve(settings: ServerSettings) -> int:
             grpc_front=front,
             http_front=http_front(settings),
             front_threads=settings.http_thread_count,
+            max_inflight=settings.max_inflight_requests,
             http_restricted=settings.http_restricted_api,
             grpc_restricted=settings.grpc_restricted_protocol,
             log_level=replica_log_level(settings),

@@ -12,7 +12,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from rayinfer.deployments.names import DEFAULT_REPLICA_NUM_CPUS
 from rayinfer.protocol.metrics import MetricsOptions
-from rayinfer.protocol.limits import DEFAULT_HTTP_MAX_INPUT_SIZE
+from rayinfer.protocol.limits import DEFAULT_HTTP_MAX_INPUT_SIZE, DEFAULT_MAX_INFLIGHT_REQUESTS
 from rayinfer.protocol.restricted_api import parse_restrictions
 from rayinfer.serving.response_cache import parse_cache_config
 from rayinfer.serving.trace import settings_from_flags
@@ -173,6 +173,11 @@ class ServerSettings(BaseSettings):
         DEFAULT_HTTP_MAX_INPUT_SIZE, gt=0, le=2**31 - 1,
         description="tritonserver's --http-max-input-size: the largest HTTP request body, in bytes, after "
         "decompression (at most 2 GiB - 1); a larger one is refused with 400 before it is read whole.",
+    )
+    max_inflight_requests: int = Field(
+        DEFAULT_MAX_INFLIGHT_REQUESTS, gt=0, le=2**31 - 1,
+        description="Inference calls (HTTP and gRPC together) the front relays to model replicas at once; "
+        "one more is answered at once with 503 / UNAVAILABLE. Bounds what the replicas queue and hold.",
     )
     gpu_wait_secs: float = Field(
         180.0, gt=0,

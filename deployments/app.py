@@ -32,6 +32,7 @@ def server_application(
     grpc_front: tuple[str, int, str, int] | None = None,
     http_front: tuple[str, int, str, int] | None = None,
     front_threads: int | None = None,
+    max_inflight: int | None = None,
     version: str | None = None,
     startup_models: list[str] | None = None,
     http_restricted: list[str] | None = None,
@@ -40,7 +41,8 @@ def server_application(
     """The ``/v2`` application: health, metadata, repository index, statistics, unknown models,
     Triton's metrics port as ``metrics`` says and the front's gRPC and HTTP ports at
     ``grpc_front`` and ``http_front`` (address, port, Serve's gRPC or HTTP host and port) when
-    given, with ``front_threads`` HAProxy threads (default: half the cores, 1 to 4).
+    given, with ``front_threads`` HAProxy threads (default: half the cores, 1 to 4) relaying at most
+    ``max_inflight`` calls to model replicas at once (--max-inflight-requests).
 
     ``version``: the deployment's code version. ``serve.run`` gives a deployment without one a
     new random version each time, which restarts its replica; the CLI passes one version per
@@ -64,7 +66,7 @@ def server_application(
         deployment = deployment.options(version=version, _internal=True)
     return deployment.bind(
         str(model_repository), server_id, strict_readiness, metrics, control, grpc_front, http_front, front_threads,
-        list(http_restricted or ()), list(grpc_restricted or ()),
+        list(http_restricted or ()), list(grpc_restricted or ()), max_inflight,
     )
 
 
@@ -91,7 +93,7 @@ def build_server_app(args: dict[str, Any]) -> Application:
     for the metrics port, metrics_address, metrics_port, metrics_interval_ms, allow_cpu_metrics and
     allow_gpu_metrics; for the front's gRPC port, grpc_address,
     grpc_port, serve_grpc_host and serve_grpc_port; for its HTTP port, http_address, http_port,
-    serve_http_host and serve_http_port; front_threads; and model control's args
+    serve_http_host and serve_http_port; front_threads; max_inflight_requests; and model control's args
     (:func:`_control_from_args`)."""
     return server_application(
         args["model_repository"],
@@ -110,6 +112,7 @@ def build_server_app(args: dict[str, Any]) -> Application:
                     str(args.get("serve_http_host", "127.0.0.1")), int(args["serve_http_port"]))
         if args.get("http_port") else None,
         front_threads=int(args["front_threads"]) if args.get("front_threads") else None,
+        max_inflight=int(args["max_inflight_requests"]) if args.get("max_inflight_requests") else None,
         startup_models=[str(m) for m in args.get("startup_models") or ()],
         http_restricted=[str(v) for v in args.get("http_restricted_api") or ()],
         grpc_restricted=[str(v) for v in args.get("grpc_restricted_protocol") or ()],

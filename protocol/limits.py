@@ -5,6 +5,9 @@
   replica listener and the ``/v2`` application count bodies sent in chunks as they arrive.
 - gRPC messages: tritonserver's gRPC server takes messages up to ``INT32_MAX`` bytes and has no
   flag for it; gRPC's own message and status (RESOURCE_EXHAUSTED) answer a larger one.
+- Requests in flight: ``--max-inflight-requests`` (rayinfer's; Triton has no server-wide limit)
+  caps the calls the front relays to model replicas at once, over both protocols together; one
+  more is answered at once with 503 / UNAVAILABLE instead of queueing without bound.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from rayinfer.protocol.errors import InvalidArgError
 DEFAULT_HTTP_MAX_INPUT_SIZE = 1 << 26
 GRPC_MAX_MESSAGE_SIZE = 2**31 - 1
 _INCREASE = "Use --http-max-input-size to increase the limit."
+DEFAULT_MAX_INFLIGHT_REQUESTS = 1024
 
 
 class BodyTooLarge(InvalidArgError):
@@ -40,3 +44,9 @@ def body_limit_message(limit: int) -> str:
 def message_too_large(size: int, limit: int = GRPC_MAX_MESSAGE_SIZE) -> MessageTooLarge:
     """gRPC's own rejection of a message over the server's maximum receive size."""
     return MessageTooLarge(f"Received message larger than max ({size} vs. {limit})")
+
+
+def inflight_limit_message(limit: int) -> str:
+    """The front's answer (503 / UNAVAILABLE) to a call over ``--max-inflight-requests``."""
+    return (f"Server is busy: {limit} inference requests are in flight, the limit set by "
+            f"--max-inflight-requests. Retry later.")

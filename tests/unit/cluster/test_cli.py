@@ -139,11 +139,12 @@ def test_serve_passes_the_flags_to_the_launcher_and_exits_on_error(
 
     monkeypatch.setattr(launcher, "deploy_repository", deploy_repository)
     settings = settings_of(repository, "--exit-on-error=true", "--log-verbose=1", "--http-thread-count", "3",
-                           "--strict-model-config=false")
+                           "--strict-model-config=false", "--max-inflight-requests=16")
     assert cli.serve(settings) == 1
     deployed = calls["deploy"]
     assert isinstance(deployed, dict)
     assert (deployed["log_level"], deployed["front_threads"], deployed["auto_complete"]) == ("DEBUG", 3, True)
+    assert deployed["max_inflight"] == 16
     # The front is stopped by its ports, in case its /v2 replica went without stopping it.
     assert calls["stop"] == (["simple"], True, [("127.0.0.1", 8000), ("127.0.0.1", 8001)])
     assert calls["ray.shutdown"] is True
@@ -158,6 +159,14 @@ def test_http_thread_count_sets_the_front_threads(repository: Path) -> None:
     assert server["front_threads"] == 3
     assert "front_threads" not in model
     assert all_args(settings_of(repository))[0]["front_threads"] is None  # the front's own default
+
+
+def test_max_inflight_requests_reaches_the_front(repository: Path) -> None:
+    server, model = all_args(settings_of(repository, "--max-inflight-requests", "32", command="config"))
+    assert server["max_inflight_requests"] == 32 and "max_inflight_requests" not in model
+    assert all_args(settings_of(repository))[0]["max_inflight_requests"] == 1024
+    with pytest.raises(SystemExit):
+        main(["config", "--model-repository", str(repository), "--max-inflight-requests", "0"])
 
 
 def test_backend_directory_is_accepted_and_ignored(

@@ -367,3 +367,71 @@ def test_an_orphaned_front_stops_after_its_grace_period(loop, monkeypatch):
     assert refuses_connections(http_port)
     (front._dir / "owner").write_text(str(os.getpid()))
     front.stop()  # removes its folder
+
+
+def test_calls_over_the_inflight_limit_are_refused_at_once(loop):
+    """--max-inflight-requests counts the calls relayed to replicas over both ports; one more is
+    answered at once (503 over HTTP, UNAVAILABLE over gRPC) and the limit frees as calls end."""
+    port, http_port = _free_port(), _free_port()
+    replica = Replica(loop, "one")
+    front = Front(("127.0.0.1", http_port, "127.0.0.1", replica.port),
+                  ("127.0.0.1", port, "127.0.0.1", _free_port()), "v2", max_inflight=2)
+    publish(loop, front, {"slow/": [("127.0.0.1", replica.port)], "m/": [("127.0.0.1", replica.port)]})
+    data = np.zeros((1, 1), np.float32)
+    clients = [grpcclient.InferenceServerClient(f"127.0.0.1:{port}") for _ in range(2)]
+    held: list = []
+    # Both held calls on one HTTP/2 connection: the limit counts calls, not connections.
+    threads = [threading.Thread(target=lambda: held.append(infer(clients[0], "slow", data))) for _ in range(2)]
+    try:
+        for thread in threads:
+            thread.start()
+        wait_until(lambda: "2" == _stat(front, "replica", "BACKEND", "scur"), "two calls held in flight", timeout_s=10)
+        busy = "Server is busy: 2 inference requests are in flight, the limit set by --max-inflight-requests. Retry later."
+        with pytest.raises(InferenceServerException) as error:
+            infer(clients[1], "m", data)
+        assert (error.value.status(), error.value.message()) == ("StatusCode.UNAVAILABLE", busy)
+        reply = http_exchange(http_port, post("/v2/models/m/infer", b"{}"))
+        assert reply.startswith(b"HTTP/1.1 503") and b"content-type: application/json" in reply
+        assert json.loads(reply.partition(b"\r\n\r\n")[2]) == {"error": busy}
+        # What is not relayed to a replica (health, the server's own endpoints) is not counted.
+        assert http_exchange(http_port, get("/v2/health/live")).startswith(b"HTTP/1.1 200")
+    finally:  # the held calls answer even when an assertion above fails
+        replica.release_slow()
+        for thread in threads:
+            thread.join(10)
+    assert [r.model_name for r in held] == ["one", "one"]
+    assert infer(clients[1], "m", data).model_name == "one"
+    assert http_exchange(http_port, post("/v2/models/m/infer", b"{}")).startswith(b"HTTP/1.1 200")
+    for client in clients:
+        client.close()
+    front.stop()
+
+
+def _stat(front: Front, proxy: str, server: str, field: str) -> str:
+    """One field of HAProxy's ``show stat`` for ``proxy``/``server``."""
+    reply = asyncio.run(front._command("show stat"))
+    header, *rows = reply.lstrip("# ").splitlines()
+    names = header.split(",")
+    for row in rows:
+        values = row.split(",")
+        if values[:2] == [proxy, server]:
+            return values[names.index(field)]
+    return ""
+
+
+def test_a_call_routed_to_a_dead_listener_fails_fast(loop, front):
+    """A replica that died refuses connections: its calls get 503 / UNAVAILABLE after one retry
+    (about a second), not after three."""
+    import time
+
+    frontend, port = front
+    publish(loop, frontend, {"gone/": [("127.0.0.1", _free_port())]})
+    start = time.monotonic()
+    reply = http_exchange(frontend.http_port, post("/v2/models/gone/infer", b"{}"))
+    assert reply.startswith(b"HTTP/1.1 503") and b'"error":"Service Unavailable' in reply
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
+    with pytest.raises(InferenceServerException) as error:
+        infer(client, "gone", np.zeros((1, 1), np.float32))
+    assert error.value.status() == "StatusCode.UNAVAILABLE"
+    client.close()
+    assert time.monotonic() - start < 4.0  # two calls; three retries a second apart took 6 s
