@@ -10,7 +10,13 @@ SIGKILL, a fresh server for each case:
 
 - ``model replica (1 of 2)``: ``simple`` with ``instance_group count: 2``, one replica killed;
 - ``model replica (the only one)``: ``count: 1``, its replica killed;
-- ``/v2 replica``: the ``/v2`` application's replica (the front stays up, see README).
+- ``/v2 replica``: the ``/v2`` application's replica (the front stays up, see README);
+- ``a worker node``: a Ray cluster of two nodes on this machine (``ray start``, one CPU each),
+  ``simple`` with ``count: 2`` and replicas of 0.5 CPU, so one runs on each node and the ``/v2``
+  replica (and the front) on the head; the second node's raylet and every process under it
+  get SIGKILL, and a fresh second node is started ``--replace-after`` seconds later (what a
+  cluster autoscaler would do). On one machine the lost node's listener refuses connections at
+  once; across machines the front's connection attempts would time out (1 s each, one retry).
 
 For each: the calls answered and failed (by status), the longest call, when the last failure
 came after the kill, and when Serve had a new replica running (from the processes' titles).
@@ -24,6 +30,7 @@ import json
 import os
 import platform
 import signal
+import subprocess
 import sys
 import tempfile
 import threading
@@ -34,6 +41,7 @@ from collections import Counter
 from pathlib import Path
 
 from compare_triton import ROOT, in_private_netns, reexec_in_netns, start_rayinfer, stop_server, wait_ready, write_doc
+from scaling import BIN, RAY_PORT, WORKER_NODE_PORTS, parent, ray_environment, start_ray_node
 
 from rayinfer.cluster.example_repository import write_example_repository
 
@@ -43,7 +51,9 @@ CASES = {
     "model replica (1 of 2)": (2, b"ServeReplica:simple:"),
     "model replica (the only one)": (1, b"ServeReplica:simple:"),
     "/v2 replica": (1, b"ServeReplica:rayinfer:ServerDeployment"),
+    "a worker node": (2, b"ServeReplica:simple:"),
 }
+NODE_CASE = "a worker node"
 BODY = json.dumps({"inputs": [{"name": n, "shape": [1, 16], "datatype": "INT32", "data": list(range(16))}
                               for n in ("INPUT0", "INPUT1")]}).encode()
 
@@ -83,14 +93,54 @@ class Client(threading.Thread):
             self.calls.append((start, time.monotonic() - start, outcome))
 
 
-def run_case(name: str, count: int, title: bytes, seconds: float, kill_at: float, clients: int) -> dict:
+def worker_node() -> set[int]:
+    """The second node's raylet and every process under it."""
+    children: dict[int, set[int]] = {}
+    raylets = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmd = (entry / "cmdline").read_bytes()
+            children.setdefault(parent(int(entry.name)), set()).add(int(entry.name))
+        except OSError:
+            continue
+        if b"raylet" in cmd.split(b"\0")[0] and f"--min_worker_port={WORKER_NODE_PORTS[0]}".encode() in cmd:
+            raylets.add(int(entry.name))
+    found, todo = set(), list(raylets)
+    while todo:
+        pid = todo.pop()
+        found.add(pid)
+        todo.extend(children.get(pid, ()))
+    return found
+
+
+def start_server(repo: Path, name: str, env: dict[str, str]):
+    """The server for a case; on two nodes, the second starts once the first replica runs on
+    the head (so that the ``/v2`` replica is there, and the second replica on the new node)."""
+    args = ("--model-control-mode", "explicit", "--load-model", "simple", "--replica-num-cpus", "0.1")
+    if name != NODE_CASE:
+        return start_rayinfer(repo, PORT, repo / "rayinfer.log", args)
+    start_ray_node("head", env)
+    proc = start_rayinfer(repo, PORT, repo / "rayinfer.log",
+                          (*args[:-1], "0.5", "--ray-address", f"127.0.0.1:{RAY_PORT}"), env)
+    deadline = time.monotonic() + 120
+    while not pids_titled(b"ServeReplica:simple:") and time.monotonic() < deadline:
+        time.sleep(0.2)  # Serve starts the first replica on its own schedule
+    start_ray_node("worker", env)
+    return proc
+
+
+def run_case(name: str, count: int, title: bytes, seconds: float, kill_at: float, clients: int,
+             replace_after: float) -> dict:
     repo = Path(tempfile.mkdtemp(prefix="faults-"))
     write_example_repository(repo)
     config = repo / "simple" / "config.pbtxt"
     config.write_text(config.read_text() + f"instance_group [ {{ count: {count} kind: KIND_CPU }} ]\n")
-    log = repo / "rayinfer.log"
-    proc = start_rayinfer(repo, PORT, log, ("--model-control-mode", "explicit", "--load-model", "simple",
-                                            "--replica-num-cpus", "0.1"))
+    env = ray_environment()
+    if name == NODE_CASE:  # Ray notices the lost node, then the new one has to start
+        seconds = max(seconds, kill_at + replace_after + 50)
+    proc = start_server(repo, name, env)
     try:
         wait_ready(PORT, proc, 300)
         stopping = threading.Event()
@@ -100,12 +150,19 @@ def run_case(name: str, count: int, title: bytes, seconds: float, kill_at: float
             thread.start()
         time.sleep(kill_at)
         before = pids_titled(title)
-        victim = min(before)
-        os.kill(victim, signal.SIGKILL)
+        victims = worker_node() if name == NODE_CASE else {min(before)}
+        if name == NODE_CASE and (not victims & before or pids_titled(b"ServerDeployment") & victims):
+            raise RuntimeError("the second node does not hold exactly a model replica (and not the /v2 one)")
+        for pid in victims:
+            os.kill(pid, signal.SIGKILL)
         killed = time.monotonic()
         replaced = None
+        node_started = name != NODE_CASE
         while time.monotonic() - start < seconds:
-            if replaced is None and len(pids_titled(title) - {victim}) >= len(before):
+            if not node_started and time.monotonic() - killed >= replace_after:
+                start_ray_node("worker", env)
+                node_started = True
+            if replaced is None and len(pids_titled(title) - victims) >= len(before):
                 replaced = time.monotonic() - killed
             time.sleep(0.1)
         stopping.set()
@@ -113,6 +170,8 @@ def run_case(name: str, count: int, title: bytes, seconds: float, kill_at: float
             thread.join(30)
     finally:
         stop_server(proc)
+        if name == NODE_CASE:  # the cluster this case started
+            subprocess.run([str(BIN / "ray"), "stop"], env=env, capture_output=True)
     calls = [call for thread in threads for call in thread.calls]
     failures = [(t, outcome) for t, _, outcome in calls if outcome != "200"]
     return {
@@ -132,8 +191,9 @@ def table(results: list[dict], args: argparse.Namespace) -> str:
     lines = [
         MARKS[0],
         f"Measured {time.strftime('%Y-%m-%d')} on {os.cpu_count()} cores ({platform.machine()}), "
-        f"{args.clients} HTTP clients calling `simple` in a loop for {args.seconds:.0f} s, SIGKILL at "
-        f"{args.kill_at:.0f} s.",
+        f"{args.clients} HTTP clients calling `simple` in a loop for {args.seconds:.0f} s (a worker node: "
+        f"{args.kill_at + args.replace_after + 50:.0f} s, a fresh node started {args.replace_after:.0f} s after the "
+        f"loss), SIGKILL at {args.kill_at:.0f} s.",
         "",
         "| killed | calls | failed | failures (first kinds) | longest call (s) | last failure after the kill (s) | "
         "new replica running after (s) |",
@@ -154,6 +214,8 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=40.0)
     parser.add_argument("--kill-at", type=float, default=10.0)
     parser.add_argument("--clients", type=int, default=4)
+    parser.add_argument("--replace-after", type=float, default=10.0,
+                        help="a worker node: seconds from its loss to the start of a fresh one")
     parser.add_argument("--cases", default=",".join(CASES), help="which of the cases, comma-separated")
     parser.add_argument("--output", type=Path, default=ROOT / "docs" / "benchmarks.md")
     args = parser.parse_args()
@@ -163,7 +225,7 @@ def main() -> int:
     results = []
     for name in args.cases.split(","):
         count, title = CASES[name]
-        results.append(run_case(name, count, title, args.seconds, args.kill_at, args.clients))
+        results.append(run_case(name, count, title, args.seconds, args.kill_at, args.clients, args.replace_after))
         print(results[-1], flush=True)
     section = table(results, args)
     print(section)

@@ -53,6 +53,7 @@ from compare_triton import (
 
 PORT = 18400
 RAY_PORT = 6390  # outside the worker port ranges below
+WORKER_NODE_PORTS = (25000, 29999)  # the second node's workers (the head's: 20000-24999)
 BIN = Path(sys.executable).parent
 SETUPS = ("1 replica", "2 replicas", "2 replicas, 2 nodes")
 MARKS = ("<!-- scaling:begin -->", "<!-- scaling:end -->")
@@ -129,18 +130,24 @@ def write_repository(root: Path, count: int) -> Path:
     return repo
 
 
-def start_two_nodes(env: dict[str, str]) -> None:
-    """A head and a second node on this machine, one CPU each; their workers and dashboard agents
-    need ports of their own."""
+def start_ray_node(kind: str, env: dict[str, str]) -> None:
+    """``ray start`` of the head (``kind`` "head") or a second node on this machine, one CPU each;
+    their workers and dashboard agents need ports of their own."""
     common = ["--node-ip-address", "127.0.0.1", "--num-cpus", "1", "--disable-usage-stats"]
-    head = ["--head", "--port", str(RAY_PORT), "--include-dashboard", "false", "--min-worker-port", "20000",
-            "--max-worker-port", "24999", "--dashboard-agent-listen-port", "52365"]
-    worker = ["--address", f"127.0.0.1:{RAY_PORT}", "--min-worker-port", "25000", "--max-worker-port", "29999",
-              "--dashboard-agent-listen-port", "52366"]
-    for node in (head, worker):
-        started = subprocess.run([str(BIN / "ray"), "start", *node, *common], env=env, capture_output=True, text=True)
-        if started.returncode != 0:
-            raise RuntimeError(f"ray start failed:\n{started.stdout[-1500:]}\n{started.stderr[-1500:]}")
+    args = {
+        "head": ["--head", "--port", str(RAY_PORT), "--include-dashboard", "false", "--min-worker-port", "20000",
+                 "--max-worker-port", "24999", "--dashboard-agent-listen-port", "52365"],
+        "worker": ["--address", f"127.0.0.1:{RAY_PORT}", "--min-worker-port", str(WORKER_NODE_PORTS[0]),
+                   "--max-worker-port", str(WORKER_NODE_PORTS[1]), "--dashboard-agent-listen-port", "52366"],
+    }[kind]
+    started = subprocess.run([str(BIN / "ray"), "start", *args, *common], env=env, capture_output=True, text=True)
+    if started.returncode != 0:
+        raise RuntimeError(f"ray start failed:\n{started.stdout[-1500:]}\n{started.stderr[-1500:]}")
+
+
+def start_two_nodes(env: dict[str, str]) -> None:
+    for kind in ("head", "worker"):
+        start_ray_node(kind, env)
 
 
 def measure_points(setup: str, result: dict, work: Path, points: list[tuple[str, int]], interval_ms: int,
