@@ -72,15 +72,16 @@ def deploy_repository(
                            gpu_fallback, gpu_wait_s, cache_size_bytes, trace_config, max_input_size)
     launch_version = f"rayinfer-{uuid.uuid4().hex}"
 
-    def run_server_app(errors: dict[str, str]) -> None:
-        # Only user_config (the load errors) differs between runs, and the code version is this
-        # launch's: the replica is reconfigured, not restarted, so it keeps its metrics port.
+    def run_server_app(errors: dict[str, str], starting: bool = True) -> None:
+        # Only user_config (the load errors, the models to wait for) differs between runs, and the
+        # code version is this launch's: the replica is reconfigured, not restarted, so it keeps
+        # its metrics port.
         serve.run(
             server_application(
                 model_repository, server_id=server_id, strict_readiness=strict_readiness,
                 load_errors=errors, metrics=metrics, control=control, grpc_front=grpc_front,
                 http_front=http_front, front_threads=front_threads, max_inflight=max_inflight, version=launch_version,
-                startup_models=sorted({model for model, _, _ in versions}),
+                startup_models=sorted({model for model, _, _ in versions}) if starting else [],
                 http_restricted=http_restricted, grpc_restricted=grpc_restricted,
             ),
             name=SERVER_APP,
@@ -90,8 +91,9 @@ def deploy_repository(
     unreadable = dict(load_errors or {})
     run_server_app(unreadable)
     by_model = {**unreadable, **deploy_models(model_repository, versions, control)}
-    if by_model != unreadable:
-        run_server_app(by_model)
+    # Every startup model is deployed or failed now: a /v2 replica Serve restarts later (or this
+    # one, reconfigured) has none to wait for, even one unloaded since.
+    run_server_app(by_model, starting=False)
     served = sorted({model for model, _, _ in versions if model not in by_model})
     try:  # the front routes what was deployed before the server says it started
         asyncio.run(_wait_routed(served, 30.0))

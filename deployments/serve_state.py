@@ -200,29 +200,30 @@ class ServeState:
                     row.update(state="UNAVAILABLE", reason=load_errors[entry.name])
                 elif app is None:
                     row.update(state="UNAVAILABLE", reason="unloaded")
-                elif status_name(app.status) in _SERVE_STATE:
-                    row.update(state=_SERVE_STATE[status_name(app.status)], reason="")
-                    if status_name(app.status) == "DEPLOYING":
+                else:
+                    status = status_name(app.status)
+                    route = (app_name, model_deployment_name(entry.name, version))
+                    deployment = app.deployments.get(route[1])
+                    replicas = deployment.replica_states.get("RUNNING", 0) if deployment else 0
+                    if status in _SERVE_STATE:
+                        row.update(state=_SERVE_STATE[status], reason="")
+                    else:
+                        row.update(state="UNAVAILABLE", reason=failure_reason(app))
+                    if status == "DEPLOYING":
                         shortage = gpu_shortage(app)
                         if shortage is not None:
                             row["reason"] = f"waiting for GPU resources: {shortage}"
                     # A served version being updated (DEPLOYING) keeps serving from its old
                     # replicas, so it stays READY (as in Triton, and for readiness probes); one
-                    # deploying for the first time is not ready yet.
-                    if status_name(app.status) == "RUNNING" or (
-                        status_name(app.status) == "DEPLOYING" and app_name in routed_before
+                    # deploying for the first time is not ready yet. One whose replica died
+                    # (UNHEALTHY until Serve's new one runs) serves from the others meanwhile.
+                    if status == "RUNNING" or (status == "DEPLOYING" and app_name in routed_before) or (
+                        status == "UNHEALTHY" and replicas > 0
                     ):
-                        route = (app_name, model_deployment_name(entry.name, version))
                         routes[f"{entry.name}/{version}"] = route
-                        deployment = app.deployments.get(route[1])
-                        running[app_name] = sum(
-                            n for state, n in (deployment.replica_states if deployment else {}).items()
-                            if state == "RUNNING"
-                        )
-                        row["state"] = "READY"
+                        running[app_name] = replicas
+                        row.update(state="READY", reason="")
                         if version == latest:
                             routes[f"{entry.name}/"] = route
-                else:
-                    row.update(state="UNAVAILABLE", reason=failure_reason(app))
                 rows.append(row)
         self.rows, self.routes, self.running, self.deployed = rows, routes, running, deployed

@@ -242,6 +242,7 @@ class V2Api:
                     self.state.invalidate()
                 await self.routes.wait_routed(model)
             else:
+                self.startup_pending.discard(model)  # unloaded before it was ever served
                 await self._unload(model)
                 if _truthy(parameters.get("unload_dependents")):  # an ensemble's members too
                     self.state.invalidate()

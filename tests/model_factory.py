@@ -97,6 +97,7 @@ ON_DEMAND_MODELS = tuple(f"on_demand_{suffix}" for suffix in (
     "grpc_files",      # test_tritonclient_grpc: files, a partial override and bad paths
     "poll_added",      # test_poll_mode: copied into the poll server's own repository
     "bls_control",     # test_python_bls: loaded and unloaded by a Python model (pb_utils)
+    "replica_loss",    # test_model_control: one of two replicas killed under traffic
 ))
 
 

@@ -43,33 +43,35 @@ def test_a_model_not_named_at_start_is_unloaded(client):
         add_sub(client, model)
 
 
+def call_until(stop, server, protocol: str, model: str, outcomes: list[str]) -> None:
+    """Call the add/sub ``model`` over ``protocol`` until ``stop`` is set: "ok" or the failure
+    for each call in ``outcomes``."""
+    import tritonclient.grpc as grpcclient
+
+    if protocol == "http":
+        c, infer = httpclient.InferenceServerClient(server["url"], network_timeout=60.0), add_sub
+    else:
+        c, infer = grpcclient.InferenceServerClient(server["grpc_url"]), grpc_add_sub
+    try:
+        while not stop.is_set():
+            try:
+                np.testing.assert_array_equal(infer(c, model), np.arange(16).reshape(1, 16) * 2)
+                outcomes.append("ok")
+            except Exception as exc:  # every failure is a finding (tritonclient's repr has no message)
+                outcomes.append(f"{type(exc).__name__}: {exc}")
+    finally:
+        c.close()
+
+
 def test_loads_and_unloads_in_a_row_under_traffic(server, client):
     """A model loaded, served and unloaded twice while other models answer HTTP and gRPC calls
     throughout: no call to them fails or hangs, and each load and unload takes effect."""
     import threading
 
-    import tritonclient.grpc as grpcclient
-
     model = on_demand("load_unload")
     stop = threading.Event()
-    calls: dict[str, list] = {"http": [], "grpc": []}
-
-    def traffic(protocol: str) -> None:
-        if protocol == "http":
-            c, infer = httpclient.InferenceServerClient(server["url"], network_timeout=30.0), add_sub
-        else:
-            c, infer = grpcclient.InferenceServerClient(server["grpc_url"]), grpc_add_sub
-        try:
-            while not stop.is_set():
-                try:
-                    np.testing.assert_array_equal(infer(c, "batched"), np.arange(16).reshape(1, 16) * 2)
-                    calls[protocol].append("ok")
-                except Exception as exc:  # every failure is a finding
-                    calls[protocol].append(repr(exc))
-        finally:
-            c.close()
-
-    threads = [threading.Thread(target=traffic, args=(p,)) for p in calls]
+    calls: dict[str, list[str]] = {"http": [], "grpc": []}
+    threads = [threading.Thread(target=call_until, args=(stop, server, p, "batched", calls[p])) for p in calls]
     for thread in threads:
         thread.start()
     try:
@@ -140,28 +142,11 @@ def test_reloading_a_changed_model_under_traffic_fails_no_request(server, client
     import concurrent.futures
     import threading
 
-    import tritonclient.grpc as grpcclient
-
     model = on_demand(f"reload_{protocol}")
     config = model_repository / model / "config.pbtxt"
     original = config.read_text()
     stop = threading.Event()
-    results = {"ok": 0, "errors": []}
-
-    def worker() -> None:
-        if protocol == "http":
-            c, infer = httpclient.InferenceServerClient(server["url"], network_timeout=60.0), add_sub
-        else:
-            c, infer = grpcclient.InferenceServerClient(server["grpc_url"]), grpc_add_sub
-        try:
-            while not stop.is_set():
-                try:
-                    np.testing.assert_array_equal(infer(c, model), np.arange(16).reshape(1, 16) * 2)
-                    results["ok"] += 1
-                except Exception as exc:  # every failure is a finding
-                    results["errors"].append(repr(exc))
-        finally:
-            c.close()
+    outcomes: list[str] = []
 
     def reloaded(reload: concurrent.futures.Future, states: set[str]) -> bool:
         states.add(index_row(model)["state"])  # the serving version stays READY while the new one starts
@@ -174,9 +159,10 @@ def test_reloading_a_changed_model_under_traffic_fails_no_request(server, client
         config.write_text(original + "dynamic_batching { max_queue_delay_microseconds: 100 }\n")
         with concurrent.futures.ThreadPoolExecutor(5) as pool:
             try:
-                futures = [pool.submit(worker) for _ in range(4)]
-                wait_until(lambda: results["ok"] >= 4 or results["errors"], "the workers' first answers", timeout_s=60)
-                before = results["ok"]
+                futures = [pool.submit(call_until, stop, server, protocol, model, outcomes) for _ in range(4)]
+                wait_until(lambda: outcomes.count("ok") >= 4 or set(outcomes) - {"ok"}, "the workers' first answers",
+                           timeout_s=60)
+                before = outcomes.count("ok")
                 # geventhttpclient's clients must stay on the thread that made them.
                 reload = pool.submit(lambda: httpclient.InferenceServerClient(server["url"]).load_model(model))
                 states: set[str] = set()
@@ -194,12 +180,71 @@ def test_reloading_a_changed_model_under_traffic_fails_no_request(server, client
                 stop.set()
             for f in futures:
                 f.result()
-        assert results["errors"] == []
-        assert results["ok"] > before > 0
+        assert [o for o in outcomes if o != "ok"] == []
+        assert outcomes.count("ok") > before > 0
     finally:
         stop.set()
         config.write_text(original)
         client.unload_model(model)
+
+
+def replica_pids(model: str) -> set[int]:
+    """The processes of ``model``'s Serve replicas (Serve titles them ``ServeReplica:<app>:...``)."""
+    pids = set()
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and f"ServeReplica:{model}:".encode() in (entry / "cmdline").read_bytes():
+                pids.add(int(entry.name))
+        except OSError:
+            continue  # a process that ended meanwhile
+    return pids
+
+
+def test_a_replica_killed_under_traffic_fails_only_its_calls_at_once_and_is_replaced(server, client):
+    """SIGKILL to one of two replicas while HTTP and gRPC clients call the model: the calls in
+    flight on it (and those sent to it before its route goes) fail fast with the front's error,
+    none hangs, the other replica serves on, and Serve starts a new replica."""
+    import json
+    import os
+    import signal
+    import threading
+
+    model = on_demand("replica_loss")
+    config = {
+        "name": model, "platform": "onnxruntime_onnx", "max_batch_size": 8,
+        "input": [{"name": n, "data_type": "TYPE_INT32", "dims": [16]} for n in ("INPUT0", "INPUT1")],
+        "output": [{"name": n, "data_type": "TYPE_INT32", "dims": [16]} for n in ("OUTPUT0", "OUTPUT1")],
+        "instance_group": [{"count": 2, "kind": "KIND_CPU"}],
+    }
+    stop = threading.Event()
+    calls: dict[str, list[str]] = {"http": [], "grpc": []}
+    threads = [threading.Thread(target=call_until, args=(stop, server, p, model, calls[p])) for p in calls]
+    try:
+        client.load_model(model, config=json.dumps(config))
+        first = replica_pids(model)
+        assert len(first) == 2
+        for thread in threads:
+            thread.start()
+        wait_until(lambda: all(c.count("ok") >= 20 for c in calls.values()), "calls answered by both replicas",
+                   timeout_s=60)
+        killed_at = {p: len(c) for p, c in calls.items()}
+        os.kill(min(first), signal.SIGKILL)
+        wait_until(lambda: all(c[killed_at[p]:].count("ok") >= 50 for p, c in calls.items()),
+                   "the surviving replica to answer", timeout_s=30)
+        wait_until(lambda: len(replica_pids(model) - first) == 1 and len(replica_pids(model)) == 2,
+                   "Serve to replace the killed replica", timeout_s=60)
+    finally:  # the callers stop even when an assertion above fails
+        stop.set()
+        for thread in threads:
+            thread.join(60)
+        client.unload_model(model)
+    assert not any(t.is_alive() for t in threads), "a call hung"
+    for protocol, outcomes in calls.items():
+        assert set(outcomes[:killed_at[protocol]]) == {"ok"}, protocol
+        failed = [o for o in outcomes[killed_at[protocol]:] if o != "ok"]
+        # The calls in flight on the killed replica, and the few sent to it before its route went.
+        assert len(failed) <= 20, (protocol, failed[:3])
+        assert all("503" in o or "502" in o or "UNAVAILABLE" in o or "closed" in o.lower() for o in failed), failed[:3]
 
 
 def test_load_with_a_config_override(client):
