@@ -118,12 +118,13 @@ def worker_node() -> set[int]:
 def start_server(repo: Path, name: str, env: dict[str, str]):
     """The server for a case; on two nodes, the second starts once the first replica runs on
     the head (so that the ``/v2`` replica is there, and the second replica on the new node)."""
-    args = ("--model-control-mode", "explicit", "--load-model", "simple", "--replica-num-cpus", "0.1")
+    args = ("--model-control-mode", "explicit", "--load-model", "simple")
     if name != NODE_CASE:
-        return start_rayinfer(repo, PORT, repo / "rayinfer.log", args)
+        return start_rayinfer(repo, PORT, repo / "rayinfer.log", (*args, "--replica-num-cpus", "0.1"))
     start_ray_node("head", env)
+    # 0.5 CPU each: one replica fits beside the /v2 replica on the one-CPU head, the second does not.
     proc = start_rayinfer(repo, PORT, repo / "rayinfer.log",
-                          (*args[:-1], "0.5", "--ray-address", f"127.0.0.1:{RAY_PORT}"), env)
+                          (*args, "--replica-num-cpus", "0.5", "--ray-address", f"127.0.0.1:{RAY_PORT}"), env)
     deadline = time.monotonic() + 120
     while not pids_titled(b"ServeReplica:simple:") and time.monotonic() < deadline:
         time.sleep(0.2)  # Serve starts the first replica on its own schedule
@@ -148,7 +149,7 @@ def run_case(name: str, count: int, title: bytes, seconds: float, kill_at: float
         start = time.monotonic()
         for thread in threads:
             thread.start()
-        time.sleep(kill_at)
+        time.sleep(kill_at)  # the steady load before the kill
         before = pids_titled(title)
         victims = worker_node() if name == NODE_CASE else {min(before)}
         if name == NODE_CASE and (not victims & before or pids_titled(b"ServerDeployment") & victims):
@@ -164,7 +165,7 @@ def run_case(name: str, count: int, title: bytes, seconds: float, kill_at: float
                 node_started = True
             if replaced is None and len(pids_titled(title) - victims) >= len(before):
                 replaced = time.monotonic() - killed
-            time.sleep(0.1)
+            time.sleep(0.1)  # polled: a replacement shows only as a new process title
         stopping.set()
         for thread in threads:
             thread.join(30)
@@ -221,7 +222,6 @@ def main() -> int:
     args = parser.parse_args()
     if not in_private_netns():
         reexec_in_netns()
-    os.environ.setdefault("RAY_worker_niceness", "0")
     results = []
     for name in args.cases.split(","):
         count, title = CASES[name]

@@ -28,7 +28,7 @@ from collections import Counter
 from pathlib import Path
 
 from compare_triton import ROOT, in_private_netns, processes, reexec_in_netns, start_rayinfer, stop_server, wait_ready, write_doc
-from scaling import memory_kib
+from scaling import server_memory
 
 from rayinfer.cluster.example_repository import write_example_repository
 
@@ -66,19 +66,9 @@ async def client(deadline: float, backoff_s: float, record: list[tuple[int | str
             writer = None
         record.append((status, time.monotonic() - start))
         if status == 503:
-            await asyncio.sleep(backoff_s)
+            await asyncio.sleep(backoff_s)  # a retrying client backs off after a refusal
     if writer is not None:
         writer.close()
-
-
-def server_pss_mib(before: set[int]) -> float:
-    """PSS of every Ray or rayinfer process started since ``before`` (the server's), in MiB."""
-    total = 0
-    for pid, cmd in processes().items():
-        if pid not in before and pid != os.getpid() and ("ray" in cmd or "haproxy" in cmd):
-            figures = memory_kib(pid)
-            total += figures[0] if figures else 0
-    return total / 1024
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -107,7 +97,7 @@ def run_server(limit: int, levels: list[int], seconds: float, backoff_s: float) 
     try:
         wait_ready(PORT, proc, 300)
         drive(8, 3, backoff_s)  # warm up
-        idle = server_pss_mib(before)
+        idle = server_memory(before)["pss_mib"]
         for clients in levels:
             record = drive(clients, seconds, backoff_s)
             ok = [s for status, s in record if status == 200]
@@ -118,7 +108,7 @@ def run_server(limit: int, levels: list[int], seconds: float, backoff_s: float) 
                 "refused_per_s": len(busy) / seconds, "refused_p50_ms": percentile(busy, 0.5),
                 "refused_p99_ms": percentile(busy, 0.99),
                 "other": Counter(status for status, _ in record if status not in (200, 503)),
-                "idle_pss_mib": idle, "pss_mib": server_pss_mib(before),
+                "idle_pss_mib": idle, "pss_mib": server_memory(before)["pss_mib"],
             })
             print(rows[-1], flush=True)
     finally:
@@ -158,7 +148,6 @@ def main() -> int:
     args = parser.parse_args()
     if not in_private_netns():
         reexec_in_netns()
-    os.environ.setdefault("RAY_worker_niceness", "0")
     levels = [int(c) for c in args.clients.split(",")]
     rows = []
     for limit in (args.limit, NO_LIMIT):

@@ -36,7 +36,8 @@ from pathlib import Path
 
 import numpy as np
 from compare_triton import ROOT, in_private_netns, processes, reexec_in_netns, start_rayinfer, stop_server, wait_ready, write_doc
-from overload import server_pss_mib
+from overload import percentile
+from scaling import server_memory
 
 from rayinfer.cluster.example_repository import write_example_repository
 
@@ -121,7 +122,7 @@ def start_traffic(stop: threading.Event, rec: Recorder) -> list[threading.Thread
             rec.timed("read", lambda: fetch("/metrics", port=PORT + 2))
         else:
             rec.timed("read", lambda: fetch(reads[i % 5]))
-        time.sleep(0.05)
+        time.sleep(0.05)  # a reader's pace (about 15 reads a second), not a flood
 
     threads.append(loop(stop, read_one))
     return threads
@@ -138,7 +139,7 @@ def burst(rec: Recorder, seconds: float = 10.0, clients: int = 64) -> None:
     stop = threading.Event()
     threads = [loop(stop, lambda: rec.timed("burst", lambda: fetch("/v2/models/simple/infer", SIMPLE)))
                for _ in range(clients)]
-    time.sleep(seconds)
+    time.sleep(seconds)  # the burst's length
     stop.set()
     for thread in threads:
         thread.join(60)
@@ -151,13 +152,12 @@ def minute_rows(rec: Recorder, start: float, memory: dict[int, float]) -> list[d
     rows = []
     for minute in sorted(by_minute):
         calls = by_minute[minute]
-        infer = sorted(s for kind, s, outcome in calls if kind == "infer" and outcome == "ok")
+        infer = [s for kind, s, outcome in calls if kind == "infer" and outcome == "ok"]
         errors = Counter(outcome for _, _, outcome in calls if outcome not in ("ok", "refused"))
         rows.append({
             "minute": minute + 1, "calls": len(calls), "refused": sum(o == "refused" for _, _, o in calls),
             "errors": sum(errors.values()), "error_kinds": errors.most_common(3),
-            "p50_ms": infer[len(infer) // 2] * 1000 if infer else float("nan"),
-            "p99_ms": infer[int(len(infer) * 0.99)] * 1000 if infer else float("nan"),
+            "p50_ms": percentile(infer, 0.5), "p99_ms": percentile(infer, 0.99),
             "pss_mib": memory.get(minute + 1, float("nan")),
         })
     return rows
@@ -206,7 +206,6 @@ def main() -> int:
     args = parser.parse_args()
     if not in_private_netns():
         reexec_in_netns()
-    os.environ.setdefault("RAY_worker_niceness", "0")
     repo = Path(tempfile.mkdtemp(prefix="soak-"))
     write_example_repository(repo)
     before = set(processes())
@@ -223,7 +222,7 @@ def main() -> int:
         while time.monotonic() < end:
             now = time.monotonic()
             if now >= next_minute:
-                memory[int(round((now - start) / 60))] = server_pss_mib(before)
+                memory[int(round((now - start) / 60))] = server_memory(before)["pss_mib"]
                 next_minute += 60
             if now >= next_reload:
                 reload_identity(rec)
@@ -231,8 +230,8 @@ def main() -> int:
             if now >= next_burst:
                 burst(rec)
                 next_burst += args.burst_every_s
-            time.sleep(0.2)
-        memory[int(round((time.monotonic() - start) / 60))] = server_pss_mib(before)
+            time.sleep(0.2)  # the schedule's tick: minutes, reloads and bursts are due by the clock
+        memory[int(round((time.monotonic() - start) / 60))] = server_memory(before)["pss_mib"]
         stop.set()
         for thread in threads:
             thread.join(60)

@@ -237,6 +237,7 @@ class Front:
 
         self._binds = [(e[0], e[1]) for e in (http, grpc) if e is not None]
         threads = threads or min(4, max(1, (os.cpu_count() or 2) // 2))
+        busy = inflight_limit_message(max_inflight)
 
         def render(folder: Path) -> str:
             counts, listeners = folder / "replicas.map", folder / "listeners.map"
@@ -246,15 +247,15 @@ class Front:
                 parts.append(_HTTP.format(
                     address=http[0], port=http[1], pick=pick, upstream_host=http[2], upstream_port=http[3],
                     use_replica=_USE_REPLICA, unrouted=UNROUTED_PREFIX, max_input_size=max_input_size,
-                    too_large=body_limit_message(max_input_size), max_inflight=max_inflight,
-                    busy=inflight_limit_message(max_inflight), restricted=_http_restrictions(http_restricted or {}),
+                    too_large=body_limit_message(max_input_size), max_inflight=max_inflight, busy=busy,
+                    restricted=_http_restrictions(http_restricted or {}),
                 ))
             if grpc is not None:
                 parts.append(_GRPC.format(
                     address=grpc[0], port=grpc[1], pick=pick, upstream_host=grpc[2], upstream_port=grpc[3],
                     paths=" ".join(_SERVICE + rpc for rpc in ROUTED_RPCS), server_app=server_app,
                     use_replica=_USE_REPLICA, restricted=_grpc_restrictions(grpc_restricted or {}),
-                    max_inflight=max_inflight, busy=inflight_limit_message(max_inflight),
+                    max_inflight=max_inflight, busy=busy,
                 ))
             return "\n".join(parts)
 

@@ -74,6 +74,19 @@ def submit_each(client, model: str, input_name: str, datatype: str, arrays: list
     return pending
 
 
+def pids_titled(title: str) -> set[int]:
+    """Processes whose command line holds ``title`` (Ray titles a Serve replica
+    ``ray::ServeReplica:<app>:<deployment>``)."""
+    pids = set()
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and title.encode() in (entry / "cmdline").read_bytes():
+                pids.add(int(entry.name))
+        except OSError:
+            continue  # a process that ended meanwhile
+    return pids
+
+
 def front_folder(server: dict) -> Path:
     """The folder of the session server's live front (HAProxy): its route maps are
     ``replicas.map`` (``<model>/<version>`` -> replica count; the default version's key is

@@ -10,7 +10,7 @@ import pytest
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from conftest import add_sub_inputs, front_folder, http, http_json, read_map
+from conftest import add_sub_inputs, front_folder, http, http_json, pids_titled, read_map
 from model_factory import on_demand
 from waiting import wait_until
 
@@ -188,18 +188,6 @@ def test_reloading_a_changed_model_under_traffic_fails_no_request(server, client
         client.unload_model(model)
 
 
-def replica_pids(model: str) -> set[int]:
-    """The processes of ``model``'s Serve replicas (Serve titles them ``ServeReplica:<app>:...``)."""
-    pids = set()
-    for entry in Path("/proc").iterdir():
-        try:
-            if entry.name.isdigit() and f"ServeReplica:{model}:".encode() in (entry / "cmdline").read_bytes():
-                pids.add(int(entry.name))
-        except OSError:
-            continue  # a process that ended meanwhile
-    return pids
-
-
 def test_a_replica_killed_under_traffic_fails_only_its_calls_at_once_and_is_replaced(server, client):
     """SIGKILL to one of two replicas while HTTP and gRPC clients call the model: the calls in
     flight on it (and those sent to it before its route goes) fail fast with the front's error,
@@ -216,12 +204,15 @@ def test_a_replica_killed_under_traffic_fails_only_its_calls_at_once_and_is_repl
         "output": [{"name": n, "data_type": "TYPE_INT32", "dims": [16]} for n in ("OUTPUT0", "OUTPUT1")],
         "instance_group": [{"count": 2, "kind": "KIND_CPU"}],
     }
+    def replicas() -> set[int]:
+        return pids_titled(f"ServeReplica:{model}:")
+
     stop = threading.Event()
     calls: dict[str, list[str]] = {"http": [], "grpc": []}
     threads = [threading.Thread(target=call_until, args=(stop, server, p, model, calls[p])) for p in calls]
     try:
         client.load_model(model, config=json.dumps(config))
-        first = replica_pids(model)
+        first = replicas()
         assert len(first) == 2
         for thread in threads:
             thread.start()
@@ -231,8 +222,8 @@ def test_a_replica_killed_under_traffic_fails_only_its_calls_at_once_and_is_repl
         os.kill(min(first), signal.SIGKILL)
         wait_until(lambda: all(c[killed_at[p]:].count("ok") >= 50 for p, c in calls.items()),
                    "the surviving replica to answer", timeout_s=30)
-        wait_until(lambda: len(replica_pids(model) - first) == 1 and len(replica_pids(model)) == 2,
-                   "Serve to replace the killed replica", timeout_s=60)
+        wait_until(lambda: len(replicas()) == 2 and len(replicas() - first) == 1, "Serve to replace the killed replica",
+                   timeout_s=60)
     finally:  # the callers stop even when an assertion above fails
         stop.set()
         for thread in threads:

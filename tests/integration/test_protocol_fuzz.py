@@ -127,7 +127,7 @@ def mutated_messages(draw) -> bytes:
 ALLOWED_GRPC = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
                 grpc.StatusCode.UNAVAILABLE}
 # A message the front cannot route (no readable model name) goes to Serve's gRPC server, which
-# fails one that does not parse with UNKNOWN and protobuf's message (tritonserver: INTERNAL).
+# fails one that does not parse with UNKNOWN and protobuf's message.
 UNPARSABLE = "Error parsing message with type 'inference.ModelInferRequest'"
 
 

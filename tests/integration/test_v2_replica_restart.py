@@ -9,14 +9,13 @@ import signal
 import threading
 import time
 import urllib.request
-from pathlib import Path
 
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
-from conftest import HTTP_PORT, start_server, stop_server, stop_shared_server
+from conftest import HTTP_PORT, pids_titled, start_server, stop_server, stop_shared_server
 from rayinfer.cluster.example_repository import write_example_repository
 from waiting import wait_until
 
@@ -42,32 +41,12 @@ def server(tmp_path_factory):
         stop_server(proc)
 
 
-def v2_replica_pids() -> list[int]:
-    """Processes whose title Ray set to the /v2 deployment's replica."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                command = (entry / "cmdline").read_bytes()
-            except OSError:
-                continue
-            if b"ServeReplica:rayinfer:ServerDeployment" in command:
-                pids.append(int(entry.name))
-    return pids
+V2_REPLICA = "ServeReplica:rayinfer:ServerDeployment"
 
 
-def metadata_answers() -> bool:
+def answers_200(path: str) -> bool:
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{PORT}/v2", timeout=2) as response:
-            return response.status == 200
-    except OSError:
-        return False
-
-
-def ready() -> bool:
-    """The server is ready: the new /v2 replica answers and the front routes the model."""
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{PORT}/v2/health/ready", timeout=2) as response:
+        with urllib.request.urlopen(f"http://127.0.0.1:{PORT}{path}", timeout=2) as response:
             return response.status == 200
     except OSError:
         return False
@@ -105,21 +84,22 @@ class Load(threading.Thread):
 
 
 def test_inference_goes_on_while_the_v2_replica_restarts(server):
-    (before,) = v2_replica_pids()
+    (before,) = pids_titled(V2_REPLICA)
     load = Load()
     load.start()
     wait_until(lambda: load.ok >= 20, "the load to start", timeout_s=30)
     os.kill(before, signal.SIGKILL)
     killed_at = time.monotonic()
-    wait_until(lambda: not metadata_answers(), "the /v2 application to be gone", timeout_s=10, interval_s=0.05)
+    wait_until(lambda: not answers_200("/v2"), "the /v2 application to be gone", timeout_s=10, interval_s=0.05)
     served_while_down = load.ok
-    wait_until(metadata_answers, "a new /v2 replica to answer", timeout_s=120, interval_s=0.2)
+    wait_until(lambda: answers_200("/v2"), "a new /v2 replica to answer", timeout_s=120, interval_s=0.2)
     restart_s = time.monotonic() - killed_at
     # Calls go on while the model replica registers with the new /v2 replica, which then routes it.
-    wait_until(lambda: load.ok > served_while_down + 100 and ready(), "the new /v2 replica to route the model",
+    wait_until(lambda: load.ok > served_while_down + 100 and answers_200("/v2/health/ready"),
+               "the new /v2 replica to route the model",
                timeout_s=60, interval_s=0.2)
     load.stopping.set()
     load.join(30)
     assert load.failures == [], load.failures[:5]
-    assert v2_replica_pids() and before not in v2_replica_pids()
+    assert pids_titled(V2_REPLICA) and before not in pids_titled(V2_REPLICA)
     print(f"/v2 replica back after {restart_s:.1f} s; {load.ok} calls answered, none failed")

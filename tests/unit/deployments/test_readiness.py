@@ -15,12 +15,13 @@ class _State:
 
     def __init__(self) -> None:
         self.deployed: set[str] = set()
+        self.invalidations = 0
 
     async def refresh(self) -> list[dict]:
         return [{"name": m, "version": "1", "state": "READY"} for m in sorted(self.deployed)]
 
     def invalidate(self) -> None:
-        pass  # nothing is cached here
+        self.invalidations += 1  # nothing is cached here; counted only
 
 
 class _Routes:
