@@ -3,13 +3,17 @@
 client calling the members one by one, in the same run; and the example text pipeline.
 
     .venv/bin/python benchmarks/ensemble_cost.py [--concurrency 8] [--protocols http,grpc] [--rounds 2]
+        [--models mlp,scale,mlp_pipeline,...,chain]
 
 Writes a repository holding the example ``mlp`` (ONNX, 256 -> 1024 -> 1024 -> 10, dynamic
 batching with a 500 us queue delay, one intra-op thread), ``scale`` (a Python model: FP32 [256]
 times 0.5, the same batching) and ``mlp_pipeline`` (an ensemble: ``scale`` then ``mlp``), plus
 the example text pipeline (``nlp_ensemble``: a Python tokenizer, a transformer encoder in ONNX
 with dynamic batching, a Python head), and ``mlp_pipeline_batched``: ``mlp_pipeline`` with its
-own requests batched (the ``max_queue_delay_microseconds`` parameter, 500 us). Starts ``rayinfer serve`` on it inside a private network
+own requests batched (the ``max_queue_delay_microseconds`` parameter, 500 us); and
+``mlp_pipeline_in_place``, ``mlp_pipeline_batched_in_place`` and ``nlp_ensemble_in_place``, the
+same ensembles with their steps run in the ensemble's replica (the ``steps_in_place``
+parameter). Starts ``rayinfer serve`` on it inside a private network
 namespace and measures at the given concurrency, batch 1 per request, alternating in rounds:
 each member alone and the ensemble with NVIDIA's perf_analyzer (from the Triton anchor; the
 encoder is sent one tokenized sentence), and the members called one by one by a Python client
@@ -75,7 +79,13 @@ ensemble_scheduling { step [
 # The same ensemble, its own requests batched too (rayinfer's max_queue_delay_microseconds).
 BATCHED_CONFIG = PIPELINE_CONFIG.replace('name: "mlp_pipeline"', 'name: "mlp_pipeline_batched"') + (
     'parameters { key: "max_queue_delay_microseconds" value: { string_value: "500" } }\n')
-PERF_MODELS = ("mlp", "scale", "mlp_pipeline", "mlp_pipeline_batched", "nlp_encoder", "nlp_ensemble")
+# The same ensembles, their steps run in the ensemble's replica (rayinfer's steps_in_place).
+IN_PLACE_PARAMETER = 'parameters { key: "steps_in_place" value: { string_value: "true" } }\n'
+IN_PLACE_CONFIG = PIPELINE_CONFIG.replace('name: "mlp_pipeline"', 'name: "mlp_pipeline_in_place"') + IN_PLACE_PARAMETER
+BATCHED_IN_PLACE_CONFIG = BATCHED_CONFIG.replace('name: "mlp_pipeline_batched"',
+                                                 'name: "mlp_pipeline_batched_in_place"') + IN_PLACE_PARAMETER
+PERF_MODELS = ("mlp", "scale", "mlp_pipeline", "mlp_pipeline_batched", "mlp_pipeline_in_place",
+               "mlp_pipeline_batched_in_place", "nlp_encoder", "nlp_ensemble", "nlp_ensemble_in_place")
 # The encoder's inputs for perf_analyzer: random ids would index past the vocabulary.
 ENCODER_TEXT = "this was a really great movie and i would watch it again with my family"
 CHAIN = "one by one (client)"
@@ -98,7 +108,15 @@ def write_repository(root: Path) -> None:
     (root / "mlp_pipeline" / "config.pbtxt").write_text(PIPELINE_CONFIG)
     (root / "mlp_pipeline_batched" / "1").mkdir(parents=True)
     (root / "mlp_pipeline_batched" / "config.pbtxt").write_text(BATCHED_CONFIG)
+    (root / "mlp_pipeline_in_place" / "1").mkdir(parents=True)
+    (root / "mlp_pipeline_in_place" / "config.pbtxt").write_text(IN_PLACE_CONFIG)
+    (root / "mlp_pipeline_batched_in_place" / "1").mkdir(parents=True)
+    (root / "mlp_pipeline_batched_in_place" / "config.pbtxt").write_text(BATCHED_IN_PLACE_CONFIG)
     write_nlp_pipeline(root)
+    nlp = (root / "nlp_ensemble" / "config.pbtxt").read_text()
+    (root / "nlp_ensemble_in_place" / "1").mkdir(parents=True)
+    (root / "nlp_ensemble_in_place" / "config.pbtxt").write_text(
+        nlp.replace('name: "nlp_ensemble"', 'name: "nlp_ensemble_in_place"') + IN_PLACE_PARAMETER)
 
 
 def client_chain(protocol: str, concurrency: int, seconds: float) -> dict[str, float]:
@@ -147,11 +165,14 @@ def main() -> int:
     parser.add_argument("--protocols", default="http,grpc")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--measurement-interval", type=int, default=4000, help="ms per perf_analyzer window")
+    parser.add_argument("--models", default=",".join((*PERF_MODELS, "chain")),
+                        help="what to measure, of: " + ", ".join((*PERF_MODELS, "chain")))
     args = parser.parse_args()
     if not in_private_netns():
         ensure_anchor()
         reexec_in_netns()
     protocols = args.protocols.split(",")
+    chosen = [CHAIN if m == "chain" else m for m in args.models.split(",")]
     results: dict[tuple[str, str], list[dict[str, float]]] = {}
     with tempfile.TemporaryDirectory(prefix="rayinfer-ensemble-") as tmp:
         work = Path(tmp)
@@ -162,7 +183,7 @@ def main() -> int:
             wait_ready(RAYINFER_PORT, server, 300)
             for round_ in range(args.rounds):
                 for protocol in protocols:
-                    for model in (*PERF_MODELS, CHAIN):
+                    for model in chosen:
                         if model == CHAIN:
                             result = client_chain(protocol, args.concurrency, args.measurement_interval / 1000 * 2)
                         else:
@@ -178,14 +199,22 @@ def main() -> int:
     labels = {"mlp": "`mlp` alone", "scale": "`scale` alone", "mlp_pipeline": "`mlp_pipeline` (ensemble: `scale`, `mlp`)",
               "mlp_pipeline_batched": "`mlp_pipeline_batched` (the same, its requests batched)",
               CHAIN: "`scale` then `mlp`, one by one from the client", "nlp_encoder": "`nlp_encoder` alone",
-              "nlp_ensemble": "`nlp_ensemble` (tokenizer, encoder, head)"}
+              "nlp_ensemble": "`nlp_ensemble` (tokenizer, encoder, head)",
+              "mlp_pipeline_in_place": "`mlp_pipeline_in_place` (`mlp_pipeline`, its steps in place)",
+              "mlp_pipeline_batched_in_place": "`mlp_pipeline_batched_in_place` (batched and in place)",
+              "nlp_ensemble_in_place": "`nlp_ensemble_in_place` (`nlp_ensemble`, its steps in place)"}
     for protocol in protocols:
         medians = {m: {k: statistics.median(r[k] for r in results[(protocol, m)]) for k in results[(protocol, m)][0]}
-                   for m in (*PERF_MODELS, CHAIN)}
-        slowest = min(medians["mlp"]["infer_s"], medians["scale"]["infer_s"])
-        against = {"mlp_pipeline": slowest, "mlp_pipeline_batched": slowest, CHAIN: slowest,
-                   "nlp_ensemble": medians["nlp_encoder"]["infer_s"]}
-        for model in ("mlp", "scale", "mlp_pipeline", "mlp_pipeline_batched", CHAIN, "nlp_encoder", "nlp_ensemble"):
+                   for m in chosen}
+        nan = float("nan")
+        slowest = min([medians[m]["infer_s"] for m in ("mlp", "scale") if m in medians] or [nan])
+        encoder = medians.get("nlp_encoder", {}).get("infer_s", nan)
+        against = {"mlp_pipeline": slowest, "mlp_pipeline_batched": slowest, "mlp_pipeline_in_place": slowest,
+                   "mlp_pipeline_batched_in_place": slowest, CHAIN: slowest, "nlp_ensemble": encoder, "nlp_ensemble_in_place": encoder}
+        for model in ("mlp", "scale", "mlp_pipeline", "mlp_pipeline_batched", "mlp_pipeline_in_place",
+                      "mlp_pipeline_batched_in_place", CHAIN, "nlp_encoder", "nlp_ensemble", "nlp_ensemble_in_place"):
+            if model not in medians:
+                continue
             m = medians[model]
             ratio = f"{m['infer_s'] / against[model]:.2f}x" if model in against else ""
             batch = "" if np.isnan(m["batch"]) else f"{m['batch']:.1f}"

@@ -24,6 +24,7 @@ from google.protobuf import json_format
 from ray import serve
 
 from rayinfer.deployments.names import SERVER_APP, SERVER_DEPLOYMENT
+from rayinfer.deployments.steps_in_place import InPlaceMembers
 from rayinfer.protocol.errors import ModelConfigError, ServingError, UnavailableError, as_serving_error
 from rayinfer.protocol.listener_client import ListenerClient
 from rayinfer.protocol.types import InferRequest, InferResponse
@@ -50,6 +51,8 @@ class EnsembleMembers:
         self._handles: dict[tuple[str, str], Any] = {}
         self._server: Any = None
         self._client = ListenerClient()
+        # The members this replica runs itself (parameter steps_in_place), when it does.
+        self.in_place: InPlaceMembers | None = None
 
     async def call(self, request: InferRequest) -> InferResponse:
         """One step: the member's response, or its error (raised). It goes to a replica's listener
@@ -59,6 +62,12 @@ class EnsembleMembers:
         if target is None or time.monotonic() - target[0] >= _ROUTE_TTL_S:
             app, deployment, listeners = await self._server_handle().member_listeners.remote(*key)
             target = self._targets[key] = (time.monotonic(), (app, deployment), [tuple(a) for a in listeners])
+            if self.in_place is not None:
+                self.in_place.observe(key, target[1], target[2])
+        if self.in_place is not None:
+            response = await self.in_place.infer(key, request)
+            if response is not None:
+                return response
         if target[2]:
             address = random.choice(target[2])
             try:
@@ -98,8 +107,24 @@ class EnsembleMembers:
                 raise ModelConfigError(f"model '{model}' is still loading")
             await asyncio.sleep(0.5)  # the poll interval: Serve tells of a member's start only by its status
         config = ModelConfig()
-        json_format.Parse(await self._handle(tuple(route)).model_config_json.remote(), config)
+        json_format.Parse(await self.config_json(tuple(route)), config)
         return spec_from_config(config, repository / model / CONFIG_FILENAME)
+
+    async def config_json(self, route: tuple[str, str]) -> str:
+        """A member version's config as its replicas serve it, in Triton's JSON form."""
+        return await self._handle(route).model_config_json.remote()
+
+    async def run_in_place(self, repository: Path, specs: dict[tuple[str, str], ModelSpec]) -> None:
+        """Load here the members that can run in this replica (parameter steps_in_place)."""
+        self.in_place = InPlaceMembers(repository, self.config_json)
+        for key, spec in specs.items():
+            app, deployment, listeners = await self._server_handle().member_listeners.remote(*key)
+            await self.in_place.load(key, (app, deployment), [tuple(a) for a in listeners], spec)
+
+    def close(self) -> None:
+        """The replica stops: unload the members running here."""
+        if self.in_place is not None:
+            self.in_place.close()
 
     async def _route(self, model: str, version: str, *, strict: bool) -> tuple[str, str] | None:
         key = (model, version)
@@ -145,6 +170,8 @@ async def load_ensemble(repository: Path, model_name: str, version: int, config_
                 f"ensemble '{model_name}': {step.label} cannot run: {as_serving_error(exc).message}"
             ) from None
     check_members(plan, spec, specs, model_dir)
+    if plan.steps_in_place:
+        await members.run_in_place(Path(repository), specs)
     decoupled = decoupled_members(specs)
     if decoupled:  # it streams its members' responses: decoupled itself, as its config reports
         spec.config.model_transaction_policy.decoupled = True

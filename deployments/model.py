@@ -83,7 +83,10 @@ class ModelDeployment:
         context = serve.get_replica_context()
         self._replica_key = f"{context.app_name}/{context.replica_id.unique_id}"
         self._app_name = context.app_name
-        self._stats_pushed_at: tuple[int, ...] | None = None
+        # The statistics last pushed, by the key they were reported under (_reported_cores).
+        self._pushed: dict[str, tuple[int, ...]] = {}
+        # An ensemble's members, as its steps reach them (None for any other model).
+        self._members: EnsembleMembers | None = None
         self._server: Any = None
         # A Python model's calls to other models (set before loading: initialize may call).
         self._bls = ReplicaBlsClient(context.deployment)
@@ -93,8 +96,9 @@ class ModelDeployment:
         on_gpu = bool(ray.get_gpu_ids())
         if is_ensemble(read_config(Path(model_repository) / model_name, override=config_override)):
             # An ensemble runs no model of its own: it calls its members' deployments.
+            self._members = EnsembleMembers()
             runner, entry = await load_ensemble(Path(model_repository), model_name, int(version), config_override,
-                                                EnsembleMembers())
+                                                self._members)
         else:
             runner, entry = await asyncio.to_thread(
                 load_runner, Path(model_repository), model_name, int(version), auto_complete, config_override, on_gpu
@@ -229,7 +233,7 @@ class ModelDeployment:
             merged = await self._server_handle().report_statistics.remote(
                 self._replica_key, self._core.name, self._core.version, snapshot, version
             )
-            self._stats_pushed_at = _change_key(snapshot)
+            self._pushed[self._replica_key] = _change_key(snapshot)
             return merged
         except Exception as exc:
             logger.debug("falling back to this replica's statistics: %s", exc)
@@ -257,16 +261,23 @@ class ModelDeployment:
                     await self._server_handle().report_traces.remote(self._core.name, traces)
                 except Exception as exc:  # the server app may be gone: those traces are lost
                     logger.debug("could not report traces: %s", exc)
-            snapshot = self._core.snapshot()
-            if _change_key(snapshot) == self._stats_pushed_at:
-                continue
-            try:
-                await self._server_handle().report_statistics.remote(
-                    self._replica_key, self._core.name, self._core.version, snapshot
-                )
-                self._stats_pushed_at = _change_key(snapshot)
-            except Exception as exc:  # the server app may not be deployed (yet)
-                logger.debug("could not publish statistics: %s", exc)
+            for key, core in self._reported_cores():
+                snapshot = core.snapshot()
+                if _change_key(snapshot) == self._pushed.get(key):
+                    continue
+                try:
+                    await self._server_handle().report_statistics.remote(key, core.name, core.version, snapshot)
+                    self._pushed[key] = _change_key(snapshot)
+                except Exception as exc:  # the server app may not be deployed (yet)
+                    logger.debug("could not publish statistics: %s", exc)
+
+    def _reported_cores(self) -> list[tuple[str, ModelCore]]:
+        """(key, core) of the model served here and of an ensemble's members running here,
+        whose figures count as those of one more replica of the member."""
+        cores = [(self._replica_key, self._core)]
+        if self._members is not None and self._members.in_place is not None:
+            cores += [(f"{self._replica_key}/in-place/{core.name}", core) for core in self._members.in_place.cores()]
+        return cores
 
     async def __del__(self) -> None:
         """Serve stops the replica: out of the front's routes first, then drain."""
@@ -283,6 +294,9 @@ class ModelDeployment:
         core = getattr(self, "_core", None)
         if core is not None:
             core.close()
+        members = getattr(self, "_members", None)
+        if members is not None:
+            members.close()
         client = getattr(self, "_bls", None)
         if client is not None:
             client.close()

@@ -35,6 +35,10 @@ ENSEMBLE_PLATFORM = "ensemble"
 _RUN_IF_PRESENT = "run_if_present"
 _RUN_IF = "run_if"
 BATCH_DELAY_PARAMETER = "max_queue_delay_microseconds"
+# Run the steps of members that can run in the ensemble's own process there (see
+# deployments/steps_in_place.py); "false" (the default): every step is a call to the member's
+# replicas, as in Triton.
+STEPS_IN_PLACE_PARAMETER = "steps_in_place"
 
 
 @dataclass(frozen=True)
@@ -78,6 +82,8 @@ class EnsemblePlan:
     # Batch the ensemble's own requests, waiting at most this long (parameter
     # max_queue_delay_microseconds); None: each request runs its steps alone, as in Triton.
     batch_delay_us: int | None = None
+    # Parameter steps_in_place: members that can run in the ensemble's replica run there.
+    steps_in_place: bool = False
 
     @property
     def members(self) -> tuple[tuple[str, str], ...]:
@@ -172,7 +178,11 @@ def parse_ensemble(config: ModelConfig, model_dir: Path) -> EnsemblePlan:
         if config.max_batch_size < 1:
             raise fail(f"parameter '{BATCH_DELAY_PARAMETER}' needs max_batch_size >= 1")
         batch_delay_us = int(delay.string_value)
-    return EnsemblePlan(name, inputs, outputs, tuple(ordered), optional, batch_delay_us)
+    in_place = config.parameters.get(STEPS_IN_PLACE_PARAMETER)
+    in_place_text = in_place.string_value.strip().lower() if in_place is not None else "false"
+    if in_place_text not in ("true", "false"):
+        raise fail(f"parameter '{STEPS_IN_PLACE_PARAMETER}' must be 'true' or 'false', got '{in_place.string_value}'")
+    return EnsemblePlan(name, inputs, outputs, tuple(ordered), optional, batch_delay_us, in_place_text == "true")
 
 
 def check_members(plan: EnsemblePlan, ensemble: ModelSpec, members: dict[tuple[str, str], ModelSpec],

@@ -104,6 +104,13 @@ ENSEMBLES = {
     # Loaded on demand: loading it loads its member; unloading with unload_dependents unloads both.
     "ens_on_demand": _ensemble("ens_on_demand", [_int("A")], [_int("A2")],
                                [_step("ens_on_demand_member", {"INPUT": "A"}, {"OUTPUT": "A2"})]),
+    # Its steps run in the ensemble's own replica (rayinfer's steps_in_place parameter): PID
+    # tells which process ran ens_pid_double.
+    "ens_in_place": _ensemble("ens_in_place", [_int("A"), _int("B")],
+                              [_int("SUM"), _int("DIFF"), _int("SUM2"), '{ name: "PID" data_type: TYPE_INT64 dims: [ 1 ] }'], [
+        _step("simple", ADD_SUB, {"OUTPUT0": "SUM", "OUTPUT1": "DIFF"}),
+        _step("ens_pid_double", {"INPUT": "SUM"}, {"OUTPUT": "SUM2", "PID": "PID"}),
+    ], extra='parameters { key: "steps_in_place" value: { string_value: "true" } }\n'),
     # Broken: each load fails with a message naming the step.
     "ensbad_unknown_model": _ensemble("ensbad_unknown_model", [_int("A")], [_int("Z")],
                                       [_step("no_such_model", {"INPUT": "A"}, {"OUTPUT": "Z"})]),
@@ -138,6 +145,16 @@ class TritonPythonModel:
 '''
 
 
+# ens_double's model with one more output: the PID of the process that executed it.
+PID_DOUBLE_CONFIG = DOUBLE_CONFIG.replace("{name}", "ens_pid_double").replace(
+    'output [ { name: "OUTPUT" data_type: TYPE_INT32 dims: [ 16 ] } ]',
+    'output [ { name: "OUTPUT" data_type: TYPE_INT32 dims: [ 16 ] }, { name: "PID" data_type: TYPE_INT64 dims: [ 1 ] } ]')
+PID_DOUBLE_MODEL = DOUBLE_MODEL.replace("import numpy as np", "import os\n\nimport numpy as np").replace(
+    '[pb_utils.Tensor("OUTPUT", (2 * x).astype(np.int32))]',
+    '[pb_utils.Tensor("OUTPUT", (2 * x).astype(np.int32)),\n'
+    '                                                             pb_utils.Tensor("PID", np.full((len(x), 1), os.getpid(), np.int64))]')
+
+
 def write_ensemble_models(root: Path) -> None:
     for name, config in ENSEMBLES.items():
         (root / name / "1").mkdir(parents=True)
@@ -146,13 +163,16 @@ def write_ensemble_models(root: Path) -> None:
         (root / name / "1").mkdir(parents=True)
         (root / name / "config.pbtxt").write_text(DOUBLE_CONFIG.replace("{name}", name))
         (root / name / "1" / "model.py").write_text(DOUBLE_MODEL)
+    (root / "ens_pid_double" / "1").mkdir(parents=True)
+    (root / "ens_pid_double" / "config.pbtxt").write_text(PID_DOUBLE_CONFIG)
+    (root / "ens_pid_double" / "1" / "model.py").write_text(PID_DOUBLE_MODEL)
     (root / "ens_square" / "1").mkdir(parents=True)
     (root / "ens_square" / "config.pbtxt").write_text(SQUARE_CONFIG)
     (root / "ens_square" / "1" / "model.py").write_text(SQUARE_MODEL)
 
 
 # Members of no ensemble here but their own.
-MEMBERS = ("ens_double", "ens_on_demand_member", "ens_square")
+MEMBERS = ("ens_double", "ens_on_demand_member", "ens_square", "ens_pid_double")
 # The example repository's text pipeline.
 NLP_MODELS = ("nlp_tokenizer", "nlp_encoder", "nlp_head", "nlp_ensemble")
 # Not loaded at start: loaded by tests through the repository API, or (the text pipeline) by

@@ -285,3 +285,65 @@ def test_an_ensemble_batching_its_requests_answers_each_with_its_own_rows(proto,
                        int(s["inference_count"]) - int(before.get("inference_count", 0)) == 24 and s,
                        "the ensemble's statistics to count the 24 requests")
     assert int(after["execution_count"]) - int(before.get("execution_count", 0)) < 24
+
+
+def in_place_call(module, client, a: np.ndarray, b: np.ndarray):
+    return client.infer("ens_in_place", ints(module, A=a, B=b))
+
+
+def test_steps_in_place_run_in_the_ensembles_process_and_count_as_the_members(proto, server):
+    """steps_in_place: ens_pid_double runs in the ensemble's replica (not in a process of the
+    member's own replicas), answers as its replicas do, and its executions there count in the
+    member's statistics, batched by the member's own batcher."""
+    module, client = proto
+    a, b = pair(500)
+    direct_pid = int(client.infer("ens_pid_double", ints(module, INPUT=a)).as_numpy("PID")[0, 0])
+    before = stats(client, module, "ens_pid_double")
+    pairs = [pair(501 + i) for i in range(24)]
+
+    results = infer_concurrently(module, server, "ens_in_place", pairs, ("SUM2", "PID"), threads=8)
+    for (a, b), (sum2, _) in zip(pairs, results):
+        np.testing.assert_array_equal(sum2, 2 * (a + b))
+    pids = {int(pid[0, 0]) for _, pid in results}
+    assert len(pids) == 1 and direct_pid not in pids
+    after = wait_until(lambda: (s := stats(client, module, "ens_pid_double")) and
+                       int(s["inference_count"]) - int(before.get("inference_count", 0)) == 24 and s,
+                       "the member's statistics to count the 24 steps run in place")
+    assert int(after["execution_count"]) - int(before.get("execution_count", 0)) < 24
+
+
+def test_a_step_in_place_that_fails_names_the_step(proto):
+    """The member's error, as a step sent to its replicas reports it; the ensemble serves on."""
+    module, client = proto
+    a, b = pair(530)
+    with pytest.raises(InferenceServerException,
+                       match=r"in ensemble 'ens_in_place', step 1 \(model 'ens_pid_double'\) failed: unlucky input -13"):
+        in_place_call(module, client, np.full((1, 16), -13, np.int32), np.zeros((1, 16), np.int32))
+    np.testing.assert_array_equal(in_place_call(module, client, a, b).as_numpy("SUM2"), 2 * (a + b))
+
+
+def test_steps_in_place_follow_their_member_unloaded_and_loaded_again(server):
+    """With the member unloaded, the step fails as a remote step would (no stale instance
+    answers); loaded again, the ensemble runs a new instance of it in place."""
+    client = httpclient.InferenceServerClient(server["url"])
+    a, b = pair(540)
+    in_place_pid = int(in_place_call(httpclient, client, a, b).as_numpy("PID")[0, 0])
+    client.unload_model("ens_pid_double")
+    try:
+        def refused() -> bool:
+            try:
+                in_place_call(httpclient, client, a, b)
+            except InferenceServerException as exc:
+                assert "step 1 (model 'ens_pid_double') failed" in str(exc)
+                return True
+            return False
+
+        wait_until(refused, "the ensemble's step to fail without its member")
+    finally:
+        client.load_model("ens_pid_double")
+    direct_pid = int(client.infer("ens_pid_double", ints(httpclient, INPUT=a)).as_numpy("PID")[0, 0])
+    result = wait_until(lambda: (r := in_place_call(httpclient, client, a, b)) and
+                        int(r.as_numpy("PID")[0, 0]) == in_place_pid and r,
+                        "the step to run in place again")
+    assert direct_pid != in_place_pid
+    np.testing.assert_array_equal(result.as_numpy("SUM2"), 2 * (a + b))

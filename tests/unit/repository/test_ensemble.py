@@ -163,3 +163,12 @@ def test_the_batching_parameter_is_a_whole_number_and_needs_batches():
         parse(steps, IO.replace("max_batch_size: 8", "max_batch_size: 0"),
               'parameters { key: "max_queue_delay_microseconds" value: { string_value: "10" } }')
     assert parse(steps).batch_delay_us is None
+
+
+def test_steps_in_place_is_off_unless_the_parameter_says_true():
+    steps = [step("m", AB, {"OUTPUT0": "S"})]
+    assert parse(steps).steps_in_place is False
+    assert parse(steps, IO, 'parameters { key: "steps_in_place" value: { string_value: "True" } }').steps_in_place
+    assert not parse(steps, IO, 'parameters { key: "steps_in_place" value: { string_value: "false" } }').steps_in_place
+    with pytest.raises(ModelConfigError, match="parameter 'steps_in_place' must be 'true' or 'false', got 'yes please'"):
+        parse(steps, IO, 'parameters { key: "steps_in_place" value: { string_value: "yes please" } }')
