@@ -231,6 +231,13 @@ class _Run:
 
     async def run(self) -> None:
         tensors = {t.name: (t.datatype, tuple(t.shape), t.data) for t in self.request.inputs}
+        if not self.x.decoupled:  # one flow: it runs in this task
+            try:
+                await self.flow(tensors, set(), {})
+            finally:
+                for task in list(self.tasks):
+                    task.cancel()
+            return
         self.spawn(self.flow(tensors, set(), {}))
         try:
             await self.finished.wait()
@@ -264,6 +271,7 @@ class _Run:
         waiting = [s for s in x.plan.steps if s.index not in settled]
         running: dict[asyncio.Future, EnsembleStep] = {}
         while True:
+            starts: list[EnsembleStep] = []
             progressed = True
             while progressed:  # a skipped step settles its tensors: look again
                 progressed = False
@@ -275,11 +283,25 @@ class _Run:
                     elif step.index in x._decoupled_steps:
                         if step.index not in started:  # forks the rest of the graph per response
                             started[step.index] = self.spawn(self.fork(step, tensors, settled, started))
-                    else:
-                        if step.index not in started:
-                            request = x._step_request(step, self.request, tensors, self.parameters)
-                            started[step.index] = self.spawn(x._call(request), call=True)
+                    elif step.index in started:
                         running[started[step.index]] = step
+                    else:
+                        starts.append(step)
+            if len(starts) == 1 and not running and not x.decoupled:
+                # The only step that can run now (a chain's next): called from this task, with
+                # no task and wait of its own.
+                step = starts[0]
+                try:
+                    response = await x._call(x._step_request(step, self.request, tensors, self.parameters))
+                except Exception as exc:
+                    raise x._step_error(step, exc) from None
+                x._take_outputs(step, response, tensors)
+                settled.add(step.index)
+                continue
+            for step in starts:
+                request = x._step_request(step, self.request, tensors, self.parameters)
+                started[step.index] = self.spawn(x._call(request), call=True)
+                running[started[step.index]] = step
             if not running:
                 if len(settled) == len(x.plan.steps):  # else a decoupled step's flows go on
                     self.emit(tensors)
