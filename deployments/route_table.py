@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from collections.abc import Set as AbstractSet
 from typing import Any
 
+from rayinfer.deployments.names import model_apps
 from rayinfer.deployments.serve_state import ServeState, running_replicas
 
 logger = logging.getLogger(__name__)
@@ -32,6 +33,8 @@ class RouteTable:
         self._lock = asyncio.Lock()
         # replica -> (application, host, port, last registered)
         self._listeners: dict[str, tuple[str, str, int, float]] = {}
+        # Models being unloaded (``withdrawn``): the front routes none of their versions.
+        self._withdrawn: set[str] = set()
 
     async def register(self, replica: str, app: str, host: str, port: int) -> None:
         """A model replica's listener, registered at start and again every few seconds."""
@@ -41,8 +44,11 @@ class RouteTable:
             await self.publish()
 
     async def withdraw(self, replica: str) -> None:
-        """A model replica is stopping: returns once the front no longer routes to it."""
-        if self._listeners.pop(replica, None) is not None:
+        """A model replica is stopping: returns once the front no longer routes to it (at once
+        when its model is being unloaded: the front routes none of its versions already, and
+        that unload holds the table until Serve has stopped this very replica)."""
+        entry = self._listeners.pop(replica, None)
+        if entry is not None and not any(model_apps(model, [entry[0]]) for model in self._withdrawn):
             await self.publish()
 
     async def publish(self) -> None:
@@ -62,6 +68,7 @@ class RouteTable:
         no publication runs meanwhile, so none can route it again while Serve still reports it
         running; Serve is read afresh afterwards."""
         async with self._lock:
+            self._withdrawn.add(model)
             self._state.forget_routes(model)
             if self._front is not None:
                 routes = {k: v for k, v in self._front.published.items() if not k.startswith(f"{model}/")}
@@ -72,6 +79,7 @@ class RouteTable:
             try:
                 yield
             finally:
+                self._withdrawn.discard(model)
                 self._state.invalidate()
 
     async def wait_routed(self, *models: str, timeout_s: float = 15.0) -> None:

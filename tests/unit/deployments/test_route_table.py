@@ -1,0 +1,56 @@
+"""The front's route table during an unload (no Ray: stand-ins for Serve's state and the front)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from rayinfer.deployments.route_table import RouteTable
+
+
+class _State:
+    """Serve's state as the route table reads it: two models, one replica each, running."""
+
+    def __init__(self) -> None:
+        self.routes = {"m/1": ("m", "m_v1"), "m/": ("m", "m_v1"), "other/1": ("other", "other_v1")}
+        self.running = {"m": 1, "other": 1}
+
+    async def refresh(self) -> list[dict]:
+        return []
+
+    def forget_routes(self, model: str) -> None:
+        self.routes = {k: v for k, v in self.routes.items() if not k.startswith(f"{model}/")}
+
+    def invalidate(self) -> None:
+        """Nothing cached here."""
+
+
+class _Front:
+    def __init__(self) -> None:
+        self.published: dict[str, list[tuple[str, int]]] = {}
+        self.publications = 0
+
+    async def publish(self, routes: dict[str, list[tuple[str, int]]]) -> None:
+        self.published = dict(routes)
+        self.publications += 1
+
+
+def test_a_replica_of_a_model_being_unloaded_withdraws_at_once_and_others_still_publish():
+    """Serve stops an unloaded model's replica while the unload holds the table; the replica's
+    withdrawal must not wait for that unload (it waited out its 5 s timeout before)."""
+    async def scenario() -> None:
+        front = _Front()
+        table = RouteTable(_State(), front)  # type: ignore[arg-type]  # stand-ins
+        await table.register("m/r1", "m", "10.0.0.1", 1000)
+        await table.register("other/r1", "other", "10.0.0.2", 1000)
+        assert set(front.published) == {"m/1", "m/", "other/1"}
+        async with table.withdrawn("m"):
+            assert set(front.published) == {"other/1"}
+            await asyncio.wait_for(table.withdraw("m/r1"), 1.0)
+            assert table.listeners("m") == []
+            other = asyncio.ensure_future(table.withdraw("other/r1"))  # publishes: after the unload
+            await asyncio.sleep(0)  # one turn of the loop: the withdrawal starts, and waits
+            assert not other.done()
+        await asyncio.wait_for(other, 1.0)
+        assert "other/1" not in front.published
+
+    asyncio.run(scenario())
