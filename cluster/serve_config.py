@@ -22,7 +22,7 @@ from rayinfer.deployments.names import (
     model_deployment_name,
     model_route_prefix,
 )
-from rayinfer.deployments.control import replica_resources
+from rayinfer.deployments.control import replica_count, replica_resources
 from rayinfer.protocol.errors import ModelConfigError
 from rayinfer.repository.scanner import ModelEntry, scan_repository
 
@@ -121,9 +121,10 @@ def _deployment_resources(settings: ServerSettings, entry: ModelEntry, version: 
         replicas, options = replica_resources(entry, version, settings.replica_num_cpus,
                                               cluster_has_gpus=bool(settings.num_gpus),
                                               gpu_fallback=settings.gpu_fallback == "cpu")
+        count = replica_count(entry, replicas)
     except ModelConfigError:
         return None
-    return {"num_replicas": replicas, "ray_actor_options": options}
+    return {**count, "ray_actor_options": options}
 
 
 def _front_args(settings: ServerSettings) -> dict[str, Any]:

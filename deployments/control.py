@@ -18,6 +18,7 @@ from ray import serve
 from ray.serve import Application
 from ray.serve.schema import LoggingConfig
 
+from rayinfer.deployments.autoscaling import serve_autoscaling_config
 from rayinfer.deployments.model import ModelDeployment
 from rayinfer.deployments.names import (
     DEFAULT_REPLICA_NUM_CPUS,
@@ -35,6 +36,7 @@ from rayinfer.deployments.serve_state import (
 )
 from rayinfer.protocol.errors import ModelConfigError
 from rayinfer.protocol.limits import DEFAULT_HTTP_MAX_INPUT_SIZE
+from rayinfer.repository.autoscaling import autoscaling_spec
 from rayinfer.repository.ensemble import dependency_waves, member_names
 from rayinfer.repository.instance_groups import replica_plan
 from rayinfer.repository.scanner import ModelEntry, scan_model
@@ -58,6 +60,16 @@ def replica_resources(entry: ModelEntry, version: int, replica_num_cpus: float, 
     if plan.num_gpus:
         options["num_gpus"] = plan.num_gpus
     return plan.replicas, options
+
+
+def replica_count(entry: ModelEntry, replicas: int) -> dict[str, Any]:
+    """Serve's ``num_replicas``: the instance groups' count; or, for a model whose parameters
+    ask for autoscaling, an ``autoscaling_config`` starting from that count."""
+    assert entry.config is not None
+    spec = autoscaling_spec(entry.config, entry.path / "config.pbtxt")
+    if spec is None:
+        return {"num_replicas": replicas}
+    return {"autoscaling_config": serve_autoscaling_config(spec, replicas)}
 
 
 @dataclass(frozen=True)
@@ -112,7 +124,7 @@ def model_application(
                                                 cluster_has_gpus=cluster_gpus() > 0, gpu_fallback=gpu_fallback)
     deployment = ModelDeployment.options(
         name=model_deployment_name(model, version),
-        num_replicas=replicas,
+        **replica_count(entry, replicas),
         max_ongoing_requests=max(MIN_ONGOING_REQUESTS, 2 * int(config.max_batch_size)),
         ray_actor_options=actor_options,
         health_check_period_s=5.0,

@@ -27,6 +27,7 @@ from ray import serve
 from rayinfer.adapters.loader import load_runner
 from rayinfer.adapters.python_backend import bls
 from rayinfer.deployments import asgi
+from rayinfer.deployments.autoscaling import LISTENER_ONGOING
 from rayinfer.deployments.bls_client import ReplicaBlsClient
 from rayinfer.deployments.ensemble_members import EnsembleMembers, load_ensemble
 from rayinfer.deployments.names import SERVER_APP, SERVER_DEPLOYMENT, SHM_FORGET_PATH, TRACE_SETTINGS_PATH
@@ -183,6 +184,11 @@ class ModelDeployment:
         if self._core.decoupled:
             raise UnsupportedError(f"model '{self._core.name}' is decoupled: call it with exec(decoupled=True)")
         return await self._core.infer(self._core.prepare(request))
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's autoscaler, for a model whose parameters ask for autoscaling: the calls this
+        replica's listener is answering, which Serve does not count itself (deployments/autoscaling.py)."""
+        return {LISTENER_ONGOING: float(self._listener.in_flight)}
 
     async def model_ready(self) -> bool:
         """Whether the model says it can serve (an ensemble asks its members this)."""

@@ -17,7 +17,7 @@ from python_bls_models import BLS_MODELS
 
 ANCHOR_MODELS = Path(__file__).resolve().parents[2] / "shared" / "anchors" / "models"
 # Loaded by tests through the repository API, not at start.
-NOT_LOADED_AT_START = ("py_init_fail", "py_env_broken")
+NOT_LOADED_AT_START = ("py_init_fail", "py_env_broken", "py_autoscaled")
 
 MODELS: dict[str, tuple[str, str]] = {}
 
@@ -372,6 +372,33 @@ def write_env_tarball(path: Path, module: str, code: str) -> None:
         member = tarfile.TarInfo(site)
         member.size = len(data)
         tar.addfile(member, io.BytesIO(data))
+
+
+# Autoscaled from one to two replicas (rayinfer's autoscaling parameters), quick to react; each
+# request takes 0.1 s and answers with the PID of the replica that ran it.
+MODELS["py_autoscaled"] = ("""name: "py_autoscaled"
+backend: "python"
+input [ { name: "INPUT0" data_type: TYPE_INT32 dims: [ 1 ] } ]
+output [ { name: "PID" data_type: TYPE_INT64 dims: [ 1 ] } ]
+instance_group [ { count: 1 kind: KIND_CPU } ]
+parameters { key: "autoscaling_max_replicas" value: { string_value: "2" } }
+parameters { key: "autoscaling_target_ongoing_requests" value: { string_value: "1" } }
+parameters { key: "autoscaling_upscale_delay_s" value: { string_value: "0" } }
+parameters { key: "autoscaling_downscale_delay_s" value: { string_value: "1" } }
+parameters { key: "autoscaling_look_back_period_s" value: { string_value: "2" } }
+""", '''import os
+import time
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        time.sleep(0.1 * len(requests))
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("PID", np.array([os.getpid()], np.int64))])
+                for _ in requests]
+''')
 
 
 def write_python_models(root: Path) -> None:

@@ -190,3 +190,16 @@ def test_instance_groups_become_deployment_resources(tmp_path: Path) -> None:
     # KIND_AUTO (no instance_group) counts as GPU only when the settings give the cluster GPUs.
     assert deployments()["simple_string"][0]["ray_actor_options"] == {"num_cpus": 0.25}
     assert deployments(num_gpus=1)["simple_string"][0]["ray_actor_options"] == {"num_cpus": 0.25, "num_gpus": 1.0}
+
+
+def test_autoscaling_parameters_become_the_deployments_autoscaling_config(tmp_path: Path) -> None:
+    write_example_repository(tmp_path)
+    simple = tmp_path / "simple" / "config.pbtxt"
+    simple.write_text(simple.read_text() + "instance_group [ { count: 2 kind: KIND_CPU } ]\n"
+                      'parameters { key: "autoscaling_max_replicas" value: { string_value: "3" } }\n')
+    doc = render_serve_config(ServerSettings(model_repository=tmp_path, replica_num_cpus=0.25))
+    (deployment,) = next(app["deployments"] for app in doc["applications"] if app["name"] == "simple")
+    assert "num_replicas" not in deployment
+    scaling = deployment["autoscaling_config"]
+    assert (scaling["min_replicas"], scaling["initial_replicas"], scaling["max_replicas"]) == (1, 2, 3)
+    assert scaling["policy"] == {"policy_function": "rayinfer.deployments.autoscaling:front_traffic_policy"}
