@@ -14,8 +14,8 @@ version itself:
   are the name and version).
 
 It looks ``<model>/<version>`` up in two maps, how many replicas serve that version and each
-replica's listener (:mod:`replica_listener`), picks one replica at random and relays the call to
-its listener as HTTP/1.1. Everything else (health, server RPCs, the repository, streams,
+replica's listener (:mod:`replica_listener`), draws two different replicas at random, takes the
+one with fewer calls in flight from this front, and relays the call to its listener as HTTP/1.1. Everything else (health, server RPCs, the repository, streams,
 versions with no registered replica yet) goes to Serve's HTTP or gRPC ingress, the latter with
 ``application`` set to the ``/v2`` application; a model GET over HTTP with no replica gets the
 ``/v2`` application's path prefix :data:`~rayinfer.serving.routes.UNROUTED_PREFIX` (Serve's HTTP
@@ -91,6 +91,10 @@ defaults
     # HAProxy's own answers (timeouts, no server, a replica that failed) carry Triton's JSON
     # error body too. A request line or headers its HTTP parser refuses still get its HTML page.
 {http_errors}
+backend inflight
+    # Calls in flight per replica listener ("host|port"): each relayed call is tracked until it ends.
+    stick-table type string len 64 size 64k store conn_cur
+
 backend replica
     # HTTP/1.1 to the replica's listener, to the address the frontend set.
     http-reuse always
@@ -102,13 +106,22 @@ backend replica
     server listener 0.0.0.0:0
 """
 
-# From txn.key ("<model>/<version>", version "" for the default): pick one of the version's
-# replicas at random and send the request to its listener. Model names hold no "/", so
+# From txn.key ("<model>/<version>", version "" for the default): two different replicas of
+# the version at random, and of those the one with fewer calls in flight from this front (the
+# power of two choices; the table "inflight" counts, per listener, the calls relayed to it and
+# not yet answered, for versions with more than one replica); send the request to its listener. Model names hold no "/", so
 # "<model>/<version>/<n>" names the n-th replica unambiguously.
 _PICK_REPLICA = """\
     http-request set-var(txn.replicas) var(txn.key),map_str_int({counts},0) if {{ var(txn.key) -m found }}
     http-request set-var(txn.pick) rand,mod(txn.replicas) if {{ var(txn.replicas) -m int gt 0 }}
     http-request set-var(txn.listener) var(txn.key),concat(/,txn.pick),map({listeners}) if {{ var(txn.pick) -m found }}
+    http-request set-var(txn.span) var(txn.replicas),sub(1) if {{ var(txn.listener) -m found }} {{ var(txn.replicas) -m int gt 1 }}
+    http-request set-var(txn.other) rand,mod(txn.span),add(txn.pick),add(1),mod(txn.replicas) if {{ var(txn.span) -m found }}
+    http-request set-var(txn.second) var(txn.key),concat(/,txn.other),map({listeners}) if {{ var(txn.other) -m found }}
+    http-request set-var(txn.load) var(txn.listener),table_conn_cur(inflight) if {{ var(txn.second) -m found }}
+    http-request set-var(txn.second_load) var(txn.second),table_conn_cur(inflight),sub(txn.load) if {{ var(txn.second) -m found }}
+    http-request set-var(txn.listener) var(txn.second) if {{ var(txn.second_load) -m int lt 0 }}
+    http-request track-sc0 var(txn.listener) table inflight if {{ var(txn.span) -m found }}
     http-request set-dst var(txn.listener),field(1,|) if {{ var(txn.listener) -m found }}
     http-request set-dst-port var(txn.listener),field(2,|) if {{ var(txn.listener) -m found }}
 """

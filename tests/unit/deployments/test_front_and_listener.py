@@ -129,6 +129,38 @@ def test_routed_calls_reach_the_listeners_and_balance(loop, front):
     client.close()
 
 
+def test_calls_go_to_the_replica_with_fewer_calls_in_flight(loop, front):
+    """Two replicas of a version, a call held in flight on one of them: every further call goes
+    to the other (the front draws two different replicas and takes the less busy one)."""
+    frontend, port = front
+    one, two = Replica(loop, "one"), Replica(loop, "two")
+    two.release_slow()  # 'two' answers at once; 'one' holds its calls until released
+    publish(loop, frontend, {"slow/": [("127.0.0.1", one.port), ("127.0.0.1", two.port)]})
+    clients = [grpcclient.InferenceServerClient(f"127.0.0.1:{port}") for _ in range(2)]
+    data = np.zeros((1, 1), np.float32)
+    tensor = grpcclient.InferInput("X", [1, 1], "FP32")
+    tensor.set_data_from_numpy(data)
+    threads: list[threading.Thread] = []
+    try:
+        while one.slow_calls == 0:  # while both are idle a call lands on either: until one is held
+            threads.append(threading.Thread(target=infer, args=(clients[0], "slow", data)))
+            threads[-1].start()
+            wait_until(lambda: one.slow_calls == 1 or not threads[-1].is_alive(), "the call to be answered or held",
+                       timeout_s=10)
+        # A call the front sent to 'one' would be held: it fails after 10 s instead.
+        answered = Counter(clients[1].infer("slow", [tensor], client_timeout=10).get_response().model_name
+                           for _ in range(20))
+        assert answered == {"two": 20}
+    finally:
+        one.release_slow()
+        for thread in threads:
+            thread.join(10)
+    # Idle again: both replicas get calls.
+    assert set(infer(clients[1], "slow", data).model_name for _ in range(40)) == {"one", "two"}
+    for client in clients:
+        client.close()
+
+
 def test_errors_keep_their_status_and_message(loop, front):
     frontend, port = front
     one = Replica(loop, "one")
