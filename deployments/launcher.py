@@ -8,6 +8,7 @@ import uuid
 from typing import Any
 
 from ray import serve
+from ray.serve.context import _get_global_client
 from ray.serve.schema import ServeDeploySchema
 
 from rayinfer.deployments.app import server_application
@@ -107,7 +108,13 @@ async def _wait_routed(models: list[str], timeout_s: float) -> None:
     with Serve's throughput-optimized settings a handle routes on the running event loop, and
     a blocking call from outside one fails at once."""
     handle = serve.get_deployment_handle(SERVER_DEPLOYMENT, SERVER_APP)
-    await asyncio.wait_for(handle.wait_routed.remote(models), timeout_s)
+    try:
+        await asyncio.wait_for(handle.wait_routed.remote(models), timeout_s)
+    finally:
+        # The handle's router runs on this loop, which closes after this call: shut it down (and
+        # out of Serve's handle cache) here. Else serve.shutdown() at Ctrl-C fails on the closed
+        # loop ("Event loop is closed") and rayinfer exits with a traceback and status 1.
+        await _get_global_client().shutdown_cached_handles_async()
 
 
 def stop(models: list[str], *, whole_serve: bool, fronts: list[tuple[str, int]] | None = None) -> None:
