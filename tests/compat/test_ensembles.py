@@ -306,10 +306,13 @@ def test_steps_in_place_run_in_the_ensembles_process_and_count_as_the_members(pr
         np.testing.assert_array_equal(sum2, 2 * (a + b))
     pids = {int(pid[0, 0]) for _, pid in results}
     assert len(pids) == 1 and direct_pid not in pids
+    # At least 24: the ensemble's replica reports its in-place figures every 0.5 s, so ``before``
+    # may still lack the last steps of the test before this one.
     after = wait_until(lambda: (s := stats(client, module, "ens_pid_double")) and
-                       int(s["inference_count"]) - int(before.get("inference_count", 0)) == 24 and s,
+                       int(s["inference_count"]) - int(before.get("inference_count", 0)) >= 24 and s,
                        "the member's statistics to count the 24 steps run in place")
-    assert int(after["execution_count"]) - int(before.get("execution_count", 0)) < 24
+    inferences = int(after["inference_count"]) - int(before.get("inference_count", 0))
+    assert int(after["execution_count"]) - int(before.get("execution_count", 0)) < inferences
 
 
 def test_a_step_in_place_that_fails_names_the_step(proto):
