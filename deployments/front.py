@@ -15,8 +15,9 @@ version itself:
 
 It looks ``<model>/<version>`` up in two maps, how many replicas serve that version and each
 replica's listener (:mod:`replica_listener`), draws two different replicas at random, takes the
-one with fewer calls in flight from this front, and relays the call to its listener as HTTP/1.1. Everything else (health, server RPCs, the repository, streams,
-versions with no registered replica yet) goes to Serve's HTTP or gRPC ingress, the latter with
+one with fewer calls in flight from this front, and relays the call to its listener as
+HTTP/1.1. Everything else (health, server RPCs, the repository, streams, versions with no
+registered replica yet) goes to Serve's HTTP or gRPC ingress, the latter with
 ``application`` set to the ``/v2`` application; a model GET over HTTP with no replica gets the
 ``/v2`` application's path prefix :data:`~rayinfer.serving.routes.UNROUTED_PREFIX` (Serve's HTTP
 ingress routes by path), so that a model still loading is answered "not ready" at once. No Python process sees
@@ -109,8 +110,9 @@ backend replica
 # From txn.key ("<model>/<version>", version "" for the default): two different replicas of
 # the version at random, and of those the one with fewer calls in flight from this front (the
 # power of two choices; the table "inflight" counts, per listener, the calls relayed to it and
-# not yet answered, for versions with more than one replica); send the request to its listener. Model names hold no "/", so
-# "<model>/<version>/<n>" names the n-th replica unambiguously.
+# not yet answered, for versions with more than one replica); send the request to its
+# listener. Model names hold no "/", so "<model>/<version>/<n>" names the n-th replica
+# unambiguously.
 _PICK_REPLICA = """\
     http-request set-var(txn.replicas) var(txn.key),map_str_int({counts},0) if {{ var(txn.key) -m found }}
     http-request set-var(txn.pick) rand,mod(txn.replicas) if {{ var(txn.replicas) -m int gt 0 }}

@@ -28,6 +28,11 @@ def model_deployment_name(model: str, version: int) -> str:
     return f"{model}_v{version}"
 
 
+def deployment_version(deployment: str) -> int:
+    """The version a deployment named by :func:`model_deployment_name` serves."""
+    return int(deployment.rsplit("_v", 1)[1])
+
+
 def model_apps(model: str, app_names: Iterable[str]) -> list[str]:
     """The applications of ``model`` among ``app_names`` (every version, default or not)."""
     return [name for name in app_names if name == model or name.startswith(f"{model}@v")]

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rayinfer.adapters.loader import load_runner
+from rayinfer.deployments.names import deployment_version
 from rayinfer.protocol.types import InferRequest, InferResponse
 from rayinfer.repository.ensemble import is_ensemble
 from rayinfer.repository.model_config import ModelSpec
@@ -88,18 +89,22 @@ class InPlaceMembers:
         if reason is not None:
             logger.info("member '%s' runs in its own replicas: %s", key[0], reason)
             return
-        try:
-            instance = await self._instance(key, route, listeners)
-        except Exception as exc:  # the member's replicas serve its steps instead
-            logger.warning("member '%s' could not be loaded in place, its steps go to its replicas: %s", key[0], exc)
-            return
-        if spec.config.backend == "python":
+        if await self._install(key, route, listeners) and spec.config.backend == "python":
             self._python = key
-        self._instances[key] = instance
+
+    async def _install(self, key: MemberKey, route: tuple[str, str], listeners: list[tuple[str, int]]) -> bool:
+        """Load the member's instance here; False (logged) when it fails to load: the member's
+        replicas serve its steps instead."""
+        try:
+            self._instances[key] = await self._instance(key, route, listeners)
+            return True
+        except Exception as exc:
+            logger.warning("member '%s' could not be loaded in place, its steps go to its replicas: %s", key[0], exc)
+            return False
 
     async def _instance(self, key: MemberKey, route: tuple[str, str], listeners: list[tuple[str, int]]) -> _Instance:
         app, deployment = route
-        version = int(deployment.rsplit("_v", 1)[1])  # names.model_deployment_name
+        version = deployment_version(deployment)
         config_json = await self._config_source(route)
         runner, _ = await asyncio.to_thread(load_runner, self._repository, key[0], version, False, config_json, False)
         logger.info("member '%s' version %d runs in place (from application '%s')", key[0], version, app)
@@ -122,10 +127,7 @@ class InPlaceMembers:
 
     async def _reload(self, key: MemberKey, route: tuple[str, str], listeners: list[tuple[str, int]]) -> None:
         try:
-            self._instances[key] = await self._instance(key, route, listeners)
-        except Exception as exc:
-            logger.warning("member '%s' could not be loaded in place again, its steps go to its replicas: %s",
-                           key[0], exc)
+            await self._install(key, route, listeners)
         finally:
             del self._loading[key]
 

@@ -231,16 +231,12 @@ class _Run:
 
     async def run(self) -> None:
         tensors = {t.name: (t.datatype, tuple(t.shape), t.data) for t in self.request.inputs}
-        if not self.x.decoupled:  # one flow: it runs in this task
-            try:
-                await self.flow(tensors, set(), {})
-            finally:
-                for task in list(self.tasks):
-                    task.cancel()
-            return
-        self.spawn(self.flow(tensors, set(), {}))
         try:
-            await self.finished.wait()
+            if self.x.decoupled:  # flows fork per response: each a task, the first error ends all
+                self.spawn(self.flow(tensors, set(), {}))
+                await self.finished.wait()
+            else:  # one flow: it runs in this task
+                await self.flow(tensors, set(), {})
         finally:
             for task in list(self.tasks):
                 task.cancel()

@@ -395,7 +395,7 @@ import triton_python_backend_utils as pb_utils
 
 class TritonPythonModel:
     def execute(self, requests):
-        time.sleep(0.1 * len(requests))
+        time.sleep(0.1 * len(requests))  # the model's work: 0.1 s a request
         return [pb_utils.InferenceResponse([pb_utils.Tensor("PID", np.array([os.getpid()], np.int64))])
                 for _ in requests]
 ''')

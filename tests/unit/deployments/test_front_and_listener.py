@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import re
 import socket
 import threading
 from collections import Counter
@@ -15,101 +14,34 @@ from collections import Counter
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
-from tritonclient.grpc import service_pb2 as pb
 from tritonclient.utils import InferenceServerException
 
+from front_stand_ins import (
+    UNICODE_ERROR,
+    Replica,
+    free_port,
+    get,
+    http_exchange,
+    infer,
+    post,
+    publish,
+    refuses_connections,
+)
 from rayinfer.deployments.front import Front
 from rayinfer.deployments.front_keeper import stop_fronts
-from rayinfer.deployments.replica_listener import ReplicaListener, grpc_message_header, unframe
-from rayinfer.protocol.errors import NotFoundError
-from rayinfer.protocol.restricted_api import parse_restrictions
+from rayinfer.deployments.replica_listener import grpc_message_header, unframe
 from waiting import wait_until
-
-UNICODE_ERROR = "Request for unknown model: 'm\u00fc' is not found (100% sure)"
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class Replica:
-    """A listener whose handler echoes ModelInfer inputs and names itself in the response.
-
-    A call for the model "slow" is held in flight: ``slow_arrived`` is set when it reaches the
-    handler, which answers once the test calls ``release_slow()``.
-    """
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, name: str) -> None:
-        self.name = name
-        self.loop = loop
-        self.slow_arrived = threading.Event()
-        self.slow_calls = 0
-        self._release = asyncio.Event()
-        self.listener = ReplicaListener(self.handle, self.handle_http)
-        self.port = asyncio.run_coroutine_threadsafe(self.listener.start("127.0.0.1"), loop).result(5)
-
-    def release_slow(self) -> None:
-        self.loop.call_soon_threadsafe(self._release.set)
-
-    async def handle(self, method: str, message: bytes) -> bytes:
-        if method == "ModelInfer":
-            request = pb.ModelInferRequest.FromString(message)
-            if request.model_name == "slow":
-                self.slow_calls += 1
-                self.slow_arrived.set()
-                await self._release.wait()
-            response = pb.ModelInferResponse(model_name=self.name, id=request.id)
-            response.raw_output_contents.extend(request.raw_input_contents)
-            return response.SerializeToString()
-        if method == "ModelReady":
-            raise NotFoundError(UNICODE_ERROR)
-        raise RuntimeError(f"no {method} here")
-
-    async def handle_http(self, method: str, path: str, headers: dict[bytes, bytes], body: bytes):
-        if b"x-fail" in body:
-            raise NotFoundError("Request for unknown model: 'x' is not found")
-        return 200, [(b"content-type", b"text/plain")], f"{self.name} {method} {path} {len(body)}".encode()
-
-
-@pytest.fixture(scope="module")
-def loop():
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    yield loop
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(5)
 
 
 @pytest.fixture(scope="module")
 def front(loop):
-    port, http_port = _free_port(), _free_port()
+    port, http_port = free_port(), free_port()
     # Nothing listens upstream: what the front does not route fails with UNAVAILABLE (503).
-    front = Front(("127.0.0.1", http_port, "127.0.0.1", _free_port()),
-                  ("127.0.0.1", port, "127.0.0.1", _free_port()), "v2")
+    front = Front(("127.0.0.1", http_port, "127.0.0.1", free_port()),
+                  ("127.0.0.1", port, "127.0.0.1", free_port()), "v2")
     front.http_port = http_port
     yield front, port
     front.stop()
-
-
-def refuses_connections(port: int) -> bool:
-    try:
-        socket.create_connection(("127.0.0.1", port), timeout=1.0).close()
-    except OSError:
-        return True
-    return False
-
-
-def publish(loop, front: Front, routes) -> None:
-    asyncio.run_coroutine_threadsafe(front.publish(routes), loop).result(10)
-
-
-def infer(client, model: str, data: np.ndarray, request_id: str = ""):
-    tensor = grpcclient.InferInput("X", list(data.shape), "FP32")
-    tensor.set_data_from_numpy(data)
-    return client.infer(model, [tensor], request_id=request_id).get_response()
 
 
 def test_routed_calls_reach_the_listeners_and_balance(loop, front):
@@ -203,22 +135,6 @@ def test_withdrawn_routes_are_not_used_and_calls_in_flight_finish(loop, front):
     client.close()
 
 
-def http_exchange(port: int, request: bytes) -> bytes:
-    """Send one HTTP/1.1 request on a fresh connection; the whole reply (the front closes it)."""
-    with socket.create_connection(("127.0.0.1", port), 5) as sock:
-        sock.sendall(request)
-        reply = b""
-        while chunk := sock.recv(65536):
-            reply += chunk
-    return reply
-
-
-def post(path: str, body: bytes, extra: bytes = b"") -> bytes:
-    return b"POST %b HTTP/1.1\r\nhost: x\r\nconnection: close\r\ncontent-length: %d\r\n%b\r\n%b" % (
-        path.encode(), len(body), extra, body
-    )
-
-
 def test_http_infer_requests_are_routed_by_path(loop, front):
     frontend, _ = front
     one, two = Replica(loop, "one"), Replica(loop, "two")
@@ -253,15 +169,11 @@ def test_http_infer_requests_are_routed_by_path(loop, front):
         b"two GET /v2/models/m%C3%BC/versions/2/ready 0")
 
 
-def get(path: str) -> bytes:
-    return f"GET {path} HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n".encode()
-
-
 def test_unrouted_model_gets_go_to_the_v2_application(loop):
     """A model GET with no replica gets the /v2 application's prefix on its way to Serve's
     ingress (here a listener that echoes the path); other requests keep their path."""
     ingress, one = Replica(loop, "ingress"), Replica(loop, "one")
-    http_port = _free_port()
+    http_port = free_port()
     frontend = Front(("127.0.0.1", http_port, "127.0.0.1", ingress.port), None, "v2")
     try:
         publish(loop, frontend, {"m/": [("127.0.0.1", one.port)]})
@@ -289,84 +201,11 @@ def test_framing_and_message_encoding():
     assert grpc_message_header("a 100% \u00fc") == b"a 100%25 %C3%BC"
 
 
-@pytest.fixture(scope="module")
-def restricted_front(loop):
-    """A front with --http-restricted-api and --grpc-restricted-protocol groups."""
-    port, http_port = _free_port(), _free_port()
-    replica = Replica(loop, "one")
-    # The replica's listener stands in for Serve's HTTP ingress too: what the front does not
-    # route is answered at once (a closed upstream port costs the front 3 s of retries).
-    front = Front(("127.0.0.1", http_port, "127.0.0.1", replica.port),
-                  ("127.0.0.1", port, "127.0.0.1", _free_port()), "v2",
-                  http_restricted=parse_restrictions(["inference,metadata:infer-key=secret",
-                                                      "model-repository:admin=s3cr3t"], "--http-restricted-api"),
-                  grpc_restricted=parse_restrictions(["inference:infer-key=secret"], "--grpc-restricted-protocol"))
-    front.http_port = http_port
-    publish(loop, front, {"m/": [("127.0.0.1", replica.port)]})
-    yield front, port
-    front.stop()
-
-
-def with_header(request: bytes, header: bytes) -> bytes:
-    return request.replace(b"\r\n", b"\r\n" + header + b"\r\n", 1)
-
-
-def test_restricted_http_groups_need_their_header(restricted_front):
-    frontend, _ = restricted_front
-    port = frontend.http_port
-    refused = {"inference": post("/v2/models/m/infer", b"{}"), "metadata": get("/v2"),
-               "model metadata": get("/v2/models/m/versions/1"), "repository": post("/v2/repository/index", b"{}")}
-    for what, request in refused.items():
-        reply = http_exchange(port, request)
-        assert reply.startswith(b"HTTP/1.1 403") and b"content-type: application/json" in reply, what
-        key = "admin" if what == "repository" else "infer-key"
-        assert json.loads(reply.partition(b"\r\n\r\n")[2]) == {"error": f"This API is restricted, expecting header '{key}'"}
-    # With the header (any case in its name) and its value, the request goes on to the replica.
-    reply = http_exchange(port, with_header(post("/v2/models/m/infer", b"{}"), b"Infer-Key: secret"))
-    assert reply.endswith(b"one POST /v2/models/m/infer 2")
-    assert http_exchange(port, with_header(post("/v2/models/m/infer", b"{}"), b"infer-key: wrong")).startswith(
-        b"HTTP/1.1 403")
-    # Groups left open: health, statistics (/v2/models/stats is not a model's metadata), config.
-    for path in ("/v2/health/live", "/v2/models/stats", "/v2/models/m/ready", "/v2/models/m/config"):
-        assert http_exchange(port, get(path)).startswith(b"HTTP/1.1 200"), path
-
-
-def test_restricted_grpc_groups_need_their_header(restricted_front):
-    _, port = restricted_front
-    client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
-    data = np.arange(3, dtype=np.float32).reshape(1, 3)
-    with pytest.raises(InferenceServerException) as error:
-        infer(client, "m", data)
-    assert error.value.status() == "StatusCode.UNAVAILABLE"
-    assert error.value.message() == "This protocol is restricted, expecting header 'triton-grpc-protocol-infer-key'"
-    tensor = grpcclient.InferInput("X", [1, 3], "FP32")
-    tensor.set_data_from_numpy(data)
-    response = client.infer("m", [tensor], headers={"triton-grpc-protocol-infer-key": "secret"}).get_response()
-    assert response.model_name == "one"
-    with pytest.raises(InferenceServerException) as error:  # not restricted: the replica's own answer
-        client.is_model_ready("m")
-    assert error.value.message() == UNICODE_ERROR
-    client.close()
-
-
-@pytest.mark.parametrize("value,message", [
-    ("inference", "--http-restricted-api option format is '<config name>:<setting>=<value>'. Got inference"),
-    ("inference:key", "option format is"),
-    ("inferences:k=v", "unknown restricted api 'inferences'"),
-    ("inference:a b=c", "the header 'a b' and its value 'c' must be plain HTTP tokens"),
-])
-def test_restricted_api_values_are_checked(value, message):
-    with pytest.raises(ValueError, match=re.escape(message)):
-        parse_restrictions([value], "--http-restricted-api")
-    with pytest.raises(ValueError, match="restricted protocol 'health' can not be specified in multiple config groups"):
-        parse_restrictions(["health:a=b", "health,logging:c=d"], "--grpc-restricted-protocol")
-
-
 def test_a_new_front_with_the_same_settings_takes_the_running_one_over(loop):
     """A /v2 replica started again (after a crash) finds the front still serving: it takes it
     over, routes and all, instead of stopping it; one with other settings replaces it."""
-    port, http_port = _free_port(), _free_port()
-    endpoints = (("127.0.0.1", http_port, "127.0.0.1", _free_port()), ("127.0.0.1", port, "127.0.0.1", _free_port()))
+    port, http_port = free_port(), free_port()
+    endpoints = (("127.0.0.1", http_port, "127.0.0.1", free_port()), ("127.0.0.1", port, "127.0.0.1", free_port()))
     first = Front(*endpoints, "v2")
     replica = Replica(loop, "one")
     publish(loop, first, {"m/": [("127.0.0.1", replica.port)]})
@@ -394,8 +233,8 @@ def test_a_new_front_with_the_same_settings_takes_the_running_one_over(loop):
 
 def test_an_orphaned_front_stops_after_its_grace_period(loop, monkeypatch):
     monkeypatch.setenv("RAYINFER_FRONT_ORPHAN_GRACE_S", "0.5")
-    http_port = _free_port()
-    front = Front(("127.0.0.1", http_port, "127.0.0.1", _free_port()), None, "v2")
+    http_port = free_port()
+    front = Front(("127.0.0.1", http_port, "127.0.0.1", free_port()), None, "v2")
     (front._dir / "owner").write_text("999999999")  # an owner that is gone
     wait_until(lambda: not front.running, "the orphaned front to stop", timeout_s=10)
     assert refuses_connections(http_port)
@@ -406,10 +245,10 @@ def test_an_orphaned_front_stops_after_its_grace_period(loop, monkeypatch):
 def test_calls_over_the_inflight_limit_are_refused_at_once(loop):
     """--max-inflight-requests counts the calls relayed to replicas over both ports; one more is
     answered at once (503 over HTTP, UNAVAILABLE over gRPC) and the limit frees as calls end."""
-    port, http_port = _free_port(), _free_port()
+    port, http_port = free_port(), free_port()
     replica = Replica(loop, "one")
     front = Front(("127.0.0.1", http_port, "127.0.0.1", replica.port),
-                  ("127.0.0.1", port, "127.0.0.1", _free_port()), "v2", max_inflight=2)
+                  ("127.0.0.1", port, "127.0.0.1", free_port()), "v2", max_inflight=2)
     publish(loop, front, {"slow/": [("127.0.0.1", replica.port)], "m/": [("127.0.0.1", replica.port)]})
     data = np.zeros((1, 1), np.float32)
     clients = [grpcclient.InferenceServerClient(f"127.0.0.1:{port}") for _ in range(2)]
@@ -448,7 +287,7 @@ def test_a_call_routed_to_a_dead_listener_fails_fast(loop, front):
     import time
 
     frontend, port = front
-    publish(loop, frontend, {"gone/": [("127.0.0.1", _free_port())]})
+    publish(loop, frontend, {"gone/": [("127.0.0.1", free_port())]})
     start = time.monotonic()
     reply = http_exchange(frontend.http_port, post("/v2/models/gone/infer", b"{}"))
     assert reply.startswith(b"HTTP/1.1 503") and b'"error":"Service Unavailable' in reply

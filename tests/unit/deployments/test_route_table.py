@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from rayinfer.deployments.route_table import RouteTable
+from waiting import wait_until_async
 
 
 class _State:
@@ -48,7 +49,8 @@ def test_a_replica_of_a_model_being_unloaded_withdraws_at_once_and_others_still_
             await asyncio.wait_for(table.withdraw("m/r1"), 1.0)
             assert table.listeners("m") == []
             other = asyncio.ensure_future(table.withdraw("other/r1"))  # publishes: after the unload
-            await asyncio.sleep(0)  # one turn of the loop: the withdrawal starts, and waits
+            # It drops its listener at once, then waits for the table.
+            await wait_until_async(lambda: table.listeners("other") == [], "the withdrawal to start")
             assert not other.done()
         await asyncio.wait_for(other, 1.0)
         assert "other/1" not in front.published

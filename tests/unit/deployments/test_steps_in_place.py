@@ -17,6 +17,7 @@ from rayinfer.deployments.steps_in_place import InPlaceMembers, reason_not_in_pl
 from rayinfer.protocol.errors import InvalidArgError
 from rayinfer.protocol.types import InferInput, InferRequest
 from rayinfer.repository.model_config import ModelConfig, config_to_json, read_config, spec_from_config
+from waiting import wait_until_async
 
 
 def spec(text: str):
@@ -74,8 +75,7 @@ def test_an_instance_serves_steps_and_is_loaded_again_when_its_member_is_redeplo
         assert members.cores() == [first] and len(asked) == 1
         members.observe(key, route, [("10.0.0.3", 1000)])  # every replica replaced: a new instance
         assert await members.infer(key, request(a)) is None  # meanwhile its replicas serve the steps
-        while len(members.cores()) != 1:
-            await asyncio.sleep(0.01)  # the reload runs on this loop
+        await wait_until_async(lambda: len(members.cores()) == 1, "the instance to be loaded again")
         assert members.cores()[0] is not first and len(asked) == 2
         np.testing.assert_array_equal((await members.infer(key, request(a))).outputs[1].data, 0 * a)
         members.close()

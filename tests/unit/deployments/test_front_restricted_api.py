@@ -1,0 +1,89 @@
+"""The front's restricted API groups (--http-restricted-api, --grpc-restricted-protocol), with a
+real HAProxy, tritonclient and raw sockets as clients; no Ray."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
+
+from front_stand_ins import UNICODE_ERROR, Replica, free_port, get, http_exchange, infer, post, publish
+from rayinfer.deployments.front import Front
+from rayinfer.protocol.restricted_api import parse_restrictions
+
+
+@pytest.fixture(scope="module")
+def restricted_front(loop):
+    """A front with --http-restricted-api and --grpc-restricted-protocol groups."""
+    port, http_port = free_port(), free_port()
+    replica = Replica(loop, "one")
+    # The replica's listener stands in for Serve's HTTP ingress too: what the front does not
+    # route is answered at once (a closed upstream port costs the front 3 s of retries).
+    front = Front(("127.0.0.1", http_port, "127.0.0.1", replica.port),
+                  ("127.0.0.1", port, "127.0.0.1", free_port()), "v2",
+                  http_restricted=parse_restrictions(["inference,metadata:infer-key=secret",
+                                                      "model-repository:admin=s3cr3t"], "--http-restricted-api"),
+                  grpc_restricted=parse_restrictions(["inference:infer-key=secret"], "--grpc-restricted-protocol"))
+    front.http_port = http_port
+    publish(loop, front, {"m/": [("127.0.0.1", replica.port)]})
+    yield front, port
+    front.stop()
+
+
+def with_header(request: bytes, header: bytes) -> bytes:
+    return request.replace(b"\r\n", b"\r\n" + header + b"\r\n", 1)
+
+
+def test_restricted_http_groups_need_their_header(restricted_front):
+    frontend, _ = restricted_front
+    port = frontend.http_port
+    refused = {"inference": post("/v2/models/m/infer", b"{}"), "metadata": get("/v2"),
+               "model metadata": get("/v2/models/m/versions/1"), "repository": post("/v2/repository/index", b"{}")}
+    for what, request in refused.items():
+        reply = http_exchange(port, request)
+        assert reply.startswith(b"HTTP/1.1 403") and b"content-type: application/json" in reply, what
+        key = "admin" if what == "repository" else "infer-key"
+        assert json.loads(reply.partition(b"\r\n\r\n")[2]) == {"error": f"This API is restricted, expecting header '{key}'"}
+    # With the header (any case in its name) and its value, the request goes on to the replica.
+    reply = http_exchange(port, with_header(post("/v2/models/m/infer", b"{}"), b"Infer-Key: secret"))
+    assert reply.endswith(b"one POST /v2/models/m/infer 2")
+    assert http_exchange(port, with_header(post("/v2/models/m/infer", b"{}"), b"infer-key: wrong")).startswith(
+        b"HTTP/1.1 403")
+    # Groups left open: health, statistics (/v2/models/stats is not a model's metadata), config.
+    for path in ("/v2/health/live", "/v2/models/stats", "/v2/models/m/ready", "/v2/models/m/config"):
+        assert http_exchange(port, get(path)).startswith(b"HTTP/1.1 200"), path
+
+
+def test_restricted_grpc_groups_need_their_header(restricted_front):
+    _, port = restricted_front
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
+    data = np.arange(3, dtype=np.float32).reshape(1, 3)
+    with pytest.raises(InferenceServerException) as error:
+        infer(client, "m", data)
+    assert error.value.status() == "StatusCode.UNAVAILABLE"
+    assert error.value.message() == "This protocol is restricted, expecting header 'triton-grpc-protocol-infer-key'"
+    tensor = grpcclient.InferInput("X", [1, 3], "FP32")
+    tensor.set_data_from_numpy(data)
+    response = client.infer("m", [tensor], headers={"triton-grpc-protocol-infer-key": "secret"}).get_response()
+    assert response.model_name == "one"
+    with pytest.raises(InferenceServerException) as error:  # not restricted: the replica's own answer
+        client.is_model_ready("m")
+    assert error.value.message() == UNICODE_ERROR
+    client.close()
+
+
+@pytest.mark.parametrize("value,message", [
+    ("inference", "--http-restricted-api option format is '<config name>:<setting>=<value>'. Got inference"),
+    ("inference:key", "option format is"),
+    ("inferences:k=v", "unknown restricted api 'inferences'"),
+    ("inference:a b=c", "the header 'a b' and its value 'c' must be plain HTTP tokens"),
+])
+def test_restricted_api_values_are_checked(value, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        parse_restrictions([value], "--http-restricted-api")
+    with pytest.raises(ValueError, match="restricted protocol 'health' can not be specified in multiple config groups"):
+        parse_restrictions(["health:a=b", "health,logging:c=d"], "--grpc-restricted-protocol")
