@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
@@ -203,6 +204,18 @@ def stop_shared_server() -> None:
 
 def pytest_collection_modifyitems(config, items) -> None:
     items.sort(key=lambda item: item.get_closest_marker("own_cluster") is not None)
+
+
+@pytest.fixture(scope="module")
+def loop():
+    """An event loop in a thread of its own (the front's unit tests run stand-in replica
+    listeners on it: tests/front_stand_ins.py)."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    yield loop
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(5)
 
 
 @pytest.fixture(scope="module", params=["http", "grpc"])

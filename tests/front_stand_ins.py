@@ -1,5 +1,5 @@
 """Stand-ins for the front's unit tests: replica listeners that answer from plain handlers
-(on the event loop of tests/unit/deployments/conftest.py) and raw HTTP/1.1 requests; no Ray."""
+(on the event loop of tests/conftest.py's ``loop`` fixture) and raw HTTP/1.1 requests; no Ray."""
 
 from __future__ import annotations
 
