@@ -106,6 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("--max-inflight-requests", type=int, default=None,
                          help="inference calls the front relays to model replicas at once; more answer "
                               "503 / UNAVAILABLE (default 1024)")
+        sub.add_argument("--front-on-head", type=_bool, nargs="?", const=True, default=None,
+                         help="run the front (HTTP, gRPC and metrics ports) on the Ray head node")
         sub.add_argument("--gpu-wait-secs", type=float, default=None,
                          help="how long a model waits for missing GPUs before it is UNAVAILABLE (default 180)")
         sub.add_argument("--ray-metrics-port", type=int, default=None, help="embedded Ray's metrics port")
@@ -232,6 +234,7 @@ def serve(settings: ServerSettings) -> int:
             max_inflight=settings.max_inflight_requests,
             http_restricted=settings.http_restricted_api,
             grpc_restricted=settings.grpc_restricted_protocol,
+            front_on_head=settings.front_on_head,
             log_level=replica_log_level(settings),
             # Models asked for whose config cannot be read count as failed loads (readiness).
             load_errors={entry.name: entry.error for entry in loaded if entry.error is not None},

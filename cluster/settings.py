@@ -182,6 +182,11 @@ class ServerSettings(BaseSettings):
         description="Inference calls (HTTP and gRPC together) the front relays to model replicas at once; "
         "one more is answered at once with 503 / UNAVAILABLE. Bounds what the replicas queue and hold.",
     )
+    front_on_head: bool = Field(
+        False,
+        description="Run the front (the HTTP, gRPC and metrics ports) on the Ray cluster's head node; "
+        "by default Serve places it on any node. Needs a head node with CPUs for it.",
+    )
     gpu_wait_secs: float = Field(
         180.0, gt=0,
         description="How long a model waits for GPUs the cluster does not have (an autoscaler may add a GPU "

@@ -17,6 +17,9 @@ from rayinfer.deployments.server import ServerDeployment
 from rayinfer.protocol.limits import DEFAULT_HTTP_MAX_INPUT_SIZE
 from rayinfer.protocol.metrics import MetricsOptions
 
+# Every Ray head node has this resource (1 unit), and no other node.
+HEAD_NODE_RESOURCE = "node:__internal_head__"
+
 __all__ = ["build_model_app", "build_server_app", "model_application", "server_application"]
 
 
@@ -37,6 +40,7 @@ def server_application(
     startup_models: list[str] | None = None,
     http_restricted: list[str] | None = None,
     grpc_restricted: list[str] | None = None,
+    front_on_head: bool = False,
 ) -> Application:
     """The ``/v2`` application: health, metadata, repository index, statistics, unknown models,
     Triton's metrics port as ``metrics`` says and the front's gRPC and HTTP ports at
@@ -50,13 +54,15 @@ def server_application(
     replica (which keeps its metrics port and the front's routes). ``startup_models``: the
     models the server loads at start; it is not ready before each is served or failed.
     ``http_restricted`` / ``grpc_restricted``: the values of --http-restricted-api and
-    --grpc-restricted-protocol (the front enforces them).
+    --grpc-restricted-protocol (the front enforces them). ``front_on_head``: place the replica,
+    and so the front's ports, on the Ray head node (Ray's ``node:__internal_head__`` resource),
+    where a Kubernetes service or ``ray attach -p`` finds them.
     """
     control = control or ModelControl()
     deployment = ServerDeployment.options(
         num_replicas=1,
         max_ongoing_requests=MIN_ONGOING_REQUESTS,
-        ray_actor_options={"num_cpus": num_cpus},
+        ray_actor_options={"num_cpus": num_cpus, **({"resources": {HEAD_NODE_RESOURCE: 0.001}} if front_on_head else {})},
         user_config={"load_errors": load_errors or {}, "startup_models": sorted(startup_models or ())},
         graceful_shutdown_timeout_s=10.0,
         logging_config=LoggingConfig(log_level="DEBUG" if control.log_level == "DEBUG" else "INFO"),
@@ -93,7 +99,7 @@ def build_server_app(args: dict[str, Any]) -> Application:
     for the metrics port, metrics_address, metrics_port, metrics_interval_ms, allow_cpu_metrics and
     allow_gpu_metrics; for the front's gRPC port, grpc_address,
     grpc_port, serve_grpc_host and serve_grpc_port; for its HTTP port, http_address, http_port,
-    serve_http_host and serve_http_port; front_threads; max_inflight_requests; and model control's args
+    serve_http_host and serve_http_port; front_threads; max_inflight_requests; front_on_head; and model control's args
     (:func:`_control_from_args`)."""
     return server_application(
         args["model_repository"],
@@ -116,6 +122,7 @@ def build_server_app(args: dict[str, Any]) -> Application:
         startup_models=[str(m) for m in args.get("startup_models") or ()],
         http_restricted=[str(v) for v in args.get("http_restricted_api") or ()],
         grpc_restricted=[str(v) for v in args.get("grpc_restricted_protocol") or ()],
+        front_on_head=parse_bool(args.get("front_on_head", False)),
     )
 
 

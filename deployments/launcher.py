@@ -62,6 +62,7 @@ def deploy_repository(
     max_input_size: int = DEFAULT_HTTP_MAX_INPUT_SIZE,
     http_restricted: list[str] | None = None,
     grpc_restricted: list[str] | None = None,
+    front_on_head: bool = False,
 ) -> dict[str, str]:
     """Deploy the ``/v2`` app and one app per model version; returns models that failed to load.
 
@@ -83,7 +84,7 @@ def deploy_repository(
                 load_errors=errors, metrics=metrics, control=control, grpc_front=grpc_front,
                 http_front=http_front, front_threads=front_threads, max_inflight=max_inflight, version=launch_version,
                 startup_models=sorted({model for model, _, _ in versions}) if starting else [],
-                http_restricted=http_restricted, grpc_restricted=grpc_restricted,
+                http_restricted=http_restricted, grpc_restricted=grpc_restricted, front_on_head=front_on_head,
             ),
             name=SERVER_APP,
             route_prefix=SERVER_ROUTE_PREFIX,

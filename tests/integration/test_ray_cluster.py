@@ -112,8 +112,11 @@ def test_rayinfer_serve_joins_the_cluster_and_leaves_it_running(cluster, tmp_pat
 
 def test_a_rendered_serve_config_deploys_with_serve_deploy(cluster, tmp_path: Path):
     repo, env = cluster
-    rendered = subprocess.run([str(BIN / "rayinfer"), "config", "--model-repository", str(repo), *PORT_ARGS],
-                              env=env, capture_output=True, text=True, timeout=60, check=True).stdout
+    # The front on the head node, as the KubeRay manifest has it (the only node here).
+    rendered = subprocess.run([str(BIN / "rayinfer"), "config", "--model-repository", str(repo), *PORT_ARGS,
+                               "--front-on-head"], env=env, capture_output=True, text=True, timeout=60,
+                              check=True).stdout
+    assert "front_on_head: true" in rendered
     (tmp_path / "serve.yaml").write_text(rendered)
     serve_cli(env, "deploy", str(tmp_path / "serve.yaml"))
     try:

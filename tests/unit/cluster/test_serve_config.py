@@ -203,3 +203,17 @@ def test_autoscaling_parameters_become_the_deployments_autoscaling_config(tmp_pa
     scaling = deployment["autoscaling_config"]
     assert (scaling["min_replicas"], scaling["initial_replicas"], scaling["max_replicas"]) == (1, 2, 3)
     assert scaling["policy"] == {"policy_function": "rayinfer.deployments.autoscaling:front_traffic_policy"}
+
+
+def test_front_on_head_places_the_v2_replica_on_the_head_node(example_repository: Path) -> None:
+    from rayinfer.deployments.app import HEAD_NODE_RESOURCE, build_server_app
+
+    def server_args(**settings) -> dict:
+        return render_serve_config(ServerSettings(model_repository=example_repository, **settings))["applications"][0]["args"]
+
+    assert "front_on_head" not in server_args()
+    args = server_args(front_on_head=True)
+    assert args["front_on_head"] is True
+    options = build_server_app(args)._bound_deployment.ray_actor_options
+    assert options["resources"] == {HEAD_NODE_RESOURCE: 0.001} and options["num_cpus"] == 0.1
+    assert "resources" not in build_server_app(server_args())._bound_deployment.ray_actor_options
