@@ -26,10 +26,13 @@ from rayinfer.cluster.settings import (
     http_front,
     metrics_endpoint,
     replica_log_level,
+    repository_folder,
+    repository_source,
     response_cache_bytes,
 )
 from rayinfer.cluster.tritonserver_flags import OneLineErrorParser, add_unsupported_flags
 from rayinfer.deployments.names import parse_bool
+from rayinfer.protocol.errors import ModelConfigError
 from rayinfer.repository.ensemble import member_names
 from rayinfer.repository.scanner import ModelEntry
 
@@ -60,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     for name in ("serve", "config"):
         sub = commands.add_parser(name, help="start the server" if name == "serve" else "print the Serve config")
-        sub.add_argument("--model-repository", "--model-store", required=True, type=Path)
+        sub.add_argument("--model-repository", "--model-store", required=True)
         sub.add_argument("--http-address", default=None)
         sub.add_argument("--http-port", type=int, default=None)
         sub.add_argument("--grpc-port", type=int, default=None)
@@ -163,10 +166,14 @@ def main(argv: list[str] | None = None) -> int:
         logger.info("--backend-directory %s ignored: rayinfer's backends are built in", args.backend_directory)
     for key, value in RAY_ENVIRONMENT.items():
         os.environ.setdefault(key, value)
-    if args.command == "config":
-        print(serve_config_text(settings, relative_paths=args.relative_paths), end="")
-        return 0
-    return serve(settings)
+    try:
+        if args.command == "config":
+            print(serve_config_text(settings, relative_paths=args.relative_paths), end="")
+            return 0
+        return serve(settings)
+    except ModelConfigError as exc:  # an s3:// repository that cannot be read, for one
+        print(f"error: {exc.message}", file=sys.stderr, flush=True)
+        return 1
 
 
 def serve_config_text(settings: ServerSettings, *, relative_paths: bool = False) -> str:
@@ -189,7 +196,7 @@ def serve(settings: ServerSettings) -> int:
     from rayinfer.deployments import launcher
     from rayinfer.repository.scanner import scan_repository
 
-    entries = scan_repository(settings.model_repository)
+    entries = scan_repository(repository_folder(settings))
     address = settings.ray_address or os.environ.get("RAY_ADDRESS")
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -213,7 +220,7 @@ def serve(settings: ServerSettings) -> int:
         front = grpc_front(settings)
         launcher.start_serve(settings.http_address, settings.serve_http_port, front[3] if front else None)
         failures = launcher.deploy_repository(
-            str(settings.model_repository.resolve()),
+            repository_source(settings),
             versions,
             server_id=settings.id,
             strict_readiness=settings.strict_readiness,

@@ -12,6 +12,8 @@ from rayinfer.cluster.settings import (
     http_front,
     metrics_endpoint,
     replica_log_level,
+    repository_folder,
+    repository_source,
     response_cache_bytes,
 )
 from rayinfer.deployments.grpc_service import SERVICER_FUNCTION
@@ -24,6 +26,7 @@ from rayinfer.deployments.names import (
 )
 from rayinfer.deployments.control import replica_count, replica_resources
 from rayinfer.protocol.errors import ModelConfigError
+from rayinfer.repository.object_store import is_remote
 from rayinfer.repository.scanner import ModelEntry, scan_repository
 
 MODEL_IMPORT_PATH = "rayinfer.deployments.app:build_model_app"
@@ -48,8 +51,8 @@ def render_serve_config(
     The model repository is written as an absolute path, or with ``relative_paths`` relative to
     the current directory (replicas then resolve it from their own working directory).
     """
-    repository = str(settings.model_repository.resolve())
-    if relative_paths:
+    repository = repository_source(settings)
+    if relative_paths and not is_remote(repository):
         repository = os.path.relpath(repository).replace(os.sep, "/")
     common = {
         "replica_num_cpus": settings.replica_num_cpus,
@@ -59,7 +62,7 @@ def render_serve_config(
         "cache_size_bytes": response_cache_bytes(settings),
         "http_max_input_size": settings.http_max_input_size,
     }
-    entries = scan_repository(settings.model_repository) if entries is None else entries
+    entries = scan_repository(repository_folder(settings)) if entries is None else entries
     applications: list[dict[str, Any]] = [{
         "name": SERVER_APP,
         "route_prefix": SERVER_ROUTE_PREFIX,

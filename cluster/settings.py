@@ -13,7 +13,9 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from rayinfer.deployments.names import DEFAULT_REPLICA_NUM_CPUS
 from rayinfer.protocol.metrics import MetricsOptions
 from rayinfer.protocol.limits import DEFAULT_HTTP_MAX_INPUT_SIZE, DEFAULT_MAX_INFLIGHT_REQUESTS
+from rayinfer.protocol.errors import ModelConfigError
 from rayinfer.protocol.restricted_api import parse_restrictions
+from rayinfer.repository.object_store import is_remote, local_repository, parse_s3_url
 from rayinfer.serving.response_cache import parse_cache_config
 from rayinfer.serving.trace import settings_from_flags
 
@@ -70,7 +72,10 @@ class ServerSettings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="RAYINFER_", extra="forbid", protected_namespaces=())
 
-    model_repository: Path = Field(description="Triton model repository to serve.")
+    model_repository: Path | str = Field(
+        description="Triton model repository to serve: a folder, or on S3 or an S3-compatible store "
+        "(s3://bucket/path, s3://host:port/bucket/path, s3://https://host:port/bucket/path).",
+    )
     http_address: str = Field(
         "127.0.0.1",
         description="Address HTTP binds to (HAProxy and the model replicas); use 0.0.0.0 on multi-node clusters.",
@@ -207,6 +212,17 @@ class ServerSettings(BaseSettings):
     )
     startup_timeout_s: float = Field(600.0, description="How long to wait for models to finish loading.")
 
+    @field_validator("model_repository", mode="before")
+    @classmethod
+    def _repository_folder_or_url(cls, value: Path | str) -> Path | str:
+        if is_remote(value):
+            try:
+                parse_s3_url(str(value))
+            except ModelConfigError as exc:
+                raise ValueError(exc.message) from None
+            return str(value)
+        return Path(value)
+
     @field_validator("cache_config")
     @classmethod
     def _parse_cache_config(cls, values: list[str]) -> list[str]:
@@ -232,6 +248,17 @@ class ServerSettings(BaseSettings):
         if self.disable_auto_complete_config and self.strict_model_config is False:
             logger.warning("--strict-model-config false is overridden by --disable-auto-complete-config")
         return self
+
+
+def repository_source(settings: ServerSettings) -> str:
+    """The repository as replicas are given it: an s3:// URL, or the folder's absolute path."""
+    repository = settings.model_repository
+    return repository if isinstance(repository, str) else str(repository.resolve())
+
+
+def repository_folder(settings: ServerSettings) -> Path:
+    """The repository on this machine: the folder, or an s3:// repository's up-to-date copy."""
+    return local_repository(settings.model_repository)
 
 
 def auto_complete(settings: ServerSettings) -> bool:

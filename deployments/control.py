@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from ray import serve
@@ -39,6 +38,7 @@ from rayinfer.protocol.limits import DEFAULT_HTTP_MAX_INPUT_SIZE
 from rayinfer.repository.autoscaling import autoscaling_spec
 from rayinfer.repository.ensemble import dependency_waves, member_names
 from rayinfer.repository.instance_groups import replica_plan
+from rayinfer.repository.object_store import local_repository
 from rayinfer.repository.scanner import ModelEntry, scan_model
 
 logger = logging.getLogger(__name__)
@@ -116,7 +116,7 @@ def model_application(
     GPU groups run as CPU replicas; ``cache_size_bytes``: the response cache's size on a node;
     ``max_input_size``: the largest HTTP body a replica reads (--http-max-input-size).
     """
-    entry = scan_model(Path(model_repository) / model, config_override)
+    entry = scan_model(local_repository(model_repository, [model]) / model, config_override)
     if entry.config is None:
         raise ModelConfigError(entry.error or f"model '{model}' cannot be read")
     config = entry.config
@@ -156,7 +156,7 @@ def deploy_models(
     overrides = config_overrides or {}
     members = {}
     for model in dict.fromkeys(v[0] for v in versions):
-        config = scan_model(Path(model_repository) / model, overrides.get(model)).config
+        config = scan_model(local_repository(model_repository, [model]) / model, overrides.get(model)).config
         members[model] = member_names(config) if config is not None else []
     waves, cycle = dependency_waves(members)
     failures = {m: f"ensemble '{m}' depends on itself through its steps' models ({', '.join(cycle)})" for m in cycle}
@@ -218,7 +218,8 @@ def trial_load(model_repository: str, versions: list[tuple[str, int, bool]], con
     from rayinfer.adapters.loader import load_runner
 
     def load(repository: str, model: str, version: int) -> None:
-        runner, _ = load_runner(Path(repository), model, version, control.auto_complete, config_override)
+        runner, _ = load_runner(local_repository(repository, [model]), model, version, control.auto_complete,
+                                config_override)
         runner.adapter.unload()
 
     # On this node: a load request's files are in a temporary directory here.

@@ -40,6 +40,7 @@ from rayinfer.protocol.shared_memory import Registration, SharedMemoryRegistry
 from rayinfer.protocol.types import InferRequest, InferResponse
 from rayinfer.repository.ensemble import is_ensemble
 from rayinfer.repository.model_config import config_to_json, read_config
+from rayinfer.repository.object_store import local_repository
 from rayinfer.serving import model_grpc, model_http
 from rayinfer.serving import response_cache
 from rayinfer.serving.model_core import ModelCore
@@ -95,16 +96,19 @@ class ModelDeployment:
         # A replica given a share of a GPU runs the model's GPU instances (Ray sets
         # CUDA_VISIBLE_DEVICES to that GPU); one given none runs them on the CPU.
         on_gpu = bool(ray.get_gpu_ids())
-        if is_ensemble(read_config(Path(model_repository) / model_name, override=config_override)):
-            # An ensemble runs no model of its own: it calls its members' deployments.
+        # An s3:// repository: this model's folder, copied to this node.
+        repository = await asyncio.to_thread(local_repository, model_repository, [model_name])
+        if is_ensemble(read_config(repository / model_name, override=config_override)):
+            # An ensemble runs no model of its own: it calls its members' deployments (and reads
+            # their folders: all of an s3:// repository).
             self._members = EnsembleMembers()
-            runner, entry = await load_ensemble(Path(model_repository), model_name, int(version), config_override,
-                                                self._members)
+            repository = await asyncio.to_thread(local_repository, model_repository)
+            runner, entry = await load_ensemble(repository, model_name, int(version), config_override, self._members)
         else:
             runner, entry = await asyncio.to_thread(
-                load_runner, Path(model_repository), model_name, int(version), auto_complete, config_override, on_gpu
+                load_runner, repository, model_name, int(version), auto_complete, config_override, on_gpu
             )
-        cache = _response_cache(Path(model_repository) / model_name, runner, cache_size_bytes)
+        cache = _response_cache(repository / model_name, runner, cache_size_bytes)
         self._core = self._bls.core = ModelCore(runner, entry.versions, self._merged_statistics,
                                                 SharedMemoryRegistry(self._shared_memory_region), cache)
         self._max_input_size = max_input_size

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-from pathlib import Path
 from typing import Any
 
 from ray import serve
@@ -34,6 +33,7 @@ from rayinfer.protocol.metrics import MetricsOptions
 from rayinfer.protocol.limits import DEFAULT_MAX_INFLIGHT_REQUESTS
 from rayinfer.protocol.shared_memory import Registration, registration_from_json
 from rayinfer.repository.model_config import config_to_json
+from rayinfer.repository.object_store import local_repository
 from rayinfer.serving import response_cache
 from rayinfer.serving.model_control import ModelController
 from rayinfer.serving.trace import parse_update, settings_from_flags
@@ -68,8 +68,10 @@ class ServerDeployment(ServerGrpcMethods):
         max_inflight: int | None = None,
     ):
         control = control or ModelControl()
-        repository = Path(model_repository)
-        self._controller = ModelController(repository, ServeDeployer(control), control.mode)
+        # An s3:// repository is read from its copy on this node, brought up to date on each poll
+        # and load; replicas are given the URL and copy their own model's folder.
+        repository = local_repository(model_repository)
+        self._controller = ModelController(repository, ServeDeployer(control), control.mode, str(model_repository))
         state = ServeState(repository, self._controller)
         self._front: Any = None
         if grpc_front is not None or http_front is not None:

@@ -266,6 +266,7 @@ class V2Api:
         plan: PollPlan | None = None  # from the first scan: what is on disk at start is served
         while True:
             try:
+                await asyncio.to_thread(self.controller.refresh)  # an s3:// repository's copy
                 current = await asyncio.to_thread(repository_fingerprints, repository)
                 if plan is None:
                     plan = PollPlan(current)

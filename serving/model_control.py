@@ -17,6 +17,7 @@ from typing import Any, Protocol
 from rayinfer.protocol.errors import InternalError, InvalidArgError, as_serving_error
 from rayinfer.repository.ensemble import first_step, member_names
 from rayinfer.repository.override_files import file_parameters, write_model_directory
+from rayinfer.repository.object_store import is_remote, local_repository
 from rayinfer.repository.scanner import ModelEntry, scan_model
 
 logger = logging.getLogger(__name__)
@@ -44,8 +45,10 @@ class Deployer(Protocol):
 class ModelController:
     """Loads and unloads models of one repository through a deployer (one call at a time)."""
 
-    def __init__(self, repository: Path, deployer: Deployer, mode: str = "none") -> None:
+    def __init__(self, repository: Path, deployer: Deployer, mode: str = "none", source: str | None = None) -> None:
         self.repository = Path(repository)
+        # What replicas are given for ``repository``: an s3:// URL whose copy it is, or the folder.
+        self.source = source or str(repository)
         self.mode = mode
         self._deployer = deployer
         # model -> why its last load failed (also set by ``rayinfer serve`` for start-up loads).
@@ -56,6 +59,15 @@ class ModelController:
     @property
     def explicit(self) -> bool:
         return self.mode == "explicit"
+
+    def refresh(self) -> None:
+        """Bring the copy of an s3:// repository up to date (a folder: nothing to do)."""
+        if is_remote(self.source):
+            local_repository(self.source)
+
+    def _published(self, root: Path) -> str:
+        """The repository replicas load ``root``'s models from."""
+        return self.source if root == self.repository else str(root)
 
     def entry(self, name: str, scanned: ModelEntry) -> ModelEntry:
         """A repository entry as served: read again from its own source when it has one."""
@@ -72,6 +84,8 @@ class ModelController:
         directory (they need ``config``). Raises with Triton's message when the load fails; a
         serving model keeps serving unless its new version loads.
         """
+        if not loading:  # an s3:// repository's objects may have changed since the last load
+            self.refresh()
         if not model or model.startswith(".") or "/" in model or not (self.repository / model).is_dir():
             raise InternalError(f"failed to load '{model}', failed to poll from model repository")
         override = parameters.get("config")
@@ -95,7 +109,7 @@ class ModelController:
             self.sources[model] = (root, override)
         if previous is not None and previous[0] not in (root, self.repository):
             shutil.rmtree(previous[0], ignore_errors=True)
-        failure = self._deployer.deploy(str(root), model, versions, override)
+        failure = self._deployer.deploy(self._published(root), model, versions, override)
         if failure is not None:
             self.load_errors[model] = failure
             raise InvalidArgError(f"failed to load '{model}': {failure}")
@@ -151,7 +165,7 @@ class ModelController:
         versions = [(model, v, v == latest) for v in entry.versions]
         if serving:
             try:
-                self._deployer.trial_load(str(root), versions, override)
+                self._deployer.trial_load(self._published(root), versions, override)
             except Exception as exc:
                 raise InvalidArgError(f"failed to load '{model}': {as_serving_error(exc).message}") from None
         return versions

@@ -121,12 +121,22 @@ def _build_repository(root: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
+def s3_endpoint():
+    """A real S3-compatible server (moto's server mode) for the session: "127.0.0.1:<port>"."""
+    from s3_server import s3_server
+
+    with s3_server() as endpoint:
+        yield endpoint
+
+
+@pytest.fixture(scope="session")
 def model_repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _build_repository(tmp_path_factory.mktemp("repo"))
 
 
-def start_server(repository: Path, log_path: Path, args: list[str]) -> subprocess.Popen:
-    """``rayinfer serve`` on ``repository`` with ``args``; returns once it printed that HTTP is up."""
+def start_server(repository: Path | str, log_path: Path, args: list[str]) -> subprocess.Popen:
+    """``rayinfer serve`` on ``repository`` (a folder or a URL) with ``args``; returns once it printed that
+    HTTP is up."""
     log = log_path.open("w")
     proc = subprocess.Popen(
         [sys.executable, "-m", "rayinfer.cluster.cli", "serve", "--model-repository", str(repository),

@@ -176,3 +176,41 @@ def test_unload_dependents_keeps_members_other_ensembles_use(control, repository
     _ensemble(repository, "neighbour", ["simple"])
     assert controller.dependents_to_unload("outer", ["outer", "inner", "other", "simple", "neighbour"]) == ["inner", "other"]
     assert controller.dependents_to_unload("outer", ["outer", "inner", "other", "simple"]) == ["inner", "simple", "other"]
+
+
+def test_an_s3_repository_is_read_as_it_is_at_each_load(s3_endpoint: str, tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Explicit mode on an s3:// repository (a real S3-compatible server): each load brings the
+    copy up to date first, and replicas are given the URL, not this node's copy."""
+    from rayinfer.repository.object_store import MOUNT_DIRECTORY_VARIABLE, local_repository
+    from s3_server import CREDENTIALS, client, upload_folder
+
+    for key, value in CREDENTIALS.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv(MOUNT_DIRECTORY_VARIABLE, str(tmp_path / "copy"))
+    s3 = client(s3_endpoint)
+    s3.create_bucket(Bucket="controller")
+    write_model(tmp_path / "source", "simple", SIMPLE_CONFIG, add_sub_model(TensorProto.INT32))
+    upload_folder(s3, "controller", "models", tmp_path / "source")
+    url = f"s3://{s3_endpoint}/controller/models"
+    deployer = _Deployer()
+    controller = ModelController(local_repository(url), deployer, "explicit", url)
+
+    controller.load("simple", {})
+    assert deployer.served["simple"] == [("simple", 1, True)] and deployer.roots["simple"] == url
+    # Added to the bucket after the start: a load finds it.
+    write_model(tmp_path / "later", "added", SIMPLE_CONFIG.replace('name: "simple"', 'name: "added"'),
+                add_sub_model(TensorProto.INT32))
+    upload_folder(s3, "controller", "models", tmp_path / "later")
+    controller.load("added", {})
+    assert deployer.served["added"] == [("added", 1, True)]
+    # A new version of a served model: loaded on trial, then served.
+    s3.put_object(Bucket="controller", Key="models/simple/2/model.onnx",
+                  Body=(tmp_path / "source" / "simple" / "1" / "model.onnx").read_bytes())
+    controller.load("simple", {})
+    assert deployer.trials == ["simple"] and deployer.served["simple"] == [("simple", 2, True)]
+    # Gone from the bucket: Triton's message.
+    for item in s3.list_objects_v2(Bucket="controller", Prefix="models/added/")["Contents"]:
+        s3.delete_object(Bucket="controller", Key=item["Key"])
+    with pytest.raises(InternalError, match="failed to load 'added', failed to poll from model repository"):
+        controller.load("added", {})
