@@ -3,6 +3,7 @@
 throughput and latency over time.
 
     .venv/bin/python benchmarks/autoscaling.py [--low 1] [--high 8] [--phase-seconds 10,40,40]
+        [--plot docs/images/autoscaling.png]
 
 Writes a repository holding one Python model (``slow``: 50 ms per request, no batching, one
 instance to start with; autoscaling from 1 to 4 replicas, target 2 requests in flight per
@@ -11,7 +12,8 @@ it inside a private network namespace, and runs three phases of HTTP clients cal
 back (tritonclient, one thread each): ``--low`` clients, ``--high`` clients, ``--low`` again.
 Every response names the PID of the replica that ran it; prints, per second, the replicas that
 answered in the last two seconds, the calls per second and their p50, then when the second
-replica first answered and when only one answered again.
+replica first answered and when only one answered again. ``--plot``: the same over time as a
+PNG (matplotlib, the ``bench`` extra).
 """
 
 from __future__ import annotations
@@ -93,11 +95,38 @@ class Load:
             return [a for a in self.answers if start <= a[0] < end]
 
 
+def plot(rows: list[tuple[int, int, int, int, float]], path: Path) -> None:
+    """Clients and replicas answering (left axis) and calls per second (right axis) over time."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t = [r[0] for r in rows]
+    fig, left = plt.subplots(figsize=(9, 4.2))
+    left.step(t, [r[1] for r in rows], where="post", color="tab:gray", label="clients")
+    left.step(t, [r[2] for r in rows], where="post", color="tab:blue", label="replicas answering (last 2 s)")
+    left.set_xlabel("time (s)")
+    left.set_ylabel("clients / replicas")
+    right = left.twinx()
+    right.plot(t, [r[3] for r in rows], color="tab:orange", label="calls/s")
+    right.set_ylabel("calls/s")
+    lines = left.get_legend_handles_labels()[0] + right.get_legend_handles_labels()[0]
+    labels = left.get_legend_handles_labels()[1] + right.get_legend_handles_labels()[1]
+    left.legend(lines, labels, loc="upper right")
+    left.set_title("Autoscaling under a load step: a 50 ms Python model, 1 to 4 replicas")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--low", type=int, default=1)
     parser.add_argument("--high", type=int, default=8)
     parser.add_argument("--phase-seconds", default="10,40,40")
+    parser.add_argument("--plot", type=Path, help="write the run as a PNG here")
     args = parser.parse_args()
     if not in_private_netns():
         reexec_in_netns()
@@ -132,6 +161,8 @@ def main() -> int:
     up = next((t for t, _, r, _, _ in rows if t >= high_start and r >= 2), None)
     down_from = high_start + phases[1][1]
     down = next((t for t, _, r, _, _ in rows if t >= down_from and r == 1), None)
+    if args.plot is not None:
+        plot(rows, args.plot)
     print(f"\nsecond replica answering {up - high_start if up is not None else 'never'} s after the step up; "
           f"one replica again {down - down_from if down is not None else 'never'} s after the step down")
     return 0

@@ -34,6 +34,8 @@ def serve_autoscaling_config(spec: AutoscalingSpec, initial_replicas: int) -> di
         # window against it).
         "metrics_interval_s": 1.0,
         "policy": {"policy_function": POLICY},
+        **({"downscale_to_zero_delay_s": spec.downscale_to_zero_delay_s}
+           if spec.downscale_to_zero_delay_s is not None else {}),
     }
 
 

@@ -6,11 +6,14 @@ are fixed).
 turns the model's replica count into a range Serve scales within, from the requests in flight
 in its replicas (those the front relays included). The keys, all optional but the maximum:
 
-- ``autoscaling_min_replicas`` (default 1; at least 1: a model with no replica is not served),
+- ``autoscaling_min_replicas`` (default 1; 0 lets an idle model scale to zero: the model stays
+  loaded and ready, and the first request after it waits for a replica to start),
 - ``autoscaling_max_replicas``,
 - ``autoscaling_target_ongoing_requests``: requests in flight per replica to aim at (default 2),
 - ``autoscaling_upscale_delay_s`` (default 30), ``autoscaling_downscale_delay_s`` (default 600):
   how long the need must last before replicas are added or removed,
+- ``autoscaling_downscale_to_zero_delay_s`` (default: the downscale delay): how long a model
+  with a minimum of 0 stays idle on its last replica before that one is removed too,
 - ``autoscaling_look_back_period_s``: the window the requests in flight are averaged over
   (default 30, at least 2: the replicas report them once a second).
 
@@ -36,15 +39,17 @@ class AutoscalingSpec:
     upscale_delay_s: float = 30.0
     downscale_delay_s: float = 600.0
     look_back_period_s: float = 30.0
+    downscale_to_zero_delay_s: float | None = None
 
 
 # parameter (without the prefix) -> (type, smallest value allowed)
 _FIELDS: dict[str, tuple[type, float]] = {
-    "min_replicas": (int, 1),
+    "min_replicas": (int, 0),
     "max_replicas": (int, 1),
     "target_ongoing_requests": (float, 0.001),
     "upscale_delay_s": (float, 0.0),
     "downscale_delay_s": (float, 0.0),
+    "downscale_to_zero_delay_s": (float, 0.0),
     # At least two of the replicas' reports (one a second, cluster/settings.py).
     "look_back_period_s": (float, 2.0),
 }
@@ -74,6 +79,8 @@ def autoscaling_spec(config: ModelConfig, path: Path) -> AutoscalingSpec | None:
     if "max_replicas" not in values:
         raise ModelConfigError(f"{path}: the autoscaling parameters need '{PREFIX}max_replicas'")
     values.setdefault("min_replicas", 1)
+    if "downscale_to_zero_delay_s" in values and values["min_replicas"] != 0:
+        raise ModelConfigError(f"{path}: '{PREFIX}downscale_to_zero_delay_s' needs '{PREFIX}min_replicas' 0")
     if values["min_replicas"] > values["max_replicas"]:
         raise ModelConfigError(f"{path}: '{PREFIX}min_replicas' ({values['min_replicas']:g}) is more than "
                                f"'{PREFIX}max_replicas' ({values['max_replicas']:g})")

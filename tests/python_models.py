@@ -17,7 +17,7 @@ from python_bls_models import BLS_MODELS
 
 ANCHOR_MODELS = Path(__file__).resolve().parents[2] / "shared" / "anchors" / "models"
 # Loaded by tests through the repository API, not at start.
-NOT_LOADED_AT_START = ("py_init_fail", "py_env_broken", "py_autoscaled")
+NOT_LOADED_AT_START = ("py_init_fail", "py_env_broken", "py_autoscaled", "py_scale_to_zero")
 
 MODELS: dict[str, tuple[str, str]] = {}
 
@@ -400,6 +400,14 @@ class TritonPythonModel:
                 for _ in requests]
 ''')
 
+
+# Scales to zero after 1 s idle, and back to one replica on the next request.
+MODELS["py_scale_to_zero"] = (MODELS["py_autoscaled"][0].replace("py_autoscaled", "py_scale_to_zero").replace(
+    'parameters { key: "autoscaling_max_replicas" value: { string_value: "2" } }',
+    'parameters { key: "autoscaling_min_replicas" value: { string_value: "0" } }\n'
+    'parameters { key: "autoscaling_max_replicas" value: { string_value: "1" } }\n'
+    'parameters { key: "autoscaling_downscale_to_zero_delay_s" value: { string_value: "1" } }'),
+    MODELS["py_autoscaled"][1])
 
 def write_python_models(root: Path) -> None:
     """Write the models above, and the Triton anchor's Python models when ../shared is there

@@ -9,14 +9,19 @@ import time
 import numpy as np
 import tritonclient.http as httpclient
 
-from conftest import tensor
+import tritonclient.grpc as grpcclient
+
+from conftest import pids_titled, tensor
 from waiting import wait_until
 
 MODEL = "py_autoscaled"
+TO_ZERO = "py_scale_to_zero"
 
 
-def pid_of(client: httpclient.InferenceServerClient) -> int:
-    return int(client.infer(MODEL, [tensor(httpclient, "INPUT0", np.array([1], np.int32), "INT32")]).as_numpy("PID")[0])
+def pid_of(client, model: str = MODEL) -> int:
+    """The PID of the replica that answered (``client``: tritonclient.http's or .grpc's)."""
+    module = httpclient if isinstance(client, httpclient.InferenceServerClient) else grpcclient
+    return int(client.infer(model, [tensor(module, "INPUT0", np.array([1], np.int32), "INT32")]).as_numpy("PID")[0])
 
 
 def test_a_model_scales_up_under_load_through_the_front_and_down_after_it(server):
@@ -49,3 +54,23 @@ def test_a_model_scales_up_under_load_through_the_front_and_down_after_it(server
             if client.is_alive():
                 client.join()
         control.unload_model(MODEL)
+
+
+def test_an_idle_model_scales_to_zero_and_its_next_request_waits_for_a_replica(server):
+    """Beyond Triton: ``autoscaling_min_replicas`` 0. The model stays loaded and ready with no
+    replica; a request over either protocol then waits for a new one instead of failing."""
+    http = httpclient.InferenceServerClient(server["url"], network_timeout=120.0)
+    grpc = grpcclient.InferenceServerClient(server["grpc_url"])
+    http.load_model(TO_ZERO)
+    replicas = f"ray::ServeReplica:{TO_ZERO}:"
+    try:
+        first = pid_of(http, TO_ZERO)
+        for client in (http, grpc):
+            wait_until(lambda: not pids_titled(replicas), f"'{TO_ZERO}' to scale to zero", timeout_s=60)
+            assert http.is_model_ready(TO_ZERO) and grpc.is_model_ready(TO_ZERO)
+            assert {m["name"]: m["state"] for m in http.get_model_repository_index()}[TO_ZERO] == "READY"
+            answered = pid_of(client, TO_ZERO)  # waits for the replica Serve starts for it
+            assert answered != first and pids_titled(replicas) == {answered}
+            first = answered
+    finally:
+        http.unload_model(TO_ZERO)

@@ -35,7 +35,9 @@ def test_no_parameter_no_autoscaling_and_defaults_otherwise():
 @pytest.mark.parametrize("parameters, message", [
     ({"min_replicas": "1"}, "the autoscaling parameters need 'autoscaling_max_replicas'"),
     ({"max_replicas": "two"}, "parameter 'autoscaling_max_replicas' must be an integer, got 'two'"),
-    ({"max_replicas": "2", "min_replicas": "0"}, "parameter 'autoscaling_min_replicas' must be at least 1, got '0'"),
+    ({"max_replicas": "2", "min_replicas": "-1"}, "parameter 'autoscaling_min_replicas' must be at least 0, got '-1'"),
+    ({"max_replicas": "2", "downscale_to_zero_delay_s": "5"},
+     "'autoscaling_downscale_to_zero_delay_s' needs 'autoscaling_min_replicas' 0"),
     ({"max_replicas": "2", "min_replicas": "3"}, "'autoscaling_min_replicas' (3) is more than 'autoscaling_max_replicas' (2)"),
     ({"max_replicas": "2", "upscale_delay_s": "-1"}, "parameter 'autoscaling_upscale_delay_s' must be at least 0"),
     ({"max_replicas": "2", "target": "1"}, "unknown parameter 'autoscaling_target'"),
@@ -54,6 +56,14 @@ def test_serve_accepts_the_config_and_starts_from_the_instance_count_within_the_
         checked = AutoscalingConfig(**rendered)  # Serve's own validation
         assert (checked.min_replicas, checked.max_replicas, checked.initial_replicas) == (2, 4, initial)
         assert checked.policy.policy_function == POLICY
+
+
+def test_a_model_may_scale_to_zero_and_starts_on_its_instance_count():
+    spec = autoscaling_spec(config(min_replicas="0", max_replicas="2", downscale_to_zero_delay_s="3"), PATH)
+    assert spec == AutoscalingSpec(0, 2, downscale_to_zero_delay_s=3.0)
+    checked = AutoscalingConfig(**serve_autoscaling_config(spec, 1))  # Serve's own validation
+    assert (checked.min_replicas, checked.initial_replicas, checked.downscale_to_zero_delay_s) == (0, 1, 3.0)
+    assert "downscale_to_zero_delay_s" not in serve_autoscaling_config(AutoscalingSpec(1, 2), 1)
 
 
 def context(replicas: int, serve_count: float, listeners: dict, target: float = 2.0) -> SimpleNamespace:
