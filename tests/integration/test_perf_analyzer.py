@@ -3,6 +3,7 @@ model of the test server."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -38,3 +39,30 @@ def test_perf_analyzer_short_run(server, protocol):
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     match = re.search(r"Concurrency: 4, throughput: ([0-9.]+) infer/sec", result.stdout)
     assert match and float(match.group(1)) > 0, result.stdout[-2000:]
+
+
+def test_perf_analyzer_with_the_tuning_flags_of_the_design_documents(server, tmp_path):
+    """The flags a tuning session uses: real input data with a batch size, synchronous calls, a
+    percentile and a latency threshold (gRPC); then a variable-shape input, asynchronous calls
+    at fixed request rates (HTTP)."""
+    data = {"data": [{"INPUT0": list(range(16)), "INPUT1": [1] * 16}, {"INPUT0": [2] * 16, "INPUT1": list(range(16))}]}
+    (tmp_path / "input.json").write_text(json.dumps(data))
+    common = ["--measurement-interval", "1000", "--max-trials", "4", "--stability-percentage", "100"]
+    result = subprocess.run(
+        [str(PERF_ANALYZER), "-m", "simple", "-u", server["grpc_url"], "-i", "grpc", "-b", "2",
+         "--input-data", str(tmp_path / "input.json"), "--sync", "--concurrency-range", "2:2",
+         "--percentile", "95", "--latency-threshold", "5000", *common],
+        capture_output=True, text=True, timeout=180,
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "Batch size: 2" in result.stdout and "p95 latency" in result.stdout, result.stdout[-2000:]
+    assert re.search(r"Concurrency: 2, throughput: [1-9][0-9.]* infer/sec, latency \d+ usec", result.stdout)
+
+    result = subprocess.run(
+        [str(PERF_ANALYZER), "-m", "simple_identity", "-u", server["url"], "-i", "http", "--shape", "INPUT0:4",
+         "--async", "--request-rate-range", "40:80:40", "--percentile", "99", *common],
+        capture_output=True, text=True, timeout=180,
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    rates = re.findall(r"Request Rate: (\d+), throughput: ([0-9.]+) infer/sec", result.stdout)
+    assert [int(rate) for rate, _ in rates] == [40, 80] and all(float(t) > 0 for _, t in rates), result.stdout[-2000:]
