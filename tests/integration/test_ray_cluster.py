@@ -2,12 +2,18 @@
 settings), the two ways README.md gives: `rayinfer serve --ray-address auto`, and `rayinfer
 config` rendered into a Serve config for `serve deploy`. Each is checked as a user would: ready,
 inference over HTTP and gRPC, `serve status` naming every model version's application, the
-metrics port; and stopping leaves the cluster running."""
+metrics port; and stopping leaves the cluster running.
+
+The head runs Ray's autoscaler with its ``fake_multinode`` provider (worker nodes are Ray nodes
+started on this machine): a model whose replicas do not fit the head gets a node added, and a
+model asking for GPUs shows its pending demand."""
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
+import threading
 import subprocess
 import sys
 import urllib.error
@@ -36,6 +42,25 @@ BIN = Path(sys.executable).parent
 APPS = ("rayinfer", "simple", "simple@v1")
 
 
+# Ray's autoscaler with the fake_multinode provider: up to one CPU worker node, added on demand;
+# no GPU node type, so a GPU demand stays pending.
+FAKE_CLUSTER = {
+    "cluster_name": "rayinfer-test", "max_workers": 1, "upscaling_speed": 1.0, "idle_timeout_minutes": 1,
+    "provider": {"type": "fake_multinode", "use_node_id_as_ip": True, "disable_node_updaters": True,
+                 "disable_launch_config_check": True},
+    "auth": {"ssh_user": "ubuntu"}, "docker": {},
+    "available_node_types": {
+        "ray.head.default": {"resources": {"CPU": 2}, "node_config": {}, "max_workers": 0},
+        "cpu_worker": {"resources": {"CPU": 2}, "node_config": {}, "min_workers": 0, "max_workers": 1},
+    },
+    "head_node_type": "ray.head.default",
+    **{key: [] for key in ("initialization_commands", "setup_commands", "head_setup_commands",
+                           "worker_setup_commands", "head_start_ray_commands", "worker_start_ray_commands",
+                           "cluster_synced_files", "rsync_exclude", "rsync_filter")},
+    "file_mounts": {}, "file_mounts_sync_continuously": False,
+}
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory):
     """A one-node Ray cluster of its own, with token authentication (a token of its own, as a
@@ -49,8 +74,12 @@ def cluster(tmp_path_factory: pytest.TempPathFactory):
     with pytest.MonkeyPatch.context() as patch:
         for key, value in env.items():
             patch.setenv(key, value)  # for `rayinfer serve`, started by conftest's helper
+        autoscaling = tmp_path_factory.mktemp("autoscaler") / "cluster.json"
+        autoscaling.write_text(json.dumps(FAKE_CLUSTER))
         subprocess.run([str(BIN / "ray"), "start", "--head", "--num-cpus", "2", "--disable-usage-stats",
-                        "--dashboard-host", "127.0.0.1"], env=env, check=True, capture_output=True, timeout=120)
+                        "--dashboard-host", "127.0.0.1", f"--autoscaling-config={autoscaling}"],
+                       env={**env, "RAY_FAKE_CLUSTER": "1", "AUTOSCALER_UPDATE_INTERVAL_S": "1"},
+                       check=True, capture_output=True, timeout=120)
         try:
             yield repo, env
         finally:
@@ -124,3 +153,56 @@ def test_a_rendered_serve_config_deploys_with_serve_deploy(cluster, tmp_path: Pa
         check_serving(env)
     finally:
         serve_cli(env, "shutdown", "-y")
+
+
+def ray_cli(env: dict[str, str], *args: str) -> str:
+    done = subprocess.run([str(BIN / "ray"), *args], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
+
+
+def test_the_autoscaler_adds_a_node_for_replicas_and_gpu_demand_is_reported(cluster, tmp_path: Path):
+    repo, env = cluster
+    wide = tmp_path / "repo"
+    # Two replicas of 1.5 CPU each: the head (2 CPUs) holds one.
+    write_model(wide, "wide", SIMPLE_CONFIG.replace('name: "simple"', 'name: "wide"')
+                + "instance_group [ { count: 2 kind: KIND_CPU } ]\n", add_sub_model(TensorProto.INT32))
+    write_model(wide, "on_gpu", SIMPLE_CONFIG.replace('name: "simple"', 'name: "on_gpu"')
+                + "instance_group [ { count: 1 kind: KIND_GPU } ]\n", add_sub_model(TensorProto.INT32))
+    proc = start_server(wide, tmp_path / "rayinfer.log", [
+        "--ray-address", "auto", *PORT_ARGS, "--model-control-mode", "explicit", "--load-model", "wide",
+        "--replica-num-cpus", "1.5", "--gpu-wait-secs", "20"])
+    try:
+        wait_until(http_ready, "the server to be ready (both replicas of 'wide' running)", timeout_s=120)
+        replicas = json.loads(ray_cli(env, "list", "actors", "--format", "json", "--filter",
+                                      "class_name=ServeReplica:wide:wide_v1", "--filter", "state=ALIVE"))
+        assert len(replicas) == 2 and len({r["node_id"] for r in replicas}) == 2  # one on the added node
+        http = httpclient.InferenceServerClient(f"127.0.0.1:{PORT}")
+        a = np.arange(16, dtype=np.int32).reshape(1, 16)
+        for _ in range(4):  # the front relays to replicas on both nodes
+            np.testing.assert_array_equal(http.infer("wide", add_sub_inputs(a, a)).as_numpy("OUTPUT0"), 2 * a)
+
+        failure: list[Exception] = []
+
+        def load() -> None:
+            try:
+                httpclient.InferenceServerClient(f"127.0.0.1:{PORT}", network_timeout=120.0).load_model("on_gpu")
+            except Exception as exc:  # the load's answer, checked below
+                failure.append(exc)
+
+        loading = threading.Thread(target=load)
+        loading.start()
+        waiting = wait_until(lambda: next((m for m in http.get_model_repository_index()
+                                           if m["name"] == "on_gpu" and "waiting for GPU" in m.get("reason", "")), None),
+                             "'on_gpu' to wait for GPU resources", timeout_s=30)
+        assert waiting["state"] == "LOADING"
+        def gpu_demand() -> str | None:
+            demands = ray_cli(env, "status").split("Demands:")[-1]
+            return demands if "'GPU': 1.0" in demands else None
+
+        wait_until(gpu_demand, "`ray status` to show the pending GPU demand", timeout_s=30)
+        loading.join()
+        assert failure and "GPU" in str(failure[0])  # UNAVAILABLE after --gpu-wait-secs, naming the resource
+        assert not http.is_model_ready("on_gpu") and http.is_model_ready("wide")
+    finally:
+        stop_server(proc)
