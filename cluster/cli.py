@@ -199,8 +199,18 @@ def serve(settings: ServerSettings) -> int:
     entries = scan_repository(repository_folder(settings))
     address = settings.ray_address or os.environ.get("RAY_ADDRESS")
     stop = threading.Event()
+    # While the models load, SIGINT or SIGTERM interrupts the start (and stops what started);
+    # once serving, it ends the wait below.
+    starting = [True]
+
+    def on_signal(*_: object) -> None:
+        stop.set()
+        if starting[0]:
+            starting[0] = False
+            raise KeyboardInterrupt
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, on_signal)
     if address:
         ray.init(address=address)
     else:
@@ -252,6 +262,7 @@ def serve(settings: ServerSettings) -> int:
             print(f"error: --exit-on-error: {len(fatal)} model(s) failed to load at start "
                   f"({', '.join(sorted(fatal))}); exiting", file=sys.stderr, flush=True)
             return 1
+        starting[0] = False
         if front is not None:
             print(f"Started GRPCInferenceService at {front[0]}:{front[1]}", flush=True)
         print(f"Started HTTPService at {settings.http_address}:{settings.http_port}", flush=True)
@@ -261,7 +272,11 @@ def serve(settings: ServerSettings) -> int:
         if settings.dashboard_port is not None and not address:
             print(f"Ray dashboard at http://{settings.http_address}:{settings.dashboard_port}", flush=True)
         stop.wait()
+    except KeyboardInterrupt:
+        print("Interrupted while loading the models", file=sys.stderr, flush=True)
+        return 130
     finally:
+        starting[0] = False
         print("Stopping rayinfer...", flush=True)
         try:
             # On a cluster we joined, remove only our applications; Serve may host others.

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import signal
 import threading
 import subprocess
 import sys
@@ -206,3 +207,27 @@ def test_the_autoscaler_adds_a_node_for_replicas_and_gpu_demand_is_reported(clus
         assert not http.is_model_ready("on_gpu") and http.is_model_ready("wide")
     finally:
         stop_server(proc)
+
+
+def test_ctrl_c_while_a_model_waits_for_gpus_stops_the_start(cluster, tmp_path: Path):
+    """SIGINT during the start (a model waiting for GPUs for up to 10 minutes) stops rayinfer at
+    once and removes what it deployed, instead of waiting for the load to end."""
+    _, env = cluster
+    repo = tmp_path / "repo"
+    write_model(repo, "on_gpu", SIMPLE_CONFIG.replace('name: "simple"', 'name: "on_gpu"')
+                + "instance_group [ { count: 1 kind: KIND_GPU } ]\n", add_sub_model(TensorProto.INT32))
+    log = tmp_path / "rayinfer.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen([str(BIN / "rayinfer"), "serve", "--model-repository", str(repo), "--ray-address", "auto",
+                                 *PORT_ARGS, "--gpu-wait-secs", "600"], stdout=out, stderr=subprocess.STDOUT,
+                                env=env, start_new_session=True)
+    try:
+        wait_until(lambda: "waits for GPU resources" in log.read_text(), "'on_gpu' to wait for GPUs", timeout_s=120)
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)
+    finally:
+        stop_server(proc)
+    assert proc.returncode == 130, log.read_text()[-2000:]
+    assert "Interrupted while loading the models" in log.read_text()
+    wait_until(lambda: not served_apps(env) & {"rayinfer", "on_gpu"}, "rayinfer's applications to be deleted",
+               timeout_s=60)
