@@ -11,16 +11,20 @@ could not route forwarded to the model's replicas by :class:`ModelForwarder`.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 import grpc
+from google.protobuf.message import DecodeError
 from ray import serve
 from tritonclient.grpc import service_pb2 as pb
 
 from rayinfer.protocol.errors import (
+    UNPARSABLE_REQUEST,
+    InternalError,
     InvalidArgError,
     NotFoundError,
     ServingError,
@@ -56,7 +60,51 @@ def add_servicer_to_server(servicer: Any, server: Any) -> None:
 
     sys.modules.setdefault(pb.DESCRIPTOR.name.replace(".proto", "_pb2"), pb)
     sys.modules.setdefault(model_config_pb2.DESCRIPTOR.name.replace(".proto", "_pb2"), model_config_pb2)
-    service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, server)
+    service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, _LenientRequests(server))
+
+
+class Unparsable:
+    """What a request that does not parse is deserialized to: the RPC answers it with Triton's
+    INTERNAL "Unable to parse request" (gRPC's server would answer UNKNOWN with protobuf's
+    message, from the deserializer)."""
+
+
+def _lenient(deserialize: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    if deserialize is None:
+        return None
+
+    def parse(data: bytes) -> Any:
+        try:
+            return deserialize(data)
+        except DecodeError:
+            return Unparsable()
+
+    return parse
+
+
+class _LenientRequests:
+    """Passes the servicer's method handlers on to ``server`` with :func:`_lenient` request
+    deserializers (Serve's gRPC server keeps a handler's deserializer when it takes the call
+    over)."""
+
+    def __init__(self, server: Any) -> None:
+        self._server = server
+
+    def add_generic_rpc_handlers(self, handlers: Any) -> None:
+        for handler in handlers:
+            methods = getattr(handler, "_method_handlers", None)  # grpc's dictionary handler
+            if methods is not None:
+                handler._method_handlers = {name: method._replace(request_deserializer=_lenient(method.request_deserializer))
+                                            for name, method in methods.items()}
+        self._server.add_generic_rpc_handlers(handlers)
+
+    def add_registered_method_handlers(self, service: str, methods: dict[str, Any]) -> None:
+        self._server.add_registered_method_handlers(service, {
+            name: method._replace(request_deserializer=_lenient(method.request_deserializer))
+            for name, method in methods.items()})
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._server, name)
 
 
 def set_error(grpc_context: Any, exc: BaseException) -> ServingError:
@@ -136,6 +184,8 @@ class ServerGrpcMethods:
 
         async def pump(request: pb.ModelInferRequest, out: asyncio.Queue, after: asyncio.Task | None) -> None:
             try:
+                if isinstance(request, Unparsable):
+                    raise InternalError(UNPARSABLE_REQUEST)
                 if after is not None:
                     await asyncio.wait([after])
                 async for response in self._forwarder.stream(request):
@@ -264,6 +314,32 @@ class ServerGrpcMethods:
         return response
 
 
+def _refusing_unparsable(cls: type) -> type:
+    """Every unary RPC of ``cls`` answers an :class:`Unparsable` request with Triton's INTERNAL
+    "Unable to parse request" (ModelStreamInfer answers each such message in the stream)."""
+    for method in pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].methods:
+        rpc = cls.__dict__.get(method.name)
+        if rpc is None or method.client_streaming:
+            continue
+        takes_context = "grpc_context" in inspect.signature(rpc).parameters
+        empty = getattr(pb, method.output_type.name)
+
+        async def checked(self: Any, request: Any, grpc_context: Any = None, *, _rpc: Any = rpc,
+                          _takes_context: bool = takes_context, _empty: type = empty) -> Any:
+            if isinstance(request, Unparsable):
+                set_error(grpc_context, InternalError(UNPARSABLE_REQUEST))
+                return _empty()
+            return await (_rpc(self, request, grpc_context) if _takes_context else _rpc(self, request))
+
+        checked.__name__ = checked.__qualname__ = method.name
+        checked.__doc__ = rpc.__doc__
+        setattr(cls, method.name, checked)
+    return cls
+
+
+ServerGrpcMethods = _refusing_unparsable(ServerGrpcMethods)
+
+
 class ModelForwarder:
     """Forwards model RPCs to a replica of the model version by deployment handle (one hop)."""
 
@@ -337,6 +413,8 @@ async def _then(call: Awaitable[Any], response: type) -> Any:
 
 def _sequence_key(request: pb.ModelInferRequest) -> tuple[str, str] | None:
     """(model, sequence id) of a stream request that belongs to a sequence, else None."""
+    if isinstance(request, Unparsable):
+        return None
     if "sequence_id" not in request.parameters:
         return None
     parameter = request.parameters["sequence_id"]

@@ -105,6 +105,10 @@ class UnsupportedError(ServingError):
         super().__init__(message)
 
 
+# Triton's answer (INTERNAL) to a gRPC message that does not parse as the RPC's request.
+UNPARSABLE_REQUEST = "Unable to parse request"
+
+
 class InternalError(ServingError):
     """The server failed while handling a valid request (HTTP 500)."""
 

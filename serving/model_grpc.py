@@ -13,7 +13,15 @@ from typing import Any
 from google.protobuf.message import DecodeError
 from tritonclient.grpc import service_pb2 as pb
 
-from rayinfer.protocol.errors import InvalidArgError, NotFoundError, ServingError, UnsupportedError, as_serving_error
+from rayinfer.protocol.errors import (
+    UNPARSABLE_REQUEST,
+    InternalError,
+    InvalidArgError,
+    NotFoundError,
+    ServingError,
+    UnsupportedError,
+    as_serving_error,
+)
 from rayinfer.protocol.grpc_codec import metadata_to_grpc, request_from_grpc, response_to_grpc, statistics_to_grpc
 from rayinfer.protocol.shared_memory import RegionMissing, decode_with_regions
 from rayinfer.protocol.statistics import stats_to_json
@@ -77,7 +85,7 @@ async def call_serialized(core: ModelCore, method: str, payload: bytes) -> bytes
     try:
         request = messages[0].FromString(payload)
     except DecodeError:
-        raise InvalidArgError(f"malformed {method} request for model '{core.name}'") from None
+        raise InternalError(UNPARSABLE_REQUEST) from None
     return (await call(core, method, request)).SerializeToString()
 
 
@@ -86,7 +94,10 @@ async def stream_serialized(core: ModelCore, payload: bytes) -> AsyncIterator[by
     model, else one) as serialized ``ModelStreamInferResponse`` messages; an error is a message
     with ``error_message`` (the stream stays open)."""
     try:
-        request = pb.ModelInferRequest.FromString(payload)
+        try:
+            request = pb.ModelInferRequest.FromString(payload)
+        except DecodeError:
+            raise InternalError(UNPARSABLE_REQUEST) from None
         if request.model_version and request.model_version != core.version:
             raise NotFoundError(f"Request for unknown model: '{core.name}' version {request.model_version} is not found")
         decoded = await _decoded(core, request)

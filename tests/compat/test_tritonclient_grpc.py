@@ -185,6 +185,28 @@ def test_errors(client, model, inputs, code, message):
     assert message in err.message()
 
 
+@pytest.mark.parametrize(("method", "message"), [
+    ("ModelInfer", b"\xff\xff\xff\xff\x0f\x01\x02"),  # no model name the front can read: through Serve
+    ("ModelInfer", b"\x0a\x06simple" + b"\xff\xff\xff\xff\x0f"),  # routed to simple's replica
+    ("ModelConfig", b"\x0a\x06simple\x12"),  # routed, truncated
+    ("RepositoryIndex", b"\x0a\xff\xff\xff\xff\x0f"),  # a server RPC
+], ids=["infer-unrouted", "infer-routed", "config-routed", "repository-index"])
+def test_a_message_that_does_not_parse_gets_tritons_internal_error(server, method, message):
+    """tritonserver 2.51 answers INTERNAL "Unable to parse request" (checked against the anchor)."""
+    with grpc.insecure_channel(server["grpc_url"]) as channel:
+        call = channel.unary_unary(f"/inference.GRPCInferenceService/{method}")  # raw bytes both ways
+        with pytest.raises(grpc.RpcError) as info:
+            call(message, timeout=30)
+    assert (info.value.code(), info.value.details()) == (grpc.StatusCode.INTERNAL, "Unable to parse request")
+
+
+def test_a_stream_message_that_does_not_parse_is_answered_in_the_stream(server):
+    with grpc.insecure_channel(server["grpc_url"]) as channel:
+        stream = channel.stream_stream("/inference.GRPCInferenceService/ModelStreamInfer",
+                                       response_deserializer=service_pb2.ModelStreamInferResponse.FromString)
+        responses = list(stream(iter([b"\xff\xff\xff\xff\x0f"]), timeout=30))
+    assert [r.error_message for r in responses] == ["Unable to parse request"]
+
 def test_malformed_tensor_data(stub):
     request = service_pb2.ModelInferRequest(model_name="simple")
     for name in ("INPUT0", "INPUT1"):

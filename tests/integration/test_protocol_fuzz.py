@@ -2,7 +2,7 @@
 extension's framing (header lengths, ``binary_data_size``, BYTES element framing, truncated and
 padded bodies) and gRPC messages (mutated ModelInfer messages sent as raw bytes). Every answer
 is a success or Triton's error (a JSON body over HTTP; INVALID_ARGUMENT, NOT_FOUND or
-UNAVAILABLE over gRPC; UNKNOWN for a message that does not parse), none hangs, and the models
+UNAVAILABLE over gRPC; INTERNAL "Unable to parse request" for a message that does not parse), none hangs, and the models
 serve afterwards.
 
 Bounded for CI (RAYINFER_FUZZ_EXAMPLES examples per test, 12 by default, derandomized).
@@ -126,9 +126,9 @@ def mutated_messages(draw) -> bytes:
 
 ALLOWED_GRPC = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
                 grpc.StatusCode.UNAVAILABLE}
-# A message the front cannot route (no readable model name) goes to Serve's gRPC server, which
-# fails one that does not parse with UNKNOWN and protobuf's message.
-UNPARSABLE = "Error parsing message with type 'inference.ModelInferRequest'"
+# A message that does not parse: Triton's INTERNAL "Unable to parse request", whether the front
+# routed it to a model replica or sent it to Serve's gRPC server (no readable model name).
+UNPARSABLE = "Unable to parse request"
 
 
 @FUZZ
@@ -139,8 +139,8 @@ def test_grpc_model_infer_fuzz(server, message):
         try:
             call(message, timeout=30)
         except grpc.RpcError as error:
-            assert error.code() in ALLOWED_GRPC or (error.code() == grpc.StatusCode.UNKNOWN
-                                                    and UNPARSABLE in error.details()), (error.code(), error.details())
+            assert error.code() in ALLOWED_GRPC or (error.code() == grpc.StatusCode.INTERNAL
+                                                    and error.details() == UNPARSABLE), (error.code(), error.details())
             assert error.details(), error.code()
 
 
