@@ -120,6 +120,20 @@ def _build_repository(root: Path) -> Path:
     return build_test_repository(root)
 
 
+@pytest.fixture
+def cli_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No RAYINFER_* settings from the caller; rayinfer's RAY_* variables set here (to the
+    caller's values where given), so that the CLI's ``main()``, which sets the missing ones,
+    leaves os.environ as it was."""
+    from rayinfer.cluster.settings import RAY_ENVIRONMENT
+
+    for key in list(os.environ):
+        if key.startswith("RAYINFER_"):
+            monkeypatch.delenv(key)
+    for key, value in RAY_ENVIRONMENT.items():
+        monkeypatch.setenv(key, os.environ.get(key, value))
+
+
 @pytest.fixture(scope="session")
 def s3_endpoint():
     """A real S3-compatible server (moto's server mode) for the session: "127.0.0.1:<port>"."""

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 
 import pytest
@@ -11,7 +10,7 @@ import pytest
 from rayinfer.cluster import cli
 from rayinfer.cluster.cli import build_parser, fatal_startup_failures, main, settings_from_args
 from rayinfer.cluster.serve_config import render_serve_config
-from rayinfer.cluster.settings import RAY_ENVIRONMENT, ServerSettings, auto_complete, replica_log_level
+from rayinfer.cluster.settings import ServerSettings, auto_complete, replica_log_level
 from rayinfer.cluster.tritonserver_flags import UNSUPPORTED_FLAGS
 from rayinfer.repository.scanner import ModelEntry
 
@@ -23,14 +22,7 @@ output [ { name: "OUTPUT0" data_type: TYPE_INT32 dims: [ 16 ] } ]
 """
 
 
-@pytest.fixture(autouse=True)
-def _clean_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    """No RAYINFER_* settings from the caller; RAY_* set here so that main() leaves os.environ as it was."""
-    for key in list(os.environ):
-        if key.startswith("RAYINFER_"):
-            monkeypatch.delenv(key)
-    for key, value in RAY_ENVIRONMENT.items():
-        monkeypatch.setenv(key, os.environ.get(key, value))
+pytestmark = pytest.mark.usefixtures("cli_environment")
 
 
 @pytest.fixture

@@ -5,7 +5,6 @@ Serve's own schema (what ``serve deploy`` validates)."""
 
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 
@@ -36,13 +35,8 @@ def serve_config() -> dict:
 
 
 def test_serve_config_v2_is_what_rayinfer_config_renders(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], cli_environment: None
 ) -> None:
-    for key in list(os.environ):
-        if key.startswith("RAYINFER_"):
-            monkeypatch.delenv(key)
-    for key, value in RAY_ENVIRONMENT.items():  # main() sets what is missing; keep os.environ as it was
-        monkeypatch.setenv(key, os.environ.get(key, value))
     write_example_repository(tmp_path / "models")
     assert main(["config", "--model-repository", str(tmp_path / "models"), *CONFIG_FLAGS]) == 0
     rendered = capsys.readouterr().out.replace(str(tmp_path / "models"), IMAGE_REPOSITORY)

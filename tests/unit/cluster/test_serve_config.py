@@ -22,13 +22,7 @@ def example_repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-@pytest.fixture(autouse=True)
-def _no_settings_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    import os
-
-    for key in list(os.environ):
-        if key.startswith("RAYINFER_"):
-            monkeypatch.delenv(key)
+pytestmark = pytest.mark.usefixtures("cli_environment")
 
 
 def test_settings_from_args(tmp_path: Path) -> None:

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 
 from rayinfer.cluster.cli import main
 from rayinfer.cluster.example_repository import write_example_repository
-from rayinfer.cluster.settings import RAY_ENVIRONMENT
 
 EXAMPLE = Path(__file__).resolve().parents[3] / "ray-configs" / "serve-example.yaml"
 
@@ -23,13 +21,8 @@ def without_header(text: str) -> str:
 
 
 def test_serve_example_is_current(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], cli_environment: None
 ) -> None:
-    for key in list(os.environ):
-        if key.startswith("RAYINFER_"):
-            monkeypatch.delenv(key)
-    for key, value in RAY_ENVIRONMENT.items():  # main() sets what is missing; keep os.environ as it was
-        monkeypatch.setenv(key, os.environ.get(key, value))
     write_example_repository(tmp_path / "examples" / "model_repository")
     monkeypatch.chdir(tmp_path)
     assert main(["config", "--model-repository", "examples/model_repository", "--relative-paths"]) == 0
@@ -41,10 +34,8 @@ def test_serve_example_is_current(
 
 
 def test_relative_paths_from_an_absolute_repository(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                    capsys: pytest.CaptureFixture[str]) -> None:
+                                                    capsys: pytest.CaptureFixture[str], cli_environment: None) -> None:
     """--relative-paths writes the repository relative to the current directory, however it was given."""
-    for key, value in RAY_ENVIRONMENT.items():
-        monkeypatch.setenv(key, os.environ.get(key, value))
     (tmp_path / "models" / "empty").mkdir(parents=True)
     monkeypatch.chdir(tmp_path / "models")
     assert main(["config", "--model-repository", str(tmp_path / "models"), "--relative-paths"]) == 0

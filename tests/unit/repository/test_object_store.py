@@ -119,7 +119,8 @@ def test_an_unreadable_repository_is_an_error_naming_it(bucket, monkeypatch: pyt
         local_repository(url)
 
 
-def test_rayinfer_config_keeps_the_url_for_the_replicas(bucket, capsys: pytest.CaptureFixture[str]) -> None:
+def test_rayinfer_config_keeps_the_url_for_the_replicas(bucket, capsys: pytest.CaptureFixture[str],
+                                                         cli_environment: None) -> None:
     from rayinfer.cluster.cli import main
 
     _, _, url, _ = bucket
