@@ -4,13 +4,14 @@
     .venv/bin/python benchmarks/scaling.py [--concurrency 1,2,4,8,16,32] [--protocols http,grpc]
 
 Serves the anchor's MLP (``mlp_onnx``, dynamic batching on, the same config as
-benchmarks/compare_triton.py) three ways, one after the other, inside a private network namespace:
+benchmarks/compare_triton.py) four ways, one after the other, inside a private network namespace:
 
 - ``1 replica``: ``instance_group count: 1`` on the embedded one-node Ray (the default);
 - ``2 replicas``: ``count: 2`` on the same embedded Ray;
 - ``2 replicas, 2 nodes``: ``count: 2`` on a Ray cluster of two nodes started on this machine
   (``ray start --head`` and ``ray start --address``, one CPU each), with replicas asking for 0.6
-  CPU so that each node takes one; where each replica runs is checked from its raylet.
+  CPU so that each node takes one; where each replica runs is checked from its raylet;
+- ``4 replicas``: ``count: 4`` on the embedded one-node Ray.
 
 For each it runs perf_analyzer (batch 1 per request) at each concurrency and records the memory of
 every process the server started: PSS (shared pages split between the processes sharing them, so
@@ -55,7 +56,8 @@ PORT = 18400
 RAY_PORT = 6390  # outside the worker port ranges below
 WORKER_NODE_PORTS = (25000, 29999)  # the second node's workers (the head's: 20000-24999)
 BIN = Path(sys.executable).parent
-SETUPS = ("1 replica", "2 replicas", "2 replicas, 2 nodes")
+SETUPS = ("1 replica", "2 replicas", "2 replicas, 2 nodes", "4 replicas")
+REPLICAS = (1, 2, 2, 4)  # instance_group count of each setup
 MARKS = ("<!-- scaling:begin -->", "<!-- scaling:end -->")
 
 
@@ -261,7 +263,8 @@ def main() -> int:
     parser.add_argument("--concurrency", default="1,2,4,8,16,32")
     parser.add_argument("--protocols", default="http,grpc")
     parser.add_argument("--setups", default=",".join(str(i) for i in range(len(SETUPS))),
-                        help="which setups, by index: 0 = 1 replica, 1 = 2 replicas, 2 = 2 replicas on 2 nodes")
+                        help="which setups, by index: 0 = 1 replica, 1 = 2 replicas, 2 = 2 replicas on 2 nodes, "
+                             "3 = 4 replicas")
     parser.add_argument("--measurement-interval", type=int, default=3000, help="ms per perf_analyzer window")
     parser.add_argument("--output", type=Path, default=ROOT / "docs" / "benchmarks.md")
     args = parser.parse_args()
@@ -274,7 +277,7 @@ def main() -> int:
         work = Path(tmp)
         for index in (int(i) for i in args.setups.split(",")):
             setup = SETUPS[index]
-            repo = write_repository(work / str(index), 1 if index == 0 else 2)
+            repo = write_repository(work / str(index), REPLICAS[index])
             print(f"{setup}", flush=True)
             try:
                 results[setup] = run_setup(setup, repo, work, points, args.measurement_interval)

@@ -6,7 +6,12 @@ metrics port; and stopping leaves the cluster running.
 
 The head runs Ray's autoscaler with its ``fake_multinode`` provider (worker nodes are Ray nodes
 started on this machine): a model whose replicas do not fit the head gets a node added, and a
-model asking for GPUs shows its pending demand."""
+model asking for GPUs shows its pending demand.
+
+A model repository on an S3-compatible server (moto's server mode, started by the tests):
+``rayinfer serve --model-repository s3://host:port/bucket/path`` serves its models, a Python
+model among them, over HTTP and gRPC, and in poll mode picks up objects added, changed and
+removed. Explicit mode's loads are checked without Ray in tests/unit/serving."""
 
 from __future__ import annotations
 
@@ -31,6 +36,8 @@ from onnx import TensorProto
 from conftest import HTTP_PORT, add_sub_inputs, start_server, stop_server, stop_shared_server
 from rayinfer.cluster.example_repository import SIMPLE_CONFIG, add_sub_model, write_model
 from rayinfer.cluster.settings import RAY_ENVIRONMENT
+from rayinfer.repository.object_store import MOUNT_DIRECTORY_VARIABLE
+from s3_server import CREDENTIALS, client, upload_folder
 from waiting import wait_until
 
 pytestmark = pytest.mark.own_cluster
@@ -71,7 +78,10 @@ def cluster(tmp_path_factory: pytest.TempPathFactory):
     write_model(repo, "simple", SIMPLE_CONFIG + "version_policy: { all { } }\n", add_sub_model(TensorProto.INT32))
     (repo / "simple" / "2").mkdir()
     (repo / "simple" / "2" / "model.onnx").write_bytes((repo / "simple" / "1" / "model.onnx").read_bytes())
-    env = {**os.environ, **RAY_ENVIRONMENT, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
+    # The S3 credentials (and where to copy an s3:// repository) reach the replicas the way README
+    # says: in the environment of `ray start`.
+    env = {**os.environ, **RAY_ENVIRONMENT, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32),
+           **CREDENTIALS, MOUNT_DIRECTORY_VARIABLE: str(tmp_path_factory.mktemp("s3_copy"))}
     with pytest.MonkeyPatch.context() as patch:
         for key, value in env.items():
             patch.setenv(key, value)  # for `rayinfer serve`, started by conftest's helper
@@ -172,7 +182,7 @@ def test_the_autoscaler_adds_a_node_for_replicas_and_gpu_demand_is_reported(clus
                 + "instance_group [ { count: 1 kind: KIND_GPU } ]\n", add_sub_model(TensorProto.INT32))
     proc = start_server(wide, tmp_path / "rayinfer.log", [
         "--ray-address", "auto", *PORT_ARGS, "--model-control-mode", "explicit", "--load-model", "wide",
-        "--replica-num-cpus", "1.5", "--gpu-wait-secs", "20"])
+        "--replica-num-cpus", "1.5", "--gpu-wait-secs", "12"])
     try:
         wait_until(http_ready, "the server to be ready (both replicas of 'wide' running)", timeout_s=120)
         replicas = json.loads(ray_cli(env, "list", "actors", "--format", "json", "--filter",
@@ -231,3 +241,64 @@ def test_ctrl_c_while_a_model_waits_for_gpus_stops_the_start(cluster, tmp_path: 
     assert "Interrupted while loading the models" in log.read_text()
     wait_until(lambda: not served_apps(env) & {"rayinfer", "on_gpu"}, "rayinfer's applications to be deleted",
                timeout_s=60)
+
+
+BUCKET = "rayinfer-models"
+
+
+@pytest.fixture(scope="module")
+def s3_server_run(cluster, model_repository, s3_endpoint, tmp_path_factory):
+    """A bucket holding ``simple`` and ``simple_identity`` under ``repository/``, and a
+    poll-mode server on it, joining the cluster (whose `ray start` had the credentials)."""
+    _, env = cluster
+    s3 = client(s3_endpoint)
+    s3.create_bucket(Bucket=BUCKET)
+    for model in ("simple", "simple_identity"):
+        upload_folder(s3, BUCKET, f"repository/{model}", model_repository / model)
+    log = tmp_path_factory.mktemp("s3_server") / "rayinfer.log"
+    proc = start_server(f"s3://{s3_endpoint}/{BUCKET}/repository", log, [
+        "--ray-address", "auto", *PORT_ARGS, "--model-control-mode", "poll", "--repository-poll-secs", "1"])
+    try:
+        yield s3, Path(env[MOUNT_DIRECTORY_VARIABLE]), httpclient.InferenceServerClient(f"127.0.0.1:{PORT}", network_timeout=120.0), \
+            grpcclient.InferenceServerClient(f"127.0.0.1:{PORT + 1}")
+    finally:
+        stop_server(proc)
+    assert proc.returncode == 0, log.read_text()[-3000:]
+
+
+def test_the_buckets_models_serve_over_http_and_grpc(s3_server_run):
+    _, copy, http, grpc = s3_server_run
+    a = np.arange(16, dtype=np.int32).reshape(1, 16)
+    np.testing.assert_array_equal(http.infer("simple", add_sub_inputs(a, a)).as_numpy("OUTPUT0"), a * 2)
+    inputs = [grpcclient.InferInput("INPUT0", [1, 16], "INT32"), grpcclient.InferInput("INPUT1", [1, 16], "INT32")]
+    for tensor in inputs:
+        tensor.set_data_from_numpy(a)
+    np.testing.assert_array_equal(grpc.infer("simple", inputs).as_numpy("OUTPUT1"), a * 0)
+    text = np.array([[b"from", b"s3"]], dtype=object)
+    identity = httpclient.InferInput("INPUT0", [1, 2], "BYTES")
+    identity.set_data_from_numpy(text)
+    assert http.infer("simple_identity", [identity]).as_numpy("OUTPUT0").tolist() == text.tolist()
+    assert {m["name"] for m in http.get_model_repository_index()} == {"simple", "simple_identity"}
+    assert (copy / "simple_identity" / "1" / "model.py").is_file()  # the node's copy
+
+
+def test_poll_mode_follows_the_buckets_objects(s3_server_run, model_repository):
+    s3, _, http, grpc = s3_server_run
+    config = (model_repository / "simple" / "config.pbtxt").read_text()
+    s3.put_object(Bucket=BUCKET, Key="repository/added/config.pbtxt", Body=config.replace('name: "simple"', 'name: "added"'))
+    s3.put_object(Bucket=BUCKET, Key="repository/added/1/model.onnx",
+                  Body=(model_repository / "simple" / "1" / "model.onnx").read_bytes())
+    wait_until(lambda: http.is_model_ready("added") and grpc.is_model_ready("added"),
+               "the poll to load 'added' from the bucket (ready over HTTP and gRPC)")
+    assert http.get_model_config("added")["max_batch_size"] == 8
+
+    s3.put_object(Bucket=BUCKET, Key="repository/added/config.pbtxt",
+                  Body=config.replace('name: "simple"', 'name: "added"').replace("max_batch_size: 8", "max_batch_size: 4"))
+    wait_until(lambda: http.get_model_config("added")["max_batch_size"] == 4,
+               "the poll to reload 'added' after its config object changed")
+
+    for key in ("repository/added/config.pbtxt", "repository/added/1/model.onnx"):
+        s3.delete_object(Bucket=BUCKET, Key=key)
+    wait_until(lambda: not http.is_model_ready("added") and not grpc.is_model_ready("added"),
+               "the poll to unload 'added' after its objects were deleted")
+    assert http.is_model_ready("simple")
