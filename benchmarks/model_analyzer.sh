@@ -31,9 +31,11 @@ RAY_worker_niceness=0 .venv/bin/rayinfer serve --model-repository "$out/repo" --
     --load-model "$model" > "$out/rayinfer.log" 2>&1 &
 server=$!
 trap 'kill -INT $server; wait $server' EXIT
+waited=0
 until curl -sf localhost:8000/v2/health/ready > /dev/null; do
-    kill -0 $server || { tail -20 "$out/rayinfer.log"; exit 1; }
-    sleep 1
+    kill -0 $server && [ $waited -lt 300 ] || { echo "rayinfer not ready"; tail -20 "$out/rayinfer.log"; exit 1; }
+    sleep 1  # polled, with a 300 s deadline
+    waited=$((waited + 1))
 done
 benchmarks/results/ma-venv/bin/model-analyzer profile -f "$out/config.yaml" --triton-launch-mode=remote \
     --triton-http-endpoint 127.0.0.1:8000 --triton-grpc-endpoint 127.0.0.1:8001 \

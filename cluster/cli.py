@@ -201,12 +201,13 @@ def serve(settings: ServerSettings) -> int:
     stop = threading.Event()
     # While the models load, SIGINT or SIGTERM interrupts the start (and stops what started);
     # once serving, it ends the wait below.
-    starting = [True]
+    starting = True
 
     def on_signal(*_: object) -> None:
+        nonlocal starting
         stop.set()
-        if starting[0]:
-            starting[0] = False
+        if starting:
+            starting = False
             raise KeyboardInterrupt
 
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -262,7 +263,7 @@ def serve(settings: ServerSettings) -> int:
             print(f"error: --exit-on-error: {len(fatal)} model(s) failed to load at start "
                   f"({', '.join(sorted(fatal))}); exiting", file=sys.stderr, flush=True)
             return 1
-        starting[0] = False
+        starting = False
         if front is not None:
             print(f"Started GRPCInferenceService at {front[0]}:{front[1]}", flush=True)
         print(f"Started HTTPService at {settings.http_address}:{settings.http_port}", flush=True)
@@ -276,7 +277,7 @@ def serve(settings: ServerSettings) -> int:
         print("Interrupted while loading the models", file=sys.stderr, flush=True)
         return 130
     finally:
-        starting[0] = False
+        starting = False
         print("Stopping rayinfer...", flush=True)
         try:
             # On a cluster we joined, remove only our applications; Serve may host others.

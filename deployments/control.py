@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from ray import serve
@@ -107,16 +108,20 @@ def model_application(
     gpu_fallback: bool = False,
     cache_size_bytes: int = 0,
     max_input_size: int = DEFAULT_HTTP_MAX_INPUT_SIZE,
+    folder: Path | None = None,
 ) -> Application:
     """The application serving one version of one model; replicas and their resources from its
     ``instance_group`` (:mod:`rayinfer.repository.instance_groups`).
+
+    ``folder``: where the repository's files are on this machine (default: ``model_repository``,
+    an s3:// one's copy brought up to date first); the replicas are given ``model_repository``.
 
     ``config_override``: a load request's config (Triton's JSON form) used instead of config.pbtxt;
     ``log_level``: the replicas' log level (``--log-verbose`` makes it DEBUG); ``gpu_fallback``:
     GPU groups run as CPU replicas; ``cache_size_bytes``: the response cache's size on a node;
     ``max_input_size``: the largest HTTP body a replica reads (--http-max-input-size).
     """
-    entry = scan_model(local_repository(model_repository, [model]) / model, config_override)
+    entry = scan_model((folder or local_repository(model_repository, [model])) / model, config_override)
     if entry.config is None:
         raise ModelConfigError(entry.error or f"model '{model}' cannot be read")
     config = entry.config
@@ -154,9 +159,11 @@ def deploy_models(
     Ensembles are deployed after their members (an ensemble checks its steps against its
     members' configs as it loads); one whose member failed is not deployed."""
     overrides = config_overrides or {}
+    models = list(dict.fromkeys(v[0] for v in versions))
+    folder = local_repository(model_repository, models)  # an s3:// repository: these models' copies
     members = {}
-    for model in dict.fromkeys(v[0] for v in versions):
-        config = scan_model(local_repository(model_repository, [model]) / model, overrides.get(model)).config
+    for model in models:
+        config = scan_model(folder / model, overrides.get(model)).config
         members[model] = member_names(config) if config is not None else []
     waves, cycle = dependency_waves(members)
     failures = {m: f"ensemble '{m}' depends on itself through its steps' models ({', '.join(cycle)})" for m in cycle}
@@ -167,11 +174,11 @@ def deploy_models(
                 failures[model] = (f"ensemble '{model}' depends on '{failed[0]}', which failed to load: "
                                    f"{failures[failed[0]]}")
         wanted = [v for v in versions if v[0] in wave and v[0] not in failures]
-        failures.update(_deploy_wave(model_repository, wanted, control, overrides))
+        failures.update(_deploy_wave(model_repository, folder, wanted, control, overrides))
     return failures
 
 
-def _deploy_wave(model_repository: str, versions: list[tuple[str, int, bool]], control: ModelControl,
+def _deploy_wave(model_repository: str, folder: Path, versions: list[tuple[str, int, bool]], control: ModelControl,
                  config_overrides: dict[str, str]) -> dict[str, str]:
     """Deploy model versions that do not depend on each other, at once; {model: reason} of failures."""
     targets = {}
@@ -184,7 +191,7 @@ def _deploy_wave(model_repository: str, versions: list[tuple[str, int, bool]], c
                 replica_num_cpus=control.replica_num_cpus, auto_complete=control.auto_complete,
                 config_override=config_overrides.get(model), log_level=control.log_level,
                 gpu_fallback=control.gpu_fallback, cache_size_bytes=control.cache_size_bytes,
-                max_input_size=control.max_input_size,
+                max_input_size=control.max_input_size, folder=folder,
             )
         except ModelConfigError as exc:  # e.g. instance groups Serve cannot express: this model only
             logger.error("model '%s' failed to load: %s", model, exc)
