@@ -70,12 +70,15 @@ ROUTED_RPCS = ("ModelInfer", "ModelReady", "ModelMetadata", "ModelConfig", "Mode
 # How long a front taken over keeps the routes the new /v2 replica has not been told of yet.
 _TAKEOVER_GRACE_S = 5.0
 _ADDS_PER_LINE = 40
+# HAProxy's Lua fetches reading a sequence request's correlation id (copied to the front's folder).
+_LUA = Path(__file__).with_name("front_sequences.lua")
 # (address, port) a front port binds to, and (host, port) of Serve's ingress behind it.
 Endpoint = tuple[str, int, str, int]
 
 _GLOBAL = """\
 global
     stats socket {admin} mode 600 level admin
+    lua-load {lua}
     nbthread {threads}
     maxconn 4096
 
@@ -112,12 +115,20 @@ backend replica
 # power of two choices; the table "inflight" counts, per listener, the calls relayed to it and
 # not yet answered, for versions with more than one replica); send the request to its
 # listener. Model names hold no "/", so "<model>/<version>/<n>" names the n-th replica
-# unambiguously.
+# unambiguously. A sequence model's version (in the map "sequences") has a listener per routing
+# slot instead: a call naming a sequence goes to its slot's (CRC-32 of the correlation id, read
+# by the Lua fetch, modulo the slots), the others as above.
 _PICK_REPLICA = """\
     http-request set-var(txn.replicas) var(txn.key),map_str_int({counts},0) if {{ var(txn.key) -m found }}
-    http-request set-var(txn.pick) rand,mod(txn.replicas) if {{ var(txn.replicas) -m int gt 0 }}
+    acl sequence_model var(txn.key),map({sequences}) -m found
+    http-request wait-for-body time 1s if sequence_model
+    http-request set-var(txn.sequence) lua.{sequence_fetch} if sequence_model
+    # (A fetch that found no id leaves an empty string.)
+    acl named_sequence var(txn.sequence) -m len gt 0
+    http-request set-var(txn.pick) var(txn.sequence),crc32,mod(txn.replicas) if named_sequence {{ var(txn.replicas) -m int gt 0 }}
+    http-request set-var(txn.pick) rand,mod(txn.replicas) if {{ var(txn.replicas) -m int gt 0 }} !named_sequence
     http-request set-var(txn.listener) var(txn.key),concat(/,txn.pick),map({listeners}) if {{ var(txn.pick) -m found }}
-    http-request set-var(txn.span) var(txn.replicas),sub(1) if {{ var(txn.listener) -m found }} {{ var(txn.replicas) -m int gt 1 }}
+    http-request set-var(txn.span) var(txn.replicas),sub(1) if {{ var(txn.listener) -m found }} {{ var(txn.replicas) -m int gt 1 }} !named_sequence
     http-request set-var(txn.other) rand,mod(txn.span),add(txn.pick),add(1),mod(txn.replicas) if {{ var(txn.span) -m found }}
     http-request set-var(txn.second) var(txn.key),concat(/,txn.other),map({listeners}) if {{ var(txn.other) -m found }}
     http-request set-var(txn.load) var(txn.listener),table_conn_cur(inflight) if {{ var(txn.second) -m found }}
@@ -255,10 +266,12 @@ class Front:
         busy = inflight_limit_message(max_inflight)
 
         def render(folder: Path) -> str:
-            counts, listeners = folder / "replicas.map", folder / "listeners.map"
-            pick = _PICK_REPLICA.format(counts=counts, listeners=listeners)
-            parts = [_GLOBAL.format(admin=folder / "admin.sock", threads=threads, http_errors=_http_errors())]
+            paths = {"counts": folder / "replicas.map", "listeners": folder / "listeners.map",
+                     "sequences": folder / "sequences.map"}
+            parts = [_GLOBAL.format(admin=folder / "admin.sock", threads=threads, http_errors=_http_errors(),
+                                    lua=folder / _LUA.name)]
             if http is not None:
+                pick = _PICK_REPLICA.format(**paths, sequence_fetch="rayinfer_http_sequence")
                 parts.append(_HTTP.format(
                     address=http[0], port=http[1], pick=pick, upstream_host=http[2], upstream_port=http[3],
                     use_replica=_USE_REPLICA, unrouted=UNROUTED_PREFIX, max_input_size=max_input_size,
@@ -266,6 +279,7 @@ class Front:
                     restricted=_http_restrictions(http_restricted or {}),
                 ))
             if grpc is not None:
+                pick = _PICK_REPLICA.format(**paths, sequence_fetch="rayinfer_grpc_sequence")
                 parts.append(_GRPC.format(
                     address=grpc[0], port=grpc[1], pick=pick, upstream_host=grpc[2], upstream_port=grpc[3],
                     paths=" ".join(_SERVICE + rpc for rpc in ROUTED_RPCS), server_app=server_app,
@@ -275,6 +289,7 @@ class Front:
             return "\n".join(parts)
 
         self._published: dict[str, list[tuple[str, int]]] = {}
+        self._sequence_keys: frozenset[str] = frozenset()
         # After taking a running front over: until then, routes the new /v2 replica has not heard
         # of yet (its model replicas register again within a second or two) are kept.
         self._keep_routes_until = 0.0
@@ -286,6 +301,8 @@ class Front:
             self._use_folder(running)
             self._keeper_pid = int((running / "keeper.pid").read_text())
             self._published = _routes_on_disk(self._counts_path, self._listeners_path)
+            self._sequence_keys = frozenset(line.partition(" ")[0] for line in
+                                            self._sequences_path.read_text().splitlines())
             self._keep_routes_until = time.monotonic() + _TAKEOVER_GRACE_S
             (running / "owner").write_text(str(os.getpid()))
             logger.info("took over the running front in %s", running)
@@ -295,8 +312,9 @@ class Front:
         for address, port in self._binds:
             front_keeper.remove_stale_fronts(address, port)
         self._use_folder(Path(tempfile.mkdtemp(prefix=front_keeper.DIR_PREFIX)))
-        for path in (self._counts_path, self._listeners_path):
+        for path in (self._counts_path, self._listeners_path, self._sequences_path):
             path.write_text("")
+        (self._dir / _LUA.name).write_text(_LUA.read_text())
         (self._dir / "haproxy.cfg").write_text(render(self._dir))
         (self._dir / "owner").write_text(str(os.getpid()))
         (self._dir / "node").write_text(node)
@@ -318,6 +336,7 @@ class Front:
         self._admin = folder / "admin.sock"
         self._counts_path = folder / "replicas.map"
         self._listeners_path = folder / "listeners.map"
+        self._sequences_path = folder / "sequences.map"
 
     @property
     def running(self) -> bool:
@@ -344,17 +363,26 @@ class Front:
     def published(self) -> dict[str, list[tuple[str, int]]]:
         return dict(self._published)
 
-    async def publish(self, routes: dict[str, list[tuple[str, int]]]) -> None:
-        """Make ``routes`` (``<model>/<version>`` -> its replicas' listeners) the front's routes.
+    @property
+    def sequence_keys(self) -> frozenset[str]:
+        """The published versions routed by sequence slot."""
+        return self._sequence_keys
+
+    async def publish(self, routes: dict[str, list[tuple[str, int]]],
+                      sequence_keys: frozenset[str] = frozenset()) -> None:
+        """Make ``routes`` (``<model>/<version>`` -> its replicas' listeners, or for the keys in
+        ``sequence_keys`` a listener per routing slot, in slot order) the front's routes.
 
         The listeners' map is replaced before the counts' map, so a call routed between the two
         commits never picks a listener that was just removed: it finds a listener that is still
         registered, or none (and then goes to the ``/v2`` application).
         """
-        routes = {k: sorted(v) for k, v in routes.items() if route_key_is_safe(k) and v}
+        routes = {k: list(v) for k, v in routes.items() if route_key_is_safe(k) and v}
+        sequence_keys = frozenset(k for k in sequence_keys if k in routes)
         if time.monotonic() < self._keep_routes_until:
+            sequence_keys |= self._sequence_keys - set(routes)
             routes = {**self._published, **routes}
-        if routes == self._published:
+        if routes == self._published and sequence_keys == self._sequence_keys:
             return
         # Listeners are "<host>|<port>" in the map: an IPv6 host has colons.
         listeners = {
@@ -364,8 +392,10 @@ class Front:
         }
         counts = {key: str(len(addresses)) for key, addresses in routes.items()}
         await self._replace_map(self._listeners_path, listeners)
+        await self._replace_map(self._sequences_path, {key: "1" for key in sequence_keys})
         await self._replace_map(self._counts_path, counts)
         self._published = routes
+        self._sequence_keys = sequence_keys
         logger.info("front routes: %s", routes)
 
     async def _replace_map(self, path: Path, entries: dict[str, str]) -> None:

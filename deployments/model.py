@@ -36,6 +36,7 @@ from rayinfer.protocol import log_settings
 from rayinfer.protocol.errors import NotFoundError, ServingError, UnavailableError, UnsupportedError, as_serving_error
 from rayinfer.protocol.http_codec import parse_json_body
 from rayinfer.protocol.limits import DEFAULT_HTTP_MAX_INPUT_SIZE
+from rayinfer.protocol.listener_client import ListenerClient
 from rayinfer.protocol.shared_memory import Registration, SharedMemoryRegistry
 from rayinfer.protocol.types import InferRequest, InferResponse
 from rayinfer.repository.ensemble import is_ensemble
@@ -45,6 +46,7 @@ from rayinfer.serving import model_grpc, model_http
 from rayinfer.serving import response_cache
 from rayinfer.serving.model_core import ModelCore
 from rayinfer.serving.response_cache import ResponseCache, model_fingerprint
+from rayinfer.serving.sequence_routing import FORWARDED_HEADER, SequenceRoutes
 from rayinfer.serving.trace import TraceSettings
 from rayinfer.serving.routes import keep_request_headers, parse_model_route
 
@@ -115,6 +117,13 @@ class ModelDeployment:
         self._listener = ReplicaListener(self._listener_grpc, self._listener_http, max_input_size)
         host = ray.util.get_node_ip_address()
         self._listener_address = (host, await self._listener.start(host))
+        # A sequence model's replicas each hold their own sequences: a request of another
+        # replica's sequence is sent on to it (a decoupled one runs as one replica).
+        self._sequences: SequenceRoutes | None = None
+        if self._core.spec.sequence_batching is not None and not self._core.decoupled and self._members is None:
+            self._sequences = SequenceRoutes(self._listener_address)
+            self._sequence_client = ListenerClient()
+            self._core.route_sequences(self._sequences.owner, self._send_sequence_on)
         self._report_task = asyncio.get_running_loop().create_task(self._report_forever())
         # Everything loaded so far (framework modules, the model) lives as long as the replica:
         # keep it out of the collector's generations so a full collection stays short.
@@ -189,6 +198,10 @@ class ModelDeployment:
             raise UnsupportedError(f"model '{self._core.name}' is decoupled: call it with exec(decoupled=True)")
         return await self._core.infer(self._core.prepare(request))
 
+    async def _send_sequence_on(self, listener: tuple[str, int], request: InferRequest) -> InferResponse:
+        """A request of a sequence another replica holds, answered by that replica."""
+        return await self._sequence_client.infer(listener, request, ((FORWARDED_HEADER, b"1"),))
+
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve's autoscaler, for a model whose parameters ask for autoscaling: the calls this
         replica's listener is answering, which Serve does not count itself (deployments/autoscaling.py)."""
@@ -256,9 +269,11 @@ class ModelDeployment:
             if time.monotonic() - registered_at >= _LISTENER_REGISTER_INTERVAL_S:
                 try:
                     settings = await self._server_handle().register_listener.remote(
-                        self._replica_key, self._app_name, *self._listener_address
+                        self._replica_key, self._app_name, *self._listener_address, self._sequences is not None
                     )
                     registered_at = time.monotonic()
+                    if self._sequences is not None:
+                        self._sequences.update(settings.get("sequence_slots"))
                     # The logging extension's (again: loggers created since get them too).
                     log_settings.apply(settings["log"])
                     self._trace_settings(settings["trace"])
@@ -307,9 +322,10 @@ class ModelDeployment:
         members = getattr(self, "_members", None)
         if members is not None:
             members.close()
-        client = getattr(self, "_bls", None)
-        if client is not None:
-            client.close()
+        for name in ("_bls", "_sequence_client"):
+            client = getattr(self, name, None)
+            if client is not None:
+                client.close()
 
 
 def _response_cache(model_dir: Path, runner: Any, size_bytes: int) -> ResponseCache | None:

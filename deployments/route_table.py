@@ -2,7 +2,10 @@
 
 Model replicas register their listener with the ``/v2`` replica when they start and every few
 seconds; :class:`RouteTable` keeps them, drops those not heard from, leaves out replicas Serve
-does not report RUNNING, and publishes ``<model>/<version>`` -> listeners to the front.
+does not report RUNNING, and publishes ``<model>/<version>`` -> listeners to the front. For a
+sequence model's version the listeners are one per routing slot
+(:mod:`rayinfer.serving.sequence_routing`), in slot order, and its replicas read the same table
+when they register.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from typing import Any
 
 from rayinfer.deployments.names import model_apps
 from rayinfer.deployments.serve_state import ServeState, running_replicas
+from rayinfer.serving.sequence_routing import assign_slots
 
 logger = logging.getLogger(__name__)
 
@@ -33,15 +37,33 @@ class RouteTable:
         self._lock = asyncio.Lock()
         # replica -> (application, host, port, last registered)
         self._listeners: dict[str, tuple[str, str, int, float]] = {}
+        # Sequence models' applications, and each one's slots' replicas as last published.
+        self._sequence_apps: set[str] = set()
+        self._slots: dict[str, list[str]] = {}
         # Models being unloaded (``withdrawn``): the front routes none of their versions.
         self._withdrawn: set[str] = set()
 
-    async def register(self, replica: str, app: str, host: str, port: int) -> None:
-        """A model replica's listener, registered at start and again every few seconds."""
+    async def register(self, replica: str, app: str, host: str, port: int, sequences: bool = False) -> None:
+        """A model replica's listener, registered at start and again every few seconds
+        (``sequences``: its model routes sequences by slot)."""
         known = replica in self._listeners
         self._listeners[replica] = (app, host, int(port), time.monotonic())
+        if sequences:
+            self._sequence_apps.add(app)
         if not known:
             await self.publish()
+            if self._front is None:  # no publication: the replicas' slots are assigned here
+                self._routes(set())
+
+    def slot_listeners(self, app: str) -> list[tuple[str, int]] | None:
+        """A sequence model application's slot table as last published (a listener per slot)."""
+        slots = self._slots.get(app)
+        if slots is None:
+            return None
+        listeners = {replica: (host, port) for replica, (_, host, port, _) in self._listeners.items()}
+        if not all(replica in listeners for replica in slots):
+            return None  # a replica of the table left since: the next publication has the new table
+        return [listeners[replica] for replica in slots]
 
     async def withdraw(self, replica: str) -> None:
         """A model replica is stopping: returns once the front no longer routes to it (at once
@@ -58,7 +80,9 @@ class RouteTable:
         async with self._lock:
             await self._state.refresh()
             try:
-                await self._front.publish(self._routes(await self._not_running()))
+                routes = self._routes(await self._not_running())
+                await self._front.publish(routes, frozenset(
+                    key for key, (app, _) in self._state.routes.items() if key in routes and app in self._slots))
             except Exception:  # the front keeps its previous routes; the /v2 app forwards the rest
                 logger.exception("could not update the front's routes")
 
@@ -73,7 +97,7 @@ class RouteTable:
             if self._front is not None:
                 routes = {k: v for k, v in self._front.published.items() if not k.startswith(f"{model}/")}
                 try:
-                    await self._front.publish(routes)
+                    await self._front.publish(routes, self._front.sequence_keys)
                 except Exception:  # the /v2 app answers what the front still routes to a removed app
                     logger.exception("could not withdraw '%s' from the front's routes", model)
             try:
@@ -115,10 +139,19 @@ class RouteTable:
         now = time.monotonic()
         self._listeners = {k: v for k, v in self._listeners.items() if now - v[3] < LISTENER_TTL_S}
         by_app: dict[str, list[tuple[str, int]]] = {}
+        replicas: dict[str, list[str]] = {}
         for replica, (app, host, port, _) in self._listeners.items():
             if replica not in not_running:
                 by_app.setdefault(app, []).append((host, port))
-        return {key: sorted(by_app[app]) for key, (app, _) in self._state.routes.items() if app in by_app}
+                replicas.setdefault(app, []).append(replica)
+        for app in list(self._slots):
+            if app not in replicas:
+                del self._slots[app]
+        for app in self._sequence_apps & set(replicas):
+            slots = self._slots[app] = assign_slots(self._slots.get(app), replicas[app])
+            by_app[app] = [self._listeners[replica][1:3] for replica in slots]  # type: ignore[misc]
+        return {key: by_app[app] if app in self._slots else sorted(by_app[app])
+                for key, (app, _) in self._state.routes.items() if app in by_app}
 
     async def _not_running(self) -> set[str]:
         """Registered replicas Serve does not report RUNNING: one being stopped serves out Serve's

@@ -111,10 +111,15 @@ class ServerDeployment(ServerGrpcMethods):
 
     # ---- calls from model replicas ----------------------------------------------------------
 
-    async def register_listener(self, replica_key: str, app: str, host: str, port: int) -> dict[str, Any]:
-        """Register a model replica's listener; answers the log and trace settings it is to follow."""
-        await self._api.routes.register(replica_key, app, host, port)
-        return {"log": self._api.log_settings, "trace": self._api.trace_settings.as_dict()}
+    async def register_listener(self, replica_key: str, app: str, host: str, port: int,
+                                sequences: bool = False) -> dict[str, Any]:
+        """Register a model replica's listener (``sequences``: its model routes sequences by
+        slot); answers the log and trace settings it is to follow, and for a sequence model the
+        slots' listeners."""
+        routes = self._api.routes
+        await routes.register(replica_key, app, host, port, sequences)
+        return {"log": self._api.log_settings, "trace": self._api.trace_settings.as_dict(),
+                "sequence_slots": routes.slot_listeners(app) if sequences else None}
 
     async def trace_setting(self, model: str, doc: dict[str, Any] | None) -> dict[str, Any]:
         """A model's trace settings over HTTP, which Serve routes to the model's replica."""

@@ -34,10 +34,12 @@ class ListenerClient:
     def __init__(self) -> None:
         self._idle: dict[Address, list[Connection]] = {}
 
-    async def infer(self, address: Address, request: InferRequest) -> InferResponse:
-        """The listener's response to ``request``; its error (Triton's code from the status)
-        raised as :class:`ServingError`; :class:`UnavailableError` when it cannot be reached."""
-        message = b"".join(encode_request(request, address))  # one send
+    async def infer(self, address: Address, request: InferRequest,
+                    headers: tuple[tuple[bytes, bytes], ...] = ()) -> InferResponse:
+        """The listener's response to ``request`` (sent with ``headers`` too); its error
+        (Triton's code from the status) raised as :class:`ServingError`;
+        :class:`UnavailableError` when it cannot be reached."""
+        message = b"".join(encode_request(request, address, headers))  # one send
         for attempt in (0, 1):
             reused = bool(self._idle.get(address))
             try:
@@ -101,7 +103,8 @@ async def post(address: Address, path: str, timeout_s: float, body: bytes = b"")
     return await asyncio.wait_for(call(), timeout_s)
 
 
-def encode_request(request: InferRequest, address: Address) -> tuple[bytes, bytes]:
+def encode_request(request: InferRequest, address: Address,
+                   headers: tuple[tuple[bytes, bytes], ...] = ()) -> tuple[bytes, bytes]:
     """(request line and headers, body) of ``request``: every tensor binary, both ways."""
     inputs = []
     chunks = []
@@ -113,7 +116,10 @@ def encode_request(request: InferRequest, address: Address) -> tuple[bytes, byte
         chunks.append(raw)
     doc: dict[str, Any] = {"inputs": inputs}
     if request.outputs is not None:
-        doc["outputs"] = [{"name": o.name, "parameters": {"binary_data": True}} for o in request.outputs]
+        # Outputs come back binary; a classification is computed where the model runs.
+        doc["outputs"] = [{"name": o.name, "parameters": {"binary_data": True, **(
+            {"classification": o.parameters["classification"]} if "classification" in o.parameters else {})}}
+            for o in request.outputs]
     doc["parameters"] = {**request.parameters, "binary_data_output": True}
     if request.id is not None:
         doc["id"] = request.id
@@ -121,8 +127,9 @@ def encode_request(request: InferRequest, address: Address) -> tuple[bytes, byte
     body = header + b"".join(chunks)
     version = f"/versions/{request.model_version}" if request.model_version else ""
     path = f"/v2/models/{quote(request.model_name, safe='')}{version}/infer".encode()
-    head = (b"POST %b HTTP/1.1\r\nhost: %s:%d\r\ncontent-length: %d\r\ninference-header-content-length: %d\r\n\r\n"
-            % (path, address[0].encode(), address[1], len(body), len(header)))
+    extra = b"".join(b"%b: %b\r\n" % header for header in headers)
+    head = (b"POST %b HTTP/1.1\r\nhost: %s:%d\r\ncontent-length: %d\r\ninference-header-content-length: %d\r\n%b\r\n"
+            % (path, address[0].encode(), address[1], len(body), len(header), extra))
     return head, body
 
 

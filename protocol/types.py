@@ -40,6 +40,8 @@ class InferRequest:
     inputs: list[InferInput] = field(default_factory=list)
     outputs: list[RequestedOutput] | None = None
     parameters: dict[str, Any] = field(default_factory=dict)
+    # Sent on by another replica of the model to this one, which holds its sequence.
+    forwarded: bool = False
 
     def input_by_name(self) -> dict[str, InferInput]:
         return {tensor.name: tensor for tensor in self.inputs}

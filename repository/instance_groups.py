@@ -14,10 +14,11 @@ only that GPU. So here:
   the cluster has GPUs, else CPU.
 - ``gpu_fallback``: GPU groups run as CPU replicas (development on a machine without a GPU).
 
-A model with ``sequence_batching`` runs as one replica whatever its count: every request of a
-sequence must reach the replica that holds the sequence's slot and state, and the front routes
-each request to a replica of its own choosing. That one replica's sequence batcher has the
-slots of one instance (``max_batch_size`` for the direct strategy).
+A model with ``sequence_batching`` runs as many replicas as any other, each with the slots of
+one instance: every request of a sequence goes to the replica that owns the sequence's routing
+slot (:mod:`rayinfer.serving.sequence_routing`). A *decoupled* sequence model runs as one replica
+whatever its count: its responses stream back, and a replica that received a request of another
+replica's sequence could not relay them.
 
 One model's groups must resolve to one kind, and its GPU groups to one ``count``: a Serve
 deployment has one set of resources for all its replicas.
@@ -75,7 +76,8 @@ def replica_plan(config: ModelConfig, path: Path, *, cluster_has_gpus: bool,
             f"{path}: instance groups that resolve to both CPU and GPU replicas ({listed}) are not "
             "supported: one model's replicas share one set of resources; use one kind"
         )
-    sequences = config.HasField("sequence_batching")  # one replica: see the module's notes
+    # One replica: see the module's notes.
+    sequences = config.HasField("sequence_batching") and config.model_transaction_policy.decoupled
     if kinds == {_KIND.KIND_CPU}:
         return ReplicaPlan(1 if sequences else sum(max(g.count, 1) for g in groups), "KIND_CPU")
     counts = {max(g.count, 1) for g, _ in resolved}

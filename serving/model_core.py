@@ -31,6 +31,7 @@ from rayinfer.serving.executor import BlockingSender, Executor, ResponseSender, 
 INLINE_EXECUTION_LIMIT_S = 0.002
 # (the version asked for, "" for every served version; this replica's statistics snapshot) ->
 # that model's figures summed over all replicas, as (version, snapshot) pairs.
+Address = tuple[str, int]
 StatisticsSource = Callable[[str, dict[str, Any]], Awaitable[list[tuple[str, dict[str, Any]]]]]
 
 
@@ -56,6 +57,9 @@ class ModelCore:
         self.config_json = config_to_json(spec.config)
         # The trace extension's sampling of this model's requests (off until configured).
         self.tracer = Tracer(self.name, self.version)
+        # A sequence model with several replicas (set by the replica: :meth:`route_sequences`).
+        self._sequence_owner: Callable[[dict[str, Any]], Address | None] | None = None
+        self._send_on: Callable[[Address, InferRequest], Awaitable[InferResponse]] | None = None
         self._statistics = statistics
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{spec.name}-v{self.version}")
         # Unknown until measured: the first executions run on the thread.
@@ -94,8 +98,25 @@ class ModelCore:
         in Triton)."""
         return self.executor.prepare(request)
 
+    def route_sequences(self, owner: Callable[[dict[str, Any]], Address | None],
+                        send_on: Callable[[Address, InferRequest], Awaitable[InferResponse]]) -> None:
+        """Send each request of a sequence another replica holds on to that replica:
+        ``owner(parameters)`` names its listener (None: this replica), ``send_on`` sends it."""
+        self._sequence_owner, self._send_on = owner, send_on
+
+    def _held_elsewhere(self, prepared: Any) -> Address | None:
+        """The listener of the replica holding this request's sequence, when not this one."""
+        request = prepared.request
+        if self._sequence_owner is None or request.forwarded:
+            return None
+        return self._sequence_owner(request.parameters)
+
     async def infer(self, prepared: Any) -> InferResponse:
         """The one response of a request to a non-decoupled model; raises its error."""
+        owner = self._held_elsewhere(prepared)
+        if owner is not None:
+            assert self._send_on is not None
+            return await self._send_on(owner, prepared.request)
         try:
             result = await (self._traced(prepared) if self.tracer.active else self._schedule(prepared))
         except asyncio.CancelledError:
@@ -110,7 +131,15 @@ class ModelCore:
         exactly one (its error included). A decoupled execution that fails ends the stream
         with its error."""
         if not self.decoupled:
-            yield await (self._traced(prepared) if self.tracer.active else self._schedule(prepared))
+            owner = self._held_elsewhere(prepared)
+            if owner is None:
+                yield await (self._traced(prepared) if self.tracer.active else self._schedule(prepared))
+                return
+            assert self._send_on is not None
+            try:
+                yield await self._send_on(owner, prepared.request)
+            except ServingError as exc:
+                yield exc
             return
         sender = prepared.sender = ResponseSender()
         done = asyncio.ensure_future(self._schedule(prepared))

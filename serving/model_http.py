@@ -18,6 +18,7 @@ from rayinfer.protocol.statistics import stats_to_json
 from rayinfer.protocol.types import InferRequest
 from rayinfer.serving.model_core import ModelCore
 from rayinfer.serving.routes import HEADER_LENGTH, ModelRoute
+from rayinfer.serving.sequence_routing import FORWARDED_HEADER
 
 HttpResponse = tuple[int, list[tuple[bytes, bytes]], bytes]
 _OCTET = (b"content-type", b"application/octet-stream")
@@ -90,6 +91,7 @@ async def infer(core: ModelCore, headers: dict[bytes, bytes], body: bytes,
                     core.shm, lambda: request_from_http(body, header_length, core.name, core.version, core.shm))
     except Exception as exc:
         return error_response(exc)
+    request.forwarded = FORWARDED_HEADER in headers  # by another replica: this one holds the sequence
     return await _answer(core, request, headers)
 
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from urllib.parse import unquote
 
 from rayinfer.protocol import http_codec
+from rayinfer.serving.sequence_routing import FORWARDED_HEADER
 
 MODELS_PREFIX = "/v2/models/"
 # The front puts this before the path of a model GET it has no replica for, which sends it to
@@ -22,7 +23,7 @@ MODEL_ACTIONS = frozenset({"", "ready", "config", "stats", "infer"})
 
 HEADER_LENGTH = http_codec.HEADER_LENGTH.encode()
 # Request headers an infer request's answer depends on; every other header is dropped on entry.
-REQUEST_HEADERS = frozenset({b"content-encoding", b"accept-encoding", HEADER_LENGTH})
+REQUEST_HEADERS = frozenset({b"content-encoding", b"accept-encoding", HEADER_LENGTH, FORWARDED_HEADER})
 
 
 @dataclass(frozen=True, slots=True)

@@ -44,11 +44,14 @@ sequence_batching {
   control_input [ { name: "CORRID" control [ { kind: CONTROL_SEQUENCE_CORRID data_type: TYPE_STRING } ] } ]
 }
 input [ { name: "INPUT" data_type: TYPE_INT32 dims: [ 1 ] } ]
-output [ { name: "SUM" data_type: TYPE_INT32 dims: [ 1 ] }, { name: "FLAGS" data_type: TYPE_INT32 dims: [ 1 ] } ]
-instance_group [ { count: 1 kind: KIND_CPU } ]
+output [ { name: "SUM" data_type: TYPE_INT32 dims: [ 1 ] }, { name: "FLAGS" data_type: TYPE_INT32 dims: [ 1 ] },
+          { name: "PID" data_type: TYPE_INT32 dims: [ 1 ] } ]
+instance_group [ { count: 2 kind: KIND_CPU } ]
 """
 
-SEQ_PYTHON_MODEL = '''import numpy as np
+SEQ_PYTHON_MODEL = '''import os
+
+import numpy as np
 import triton_python_backend_utils as pb_utils
 
 
@@ -62,7 +65,8 @@ class TritonPythonModel:
             sequence = request.correlation_id()
             corrid = pb_utils.get_input_tensor_by_name(request, "CORRID").as_numpy()[0, 0]
             start = bool(pb_utils.get_input_tensor_by_name(request, "START").as_numpy()[0, 0])
-            if corrid.decode() != sequence or start != bool(request.flags() & pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_START):
+            # A string CORRID control holds "" for an integer correlation id (Triton's rule).
+            if corrid.decode() != (sequence if isinstance(sequence, str) else "") or start != bool(request.flags() & pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_START):
                 responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError("control inputs disagree with the request")))
                 continue
             value = int(pb_utils.get_input_tensor_by_name(request, "INPUT").as_numpy()[0, 0])
@@ -73,6 +77,7 @@ class TritonPythonModel:
             responses.append(pb_utils.InferenceResponse([
                 pb_utils.Tensor("SUM", np.array([[total]], np.int32)),
                 pb_utils.Tensor("FLAGS", np.array([[request.flags()]], np.int32)),
+                pb_utils.Tensor("PID", np.array([[os.getpid()]], np.int32)),
             ]))
         return responses
 '''

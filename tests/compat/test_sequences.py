@@ -187,3 +187,52 @@ def test_server_lists_the_sequence_extension(proto: tuple[Any, Any]) -> None:
     metadata = client.get_server_metadata()
     extensions = metadata["extensions"] if isinstance(metadata, dict) else list(metadata.extensions)
     assert "sequence" in extensions
+
+
+def test_each_sequence_stays_on_one_of_two_replicas_over_every_protocol(server: dict[str, Any]) -> None:
+    """``seq_python`` runs two replicas (instance_group count 2), each with its own sums: twelve
+    sequences (integer and string ids, four at a time) whose requests alternate between HTTP,
+    gRPC and a gRPC stream all keep their sums, each on one replica, and both replicas get some."""
+    import tritonclient.grpc as grpcclient
+    import tritonclient.http as httpclient
+
+    answers: queue.Queue = queue.Queue()
+    http = httpclient.InferenceServerClient(server["url"])
+    grpc = grpcclient.InferenceServerClient(server["grpc_url"])
+    stream = grpcclient.InferenceServerClient(server["grpc_url"])
+    stream.start_stream(callback=lambda result, error: answers.put(error or result))
+
+    def send(step: int, sequence_id: int | str, value: int) -> Any:
+        flags = {"sequence_id": sequence_id, "sequence_start": step == 0, "sequence_end": step == 3}
+        module = httpclient if step % 3 == 0 else grpcclient
+        inp = module.InferInput("INPUT", [1, 1], "INT32")
+        inp.set_data_from_numpy(np.full((1, 1), value, np.int32))
+        if step % 3 == 0:
+            return http.infer("seq_python", [inp], **flags)
+        if step % 3 == 1:
+            return grpc.infer("seq_python", [inp], **flags)
+        stream.async_stream_infer("seq_python", [inp], **flags)
+        answer = answers.get(timeout=30)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    pids: dict[int | str, set[int]] = {}
+    try:
+        for round_ in range(3):
+            ids: list[int | str] = [7000 + round_, 8000 + round_, f"r{round_}-a", f"r{round_}-b"]
+            sums = {sequence_id: [] for sequence_id in ids}
+            for step in range(4):
+                for k, sequence_id in enumerate(ids):
+                    result = send(step, sequence_id, 10 * k + step)
+                    sums[sequence_id].append((int(result.as_numpy("SUM")[0][0]), int(result.as_numpy("FLAGS")[0][0])))
+                    pids.setdefault(sequence_id, set()).add(int(result.as_numpy("PID")[0][0]))
+            for k, sequence_id in enumerate(ids):
+                expected = np.cumsum([10 * k + step for step in range(4)]).tolist()
+                assert sums[sequence_id] == list(zip(expected, [1, 0, 0, 2])), sequence_id
+    finally:
+        stream.stop_stream()
+        for client in (http, grpc, stream):
+            client.close()
+    assert all(len(replica) == 1 for replica in pids.values()), pids
+    assert len(set().union(*pids.values())) == 2, pids

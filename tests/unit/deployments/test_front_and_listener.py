@@ -30,6 +30,7 @@ from front_stand_ins import (
 from rayinfer.deployments.front import Front
 from rayinfer.deployments.front_keeper import stop_fronts
 from rayinfer.deployments.replica_listener import grpc_message_header, unframe
+from rayinfer.serving.sequence_routing import SLOTS, slot_of
 from waiting import wait_until
 
 
@@ -167,6 +168,44 @@ def test_http_infer_requests_are_routed_by_path(loop, front):
         assert http_exchange(port, get(path)).endswith(b"one GET " + path.encode() + b" 0"), path
     assert http_exchange(port, get("/v2/models/m%C3%BC/versions/2/ready")).endswith(
         b"two GET /v2/models/m%C3%BC/versions/2/ready 0")
+
+
+def test_sequence_requests_go_to_their_slots_replica(loop, front):
+    """A sequence model's version has a listener per routing slot: a call naming a sequence goes
+    to the slot's replica (HAProxy's CRC-32 of the id must be the replicas' own, zlib's), over
+    gRPC and HTTP (JSON alone, or a JSON header before binary data); the others to any."""
+    frontend, port = front
+    replicas = [Replica(loop, name) for name in ("a", "b", "c")]
+    slots = [replicas[(slot * 7) % 3] for slot in range(SLOTS)]  # not in blocks: any slot counts
+    asyncio.run_coroutine_threadsafe(frontend.publish(
+        {"seq/": [("127.0.0.1", r.port) for r in slots]}, frozenset({"seq/"})), loop).result(10)
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
+    tensor = grpcclient.InferInput("X", [1, 1], "FP32")
+    tensor.set_data_from_numpy(np.zeros((1, 1), np.float32))
+    ids: list[int | str] = [1, 2, 3, 17, 64, 1000, 2**40 + 5, "a", "sequence-7", "\u00fc-9"]
+    for sequence_id in ids:
+        expected = slots[slot_of(sequence_id)].name
+        for start in (True, False):
+            served = client.infer("seq", [tensor], sequence_id=sequence_id, sequence_start=start).get_response()
+            assert served.model_name == expected, (sequence_id, start)
+        for body, extra in _http_sequence_bodies(sequence_id):
+            reply = http_exchange(frontend.http_port, post("/v2/models/seq/infer", body, extra))
+            assert reply.split(b"\r\n\r\n", 1)[1].startswith(expected.encode() + b" POST"), (sequence_id, body)
+    unnamed = Counter(client.infer("seq", [tensor]).get_response().model_name for _ in range(30))
+    assert len(unnamed) > 1, unnamed
+    client.close()
+
+
+def _http_sequence_bodies(sequence_id: int | str) -> list[tuple[bytes, bytes]]:
+    header = json.dumps({"inputs": [{"name": "X", "datatype": "FP32", "shape": [1, 1],
+                                     "parameters": {"binary_data_size": 4}}],
+                         "parameters": {"sequence_start": False, "sequence_id": sequence_id}},
+                        ensure_ascii=False).encode()
+    # (An id with JSON escapes is not read by the front: the replica it reaches sends it on.)
+    plain = json.dumps({"parameters": {"sequence_id": sequence_id}, "inputs": []}, ensure_ascii=False).encode()
+    # Binary data that looks like another id must not count.
+    binary = header + b'"sequence_id": 999'
+    return [(plain, b""), (binary, b"inference-header-content-length: %d\r\n" % len(header))]
 
 
 def test_unrouted_model_gets_go_to_the_v2_application(loop):

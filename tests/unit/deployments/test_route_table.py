@@ -28,10 +28,12 @@ class _State:
 class _Front:
     def __init__(self) -> None:
         self.published: dict[str, list[tuple[str, int]]] = {}
+        self.sequence_keys: frozenset[str] = frozenset()
         self.publications = 0
 
-    async def publish(self, routes: dict[str, list[tuple[str, int]]]) -> None:
+    async def publish(self, routes: dict[str, list[tuple[str, int]]], sequence_keys: frozenset[str] = frozenset()) -> None:
         self.published = dict(routes)
+        self.sequence_keys = sequence_keys
         self.publications += 1
 
 
