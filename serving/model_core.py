@@ -29,9 +29,10 @@ from rayinfer.serving.executor import BlockingSender, Executor, ResponseSender, 
 # short execution to a thread and back costs more than the execution. Longer ones run on the
 # model's thread so the loop keeps accepting requests.
 INLINE_EXECUTION_LIMIT_S = 0.002
+# A replica listener's (host, port).
+Address = tuple[str, int]
 # (the version asked for, "" for every served version; this replica's statistics snapshot) ->
 # that model's figures summed over all replicas, as (version, snapshot) pairs.
-Address = tuple[str, int]
 StatisticsSource = Callable[[str, dict[str, Any]], Awaitable[list[tuple[str, dict[str, Any]]]]]
 
 
