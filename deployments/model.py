@@ -30,7 +30,13 @@ from rayinfer.deployments import asgi
 from rayinfer.deployments.autoscaling import LISTENER_ONGOING
 from rayinfer.deployments.bls_client import ReplicaBlsClient
 from rayinfer.deployments.ensemble_members import EnsembleMembers, load_ensemble
-from rayinfer.deployments.names import SERVER_APP, SERVER_DEPLOYMENT, SHM_FORGET_PATH, TRACE_SETTINGS_PATH
+from rayinfer.deployments.names import (
+    SEQUENCE_SLOTS_PATH,
+    SERVER_APP,
+    SERVER_DEPLOYMENT,
+    SHM_FORGET_PATH,
+    TRACE_SETTINGS_PATH,
+)
 from rayinfer.deployments.replica_listener import ReplicaListener
 from rayinfer.protocol import log_settings
 from rayinfer.protocol.errors import NotFoundError, ServingError, UnavailableError, UnsupportedError, as_serving_error
@@ -173,6 +179,9 @@ class ModelDeployment:
         of the model's metadata, readiness, config or statistics."""
         route = parse_model_route(path, encoded=True)
         if route is None:
+            if method == "POST" and path == SEQUENCE_SLOTS_PATH and self._sequences is not None:
+                self._sequences.update(json.loads(body))  # the /v2 replica: the slots moved
+                return 200, [], b""
             if method == "POST" and path == TRACE_SETTINGS_PATH:  # the /v2 replica: new trace settings
                 self._trace_settings(json.loads(body))
                 return 200, [], b""

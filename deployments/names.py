@@ -12,6 +12,9 @@ MODEL_DEPLOYMENT = "ModelDeployment"
 # The path on a model replica's listener by which the ``/v2`` replica tells it to forget a
 # system shared memory region (the region's name follows, percent-encoded; none: every region).
 SHM_FORGET_PATH = "/rayinfer/systemsharedmemory/forget/"
+# The path on a model replica's listener by which the ``/v2`` replica gives it its sequence
+# model's new routing slots (serving/sequence_routing.py).
+SEQUENCE_SLOTS_PATH = "/rayinfer/sequences/slots"
 # The path on a model replica's listener by which the ``/v2`` replica gives it new trace settings.
 TRACE_SETTINGS_PATH = "/rayinfer/trace/settings"
 # CPU reserved by each model replica: small, so many models fit on a small machine.

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -19,13 +20,17 @@ from collections.abc import Set as AbstractSet
 from typing import Any
 
 from rayinfer.deployments.names import model_apps
+from rayinfer.deployments.names import SEQUENCE_SLOTS_PATH
 from rayinfer.deployments.serve_state import ServeState, running_replicas
-from rayinfer.serving.sequence_routing import assign_slots
+from rayinfer.protocol.listener_client import post
+from rayinfer.serving.sequence_routing import assign_slots, previous_owners
 
 logger = logging.getLogger(__name__)
 
 # A model replica's listener not registered again within this long is forgotten.
 LISTENER_TTL_S = 6.0
+# How long the table waits for a replica to take its sequence model's new slots.
+_TELL_TIMEOUT_S = 1.0
 
 
 class RouteTable:
@@ -37,9 +42,14 @@ class RouteTable:
         self._lock = asyncio.Lock()
         # replica -> (application, host, port, last registered)
         self._listeners: dict[str, tuple[str, str, int, float]] = {}
-        # Sequence models' applications, and each one's slots' replicas as last published.
+        # Sequence models' applications, and each one's slots' replicas as last published,
+        # and the replica each slot was taken from, while it runs.
         self._sequence_apps: set[str] = set()
         self._slots: dict[str, list[str]] = {}
+        self._previous: dict[str, list[str | None]] = {}
+        # The same as the replicas are told it (listeners), by application.
+        self._tables: dict[str, dict[str, Any]] = {}
+        self._told: dict[str, dict[str, Any]] = {}  # the tables the replicas were last given
         # Models being unloaded (``withdrawn``): the front routes none of their versions.
         self._withdrawn: set[str] = set()
 
@@ -54,16 +64,26 @@ class RouteTable:
             await self.publish()
             if self._front is None:  # no publication: the replicas' slots are assigned here
                 self._routes(set())
+                await self._tell_slots()
 
-    def slot_listeners(self, app: str) -> list[tuple[str, int]] | None:
-        """A sequence model application's slot table as last published (a listener per slot)."""
-        slots = self._slots.get(app)
-        if slots is None:
-            return None
-        listeners = {replica: (host, port) for replica, (_, host, port, _) in self._listeners.items()}
-        if not all(replica in listeners for replica in slots):
-            return None  # a replica of the table left since: the next publication has the new table
-        return [listeners[replica] for replica in slots]
+    def slot_table(self, app: str) -> dict[str, Any] | None:
+        """A sequence model application's slot table as last published: ``listeners``, one per
+        slot, and ``previous``, the listener of the replica each slot was taken from, or None."""
+        return self._tables.get(app)
+
+    async def _tell_slots(self) -> None:
+        """Give the replicas of each sequence model whose slots moved its new table, at once
+        (before the front routes by it: a replica that still gets a call by the old table sends
+        it on by the new one)."""
+        changed = {app: table for app, table in self._tables.items() if table != self._told.get(app)}
+        calls = [(app, address) for app in changed for address in self.listeners(app)]
+        body = {app: json.dumps(table).encode() for app, table in changed.items()}
+        results = await asyncio.gather(*(post(address, SEQUENCE_SLOTS_PATH, _TELL_TIMEOUT_S, body[app])
+                                         for app, address in calls), return_exceptions=True)
+        for (app, address), result in zip(calls, results):
+            if result != 200:  # it reads the table again when it next registers
+                logger.warning("model replica at %s:%d of %s did not take its new slots: %s", *address, app, result)
+        self._told = {app: table for app, table in self._tables.items()}
 
     async def withdraw(self, replica: str) -> None:
         """A model replica is stopping: returns once the front no longer routes to it (at once
@@ -81,6 +101,7 @@ class RouteTable:
             await self._state.refresh()
             try:
                 routes = self._routes(await self._not_running())
+                await self._tell_slots()
                 await self._front.publish(routes, frozenset(
                     key for key, (app, _) in self._state.routes.items() if key in routes and app in self._slots))
             except Exception:  # the front keeps its previous routes; the /v2 app forwards the rest
@@ -146,10 +167,15 @@ class RouteTable:
                 replicas.setdefault(app, []).append(replica)
         for app in list(self._slots):
             if app not in replicas:
-                del self._slots[app]
+                for table in (self._slots, self._previous, self._tables):
+                    table.pop(app, None)
         for app in self._sequence_apps & set(replicas):
-            slots = self._slots[app] = assign_slots(self._slots.get(app), replicas[app])
+            before = self._slots.get(app)
+            slots = self._slots[app] = assign_slots(before, replicas[app])
+            previous = self._previous[app] = previous_owners(before, slots, self._previous.get(app), replicas[app])
             by_app[app] = [self._listeners[replica][1:3] for replica in slots]  # type: ignore[misc]
+            self._tables[app] = {"listeners": [list(a) for a in by_app[app]],
+                                 "previous": [list(self._listeners[r][1:3]) if r else None for r in previous]}
         return {key: by_app[app] if app in self._slots else sorted(by_app[app])
                 for key, (app, _) in self._state.routes.items() if app in by_app}
 

@@ -119,7 +119,7 @@ class ServerDeployment(ServerGrpcMethods):
         routes = self._api.routes
         await routes.register(replica_key, app, host, port, sequences)
         return {"log": self._api.log_settings, "trace": self._api.trace_settings.as_dict(),
-                "sequence_slots": routes.slot_listeners(app) if sequences else None}
+                "sequence_slots": routes.slot_table(app) if sequences else None}
 
     async def trace_setting(self, model: str, doc: dict[str, Any] | None) -> dict[str, Any]:
         """A model's trace settings over HTTP, which Serve routes to the model's replica."""

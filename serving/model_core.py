@@ -59,7 +59,7 @@ class ModelCore:
         # The trace extension's sampling of this model's requests (off until configured).
         self.tracer = Tracer(self.name, self.version)
         # A sequence model with several replicas (set by the replica: :meth:`route_sequences`).
-        self._sequence_owner: Callable[[dict[str, Any]], Address | None] | None = None
+        self._sequence_owner: Callable[[dict[str, Any], Callable[[Any], bool]], Address | None] | None = None
         self._send_on: Callable[[Address, InferRequest], Awaitable[InferResponse]] | None = None
         self._statistics = statistics
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{spec.name}-v{self.version}")
@@ -99,18 +99,19 @@ class ModelCore:
         in Triton)."""
         return self.executor.prepare(request)
 
-    def route_sequences(self, owner: Callable[[dict[str, Any]], Address | None],
+    def route_sequences(self, owner: Callable[[dict[str, Any], Callable[[Any], bool]], Address | None],
                         send_on: Callable[[Address, InferRequest], Awaitable[InferResponse]]) -> None:
         """Send each request of a sequence another replica holds on to that replica:
-        ``owner(parameters)`` names its listener (None: this replica), ``send_on`` sends it."""
+        ``owner(parameters, holds)`` names its listener (None: this replica; ``holds(id)``:
+        whether the sequence runs here), ``send_on`` sends it."""
         self._sequence_owner, self._send_on = owner, send_on
 
     def _held_elsewhere(self, prepared: Any) -> Address | None:
         """The listener of the replica holding this request's sequence, when not this one."""
         request = prepared.request
-        if self._sequence_owner is None or request.forwarded:
+        if self._sequence_owner is None or request.forwarded or self._sequencer is None:
             return None
-        return self._sequence_owner(request.parameters)
+        return self._sequence_owner(request.parameters, self._sequencer.holds)
 
     async def infer(self, prepared: Any) -> InferResponse:
         """The one response of a request to a non-decoupled model; raises its error."""

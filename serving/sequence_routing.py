@@ -12,15 +12,18 @@ carries a header saying so and is never sent on again.
 
 Slots move only when the replicas change: the slots of a replica that left go to those with the
 fewest, and a replica that joins takes slots from those with the most, until every replica has
-``SLOTS // n`` or one more. A sequence whose slot moved fails its next request with Triton's
-error for a sequence that was never started (it has no state on the slot's new replica), as it
-would in Triton if its instance were gone; sequences in the other slots go on.
+``SLOTS // n`` or one more. A slot taken from a replica still running keeps it as the slot's
+*previous* replica: the new one starts the slot's new sequences and sends a request of a
+sequence it does not hold on to the previous one, so sequences running there go on to their
+end. A sequence whose replica left fails its next request with Triton's error for a sequence
+that was never started (it has no state anywhere else), as it would in Triton if its instance
+were gone; sequences on the other replicas go on.
 """
 
 from __future__ import annotations
 
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 # Routing slots per sequence model version (the front's map holds one listener per slot).
@@ -34,6 +37,20 @@ Address = tuple[str, int]
 def slot_of(sequence_id: Any) -> int:
     """The routing slot of a correlation id (an unsigned integer or a string)."""
     return zlib.crc32(str(sequence_id).encode("utf-8")) % SLOTS
+
+
+def previous_owners(before: Sequence[str] | None, after: Sequence[str], previous: Sequence[str | None] | None,
+                    replicas: Sequence[str]) -> list[str | None]:
+    """Each slot's previous replica after ``before`` became ``after``: the replica a slot was
+    taken from, while it runs (in ``replicas``); a slot that did not move keeps its previous one."""
+    live = set(replicas)
+    result: list[str | None] = []
+    for slot, owner in enumerate(after):
+        old = before[slot] if before is not None and len(before) == SLOTS else None
+        kept = previous[slot] if previous is not None and len(previous) == SLOTS else None
+        candidate = old if old is not None and old != owner else kept
+        result.append(candidate if candidate in live and candidate != owner else None)
+    return result
 
 
 def assign_slots(current: Sequence[str | None] | None, replicas: Sequence[str]) -> list[str]:
@@ -67,17 +84,34 @@ class SequenceRoutes:
     def __init__(self, own: Address) -> None:
         self.own = (own[0], int(own[1]))
         self._listeners: list[Address] | None = None
+        self._previous: list[Address | None] = [None] * SLOTS
 
-    def update(self, listeners: Sequence[Sequence[Any]] | None) -> None:
-        """The table the route table answered (one listener per slot), or None (none yet)."""
-        self._listeners = [(str(h), int(p)) for h, p in listeners] if listeners and len(listeners) == SLOTS else None
+    def update(self, table: dict[str, Any] | None) -> None:
+        """The table the route table answered (``listeners``: one per slot; ``previous``: each
+        slot's previous replica or None), or None (none yet)."""
+        listeners = (table or {}).get("listeners")
+        if not listeners or len(listeners) != SLOTS:
+            self._listeners = None
+            return
+        self._listeners = [(str(h), int(p)) for h, p in listeners]
+        previous = table.get("previous") or [None] * SLOTS  # type: ignore[union-attr]
+        self._previous = [(str(a[0]), int(a[1])) if a else None for a in previous]
 
-    def owner(self, parameters: dict[str, Any]) -> Address | None:
+    def owner(self, parameters: dict[str, Any], holds: Callable[[Any], bool]) -> Address | None:
         """The listener of the replica holding the sequence of a request with these parameters,
-        or None when that is this replica (or the request names no sequence, or no table is known)."""
+        or None when that is this replica (or the request names no sequence, or no table is
+        known). ``holds(id)``: whether the sequence runs on this replica."""
         listeners = self._listeners
         sequence_id = parameters.get("sequence_id")
         if listeners is None or sequence_id is None or sequence_id == 0 or sequence_id == "":
             return None
-        owner = listeners[slot_of(sequence_id)]
-        return None if owner == self.own else owner
+        start = bool(parameters.get("sequence_start"))
+        if not start and holds(sequence_id):  # began here (before its slot moved away, perhaps)
+            return None
+        slot = slot_of(sequence_id)
+        if listeners[slot] != self.own:
+            return listeners[slot]
+        previous = self._previous[slot]
+        if previous is None or previous == self.own or start:
+            return None
+        return previous  # a sequence that began before this replica took its slot

@@ -87,6 +87,11 @@ class SequenceBatcher:
     def active_sequences(self) -> int:
         return sum(1 for s in self._slots if s is not None)
 
+    def holds(self, corrid: CorrelationId) -> bool:
+        """Whether a sequence with this correlation id runs here (started, not ended)."""
+        sequence = self._sequences.get(corrid)
+        return sequence is not None and not sequence.ended
+
     async def submit(self, prepared: Any) -> Any:
         """Queue one request of a sequence; returns its result once its batch has executed."""
         if self._closed:

@@ -40,6 +40,8 @@ backend: "python"
 max_batch_size: 4
 sequence_batching {
   oldest { max_candidate_sequences: 4 max_queue_delay_microseconds: 1000 }
+  # Sequences outlive a replica's replacement in the tests (Triton's default is 1 s).
+  max_sequence_idle_microseconds: 120000000
   control_input [ { name: "START" control [ { kind: CONTROL_SEQUENCE_START bool_false_true: [ false, true ] } ] } ]
   control_input [ { name: "CORRID" control [ { kind: CONTROL_SEQUENCE_CORRID data_type: TYPE_STRING } ] } ]
 }

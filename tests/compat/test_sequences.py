@@ -16,6 +16,7 @@ import pytest
 from tritonclient.utils import InferenceServerException
 
 from sequence_models import INITIAL_VALUE
+from waiting import wait_until
 
 VALUES = [11, 7, 5, 3, 2, 0, 1]
 
@@ -236,3 +237,71 @@ def test_each_sequence_stays_on_one_of_two_replicas_over_every_protocol(server: 
             client.close()
     assert all(len(replica) == 1 for replica in pids.values()), pids
     assert len(set().union(*pids.values())) == 2, pids
+
+
+def test_a_sequence_whose_replica_died_fails_and_the_others_go_on(server: dict[str, Any]) -> None:
+    """Four sequences on ``seq_python``'s two replicas; one replica's process is killed. Its
+    sequences fail with Triton's error for a sequence that was not started (never a silent new
+    sum elsewhere); the other replica's go on to their end, also after Serve's replacement
+    replica has joined and taken slots from it (requests of a sequence that began before are
+    sent back to the replica that holds it)."""
+    import os
+    import signal
+
+    import tritonclient.grpc as grpcclient
+    import tritonclient.http as httpclient
+
+    grpc = grpcclient.InferenceServerClient(server["grpc_url"])
+    http = httpclient.InferenceServerClient(server["url"])
+
+    def send(sequence_id: str, value: int, start: bool = False, end: bool = False, module: Any = grpcclient) -> Any:
+        inp = module.InferInput("INPUT", [1, 1], "INT32")
+        inp.set_data_from_numpy(np.full((1, 1), value, np.int32))
+        client = grpc if module is grpcclient else http
+        result = client.infer("seq_python", [inp], sequence_id=sequence_id, sequence_start=start, sequence_end=end)
+        return int(result.as_numpy("SUM")[0][0]), int(result.as_numpy("PID")[0][0])
+
+    sums: dict[str, int] = {}
+    on: dict[str, int] = {}
+    k = 0
+    while len(on) < 4 or len(set(on.values())) < 2:  # at most 3 at once per replica (it has 4 slots)
+        sequence_id, k = f"death-{k}", k + 1
+        total, pid = send(sequence_id, k, start=True)
+        if sum(p == pid for p in on.values()) >= 3 or len(on) >= 4:
+            send(sequence_id, 0, end=True)
+            continue
+        sums[sequence_id], on[sequence_id] = total, pid
+    counts = {pid: sum(p == pid for p in on.values()) for pid in set(on.values())}
+    victim = min(counts, key=counts.get)
+    os.kill(victim, signal.SIGKILL)
+    try:
+        for sequence_id, pid in on.items():
+            if pid == victim:
+                def failed(sequence_id: str = sequence_id) -> bool:
+                    with pytest.raises(InferenceServerException) as error:  # never answered with a new sum
+                        send(sequence_id, 1)
+                    return "must specify the START flag" in str(error.value)
+                wait_until(failed, f"sequence {sequence_id} to fail with Triton's error", timeout_s=60)
+        survivors = [s for s, pid in on.items() if pid != victim]
+        for sequence_id in survivors:
+            total, pid = send(sequence_id, 2)
+            sums[sequence_id] += 2
+            assert (total, pid) == (sums[sequence_id], on[sequence_id])
+        # Serve replaces the dead replica; once it serves new sequences, the survivors go on.
+        probes = iter(range(10**6))
+
+        def replaced() -> bool:
+            try:
+                return send(f"probe-{next(probes)}", 0, start=True, end=True)[1] not in on.values()
+            except InferenceServerException:  # a slot still routed to the dead replica
+                return False
+
+        wait_until(replaced, "the replacement replica to serve new sequences", timeout_s=120, interval_s=0.5)
+        for sequence_id in survivors:
+            for step, module in ((3, httpclient), (4, grpcclient)):
+                total, pid = send(sequence_id, step, end=step == 4, module=module)
+                sums[sequence_id] += step
+                assert (total, pid) == (sums[sequence_id], on[sequence_id]), sequence_id
+    finally:
+        grpc.close()
+        http.close()

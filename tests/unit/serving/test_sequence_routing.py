@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import zlib
 from collections import Counter
 
+from rayinfer.deployments.names import SEQUENCE_SLOTS_PATH
+from rayinfer.deployments.replica_listener import ReplicaListener
 from rayinfer.deployments.route_table import RouteTable
-from rayinfer.serving.sequence_routing import SLOTS, SequenceRoutes, assign_slots, slot_of
+from rayinfer.serving.sequence_routing import SLOTS, SequenceRoutes, assign_slots, previous_owners, slot_of
 
 
 def test_slots_are_zlibs_crc32_of_the_id_as_text():
@@ -35,18 +38,43 @@ def test_slots_are_shared_evenly_and_move_only_when_replicas_change():
 
 def test_a_replica_routes_the_sequences_of_other_replicas_slots_to_them():
     routes = SequenceRoutes(("10.0.0.1", 1000))
-    assert routes.owner({"sequence_id": 5}) is None  # no table yet: here
+    held: set = set()
+    assert routes.owner({"sequence_id": 5}, held.__contains__) is None  # no table yet: here
     table = [("10.0.0.1", 1000) if slot % 2 else ("10.0.0.2", 2000) for slot in range(SLOTS)]
-    routes.update(table)
+    routes.update({"listeners": table, "previous": [None] * SLOTS})
     mine = next(i for i in range(1, 1000) if slot_of(i) % 2)
     theirs = next(i for i in range(1, 1000) if not slot_of(i) % 2)
-    assert routes.owner({"sequence_id": mine}) is None
-    assert routes.owner({"sequence_id": theirs}) == ("10.0.0.2", 2000)
-    assert routes.owner({"sequence_id": str(theirs)}) == ("10.0.0.2", 2000)  # the same slot as text
+    assert routes.owner({"sequence_id": mine}, held.__contains__) is None
+    assert routes.owner({"sequence_id": theirs}, held.__contains__) == ("10.0.0.2", 2000)
+    assert routes.owner({"sequence_id": str(theirs)}, held.__contains__) == ("10.0.0.2", 2000)  # same slot as text
+    # A sequence that began here before its slot moved away stays here; its restart goes.
+    held.add(theirs)
+    assert routes.owner({"sequence_id": theirs}, held.__contains__) is None
+    assert routes.owner({"sequence_id": theirs, "sequence_start": True}, held.__contains__) == ("10.0.0.2", 2000)
     # No sequence named (Triton's error comes from this replica's batcher).
-    assert routes.owner({}) is None and routes.owner({"sequence_id": 0}) is None
+    assert routes.owner({}, held.__contains__) is None and routes.owner({"sequence_id": 0}, held.__contains__) is None
     routes.update(None)
-    assert routes.owner({"sequence_id": theirs}) is None
+    assert routes.owner({"sequence_id": theirs + 1}, held.__contains__) is None
+
+
+def test_a_slot_taken_from_a_running_replica_sends_its_unknown_sequences_back_there():
+    routes = SequenceRoutes(("10.0.0.2", 2000))
+    routes.update({"listeners": [("10.0.0.2", 2000)] * SLOTS, "previous": [("10.0.0.1", 1000)] * SLOTS})
+    held = {42}
+    assert routes.owner({"sequence_id": 7}, held.__contains__) == ("10.0.0.1", 1000)  # began there
+    assert routes.owner({"sequence_id": 7, "sequence_start": True}, held.__contains__) is None  # new: here
+    assert routes.owner({"sequence_id": 42}, held.__contains__) is None  # began here
+
+
+def test_previous_replicas_are_those_slots_were_taken_from_while_they_run():
+    two = assign_slots(["a"] * SLOTS, ["a", "b"])
+    previous = previous_owners(["a"] * SLOTS, two, None, ["a", "b"])
+    assert [p for p, o in zip(previous, two) if o == "b"] == ["a"] * 32
+    assert all(p is None for p, o in zip(previous, two) if o == "a")
+    # Unchanged slots keep their previous replica; it goes when that replica leaves.
+    assert previous_owners(two, two, previous, ["a", "b"]) == previous
+    one = assign_slots(two, ["b"])
+    assert previous_owners(two, one, previous, ["b"]) == [None] * SLOTS
 
 
 class _State:
@@ -69,22 +97,43 @@ class _Front:
 
 def test_the_route_table_publishes_a_listener_per_slot_and_tells_the_replicas():
     async def scenario() -> None:
+        told: list[dict] = []
+
+        async def http(method: str, path: str, headers: dict, body: bytes):
+            assert (method, path) == ("POST", SEQUENCE_SLOTS_PATH)
+            told.append(json.loads(body))
+            return 200, [], b""
+
+        async def grpc(method: str, payload: bytes) -> bytes:
+            raise AssertionError("no gRPC here")
+
+        listener = ReplicaListener(grpc, http)
+        port = await listener.start("127.0.0.1")
         front = _Front()
         table = RouteTable(_State(), front)  # type: ignore[arg-type]  # stand-ins
-        await table.register("s/r1", "s", "10.0.0.1", 1000, sequences=True)
-        await table.register("m/r1", "m", "10.0.0.3", 1000)
-        await table.register("m/r2", "m", "10.0.0.4", 1000)
-        await table.register("s/r2", "s", "10.0.0.2", 1000, sequences=True)
+        await table.register("s/r1", "s", "127.0.0.1", 1, sequences=True)
+        await table.register("m/r1", "m", "127.0.0.1", 3)
+        await table.register("m/r2", "m", "127.0.0.1", 4)
+        await table.register("s/r2", "s", "127.0.0.1", port, sequences=True)
         assert front.sequence_keys == {"s/1", "s/"}
-        assert front.published["m/1"] == [("10.0.0.3", 1000), ("10.0.0.4", 1000)]
+        assert front.published["m/1"] == [("127.0.0.1", 3), ("127.0.0.1", 4)]
         slots = front.published["s/1"]
-        assert len(slots) == SLOTS and Counter(slots) == {("10.0.0.1", 1000): 32, ("10.0.0.2", 1000): 32}
-        assert table.slot_listeners("s") == slots and table.slot_listeners("m") is None
-        await table.register("s/r3", "s", "10.0.0.5", 1000, sequences=True)
+        assert len(slots) == SLOTS and Counter(slots) == {("127.0.0.1", 1): 32, ("127.0.0.1", port): 32}
+        # The replicas heard of the new table before the front routed by it.
+        assert told and told[-1] == table.slot_table("s")
+        assert [tuple(a) for a in table.slot_table("s")["listeners"]] == slots and table.slot_table("m") is None
+        await table.register("s/r3", "s", "127.0.0.1", 5, sequences=True)
         moved = [(before, after) for before, after in zip(slots, front.published["s/"]) if before != after]
-        assert len(moved) == 21 and all(after == ("10.0.0.5", 1000) for _, after in moved)
+        assert len(moved) == 21 and all(after == ("127.0.0.1", 5) for _, after in moved)
+        # The replicas those slots were taken from still run: each slot's previous replica.
+        previous = [tuple(a) if a else None for a in table.slot_table("s")["previous"]]
+        after = front.published["s/"]
+        assert all(previous[slot] == slots[slot] for slot in range(SLOTS) if after[slot] != slots[slot])
         await table.withdraw("s/r1")
-        assert ("10.0.0.1", 1000) not in front.published["s/"]
-        assert table.slot_listeners("s") == front.published["s/"]
+        assert ("127.0.0.1", 1) not in front.published["s/"]
+        assert [tuple(a) for a in table.slot_table("s")["listeners"]] == front.published["s/"]
+        assert ["127.0.0.1", 1] not in table.slot_table("s")["previous"]
+        assert told[-1] == table.slot_table("s")
+        await listener.close(1.0)
 
     asyncio.run(scenario())
