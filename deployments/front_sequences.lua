@@ -1,8 +1,8 @@
 -- The front's sample fetches for sequence models (loaded by HAProxy, see deployments/front.py):
 -- the correlation id ("sequence_id") of an inference call, as the decimal integer or the
--- string, for the routing slot (CRC-32 of it, modulo the slots); "" when there is none (a nil
--- would reach HAProxy as 0). A call whose id is not found here goes to any replica, which sends
--- it on to the slot's replica itself.
+-- string (JSON escapes decoded), for the routing slot (CRC-32 of it, modulo the slots); "" when
+-- there is none (a nil would reach HAProxy as 0). A call whose id is not found here goes to any
+-- replica, which sends it on to the slot's replica itself.
 
 local function varint(s, i)
     local value, shift = 0, 0
@@ -116,6 +116,44 @@ core.register_fetches("rayinfer_grpc_sequence", function(txn)
     return grpc_sequence_id(body:sub(6))  -- past the gRPC frame's 5 bytes
 end)
 
+local ESCAPES = { ['"'] = '"', ['\\'] = '\\', ['/'] = '/', b = '\b', f = '\f', n = '\n', r = '\r', t = '\t' }
+
+-- The JSON string whose opening quote is just before `i`, decoded (nil if it is malformed).
+local function json_string(s, i)
+    local out = {}
+    while i <= #s do
+        local c = s:sub(i, i)
+        if c == '"' then
+            return table.concat(out)
+        elseif c ~= '\\' then
+            local j = s:find('["\\]', i) or #s + 1
+            out[#out + 1] = s:sub(i, j - 1)
+            i = j
+        else
+            local e = s:sub(i + 1, i + 1)
+            if e == "u" then
+                local code = tonumber(s:sub(i + 2, i + 5), 16)
+                if not code then
+                    return nil
+                end
+                i = i + 6
+                local low = s:sub(i, i + 1) == "\\u" and tonumber(s:sub(i + 2, i + 5), 16)
+                if code >= 0xD800 and code < 0xDC00 and low and low >= 0xDC00 and low < 0xE000 then
+                    code = 0x10000 + ((code - 0xD800) << 10) + (low - 0xDC00)
+                    i = i + 6
+                end
+                out[#out + 1] = utf8.char(code)
+            elseif ESCAPES[e] then
+                out[#out + 1] = ESCAPES[e]
+                i = i + 2
+            else
+                return nil
+            end
+        end
+    end
+    return nil
+end
+
 core.register_fetches("rayinfer_http_sequence", function(txn)
     local body = txn.sf:req_body()
     if not body then
@@ -125,7 +163,11 @@ core.register_fetches("rayinfer_http_sequence", function(txn)
     if length and length > 0 then
         body = body:sub(1, length)
     end
-    local found = body:match('"sequence_id"%s*:%s*(%d+)') or body:match('"sequence_id"%s*:%s*"([^"\\]*)"')
+    local found = body:match('"sequence_id"%s*:%s*(%d+)')
+    if not found then
+        local at = select(2, body:find('"sequence_id"%s*:%s*"'))
+        found = at and json_string(body, at + 1)
+    end
     if found == "0" then
         return ""
     end

@@ -36,7 +36,8 @@ Address = tuple[str, int]
 
 def slot_of(sequence_id: Any) -> int:
     """The routing slot of a correlation id (an unsigned integer or a string)."""
-    return zlib.crc32(str(sequence_id).encode("utf-8")) % SLOTS
+    # (A lone surrogate from a JSON "\ud800" is encoded as the front's Lua encodes it.)
+    return zlib.crc32(str(sequence_id).encode("utf-8", "surrogatepass")) % SLOTS
 
 
 def previous_owners(before: Sequence[str] | None, after: Sequence[str], previous: Sequence[str | None] | None,

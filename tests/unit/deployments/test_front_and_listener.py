@@ -182,7 +182,7 @@ def test_sequence_requests_go_to_their_slots_replica(loop, front):
     client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
     tensor = grpcclient.InferInput("X", [1, 1], "FP32")
     tensor.set_data_from_numpy(np.zeros((1, 1), np.float32))
-    ids: list[int | str] = [1, 2, 3, 17, 64, 1000, 2**40 + 5, "a", "sequence-7", "\u00fc-9"]
+    ids: list[int | str] = [1, 2, 3, 17, 64, 1000, 2**40 + 5, "a", "sequence-7", "\u00fc-9", 'q"\\/\t\U0001f600']
     for sequence_id in ids:
         expected = slots[slot_of(sequence_id)].name
         for start in (True, False):
@@ -201,11 +201,12 @@ def _http_sequence_bodies(sequence_id: int | str) -> list[tuple[bytes, bytes]]:
                                      "parameters": {"binary_data_size": 4}}],
                          "parameters": {"sequence_start": False, "sequence_id": sequence_id}},
                         ensure_ascii=False).encode()
-    # (An id with JSON escapes is not read by the front: the replica it reaches sends it on.)
     plain = json.dumps({"parameters": {"sequence_id": sequence_id}, "inputs": []}, ensure_ascii=False).encode()
+    # JSON escapes, as tritonclient writes a string id (\u escapes for anything not ASCII).
+    escaped = json.dumps({"inputs": [], "parameters": {"sequence_id": sequence_id}}).encode()
     # Binary data that looks like another id must not count.
     binary = header + b'"sequence_id": 999'
-    return [(plain, b""), (binary, b"inference-header-content-length: %d\r\n" % len(header))]
+    return [(plain, b""), (escaped, b""), (binary, b"inference-header-content-length: %d\r\n" % len(header))]
 
 
 def test_unrouted_model_gets_go_to_the_v2_application(loop):
