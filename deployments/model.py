@@ -120,7 +120,7 @@ class ModelDeployment:
         self._core = self._bls.core = ModelCore(runner, entry.versions, self._merged_statistics,
                                                 SharedMemoryRegistry(self._shared_memory_region), cache)
         self._max_input_size = max_input_size
-        self._listener = ReplicaListener(self._listener_grpc, self._listener_http, max_input_size)
+        self._listener = ReplicaListener(self._listener_grpc, self._listener_http, max_input_size, self._core.name)
         host = ray.util.get_node_ip_address()
         self._listener_address = (host, await self._listener.start(host))
         # A sequence model's replicas each hold their own sequences: a request of another

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import zlib
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -32,6 +33,7 @@ from rayinfer.protocol.errors import InternalError, NotFoundError, UnsupportedEr
 from rayinfer.protocol.http_codec import error_response
 from rayinfer.protocol.limits import DEFAULT_HTTP_MAX_INPUT_SIZE, GRPC_MAX_MESSAGE_SIZE, body_too_large, message_too_large
 from rayinfer.serving.routes import REQUEST_HEADERS
+from rayinfer.serving.trace import PROTOCOL_STAMPS, ProtocolStamps
 
 logger = logging.getLogger(__name__)
 
@@ -113,8 +115,11 @@ class ReplicaListener:
     ``max_input_size`` bytes (gRPC: over gRPC's maximum message) is refused while it arrives."""
 
     def __init__(self, grpc_handler: GrpcHandler, http_handler: HttpHandler | None = None,
-                 max_input_size: int = DEFAULT_HTTP_MAX_INPUT_SIZE) -> None:
+                 max_input_size: int = DEFAULT_HTTP_MAX_INPUT_SIZE, model: str = "") -> None:
+        """``model``: the model whose serving core traces this listener's requests with their
+        protocol timestamps (:class:`~rayinfer.serving.trace.ProtocolStamps`)."""
         self._grpc_handler = grpc_handler
+        self.model = model
         self._http_handler = http_handler
         self.max_input_size = max_input_size
         self._server: asyncio.AbstractServer | None = None
@@ -171,11 +176,12 @@ class _Connection(asyncio.Protocol):
         self._url = b""
         self._headers: dict[bytes, bytes] = {}
         self._body: list[bytes] = []
-        # (path, headers, body, keep the connection open afterwards, method)
-        self._pending: deque[tuple[bytes, dict[bytes, bytes], bytes, bool, bytes]] = deque()
+        # (path, headers, body, keep the connection open afterwards, method, received from, to)
+        self._pending: deque[tuple[bytes, dict[bytes, bytes], bytes, bool, bytes, int, int]] = deque()
         self._task: asyncio.Task | None = None
         self._body_size = 0
         self._refused = False
+        self._recv_start = 0
 
     # asyncio.Protocol
 
@@ -208,6 +214,7 @@ class _Connection(asyncio.Protocol):
 
     def on_message_begin(self) -> None:
         self._url, self._headers, self._body, self._body_size = b"", {}, [], 0
+        self._recv_start = time.perf_counter_ns()
 
     def on_url(self, url: bytes) -> None:
         self._url += url
@@ -260,18 +267,24 @@ class _Connection(asyncio.Protocol):
             return
         body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
         path = self._url.partition(b"?")[0]
-        self._pending.append((path, self._headers, body, self._parser.should_keep_alive(), self._parser.get_method()))
+        self._pending.append((path, self._headers, body, self._parser.should_keep_alive(), self._parser.get_method(),
+                              self._recv_start, time.perf_counter_ns()))
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._answer_pending())
 
     async def _answer_pending(self) -> None:
         try:
             while self._pending:
-                path, headers, body, keep_alive, method = self._pending.popleft()
+                path, headers, body, keep_alive, method, recv_start, recv_end = self._pending.popleft()
+                stamps = ProtocolStamps(self._listener.model, path.startswith(SERVICE_PATH), recv_start, recv_end)
+                PROTOCOL_STAMPS.set(stamps)
                 response = await self._listener.respond(path, headers, body, method)
                 if self._transport is None:
                     return
+                send_start = time.perf_counter_ns()
                 self._transport.write(response)
+                if stamps.finish is not None:  # a traced request: its trace ends here
+                    stamps.finish(send_start, time.perf_counter_ns())
                 if not keep_alive:
                     self._transport.close()
                     return

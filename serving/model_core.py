@@ -21,7 +21,7 @@ from rayinfer.protocol.types import InferRequest, InferResponse
 from rayinfer.repository.model_config import config_to_json
 from rayinfer.serving.batcher import DynamicBatcher, QueueFullError
 from rayinfer.serving.response_cache import ResponseCache
-from rayinfer.serving.trace import Tracer, tensor_activity
+from rayinfer.serving.trace import PROTOCOL_STAMPS, Tracer, tensor_activity
 from rayinfer.serving.sequencer import SequenceBatcher
 from rayinfer.serving.executor import BlockingSender, Executor, ResponseSender, Result
 
@@ -182,7 +182,14 @@ class ModelCore:
             stamps.append(("REQUEST_END", time.perf_counter_ns()))
         if tracer.tensors and isinstance(result, InferResponse):
             tensors += [tensor_activity("TENSOR_BACKEND_OUTPUT", o.name, o.datatype, o.data) for o in result.outputs]
-        tracer.finish(request, stamps, tensors)
+        protocol = PROTOCOL_STAMPS.get()
+        if protocol is not None and protocol.model == self.name and protocol.finish is None:
+            # Received by this replica's listener: the trace ends once the response has left.
+            stamps += protocol.received
+            protocol.finish = lambda start, end: tracer.finish(request, stamps + protocol.send_stamps(start, end),
+                                                               tensors)
+        else:
+            tracer.finish(request, stamps, tensors)
         return result
 
     def execute_here(self, request: InferRequest) -> Iterator[Result]:

@@ -18,6 +18,8 @@ import json
 import logging
 import os
 import threading
+from collections.abc import Callable
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +34,37 @@ logger = logging.getLogger(__name__)
 _LEVELS = ("TIMESTAMPS", "TENSORS")
 _UINT32_MAX = 2**32 - 1
 _INT32_MAX = 2**31 - 1
+
+
+class ProtocolStamps:
+    """When a request's bytes arrived at a replica's listener, and the trace that waits for
+    when its response leaves (Triton's HTTP_RECV_START ... HTTP_SEND_END, or GRPC_WAITREAD_START
+    ... GRPC_SEND_END). The listener sets one per request in :data:`PROTOCOL_STAMPS`; the serving
+    core of ``model`` that traces the request takes it."""
+
+    __slots__ = ("model", "grpc", "recv_start", "recv_end", "finish")
+
+    def __init__(self, model: str, grpc: bool, recv_start: int, recv_end: int) -> None:
+        self.model = model
+        self.grpc = grpc
+        self.recv_start = recv_start
+        self.recv_end = recv_end
+        # Set by the core tracing the request: called with the send's start and end.
+        self.finish: Callable[[int, int], None] | None = None
+
+    @property
+    def received(self) -> list[tuple[str, int]]:
+        if self.grpc:
+            return [("GRPC_WAITREAD_START", self.recv_start), ("GRPC_WAITREAD_END", self.recv_end)]
+        return [("HTTP_RECV_START", self.recv_start), ("HTTP_RECV_END", self.recv_end)]
+
+    def send_stamps(self, start: int, end: int) -> list[tuple[str, int]]:
+        prefix = "GRPC" if self.grpc else "HTTP"
+        return [(f"{prefix}_SEND_START", start), (f"{prefix}_SEND_END", end)]
+
+
+# The request the current task answers, when a replica listener received it.
+PROTOCOL_STAMPS: ContextVar[ProtocolStamps | None] = ContextVar("rayinfer_protocol_stamps", default=None)
 
 
 def settings_from_flags(values: list[str]) -> dict[str, Any]:
