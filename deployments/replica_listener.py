@@ -280,6 +280,8 @@ class _Connection(asyncio.Protocol):
                 PROTOCOL_STAMPS.set(stamps)
                 response = await self._listener.respond(path, headers, body, method)
                 if self._transport is None:
+                    if stamps.finish is not None:  # traced, though the answer goes nowhere
+                        stamps.finish(0, 0)
                     return
                 send_start = time.perf_counter_ns()
                 self._transport.write(response)

@@ -49,7 +49,8 @@ class ProtocolStamps:
         self.grpc = grpc
         self.recv_start = recv_start
         self.recv_end = recv_end
-        # Set by the core tracing the request: called with the send's start and end.
+        # Set by the core tracing the request: called with the send's start and end (0 and 0:
+        # the client went away before the answer was written).
         self.finish: Callable[[int, int], None] | None = None
 
     @property
@@ -59,6 +60,8 @@ class ProtocolStamps:
         return [("HTTP_RECV_START", self.recv_start), ("HTTP_RECV_END", self.recv_end)]
 
     def send_stamps(self, start: int, end: int) -> list[tuple[str, int]]:
+        if not start:
+            return []
         prefix = "GRPC" if self.grpc else "HTTP"
         return [(f"{prefix}_SEND_START", start), (f"{prefix}_SEND_END", end)]
 

@@ -85,3 +85,15 @@ def test_the_writer_numbers_traces_and_writes_tritons_files(tmp_path: Path) -> N
              {**settings, "log_frequency": "0"})
     once.close()  # log_frequency 0: every trace to the file itself when the server stops
     assert [e["id"] for e in json.loads((tmp_path / "t.json").read_text())] == [1, 1]
+
+
+def test_protocol_stamps_name_the_protocol_and_may_have_no_send():
+    from rayinfer.serving.trace import ProtocolStamps
+
+    http = ProtocolStamps("m", False, 10, 20)
+    assert http.received == [("HTTP_RECV_START", 10), ("HTTP_RECV_END", 20)]
+    assert http.send_stamps(30, 40) == [("HTTP_SEND_START", 30), ("HTTP_SEND_END", 40)]
+    grpc = ProtocolStamps("m", True, 10, 20)
+    assert [name for name, _ in grpc.received + grpc.send_stamps(30, 40)] == [
+        "GRPC_WAITREAD_START", "GRPC_WAITREAD_END", "GRPC_SEND_START", "GRPC_SEND_END"]
+    assert grpc.send_stamps(0, 0) == []  # the client went away before the answer was written
