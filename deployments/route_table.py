@@ -4,8 +4,8 @@ Model replicas register their listener with the ``/v2`` replica when they start 
 seconds; :class:`RouteTable` keeps them, drops those not heard from, leaves out replicas Serve
 does not report RUNNING, and publishes ``<model>/<version>`` -> listeners to the front. For a
 sequence model's version the listeners are one per routing slot
-(:mod:`rayinfer.serving.sequence_routing`), in slot order, and its replicas read the same table
-when they register.
+(:mod:`rayinfer.serving.sequence_routing`), in slot order; its replicas are told the same table
+before the front is, and read it again when they register.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any
 from rayinfer.deployments.names import model_apps
 from rayinfer.deployments.names import SEQUENCE_SLOTS_PATH
 from rayinfer.deployments.serve_state import ServeState, running_replicas
-from rayinfer.protocol.listener_client import post
+from rayinfer.protocol.listener_client import post_each
 from rayinfer.serving.sequence_routing import assign_slots, previous_owners
 
 logger = logging.getLogger(__name__)
@@ -75,15 +75,12 @@ class RouteTable:
         """Give the replicas of each sequence model whose slots moved its new table, at once
         (before the front routes by it: a replica that still gets a call by the old table sends
         it on by the new one)."""
-        changed = {app: table for app, table in self._tables.items() if table != self._told.get(app)}
-        calls = [(app, address) for app in changed for address in self.listeners(app)]
-        body = {app: json.dumps(table).encode() for app, table in changed.items()}
-        results = await asyncio.gather(*(post(address, SEQUENCE_SLOTS_PATH, _TELL_TIMEOUT_S, body[app])
-                                         for app, address in calls), return_exceptions=True)
-        for (app, address), result in zip(calls, results):
-            if result != 200:  # it reads the table again when it next registers
-                logger.warning("model replica at %s:%d of %s did not take its new slots: %s", *address, app, result)
-        self._told = {app: table for app, table in self._tables.items()}
+        calls = [(address, json.dumps(table).encode()) for app, table in self._tables.items()
+                 if table != self._told.get(app) for address in self.listeners(app)]
+        for address, result in await post_each(calls, SEQUENCE_SLOTS_PATH, _TELL_TIMEOUT_S):
+            # It reads the table again when it next registers.
+            logger.warning("model replica at %s:%d did not take its new sequence slots: %s", *address, result)
+        self._told = dict(self._tables)
 
     async def withdraw(self, replica: str) -> None:
         """A model replica is stopping: returns once the front no longer routes to it (at once

@@ -27,7 +27,7 @@ from rayinfer.protocol.host_figures import CpuFigures, GpuFigures
 from rayinfer.protocol.metrics import CacheFigures, ModelFigures, render
 from rayinfer.protocol.statistics import stats_to_json
 from rayinfer.protocol import log_settings
-from rayinfer.protocol.listener_client import post
+from rayinfer.protocol.listener_client import post_each
 from rayinfer.protocol.shared_memory import Registration, SharedMemoryRegistry
 from rayinfer.serving.model_control import ModelController
 from rayinfer.serving import response_cache
@@ -140,12 +140,10 @@ class V2Api:
     async def _tell_replicas(self, path: str, body: bytes, what: str) -> None:
         """POST ``body`` to ``path`` on every registered model replica's listener, at once;
         a replica that does not answer 200 is logged."""
-        listeners = self.routes.all_listeners()
-        results = await asyncio.gather(*(post(address, path, _LISTENER_PUSH_TIMEOUT_S, body) for address in listeners),
-                                       return_exceptions=True)
-        for address, result in zip(listeners, results):
-            if result != 200:
-                logger.warning("model replica at %s:%d did not %s: %s", *address, what, result)
+        failed = await post_each([(address, body) for address in self.routes.all_listeners()], path,
+                                 _LISTENER_PUSH_TIMEOUT_S)
+        for address, result in failed:
+            logger.warning("model replica at %s:%d did not %s: %s", *address, what, result)
 
     def server_metadata(self) -> dict[str, Any]:
         return {"name": self._server_id, "version": rayinfer.__version__, "extensions": EXTENSIONS}

@@ -103,6 +103,14 @@ async def post(address: Address, path: str, timeout_s: float, body: bytes = b"")
     return await asyncio.wait_for(call(), timeout_s)
 
 
+async def post_each(calls: list[tuple[Address, bytes]], path: str, timeout_s: float) -> list[tuple[Address, Any]]:
+    """POST each body to ``path`` on its listener, all at once; (listener, status or exception)
+    of those that did not answer 200."""
+    results = await asyncio.gather(*(post(address, path, timeout_s, body) for address, body in calls),
+                                   return_exceptions=True)
+    return [(address, result) for (address, _), result in zip(calls, results) if result != 200]
+
+
 def encode_request(request: InferRequest, address: Address,
                    headers: tuple[tuple[bytes, bytes], ...] = ()) -> tuple[bytes, bytes]:
     """(request line and headers, body) of ``request``: every tensor binary, both ways."""
