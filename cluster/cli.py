@@ -109,6 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("--max-inflight-requests", type=int, default=None,
                          help="inference calls the front relays to model replicas at once; more answer "
                               "503 / UNAVAILABLE (default 1024)")
+        sub.add_argument("--direct-connections", type=_bool, nargs="?", const=True, default=None,
+                         help="HTTP connections straight to a replica of their first request's model "
+                              "(default true; false: the front relays every request)")
         sub.add_argument("--front-on-head", type=_bool, nargs="?", const=True, default=None,
                          help="run the front (HTTP, gRPC and metrics ports) on the Ray head node")
         sub.add_argument("--gpu-wait-secs", type=float, default=None,
@@ -250,6 +253,7 @@ def serve(settings: ServerSettings) -> int:
             http_front=http_front(settings),
             front_threads=settings.http_thread_count,
             max_inflight=settings.max_inflight_requests,
+            direct_connections=settings.direct_connections,
             http_restricted=settings.http_restricted_api,
             grpc_restricted=settings.grpc_restricted_protocol,
             front_on_head=settings.front_on_head,

@@ -75,6 +75,7 @@ def render_serve_config(
             **_front_args(settings),
             "front_threads": settings.http_thread_count,
             "max_inflight_requests": settings.max_inflight_requests,
+            "direct_connections": settings.direct_connections,
             **({"front_on_head": True} if settings.front_on_head else {}),
             "model_control_mode": settings.model_control_mode,
             "repository_poll_secs": settings.repository_poll_secs,

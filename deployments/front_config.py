@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from rayinfer.deployments.front_door import DOOR_FD_VARIABLE, RELAY_SOCKET
 from rayinfer.protocol.limits import body_limit_message, inflight_limit_message
 from rayinfer.protocol.restricted_api import (
     GRPC_HEADER_PREFIX,
@@ -118,7 +119,7 @@ backend serve_grpc
 
 _HTTP = """\
 frontend triton_http
-    bind {address}:{port}
+{binds}\
 {restricted}\
     # POST /v2/models/<model>[/versions/<version>]/infer, and a GET of a model's metadata,
     # readiness, config or statistics; the model name may be %-encoded.
@@ -199,10 +200,35 @@ def _grpc_restrictions(restrictions: Restrictions) -> str:
     return "".join(lines)
 
 
+def _http_binds(folder: Path, address: str, port: int, door: bool) -> str:
+    if not door:
+        return f"    bind {address}:{port}\n"
+    # The keeper's door (front_door.py) owns the port and passes HAProxy the connections it does
+    # not give a model replica; a replica relays here a request of such a connection that is not
+    # its own.
+    return f"    # door {address}:{port}\n    bind unix@{folder / RELAY_SOCKET} mode 600\n"
+
+
+# The connections the door passes to HAProxy. HAProxy cannot set the destination of a
+# connection it received over a socket pair (the pair's family has no addresses), which routing
+# to a listener needs: their bytes go on to the HTTP frontend's Unix socket.
+_DOOR = """\
+frontend door
+    mode tcp
+    bind "sockpair@${{{variable}}}"
+    default_backend door_relay
+
+backend door_relay
+    mode tcp
+    server relay unix@{relay}
+"""
+
+
 def render(folder: Path, http: Endpoint | None, grpc: Endpoint | None, server_app: str, threads: int,
            max_input_size: int, http_restricted: Restrictions | None, grpc_restricted: Restrictions | None,
-           max_inflight: int) -> str:
-    """The configuration of a front whose files are in ``folder`` (see :class:`front.Front`)."""
+           max_inflight: int, door: bool = False) -> str:
+    """The configuration of a front whose files are in ``folder`` (see :class:`front.Front`);
+    ``door``: HTTP connections arrive through the keeper's door (:mod:`front_door`)."""
     busy = inflight_limit_message(max_inflight)
     paths = {"counts": folder / "replicas.map", "listeners": folder / "listeners.map",
              "sequences": folder / "sequences.map"}
@@ -211,11 +237,13 @@ def render(folder: Path, http: Endpoint | None, grpc: Endpoint | None, server_ap
     if http is not None:
         pick = _PICK_REPLICA.format(**paths, sequence_fetch="rayinfer_http_sequence")
         parts.append(_HTTP.format(
-            address=http[0], port=http[1], pick=pick, upstream_host=http[2], upstream_port=http[3],
+            binds=_http_binds(folder, http[0], http[1], door), pick=pick, upstream_host=http[2], upstream_port=http[3],
             use_replica=_USE_REPLICA, unrouted=UNROUTED_PREFIX, max_input_size=max_input_size,
             too_large=body_limit_message(max_input_size), max_inflight=max_inflight, busy=busy,
             restricted=_http_restrictions(http_restricted or {}),
         ))
+        if door:
+            parts.append(_DOOR.format(variable=DOOR_FD_VARIABLE, relay=folder / RELAY_SOCKET))
     if grpc is not None:
         pick = _PICK_REPLICA.format(**paths, sequence_fetch="rayinfer_grpc_sequence")
         parts.append(_GRPC.format(

@@ -8,6 +8,10 @@ calls keep reaching the model replicas while Serve starts a new ``/v2`` replica,
 front over by writing its own PID there. If no owner is alive for :data:`ORPHAN_GRACE_S` (60 s,
 or ``RAYINFER_FRONT_ORPHAN_GRACE_S``), the keeper stops HAProxy and exits: the server is gone.
 SIGTERM stops both at once.
+
+With a door (``<folder>/door`` names the HTTP address and port), the keeper owns the HTTP port
+itself and passes each connection on (:mod:`front_door`): to a model replica, or to HAProxy over
+a socket pair whose end HAProxy inherits.
 """
 
 from __future__ import annotations
@@ -22,6 +26,11 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+try:
+    from rayinfer.deployments import front_door
+except ImportError:  # run as a script from its folder
+    import front_door  # type: ignore[no-redef]
 
 DIR_PREFIX = "rayinfer-front-"
 ORPHAN_GRACE_S = float(os.environ.get("RAYINFER_FRONT_ORPHAN_GRACE_S", "60"))
@@ -50,6 +59,13 @@ def owner_alive(folder: Path) -> bool:
         return False
 
 
+def serves(config_text: str, bind: tuple[str, int]) -> bool:
+    """Whether a front's configuration serves ``bind``: HAProxy binds it, or its door does."""
+    address = f"{bind[0]}:{bind[1]}"
+    return any(line.split()[:2] == ["bind", address] or line.split()[:3] == ["#", "door", address]
+               for line in config_text.splitlines())
+
+
 def stop_fronts(binds: list[tuple[str, int]]) -> None:
     """Stop the fronts serving ``binds`` in this network namespace: the server stops (its ``/v2``
     replica may be gone without stopping its front)."""
@@ -69,11 +85,10 @@ def read_text(path: Path) -> str:
 def running_front(bind: tuple[str, int]) -> Path | None:
     """The folder of a front whose keeper and HAProxy run in this network namespace (a server
     in another one may use the same port) and which binds ``bind``."""
-    line = ["bind", f"{bind[0]}:{bind[1]}"]
     for config in Path(tempfile.gettempdir()).glob(f"{DIR_PREFIX}*/haproxy.cfg"):
         folder = config.parent
         try:
-            if not any(text.split()[:2] == line for text in config.read_text().splitlines()):
+            if not serves(config.read_text(), bind):
                 continue
             keeper = int((folder / "keeper.pid").read_text())
             if os.readlink(f"/proc/{keeper}/ns/net") != os.readlink("/proc/self/ns/net"):
@@ -109,10 +124,9 @@ def stop_keeper(folder: Path, keeper: subprocess.Popen | None = None) -> None:
 def remove_stale_fronts(address: str, port: int) -> None:
     """Remove the folders of earlier fronts on this address and port whose HAProxy is gone
     (a replica that is killed cannot clean up after itself)."""
-    bind = ["bind", f"{address}:{port}"]
     for config in Path(tempfile.gettempdir()).glob(f"{DIR_PREFIX}*/haproxy.cfg"):
         try:
-            if not any(line.split()[:2] == bind for line in config.read_text().splitlines()):
+            if not serves(config.read_text(), (address, port)):
                 continue
             with socket.socket(socket.AF_UNIX) as admin:
                 admin.connect(str(config.parent / "admin.sock"))
@@ -135,9 +149,23 @@ def main(folder: Path, binary: str) -> int:
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
+    door, env, fds = None, dict(os.environ), []
     with (folder / "haproxy.log").open("wb") as log:
-        haproxy = subprocess.Popen([binary, "-f", str(folder / "haproxy.cfg"), "-db"], stdout=log,
-                                   stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+        if (folder / "door").exists():
+            address, _, port = (folder / "door").read_text().strip().rpartition(" ")
+            try:
+                listening = front_door.listening_socket(address, int(port))
+            except OSError as exc:
+                log.write(f"the front's door cannot listen on {address}:{port}: {exc}\n".encode())
+                return 1
+            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+            door = front_door.Door(listening, ours, folder, folder / front_door.RELAY_SOCKET)
+            env[front_door.DOOR_FD_VARIABLE], fds = str(theirs.fileno()), [theirs.fileno()]
+        haproxy = subprocess.Popen([binary, "-f", str(folder / "haproxy.cfg"), "-db"], stdout=log, env=env,
+                                   pass_fds=fds, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                   preexec_fn=_die_with_parent)
+        if door is not None:
+            theirs.close()
         orphaned_since: float | None = None
         while haproxy.poll() is None and not stopping:
             if owner_alive(folder):
@@ -148,7 +176,12 @@ def main(folder: Path, binary: str) -> int:
                 break
             # Polled: the owner is a process of another parent (nothing to wait on), and a quarter
             # of a second is nothing against the grace period.
-            time.sleep(0.25)
+            if door is not None:
+                door.serve(0.25)
+            else:
+                time.sleep(0.25)
+        if door is not None:
+            door.close()
         if haproxy.poll() is None:
             haproxy.terminate()
             try:

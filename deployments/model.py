@@ -121,6 +121,7 @@ class ModelDeployment:
                                                 SharedMemoryRegistry(self._shared_memory_region), cache)
         self._max_input_size = max_input_size
         self._listener = ReplicaListener(self._listener_grpc, self._listener_http, max_input_size, self._core.name)
+        self._listener.owns = self._owns
         host = ray.util.get_node_ip_address()
         self._listener_address = (host, await self._listener.start(host))
         # A sequence model's replicas each hold their own sequences: a request of another
@@ -191,6 +192,18 @@ class ModelDeployment:
                 return 200, [], b""
             raise NotFoundError(f"Not Found: {method} {path}")
         return await model_http.respond(self._core, method, route, headers, body, self._max_input_size)
+
+    def _owns(self, method: str, path: str, key: str) -> bool:
+        """Whether a request on a client's connection from the front's door (given to this
+        replica for ``key``, "<model>/<version>") is this replica's: the front would route it
+        here. Any other is relayed to the front."""
+        route = parse_model_route(path, encoded=True)
+        if route is None or route.model != self._core.name or (method == "POST") != (route.action == "infer"):
+            return False
+        if method not in ("GET", "POST"):
+            return False
+        # The default version's requests only on a connection given for the default version.
+        return route.version == self._core.version if route.version else key.endswith("/")
 
     async def _listener_grpc(self, method: str, payload: bytes) -> bytes:
         """A model RPC the front relayed to this replica's listener."""
@@ -281,6 +294,7 @@ class ModelDeployment:
                         self._replica_key, self._app_name, *self._listener_address, self._sequences is not None
                     )
                     registered_at = time.monotonic()
+                    self._listener.max_inflight = settings.get("max_inflight", self._listener.max_inflight)
                     if self._sequences is not None:
                         self._sequences.update(settings.get("sequence_slots"))
                     # The logging extension's (again: loggers created since get them too).

@@ -12,12 +12,20 @@ this listener as HTTP/1.1:
 
 Parsing is httptools (the parser uvicorn uses); there is no HTTP/2, no ASGI and no gRPC library
 on the replica's side of the call.
+
+With the front's door (:mod:`front_door`), the listener also takes clients' HTTP connections
+themselves, passed over a Unix socket: their requests for this replica's model version are
+answered here with no front in between; any other request on them is relayed to the front's
+HAProxy and its answer written back. A stopping replica gives such connections back to the door
+between two requests, so that their clients' next calls are served elsewhere.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import socket
 import time
 import zlib
 from collections import deque
@@ -31,7 +39,16 @@ import httptools
 from rayinfer.protocol.compression import inflate
 from rayinfer.protocol.errors import InternalError, NotFoundError, UnsupportedError, as_serving_error, grpc_status_name
 from rayinfer.protocol.http_codec import error_response
-from rayinfer.protocol.limits import DEFAULT_HTTP_MAX_INPUT_SIZE, GRPC_MAX_MESSAGE_SIZE, body_too_large, message_too_large
+from rayinfer.deployments import front_door
+from rayinfer.deployments.client_relay import RelayedRequest
+from rayinfer.protocol.limits import (
+    DEFAULT_HTTP_MAX_INPUT_SIZE,
+    DEFAULT_MAX_INFLIGHT_REQUESTS,
+    GRPC_MAX_MESSAGE_SIZE,
+    body_too_large,
+    inflight_limit_message,
+    message_too_large,
+)
 from rayinfer.serving.routes import REQUEST_HEADERS
 from rayinfer.serving.trace import PROTOCOL_STAMPS, ProtocolStamps
 
@@ -40,7 +57,8 @@ logger = logging.getLogger(__name__)
 SERVICE_PATH = b"/inference.GRPCInferenceService/"
 _RESPONSE_HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: application/grpc\r\ntransfer-encoding: chunked\r\n\r\n"
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
-_BAD_REQUEST = b"HTTP/1.1 400 Bad Request\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+_BAD_REQUEST = (b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\ncontent-length: 29\r\n"
+                b"connection: close\r\n\r\n{\"error\":\"malformed request\"}")
 
 # (method name, serialized request message) -> serialized response message; raises on error.
 GrpcHandler = Callable[[str, bytes], Awaitable[bytes]]
@@ -49,6 +67,13 @@ HttpHandler = Callable[[str, str, dict[bytes, bytes], bytes], Awaitable[tuple[in
 _REASONS = {status.value: status.phrase.encode() for status in HTTPStatus}
 # Request headers kept while parsing: the serving core's, and the relay's own.
 _KEPT_HEADERS = REQUEST_HEADERS | {b"grpc-encoding", b"expect"}
+# (method, path as sent, the route key the door gave the connection for) -> whether the request
+# is this replica's to answer on a client's connection.
+Owns = Callable[[str, str, str], bool]
+# A client's connection from the front's door is given back to the door after this long, between
+# two requests, which gives it to a replica again in turn: connections spread over replicas that
+# started since (a scale-up, a replacement).
+_TURN_S = 2.0
 # How long a connection whose request was refused for its size still reads (and drops) the rest
 # of the body after the answer, so that the front reads the answer before the connection closes.
 _DRAIN_S = 5.0
@@ -126,12 +151,69 @@ class ReplicaListener:
         self._connections: set[_Connection] = set()
         self.in_flight = 0
         self.port = 0
+        # Clients' connections from the front's door: which requests are this replica's, and
+        # how many may be in flight here before more are answered 503 (--max-inflight-requests).
+        self.owns: Owns = lambda method, path, key: False
+        self.max_inflight = DEFAULT_MAX_INFLIGHT_REQUESTS
+        self._door: socket.socket | None = None
+        self.door_name = ""
+        self._channels: set[socket.socket] = set()
+        self.closing = False
 
     async def start(self, host: str) -> int:
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(lambda: _Connection(self), host, 0, reuse_address=True)
         self.port = self._server.sockets[0].getsockname()[1]
+        self._open_door(host)
         return self.port
+
+    def _open_door(self, host: str) -> None:
+        """Take clients' connections from the front's door (:func:`front_door.door_name`)."""
+        door = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.door_name = front_door.door_name(host, self.port)
+        try:
+            door.bind(self.door_name)
+            door.listen(16)
+        except OSError as exc:  # no door then: the front relays every request, as without one
+            logger.warning("the listener takes no connections from the front's door: %s", exc)
+            door.close()
+            return
+        door.setblocking(False)
+        self._door = door
+        asyncio.get_running_loop().add_reader(door, self._accept_channel)
+
+    def _accept_channel(self) -> None:
+        try:
+            channel, _ = self._door.accept()  # type: ignore[union-attr]
+        except OSError:
+            return
+        channel.setblocking(False)
+        self._channels.add(channel)
+        asyncio.get_running_loop().add_reader(channel, self._take_connections, channel)
+
+    def _take_connections(self, channel: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            message, fds, _, _ = socket.recv_fds(channel, 4096, 4)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            message, fds = b"", []
+        if not message and not fds:  # the door closed the channel
+            loop.remove_reader(channel)
+            self._channels.discard(channel)
+            channel.close()
+            return
+        relay, _, key = message.decode("utf-8", "replace").partition("\n")
+        for fd in fds:
+            client = socket.socket(fileno=fd)
+            if self.closing:
+                front_door.give_back(os.path.basename(os.path.dirname(relay)), [fd],
+                                     front_door.returned(self.door_name, True))
+                client.close()
+                continue
+            client.setblocking(False)
+            loop.create_task(loop.connect_accepted_socket(lambda: _Connection(self, (relay, key)), client))
 
     async def respond(self, path: bytes, headers: dict[bytes, bytes], body: bytes, method: bytes = b"POST") -> bytes:
         """The whole HTTP/1.1 response to one relayed request."""
@@ -156,32 +238,59 @@ class ReplicaListener:
             return http_response(*error_response(exc))
 
     async def close(self, grace_s: float) -> None:
-        """Stop accepting, let calls in flight finish (up to ``grace_s``), close connections."""
+        """Stop accepting, let calls in flight finish (up to ``grace_s``), give clients'
+        connections that wait for their next request back to the front's door, close the rest."""
+        loop = asyncio.get_running_loop()
+        self.closing = True
         if self._server is not None:
             self._server.close()
-        deadline = asyncio.get_running_loop().time() + grace_s
-        while self.in_flight and asyncio.get_running_loop().time() < deadline:
+        if self._door is not None:
+            loop.remove_reader(self._door)
+            self._door.close()
+            self._door = None
+        deadline = loop.time() + grace_s
+        while True:
+            # Clients' connections go back to the door between requests (the others once they
+            # are answered); one waiting for a relayed answer goes with that answer to the door.
+            for connection in list(self._connections):
+                if connection.direct and not connection.hand_over_relay() and connection.idle:
+                    connection.leave()
+            if not (self.in_flight or any(c.direct for c in self._connections)) or loop.time() >= deadline:
+                break
             await asyncio.sleep(0.01)
         for connection in list(self._connections):
             connection.close()
+        for channel in self._channels:
+            loop.remove_reader(channel)
+            channel.close()
+        self._channels.clear()
 
 
 class _Connection(asyncio.Protocol):
-    """One HTTP/1.1 connection from the front; requests are answered in the order received."""
+    """One HTTP/1.1 connection from the front, or (``direct``: the relay socket of the front's
+    HAProxy and the route key it was given for) a client's from the front's door; requests are
+    answered in the order received."""
 
-    def __init__(self, listener: ReplicaListener) -> None:
+    def __init__(self, listener: ReplicaListener, direct: tuple[str, str] | None = None) -> None:
         self._listener = listener
+        self._direct = direct
         self._parser = httptools.HttpRequestParser(self)
         self._transport: Any = None
         self._url = b""
         self._headers: dict[bytes, bytes] = {}
+        self._all_headers: list[tuple[bytes, bytes]] = []  # a client's, kept to relay the request
         self._body: list[bytes] = []
-        # (path, headers, body, keep the connection open afterwards, method, received from, to)
-        self._pending: deque[tuple[bytes, dict[bytes, bytes], bytes, bool, bytes, int, int]] = deque()
+        # (path, headers, body, keep the connection open afterwards, method, received from, to,
+        #  for a client's request that is not this replica's: (url, all headers) to relay it)
+        self._pending: deque[tuple[bytes, dict[bytes, bytes], bytes, bool, bytes, int, int,
+                                   tuple[bytes, list[tuple[bytes, bytes]]] | None]] = deque()
         self._task: asyncio.Task | None = None
         self._body_size = 0
         self._refused = False
+        self._reading = False  # between a request's first byte and its end
         self._recv_start = 0
+        self._turn_at = time.monotonic() + _TURN_S
+        self._relayed: RelayedRequest | None = None  # a request of a client's being relayed
 
     # asyncio.Protocol
 
@@ -201,7 +310,7 @@ class _Connection(asyncio.Protocol):
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserError as exc:
-            logger.warning("malformed request from the front: %s", exc)
+            logger.warning("malformed request from the %s: %s", "client" if self._direct else "front", exc)
             if self._transport is not None:
                 self._transport.write(_BAD_REQUEST)
                 self._transport.close()
@@ -210,16 +319,68 @@ class _Connection(asyncio.Protocol):
         if self._transport is not None:
             self._transport.close()
 
+    @property
+    def direct(self) -> bool:
+        """A client's connection from the front's door."""
+        return self._direct is not None
+
+    @property
+    def idle(self) -> bool:
+        """Between two requests: nothing of the next one read, no answer being written."""
+        return self._transport is not None and not self._reading and not self._pending and self._task is None
+
+    def leave(self) -> bool:
+        """Give a client's connection that is between two requests back to the front's door
+        (the listener stops, or the connection's turn came); False if it stays here."""
+        transport = self._transport
+        sock = transport.get_extra_info("socket") if transport is not None else None
+        if sock is None or self._direct is None or transport.get_write_buffer_size():
+            return False
+        transport.pause_reading()
+        fd = os.dup(sock.fileno())
+        try:
+            given = front_door.give_back(self._folder_name(), [fd],
+                                         front_door.returned(self._listener.door_name, self._listener.closing))
+        finally:
+            os.close(fd)
+        if not given:
+            transport.resume_reading()
+            self._turn_at = time.monotonic() + _TURN_S
+            return False
+        self._direct = None  # the door has it now: closing this descriptor leaves the client's open
+        transport.close()
+        return True
+
+    def _folder_name(self) -> str:
+        """The folder name of the front whose door gave this connection."""
+        return os.path.basename(os.path.dirname(self._direct[0])) if self._direct is not None else ""
+
+    def hand_over_relay(self) -> bool:
+        """The listener stops while this connection waits for the front's answer to a relayed
+        request: the door copies that answer to the client (:mod:`client_relay`)."""
+        relayed, transport = self._relayed, self._transport
+        sock = transport.get_extra_info("socket") if transport is not None else None
+        if relayed is None or sock is None or not relayed.hand_over(sock.fileno(), self._folder_name()):
+            return False
+        self._direct = None  # the door has it now: closing this descriptor leaves the client's open
+        transport.close()
+        return True
+
     # httptools callbacks
 
     def on_message_begin(self) -> None:
         self._url, self._headers, self._body, self._body_size = b"", {}, [], 0
+        self._reading = True
+        if self._direct is not None:
+            self._all_headers = []
         self._recv_start = time.perf_counter_ns()
 
     def on_url(self, url: bytes) -> None:
         self._url += url
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        if self._direct is not None:
+            self._all_headers.append((name, value))
         name = name.lower()
         if name in _KEPT_HEADERS:
             self._headers[name] = value
@@ -263,22 +424,46 @@ class _Connection(asyncio.Protocol):
         asyncio.get_running_loop().call_later(_DRAIN_S, self.close)
 
     def on_message_complete(self) -> None:
+        self._reading = False
         if self._refused:
             return
         body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
         path = self._url.partition(b"?")[0]
-        self._pending.append((path, self._headers, body, self._parser.should_keep_alive(), self._parser.get_method(),
-                              self._recv_start, time.perf_counter_ns()))
+        method = self._parser.get_method()
+        relay = None
+        if self._direct is not None and not self._listener.owns(method.decode("latin-1"), path.decode("latin-1"),
+                                                                self._direct[1]):
+            relay = (self._url, self._all_headers)
+        self._pending.append((path, self._headers, body, self._parser.should_keep_alive(), method,
+                              self._recv_start, time.perf_counter_ns(), relay))
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._answer_pending())
 
     async def _answer_pending(self) -> None:
         try:
             while self._pending:
-                path, headers, body, keep_alive, method, recv_start, recv_end = self._pending.popleft()
+                path, headers, body, keep_alive, method, recv_start, recv_end, relay = self._pending.popleft()
+                if relay is not None:
+                    self._relayed = RelayedRequest(self._direct[0], method, *relay, body)  # type: ignore[index]
+                    try:
+                        keep_alive = await self._relayed.answer(self._transport, keep_alive)
+                    finally:
+                        self._relayed = None
+                    if not keep_alive or self._transport is None:
+                        if self._transport is not None:
+                            self._transport.close()
+                        return
+                    # Not this replica's request: the door places the connection again by its
+                    # next one (a client that asked for readiness first, then infers).
+                    if not self._pending and not self._reading and self.leave():
+                        return
+                    continue
                 stamps = ProtocolStamps(self._listener.model, path.startswith(SERVICE_PATH), recv_start, recv_end)
                 PROTOCOL_STAMPS.set(stamps)
-                response = await self._listener.respond(path, headers, body, method)
+                if self._direct is not None and self._listener.in_flight >= self._listener.max_inflight:
+                    response = http_response(503, [(b"content-type", b"application/json")], _busy(self._listener))
+                else:
+                    response = await self._listener.respond(path, headers, body, method)
                 if self._transport is None:
                     if stamps.finish is not None:  # traced, though the answer goes nowhere
                         stamps.finish(0, 0)
@@ -290,5 +475,12 @@ class _Connection(asyncio.Protocol):
                 if not keep_alive:
                     self._transport.close()
                     return
+                if (self._direct is not None and not self._pending and not self._reading
+                        and (self._listener.closing or time.monotonic() >= self._turn_at) and self.leave()):
+                    return
         finally:
             self._task = None
+
+
+def _busy(listener: ReplicaListener) -> bytes:
+    return b'{"error":"%b"}' % inflight_limit_message(listener.max_inflight).encode()

@@ -66,6 +66,7 @@ class ServerDeployment(ServerGrpcMethods):
         http_restricted: list[str] | None = None,
         grpc_restricted: list[str] | None = None,
         max_inflight: int | None = None,
+        direct_connections: bool = True,
     ):
         control = control or ModelControl()
         # An s3:// repository is read from its copy on this node, brought up to date on each poll
@@ -80,8 +81,9 @@ class ServerDeployment(ServerGrpcMethods):
             self._front = Front(http_front, grpc_front, SERVER_APP, front_threads, control.max_input_size,
                                 parse_restrictions(http_restricted or [], "--http-restricted-api"),
                                 parse_restrictions(grpc_restricted or [], "--grpc-restricted-protocol"),
-                                max_inflight or DEFAULT_MAX_INFLIGHT_REQUESTS)
+                                max_inflight or DEFAULT_MAX_INFLIGHT_REQUESTS, direct_connections)
         self._max_input_size = control.max_input_size
+        self._max_inflight = max_inflight or DEFAULT_MAX_INFLIGHT_REQUESTS
         self._api = V2Api(server_id, strict_readiness, self._controller, state, RouteTable(state, self._front),
                           control.poll_secs,
                           settings_from_flags(list(control.trace_config)))
@@ -119,7 +121,7 @@ class ServerDeployment(ServerGrpcMethods):
         routes = self._api.routes
         await routes.register(replica_key, app, host, port, sequences)
         return {"log": self._api.log_settings, "trace": self._api.trace_settings.as_dict(),
-                "sequence_slots": routes.slot_table(app) if sequences else None}
+                "sequence_slots": routes.slot_table(app) if sequences else None, "max_inflight": self._max_inflight}
 
     async def trace_setting(self, model: str, doc: dict[str, Any] | None) -> dict[str, Any]:
         """A model's trace settings over HTTP, which Serve routes to the model's replica."""

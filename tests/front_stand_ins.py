@@ -58,6 +58,9 @@ class Replica:
         raise RuntimeError(f"no {method} here")
 
     async def handle_http(self, method: str, path: str, headers: dict[bytes, bytes], body: bytes):
+        if path.endswith("/slow"):  # held like a "slow" model call
+            self.slow_arrived.set()
+            await self._release.wait()
         if b"x-fail" in body:
             raise NotFoundError("Request for unknown model: 'x' is not found")
         return 200, [(b"content-type", b"text/plain")], f"{self.name} {method} {path} {len(body)}".encode()

@@ -161,6 +161,16 @@ def test_max_inflight_requests_reaches_the_front(repository: Path) -> None:
         main(["config", "--model-repository", str(repository), "--max-inflight-requests", "0"])
 
 
+def test_direct_connections_reach_the_front(repository: Path) -> None:
+    from rayinfer.deployments.app import build_server_app
+
+    assert all_args(settings_of(repository))[0]["direct_connections"] is True
+    server, model = all_args(settings_of(repository, "--direct-connections", "false", command="config"))
+    assert server["direct_connections"] is False and "direct_connections" not in model
+    bound = build_server_app(server)._bound_deployment.init_args  # the Serve config's entry point
+    assert bound[-1] is False
+
+
 def test_backend_directory_is_accepted_and_ignored(
     repository: Path, caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -1,0 +1,133 @@
+"""A request on a client's connection from the front's door that its replica does not answer:
+relayed to the front's HAProxy, and its answer streamed back to the client.
+
+The door gives a connection to a replica by its first request (:mod:`front_door`); the client
+may then ask for anything on it (readiness, another model, the repository API). The replica's
+listener (:mod:`replica_listener`) sends such a request, unchanged but for its hop-by-hop
+headers, to HAProxy's Unix socket with ``connection: close``, and writes the answer back with
+the connection's own keep-alive. A request that stops the replica itself (unloading its model)
+is answered only once the replica is gone: a replica that stops while a relayed answer has not
+begun hands both connections to the door (:meth:`RelayedRequest.hand_over`), which copies the
+answer to the client, then closes it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from typing import Any
+
+from rayinfer.deployments import front_door
+
+# Headers of a client's request not copied when it is relayed.
+_HOP_HEADERS = {b"connection", b"keep-alive", b"content-length", b"transfer-encoding", b"expect", b"te", b"upgrade"}
+_BAD_GATEWAY = (b"HTTP/1.1 502 Bad Gateway\r\ncontent-type: application/json\r\nconnection: close\r\n"
+                b"content-length: 53\r\n\r\n{\"error\":\"the front did not answer a relayed request\"}")
+
+
+class _Upstream(asyncio.Protocol):
+    """The connection to HAProxy: what it answered so far."""
+
+    def __init__(self) -> None:
+        self.transport: Any = None
+        self.buffer = bytearray()
+        self.ended = False
+        self.changed = asyncio.Event()
+
+    def connection_made(self, transport: Any) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        self.buffer += data
+        self.changed.set()
+
+    def eof_received(self) -> bool:
+        self.ended = True
+        self.changed.set()
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.ended = True
+        self.changed.set()
+
+    async def wait(self) -> None:
+        self.changed.clear()
+        if not self.ended:
+            await self.changed.wait()
+
+
+class RelayedRequest:
+    """One request relayed to the front's HAProxy at ``socket_path``."""
+
+    def __init__(self, socket_path: str, method: bytes, url: bytes, headers: list[tuple[bytes, bytes]],
+                 body: bytes) -> None:
+        self._socket_path = socket_path
+        head = [b"%b %b HTTP/1.1\r\n" % (method, url)]
+        head += [b"%b: %b\r\n" % (name, value) for name, value in headers if name.lower() not in _HOP_HEADERS]
+        head.append(b"content-length: %d\r\nconnection: close\r\n\r\n" % len(body))
+        self._request = b"".join(head) + body
+        self._upstream: _Upstream | None = None
+        self._answering = False  # the answer's head was written to the client
+        self.handed_over = False
+
+    async def answer(self, client: Any, keep_alive: bool) -> bool:
+        """Relay the request and write the answer to ``client`` (a transport); whether the
+        client's connection stays open afterwards."""
+        loop = asyncio.get_running_loop()
+        try:
+            _, self._upstream = await loop.create_unix_connection(_Upstream, self._socket_path)
+            upstream = self._upstream
+            upstream.transport.write(self._request)
+            while (end := upstream.buffer.find(b"\r\n\r\n")) < 0:
+                if upstream.ended or self.handed_over:
+                    raise ConnectionError("the front closed the connection before its answer")
+                await upstream.wait()
+            status_line, *lines = bytes(upstream.buffer[:end]).split(b"\r\n")
+            del upstream.buffer[:end + 4]
+            names = {line.partition(b":")[0].strip().lower() for line in lines}
+            chunked = any(line.lower().startswith(b"transfer-encoding:") and b"chunked" in line.lower()
+                          for line in lines)
+            keep_alive = keep_alive and (b"content-length" in names or chunked)
+            lines = [line for line in lines if not line.lower().startswith((b"connection:", b"keep-alive:"))]
+            if not keep_alive:
+                lines.append(b"connection: close")
+            client.write(b"\r\n".join([status_line, *lines]) + b"\r\n\r\n")
+            self._answering = True
+            while True:
+                if upstream.buffer:
+                    client.write(bytes(upstream.buffer))
+                    upstream.buffer.clear()
+                if upstream.ended:
+                    break
+                await upstream.wait()
+        except (OSError, ConnectionError):
+            if self.handed_over:
+                return False
+            if not self._answering:
+                client.write(_BAD_GATEWAY)
+            keep_alive = False
+        finally:
+            if self._upstream is not None and self._upstream.transport is not None:
+                self._upstream.transport.close()
+        return keep_alive and not self.handed_over
+
+    def hand_over(self, client_fd: int, folder_name: str) -> bool:
+        """The replica stops: give the client's connection and HAProxy's to the door, which
+        copies the answer to the client; False once the answer has begun (or nothing waits)."""
+        upstream = self._upstream
+        sock = upstream.transport.get_extra_info("socket") if upstream is not None and upstream.transport else None
+        if self._answering or self.handed_over or sock is None or upstream is None or upstream.ended:
+            return False
+        upstream.transport.pause_reading()
+        fds = [os.dup(client_fd), os.dup(sock.fileno())]
+        try:
+            given = front_door.give_back(folder_name, fds, front_door.PUMP + bytes(upstream.buffer))
+        finally:
+            for fd in fds:
+                os.close(fd)
+        if not given:
+            upstream.transport.resume_reading()
+            return False
+        self.handed_over = True
+        upstream.transport.close()
+        return True

@@ -1,0 +1,334 @@
+"""The front's door: accepts HTTP connections and gives each to the process that will read it.
+
+HAProxy (:mod:`front`) reads every request and writes every answer a second time, which costs a
+model call about a quarter of the server's CPU on small machines (docs/benchmarks.md). The door
+takes that hop out of the steady state. It owns the HTTP port, peeks at the request line of a new
+connection (``MSG_PEEK``: nothing is consumed), and when that request is a model call or a
+model GET whose version has a replica on this machine, it passes the connection itself
+(``SCM_RIGHTS``) to that replica's listener, which then reads the client's requests and answers
+them with no process in between (:mod:`replica_listener`). A connection whose first request is
+not a model's (readiness, metadata, the repository API) goes to any replica here, which relays
+that request to HAProxy and gives the connection back, to be placed by its next request. Every
+other connection (a model with no replica here, the calls of a sequence model with several
+replicas, which the front routes one by one by correlation id, no replica here at all, a request
+line that has not arrived within :data:`_PEEK_WAIT_S`) is passed to HAProxy over the socket pair
+it reads connections from (``bind sockpair@``), where it is served as before. A replica that
+cannot take a connection (gone, or not reading) gets none: HAProxy does. Replicas give their
+connections back between two requests every few seconds and when they stop (:func:`give_back`);
+the door passes each on again by its next request, so connections spread over replicas that
+started since and outlive the replica that held them.
+
+The door runs in the front's keeper (:mod:`front_keeper`; standard library only), and reads the
+front's route maps from disk (written after each change by :meth:`front.Front.publish`).
+A replica's door socket is an abstract Unix socket named after its listener's address, so it is
+private to the network namespace, like the listener.
+"""
+
+from __future__ import annotations
+
+import re
+import selectors
+import socket
+import threading
+import time
+from pathlib import Path
+from urllib.parse import unquote
+
+# How long a new connection may take to send its request line before it goes to HAProxy, which
+# applies its own timeouts to it.
+_PEEK_WAIT_S = 0.5
+# A connection a replica gave back waits this long for its client's next request (an idle
+# keep-alive client may send it much later) before it goes to HAProxy.
+_RETURNED_WAIT_S = 30.0
+# The most of a request the door looks at: the request line is all it needs.
+_PEEK_BYTES = 4096
+# A replica whose door refused a connection is not tried again for this long.
+_REFUSED_FOR_S = 2.0
+# A replica that gave its connections back because it stops gets none for this long (its route
+# goes within about 2 s).
+_STOPPING_S = 30.0
+_INFER = re.compile(rb"^/v2/models/([^/]+)(?:/versions/([^/]*))?/infer$")
+_MODEL_GET = re.compile(rb"^/v2/models/([^/]+)(?:/versions/([^/]+))?(?:/ready|/config|/stats)?/?$")
+# A replica that stops while it relays a request hands the client's connection and HAProxy's to
+# the door with this message, then what HAProxy answered so far: the door copies the rest.
+PUMP = b"pump\n"
+# The Unix socket (in the front's folder) of HAProxy's HTTP frontend, for requests replicas relay.
+RELAY_SOCKET = "relay.sock"
+# HAProxy's environment variable holding the descriptor of its end of the socket pair.
+DOOR_FD_VARIABLE = "RAYINFER_DOOR_FD"
+
+
+def door_name(host: str, port: int) -> str:
+    """The abstract Unix socket a replica whose listener is ``host``:``port`` takes connections on."""
+    return f"\0rayinfer-door-{host}-{port}"
+
+
+def return_name(folder_name: str) -> str:
+    """The abstract Unix socket the door of the front whose folder is named ``folder_name``
+    takes connections back on."""
+    return f"\0rayinfer-door-back-{folder_name}"
+
+
+def route_key(request: bytes) -> str | None:
+    """``<model>/<version>`` of a request line that is a model call or a model GET, "" for
+    another HTTP/1.x request, None for what is not one."""
+    line = request.partition(b"\r\n")[0]
+    parts = line.split(b" ")
+    if len(parts) != 3 or not parts[2].startswith(b"HTTP/1.") or not parts[0].isalpha():
+        return None
+    method, target = parts[0], parts[1].partition(b"?")[0]
+    if method == b"POST":
+        match = _INFER.match(target)
+    elif method == b"GET":
+        match = _MODEL_GET.match(target)
+    else:
+        return ""
+    if match is None or match.group(1) == b"stats":
+        return ""
+    model = unquote(match.group(1).decode("latin-1"))
+    return f"{model}/{(match.group(2) or b'').decode('latin-1')}"
+
+
+class _Routes:
+    """The front's route maps as last written to disk."""
+
+    def __init__(self, folder: Path) -> None:
+        self._paths = [folder / "replicas.map", folder / "listeners.map", folder / "sequences.map"]
+        self._stamps: list[int] = []
+        self.listeners: dict[str, list[str]] = {}
+        self.sequences: set[str] = set()
+
+    def refresh(self) -> None:
+        """Read the maps again if they changed (three stat calls per new connection)."""
+        try:
+            stamps = [path.stat().st_mtime_ns for path in self._paths]
+            if stamps == self._stamps:
+                return
+            counts, listeners, sequences = (self._read(path) for path in self._paths)
+        except OSError:
+            return
+        self._stamps = stamps
+        self.listeners = {key: [listeners[f"{key}/{n}"] for n in range(int(count)) if f"{key}/{n}" in listeners]
+                          for key, count in counts.items() if count.isdigit()}
+        self.sequences = set(sequences)
+
+    @staticmethod
+    def _read(path: Path) -> dict[str, str]:
+        entries = {}
+        for line in path.read_text().splitlines():
+            key, _, value = line.partition(" ")
+            entries[key] = value
+        return entries
+
+
+class Door:
+    """Accepts on ``listening`` (non-blocking) and passes each connection to a model replica or,
+    over ``haproxy`` (the door's end of HAProxy's socket pair), to HAProxy. ``relay``: the Unix
+    socket of HAProxy's HTTP frontend, where a replica sends a request that is not its own."""
+
+    def __init__(self, listening: socket.socket, haproxy: socket.socket, folder: Path, relay: Path) -> None:
+        self._listening = listening
+        self._haproxy = haproxy
+        self._relay = str(relay).encode()
+        self._routes = _Routes(folder)
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(listening, selectors.EVENT_READ, self._accept)
+        self._returns = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self._returns.bind(return_name(folder.name))
+        self._returns.listen(64)
+        self._returns.setblocking(False)
+        self._selector.register(self._returns, selectors.EVENT_READ, self._accept_return)
+        self._waiting: dict[socket.socket, float] = {}  # connection -> when it goes to HAProxy
+        self._doors: dict[str, socket.socket] = {}  # door name -> a connected channel
+        self._refused: dict[str, float] = {}  # door name -> when it may be tried again
+        self._next: dict[str, int] = {}  # route key -> the replica the next connection goes to
+
+    def serve(self, seconds: float) -> None:
+        """Serve for about ``seconds``."""
+        deadline = time.monotonic() + seconds
+        while (left := deadline - time.monotonic()) > 0:
+            timeout = min(left, min(self._waiting.values(), default=deadline) - time.monotonic())
+            for key, _ in self._selector.select(max(timeout, 0)):
+                key.data(key.fileobj)
+            now = time.monotonic()
+            for connection in [c for c, until in self._waiting.items() if until <= now]:
+                self._stop_waiting(connection)
+                self._to_haproxy(connection)
+
+    def close(self) -> None:
+        for connection in list(self._waiting):
+            self._stop_waiting(connection)
+            connection.close()
+        for channel in self._doors.values():
+            channel.close()
+        self._selector.close()
+        self._returns.close()
+
+    def _accept(self, listening: socket.socket) -> None:
+        for _ in range(64):
+            try:
+                connection, _ = listening.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:  # out of descriptors, a connection reset before accept: the next one
+                return
+            self._wait_for_request(connection, _PEEK_WAIT_S)
+
+    def _wait_for_request(self, connection: socket.socket, seconds: float) -> None:
+        connection.setblocking(False)
+        self._waiting[connection] = time.monotonic() + seconds
+        self._selector.register(connection, selectors.EVENT_READ, self._peek)
+
+    def _peek(self, connection: socket.socket) -> None:
+        try:
+            head = connection.recv(_PEEK_BYTES, socket.MSG_PEEK)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            head = b""
+        self._stop_waiting(connection)
+        if not head:  # closed before it sent anything
+            connection.close()
+            return
+        key = route_key(head) if b"\r\n" in head else None
+        if key is None or not self._to_replica(connection, key):
+            self._to_haproxy(connection)
+
+    def _stop_waiting(self, connection: socket.socket) -> None:
+        self._waiting.pop(connection, None)
+        self._selector.unregister(connection)
+
+    def _to_replica(self, connection: socket.socket, key: str) -> bool:
+        self._routes.refresh()
+        if not key:
+            # Not a model's request (health, metadata, the repository API): a replica of this
+            # machine relays it to HAProxy, then gives the connection back, which its next
+            # request then places (a client asking for readiness first, then for inferences).
+            key = next(iter(self._routes.listeners), "")
+        listeners = self._routes.listeners.get(key)
+        # A sequence model's calls go to the replica of their correlation id's slot, which the
+        # front reads from each request: a connection only where one replica holds every slot.
+        if not listeners or (key in self._routes.sequences and len(listeners) > 1):
+            return False
+        # The replicas in turn. One on another machine (no door here), or one that cannot take
+        # the connection, leaves it to HAProxy, which balances its requests over all replicas.
+        n = self._next.get(key, 0) % len(listeners)
+        self._next[key] = n + 1
+        host, _, port = listeners[n].rpartition("|")
+        name = door_name(host, int(port))
+        now = time.monotonic()
+        if self._refused.get(name, 0.0) > now:
+            return False
+        if not self._send(name, connection, key):
+            self._refused[name] = now + _REFUSED_FOR_S
+            return False
+        connection.close()  # the replica holds its own descriptor of it now
+        return True
+
+    def _send(self, name: str, connection: socket.socket, key: str) -> bool:
+        """Pass ``connection`` to the replica door ``name``: False if it is not there or full."""
+        message = b"%b\n%b" % (self._relay, key.encode())
+        for attempt in range(2):  # a kept channel may have closed (the replica restarted)
+            channel = self._doors.get(name)
+            try:
+                if channel is None:
+                    channel = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+                    channel.setblocking(False)
+                    self._doors[name] = channel
+                    channel.connect(name)
+                socket.send_fds(channel, [message], [connection.fileno()])
+                return True
+            except OSError:
+                self._doors.pop(name, None)
+                if channel is not None:
+                    channel.close()
+                if attempt:
+                    return False
+        return False
+
+    def _to_haproxy(self, connection: socket.socket) -> None:
+        try:
+            socket.send_fds(self._haproxy, [b"c"], [connection.fileno()])
+        except OSError:
+            pass  # HAProxy is gone: the keeper stops; the client sees its connection close
+        connection.close()
+
+    def _accept_return(self, returns: socket.socket) -> None:
+        try:
+            channel, _ = returns.accept()
+        except OSError:
+            return
+        channel.setblocking(False)
+        self._selector.register(channel, selectors.EVENT_READ, self._take_back)
+
+    def _take_back(self, channel: socket.socket) -> None:
+        """Connections a replica gives back between two requests (it stops, or its connections
+        take their turn again: see :func:`give_back`): each goes where its next request says."""
+        try:
+            message, fds, _, _ = socket.recv_fds(channel, 1 << 17, 16)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            message, fds = b"", []
+        if not fds:
+            self._selector.unregister(channel)
+            channel.close()
+            return
+        if message.startswith(PUMP) and len(fds) == 2:
+            client, upstream = (socket.socket(fileno=fd) for fd in fds)
+            threading.Thread(target=_pump, args=(client, upstream, message[len(PUMP):]), daemon=True).start()
+            return
+        stopping, _, name = message.decode("utf-8", "replace").partition(" ")
+        if stopping == "stopping":  # no more connections for it, even before its route goes
+            self._refused[name] = time.monotonic() + _STOPPING_S
+        for fd in fds:
+            self._wait_for_request(socket.socket(fileno=fd), _RETURNED_WAIT_S)
+
+
+def _pump(client: socket.socket, upstream: socket.socket, first: bytes) -> None:
+    """Copy HAProxy's answer to a relayed request to the client, then close both (the answer
+    says ``connection: close``)."""
+    with client, upstream:
+        try:
+            client.setblocking(True)
+            upstream.settimeout(3600.0)
+            client.sendall(first)
+            while data := upstream.recv(1 << 16):
+                client.sendall(data)
+        except OSError:
+            pass
+
+
+def returned(replica: str, stopping: bool) -> bytes:
+    """The message with connections a replica (its door name) gives back; ``stopping``: it
+    takes no more."""
+    return f"{'stopping' if stopping else 'turn'} {replica}".encode()
+
+
+def give_back(folder_name: str, connections: list[int], message: bytes) -> bool:
+    """Give connections (descriptors of this process, not closed here) back to the door of the
+    front whose folder is named ``folder_name``, with ``message`` (:func:`returned`, or
+    :data:`PUMP` with the client's connection and HAProxy's)."""
+    if not connections:
+        return True
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as channel:
+            channel.settimeout(1.0)
+            channel.connect(return_name(folder_name))
+            for start in range(0, len(connections), 16):
+                socket.send_fds(channel, [message], connections[start:start + 16])
+        return True
+    except OSError:
+        return False
+
+
+def listening_socket(address: str, port: int) -> socket.socket:
+    """The HTTP port's listening socket (non-blocking)."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    listening = socket.socket(family, socket.SOCK_STREAM)
+    listening.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listening.bind((address, port))
+    listening.listen(1024)
+    listening.setblocking(False)
+    return listening
+

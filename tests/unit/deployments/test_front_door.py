@@ -1,0 +1,238 @@
+"""The front's door (a real keeper and HAProxy) giving HTTP connections to replica listeners,
+which answer their own requests and relay the others to HAProxy; raw sockets as clients, the
+listeners of tests/front_stand_ins.py as replicas and as Serve's ingress behind the front."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+
+import pytest
+
+from front_stand_ins import Replica, free_port, publish
+from rayinfer.deployments.front import Front
+from rayinfer.deployments.front_door import route_key
+from waiting import wait_until
+
+
+@pytest.fixture(scope="module")
+def door(loop):
+    serve = Replica(loop, "serve")  # what HAProxy relays when no replica's route matches
+    http_port = free_port()
+    front = Front(("127.0.0.1", http_port, "127.0.0.1", serve.port), None, "v2", direct=True)
+    assert front.direct
+    yield front, http_port
+    front.stop()
+
+
+def _owns_model(model: str):
+    return lambda method, path, key: path.startswith(f"/v2/models/{model}/")
+
+
+class _Client:
+    """One keep-alive HTTP/1.1 connection to the front."""
+
+    def __init__(self, port: int) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port), 5)
+        self._buffer = b""
+
+    def request(self, method: str, path: str, body: bytes = b"") -> tuple[int, dict[str, str], bytes]:
+        self.sock.sendall(b"%b %b HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n\r\n%b"
+                          % (method.encode(), path.encode(), len(body), body))
+        return self.request_sent()
+
+    def request_sent(self) -> tuple[int, dict[str, str], bytes]:
+        """The answer to the request sent last."""
+        while b"\r\n\r\n" not in self._buffer:
+            self._read()
+        head, _, self._buffer = self._buffer.partition(b"\r\n\r\n")
+        status_line, *lines = head.decode().split("\r\n")
+        headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines)}
+        length = int(headers["content-length"])
+        while len(self._buffer) < length:
+            self._read()
+        body, self._buffer = self._buffer[:length], self._buffer[length:]
+        return int(status_line.split()[1]), headers, body
+
+    def _read(self) -> None:
+        chunk = self.sock.recv(65536)
+        assert chunk, "the server closed the connection"
+        self._buffer += chunk
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def _direct_connections(replica: Replica) -> int:
+    return sum(1 for connection in list(replica.listener._connections) if connection._direct is not None)
+
+
+def test_route_keys_of_request_lines():
+    assert route_key(b"POST /v2/models/m/infer HTTP/1.1\r\n") == "m/"
+    assert route_key(b"POST /v2/models/m/versions/3/infer?x=1 HTTP/1.1\r\nhost: a\r\n") == "m/3"
+    assert route_key(b"POST /v2/models/m%C3%BC/infer HTTP/1.1\r\n") == "m\u00fc/"
+    for action in ("", "/ready", "/config", "/stats"):
+        assert route_key(f"GET /v2/models/m/versions/2{action} HTTP/1.1\r\n".encode()) == "m/2"
+    for line in (b"GET /v2/models/stats HTTP/1.1", b"GET /v2/health/ready HTTP/1.1", b"PUT /v2/models/m/infer HTTP/1.1",
+                 b"POST /v2/models/m/ready HTTP/1.1"):
+        assert route_key(line + b"\r\n") == "", line  # not a model's request
+    for line in (b"POST /v2/models/m/infer", b"\x16\x03\x01 garbage", b"PRI * HTTP/2.0"):
+        assert route_key(line + b"\r\n") is None, line  # not HTTP/1.x
+
+
+def test_a_models_connection_is_the_replicas_and_its_other_requests_are_relayed(loop, door):
+    front, port = door
+    one = Replica(loop, "one")
+    one.listener.owns = _owns_model("m")
+    publish(loop, front, {"m/": [("127.0.0.1", one.port)], "n/": [("127.0.0.1", one.port)]})
+    client = _Client(port)
+    try:
+        status, _, body = client.request("POST", "/v2/models/m/infer", b"abcd")
+        assert (status, body) == (200, b"one POST /v2/models/m/infer 4")
+        assert _direct_connections(one) == 1
+        # On the same connection: the /v2 API and a model the replica does not serve go through
+        # HAProxy (to Serve's ingress, and to the model's route), a large body included.
+        status, _, body = client.request("GET", "/v2/health/ready")
+        assert (status, body) == (200, b"serve GET /v2/health/ready 0")
+        big = b"x" * 3_000_000
+        assert client.request("POST", "/v2/models/n/infer", big)[2] == b"one POST /v2/models/n/infer 3000000"
+        assert client.request("POST", "/v2/models/m/infer", b"ab")[2] == b"one POST /v2/models/m/infer 2"
+        assert _direct_connections(one) == 1
+    finally:
+        client.close()
+
+
+def test_a_connection_opened_with_another_request_is_placed_by_its_next_one(loop, door):
+    """A replica relays the first request (not a model's) and gives the connection back; the
+    door gives it to the replica of the model its next request names."""
+    front, port = door
+    one, two = Replica(loop, "one"), Replica(loop, "two")
+    one.listener.owns = _owns_model("m")
+    two.listener.owns = _owns_model("n")
+    publish(loop, front, {"m/": [("127.0.0.1", one.port)], "n/": [("127.0.0.1", two.port)]})
+    client = _Client(port)
+    try:
+        assert client.request("GET", "/v2")[2] == b"serve GET /v2 0"
+        assert client.request("POST", "/v2/models/n/infer", b"a")[2] == b"two POST /v2/models/n/infer 1"
+        assert (_direct_connections(one), _direct_connections(two)) == (0, 1)
+        # Another model's request on it: relayed, then the connection moves to that model's replica.
+        assert client.request("POST", "/v2/models/m/infer", b"a")[2] == b"one POST /v2/models/m/infer 1"
+        assert client.request("POST", "/v2/models/m/infer", b"a")[2] == b"one POST /v2/models/m/infer 1"
+        wait_until(lambda: (_direct_connections(one), _direct_connections(two)) == (1, 0), "the connection to move")
+    finally:
+        client.close()
+
+
+def test_a_sequence_models_connections_go_to_haproxy_unless_one_replica_holds_every_slot(loop, door):
+    """Its calls are routed one by one by correlation id (HAProxy reads it from each request)."""
+    front, port = door
+    one, two = Replica(loop, "one"), Replica(loop, "two")
+    one.listener.owns = two.listener.owns = _owns_model("s")
+    for replicas, direct in (([one], 1), ([one, two], 0)):
+        routes = {"s/": [("127.0.0.1", r.port) for r in replicas]}
+        asyncio.run_coroutine_threadsafe(front.publish(routes, frozenset({"s/"})), loop).result(10)
+        client = _Client(port)
+        try:
+            assert client.request("POST", "/v2/models/s/infer", b"{}")[2].endswith(b" POST /v2/models/s/infer 2")
+            assert _direct_connections(one) + _direct_connections(two) == direct
+        finally:
+            client.close()
+        wait_until(lambda: _direct_connections(one) == 0, "the connection to close")
+
+
+def test_a_stopping_replica_gives_its_waiting_connections_back(loop, door):
+    """The client's next request on the same connection is served through HAProxy."""
+    front, port = door
+    one, two = Replica(loop, "one"), Replica(loop, "two")
+    one.listener.owns = _owns_model("m")
+    publish(loop, front, {"m/": [("127.0.0.1", one.port)]})
+    client = _Client(port)
+    try:
+        assert client.request("POST", "/v2/models/m/infer")[2] == b"one POST /v2/models/m/infer 0"
+        assert _direct_connections(one) == 1
+        publish(loop, front, {"m/": [("127.0.0.1", two.port)]})
+        asyncio.run_coroutine_threadsafe(one.listener.close(1.0), loop).result(10)
+        assert _direct_connections(one) == 0
+        assert client.request("POST", "/v2/models/m/infer")[2] == b"two POST /v2/models/m/infer 0"
+    finally:
+        client.close()
+
+
+def test_a_replica_stopping_while_it_relays_leaves_the_answer_to_the_door(loop):
+    """A request that stops the replica it was relayed by (as unloading its own model does) is
+    answered after the replica stopped: the door copies the answer to the client."""
+    serve = Replica(loop, "serve")
+    port = free_port()
+    front = Front(("127.0.0.1", port, "127.0.0.1", serve.port), None, "v2", direct=True)
+    one = Replica(loop, "one")
+    one.listener.owns = _owns_model("m")
+    publish(loop, front, {"m/": [("127.0.0.1", one.port)]})
+    client = _Client(port)
+    try:
+        assert client.request("POST", "/v2/models/m/infer")[2] == b"one POST /v2/models/m/infer 0"
+        client.sock.sendall(b"POST /v2/repository/slow HTTP/1.1\r\nhost: x\r\ncontent-length: 0\r\n\r\n")
+        assert serve.slow_arrived.wait(10)
+        asyncio.run_coroutine_threadsafe(one.listener.close(5.0), loop).result(10)
+        serve.release_slow()
+        status, headers, body = client.request_sent()
+        assert (status, body, headers["connection"]) == (200, b"serve POST /v2/repository/slow 0", "close")
+    finally:
+        client.close()
+        front.stop()
+
+
+def test_connections_spread_over_replicas_and_a_busy_replica_answers_503(loop, door):
+    front, port = door
+    one, two = Replica(loop, "one"), Replica(loop, "two")
+    for replica in (one, two):
+        replica.listener.owns = _owns_model("m")
+    publish(loop, front, {"m/": [("127.0.0.1", one.port), ("127.0.0.1", two.port)]})
+    clients = [_Client(port) for _ in range(4)]
+    try:
+        answered = sorted(c.request("POST", "/v2/models/m/infer")[2].split()[0] for c in clients)
+        assert answered == [b"one", b"one", b"two", b"two"]
+        wait_until(lambda: _direct_connections(one) == _direct_connections(two) == 2, "four direct connections")
+        one.listener.max_inflight = two.listener.max_inflight = 0  # --max-inflight-requests reached
+        status, headers, body = clients[0].request("POST", "/v2/models/m/infer")
+        assert status == 503 and headers["content-type"] == "application/json"
+        assert "--max-inflight-requests" in json.loads(body)["error"]
+    finally:
+        one.listener.max_inflight = two.listener.max_inflight = 1024
+        for client in clients:
+            client.close()
+
+
+def test_a_replica_that_is_gone_gets_no_connections(loop, door):
+    front, port = door
+    one = Replica(loop, "one")
+    publish(loop, front, {"m/": [("127.0.0.1", one.port), ("127.0.0.1", free_port())]})
+    for _ in range(4):  # the second listener does not exist: HAProxy takes those connections
+        client = _Client(port)
+        try:
+            status, _, body = client.request("POST", "/v2/models/m/infer")
+            assert status in (200, 503), body
+        finally:
+            client.close()
+
+
+def test_connections_take_turns_over_the_replicas(loop, door, monkeypatch):
+    """A replica gives its connection back to the door between two requests once its turn is
+    over: one keep-alive client reaches both replicas (one started later, as after a scale-up)."""
+    from rayinfer.deployments import replica_listener
+
+    monkeypatch.setattr(replica_listener, "_TURN_S", 0.0)
+    front, port = door
+    one = Replica(loop, "one")
+    one.listener.owns = _owns_model("m")
+    publish(loop, front, {"m/": [("127.0.0.1", one.port)]})
+    client = _Client(port)
+    try:
+        assert client.request("POST", "/v2/models/m/infer")[2].split()[0] == b"one"
+        two = Replica(loop, "two")
+        two.listener.owns = _owns_model("m")
+        publish(loop, front, {"m/": [("127.0.0.1", one.port), ("127.0.0.1", two.port)]})
+        answered = [client.request("POST", "/v2/models/m/infer")[2].split()[0] for _ in range(6)]
+        assert set(answered) == {b"one", b"two"}, answered
+    finally:
+        client.close()
