@@ -21,8 +21,9 @@ from rayinfer.deployments import front_door
 
 # Headers of a client's request not copied when it is relayed.
 _HOP_HEADERS = {b"connection", b"keep-alive", b"content-length", b"transfer-encoding", b"expect", b"te", b"upgrade"}
+_GATEWAY_ERROR = b'{"error":"the front did not answer a relayed request"}'
 _BAD_GATEWAY = (b"HTTP/1.1 502 Bad Gateway\r\ncontent-type: application/json\r\nconnection: close\r\n"
-                b"content-length: 53\r\n\r\n{\"error\":\"the front did not answer a relayed request\"}")
+                b"content-length: %d\r\n\r\n%b" % (len(_GATEWAY_ERROR), _GATEWAY_ERROR))
 
 
 class _Upstream(asyncio.Protocol):

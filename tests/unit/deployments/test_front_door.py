@@ -236,3 +236,21 @@ def test_connections_take_turns_over_the_replicas(loop, door, monkeypatch):
         assert set(answered) == {b"one", b"two"}, answered
     finally:
         client.close()
+
+
+def test_a_relay_the_front_does_not_answer_is_a_502(loop, tmp_path):
+    from rayinfer.deployments.client_relay import RelayedRequest
+
+    class Sink:  # what the relay writes to the client's connection
+        written = b""
+
+        def write(self, data: bytes) -> None:
+            self.written += data
+
+    sink = Sink()
+    relayed = RelayedRequest(str(tmp_path / "no-front.sock"), b"GET", b"/v2", [(b"Host", b"x")], b"")
+    keep_alive = asyncio.run_coroutine_threadsafe(relayed.answer(sink, True), loop).result(10)
+    head, _, body = sink.written.partition(b"\r\n\r\n")
+    assert not keep_alive and head.startswith(b"HTTP/1.1 502 ") and b"connection: close" in head
+    assert json.loads(body) == {"error": "the front did not answer a relayed request"}
+    assert f"content-length: {len(body)}".encode() in head
