@@ -41,6 +41,7 @@ from rayinfer.protocol.errors import InternalError, NotFoundError, UnsupportedEr
 from rayinfer.protocol.http_codec import error_response
 from rayinfer.deployments import front_door
 from rayinfer.deployments.client_relay import RelayedRequest
+from rayinfer.deployments.replica_door import ReplicaDoor
 from rayinfer.protocol.limits import (
     DEFAULT_HTTP_MAX_INPUT_SIZE,
     DEFAULT_MAX_INFLIGHT_REQUESTS,
@@ -155,65 +156,29 @@ class ReplicaListener:
         # how many may be in flight here before more are answered 503 (--max-inflight-requests).
         self.owns: Owns = lambda method, path, key: False
         self.max_inflight = DEFAULT_MAX_INFLIGHT_REQUESTS
-        self._door: socket.socket | None = None
+        self._door: ReplicaDoor | None = None
         self.door_name = ""
-        self._channels: set[socket.socket] = set()
         self.closing = False
 
     async def start(self, host: str) -> int:
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(lambda: _Connection(self), host, 0, reuse_address=True)
         self.port = self._server.sockets[0].getsockname()[1]
-        self._open_door(host)
+        self.door_name = front_door.door_name(host, self.port)
+        self._door = ReplicaDoor(self.door_name, self._take_connection)
+        self._door.open()
         return self.port
 
-    def _open_door(self, host: str) -> None:
-        """Take clients' connections from the front's door (:func:`front_door.door_name`)."""
-        door = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self.door_name = front_door.door_name(host, self.port)
-        try:
-            door.bind(self.door_name)
-            door.listen(16)
-        except OSError as exc:  # no door then: the front relays every request, as without one
-            logger.warning("the listener takes no connections from the front's door: %s", exc)
-            door.close()
+    def _take_connection(self, client: socket.socket, relay: str, key: str) -> None:
+        """A client's connection from the front's door (:mod:`replica_door`)."""
+        if self.closing:
+            front_door.give_back(os.path.basename(os.path.dirname(relay)), [client.fileno()],
+                                 front_door.returned(self.door_name, True))
+            client.close()
             return
-        door.setblocking(False)
-        self._door = door
-        asyncio.get_running_loop().add_reader(door, self._accept_channel)
-
-    def _accept_channel(self) -> None:
-        try:
-            channel, _ = self._door.accept()  # type: ignore[union-attr]
-        except OSError:
-            return
-        channel.setblocking(False)
-        self._channels.add(channel)
-        asyncio.get_running_loop().add_reader(channel, self._take_connections, channel)
-
-    def _take_connections(self, channel: socket.socket) -> None:
+        client.setblocking(False)
         loop = asyncio.get_running_loop()
-        try:
-            message, fds, _, _ = socket.recv_fds(channel, 4096, 4)
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError:
-            message, fds = b"", []
-        if not message and not fds:  # the door closed the channel
-            loop.remove_reader(channel)
-            self._channels.discard(channel)
-            channel.close()
-            return
-        relay, _, key = message.decode("utf-8", "replace").partition("\n")
-        for fd in fds:
-            client = socket.socket(fileno=fd)
-            if self.closing:
-                front_door.give_back(os.path.basename(os.path.dirname(relay)), [fd],
-                                     front_door.returned(self.door_name, True))
-                client.close()
-                continue
-            client.setblocking(False)
-            loop.create_task(loop.connect_accepted_socket(lambda: _Connection(self, (relay, key)), client))
+        loop.create_task(loop.connect_accepted_socket(lambda: _Connection(self, (relay, key)), client))
 
     async def respond(self, path: bytes, headers: dict[bytes, bytes], body: bytes, method: bytes = b"POST") -> bytes:
         """The whole HTTP/1.1 response to one relayed request."""
@@ -245,9 +210,7 @@ class ReplicaListener:
         if self._server is not None:
             self._server.close()
         if self._door is not None:
-            loop.remove_reader(self._door)
-            self._door.close()
-            self._door = None
+            self._door.stop_accepting()
         deadline = loop.time() + grace_s
         while True:
             # Clients' connections go back to the door between requests (the others once they
@@ -260,10 +223,8 @@ class ReplicaListener:
             await asyncio.sleep(0.01)
         for connection in list(self._connections):
             connection.close()
-        for channel in self._channels:
-            loop.remove_reader(channel)
-            channel.close()
-        self._channels.clear()
+        if self._door is not None:
+            self._door.close()
 
 
 class _Connection(asyncio.Protocol):
