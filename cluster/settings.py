@@ -189,9 +189,9 @@ class ServerSettings(BaseSettings):
     )
     direct_connections: bool = Field(
         True,
-        description="Give each HTTP connection whose first request is a model's straight to one of that "
-        "model's replicas on the front's machine, which then answers its requests with no proxy in between "
-        "(others on it are relayed to the front). Off: the front relays every request. Not with "
+        description="Give each HTTP connection straight to a replica on the front's machine of the model its "
+        "next request names, which then answers its requests with no proxy in between (it relays others to the "
+        "front and gives the connection back). Off: the front relays every request. Not with "
         "--http-restricted-api, which the front checks on every request.",
     )
     front_on_head: bool = Field(

@@ -45,6 +45,7 @@ from pathlib import Path
 
 from rayinfer.deployments import front_config, front_keeper
 from rayinfer.deployments.front_config import LUA, Endpoint
+from rayinfer.deployments.front_door import routes_on_disk
 from rayinfer.protocol.limits import DEFAULT_HTTP_MAX_INPUT_SIZE, DEFAULT_MAX_INFLIGHT_REQUESTS
 from rayinfer.protocol.restricted_api import Restrictions
 
@@ -93,9 +94,7 @@ class Front:
                 and front_keeper.read_text(running / "node") == node:
             self._use_folder(running)
             self._keeper_pid = int((running / "keeper.pid").read_text())
-            self._published = _routes_on_disk(self._counts_path, self._listeners_path)
-            self._sequence_keys = frozenset(line.partition(" ")[0] for line in
-                                            self._sequences_path.read_text().splitlines())
+            self._published, self._sequence_keys = routes_on_disk(running)
             self._keep_routes_until = time.monotonic() + _TAKEOVER_GRACE_S
             (running / "owner").write_text(str(os.getpid()))
             logger.info("took over the running front in %s", running)
@@ -114,7 +113,7 @@ class Front:
         (self._dir / "owner").write_text(str(os.getpid()))
         (self._dir / "node").write_text(node)
         self._keeper = subprocess.Popen(
-            [sys.executable, str(Path(front_keeper.__file__)), str(self._dir), get_haproxy_binary()],
+            [sys.executable, "-m", front_keeper.__name__, str(self._dir), get_haproxy_binary()],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
         )
         self._keeper_pid = self._keeper.pid
@@ -241,16 +240,3 @@ def _ray_node() -> str:
     except Exception:  # noqa: BLE001  # no Ray here
         return ""
 
-
-def _routes_on_disk(counts: Path, listeners: Path) -> dict[str, list[tuple[str, int]]]:
-    """The routes a running front was last given (its maps, as written after each change)."""
-    addresses = {}
-    for line in listeners.read_text().splitlines():
-        entry, _, listener = line.partition(" ")
-        host, _, port = listener.rpartition("|")
-        addresses[entry] = (host, int(port))
-    routes = {}
-    for line in counts.read_text().splitlines():
-        key, _, count = line.partition(" ")
-        routes[key] = [addresses[f"{key}/{n}"] for n in range(int(count)) if f"{key}/{n}" in addresses]
-    return routes

@@ -18,7 +18,7 @@ connections back between two requests every few seconds and when they stop (:fun
 the door passes each on again by its next request, so connections spread over replicas that
 started since and outlive the replica that held them.
 
-The door runs in the front's keeper (:mod:`front_keeper`; standard library only), and reads the
+The door runs in the front's keeper (:mod:`front_keeper`), and reads the
 front's route maps from disk (written after each change by :meth:`front.Front.publish`).
 A replica's door socket is an abstract Unix socket named after its listener's address, so it is
 private to the network namespace, like the listener.
@@ -26,13 +26,13 @@ private to the network namespace, like the listener.
 
 from __future__ import annotations
 
-import re
 import selectors
 import socket
 import threading
 import time
 from pathlib import Path
-from urllib.parse import unquote
+
+from rayinfer.serving.routes import front_routed
 
 # How long a new connection may take to send its request line before it goes to HAProxy, which
 # applies its own timeouts to it.
@@ -47,8 +47,6 @@ _REFUSED_FOR_S = 2.0
 # A replica that gave its connections back because it stops gets none for this long (its route
 # goes within about 2 s).
 _STOPPING_S = 30.0
-_INFER = re.compile(rb"^/v2/models/([^/]+)(?:/versions/([^/]*))?/infer$")
-_MODEL_GET = re.compile(rb"^/v2/models/([^/]+)(?:/versions/([^/]+))?(?:/ready|/config|/stats)?/?$")
 # A replica that stops while it relays a request hands the client's connection and HAProxy's to
 # the door with this message, then what HAProxy answered so far: the door copies the rest.
 PUMP = b"pump\n"
@@ -76,49 +74,45 @@ def route_key(request: bytes) -> str | None:
     parts = line.split(b" ")
     if len(parts) != 3 or not parts[2].startswith(b"HTTP/1.") or not parts[0].isalpha():
         return None
-    method, target = parts[0], parts[1].partition(b"?")[0]
-    if method == b"POST":
-        match = _INFER.match(target)
-    elif method == b"GET":
-        match = _MODEL_GET.match(target)
-    else:
-        return ""
-    if match is None or match.group(1) == b"stats":
-        return ""
-    model = unquote(match.group(1).decode("latin-1"))
-    return f"{model}/{(match.group(2) or b'').decode('latin-1')}"
+    route = front_routed(parts[0].decode("latin-1"), parts[1].partition(b"?")[0].decode("latin-1"))
+    return "" if route is None else f"{route.model}/{route.version}"
+
+
+def routes_on_disk(folder: Path) -> tuple[dict[str, list[tuple[str, int]]], frozenset[str]]:
+    """The routes the front in ``folder`` was last given (its maps, as written after each
+    change): ``<model>/<version>`` -> its listeners, and the keys routed by sequence slot."""
+    addresses = {}
+    for line in (folder / "listeners.map").read_text().splitlines():
+        entry, _, listener = line.partition(" ")
+        host, _, port = listener.rpartition("|")
+        addresses[entry] = (host, int(port))
+    routes = {}
+    for line in (folder / "replicas.map").read_text().splitlines():
+        key, _, count = line.partition(" ")
+        routes[key] = [addresses[f"{key}/{n}"] for n in range(int(count)) if f"{key}/{n}" in addresses]
+    sequences = frozenset(line.partition(" ")[0] for line in (folder / "sequences.map").read_text().splitlines())
+    return routes, sequences
 
 
 class _Routes:
     """The front's route maps as last written to disk."""
 
     def __init__(self, folder: Path) -> None:
+        self._folder = folder
         self._paths = [folder / "replicas.map", folder / "listeners.map", folder / "sequences.map"]
         self._stamps: list[int] = []
-        self.listeners: dict[str, list[str]] = {}
-        self.sequences: set[str] = set()
+        self.listeners: dict[str, list[tuple[str, int]]] = {}
+        self.sequences: frozenset[str] = frozenset()
 
     def refresh(self) -> None:
         """Read the maps again if they changed (three stat calls per new connection)."""
         try:
             stamps = [path.stat().st_mtime_ns for path in self._paths]
-            if stamps == self._stamps:
-                return
-            counts, listeners, sequences = (self._read(path) for path in self._paths)
-        except OSError:
+            if stamps != self._stamps:
+                self.listeners, self.sequences = routes_on_disk(self._folder)
+                self._stamps = stamps
+        except (OSError, ValueError):  # a map being written: the last one read stays
             return
-        self._stamps = stamps
-        self.listeners = {key: [listeners[f"{key}/{n}"] for n in range(int(count)) if f"{key}/{n}" in listeners]
-                          for key, count in counts.items() if count.isdigit()}
-        self.sequences = set(sequences)
-
-    @staticmethod
-    def _read(path: Path) -> dict[str, str]:
-        entries = {}
-        for line in path.read_text().splitlines():
-            key, _, value = line.partition(" ")
-            entries[key] = value
-        return entries
 
 
 class Door:
@@ -214,8 +208,7 @@ class Door:
         # the connection, leaves it to HAProxy, which balances its requests over all replicas.
         n = self._next.get(key, 0) % len(listeners)
         self._next[key] = n + 1
-        host, _, port = listeners[n].rpartition("|")
-        name = door_name(host, int(port))
+        name = door_name(*listeners[n])
         now = time.monotonic()
         if self._refused.get(name, 0.0) > now:
             return False
@@ -296,7 +289,7 @@ def _pump(client: socket.socket, upstream: socket.socket, first: bytes) -> None:
             while data := upstream.recv(1 << 16):
                 client.sendall(data)
         except OSError:
-            pass
+            pass  # the client or HAProxy went away: both connections close
 
 
 def returned(replica: str, stopping: bool) -> bytes:

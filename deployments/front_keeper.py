@@ -1,7 +1,7 @@
 """Keeps the front's HAProxy running for as long as a ``/v2`` replica owns it, and a while after.
 
-Run as ``python front_keeper.py <folder> <haproxy binary>`` (standard library only, in a
-session of its own). It starts HAProxy on ``<folder>/haproxy.cfg`` as its child, which dies with
+Run as ``python -m rayinfer.deployments.front_keeper <folder> <haproxy binary>`` (in a session
+of its own). It starts HAProxy on ``<folder>/haproxy.cfg`` as its child, which dies with
 it. The ``/v2`` replica that owns the front writes its PID to ``<folder>/owner``. If that
 process dies (a crash, Ray's memory monitor), the keeper and HAProxy stay up, so that inference
 calls keep reaching the model replicas while Serve starts a new ``/v2`` replica, which takes the
@@ -27,10 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-try:
-    from rayinfer.deployments import front_door
-except ImportError:  # run as a script from its folder
-    import front_door  # type: ignore[no-redef]
+from rayinfer.deployments import front_door
 
 DIR_PREFIX = "rayinfer-front-"
 ORPHAN_GRACE_S = float(os.environ.get("RAYINFER_FRONT_ORPHAN_GRACE_S", "60"))

@@ -54,7 +54,7 @@ from rayinfer.serving.model_core import ModelCore
 from rayinfer.serving.response_cache import ResponseCache, model_fingerprint
 from rayinfer.serving.sequence_routing import FORWARDED_HEADER, SequenceRoutes
 from rayinfer.serving.trace import TraceSettings
-from rayinfer.serving.routes import keep_request_headers, parse_model_route
+from rayinfer.serving.routes import front_routed, keep_request_headers, parse_model_route
 
 logger = logging.getLogger(__name__)
 
@@ -197,10 +197,8 @@ class ModelDeployment:
         """Whether a request on a client's connection from the front's door (given to this
         replica for ``key``, "<model>/<version>") is this replica's: the front would route it
         here. Any other is relayed to the front."""
-        route = parse_model_route(path, encoded=True)
-        if route is None or route.model != self._core.name or (method == "POST") != (route.action == "infer"):
-            return False
-        if method not in ("GET", "POST"):
+        route = front_routed(method, path)
+        if route is None or route.model != self._core.name:
             return False
         # The default version's requests only on a connection given for the default version.
         return route.version == self._core.version if route.version else key.endswith("/")

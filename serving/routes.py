@@ -57,6 +57,17 @@ def parse_model_route(path: str, encoded: bool = False) -> ModelRoute | None:
     return ModelRoute(model, version, rest[0] if rest else "")
 
 
+def front_routed(method: str, path: str) -> ModelRoute | None:
+    """The model route of a request (``path`` as sent) that the front sends to one of the model's
+    replicas: ``POST .../infer``, or a ``GET`` of its metadata, readiness, config or statistics."""
+    if method not in ("GET", "POST"):
+        return None
+    route = parse_model_route(path, encoded=True)
+    if route is None or (method == "POST") != (route.action == "infer"):
+        return None
+    return route
+
+
 def parse_repository_route(path: str) -> tuple[str, str] | None:
     """(model, "load" or "unload") of ``/v2/repository/models/<model>/{load,unload}`` (a decoded
     path), else None."""
