@@ -110,8 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
                          help="inference calls the front relays to model replicas at once; more answer "
                               "503 / UNAVAILABLE (default 1024)")
         sub.add_argument("--direct-connections", type=_bool, nargs="?", const=True, default=None,
-                         help="HTTP connections straight to a replica of their first request's model "
-                              "(default true; false: the front relays every request)")
+                         help="HTTP and gRPC connections straight to a replica of their first request's "
+                              "model (default true; false: the front relays every request)")
         sub.add_argument("--front-on-head", type=_bool, nargs="?", const=True, default=None,
                          help="run the front (HTTP, gRPC and metrics ports) on the Ray head node")
         sub.add_argument("--gpu-wait-secs", type=float, default=None,

@@ -189,10 +189,11 @@ class ServerSettings(BaseSettings):
     )
     direct_connections: bool = Field(
         True,
-        description="Give each HTTP connection straight to a replica on the front's machine of the model its "
-        "next request names, which then answers its requests with no proxy in between (it relays others to the "
-        "front and gives the connection back). Off: the front relays every request. Not with "
-        "--http-restricted-api, which the front checks on every request.",
+        description="Give each HTTP and gRPC connection straight to a replica on the front's machine of the model "
+        "its next request (gRPC: its first call) names, which then answers its requests with no proxy in between "
+        "(it relays others to the front; an HTTP connection is given back, a gRPC one takes its turn). Off: the "
+        "front relays every request. Not on a port with restricted APIs (--http-restricted-api, "
+        "--grpc-restricted-api), which the front checks on every request.",
     )
     front_on_head: bool = Field(
         False,

@@ -58,7 +58,7 @@ def server_application(
     --grpc-restricted-protocol (the front enforces them). ``front_on_head``: place the replica,
     and so the front's ports, on the Ray head node (Ray's ``node:__internal_head__`` resource),
     where a Kubernetes service or ``ray attach -p`` finds them. ``direct_connections``: HTTP
-    connections go straight to a model's replica (--direct-connections, :mod:`front_door`).
+    and gRPC connections go straight to a model's replica (--direct-connections, :mod:`front_door`).
     """
     control = control or ModelControl()
     deployment = ServerDeployment.options(

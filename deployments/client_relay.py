@@ -132,3 +132,62 @@ class RelayedRequest:
         self.handed_over = True
         upstream.transport.close()
         return True
+
+
+# gRPC's statuses for an HTTP status that came without one (gRPC's "HTTP to gRPC status code
+# mapping"): INTERNAL, UNAUTHENTICATED, PERMISSION_DENIED, UNIMPLEMENTED, UNAVAILABLE.
+_GRPC_FOR_HTTP = {400: 13, 401: 16, 403: 7, 404: 12, 429: 14, 502: 14, 503: 14, 504: 14}
+
+
+async def relay_grpc(socket_path: str, path: bytes, headers: list[tuple[bytes, bytes]],
+                     body: bytes) -> tuple[bytes, list[tuple[bytes, bytes]]]:
+    """A unary gRPC call on a client's HTTP/2 connection that its replica does not answer,
+    relayed to the front's HAProxy at ``socket_path`` as HTTP/1.1 (as HAProxy itself relays
+    calls to replicas): the answer's framed messages and its trailers (``grpc-status`` first)."""
+    head = [b"POST %b HTTP/1.1\r\n" % path]
+    # HTTP/2's authority is HTTP/1.1's host (Serve's gRPC server refuses a call without one).
+    head += [b"%b: %b\r\n" % (b"host" if name == b":authority" else name, value) for name, value in headers
+             if (name == b":authority" or not name.startswith(b":")) and name not in _HOP_HEADERS]
+    head.append(b"te: trailers\r\ncontent-length: %d\r\nconnection: close\r\n\r\n" % len(body))
+    loop = asyncio.get_running_loop()
+    try:
+        transport, upstream = await loop.create_unix_connection(_Upstream, socket_path)
+        try:
+            transport.write(b"".join(head) + body)
+            while not upstream.ended:
+                await upstream.wait()
+        finally:
+            transport.close()
+        return _grpc_answer(bytes(upstream.buffer))
+    except (OSError, ValueError, IndexError):
+        return b"", [(b"grpc-status", b"14"), (b"grpc-message", b"the front did not answer a relayed call")]
+
+
+def _grpc_answer(answer: bytes) -> tuple[bytes, list[tuple[bytes, bytes]]]:
+    """The messages and trailers of HAProxy's whole HTTP/1.1 answer to a relayed call."""
+    head, _, rest = answer.partition(b"\r\n\r\n")
+    status_line, *lines = head.split(b"\r\n")
+    status = int(status_line.split(b" ")[1])
+    fields = [(name.strip().lower(), value.strip()) for name, _, value in (line.partition(b":") for line in lines)]
+    named = dict(fields)
+    data, trailers = b"", [field for field in fields if field[0].startswith(b"grpc-") and field[0] != b"grpc-encoding"]
+    if b"chunked" in named.get(b"transfer-encoding", b""):
+        chunks = []
+        while True:
+            size_line, _, rest = rest.partition(b"\r\n")
+            size = int(size_line.partition(b";")[0], 16)
+            if size == 0:
+                break
+            chunks.append(rest[:size])
+            rest = rest[size + 2:]
+        data = b"".join(chunks)
+        trailer_part = rest.partition(b"\r\n\r\n")[0]
+        trailers += [(name.strip().lower(), value.strip())
+                     for name, _, value in (line.partition(b":") for line in trailer_part.split(b"\r\n") if line)]
+    else:
+        data = rest[:int(named.get(b"content-length", b"0"))]
+    if not any(name == b"grpc-status" for name, _ in trailers):
+        code = _GRPC_FOR_HTTP.get(status, 2)  # UNKNOWN
+        trailers = [(b"grpc-status", b"%d" % code), (b"grpc-message", b"HTTP status %d from the front" % status)]
+    trailers.sort(key=lambda field: field[0] != b"grpc-status")
+    return data, trailers

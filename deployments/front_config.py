@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from rayinfer.deployments.front_door import DOOR_FD_VARIABLE, RELAY_SOCKET
+from rayinfer.deployments.front_door import DOOR_FD_VARIABLES, GRPC_RELAY_SOCKET, RELAY_SOCKET
 from rayinfer.protocol.limits import body_limit_message, inflight_limit_message
 from rayinfer.protocol.restricted_api import (
     GRPC_HEADER_PREFIX,
@@ -97,7 +97,7 @@ _USE_REPLICA = "    use_backend replica if { var(txn.listener) -m found }\n"
 
 _GRPC = """\
 frontend triton_grpc
-    bind {address}:{port} proto h2
+{binds}\
 {restricted}\
     acl model_rpc path {paths}
     http-request set-header application {server_app}
@@ -209,16 +209,24 @@ def _http_binds(folder: Path, address: str, port: int, door: bool) -> str:
     return f"    # door {address}:{port}\n    bind unix@{folder / RELAY_SOCKET} mode 600\n"
 
 
+def _grpc_binds(folder: Path, address: str, port: int, door: bool) -> str:
+    if not door:
+        return f"    bind {address}:{port} proto h2\n"
+    # As for HTTP; a replica relays a call here as HTTP/1.1, a connection from the door speaks
+    # HTTP/2 (HAProxy tells them apart by the HTTP/2 preface).
+    return f"    # door {address}:{port}\n    bind unix@{folder / GRPC_RELAY_SOCKET} mode 600\n"
+
+
 # The connections the door passes to HAProxy. HAProxy cannot set the destination of a
 # connection it received over a socket pair (the pair's family has no addresses), which routing
-# to a listener needs: their bytes go on to the HTTP frontend's Unix socket.
+# to a listener needs: their bytes go on to the frontend's Unix socket.
 _DOOR = """\
-frontend door
+frontend {name}
     mode tcp
     bind "sockpair@${{{variable}}}"
-    default_backend door_relay
+    default_backend {name}_relay
 
-backend door_relay
+backend {name}_relay
     mode tcp
     server relay unix@{relay}
 """
@@ -226,9 +234,10 @@ backend door_relay
 
 def render(folder: Path, http: Endpoint | None, grpc: Endpoint | None, server_app: str, threads: int,
            max_input_size: int, http_restricted: Restrictions | None, grpc_restricted: Restrictions | None,
-           max_inflight: int, door: bool = False) -> str:
+           max_inflight: int, door: bool = False, grpc_door: bool = False) -> str:
     """The configuration of a front whose files are in ``folder`` (see :class:`front.Front`);
-    ``door``: HTTP connections arrive through the keeper's door (:mod:`front_door`)."""
+    ``door``, ``grpc_door``: HTTP, gRPC connections arrive through the keeper's door
+    (:mod:`front_door`)."""
     busy = inflight_limit_message(max_inflight)
     paths = {"counts": folder / "replicas.map", "listeners": folder / "listeners.map",
              "sequences": folder / "sequences.map"}
@@ -243,13 +252,16 @@ def render(folder: Path, http: Endpoint | None, grpc: Endpoint | None, server_ap
             restricted=_http_restrictions(http_restricted or {}),
         ))
         if door:
-            parts.append(_DOOR.format(variable=DOOR_FD_VARIABLE, relay=folder / RELAY_SOCKET))
+            parts.append(_DOOR.format(name="door", variable=DOOR_FD_VARIABLES["http"], relay=folder / RELAY_SOCKET))
     if grpc is not None:
         pick = _PICK_REPLICA.format(**paths, sequence_fetch="rayinfer_grpc_sequence")
         parts.append(_GRPC.format(
-            address=grpc[0], port=grpc[1], pick=pick, upstream_host=grpc[2], upstream_port=grpc[3],
+            binds=_grpc_binds(folder, grpc[0], grpc[1], grpc_door), pick=pick, upstream_host=grpc[2], upstream_port=grpc[3],
             paths=" ".join(_SERVICE + rpc for rpc in ROUTED_RPCS), server_app=server_app,
             use_replica=_USE_REPLICA, restricted=_grpc_restrictions(grpc_restricted or {}),
             max_inflight=max_inflight, busy=busy,
         ))
+        if grpc_door:
+            parts.append(_DOOR.format(name="grpc_door", variable=DOOR_FD_VARIABLES["grpc"],
+                                      relay=folder / GRPC_RELAY_SOCKET))
     return "\n".join(parts)

@@ -1,4 +1,5 @@
-"""The front's door: accepts HTTP connections and gives each to the process that will read it.
+"""The front's door: accepts HTTP and gRPC connections and gives each to the process that will
+read it.
 
 HAProxy (:mod:`front`) reads every request and writes every answer a second time, which costs a
 model call about a quarter of the server's CPU on small machines (docs/benchmarks.md). The door
@@ -18,6 +19,12 @@ connections back between two requests every few seconds and when they stop (:fun
 the door passes each on again by its next request, so connections spread over replicas that
 started since and outlive the replica that held them.
 
+gRPC connections (HTTP/2) are placed the same way by their first call, read from its headers
+and the start of its message (:func:`grpc_route_key`; the door first sends the server's preface,
+which a gRPC client waits for); a replica answers its version's model calls on them
+(:mod:`replica_h2`) and never gives one back: it closes it gracefully when its turn comes, and
+the client's gRPC library opens a new one, which the door places again.
+
 The door runs in the front's keeper (:mod:`front_keeper`), and reads the
 front's route maps from disk (written after each change by :meth:`front.Front.publish`).
 A replica's door socket is an abstract Unix socket named after its listener's address, so it is
@@ -32,6 +39,7 @@ import threading
 import time
 from pathlib import Path
 
+from rayinfer.protocol.grpc_wire import INCOMPLETE, PREFACE, ROUTED_RPCS, first_call, settings
 from rayinfer.serving.routes import front_routed
 
 # How long a new connection may take to send its request line before it goes to HAProxy, which
@@ -40,8 +48,12 @@ _PEEK_WAIT_S = 0.5
 # A connection a replica gave back waits this long for its client's next request (an idle
 # keep-alive client may send it much later) before it goes to HAProxy.
 _RETURNED_WAIT_S = 30.0
-# The most of a request the door looks at: the request line is all it needs.
-_PEEK_BYTES = 4096
+# The most of a connection's first bytes the door looks at: an HTTP request line, or a gRPC
+# call's headers and the start of its message.
+_PEEK_BYTES = 16384
+_SERVER_PREFACE = settings({})
+# A gRPC connection whose first call has not all arrived is looked at again this much later.
+_PEEK_AGAIN_S = 0.002
 # A replica whose door refused a connection is not tried again for this long.
 _REFUSED_FOR_S = 2.0
 # A replica that gave its connections back because it stops gets none for this long (its route
@@ -50,10 +62,16 @@ _STOPPING_S = 30.0
 # A replica that stops while it relays a request hands the client's connection and HAProxy's to
 # the door with this message, then what HAProxy answered so far: the door copies the rest.
 PUMP = b"pump\n"
-# The Unix socket (in the front's folder) of HAProxy's HTTP frontend, for requests replicas relay.
+# The Unix sockets (in the front's folder) of HAProxy's HTTP and gRPC frontends, for requests
+# replicas relay.
 RELAY_SOCKET = "relay.sock"
-# HAProxy's environment variable holding the descriptor of its end of the socket pair.
-DOOR_FD_VARIABLE = "RAYINFER_DOOR_FD"
+GRPC_RELAY_SOCKET = "grpc-relay.sock"
+RELAY_SOCKETS = {"http": RELAY_SOCKET, "grpc": GRPC_RELAY_SOCKET}
+# HAProxy's environment variables holding the descriptors of its ends of the socket pairs.
+DOOR_FD_VARIABLES = {"http": "RAYINFER_DOOR_FD", "grpc": "RAYINFER_GRPC_DOOR_FD"}
+# A gRPC connection goes to a replica by its first call, when that is one of these calls of a
+# model, or (to be relayed, until the connection's turn comes) another unary call of the service.
+_GRPC_NOT_GIVEN = {"ModelStreamInfer", "RepositoryModelLoad", "RepositoryModelUnload"}
 
 
 def door_name(host: str, port: int) -> str:
@@ -76,6 +94,21 @@ def route_key(request: bytes) -> str | None:
         return None
     route = front_routed(parts[0].decode("latin-1"), parts[1].partition(b"?")[0].decode("latin-1"))
     return "" if route is None else f"{route.model}/{route.version}"
+
+
+def grpc_route_key(head: bytes) -> str | None:
+    """``<model>/<version>`` of a gRPC connection's first call (its first bytes ``head``) that is
+    a model RPC, "" for another unary call of the service a replica relays, None for a connection
+    HAProxy takes (a stream, a model load or unload, another service, a compressed message, not
+    HTTP/2); :data:`INCOMPLETE` when more bytes are needed."""
+    call = first_call(head)
+    if call is INCOMPLETE:
+        return INCOMPLETE  # type: ignore[return-value]
+    if call is None or not call.method or "/" in call.method or call.method in _GRPC_NOT_GIVEN:
+        return None
+    if call.method not in ROUTED_RPCS:
+        return ""
+    return f"{call.model}/{call.version}" if call.model else None
 
 
 def routes_on_disk(folder: Path) -> tuple[dict[str, list[tuple[str, int]]], frozenset[str]]:
@@ -116,23 +149,26 @@ class _Routes:
 
 
 class Door:
-    """Accepts on ``listening`` (non-blocking) and passes each connection to a model replica or,
-    over ``haproxy`` (the door's end of HAProxy's socket pair), to HAProxy. ``relay``: the Unix
-    socket of HAProxy's HTTP frontend, where a replica sends a request that is not its own."""
+    """Accepts on ``listening`` (protocol, "http" or "grpc" -> its non-blocking listening socket)
+    and passes each connection to a model replica or, over ``haproxy`` (protocol -> the door's
+    end of HAProxy's socket pair), to HAProxy. A replica sends a request that is not its own to
+    the protocol's Unix socket of HAProxy in ``folder`` (:data:`RELAY_SOCKETS`)."""
 
-    def __init__(self, listening: socket.socket, haproxy: socket.socket, folder: Path, relay: Path) -> None:
-        self._listening = listening
+    def __init__(self, listening: dict[str, socket.socket], haproxy: dict[str, socket.socket], folder: Path) -> None:
         self._haproxy = haproxy
-        self._relay = str(relay).encode()
+        self._relays = {kind: str(folder / name).encode() for kind, name in RELAY_SOCKETS.items()}
         self._routes = _Routes(folder)
         self._selector = selectors.DefaultSelector()
-        self._selector.register(listening, selectors.EVENT_READ, self._accept)
+        for kind, sock in listening.items():
+            self._selector.register(sock, selectors.EVENT_READ, lambda s, kind=kind: self._accept(s, kind))
         self._returns = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._returns.bind(return_name(folder.name))
         self._returns.listen(64)
         self._returns.setblocking(False)
         self._selector.register(self._returns, selectors.EVENT_READ, self._accept_return)
         self._waiting: dict[socket.socket, float] = {}  # connection -> when it goes to HAProxy
+        self._kinds: dict[socket.socket, str] = {}  # connection -> the port it came to
+        self._again: dict[socket.socket, float] = {}  # connection -> when to look at it again
         self._doors: dict[str, socket.socket] = {}  # door name -> a connected channel
         self._refused: dict[str, float] = {}  # door name -> when it may be tried again
         self._next: dict[str, int] = {}  # route key -> the replica the next connection goes to
@@ -141,13 +177,16 @@ class Door:
         """Serve for about ``seconds``."""
         deadline = time.monotonic() + seconds
         while (left := deadline - time.monotonic()) > 0:
-            timeout = min(left, min(self._waiting.values(), default=deadline) - time.monotonic())
-            for key, _ in self._selector.select(max(timeout, 0)):
+            soonest = min(min(self._waiting.values(), default=deadline), min(self._again.values(), default=deadline))
+            for key, _ in self._selector.select(max(min(left, soonest - time.monotonic()), 0)):
                 key.data(key.fileobj)
             now = time.monotonic()
+            for connection in [c for c, when in self._again.items() if when <= now]:
+                del self._again[connection]
+                self._selector.register(connection, selectors.EVENT_READ, self._peek)
             for connection in [c for c, until in self._waiting.items() if until <= now]:
-                self._stop_waiting(connection)
-                self._to_haproxy(connection)
+                kind = self._stop_waiting(connection)
+                self._to_haproxy(connection, kind)
 
     def close(self) -> None:
         for connection in list(self._waiting):
@@ -158,7 +197,7 @@ class Door:
         self._selector.close()
         self._returns.close()
 
-    def _accept(self, listening: socket.socket) -> None:
+    def _accept(self, listening: socket.socket, kind: str) -> None:
         for _ in range(64):
             try:
                 connection, _ = listening.accept()
@@ -166,11 +205,20 @@ class Door:
                 return
             except OSError:  # out of descriptors, a connection reset before accept: the next one
                 return
-            self._wait_for_request(connection, _PEEK_WAIT_S)
+            if kind == "grpc":
+                # The server's preface (a SETTINGS frame, defaults unchanged): a gRPC client sends
+                # its first call only once it has it. Whoever takes the connection sends its own.
+                try:
+                    connection.send(_SERVER_PREFACE)
+                except OSError:
+                    connection.close()
+                    continue
+            self._wait_for_request(connection, _PEEK_WAIT_S, kind)
 
-    def _wait_for_request(self, connection: socket.socket, seconds: float) -> None:
+    def _wait_for_request(self, connection: socket.socket, seconds: float, kind: str = "") -> None:
         connection.setblocking(False)
         self._waiting[connection] = time.monotonic() + seconds
+        self._kinds[connection] = kind
         self._selector.register(connection, selectors.EVENT_READ, self._peek)
 
     def _peek(self, connection: socket.socket) -> None:
@@ -180,19 +228,32 @@ class Door:
             return
         except OSError:
             head = b""
+        # A connection given back has no port of its own: its bytes say what it speaks.
+        kind = self._kinds[connection] or ("grpc" if head[:len(PREFACE)] == PREFACE[:len(head)] else "http")
+        if kind == "grpc":
+            key = grpc_route_key(head) if head else None
+            if key is INCOMPLETE and len(head) < _PEEK_BYTES:  # the rest of its first call is on its way
+                self._selector.unregister(connection)
+                self._again[connection] = time.monotonic() + _PEEK_AGAIN_S
+                return
+            key = None if key is INCOMPLETE else key
+        else:
+            key = route_key(head) if b"\r\n" in head else None
         self._stop_waiting(connection)
         if not head:  # closed before it sent anything
             connection.close()
             return
-        key = route_key(head) if b"\r\n" in head else None
-        if key is None or not self._to_replica(connection, key):
-            self._to_haproxy(connection)
+        if key is None or not self._to_replica(connection, key, kind):
+            self._to_haproxy(connection, kind)
 
-    def _stop_waiting(self, connection: socket.socket) -> None:
+    def _stop_waiting(self, connection: socket.socket) -> str:
+        """Stop waiting for ``connection``'s request; the port it came to ("" for one given back)."""
         self._waiting.pop(connection, None)
-        self._selector.unregister(connection)
+        if self._again.pop(connection, None) is None:
+            self._selector.unregister(connection)
+        return self._kinds.pop(connection, "") or "http"
 
-    def _to_replica(self, connection: socket.socket, key: str) -> bool:
+    def _to_replica(self, connection: socket.socket, key: str, kind: str) -> bool:
         self._routes.refresh()
         if not key:
             # Not a model's request (health, metadata, the repository API): a replica of this
@@ -212,15 +273,15 @@ class Door:
         now = time.monotonic()
         if self._refused.get(name, 0.0) > now:
             return False
-        if not self._send(name, connection, key):
+        if not self._send(name, connection, key, self._relays[kind]):
             self._refused[name] = now + _REFUSED_FOR_S
             return False
         connection.close()  # the replica holds its own descriptor of it now
         return True
 
-    def _send(self, name: str, connection: socket.socket, key: str) -> bool:
+    def _send(self, name: str, connection: socket.socket, key: str, relay: bytes) -> bool:
         """Pass ``connection`` to the replica door ``name``: False if it is not there or full."""
-        message = b"%b\n%b" % (self._relay, key.encode())
+        message = b"%b\n%b" % (relay, key.encode())
         for attempt in range(2):  # a kept channel may have closed (the replica restarted)
             channel = self._doors.get(name)
             try:
@@ -239,10 +300,10 @@ class Door:
                     return False
         return False
 
-    def _to_haproxy(self, connection: socket.socket) -> None:
+    def _to_haproxy(self, connection: socket.socket, kind: str) -> None:
         try:
-            socket.send_fds(self._haproxy, [b"c"], [connection.fileno()])
-        except OSError:
+            socket.send_fds(self._haproxy[kind], [b"c"], [connection.fileno()])
+        except (OSError, KeyError):
             pass  # HAProxy is gone: the keeper stops; the client sees its connection close
         connection.close()
 

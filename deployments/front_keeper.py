@@ -9,9 +9,9 @@ front over by writing its own PID there. If no owner is alive for :data:`ORPHAN_
 or ``RAYINFER_FRONT_ORPHAN_GRACE_S``), the keeper stops HAProxy and exits: the server is gone.
 SIGTERM stops both at once.
 
-With a door (``<folder>/door`` names the HTTP address and port), the keeper owns the HTTP port
-itself and passes each connection on (:mod:`front_door`): to a model replica, or to HAProxy over
-a socket pair whose end HAProxy inherits.
+With a door (``<folder>/door`` names the HTTP and gRPC addresses and ports it owns), the keeper
+owns those ports itself and passes each connection on (:mod:`front_door`): to a model replica,
+or to HAProxy over a socket pair (one per port) whose end HAProxy inherits.
 """
 
 from __future__ import annotations
@@ -148,21 +148,26 @@ def main(folder: Path, binary: str) -> int:
     signal.signal(signal.SIGINT, stop)
     door, env, fds = None, dict(os.environ), []
     with (folder / "haproxy.log").open("wb") as log:
-        if (folder / "door").exists():
-            address, _, port = (folder / "door").read_text().strip().rpartition(" ")
+        listening, ours, theirs = {}, {}, []
+        # <folder>/door: a line "<protocol> <address> <port>" per port the door owns.
+        for line in read_text(folder / "door").splitlines():
+            kind, address, port = line.split()
             try:
-                listening = front_door.listening_socket(address, int(port))
+                listening[kind] = front_door.listening_socket(address, int(port))
             except OSError as exc:
                 log.write(f"the front's door cannot listen on {address}:{port}: {exc}\n".encode())
                 return 1
-            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-            door = front_door.Door(listening, ours, folder, folder / front_door.RELAY_SOCKET)
-            env[front_door.DOOR_FD_VARIABLE], fds = str(theirs.fileno()), [theirs.fileno()]
+            ours[kind], their_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+            env[front_door.DOOR_FD_VARIABLES[kind]] = str(their_end.fileno())
+            theirs.append(their_end)
+            fds.append(their_end.fileno())
+        if listening:
+            door = front_door.Door(listening, ours, folder)
         haproxy = subprocess.Popen([binary, "-f", str(folder / "haproxy.cfg"), "-db"], stdout=log, env=env,
                                    pass_fds=fds, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                    preexec_fn=_die_with_parent)
-        if door is not None:
-            theirs.close()
+        for their_end in theirs:
+            their_end.close()
         orphaned_since: float | None = None
         while haproxy.poll() is None and not stopping:
             if owner_alive(folder):

@@ -122,6 +122,7 @@ class ModelDeployment:
         self._max_input_size = max_input_size
         self._listener = ReplicaListener(self._listener_grpc, self._listener_http, max_input_size, self._core.name)
         self._listener.owns = self._owns
+        self._listener.owns_grpc = self._owns_grpc
         host = ray.util.get_node_ip_address()
         self._listener_address = (host, await self._listener.start(host))
         # A sequence model's replicas each hold their own sequences: a request of another
@@ -198,10 +199,15 @@ class ModelDeployment:
         replica for ``key``, "<model>/<version>") is this replica's: the front would route it
         here. Any other is relayed to the front."""
         route = front_routed(method, path)
-        if route is None or route.model != self._core.name:
+        return route is not None and self._owns_grpc(route.model, route.version, key)
+
+    def _owns_grpc(self, model: str, version: str, key: str) -> bool:
+        """Whether a model RPC (or request) naming ``model`` and ``version`` on a client's
+        connection the door gave this replica for ``key`` is this replica's."""
+        if model != self._core.name:
             return False
         # The default version's requests only on a connection given for the default version.
-        return route.version == self._core.version if route.version else key.endswith("/")
+        return version == self._core.version if version else key.endswith("/")
 
     async def _listener_grpc(self, method: str, payload: bytes) -> bytes:
         """A model RPC the front relayed to this replica's listener."""

@@ -17,7 +17,8 @@ With the front's door (:mod:`front_door`), the listener also takes clients' HTTP
 themselves, passed over a Unix socket: their requests for this replica's model version are
 answered here with no front in between; any other request on them is relayed to the front's
 HAProxy and its answer written back. A stopping replica gives such connections back to the door
-between two requests, so that their clients' next calls are served elsewhere.
+between two requests, so that their clients' next calls are served elsewhere. Clients' gRPC
+connections (HTTP/2) from the door are served by :mod:`replica_h2`.
 """
 
 from __future__ import annotations
@@ -27,21 +28,20 @@ import logging
 import os
 import socket
 import time
-import zlib
 from collections import deque
 from collections.abc import Awaitable, Callable
 from http import HTTPStatus
 from typing import Any
 
-import grpc
 import httptools
 
-from rayinfer.protocol.compression import inflate
-from rayinfer.protocol.errors import InternalError, NotFoundError, UnsupportedError, as_serving_error, grpc_status_name
+from rayinfer.protocol.errors import NotFoundError
+from rayinfer.protocol.grpc_wire import grpc_message_header, grpc_status, unframe
 from rayinfer.protocol.http_codec import error_response
 from rayinfer.deployments import front_door
 from rayinfer.deployments.client_relay import RelayedRequest
 from rayinfer.deployments.replica_door import ReplicaDoor
+from rayinfer.deployments.replica_h2 import H2Connection
 from rayinfer.protocol.limits import (
     DEFAULT_HTTP_MAX_INPUT_SIZE,
     DEFAULT_MAX_INFLIGHT_REQUESTS,
@@ -71,6 +71,9 @@ _KEPT_HEADERS = REQUEST_HEADERS | {b"grpc-encoding", b"expect"}
 # (method, path as sent, the route key the door gave the connection for) -> whether the request
 # is this replica's to answer on a client's connection.
 Owns = Callable[[str, str, str], bool]
+# (model, version, the route key of the connection) -> whether a model RPC naming them is this
+# replica's to answer on a client's gRPC connection.
+OwnsGrpc = Callable[[str, str, str], bool]
 # A client's connection from the front's door is given back to the door after this long, between
 # two requests, which gives it to a replica again in turn: connections spread over replicas that
 # started since (a scale-up, a replacement).
@@ -88,13 +91,6 @@ def http_response(status: int, headers: list[tuple[bytes, bytes]], body: bytes) 
     )
 
 
-def grpc_message_header(message: str) -> bytes:
-    """``grpc-message``'s value: UTF-8, percent-encoded outside printable ASCII and for ``%``."""
-    return b"".join(
-        bytes([b]) if 0x20 <= b <= 0x7E and b != 0x25 else b"%%%02X" % b for b in message.encode()
-    )
-
-
 def grpc_response(message: bytes) -> bytes:
     """A successful call: one uncompressed message frame, then ``grpc-status: 0``."""
     frame_length = 5 + len(message)
@@ -104,35 +100,8 @@ def grpc_response(message: bytes) -> bytes:
 
 
 def grpc_error(exc: BaseException) -> bytes:
-    """A failed call: no message; Triton's status for ``exc`` (or the gRPC status it names) and
-    its message as trailers."""
-    error = as_serving_error(exc)
-    status = grpc.StatusCode[getattr(error, "grpc_status", None) or grpc_status_name(error.code)].value[0]
-    return b"%b0\r\ngrpc-status: %d\r\ngrpc-message: %b\r\n\r\n" % (
-        _RESPONSE_HEAD, status, grpc_message_header(error.message)
-    )
-
-
-def unframe(body: bytes, encoding: bytes | None) -> bytes:
-    """The one message of a unary call's body (gRPC length-prefixed framing)."""
-    if len(body) < 5:
-        raise InternalError("malformed gRPC request: incomplete message frame")
-    compressed, length = body[0], int.from_bytes(body[1:5], "big")
-    if len(body) != 5 + length:
-        raise InternalError("malformed gRPC request: expected exactly one message")
-    message = body[5:]
-    if not compressed:
-        return message
-    name = (encoding or b"identity").decode("latin-1")
-    if name not in ("gzip", "deflate"):
-        raise UnsupportedError(f"gRPC message compression '{name}' is not supported")
-    try:
-        inflated = inflate(message, 31 if name == "gzip" else 15, GRPC_MAX_MESSAGE_SIZE)
-    except zlib.error as exc:
-        raise InternalError(f"malformed gRPC request: cannot decompress ({exc})") from None
-    if inflated is None:
-        raise message_too_large(GRPC_MAX_MESSAGE_SIZE + 1)
-    return inflated
+    """A failed call: no message; its status and message as trailers."""
+    return b"%b0\r\ngrpc-status: %d\r\ngrpc-message: %b\r\n\r\n" % (_RESPONSE_HEAD, *grpc_status(exc))
 
 
 class ReplicaListener:
@@ -155,6 +124,7 @@ class ReplicaListener:
         # Clients' connections from the front's door: which requests are this replica's, and
         # how many may be in flight here before more are answered 503 (--max-inflight-requests).
         self.owns: Owns = lambda method, path, key: False
+        self.owns_grpc: OwnsGrpc = lambda model, version, key: False
         self.max_inflight = DEFAULT_MAX_INFLIGHT_REQUESTS
         self._door: ReplicaDoor | None = None
         self.door_name = ""
@@ -178,7 +148,12 @@ class ReplicaListener:
             return
         client.setblocking(False)
         loop = asyncio.get_running_loop()
-        loop.create_task(loop.connect_accepted_socket(lambda: _Connection(self, (relay, key)), client))
+        # gRPC's connections (HTTP/2) relay to HAProxy's gRPC socket, HTTP/1.1's to its HTTP one.
+        if os.path.basename(relay) == front_door.GRPC_RELAY_SOCKET:
+            connection: Callable[[], asyncio.Protocol] = lambda: H2Connection(self, (relay, key))
+        else:
+            connection = lambda: _Connection(self, (relay, key))
+        loop.create_task(loop.connect_accepted_socket(connection, client))
 
     async def respond(self, path: bytes, headers: dict[bytes, bytes], body: bytes, method: bytes = b"POST") -> bytes:
         """The whole HTTP/1.1 response to one relayed request."""
@@ -190,6 +165,14 @@ class ReplicaListener:
             return grpc_response(await self._grpc_handler(path[len(SERVICE_PATH):].decode("latin-1"), message))
         except Exception as exc:
             return grpc_error(exc)
+        finally:
+            self.in_flight -= 1
+
+    async def call_grpc(self, method: str, message: bytes) -> bytes:
+        """One model RPC of a client's HTTP/2 connection (:mod:`replica_h2`)."""
+        self.in_flight += 1
+        try:
+            return await self._grpc_handler(method, message)
         finally:
             self.in_flight -= 1
 

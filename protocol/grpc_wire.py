@@ -1,0 +1,275 @@
+"""gRPC on the wire: a unary call's message framing and statuses, and as much of HTTP/2 (RFC
+9113, HPACK: RFC 7541) as a model replica needs to answer unary calls on a client's connection
+and the front's door to read a connection's first call.
+
+Header blocks are decoded with ``hpack``; what this side sends is encoded here, every field a
+literal without indexing and without Huffman coding, so the client's decoder table never
+changes and the blocks are constant bytes.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import NamedTuple
+
+import grpc
+import hpack
+
+from rayinfer.protocol.compression import inflate
+from rayinfer.protocol.errors import InternalError, UnsupportedError, as_serving_error, grpc_status_name
+from rayinfer.protocol.limits import GRPC_MAX_MESSAGE_SIZE, message_too_large
+
+PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+SERVICE = "/inference.GRPCInferenceService/"
+# Frame types and flags.
+DATA, HEADERS, PRIORITY, RST_STREAM, SETTINGS, PUSH_PROMISE, PING, GOAWAY, WINDOW_UPDATE, CONTINUATION = range(10)
+END_STREAM = ACK = 0x1
+END_HEADERS = 0x4
+PADDED = 0x8
+PRIORITY_FLAG = 0x20
+# Settings and error codes this side uses.
+SETTINGS_INITIAL_WINDOW_SIZE = 0x4
+SETTINGS_MAX_FRAME_SIZE = 0x5
+NO_ERROR, PROTOCOL_ERROR, FLOW_CONTROL_ERROR = 0x0, 0x1, 0x3
+DEFAULT_WINDOW = 65_535
+DEFAULT_FRAME_SIZE = 16_384
+MAX_WINDOW = (1 << 31) - 1
+# The model RPCs the front routes by the model name and version their message starts with.
+ROUTED_RPCS = ("ModelInfer", "ModelReady", "ModelMetadata", "ModelConfig", "ModelStatistics")
+STREAM_RPC = "ModelStreamInfer"
+
+
+def grpc_message_header(message: str) -> bytes:
+    """``grpc-message``'s value: UTF-8, percent-encoded outside printable ASCII and for ``%``."""
+    return b"".join(
+        bytes([b]) if 0x20 <= b <= 0x7E and b != 0x25 else b"%%%02X" % b for b in message.encode()
+    )
+
+
+def grpc_status(exc: BaseException) -> tuple[int, bytes]:
+    """Triton's gRPC status for ``exc`` (or the gRPC status it names) and its ``grpc-message``."""
+    error = as_serving_error(exc)
+    status = grpc.StatusCode[getattr(error, "grpc_status", None) or grpc_status_name(error.code)].value[0]
+    return status, grpc_message_header(error.message)
+
+
+def unframe(body: bytes, encoding: bytes | None) -> bytes:
+    """The one message of a unary call's body (gRPC length-prefixed framing)."""
+    if len(body) < 5:
+        raise InternalError("malformed gRPC request: incomplete message frame")
+    compressed, length = body[0], int.from_bytes(body[1:5], "big")
+    if len(body) != 5 + length:
+        raise InternalError("malformed gRPC request: expected exactly one message")
+    message = body[5:]
+    if not compressed:
+        return message
+    name = (encoding or b"identity").decode("latin-1")
+    if name not in ("gzip", "deflate"):
+        raise UnsupportedError(f"gRPC message compression '{name}' is not supported")
+    try:
+        inflated = inflate(message, 31 if name == "gzip" else 15, GRPC_MAX_MESSAGE_SIZE)
+    except zlib.error as exc:
+        raise InternalError(f"malformed gRPC request: cannot decompress ({exc})") from None
+    if inflated is None:
+        raise message_too_large(GRPC_MAX_MESSAGE_SIZE + 1)
+    return inflated
+
+
+def frame(kind: int, flags: int, stream: int, payload: bytes = b"") -> bytes:
+    return len(payload).to_bytes(3, "big") + bytes((kind, flags)) + stream.to_bytes(4, "big") + payload
+
+
+def frame_header(data: bytes | bytearray, at: int) -> tuple[int, int, int, int]:
+    """(payload length, type, flags, stream) of the frame at ``at`` (9 bytes must be there)."""
+    return (int.from_bytes(data[at:at + 3], "big"), data[at + 3], data[at + 4],
+            int.from_bytes(data[at + 5:at + 9], "big") & MAX_WINDOW)
+
+
+def unpadded(payload: bytes, flags: int, kind: int) -> bytes:
+    """A DATA or HEADERS payload without its padding (and a HEADERS' priority fields)."""
+    start, end = 0, len(payload)
+    if flags & PADDED:
+        if not payload or payload[0] >= len(payload):
+            raise ValueError("padding longer than the frame")
+        start, end = 1, len(payload) - payload[0]
+    if kind == HEADERS and flags & PRIORITY_FLAG:
+        start += 5
+    if start > end:
+        raise ValueError("frame too short for its flags")
+    return payload[start:end]
+
+
+def _string(data: bytes) -> bytes:
+    """An HPACK string literal, not Huffman-coded (7-bit prefix length)."""
+    return _integer(len(data), 7) + data
+
+
+def _integer(value: int, prefix: int, first: int = 0) -> bytes:
+    top = (1 << prefix) - 1
+    if value < top:
+        return bytes((first | value,))
+    out, value = [first | top], value - top
+    while value >= 128:
+        out.append(value % 128 + 128)
+        value //= 128
+    out.append(value)
+    return bytes(out)
+
+
+def literal(name: bytes, value: bytes) -> bytes:
+    """A header field as a literal without indexing, with a literal name."""
+    return b"\x00" + _string(name) + _string(value)
+
+
+# ":status: 200" (static table entry 8) and gRPC's content type.
+RESPONSE_HEADERS = b"\x88" + literal(b"content-type", b"application/grpc")
+OK_TRAILERS = literal(b"grpc-status", b"0")
+
+
+def trailers(status: int, message: bytes = b"") -> bytes:
+    block = literal(b"grpc-status", b"%d" % status)
+    return block + literal(b"grpc-message", message) if message else block
+
+
+def settings(values: dict[int, int]) -> bytes:
+    return frame(SETTINGS, 0, 0, b"".join(k.to_bytes(2, "big") + v.to_bytes(4, "big") for k, v in values.items()))
+
+
+def parse_settings(payload: bytes) -> dict[int, int]:
+    return {int.from_bytes(payload[i:i + 2], "big"): int.from_bytes(payload[i + 2:i + 6], "big")
+            for i in range(0, len(payload) - 5, 6)}
+
+
+def window_update(stream: int, increment: int) -> bytes:
+    return frame(WINDOW_UPDATE, 0, stream, increment.to_bytes(4, "big"))
+
+
+def goaway(last_stream: int, code: int = NO_ERROR) -> bytes:
+    return frame(GOAWAY, 0, 0, last_stream.to_bytes(4, "big") + code.to_bytes(4, "big"))
+
+
+Headers = list[tuple[bytes, bytes]]
+
+
+class HeaderDecoder:
+    """One connection's HPACK decoder. A block made only of one-byte indexed fields (what a
+    client sends once its headers are in the table) changes nothing, so its fields are kept and
+    the next identical block is not decoded again."""
+
+    def __init__(self) -> None:
+        self._decoder = hpack.Decoder()
+        self._known: dict[bytes, Headers] = {}
+
+    def decode(self, block: bytes) -> Headers:
+        known = self._known.get(block)
+        if known is not None:
+            return known
+        headers = [(bytes(name), bytes(value)) for name, value in self._decoder.decode(block, raw=True)]
+        if all(0x81 <= byte <= 0xFE for byte in block):
+            if len(self._known) >= 64:
+                self._known.clear()
+            self._known[block] = headers
+        else:  # the table may have changed: the fields of a kept block's indices with it
+            self._known.clear()
+        return headers
+
+
+def varint(data: bytes, at: int) -> tuple[int, int] | None:
+    """A protobuf varint at ``at``: (value, where it ends), None if ``data`` ends first."""
+    value = shift = 0
+    while at < len(data):
+        byte = data[at]
+        value |= (byte & 0x7F) << shift
+        at += 1
+        if byte < 0x80:
+            return value, at
+        shift += 7
+        if shift > 63:
+            raise ValueError("varint too long")
+    return None
+
+
+def name_and_version(message: bytes, complete: bool = True) -> tuple[str, str] | None:
+    """Fields 1 and 2 (the model's name and version) a model RPC's message starts with; None
+    when ``message`` (not ``complete``) ends before them."""
+    name = version = b""
+    at = 0
+    while at < len(message) and message[at] in (0x0A, 0x12):
+        read = varint(message, at + 1)
+        if read is None or read[1] + read[0] > len(message):
+            if complete:
+                raise ValueError("truncated message")
+            return None
+        value = message[read[1]:read[1] + read[0]]
+        if message[at] == 0x0A:
+            name = value
+        else:
+            version = value
+        at = read[1] + read[0]
+    if at >= len(message) and not complete:
+        return None
+    return name.decode("utf-8", "replace"), version.decode("utf-8", "replace")
+
+
+class FirstCall(NamedTuple):
+    """The first call on a client's connection: its method (the part of the path after the
+    service's name; the whole path for another service's), and for a model RPC the model and
+    version its message names (None when it cannot be read: a compressed message)."""
+
+    method: str
+    model: str | None = None
+    version: str = ""
+
+
+INCOMPLETE = FirstCall("")
+
+
+def first_call(data: bytes) -> FirstCall | None:
+    """The first call of a connection whose first bytes are ``data``; :data:`INCOMPLETE` (test
+    with ``is``) when more bytes are needed to tell; None when they are not HTTP/2 with prior
+    knowledge, or not valid."""
+    if not PREFACE.startswith(data[:len(PREFACE)]):
+        return None
+    at, stream, block, method = len(PREFACE), 0, b"", ""
+    body = b""
+    try:
+        while at + 9 <= len(data):
+            length, kind, flags, frame_stream = frame_header(data, at)
+            payload = data[at + 9:at + 9 + length]
+            whole = len(payload) == length
+            at += 9 + length
+            if kind == HEADERS and not stream:
+                if not whole:
+                    return INCOMPLETE
+                stream, block = frame_stream, unpadded(payload, flags, kind)
+                if not flags & END_HEADERS:
+                    continue
+            elif kind == CONTINUATION and frame_stream == stream and not method:
+                if not whole:
+                    return INCOMPLETE
+                block += payload
+                if not flags & END_HEADERS:
+                    continue
+            elif kind == DATA and frame_stream == stream and method:
+                body += unpadded(payload, flags, kind) if whole else payload[1:] if flags & PADDED else payload
+                ended = whole and bool(flags & END_STREAM)
+                if len(body) >= 5:
+                    if body[0]:  # compressed: the door cannot read it
+                        return FirstCall(method)
+                    found = name_and_version(body[5:5 + int.from_bytes(body[1:5], "big")],
+                                             ended or len(body) >= 5 + int.from_bytes(body[1:5], "big"))
+                    if found is not None:
+                        return FirstCall(method, *found)
+                if ended:
+                    return FirstCall(method, "", "")
+                continue
+            else:
+                continue
+            headers = dict(hpack.Decoder().decode(block, raw=True))
+            path = bytes(headers.get(b":path", b"")).decode("latin-1")
+            method = path[len(SERVICE):] if path.startswith(SERVICE) else path
+            if method not in ROUTED_RPCS:
+                return FirstCall(method)
+    except (ValueError, hpack.HPACKError):
+        return None
+    return INCOMPLETE

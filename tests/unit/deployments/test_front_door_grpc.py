@@ -1,0 +1,222 @@
+"""The front's door (a real keeper and HAProxy) giving gRPC connections (HTTP/2) to replica
+listeners, which answer their model's calls and relay the others to HAProxy; tritonclient.grpc
+as the client, the listeners of tests/front_stand_ins.py as replicas, and a grpcio server as
+Serve's gRPC ingress behind the front."""
+
+from __future__ import annotations
+
+import queue
+from concurrent import futures
+
+import grpc
+import hpack
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+from tritonclient.grpc import service_pb2 as pb
+from tritonclient.utils import InferenceServerException
+
+from front_stand_ins import UNICODE_ERROR, Replica, free_port, infer, publish
+from rayinfer.deployments import replica_h2
+from rayinfer.deployments.front import Front
+from rayinfer.deployments.front_door import grpc_route_key
+from rayinfer.deployments.replica_h2 import H2Connection
+from rayinfer.protocol.grpc_wire import DATA, END_HEADERS, END_STREAM, HEADERS, INCOMPLETE, PREFACE, frame, settings
+from waiting import wait_until
+
+_SERVICE = "inference.GRPCInferenceService"
+
+
+def _serve_ingress() -> tuple[grpc.Server, int]:
+    """Serve's gRPC ingress stand-in: ServerLive answers live, ModelInfer names "serve",
+    ModelStreamInfer echoes each request's id, RepositoryModelUnload succeeds."""
+
+    def live(request: bytes, context) -> bytes:
+        return pb.ServerLiveResponse(live=True).SerializeToString()
+
+    def model_infer(request: bytes, context) -> bytes:
+        return pb.ModelInferResponse(model_name="serve", id=pb.ModelInferRequest.FromString(request).id).SerializeToString()
+
+    def unload(request: bytes, context) -> bytes:
+        return pb.RepositoryModelUnloadResponse().SerializeToString()
+
+    def stream(requests, context):
+        for request in requests:
+            infer_request = pb.ModelInferRequest.FromString(request)
+            yield pb.ModelStreamInferResponse(
+                infer_response=pb.ModelInferResponse(model_name="serve-stream", id=infer_request.id)
+            ).SerializeToString()
+
+    handlers = {
+        "ServerLive": grpc.unary_unary_rpc_method_handler(live),
+        "ModelInfer": grpc.unary_unary_rpc_method_handler(model_infer),
+        "RepositoryModelUnload": grpc.unary_unary_rpc_method_handler(unload),
+        "ModelStreamInfer": grpc.stream_stream_rpc_method_handler(stream),
+    }
+    server = grpc.server(futures.ThreadPoolExecutor(4))
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(_SERVICE, handlers)])
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    return server, port
+
+
+@pytest.fixture(scope="module")
+def door(loop):
+    ingress, ingress_port = _serve_ingress()
+    port = free_port()
+    front = Front(None, ("127.0.0.1", port, "127.0.0.1", ingress_port), "v2", direct=True)
+    assert front.grpc_direct
+    yield front, port
+    front.stop()
+    ingress.stop(None)
+
+
+def _h2_connections(replica: Replica) -> int:
+    return sum(1 for connection in list(replica.listener._connections) if isinstance(connection, H2Connection))
+
+
+def _owns_model(model: str):
+    return lambda name, version, key: name == model
+
+
+def _first_call(path: str, message: bytes | None) -> bytes:
+    """A client's first bytes: the preface, its settings, the call's headers and message."""
+    block = hpack.Encoder().encode([(":method", "POST"), (":scheme", "http"), (":path", path),
+                                    (":authority", "x"), ("content-type", "application/grpc"), ("te", "trailers")])
+    head = PREFACE + settings({}) + frame(HEADERS, END_HEADERS, 1, block)
+    if message is None:
+        return head
+    return head + frame(DATA, END_STREAM, 1, b"\0" + len(message).to_bytes(4, "big") + message)
+
+
+def test_route_keys_of_first_calls():
+    infer_request = pb.ModelInferRequest(model_name="m\u00fc", model_version="3", id="x").SerializeToString()
+    whole = _first_call("/inference.GRPCInferenceService/ModelInfer", infer_request)
+    assert grpc_route_key(whole) == "m\u00fc/3"
+    # Cut anywhere before the model's name and version have arrived: more is needed.
+    for cut in (10, len(PREFACE) + 5, len(whole) - len(infer_request) - 3, len(whole) - len(infer_request) + 2):
+        assert grpc_route_key(whole[:cut]) is INCOMPLETE, cut
+    ready = pb.ModelReadyRequest(name="m").SerializeToString()
+    assert grpc_route_key(_first_call("/inference.GRPCInferenceService/ModelReady", ready)) == "m/"
+    assert grpc_route_key(_first_call("/inference.GRPCInferenceService/ServerLive", None)) == ""
+    for path in ("/inference.GRPCInferenceService/ModelStreamInfer", "/inference.GRPCInferenceService/RepositoryModelUnload",
+                 "/grpc.health.v1.Health/Check"):
+        assert grpc_route_key(_first_call(path, None)) is None, path
+    assert grpc_route_key(b"POST /v2/models/m/infer HTTP/1.1\r\n") is None
+
+
+def test_a_models_connection_is_the_replicas_and_its_other_calls_are_relayed(loop, door, monkeypatch):
+    front, port = door
+    monkeypatch.setattr(replica_h2, "_RELAYED_TURN_S", 60.0)  # no turn during the test
+    one, two = Replica(loop, "one"), Replica(loop, "two")
+    one.listener.owns_grpc = _owns_model("m")
+    publish(loop, front, {"m/": [("127.0.0.1", one.port)], "n/": [("127.0.0.1", two.port)]})
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
+    data = np.arange(6, dtype=np.float32).reshape(2, 3)
+    try:
+        response = infer(client, "m", data, request_id="r1")
+        assert (response.model_name, response.id) == ("one", "r1")
+        assert _h2_connections(one) == 1
+        # On the same connection: a server call (to Serve's ingress) and another model's (to its
+        # replica) go through HAProxy; an error keeps Triton's status and message.
+        assert client.is_server_live()
+        assert infer(client, "n", data).model_name == "two"
+        assert infer(client, "other", data).model_name == "serve"
+        with pytest.raises(InferenceServerException) as failure:
+            client.is_model_ready("m")
+        assert failure.value.status() == "StatusCode.NOT_FOUND" and failure.value.message() == UNICODE_ERROR
+        # 12 MB each way, beyond every initial flow-control window.
+        big = np.random.default_rng(0).standard_normal((1, 3 * 1024 * 1024)).astype(np.float32)
+        assert infer(client, "m", big).raw_output_contents[0] == big.tobytes()
+        assert _h2_connections(one) == 1
+    finally:
+        client.close()
+    wait_until(lambda: _h2_connections(one) == 0, "the replica sees the client close", 5)
+
+
+def test_a_connection_opened_with_a_server_call_is_placed_by_a_later_one(loop, door, monkeypatch):
+    front, port = door
+    monkeypatch.setattr(replica_h2, "_RELAYED_TURN_S", 0.05)
+    one, two = Replica(loop, "one"), Replica(loop, "two")
+    one.listener.owns_grpc = _owns_model("m")
+    two.listener.owns_grpc = _owns_model("n")
+    publish(loop, front, {"n/": [("127.0.0.1", two.port)], "m/": [("127.0.0.1", one.port)]})
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
+    data = np.zeros((1, 2), np.float32)
+    try:
+        assert client.is_server_live()  # relayed by a replica here
+        assert _h2_connections(one) + _h2_connections(two) == 1
+        # Its turn comes after the relayed call; the door gives the new connection to m's replica.
+        wait_until(lambda: infer(client, "m", data).model_name == "one" and _h2_connections(one) == 1
+                   and _h2_connections(two) == 0, "m's calls on a connection of m's replica", 5)
+    finally:
+        client.close()
+
+
+def test_a_stream_or_an_unload_goes_on_a_new_connection_to_haproxy(loop, door):
+    front, port = door
+    one = Replica(loop, "one")
+    one.listener.owns_grpc = _owns_model("m")
+    publish(loop, front, {"m/": [("127.0.0.1", one.port)]})
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
+    data = np.zeros((1, 2), np.float32)
+    try:
+        assert infer(client, "m", data).model_name == "one"
+        assert _h2_connections(one) == 1
+        # The replica closes its connection to the stream; the client's library sends it again
+        # on a new connection, which the door gives HAProxy.
+        results: queue.Queue = queue.Queue()
+        client.start_stream(callback=lambda result, error: results.put((result, error)))
+        tensor = grpcclient.InferInput("X", [1, 2], "FP32")
+        tensor.set_data_from_numpy(data)
+        client.async_stream_infer("m", [tensor], request_id="s1")
+        result, error = results.get(timeout=10)
+        assert error is None and result.get_response().model_name == "serve-stream"
+        client.stop_stream()
+        wait_until(lambda: _h2_connections(one) == 0, "the replica's connection closes", 5)
+        assert infer(client, "m", data).model_name == "one"  # a new connection, the replica's again
+        client.unload_model("m")  # never relayed by the replica whose model it may stop
+        assert infer(client, "m", data).model_name == "one"
+    finally:
+        client.close()
+
+
+def test_a_stopping_replica_closes_its_connections_gracefully(loop, door):
+    front, port = door
+    one, two = Replica(loop, "one"), Replica(loop, "two")
+    for replica in (one, two):
+        replica.listener.owns_grpc = _owns_model("m")
+    publish(loop, front, {"m/": [("127.0.0.1", one.port)]})
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
+    data = np.zeros((1, 2), np.float32)
+    try:
+        assert infer(client, "m", data).model_name == "one"
+        publish(loop, front, {"m/": [("127.0.0.1", two.port)]})
+        import asyncio
+        closing = asyncio.run_coroutine_threadsafe(one.listener.close(5.0), loop)
+        # No call fails: the client goes on over a new connection, to the other replica.
+        served = {infer(client, "m", data).model_name for _ in range(20)}
+        closing.result(10)
+        assert "two" in served and _h2_connections(one) == 0
+    finally:
+        client.close()
+
+
+def test_connections_take_turns_over_the_replicas(loop, door, monkeypatch):
+    front, port = door
+    monkeypatch.setattr(replica_h2, "_TURN_S", 0.05)
+    one, two = Replica(loop, "one"), Replica(loop, "two")
+    for replica in (one, two):
+        replica.listener.owns_grpc = _owns_model("m")
+    publish(loop, front, {"m/": [("127.0.0.1", one.port), ("127.0.0.1", two.port)]})
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
+    data = np.zeros((1, 2), np.float32)
+    try:
+        served = set()
+        for _ in range(200):
+            served.add(infer(client, "m", data).model_name)
+            if served == {"one", "two"}:
+                break
+        assert served == {"one", "two"}
+    finally:
+        client.close()
