@@ -228,8 +228,7 @@ class Door:
             return
         except OSError:
             head = b""
-        # A connection given back has no port of its own: its bytes say what it speaks.
-        kind = self._kinds[connection] or ("grpc" if head[:len(PREFACE)] == PREFACE[:len(head)] else "http")
+        kind = self._kinds[connection] or _speaks(head)
         if kind == "grpc":
             key = grpc_route_key(head) if head else None
             if key is INCOMPLETE and len(head) < _PEEK_BYTES:  # the rest of its first call is on its way
@@ -247,11 +246,17 @@ class Door:
             self._to_haproxy(connection, kind)
 
     def _stop_waiting(self, connection: socket.socket) -> str:
-        """Stop waiting for ``connection``'s request; the port it came to ("" for one given back)."""
+        """Stop waiting for ``connection``'s request; the protocol it speaks."""
         self._waiting.pop(connection, None)
         if self._again.pop(connection, None) is None:
             self._selector.unregister(connection)
-        return self._kinds.pop(connection, "") or "http"
+        kind = self._kinds.pop(connection, "")
+        if not kind:
+            try:
+                kind = _speaks(connection.recv(len(PREFACE), socket.MSG_PEEK))
+            except OSError:
+                kind = "http"
+        return kind
 
     def _to_replica(self, connection: socket.socket, key: str, kind: str) -> bool:
         self._routes.refresh()
@@ -337,6 +342,11 @@ class Door:
             self._refused[name] = time.monotonic() + _STOPPING_S
         for fd in fds:
             self._wait_for_request(socket.socket(fileno=fd), _RETURNED_WAIT_S)
+
+
+def _speaks(head: bytes) -> str:
+    """The protocol of a connection given back (it has no port of its own), by its first bytes."""
+    return "grpc" if head and head[:len(PREFACE)] == PREFACE[:len(head)] else "http"
 
 
 def _pump(client: socket.socket, upstream: socket.socket, first: bytes) -> None:

@@ -294,7 +294,10 @@ class H2Connection(asyncio.Protocol):
             if method in ROUTED_RPCS:
                 encoding = next((value for name, value in call.headers if name == b"grpc-encoding"), None)
                 message = unframe(body, encoding)
-                own = self._listener.owns_grpc(*name_and_version(message), self._key)
+                try:
+                    own = self._listener.owns_grpc(*name_and_version(message), self._key)
+                except ValueError:  # not a message of its RPC: the core answers as Triton does
+                    own = True
             if not own:
                 # A connection given for another call than this replica's (a client's first call
                 # asked for readiness) takes its turn soon: the door places it by its next call.

@@ -93,9 +93,11 @@ def front_folder(server: dict) -> Path:
     ``replicas.map`` (``<model>/<version>`` -> replica count; the default version's key is
     ``<model>/``) and ``listeners.map`` (``<model>/<version>/<n>`` -> ``<host>|<port>``).
     Folders of earlier, stopped fronts are removed when a front starts."""
-    port = server["grpc_url"].rsplit(":", 1)[1]
+    from rayinfer.deployments.front_keeper import serves
+
+    host, _, port = server["grpc_url"].rpartition(":")
     (front,) = [p.parent for p in Path(tempfile.gettempdir()).glob("rayinfer-front-*/haproxy.cfg")
-                if f":{port} proto h2" in p.read_text() and _in_this_network(p.parent)]
+                if serves(p.read_text(), (host, int(port))) and _in_this_network(p.parent)]
     return front
 
 
