@@ -5,6 +5,7 @@ Serve's gRPC ingress behind the front."""
 
 from __future__ import annotations
 
+import asyncio
 import queue
 from concurrent import futures
 
@@ -77,6 +78,15 @@ def _h2_connections(replica: Replica) -> int:
 
 def _owns_model(model: str):
     return lambda name, version, key: name == model
+
+
+def _replicas_of_m(loop, front: Front, *names: str, routed: int | None = None) -> list[Replica]:
+    """Replicas of the model "m" named ``names``; the front routes m to the first ``routed``."""
+    replicas = [Replica(loop, name) for name in names]
+    for replica in replicas:
+        replica.listener.owns_grpc = _owns_model("m")
+    publish(loop, front, {"m/": [("127.0.0.1", replica.port) for replica in replicas[:routed]]})
+    return replicas
 
 
 def _first_call(path: str, message: bytes | None) -> bytes:
@@ -155,9 +165,7 @@ def test_a_connection_opened_with_a_server_call_is_placed_by_a_later_one(loop, d
 
 def test_a_stream_or_an_unload_goes_on_a_new_connection_to_haproxy(loop, door):
     front, port = door
-    one = Replica(loop, "one")
-    one.listener.owns_grpc = _owns_model("m")
-    publish(loop, front, {"m/": [("127.0.0.1", one.port)]})
+    (one,) = _replicas_of_m(loop, front, "one")
     client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
     data = np.zeros((1, 2), np.float32)
     try:
@@ -183,16 +191,12 @@ def test_a_stream_or_an_unload_goes_on_a_new_connection_to_haproxy(loop, door):
 
 def test_a_stopping_replica_closes_its_connections_gracefully(loop, door):
     front, port = door
-    one, two = Replica(loop, "one"), Replica(loop, "two")
-    for replica in (one, two):
-        replica.listener.owns_grpc = _owns_model("m")
-    publish(loop, front, {"m/": [("127.0.0.1", one.port)]})
+    one, two = _replicas_of_m(loop, front, "one", "two", routed=1)
     client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
     data = np.zeros((1, 2), np.float32)
     try:
         assert infer(client, "m", data).model_name == "one"
         publish(loop, front, {"m/": [("127.0.0.1", two.port)]})
-        import asyncio
         closing = asyncio.run_coroutine_threadsafe(one.listener.close(5.0), loop)
         # No call fails: the client goes on over a new connection, to the other replica.
         served = {infer(client, "m", data).model_name for _ in range(20)}
@@ -205,10 +209,7 @@ def test_a_stopping_replica_closes_its_connections_gracefully(loop, door):
 def test_connections_take_turns_over_the_replicas(loop, door, monkeypatch):
     front, port = door
     monkeypatch.setattr(replica_h2, "_TURN_S", 0.05)
-    one, two = Replica(loop, "one"), Replica(loop, "two")
-    for replica in (one, two):
-        replica.listener.owns_grpc = _owns_model("m")
-    publish(loop, front, {"m/": [("127.0.0.1", one.port), ("127.0.0.1", two.port)]})
+    one, two = _replicas_of_m(loop, front, "one", "two")
     client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
     data = np.zeros((1, 2), np.float32)
     try:
