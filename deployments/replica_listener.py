@@ -36,7 +36,7 @@ from typing import Any
 import httptools
 
 from rayinfer.protocol.errors import NotFoundError
-from rayinfer.protocol.grpc_wire import grpc_message_header, grpc_status, unframe
+from rayinfer.protocol.grpc_wire import grpc_status, unframe
 from rayinfer.protocol.http_codec import error_response
 from rayinfer.deployments import front_door
 from rayinfer.deployments.client_relay import RelayedRequest

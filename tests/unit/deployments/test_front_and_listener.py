@@ -29,7 +29,7 @@ from front_stand_ins import (
 )
 from rayinfer.deployments.front import Front
 from rayinfer.deployments.front_keeper import stop_fronts
-from rayinfer.deployments.replica_listener import grpc_message_header, unframe
+from rayinfer.protocol.grpc_wire import grpc_message_header, unframe
 from rayinfer.serving.sequence_routing import SLOTS, slot_of
 from waiting import wait_until
 
