@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 from rayinfer.deployments.front_door import DOOR_FD_VARIABLES, GRPC_RELAY_SOCKET, RELAY_SOCKET
+from rayinfer.protocol.grpc_wire import ROUTED_RPCS, SERVICE
 from rayinfer.protocol.limits import body_limit_message, inflight_limit_message
 from rayinfer.protocol.restricted_api import (
     GRPC_HEADER_PREFIX,
@@ -23,8 +24,6 @@ from rayinfer.protocol.restricted_api import (
 )
 from rayinfer.serving.routes import UNROUTED_PREFIX
 
-_SERVICE = "/inference.GRPCInferenceService/"
-ROUTED_RPCS = ("ModelInfer", "ModelReady", "ModelMetadata", "ModelConfig", "ModelStatistics")
 # HAProxy's Lua fetches reading a sequence request's correlation id (copied to the front's folder).
 LUA = Path(__file__).with_name("front_sequences.lua")
 # (address, port) a front port binds to, and (host, port) of Serve's ingress behind it.
@@ -193,7 +192,7 @@ def _grpc_restrictions(restrictions: Restrictions) -> str:
     lines = []
     for group, (key, value) in restrictions.items():
         name = group.replace("-", "_")
-        lines.append(f"    acl rpc_{name} path {' '.join(_SERVICE + m for m in GRPC_METHODS[group])}\n")
+        lines.append(f"    acl rpc_{name} path {' '.join(SERVICE + m for m in GRPC_METHODS[group])}\n")
         lines.append(f'    http-request return status 200 content-type application/grpc hdr grpc-status 14 '
                      f'hdr grpc-message "{grpc_message(key)}" '
                      f"if rpc_{name} !{{ req.hdr({GRPC_HEADER_PREFIX}{key}) -m str {value} }}\n")
@@ -257,7 +256,7 @@ def render(folder: Path, http: Endpoint | None, grpc: Endpoint | None, server_ap
         pick = _PICK_REPLICA.format(**paths, sequence_fetch="rayinfer_grpc_sequence")
         parts.append(_GRPC.format(
             binds=_grpc_binds(folder, grpc[0], grpc[1], grpc_door), pick=pick, upstream_host=grpc[2], upstream_port=grpc[3],
-            paths=" ".join(_SERVICE + rpc for rpc in ROUTED_RPCS), server_app=server_app,
+            paths=" ".join(SERVICE + rpc for rpc in ROUTED_RPCS), server_app=server_app,
             use_replica=_USE_REPLICA, restricted=_grpc_restrictions(grpc_restricted or {}),
             max_inflight=max_inflight, busy=busy,
         ))

@@ -39,7 +39,7 @@ import threading
 import time
 from pathlib import Path
 
-from rayinfer.protocol.grpc_wire import INCOMPLETE, PREFACE, ROUTED_RPCS, first_call, settings
+from rayinfer.protocol.grpc_wire import INCOMPLETE, NOT_DIRECT_RPCS, PREFACE, ROUTED_RPCS, first_call, settings
 from rayinfer.serving.routes import front_routed
 
 # How long a new connection may take to send its request line before it goes to HAProxy, which
@@ -69,9 +69,6 @@ GRPC_RELAY_SOCKET = "grpc-relay.sock"
 RELAY_SOCKETS = {"http": RELAY_SOCKET, "grpc": GRPC_RELAY_SOCKET}
 # HAProxy's environment variables holding the descriptors of its ends of the socket pairs.
 DOOR_FD_VARIABLES = {"http": "RAYINFER_DOOR_FD", "grpc": "RAYINFER_GRPC_DOOR_FD"}
-# A gRPC connection goes to a replica by its first call, when that is one of these calls of a
-# model, or (to be relayed, until the connection's turn comes) another unary call of the service.
-_GRPC_NOT_GIVEN = {"ModelStreamInfer", "RepositoryModelLoad", "RepositoryModelUnload"}
 
 
 def door_name(host: str, port: int) -> str:
@@ -104,7 +101,7 @@ def grpc_route_key(head: bytes) -> str | None:
     call = first_call(head)
     if call is INCOMPLETE:
         return INCOMPLETE  # type: ignore[return-value]
-    if call is None or not call.method or "/" in call.method or call.method in _GRPC_NOT_GIVEN:
+    if call is None or not call.method or "/" in call.method or call.method in NOT_DIRECT_RPCS:
         return None
     if call.method not in ROUTED_RPCS:
         return ""

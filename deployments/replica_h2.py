@@ -31,7 +31,7 @@ from rayinfer.deployments.client_relay import relay_grpc
 from rayinfer.protocol.errors import UnavailableError
 from rayinfer.protocol.grpc_wire import (
     ACK, CONTINUATION, DATA, DEFAULT_FRAME_SIZE, DEFAULT_WINDOW, END_HEADERS, END_STREAM, GOAWAY, HEADERS,
-    MAX_WINDOW, OK_TRAILERS, PING, PREFACE, PROTOCOL_ERROR, PUSH_PROMISE, RESPONSE_HEADERS, ROUTED_RPCS,
+    MAX_WINDOW, NOT_DIRECT_RPCS, OK_TRAILERS, PING, PREFACE, PROTOCOL_ERROR, PUSH_PROMISE, RESPONSE_HEADERS, ROUTED_RPCS,
     RST_STREAM, SERVICE, SETTINGS, SETTINGS_INITIAL_WINDOW_SIZE, SETTINGS_MAX_FRAME_SIZE, WINDOW_UPDATE,
     HeaderDecoder, frame, frame_header, goaway, grpc_status, literal, name_and_version, parse_settings, settings,
     trailers, unframe, unpadded, window_update,
@@ -41,9 +41,6 @@ from rayinfer.serving.trace import PROTOCOL_STAMPS, ProtocolStamps
 
 logger = logging.getLogger(__name__)
 
-# Calls the replica does not take on a client's connection (see the module's doc): the client
-# sends them again on a new connection, which the door gives HAProxy.
-_NOT_TAKEN = {"ModelStreamInfer", "RepositoryModelLoad", "RepositoryModelUnload"}
 _STREAM_WINDOW = 1 << 22  # what a client may send on one call before the replica reads it
 _CONNECTION_WINDOW = 1 << 26
 _TURN_S = 10.0
@@ -53,15 +50,20 @@ _PING_WAIT_S = 2.0  # a client that does not answer that PING: the second GOAWAY
 
 
 class _Call:
-    __slots__ = ("id", "headers", "body", "size", "unacked", "task", "received")
+    """One call (stream): its request as read, and its answer while it waits for send window."""
 
-    def __init__(self, stream: int, headers: list[tuple[bytes, bytes]]) -> None:
+    __slots__ = ("id", "headers", "body", "size", "unacked", "task", "received", "window", "left", "trailers")
+
+    def __init__(self, stream: int, headers: list[tuple[bytes, bytes]], window: int) -> None:
         self.id = stream
         self.headers = headers
         self.body: list[bytes] = []
         self.size = self.unacked = 0
         self.task: asyncio.Task | None = None
         self.received = time.perf_counter_ns()
+        self.window = window  # what the client lets this side send on the call
+        self.left: memoryview | None = None  # the answer's messages not sent yet
+        self.trailers = b""
 
 
 class H2Connection(asyncio.Protocol):
@@ -83,10 +85,8 @@ class H2Connection(asyncio.Protocol):
         self._going = 0  # 0 serving, 1 first GOAWAY and PING sent, 2 last GOAWAY sent
         self._send_window = DEFAULT_WINDOW
         self._initial_window = DEFAULT_WINDOW  # each call's send window at its start
-        self._windows: dict[int, int] = {}  # call -> its send window
         self._max_frame = DEFAULT_FRAME_SIZE
         self._unacked = 0  # bytes received since the last connection WINDOW_UPDATE
-        self._sending: dict[int, list[Any]] = {}  # call -> [data left, trailers] waiting for window
         self._turn_at = time.monotonic() + _TURN_S
 
     # the listener's view (as of its HTTP/1.1 connections)
@@ -135,7 +135,7 @@ class H2Connection(asyncio.Protocol):
         self._buffer += data
         try:
             self._read_frames()
-        except (ValueError, KeyError, hpack.HPACKError) as exc:
+        except (ValueError, hpack.HPACKError) as exc:
             logger.warning("malformed HTTP/2 from a client: %s", exc)
             self._fail()
 
@@ -197,13 +197,11 @@ class H2Connection(asyncio.Protocol):
             increment = int.from_bytes(payload, "big") & MAX_WINDOW
             if stream == 0:
                 self._send_window += increment
-            elif stream in self._windows:
-                self._windows[stream] += increment
+            elif (call := self._calls.get(stream)) is not None:
+                call.window += increment
             self._flush()
         elif kind == RST_STREAM:
             call = self._calls.pop(stream, None)
-            self._windows.pop(stream, None)
-            self._sending.pop(stream, None)
             if call is not None and call.task is not None:
                 call.task.cancel()
             self._maybe_close()
@@ -218,8 +216,8 @@ class H2Connection(asyncio.Protocol):
         if SETTINGS_INITIAL_WINDOW_SIZE in values:
             delta = values[SETTINGS_INITIAL_WINDOW_SIZE] - self._initial_window
             self._initial_window += delta
-            for stream in self._windows:
-                self._windows[stream] += delta
+            for call in self._calls.values():
+                call.window += delta
         if SETTINGS_MAX_FRAME_SIZE in values:
             self._max_frame = values[SETTINGS_MAX_FRAME_SIZE]
         self._transport.write(frame(SETTINGS, ACK, 0))
@@ -240,11 +238,10 @@ class H2Connection(asyncio.Protocol):
         if stream > self._last_taken:
             return  # after the GOAWAY: the client sends it again elsewhere
         path = next((value for name, value in headers if name == b":path"), b"").decode("latin-1")
-        if not path.startswith(SERVICE) or path[len(SERVICE):] in _NOT_TAKEN:
+        if not path.startswith(SERVICE) or path[len(SERVICE):] in NOT_DIRECT_RPCS:
             self._not_taken(stream)
             return
-        call = self._calls[stream] = _Call(stream, headers)
-        self._windows[stream] = self._initial_window
+        call = self._calls[stream] = _Call(stream, headers, self._initial_window)
         if flags & END_STREAM:
             self._start(call)
 
@@ -267,7 +264,7 @@ class H2Connection(asyncio.Protocol):
         data = unpadded(payload, flags, DATA)
         call.size += len(data)
         if call.size > GRPC_MAX_MESSAGE_SIZE + 5:
-            self._send(call.id, b"", trailers(*grpc_status(message_too_large(call.size, GRPC_MAX_MESSAGE_SIZE))))
+            self._send(call, b"", trailers(*grpc_status(message_too_large(call.size, GRPC_MAX_MESSAGE_SIZE))))
             self._transport.write(frame(RST_STREAM, 0, call.id, b"\0\0\0\0"))
             return
         call.body.append(data)
@@ -303,7 +300,7 @@ class H2Connection(asyncio.Protocol):
                 # asked for readiness) takes its turn soon: the door places it by its next call.
                 self._turn_at = min(self._turn_at, time.monotonic() + _RELAYED_TURN_S)
                 data, fields = await relay_grpc(self._relay, path, call.headers, body)
-                self._send(call.id, data, b"".join(literal(name, value) for name, value in fields))
+                self._send(call, data, b"".join(literal(name, value) for name, value in fields))
                 return
             stamps = ProtocolStamps(self._listener.model, True, call.received, received)
             PROTOCOL_STAMPS.set(stamps)
@@ -311,55 +308,53 @@ class H2Connection(asyncio.Protocol):
                 raise UnavailableError(inflight_limit_message(self._listener.max_inflight))
             reply = await self._listener.call_grpc(method, message)
             send_start = time.perf_counter_ns()
-            self._send(call.id, b"\0" + len(reply).to_bytes(4, "big") + reply, OK_TRAILERS)
+            self._send(call, b"\0" + len(reply).to_bytes(4, "big") + reply, OK_TRAILERS)
             if stamps.finish is not None:  # a traced request: its trace ends here
                 stamps.finish(send_start, time.perf_counter_ns())
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            self._send(call.id, b"", trailers(*grpc_status(exc)))
+            self._send(call, b"", trailers(*grpc_status(exc)))
 
     # frames out
 
-    def _send(self, stream: int, data: bytes, trailer_block: bytes) -> None:
+    def _send(self, call: _Call, data: bytes, trailer_block: bytes) -> None:
         """A call's answer: its messages (``data``, already framed) and trailers."""
-        if stream not in self._calls or self._transport is None:
+        if self._calls.get(call.id) is not call or self._transport is None:
             return  # reset by the client meanwhile
         if not data:  # trailers only
-            self._transport.write(frame(HEADERS, END_HEADERS | END_STREAM, stream, RESPONSE_HEADERS + trailer_block))
-            self._ended(stream)
+            self._transport.write(frame(HEADERS, END_HEADERS | END_STREAM, call.id, RESPONSE_HEADERS + trailer_block))
+            self._ended(call)
             return
-        self._sending[stream] = [memoryview(data), trailer_block]
-        self._flush_call(stream, [frame(HEADERS, END_HEADERS, stream, RESPONSE_HEADERS)])
+        call.left, call.trailers = memoryview(data), trailer_block
+        self._flush_call(call, [frame(HEADERS, END_HEADERS, call.id, RESPONSE_HEADERS)])
 
-    def _flush_call(self, stream: int, out: list[bytes]) -> None:
-        data, trailer_block = self._sending[stream]
-        window = min(self._send_window, self._windows[stream])
-        while data and window > 0:
-            size = min(len(data), window, self._max_frame)
-            out.append(frame(DATA, 0, stream, bytes(data[:size])))
-            data, window = data[size:], window - size
+    def _flush_call(self, call: _Call, out: list[bytes]) -> None:
+        """Send what the windows allow of a call's answer (its trailers once all is sent)."""
+        left = call.left
+        assert left is not None
+        while left and min(self._send_window, call.window) > 0:
+            size = min(len(left), self._send_window, call.window, self._max_frame)
+            out.append(frame(DATA, 0, call.id, bytes(left[:size])))
+            left = left[size:]
             self._send_window -= size
-            self._windows[stream] -= size
-        if not data:
-            out.append(frame(HEADERS, END_HEADERS | END_STREAM, stream, trailer_block))
-        else:
-            self._sending[stream][0] = data
+            call.window -= size
+        call.left = left
+        if not left:
+            out.append(frame(HEADERS, END_HEADERS | END_STREAM, call.id, call.trailers))
         if out:
             self._transport.write(b"".join(out))
-        if not data:
-            self._ended(stream)
+        if not left:
+            self._ended(call)
 
     def _flush(self) -> None:
-        for stream in list(self._sending):
+        for call in [c for c in self._calls.values() if c.left is not None]:
             if self._send_window <= 0:
                 return
-            self._flush_call(stream, [])
+            self._flush_call(call, [])
 
-    def _ended(self, stream: int) -> None:
-        self._calls.pop(stream, None)
-        self._windows.pop(stream, None)
-        self._sending.pop(stream, None)
+    def _ended(self, call: _Call) -> None:
+        self._calls.pop(call.id, None)
         if not self._going and (self._listener.closing or time.monotonic() >= self._turn_at):
             self.leave()
         self._maybe_close()

@@ -36,7 +36,7 @@ from typing import Any
 import httptools
 
 from rayinfer.protocol.errors import NotFoundError
-from rayinfer.protocol.grpc_wire import grpc_status, unframe
+from rayinfer.protocol.grpc_wire import SERVICE, grpc_status, unframe
 from rayinfer.protocol.http_codec import error_response
 from rayinfer.deployments import front_door
 from rayinfer.deployments.client_relay import RelayedRequest
@@ -55,7 +55,7 @@ from rayinfer.serving.trace import PROTOCOL_STAMPS, ProtocolStamps
 
 logger = logging.getLogger(__name__)
 
-SERVICE_PATH = b"/inference.GRPCInferenceService/"
+SERVICE_PATH = SERVICE.encode()
 _RESPONSE_HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: application/grpc\r\ntransfer-encoding: chunked\r\n\r\n"
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 _BAD_REQUEST = (b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\ncontent-length: 29\r\n"

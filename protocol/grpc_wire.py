@@ -30,13 +30,15 @@ PRIORITY_FLAG = 0x20
 # Settings and error codes this side uses.
 SETTINGS_INITIAL_WINDOW_SIZE = 0x4
 SETTINGS_MAX_FRAME_SIZE = 0x5
-NO_ERROR, PROTOCOL_ERROR, FLOW_CONTROL_ERROR = 0x0, 0x1, 0x3
+NO_ERROR, PROTOCOL_ERROR = 0x0, 0x1
 DEFAULT_WINDOW = 65_535
 DEFAULT_FRAME_SIZE = 16_384
 MAX_WINDOW = (1 << 31) - 1
 # The model RPCs the front routes by the model name and version their message starts with.
 ROUTED_RPCS = ("ModelInfer", "ModelReady", "ModelMetadata", "ModelConfig", "ModelStatistics")
-STREAM_RPC = "ModelStreamInfer"
+# Calls a replica never takes on a client's connection (a stream, a call that may stop the
+# replica): the connection goes, or the call is sent again, to the front's HAProxy.
+NOT_DIRECT_RPCS = frozenset({"ModelStreamInfer", "RepositoryModelLoad", "RepositoryModelUnload"})
 
 
 def grpc_message_header(message: str) -> bytes:
@@ -104,11 +106,11 @@ def _string(data: bytes) -> bytes:
     return _integer(len(data), 7) + data
 
 
-def _integer(value: int, prefix: int, first: int = 0) -> bytes:
+def _integer(value: int, prefix: int) -> bytes:
     top = (1 << prefix) - 1
     if value < top:
-        return bytes((first | value,))
-    out, value = [first | top], value - top
+        return bytes((value,))
+    out, value = [top], value - top
     while value >= 128:
         out.append(value % 128 + 128)
         value //= 128

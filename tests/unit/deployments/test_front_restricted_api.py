@@ -27,7 +27,10 @@ def restricted_front(loop):
                   ("127.0.0.1", port, "127.0.0.1", free_port()), "v2",
                   http_restricted=parse_restrictions(["inference,metadata:infer-key=secret",
                                                       "model-repository:admin=s3cr3t"], "--http-restricted-api"),
-                  grpc_restricted=parse_restrictions(["inference:infer-key=secret"], "--grpc-restricted-protocol"))
+                  grpc_restricted=parse_restrictions(["inference:infer-key=secret"], "--grpc-restricted-protocol"),
+                  direct=True)
+    # HAProxy checks the restrictions on every request: no connection goes straight to a replica.
+    assert not front.direct and not front.grpc_direct
     front.http_port = http_port
     publish(loop, front, {"m/": [("127.0.0.1", replica.port)]})
     yield front, port
