@@ -114,6 +114,9 @@ def test_a_connection_opened_with_another_request_is_placed_by_its_next_one(loop
     client = _Client(port)
     try:
         assert client.request("GET", "/v2")[2] == b"serve GET /v2 0"
+        # The replica gives the connection back once the relayed answer has ended (HAProxy closed
+        # its side); a next request sent before that is relayed by it too.
+        wait_until(lambda: _direct_connections(one) == 0, "the connection to be given back", 5)
         assert client.request("POST", "/v2/models/n/infer", b"a")[2] == b"two POST /v2/models/n/infer 1"
         assert (_direct_connections(one), _direct_connections(two)) == (0, 1)
         # Another model's request on it: relayed, then the connection moves to that model's replica.
