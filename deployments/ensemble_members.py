@@ -114,9 +114,11 @@ class EnsembleMembers:
         """A member version's config as its replicas serve it, in Triton's JSON form."""
         return await self._handle(route).model_config_json.remote()
 
-    async def run_in_place(self, repository: Path, specs: dict[tuple[str, str], ModelSpec]) -> None:
-        """Load here the members that can run in this replica (parameter steps_in_place)."""
-        self.in_place = InPlaceMembers(repository, self.config_json)
+    async def run_in_place(self, repository: Path, specs: dict[tuple[str, str], ModelSpec],
+                           batched: bool = False) -> None:
+        """Load here the members that can run in this replica (parameter steps_in_place);
+        ``batched``: the ensemble batches its own requests (its steps run at once)."""
+        self.in_place = InPlaceMembers(repository, self.config_json, batched)
         for key, spec in specs.items():
             app, deployment, listeners = await self._server_handle().member_listeners.remote(*key)
             await self.in_place.load(key, (app, deployment), [tuple(a) for a in listeners], spec)
@@ -170,9 +172,9 @@ async def load_ensemble(repository: Path, model_name: str, version: int, config_
                 f"ensemble '{model_name}': {step.label} cannot run: {as_serving_error(exc).message}"
             ) from None
     check_members(plan, spec, specs, model_dir)
-    if plan.steps_in_place:
-        await members.run_in_place(Path(repository), specs)
     decoupled = decoupled_members(specs)
+    if plan.steps_in_place:  # a decoupled ensemble runs its requests one by one
+        await members.run_in_place(Path(repository), specs, batched=plan.batch_delay_us is not None and not decoupled)
     if decoupled:  # it streams its members' responses: decoupled itself, as its config reports
         spec.config.model_transaction_policy.decoupled = True
     return EnsembleExecutor(spec, plan, version, members.call, members.ready, members.stream, decoupled), entry

@@ -6,7 +6,9 @@ more CPU than a small model's execution (docs/benchmarks.md, "Ensembles"). With
 ``steps_in_place: "true"`` in the ensemble's ``parameters``, the ensemble's replica loads its own
 instance of each member that can run there, from the config the member's replicas serve, with
 that member's own dynamic batcher (so the steps of many ensemble requests still batch), and
-runs those steps in its process. Its executions count in the member's statistics and metrics,
+runs those steps in its process. When the ensemble batches its own requests
+(``max_queue_delay_microseconds``), a step already carries the rows of the requests gathered at
+the ensemble's entrance: it is executed at once, without a second wait in the member's batcher. Its executions count in the member's statistics and metrics,
 beside those of the member's replicas. Clients calling the member directly still reach the
 member's replicas.
 
@@ -74,9 +76,12 @@ def reason_not_in_place(spec: ModelSpec, python_taken: bool) -> str | None:
 class InPlaceMembers:
     """The member instances an ensemble replica runs itself, by step target."""
 
-    def __init__(self, repository: Path, config_source: ConfigSource) -> None:
+    def __init__(self, repository: Path, config_source: ConfigSource, batched: bool = False) -> None:
         self._repository = repository
         self._config_source = config_source
+        # The ensemble batches its own requests: a step's request is already a batch, executed
+        # at once instead of waiting in the member's batcher too.
+        self._batched = batched
         self._instances: dict[MemberKey, _Instance] = {}
         self._python: MemberKey | None = None  # the Python member running here, if any
         self._loading: dict[MemberKey, asyncio.Task] = {}
@@ -139,7 +144,9 @@ class InPlaceMembers:
             return None
         instance.in_flight += 1
         try:
-            return await instance.core.infer(instance.core.prepare(request))
+            core = instance.core
+            prepared = core.prepare(request)
+            return await (core.infer_batched(prepared) if self._batched else core.infer(prepared))
         finally:
             instance.in_flight -= 1
             if instance.retired and not instance.in_flight:

@@ -192,6 +192,19 @@ class ModelCore:
             tracer.finish(request, stamps, tensors)
         return result
 
+    async def infer_batched(self, prepared: Any) -> InferResponse:
+        """A request that is already a batch (an ensemble's step carrying the rows of the
+        requests its own batcher gathered): executed at once, past this model's batcher, whose
+        wait would come on top of the ensemble's; raises its error."""
+        try:
+            result = (await self._execute([prepared]))[0]
+        except asyncio.CancelledError:
+            self._cancelled(prepared)
+            raise
+        if isinstance(result, ServingError):
+            raise result
+        return result
+
     def execute_here(self, request: InferRequest) -> Iterator[Result]:
         """A request from this model's own ``execute`` (a model calling itself): validated and
         executed on the calling thread, past the batcher and the model thread, which the calling

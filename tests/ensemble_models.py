@@ -111,6 +111,13 @@ ENSEMBLES = {
         _step("simple", ADD_SUB, {"OUTPUT0": "SUM", "OUTPUT1": "DIFF"}),
         _step("ens_pid_double", {"INPUT": "SUM"}, {"OUTPUT": "SUM2", "PID": "PID"}),
     ], extra='parameters { key: "steps_in_place" value: { string_value: "true" } }\n'),
+    # The same, its own requests batched too: each batch's steps run in place at once.
+    "ens_in_place_batched": _ensemble("ens_in_place_batched", [_int("A"), _int("B")],
+                                      [_int("DIFF"), _int("SUM2"), '{ name: "PID" data_type: TYPE_INT64 dims: [ 1 ] }'], [
+        _step("simple", ADD_SUB, {"OUTPUT0": "SUM", "OUTPUT1": "DIFF"}),
+        _step("ens_pid_double", {"INPUT": "SUM"}, {"OUTPUT": "SUM2", "PID": "PID"}),
+    ], extra='parameters { key: "steps_in_place" value: { string_value: "true" } }\n'
+             'parameters { key: "max_queue_delay_microseconds" value: { string_value: "5000" } }\n'),
     # Broken: each load fails with a message naming the step.
     "ensbad_unknown_model": _ensemble("ensbad_unknown_model", [_int("A")], [_int("Z")],
                                       [_step("no_such_model", {"INPUT": "A"}, {"OUTPUT": "Z"})]),

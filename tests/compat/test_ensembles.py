@@ -315,6 +315,23 @@ def test_steps_in_place_run_in_the_ensembles_process_and_count_as_the_members(pr
     assert int(after["execution_count"]) - int(before.get("execution_count", 0)) < inferences
 
 
+def test_a_batched_ensembles_steps_in_place_run_its_batches(proto, server):
+    """steps_in_place with the ensemble's own batching: each batch of ensemble requests runs its
+    steps once, in the ensemble's replica, and every request gets its own rows back."""
+    module, client = proto
+    direct_pid = int(client.infer("ens_pid_double", ints(module, INPUT=pair(540)[0])).as_numpy("PID")[0, 0])
+    before = stats(client, module, "ens_in_place_batched")
+    pairs = [pair(541 + i) for i in range(24)]
+    results = infer_concurrently(module, server, "ens_in_place_batched", pairs, ("SUM2", "PID"), threads=8)
+    for (a, b), (sum2, _) in zip(pairs, results):
+        np.testing.assert_array_equal(sum2, 2 * (a + b))
+    pids = {int(pid[0, 0]) for _, pid in results}
+    assert len(pids) == 1 and direct_pid not in pids
+    after = stats(client, module, "ens_in_place_batched")
+    assert int(after["inference_count"]) - int(before.get("inference_count", 0)) == 24
+    assert int(after["execution_count"]) - int(before.get("execution_count", 0)) < 24
+
+
 def test_a_step_in_place_that_fails_names_the_step(proto):
     """The member's error, as a step sent to its replicas reports it; the ensemble serves on."""
     module, client = proto

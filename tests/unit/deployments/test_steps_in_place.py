@@ -82,3 +82,34 @@ def test_an_instance_serves_steps_and_is_loaded_again_when_its_member_is_redeplo
         assert members.cores() == []
 
     asyncio.run(scenario())
+
+
+def test_a_batched_ensembles_steps_run_at_once_past_the_members_batcher(tmp_path: Path):
+    """The ensemble batched its requests (max_queue_delay_microseconds): a step carries their rows
+    and runs at once; without that, it waits in the member's batcher (a minute here)."""
+    waiting = SIMPLE_CONFIG + "dynamic_batching { max_queue_delay_microseconds: 60000000 }\n"
+    write_model(tmp_path, "simple", waiting, add_sub_model(TensorProto.INT32))
+    served = json.dumps(config_to_json(read_config(tmp_path / "simple")))
+
+    async def config_source(route: tuple[str, str]) -> str:
+        return served
+
+    async def scenario() -> None:
+        key, route = ("simple", ""), ("simple", "simple_v1")
+        batched, unbatched = InPlaceMembers(tmp_path, config_source, batched=True), InPlaceMembers(tmp_path, config_source)
+        for members in (batched, unbatched):
+            await members.load(key, route, [("10.0.0.1", 1000)], spec(waiting))
+        a = np.arange(48, dtype=np.int32).reshape(3, 16)
+        response = await asyncio.wait_for(batched.infer(key, request(a)), 30)
+        np.testing.assert_array_equal(response.outputs[0].data, 2 * a)
+        snapshot = batched.cores()[0].snapshot()
+        assert (snapshot["execution_count"], snapshot["inference_count"]) == (1, 3)
+        step = asyncio.ensure_future(unbatched.infer(key, request(a)))
+        core = unbatched.cores()[0]
+        await wait_until_async(lambda: core.snapshot()["pending_request_count"] == 1, "the step to wait in the batcher")
+        assert not step.done()
+        step.cancel()
+        for members in (batched, unbatched):
+            members.close()
+
+    asyncio.run(scenario())
