@@ -57,6 +57,22 @@ def trace_compute(batch: Sequence[PreparedRequest], infer_start: int, infer_end:
             p.trace += [("COMPUTE_INPUT_END", infer_start), ("COMPUTE_OUTPUT_START", infer_end)]
 
 
+class _Rescheduled:
+    """What an execution gives a request its model rescheduled (a Python model's
+    ``set_release_flags(TRITONSERVER_REQUEST_RELEASE_RESCHEDULE)``, iterative sequences): no
+    answer yet; the sequence batcher queues it to run again."""
+
+    def __repr__(self) -> str:
+        return "RESCHEDULED"
+
+
+RESCHEDULED: Any = _Rescheduled()
+
+# Triton's answer to a request rescheduled by a model without iterative_sequence.
+NOT_ITERATIVE_MESSAGE = ("Request is released with TRITONSERVER_REQUEST_RELEASE_RESCHEDULE, while the model is "
+                         "not configured to handle such a flag.")
+
+
 # Request parameters that shape how a request travels or is encoded, not what the model computes:
 # requests differing only in these may share one execution.
 TRANSPORT_PARAMETERS = frozenset({"binary_data_output", "priority", "timeout", "sequence_id", "sequence_start",

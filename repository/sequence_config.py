@@ -68,6 +68,9 @@ class SequenceSpec:
     preferred_batch_sizes: tuple[int, ...] = ()  # oldest
     controls: tuple[ControlSpec, ...] = ()
     states: tuple[StateSpec, ...] = ()
+    # iterative_sequence: a request is a sequence of its own (an id is given to one that has
+    # none) which its model may reschedule (set_release_flags) until it completes.
+    iterative: bool = False
 
     def control(self, kind: str) -> ControlSpec | None:
         return next((c for c in self.controls if c.kind == kind), None)
@@ -128,7 +131,7 @@ def sequence_spec(config: Any, path: Path) -> SequenceSpec:
                             max_queue_delay_us=int(oldest.max_queue_delay_microseconds),
                             max_candidate_sequences=int(oldest.max_candidate_sequences) or slots,
                             preferred_batch_sizes=tuple(sorted(int(s) for s in oldest.preferred_batch_size)),
-                            controls=controls, states=states)
+                            controls=controls, states=states, iterative=sb.iterative_sequence)
     direct = sb.direct
     utilization = float(direct.minimum_slot_utilization)
     if not 0.0 <= utilization <= 1.0:
@@ -137,7 +140,7 @@ def sequence_spec(config: Any, path: Path) -> SequenceSpec:
     return SequenceSpec(direct=True, max_sequence_idle_us=idle,
                         max_queue_delay_us=int(direct.max_queue_delay_microseconds),
                         minimum_slot_utilization=utilization, max_candidate_sequences=slots,
-                        controls=controls, states=states)
+                        controls=controls, states=states, iterative=sb.iterative_sequence)
 
 
 def _control(control_input: Any, model: str, path: Path) -> ControlSpec:

@@ -17,6 +17,12 @@ run in the order they came.
 Either way the batcher gives each row the model's control inputs (START, END, READY, CORRID) and
 its sequence's implicit state: the state outputs of the sequence's previous request, or the
 initial state on a START.
+
+With ``iterative_sequence``, each request is a sequence of its own, which its model may
+*reschedule* (a Python model's ``set_release_flags``) to run again in a later batch, in the
+same slot, until it completes: a request without a correlation id gets one (and START), a
+rescheduled request runs again with neither START nor END, and the sequence ends when its
+request completes, as Triton's iterative sequencer does.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from typing import Any
 import numpy as np
 
 from rayinfer.protocol.dtypes import numpy_dtype
+from rayinfer.adapters.model_runner import RESCHEDULED
 from rayinfer.protocol.errors import InvalidArgError, ServingError, UnavailableError, as_serving_error
 from rayinfer.repository.sequence_config import CorrelationId, SequenceSpec, sequence_flags
 
@@ -78,6 +85,7 @@ class SequenceBatcher:
         self._task: asyncio.Task | None = None
         self._running: list[_Pending] = []  # the requests of the batch executing now
         self._closed = False
+        self._next_id = 1  # the next correlation id for an iterative request that has none
 
     @property
     def pending_requests(self) -> int:
@@ -97,6 +105,9 @@ class SequenceBatcher:
         if self._closed:
             raise UnavailableError(f"model '{self._model}' is unloading")
         corrid, start, end = sequence_flags(prepared.request.parameters)
+        if self._spec.iterative and (corrid == 0 or corrid == ""):
+            corrid, start = self._new_id(), True
+            _set_flags(prepared, start=True, end=end, corrid=corrid)
         self._check(corrid, start, prepared.rows)
         sequence = self._sequences.get(corrid)
         if sequence is None or (sequence.ended and not sequence.queue and start):
@@ -118,7 +129,16 @@ class SequenceBatcher:
                 sequence.queue.remove(pending)
                 if pending.end:  # its END never came after all
                     sequence.ended = any(p.end for p in sequence.queue)
+                if self._spec.iterative and not sequence.queue and pending not in self._running:
+                    self._release(sequence)  # a rescheduled request given up: its sequence ends
             raise
+
+    def _new_id(self) -> int:
+        """A correlation id no sequence here holds (Triton counts from 1)."""
+        while self._next_id in self._sequences:
+            self._next_id += 1
+        self._next_id += 1
+        return self._next_id - 1
 
     def _check(self, corrid: CorrelationId, start: bool, rows: int) -> None:
         if corrid == 0 or corrid == "":
@@ -260,7 +280,13 @@ class SequenceBatcher:
             if self._spec.states and not isinstance(result, BaseException | ServingError):
                 sequence.state = prepared.state_outputs or sequence.state
             sequence.last_used = now
-            if pending.end and not sequence.queue:
+            if result is RESCHEDULED and not pending.future.done():  # runs again, neither START nor END
+                pending.start = pending.end = False
+                pending.arrived = now
+                _set_flags(pending.prepared, start=False, end=False)
+                sequence.queue.append(pending)
+                continue
+            if (pending.end or self._spec.iterative) and not sequence.queue:
                 self._release(sequence)
             if not pending.future.done():  # an error is the request's result, as from the dynamic batcher
                 pending.future.set_result(result)
@@ -311,6 +337,14 @@ class SequenceBatcher:
                     pending.future.set_exception(UnavailableError(f"model '{self._model}' is unloading"))
         if self._task is not None:
             self._task.cancel()
+
+
+def _set_flags(prepared: Any, *, start: bool, end: bool, corrid: CorrelationId | None = None) -> None:
+    """Give the request the sequence flags (and id) the batcher set, as the model will see them."""
+    parameters = dict(prepared.request.parameters, sequence_start=start, sequence_end=end)
+    if corrid is not None:
+        parameters["sequence_id"] = corrid
+    prepared.request = dataclasses.replace(prepared.request, parameters=parameters)
 
 
 class _Discard:

@@ -112,7 +112,55 @@ ensemble_scheduling { step [ {
 """
 
 
+# Iterative sequences (Triton's request rescheduling): a request runs again until its countdown
+# reaches zero. ``iter_countdown`` (not decoupled) answers once, with how many times it ran;
+# ``iter_stream`` (decoupled) answers each run with what is left; ``iter_not_iterative``
+# reschedules without iterative_sequence (Triton's error).
+ITER_CONFIG = """name: "{name}"
+backend: "python"
+max_batch_size: 0
+{scheduling}
+input [ {{ name: "IN" data_type: TYPE_INT32 dims: [ 1 ] }} ]
+output [ {{ name: "OUT" data_type: TYPE_INT32 dims: [ 1 ] }}, {{ name: "CORRID" data_type: TYPE_INT64 dims: [ 1 ] }} ]
+{policy}
+"""
+ITERATIVE = "sequence_batching { iterative_sequence: true }"
+ITER_MODEL = '''import json
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.decoupled = pb_utils.using_decoupled_model_transaction_policy(json.loads(args["model_config"]))
+        self.runs = {}  # correlation id -> executions so far
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            key = request.correlation_id()
+            start = bool(request.flags() & pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_START)
+            runs = self.runs[key] = (0 if start or key not in self.runs else self.runs[key]) + 1
+            left = int(pb_utils.get_input_tensor_by_name(request, "IN").as_numpy()[0]) - runs
+            out = left if self.decoupled else runs
+            response = pb_utils.InferenceResponse([pb_utils.Tensor("OUT", np.array([out], np.int32)),
+                                                   pb_utils.Tensor("CORRID", np.array([key if isinstance(key, int) else -1], np.int64))])
+            if left > 0:
+                request.set_release_flags(pb_utils.TRITONSERVER_REQUEST_RELEASE_RESCHEDULE)
+            if self.decoupled:
+                request.get_response_sender().send(response, flags=0 if left > 0 else pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            else:
+                responses.append(None if left > 0 else response)
+        return None if self.decoupled else responses
+'''
+
+
 def write_sequence_test_models(root: Path) -> None:
+    decoupled = "model_transaction_policy { decoupled: true }"
+    for name, scheduling, policy in (("iter_countdown", ITERATIVE, ""), ("iter_stream", ITERATIVE, decoupled),
+                                     ("iter_not_iterative", "", "")):
+        write_python_model(root, name, ITER_CONFIG.format(name=name, scheduling=scheduling, policy=policy), ITER_MODEL)
     folder = write_model(root, "seq_state_direct", SEQ_STATE_DIRECT_CONFIG, seq_state_direct_model())
     (folder / "initial_state").mkdir(exist_ok=True)
     (folder / "initial_state" / "start_value").write_bytes(np.array([INITIAL_VALUE], "<i4").tobytes())

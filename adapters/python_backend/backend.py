@@ -28,6 +28,8 @@ from google.protobuf import json_format
 
 from rayinfer.adapters.base import model_file
 from rayinfer.adapters.model_runner import (
+    NOT_ITERATIVE_MESSAGE,
+    RESCHEDULED,
     TRANSPORT_PARAMETERS,
     ModelRunner,
     PreparedRequest,
@@ -39,7 +41,7 @@ from rayinfer.adapters.python_backend.requirements import activate_requirements
 from rayinfer.adapters.python_backend.errors import SERVING_CODES
 from rayinfer.adapters.python_backend import triton_python_backend_utils as pb_utils
 from rayinfer.protocol.dtypes import wire_datatype
-from rayinfer.protocol.errors import Code, InternalError, ModelConfigError, ServingError, as_serving_error
+from rayinfer.protocol.errors import Code, InternalError, InvalidArgError, ModelConfigError, ServingError, as_serving_error
 from rayinfer.protocol.types import InferOutput, InferResponse
 from rayinfer.repository.instance_groups import runs_on_gpu
 from rayinfer.repository.model_config import ModelConfig, config_to_json
@@ -164,6 +166,8 @@ class PythonModelRunner(ModelRunner):
     def __init__(self, spec: Any, adapter: Any, version: int) -> None:
         super().__init__(spec, adapter, version)
         self.decoupled = bool(spec.config.model_transaction_policy.decoupled)
+        # Requests the model reschedules run again (sequence_batching { iterative_sequence: true }).
+        self.iterative = bool(spec.sequence_batching is not None and spec.sequence_batching.iterative)
 
     def execute(self, batch: Sequence[PreparedRequest]) -> list[InferResponse | ServingError] | None:
         start = time.perf_counter_ns()
@@ -184,17 +188,43 @@ class PythonModelRunner(ModelRunner):
                 return self._failed(batch, InternalError(
                     f"decoupled model '{self.spec.name}' must return None from execute, got {type(responses).__name__}"
                 ))
-            self._record(batch, start, infer_start, infer_end)
-            return None
+            marks = self._rescheduled_decoupled(batch, requests)
+            self._record(batch, start, infer_start, infer_end, marks)
+            return marks
         if not isinstance(responses, list) or len(responses) != len(batch):
             count = len(responses) if isinstance(responses, list) else type(responses).__name__
             return self._failed(batch, InternalError(
                 f"model '{self.spec.name}' returned {count} responses for {len(batch)} requests; "
                 "execute must return one InferenceResponse per request"
             ))
-        results = [self._answer(p, r) for p, r in zip(batch, responses)]
+        results = [self._rescheduled(r) if _rescheduling(q) else self._answer(p, r)
+                   for p, q, r in zip(batch, requests, responses)]
         self._record(batch, start, infer_start, infer_end, results)
         return results
+
+    def _rescheduled(self, response: Any) -> Any:
+        """The result of a request the model rescheduled, returning ``response`` for it."""
+        if not self.iterative:
+            return InvalidArgError(NOT_ITERATIVE_MESSAGE)
+        if response is not None:  # Triton's message, spelling included
+            return InternalError("Expected a None object in the execute function return list for reschduled "
+                                 f"request, found type '{type(response).__name__}'.")
+        return RESCHEDULED
+
+    def _rescheduled_decoupled(self, batch: Sequence[PreparedRequest],
+                               requests: list[pb_utils.InferenceRequest]) -> list[Any] | None:
+        """A decoupled execution's results: RESCHEDULED for the requests to run again (None for
+        the others, answered through their senders), or None when none is rescheduled. A model
+        without iterative_sequence ends a rescheduled request's stream with Triton's error."""
+        again = [_rescheduling(q) and not p.padding for p, q in zip(batch, requests)]
+        if not any(again):
+            return None
+        if self.iterative:
+            return [RESCHEDULED if a else None for a in again]
+        for p, a in zip(batch, again):
+            if a and not p.sender.closed:
+                p.sender.send(InvalidArgError(NOT_ITERATIVE_MESSAGE), final=True)
+        return None
 
     def is_ready(self) -> bool:
         """The model's own ``is_ready()`` when it has one (an exception counts as not ready)."""
@@ -272,7 +302,7 @@ class PythonModelRunner(ModelRunner):
         self.stats.record_execution(len(batch), sum(p.rows for p in batch), infer_start - start,
                                     infer_end - infer_start, end - infer_end)
         for index, p in enumerate(batch):
-            if p.padding:
+            if p.padding or (results is not None and results[index] is RESCHEDULED):  # counted when it ends
                 continue
             if results is not None and isinstance(results[index], ServingError):
                 self.stats.record_failure(end - p.arrival_ns)
@@ -285,3 +315,8 @@ class PythonModelRunner(ModelRunner):
             if not p.padding:
                 self.stats.record_failure(now - p.arrival_ns)
         return [as_serving_error(error)] * len(batch)
+
+
+def _rescheduling(request: pb_utils.InferenceRequest) -> bool:
+    """Whether the model asked for ``request`` to run again (``set_release_flags``)."""
+    return bool(request._release_flags & pb_utils.TRITONSERVER_REQUEST_RELEASE_RESCHEDULE)

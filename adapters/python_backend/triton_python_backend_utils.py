@@ -151,6 +151,13 @@ class InferenceRequest:
         self.model_version = model_version
         self._sender: InferenceResponseSender | None = None
         self._cancelled: Any = None  # set by the backend: says whether the client cancelled
+        self._release_flags = TRITONSERVER_REQUEST_RELEASE_ALL
+
+    def set_release_flags(self, flags: int) -> None:
+        """``TRITONSERVER_REQUEST_RELEASE_RESCHEDULE``: run this request again in a later batch
+        (a model with ``sequence_batching { iterative_sequence: true }``; a decoupled model sets
+        it before ``execute`` returns, any other returns None as the request's response)."""
+        self._release_flags = int(flags)
 
     def inputs(self) -> list[Tensor]:
         return self._inputs

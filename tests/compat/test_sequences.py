@@ -183,6 +183,60 @@ def test_requests_breaking_a_sequences_rules_get_tritons_errors(proto: tuple[Any
     assert _send(module, client, "simple_sequence", 454545, [3, 4]) == [4, 4]
 
 
+def _iter_input(module: Any, value: int) -> Any:
+    inp = module.InferInput("IN", [1], "INT32")
+    inp.set_data_from_numpy(np.array([value], np.int32))
+    return inp
+
+
+def test_iterative_requests_run_again_until_their_model_completes_them(proto: tuple[Any, Any],
+                                                                      server: dict[str, Any]) -> None:
+    """iterative_sequence (Triton's request rescheduling), as Triton's own tests send it: plain
+    requests, no sequence id; the model reschedules each until its countdown ends, and each is
+    answered once, with how many times it ran, under its own correlation id."""
+    module, _ = proto
+    url = server["url"] if module.__name__.endswith("http") else server["grpc_url"]
+
+    def countdown(n: int) -> Any:  # a client per thread: tritonclient.http's is not thread-safe
+        client = module.InferenceServerClient(url)
+        try:
+            return client.infer("iter_countdown", [_iter_input(module, n)])
+        finally:
+            client.close()
+
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(countdown, [3, 1, 4, 2]))
+    assert [int(r.as_numpy("OUT")[0]) for r in results] == [3, 1, 4, 2]
+    ids = [int(r.as_numpy("CORRID")[0]) for r in results]
+    assert len(set(ids)) == 4 and min(ids) > 0
+
+
+def test_an_iterative_decoupled_model_streams_each_run(server: dict[str, Any]) -> None:
+    """Triton's iterative_sequence example: IN=3 on a stream, no sequence id: OUT 2, 1, 0."""
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(server["grpc_url"])
+    answers: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: answers.put(error or result))
+    try:
+        client.async_stream_infer("iter_stream", [_iter_input(grpcclient, 3)], request_id="a")
+        outs = [answers.get(timeout=30) for _ in range(3)]
+        assert [int(r.as_numpy("OUT")[0]) for r in outs] == [2, 1, 0]
+        assert len({int(r.as_numpy("CORRID")[0]) for r in outs}) == 1
+    finally:
+        client.stop_stream()
+        client.close()
+
+
+def test_rescheduling_without_iterative_sequence_gets_tritons_error(proto: tuple[Any, Any]) -> None:
+    module, client = proto
+    with pytest.raises(InferenceServerException, match="Request is released with TRITONSERVER_REQUEST_RELEASE_RESCHEDULE, "
+                                                       "while the model is not configured to handle such a flag."):
+        client.infer("iter_not_iterative", [_iter_input(module, 1000)])
+    # It serves on: a request it does not reschedule is answered.
+    assert client.infer("iter_not_iterative", [_iter_input(module, 0)]).as_numpy("OUT").shape == (1,)
+
+
 def test_server_lists_the_sequence_extension(proto: tuple[Any, Any]) -> None:
     module, client = proto
     metadata = client.get_server_metadata()

@@ -186,3 +186,39 @@ def test_model_readiness_asks_the_models_is_ready(tmp_path: Path) -> None:
         return seen
 
     assert asyncio.run(readiness()) == [True, False, False]
+
+
+RESCHEDULING = '''import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            value = int(pb_utils.get_input_tensor_by_name(request, "IN").as_numpy()[0])
+            if value > 0:
+                request.set_release_flags(pb_utils.TRITONSERVER_REQUEST_RELEASE_RESCHEDULE)
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", np.array([value], np.int32))])
+                             if value != 1 else None)
+        return responses
+'''
+
+
+def test_a_rescheduled_request_is_marked_to_run_again_or_gets_tritons_error(tmp_path: Path) -> None:
+    """set_release_flags(RESCHEDULE): with iterative_sequence the request's result says so (its
+    response must be None: Triton's message otherwise); without it, Triton's error."""
+    from rayinfer.adapters.model_runner import RESCHEDULED
+
+    write(tmp_path, "iterative", RESCHEDULING, IO + "sequence_batching { iterative_sequence: true }\n")
+    write(tmp_path, "plain", RESCHEDULING, IO)
+    iterative, _ = load_runner(tmp_path, "iterative", 1)
+    again, wrong, done = iterative.execute([iterative.prepare(request(v, batched=False)) for v in (1, 2, 0)])
+    assert again is RESCHEDULED and done.outputs[0].data.tolist() == [0]
+    assert wrong.message == ("Expected a None object in the execute function return list for reschduled request, "
+                             "found type 'InferenceResponse'.")
+    plain, _ = load_runner(tmp_path, "plain", 1)
+    [refused] = plain.execute([plain.prepare(request(1, batched=False))])
+    assert refused.code.name == "INVALID_ARG" and "while the model is not configured to handle such a flag" in refused.message
+    for runner in (iterative, plain):
+        runner.close()

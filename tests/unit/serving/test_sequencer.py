@@ -231,3 +231,46 @@ def test_direct_waits_for_its_minimum_slot_utilization_until_the_delay_expires()
 
     recorder, waited = asyncio.run(main())
     assert recorder.batches == [[(1, 1, 1, 1)]] and waited >= 0.19
+
+
+def test_iterative_requests_get_an_id_run_again_when_rescheduled_and_end_their_sequence():
+    """iterative_sequence: a request without an id gets one and START; each time the model
+    reschedules it, it runs again in its slot with neither START nor END; once answered, its
+    sequence has ended (its slot is free; ids count on, as Triton's do)."""
+    from rayinfer.adapters.model_runner import RESCHEDULED
+
+    runs: list[tuple[Any, bool, bool, int]] = []  # (id the model saw, START, END, slot row)
+
+    async def countdown(batch: list[PreparedRequest]) -> list[Any]:
+        results = []
+        for row, p in enumerate(batch):
+            if p.padding:
+                results.append(None)
+                continue
+            parameters = p.request.parameters
+            runs.append((parameters["sequence_id"], parameters["sequence_start"], parameters["sequence_end"], row))
+            left = p.arrays["INPUT"][0, 0] - 1
+            p.arrays["INPUT"] = np.full((1, 1), left, np.int32)
+            results.append(RESCHEDULED if left > 0 else "done")
+        return results
+
+    async def scenario() -> None:
+        batcher = SequenceBatcher(countdown, SequenceSpec(iterative=True), model="m", max_batch_size=2)
+        first, second = _request(0, 3), _request(0, 2)
+        assert await asyncio.gather(batcher.submit(first), batcher.submit(second)) == ["done", "done"]
+        by_id: dict[Any, list[tuple[bool, bool, int]]] = {}
+        for corrid, start, end, row in runs:
+            by_id.setdefault(corrid, []).append((start, end, row))
+        assert sorted(by_id) == [1, 2]
+        assert [len(by_id[1]), len(by_id[2])] == [3, 2]
+        for flags in by_id.values():  # START once, then neither; always the same slot's row
+            assert [(s, e) for s, e, _ in flags] == [(True, False)] + [(False, False)] * (len(flags) - 1)
+            assert len({row for _, _, row in flags}) == 1
+        assert batcher.active_sequences == 0 and batcher.pending_requests == 0
+        assert await batcher.submit(_request(0, 1)) == "done" and runs[-1][:3] == (3, True, False)
+        own = _request(77, 2, start=True)  # an id of the client's own is kept
+        assert await batcher.submit(own) == "done" and [r[0] for r in runs[-2:]] == [77, 77]
+        with pytest.raises(InvalidArgError, match="must specify the START flag"):  # its sequence ended
+            await batcher.submit(_request(77, 1))
+
+    asyncio.run(scenario())
