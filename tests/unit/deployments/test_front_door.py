@@ -119,10 +119,12 @@ def test_a_connection_opened_with_another_request_is_placed_by_its_next_one(loop
         wait_until(lambda: _direct_connections(one) == 0, "the connection to be given back", 5)
         assert client.request("POST", "/v2/models/n/infer", b"a")[2] == b"two POST /v2/models/n/infer 1"
         assert (_direct_connections(one), _direct_connections(two)) == (0, 1)
-        # Another model's request on it: relayed, then the connection moves to that model's replica.
+        # Another model's request on it: relayed, then the connection moves to that model's
+        # replica with the next request sent once it has been given back.
         assert client.request("POST", "/v2/models/m/infer", b"a")[2] == b"one POST /v2/models/m/infer 1"
+        wait_until(lambda: _direct_connections(two) == 0, "the connection to be given back", 5)
         assert client.request("POST", "/v2/models/m/infer", b"a")[2] == b"one POST /v2/models/m/infer 1"
-        wait_until(lambda: (_direct_connections(one), _direct_connections(two)) == (1, 0), "the connection to move")
+        assert (_direct_connections(one), _direct_connections(two)) == (1, 0)
     finally:
         client.close()
 
