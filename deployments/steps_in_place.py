@@ -144,9 +144,7 @@ class InPlaceMembers:
             return None
         instance.in_flight += 1
         try:
-            core = instance.core
-            prepared = core.prepare(request)
-            return await (core.infer_batched(prepared) if self._batched else core.infer(prepared))
+            return await instance.core.infer(instance.core.prepare(request), batched=self._batched)
         finally:
             instance.in_flight -= 1
             if instance.retired and not instance.in_flight:

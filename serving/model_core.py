@@ -113,14 +113,20 @@ class ModelCore:
             return None
         return self._sequence_owner(request.parameters, self._sequencer.holds)
 
-    async def infer(self, prepared: Any) -> InferResponse:
-        """The one response of a request to a non-decoupled model; raises its error."""
+    async def infer(self, prepared: Any, batched: bool = False) -> InferResponse:
+        """The one response of a request to a non-decoupled model; raises its error.
+        ``batched``: the request is already a batch (an ensemble's step carrying the rows of the
+        requests its own batcher gathered), executed at once, past this model's batcher, whose
+        wait would come on top of the ensemble's."""
         owner = self._held_elsewhere(prepared)
         if owner is not None:
             assert self._send_on is not None
             return await self._send_on(owner, prepared.request)
         try:
-            result = await (self._traced(prepared) if self.tracer.active else self._schedule(prepared))
+            if batched:
+                result = (await self._execute([prepared]))[0]
+            else:
+                result = await (self._traced(prepared) if self.tracer.active else self._schedule(prepared))
         except asyncio.CancelledError:
             self._cancelled(prepared)
             raise
@@ -190,19 +196,6 @@ class ModelCore:
                                                                tensors)
         else:
             tracer.finish(request, stamps, tensors)
-        return result
-
-    async def infer_batched(self, prepared: Any) -> InferResponse:
-        """A request that is already a batch (an ensemble's step carrying the rows of the
-        requests its own batcher gathered): executed at once, past this model's batcher, whose
-        wait would come on top of the ensemble's; raises its error."""
-        try:
-            result = (await self._execute([prepared]))[0]
-        except asyncio.CancelledError:
-            self._cancelled(prepared)
-            raise
-        if isinstance(result, ServingError):
-            raise result
         return result
 
     def execute_here(self, request: InferRequest) -> Iterator[Result]:

@@ -291,21 +291,26 @@ def in_place_call(module, client, a: np.ndarray, b: np.ndarray):
     return client.infer("ens_in_place", ints(module, A=a, B=b))
 
 
+def run_in_place_concurrently(proto, server, ensemble: str, seed: int) -> None:
+    """24 requests to ``ensemble`` from 8 threads: each gets SUM2 = 2 * (A + B), all computed by
+    one process, not one of ens_pid_double's own replicas."""
+    module, client = proto
+    direct_pid = int(client.infer("ens_pid_double", ints(module, INPUT=pair(seed)[0])).as_numpy("PID")[0, 0])
+    pairs = [pair(seed + 1 + i) for i in range(24)]
+    results = infer_concurrently(module, server, ensemble, pairs, ("SUM2", "PID"), threads=8)
+    for (a, b), (sum2, _) in zip(pairs, results):
+        np.testing.assert_array_equal(sum2, 2 * (a + b))
+    pids = {int(pid[0, 0]) for _, pid in results}
+    assert len(pids) == 1 and direct_pid not in pids
+
+
 def test_steps_in_place_run_in_the_ensembles_process_and_count_as_the_members(proto, server):
     """steps_in_place: ens_pid_double runs in the ensemble's replica (not in a process of the
     member's own replicas), answers as its replicas do, and its executions there count in the
     member's statistics, batched by the member's own batcher."""
     module, client = proto
-    a, b = pair(500)
-    direct_pid = int(client.infer("ens_pid_double", ints(module, INPUT=a)).as_numpy("PID")[0, 0])
     before = stats(client, module, "ens_pid_double")
-    pairs = [pair(501 + i) for i in range(24)]
-
-    results = infer_concurrently(module, server, "ens_in_place", pairs, ("SUM2", "PID"), threads=8)
-    for (a, b), (sum2, _) in zip(pairs, results):
-        np.testing.assert_array_equal(sum2, 2 * (a + b))
-    pids = {int(pid[0, 0]) for _, pid in results}
-    assert len(pids) == 1 and direct_pid not in pids
+    run_in_place_concurrently(proto, server, "ens_in_place", 500)
     # At least 24: the ensemble's replica reports its in-place figures every 0.5 s, so ``before``
     # may still lack the last steps of the test before this one.
     after = wait_until(lambda: (s := stats(client, module, "ens_pid_double")) and
@@ -319,14 +324,8 @@ def test_a_batched_ensembles_steps_in_place_run_its_batches(proto, server):
     """steps_in_place with the ensemble's own batching: each batch of ensemble requests runs its
     steps once, in the ensemble's replica, and every request gets its own rows back."""
     module, client = proto
-    direct_pid = int(client.infer("ens_pid_double", ints(module, INPUT=pair(540)[0])).as_numpy("PID")[0, 0])
     before = stats(client, module, "ens_in_place_batched")
-    pairs = [pair(541 + i) for i in range(24)]
-    results = infer_concurrently(module, server, "ens_in_place_batched", pairs, ("SUM2", "PID"), threads=8)
-    for (a, b), (sum2, _) in zip(pairs, results):
-        np.testing.assert_array_equal(sum2, 2 * (a + b))
-    pids = {int(pid[0, 0]) for _, pid in results}
-    assert len(pids) == 1 and direct_pid not in pids
+    run_in_place_concurrently(proto, server, "ens_in_place_batched", 540)
     after = stats(client, module, "ens_in_place_batched")
     assert int(after["inference_count"]) - int(before.get("inference_count", 0)) == 24
     assert int(after["execution_count"]) - int(before.get("execution_count", 0)) < 24
