@@ -173,8 +173,9 @@ async def load_ensemble(repository: Path, model_name: str, version: int, config_
             ) from None
     check_members(plan, spec, specs, model_dir)
     decoupled = decoupled_members(specs)
-    if plan.steps_in_place:  # a decoupled ensemble runs its requests one by one
-        await members.run_in_place(Path(repository), specs, batched=plan.batch_delay_us is not None and not decoupled)
     if decoupled:  # it streams its members' responses: decoupled itself, as its config reports
         spec.config.model_transaction_policy.decoupled = True
-    return EnsembleExecutor(spec, plan, version, members.call, members.ready, members.stream, decoupled), entry
+    executor = EnsembleExecutor(spec, plan, version, members.call, members.ready, members.stream, decoupled)
+    if plan.steps_in_place:
+        await members.run_in_place(Path(repository), specs, batched=executor.batch_delay_s is not None)
+    return executor, entry

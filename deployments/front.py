@@ -79,11 +79,11 @@ class Front:
         self.direct = direct and http is not None and not http_restricted
         self.grpc_direct = direct and grpc is not None and not grpc_restricted
         doors = {kind: endpoint for kind, endpoint, on in (("http", http, self.direct), ("grpc", grpc, self.grpc_direct))
-                 if on and endpoint is not None}
+                 if on}
 
         def render(folder: Path) -> str:
             return front_config.render(folder, http, grpc, server_app, threads, max_input_size, http_restricted,
-                                       grpc_restricted, max_inflight, "http" in doors, "grpc" in doors)
+                                       grpc_restricted, max_inflight, self.direct, self.grpc_direct)
 
         self._published: dict[str, list[tuple[str, int]]] = {}
         self._sequence_keys: frozenset[str] = frozenset()

@@ -225,7 +225,7 @@ class Door:
             return
         except OSError:
             head = b""
-        kind = self._kinds[connection] or _speaks(head)
+        kind = self._kinds[connection] = self._kinds[connection] or _speaks(head)
         if kind == "grpc":
             key = grpc_route_key(head) if head else None
             if key is INCOMPLETE and len(head) < _PEEK_BYTES:  # the rest of its first call is on its way

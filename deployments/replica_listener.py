@@ -118,6 +118,7 @@ class ReplicaListener:
         self._http_handler = http_handler
         self.max_input_size = max_input_size
         self._server: asyncio.AbstractServer | None = None
+        # HTTP/1.1 connections, and the door's HTTP/2 ones (replica_h2.H2Connection).
         self._connections: set[_Connection] = set()
         self.in_flight = 0
         self.port = 0
@@ -186,8 +187,9 @@ class ReplicaListener:
             return http_response(*error_response(exc))
 
     async def close(self, grace_s: float) -> None:
-        """Stop accepting, let calls in flight finish (up to ``grace_s``), give clients'
-        connections that wait for their next request back to the front's door, close the rest."""
+        """Stop accepting, let calls in flight finish (up to ``grace_s``), give clients' HTTP/1.1
+        connections that wait for their next request back to the front's door, close clients'
+        HTTP/2 connections gracefully (GOAWAY), close the rest."""
         loop = asyncio.get_running_loop()
         self.closing = True
         if self._server is not None:

@@ -8,8 +8,9 @@ instance of each member that can run there, from the config the member's replica
 that member's own dynamic batcher (so the steps of many ensemble requests still batch), and
 runs those steps in its process. When the ensemble batches its own requests
 (``max_queue_delay_microseconds``), a step already carries the rows of the requests gathered at
-the ensemble's entrance: it is executed at once, without a second wait in the member's batcher. Its executions count in the member's statistics and metrics,
-beside those of the member's replicas. Clients calling the member directly still reach the
+the ensemble's entrance: it is executed at once, without a second wait in the member's batcher.
+Its executions count in the member's statistics and metrics, beside those of the member's
+replicas. Clients calling the member directly still reach the
 member's replicas.
 
 A member runs where it is when it cannot run here: an ensemble (nested), a decoupled or

@@ -2,9 +2,10 @@
 9113, HPACK: RFC 7541) as a model replica needs to answer unary calls on a client's connection
 and the front's door to read a connection's first call.
 
-Header blocks are decoded with ``hpack``; what this side sends is encoded here, every field a
-literal without indexing and without Huffman coding, so the client's decoder table never
-changes and the blocks are constant bytes.
+Header blocks are decoded with ``hpack``; what this side sends is encoded here, every field
+indexed in the static table or a literal without indexing and without Huffman coding, so the
+client's decoder table never changes (the response headers and the OK trailers are constant
+bytes).
 """
 
 from __future__ import annotations
@@ -258,8 +259,8 @@ def first_call(data: bytes) -> FirstCall | None:
                 if len(body) >= 5:
                     if body[0]:  # compressed: the door cannot read it
                         return FirstCall(method)
-                    found = name_and_version(body[5:5 + int.from_bytes(body[1:5], "big")],
-                                             ended or len(body) >= 5 + int.from_bytes(body[1:5], "big"))
+                    end = 5 + int.from_bytes(body[1:5], "big")
+                    found = name_and_version(body[5:end], ended or len(body) >= end)
                     if found is not None:
                         return FirstCall(method, *found)
                 if ended:

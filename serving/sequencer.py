@@ -39,8 +39,8 @@ from typing import Any
 
 import numpy as np
 
-from rayinfer.protocol.dtypes import numpy_dtype
 from rayinfer.adapters.model_runner import RESCHEDULED
+from rayinfer.protocol.dtypes import numpy_dtype
 from rayinfer.protocol.errors import InvalidArgError, ServingError, UnavailableError, as_serving_error
 from rayinfer.repository.sequence_config import CorrelationId, SequenceSpec, sequence_flags
 
