@@ -26,12 +26,14 @@ from rayinfer.cluster.settings import (
     http_front,
     metrics_endpoint,
     replica_log_level,
+    startup_log_settings,
     repository_folder,
     repository_source,
     response_cache_bytes,
 )
 from rayinfer.cluster.tritonserver_flags import OneLineErrorParser, add_unsupported_flags
 from rayinfer.deployments.names import parse_bool
+from rayinfer.protocol import log_settings
 from rayinfer.protocol.errors import ModelConfigError
 from rayinfer.repository.ensemble import member_names
 from rayinfer.repository.scanner import ModelEntry
@@ -90,6 +92,11 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("--http-thread-count", type=int, default=None, help="threads of the HTTP/gRPC front")
         sub.add_argument("--backend-directory", default=None, help="accepted and ignored: backends are built in")
         sub.add_argument("--log-verbose", type=_log_verbose, default=None)
+        sub.add_argument("--log-info", type=_bool, nargs="?", const=True, default=None)
+        sub.add_argument("--log-warning", type=_bool, nargs="?", const=True, default=None)
+        sub.add_argument("--log-error", type=_bool, nargs="?", const=True, default=None)
+        sub.add_argument("--log-format", choices=("default", "ISO8601"), default=None)
+        sub.add_argument("--log-file", default=None, help="append rayinfer's and the models' log lines here")
         sub.add_argument("--ray-address", default=None)
         sub.add_argument("--num-cpus", type=int, default=None, help="CPUs of the embedded local Ray")
         sub.add_argument("--num-gpus", type=float, default=None,
@@ -161,10 +168,11 @@ def main(argv: list[str] | None = None) -> int:
         settings = settings_from_args(args)
     except ValidationError as exc:
         parser.error(_settings_error(exc))
-    logging.basicConfig(
-        level=logging.DEBUG if settings.log_verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    try:
+        handler = log_settings.cli_handler(startup_log_settings(settings))
+    except OSError as exc:
+        parser.error(f"--log-file {settings.log_file}: {exc.strerror}")
+    logging.basicConfig(level=logging.DEBUG if settings.log_verbose else logging.INFO, handlers=[handler])
     if args.backend_directory is not None:
         logger.info("--backend-directory %s ignored: rayinfer's backends are built in", args.backend_directory)
     for key, value in RAY_ENVIRONMENT.items():
@@ -258,6 +266,7 @@ def serve(settings: ServerSettings) -> int:
             grpc_restricted=settings.grpc_restricted_protocol,
             front_on_head=settings.front_on_head,
             log_level=replica_log_level(settings),
+            log_settings=startup_log_settings(settings),
             # Models asked for whose config cannot be read count as failed loads (readiness).
             load_errors={entry.name: entry.error for entry in loaded if entry.error is not None},
         )

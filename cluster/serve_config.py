@@ -12,6 +12,7 @@ from rayinfer.cluster.settings import (
     http_front,
     metrics_endpoint,
     replica_log_level,
+    startup_log_settings,
     repository_folder,
     repository_source,
     response_cache_bytes,
@@ -81,6 +82,7 @@ def render_serve_config(
             "repository_poll_secs": settings.repository_poll_secs,
             "gpu_wait_secs": settings.gpu_wait_secs,
             "trace_config": list(settings.trace_config),
+            "log_settings": startup_log_settings(settings),
             **common,
         },
     }]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -143,6 +143,16 @@ class ServerSettings(BaseSettings):
         description="0: the CLI and the /v2 replica log at INFO, model replicas at WARNING; 1 or more: "
         "DEBUG in the CLI and every replica.",
     )
+    log_info: bool = Field(True, description="tritonserver's --log-info: INFO lines of rayinfer and the models.")
+    log_warning: bool = Field(True, description="tritonserver's --log-warning: WARNING lines.")
+    log_error: bool = Field(True, description="tritonserver's --log-error: ERROR lines.")
+    log_format: Literal["default", "ISO8601"] = Field(
+        "default", description="tritonserver's --log-format: the lines' format (default or ISO8601)."
+    )
+    log_file: str = Field(
+        "", description="tritonserver's --log-file: rayinfer's and the models' lines are appended to this file "
+        "(on each node, by each process that logs) instead of stderr.",
+    )
     ray_address: str | None = Field(
         None, description="Address of an existing Ray cluster; default: RAY_ADDRESS, else start a local Ray."
     )
@@ -277,6 +287,13 @@ def auto_complete(settings: ServerSettings) -> bool:
 def response_cache_bytes(settings: ServerSettings) -> int:
     """The response cache's size on each node, in bytes (0: no cache)."""
     return parse_cache_config(settings.cache_config)
+
+
+def startup_log_settings(settings: ServerSettings) -> dict[str, Any]:
+    """The logging extension's settings at start (tritonserver's --log-* flags)."""
+    return {"log_file": settings.log_file, "log_info": settings.log_info, "log_warning": settings.log_warning,
+            "log_error": settings.log_error, "log_verbose_level": settings.log_verbose,
+            "log_format": settings.log_format}
 
 
 def replica_log_level(settings: ServerSettings) -> str:

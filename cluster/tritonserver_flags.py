@@ -17,7 +17,7 @@ from typing import Any, NoReturn
 # the backends are built in) are not here.
 UNSUPPORTED_FLAGS: tuple[str, ...] = (
     # Server and logging
-    "exit-timeout-secs", "log-info", "log-warning", "log-error", "log-format", "log-file",
+    "exit-timeout-secs",
     # Model repository
     "model-load-thread-count", "model-load-retry-count", "model-namespacing", "repoagent-directory",
     # HTTP

@@ -131,7 +131,7 @@ def build_server_app(args: dict[str, Any]) -> Application:
 
 def _control_from_args(args: dict[str, Any]) -> ModelControl:
     """model_control_mode, replica_num_cpus, auto_complete, repository_poll_secs, log_level,
-    gpu_fallback, gpu_wait_secs, cache_size_bytes, trace_config, http_max_input_size."""
+    gpu_fallback, gpu_wait_secs, cache_size_bytes, trace_config, http_max_input_size, log_settings."""
     return ModelControl(
         mode=str(args.get("model_control_mode", "none")),
         replica_num_cpus=float(args.get("replica_num_cpus", DEFAULT_REPLICA_NUM_CPUS)),
@@ -143,4 +143,5 @@ def _control_from_args(args: dict[str, Any]) -> ModelControl:
         cache_size_bytes=int(args.get("cache_size_bytes", 0)),
         trace_config=tuple(args.get("trace_config") or ()),
         max_input_size=int(args.get("http_max_input_size", DEFAULT_HTTP_MAX_INPUT_SIZE)),
+        log_settings=tuple(dict(args.get("log_settings") or {}).items()),
     )

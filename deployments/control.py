@@ -93,6 +93,9 @@ class ModelControl:
     trace_config: tuple[str, ...] = ()
     # tritonserver's --http-max-input-size: the largest HTTP body, decompressed, in bytes.
     max_input_size: int = DEFAULT_HTTP_MAX_INPUT_SIZE
+    # The logging extension's settings at start (tritonserver's --log-* flags), as (key, value)
+    # pairs; those not given keep Triton's defaults.
+    log_settings: tuple[tuple[str, Any], ...] = ()
 
 
 def model_application(

@@ -193,7 +193,7 @@ class Front:
         await self._replace_map(self._counts_path, counts)
         self._published = routes
         self._sequence_keys = sequence_keys
-        logger.info("front routes: %s", routes)
+        logger.debug("front routes: %s", routes)
 
     async def _replace_map(self, path: Path, entries: dict[str, str]) -> None:
         """Replace a map atomically through the runtime API, then on disk (for a restart)."""

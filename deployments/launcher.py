@@ -60,6 +60,7 @@ def deploy_repository(
     gpu_wait_s: float = DEFAULT_GPU_WAIT_S,
     cache_size_bytes: int = 0,
     trace_config: tuple[str, ...] = (),
+    log_settings: dict[str, Any] | None = None,
     max_input_size: int = DEFAULT_HTTP_MAX_INPUT_SIZE,
     http_restricted: list[str] | None = None,
     grpc_restricted: list[str] | None = None,
@@ -72,7 +73,8 @@ def deploy_repository(
     read (they count against readiness, and are returned with the failures).
     """
     control = ModelControl(control_mode, replica_num_cpus, auto_complete, timeout_s, poll_secs, log_level,
-                           gpu_fallback, gpu_wait_s, cache_size_bytes, trace_config, max_input_size)
+                           gpu_fallback, gpu_wait_s, cache_size_bytes, trace_config, max_input_size,
+                           tuple((log_settings or {}).items()))
     launch_version = f"rayinfer-{uuid.uuid4().hex}"
 
     def run_server_app(errors: dict[str, str], starting: bool = True) -> None:

@@ -90,6 +90,8 @@ class ModelDeployment:
         cache_size_bytes: int = 0,
         max_input_size: int = DEFAULT_HTTP_MAX_INPUT_SIZE,
     ):
+        # rayinfer's and the model's lines: Triton's format, to this worker's stderr (or --log-file).
+        log_settings.write_lines_here()
         context = serve.get_replica_context()
         self._replica_key = f"{context.app_name}/{context.replica_id.unique_id}"
         self._app_name = context.app_name

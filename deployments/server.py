@@ -69,6 +69,7 @@ class ServerDeployment(ServerGrpcMethods):
         direct_connections: bool = True,
     ):
         control = control or ModelControl()
+        log_settings.write_lines_here()  # rayinfer's lines: Triton's format (see log_settings)
         # An s3:// repository is read from its copy on this node, brought up to date on each poll
         # and load; replicas are given the URL and copy their own model's folder.
         repository = local_repository(model_repository)
@@ -87,8 +88,9 @@ class ServerDeployment(ServerGrpcMethods):
         self._api = V2Api(server_id, strict_readiness, self._controller, state, RouteTable(state, self._front),
                           control.poll_secs,
                           settings_from_flags(list(control.trace_config)))
-        if control.log_level == "DEBUG":  # --log-verbose
-            self._api.set_log_settings(log_settings.default_settings(verbose_level=1))
+        # --log-verbose and the --log-* flags (a Serve config written before them: --log-verbose alone).
+        start = log_settings.default_settings(verbose_level=1 if control.log_level == "DEBUG" else 0)
+        self._api.set_log_settings({**start, **dict(control.log_settings)})
         if control.cache_size_bytes:  # a new server: its models may differ from the last one's
             response_cache.clear(response_cache.default_root())
             self._api.cache_size_bytes = control.cache_size_bytes

@@ -19,6 +19,15 @@ from rayinfer.repository.ensemble import is_ensemble, parse_ensemble
 from rayinfer.repository.version_policy import select_versions, version_dirs
 
 logger = logging.getLogger(__name__)
+# (model, reason) already logged by this process: a repository is scanned again on each index
+# request, load and poll, and a broken model is reported once, not on every scan.
+_reported: set[tuple[str, str]] = set()
+
+
+def _report_unavailable(name: str, reason: str) -> None:
+    if (name, reason) not in _reported:
+        _reported.add((name, reason))
+        logger.error("model '%s' is unavailable: %s", name, reason)
 
 
 @dataclass
@@ -65,11 +74,11 @@ def scan_model(model_dir: Path, config_override: str | None = None) -> ModelEntr
             )
     except ModelConfigError as exc:
         entry.error = exc.message
-        logger.error("model '%s' is unavailable: %s", entry.name, exc.message)
+        _report_unavailable(entry.name, exc.message)
         return entry
     except OSError as exc:
         entry.error = f"{model_dir}: {exc}"
-        logger.error("model '%s' is unavailable: %s", entry.name, entry.error)
+        _report_unavailable(entry.name, entry.error)
         return entry
     entry.config = config
     entry.versions = versions

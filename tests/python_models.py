@@ -230,7 +230,8 @@ class TritonPythonModel:
 # Cancellation: a response every 10 ms until the client cancels (is_cancelled()), which the
 # model counts in a metric of its own, then the final flag.
 # The logging extension reaching a replica: whether this replica's model logger would write a
-# verbose (DEBUG) line and an INFO line now (tests/compat/test_logging_extension.py).
+# verbose (DEBUG) line and an INFO line now, and an INFO line "log probe <IN>" in the log
+# (tests/compat/test_logging_extension.py).
 MODELS["py_log_probe"] = ("""name: "py_log_probe"
 backend: "python"
 input [ { name: "IN" data_type: TYPE_INT32 dims: [ 1 ] } ]
@@ -250,10 +251,15 @@ def would_log(level):
 
 class TritonPythonModel:
     def execute(self, requests):
-        return [pb_utils.InferenceResponse([
-            pb_utils.Tensor("VERBOSE", np.array([would_log(logging.DEBUG)], np.int32)),
-            pb_utils.Tensor("INFO", np.array([would_log(logging.INFO)], np.int32)),
-        ]) for _ in requests]
+        responses = []
+        for request in requests:
+            marker = int(pb_utils.get_input_tensor_by_name(request, "IN").as_numpy()[0])
+            pb_utils.Logger.log_info(f"log probe {marker}")
+            responses.append(pb_utils.InferenceResponse([
+                pb_utils.Tensor("VERBOSE", np.array([would_log(logging.DEBUG)], np.int32)),
+                pb_utils.Tensor("INFO", np.array([would_log(logging.INFO)], np.int32)),
+            ]))
+        return responses
 ''')
 
 MODELS["py_cancel"] = ("""name: "py_cancel"

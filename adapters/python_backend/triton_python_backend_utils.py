@@ -209,27 +209,28 @@ class Logger:
 
     _LEVELS = {0: logging.INFO, 1: logging.WARNING, 2: logging.ERROR, 3: logging.DEBUG}
 
+    # (stacklevel 2: the line names the model's file and line, as Triton's does)
     @staticmethod
     def log(message: str, level: int = 0) -> None:
-        _logger.log(Logger._LEVELS.get(level, logging.INFO), "%s", message)
+        _logger.log(Logger._LEVELS.get(level, logging.INFO), "%s", message, stacklevel=2)
 
     @staticmethod
     def log_info(message: str) -> None:
-        _logger.info("%s", message)
+        _logger.info("%s", message, stacklevel=2)
 
     @staticmethod
     def log_warn(message: str) -> None:
-        _logger.warning("%s", message)
+        _logger.warning("%s", message, stacklevel=2)
 
     log_warning = log_warn
 
     @staticmethod
     def log_error(message: str) -> None:
-        _logger.error("%s", message)
+        _logger.error("%s", message, stacklevel=2)
 
     @staticmethod
     def log_verbose(message: str) -> None:
-        _logger.debug("%s", message)
+        _logger.debug("%s", message, stacklevel=2)
 
 
 def get_input_tensor_by_name(request: InferenceRequest, name: str) -> Tensor | None:

@@ -207,8 +207,7 @@ def test_unsupported_tritonserver_flags_answer_in_one_line(
 def test_the_common_tritonserver_flags_are_known() -> None:
     """The flags users' manifests carry most are either taken or refused by name."""
     for flag in ("model-load-thread-count", "backend-config", "pinned-memory-pool-byte-size",
-                 "cuda-memory-pool-byte-size", "trace-file", "log-info", "log-warning", "log-error",
-                 "log-format", "log-file", "rate-limit", "response-cache-byte-size",
+                 "cuda-memory-pool-byte-size", "trace-file", "rate-limit", "response-cache-byte-size",
                  "allow-sagemaker", "allow-vertex-ai", "model-namespacing", "buffer-manager-thread-count",
                  "min-supported-compute-capability", "grpc-use-ssl", "reuse-http-port", "reuse-grpc-port",
                  "allow-http", "exit-timeout-secs"):
@@ -216,8 +215,8 @@ def test_the_common_tritonserver_flags_are_known() -> None:
 
 
 def test_unsupported_flag_on_config_names_the_command(repository: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    line = exit_line(capsys, ["config", "--model-repository", str(repository), "--log-format", "ISO8601"])
-    assert line == "rayinfer: error: tritonserver flag --log-format is not supported by rayinfer config"
+    line = exit_line(capsys, ["config", "--model-repository", str(repository), "--exit-timeout-secs", "30"])
+    assert line == "rayinfer: error: tritonserver flag --exit-timeout-secs is not supported by rayinfer config"
 
 
 @pytest.mark.parametrize(("argv", "message"), [
@@ -228,6 +227,8 @@ def test_unsupported_flag_on_config_names_the_command(repository: Path, capsys: 
     (["serve", "--model-repository", "{repo}", "--http-thread-count", "two"], "invalid int value: 'two'"),
     (["serve", "--model-repository", "{repo}", "--http-thread-count", "0"], "--http-thread-count: Input should be"),
     (["serve", "--model-repository", "{repo}", "--model-control-mode", "sometimes"], "invalid choice: 'sometimes'"),
+    (["serve", "--model-repository", "{repo}", "--log-file", "/no/such/dir/x.log"],
+     "--log-file /no/such/dir/x.log: No such file or directory"),
     ([], "the following arguments are required: command"),
 ])
 def test_other_command_line_errors_are_one_line(

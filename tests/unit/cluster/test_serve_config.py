@@ -114,6 +114,26 @@ def test_metrics_flags_reach_the_server_app(example_repository: Path) -> None:
         build_server_app({**args, "allow_gpu_metrics": "maybe"})
 
 
+def test_log_flags_become_the_logging_extensions_settings_at_start(example_repository: Path) -> None:
+    """tritonserver's --log-info, --log-warning, --log-error, --log-format, --log-file and
+    --log-verbose reach the /v2 app, which starts the logging extension with them."""
+    from rayinfer.deployments.app import build_server_app
+    from rayinfer.deployments.control import ModelControl
+
+    settings = settings_from_args(build_parser().parse_args([
+        "config", "--model-repository", str(example_repository), "--log-info", "false", "--log-warning=false",
+        "--log-format", "ISO8601", "--log-file", "/var/log/rayinfer.log", "--log-verbose", "2",
+    ]))
+    args = render_serve_config(settings)["applications"][0]["args"]
+    expected = {"log_file": "/var/log/rayinfer.log", "log_info": False, "log_warning": False, "log_error": True,
+                "log_verbose_level": 2, "log_format": "ISO8601"}
+    assert args["log_settings"] == expected
+    control = next(a for a in build_server_app(args)._bound_deployment.init_args if isinstance(a, ModelControl))
+    assert dict(control.log_settings) == expected
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["config", "--model-repository", str(example_repository), "--log-format", "json"])
+
+
 def test_broken_models_get_no_app_and_old_versions_get_version_routes(tmp_path: Path) -> None:
     write_example_repository(tmp_path)
     (tmp_path / "simple" / "config.pbtxt").write_text(
