@@ -17,6 +17,7 @@ import json
 import logging
 import re
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from urllib.parse import unquote
 from typing import Any
@@ -42,7 +43,7 @@ from rayinfer.protocol import log_settings
 from rayinfer.protocol.errors import NotFoundError, ServingError, UnavailableError, UnsupportedError, as_serving_error
 from rayinfer.protocol.http_codec import parse_json_body
 from rayinfer.protocol.limits import DEFAULT_HTTP_MAX_INPUT_SIZE
-from rayinfer.protocol.listener_client import ListenerClient
+from rayinfer.protocol.listener_client import STREAM_HEADER, ListenerClient
 from rayinfer.protocol.shared_memory import Registration, SharedMemoryRegistry
 from rayinfer.protocol.types import InferRequest, InferResponse
 from rayinfer.repository.ensemble import is_ensemble
@@ -50,6 +51,7 @@ from rayinfer.repository.model_config import config_to_json, read_config
 from rayinfer.repository.object_store import local_repository
 from rayinfer.serving import model_grpc, model_http
 from rayinfer.serving import response_cache
+from rayinfer.serving.executor import Result
 from rayinfer.serving.model_core import ModelCore
 from rayinfer.serving.response_cache import ResponseCache, model_fingerprint
 from rayinfer.serving.sequence_routing import FORWARDED_HEADER, SequenceRoutes
@@ -128,12 +130,12 @@ class ModelDeployment:
         host = ray.util.get_node_ip_address()
         self._listener_address = (host, await self._listener.start(host))
         # A sequence model's replicas each hold their own sequences: a request of another
-        # replica's sequence is sent on to it (a decoupled one runs as one replica).
+        # replica's sequence is sent on to it (a decoupled model's responses stream back).
         self._sequences: SequenceRoutes | None = None
-        if self._core.spec.sequence_batching is not None and not self._core.decoupled and self._members is None:
+        if self._core.spec.sequence_batching is not None and self._members is None:
             self._sequences = SequenceRoutes(self._listener_address)
             self._sequence_client = ListenerClient()
-            self._core.route_sequences(self._sequences.owner, self._send_sequence_on)
+            self._core.route_sequences(self._sequences.owner, self._send_sequence_on, self._stream_sequence_on)
         self._report_task = asyncio.get_running_loop().create_task(self._report_forever())
         # Everything loaded so far (framework modules, the model) lives as long as the replica:
         # keep it out of the collector's generations so a full collection stays short.
@@ -194,6 +196,10 @@ class ModelDeployment:
                 self._core.shm.unregister(unquote(path[len(SHM_FORGET_PATH):]))
                 return 200, [], b""
             raise NotFoundError(f"Not Found: {method} {path}")
+        if STREAM_HEADER in headers and FORWARDED_HEADER in headers and self._core.decoupled \
+                and route.action == "infer" and method == "POST" and model_http.unknown_version(self._core, route) is None:
+            # Another replica sent on a request of a sequence this one holds: stream the responses.
+            return await model_http.stream_forwarded(self._core, headers, body, self._max_input_size)
         return await model_http.respond(self._core, method, route, headers, body, self._max_input_size)
 
     def _owns(self, method: str, path: str, key: str) -> bool:
@@ -229,6 +235,10 @@ class ModelDeployment:
     async def _send_sequence_on(self, listener: tuple[str, int], request: InferRequest) -> InferResponse:
         """A request of a sequence another replica holds, answered by that replica."""
         return await self._sequence_client.infer(listener, request, ((FORWARDED_HEADER, b"1"),))
+
+    def _stream_sequence_on(self, listener: tuple[str, int], request: InferRequest) -> AsyncIterator[Result]:
+        """A decoupled model's request of a sequence another replica holds: that replica's responses."""
+        return self._sequence_client.stream(listener, request, ((FORWARDED_HEADER, b"1"),))
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve's autoscaler, for a model whose parameters ask for autoscaling: the calls this

@@ -29,7 +29,7 @@ import os
 import socket
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from http import HTTPStatus
 from typing import Any
 
@@ -63,8 +63,10 @@ _BAD_REQUEST = (b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\n
 
 # (method name, serialized request message) -> serialized response message; raises on error.
 GrpcHandler = Callable[[str, bytes], Awaitable[bytes]]
-# (method, path, lower-case request headers, body) -> (status, extra response headers, body).
-HttpHandler = Callable[[str, str, dict[bytes, bytes], bytes], Awaitable[tuple[int, list[tuple[bytes, bytes]], bytes]]]
+# (method, path, lower-case request headers, body) -> (status, extra response headers, body:
+# bytes, or chunks that stream as they come).
+HttpHandler = Callable[[str, str, dict[bytes, bytes], bytes],
+                       Awaitable[tuple[int, list[tuple[bytes, bytes]], bytes | AsyncIterator[bytes]]]]
 _REASONS = {status.value: status.phrase.encode() for status in HTTPStatus}
 # Request headers kept while parsing: the serving core's, and the relay's own.
 _KEPT_HEADERS = REQUEST_HEADERS | {b"grpc-encoding", b"expect"}
@@ -89,6 +91,35 @@ def http_response(status: int, headers: list[tuple[bytes, bytes]], body: bytes) 
     return b"HTTP/1.1 %d %b\r\ncontent-length: %d\r\n%b\r\n%b" % (
         status, _REASONS.get(status, b"Status"), len(body), head, body
     )
+
+
+class StreamedResponse:
+    """A response whose body comes in chunks as it is made (a decoupled model's responses to a
+    request another replica sent on, :meth:`ListenerClient.stream`): written chunk by chunk."""
+
+    __slots__ = ("head", "chunks")
+
+    def __init__(self, status: int, headers: list[tuple[bytes, bytes]], chunks: AsyncIterator[bytes]) -> None:
+        extra = b"".join(b"%b: %b\r\n" % header for header in headers)
+        self.head = b"HTTP/1.1 %d %b\r\ntransfer-encoding: chunked\r\n%b\r\n" % (
+            status, _REASONS.get(status, b"Status"), extra)
+        self.chunks = chunks
+
+    async def write(self, transport: Any) -> bool:
+        """Write the response; false when the connection went away meanwhile, or was closed
+        because the chunks failed (the reader then sees the stream break off)."""
+        transport.write(self.head)
+        try:
+            async for chunk in self.chunks:
+                if transport.is_closing():
+                    return False
+                transport.write(b"%x\r\n%b\r\n" % (len(chunk), chunk))
+        except Exception:
+            logger.exception("a streamed response failed")
+            transport.close()
+            return False
+        transport.write(b"0\r\n\r\n")
+        return True
 
 
 def grpc_response(message: bytes) -> bytes:
@@ -156,8 +187,9 @@ class ReplicaListener:
             connection = lambda: _Connection(self, (relay, key))
         loop.create_task(loop.connect_accepted_socket(connection, client))
 
-    async def respond(self, path: bytes, headers: dict[bytes, bytes], body: bytes, method: bytes = b"POST") -> bytes:
-        """The whole HTTP/1.1 response to one relayed request."""
+    async def respond(self, path: bytes, headers: dict[bytes, bytes], body: bytes,
+                      method: bytes = b"POST") -> bytes | StreamedResponse:
+        """The whole HTTP/1.1 response to one relayed request (or its head and its chunks)."""
         self.in_flight += 1
         try:
             if not path.startswith(SERVICE_PATH):
@@ -177,12 +209,16 @@ class ReplicaListener:
         finally:
             self.in_flight -= 1
 
-    async def _respond_http(self, method: bytes, path: bytes, headers: dict[bytes, bytes], body: bytes) -> bytes:
+    async def _respond_http(self, method: bytes, path: bytes, headers: dict[bytes, bytes],
+                            body: bytes) -> bytes | StreamedResponse:
         try:
             if self._http_handler is None:
                 raise NotFoundError(f"Not Found: {path.decode('latin-1')}")
-            return http_response(*await self._http_handler(method.decode("latin-1"), path.decode("latin-1"),
-                                                           headers, body))
+            status, extra, content = await self._http_handler(method.decode("latin-1"), path.decode("latin-1"),
+                                                              headers, body)
+            if isinstance(content, bytes):
+                return http_response(status, extra, content)
+            return StreamedResponse(status, extra, content)
         except Exception as exc:
             return http_response(*error_response(exc))
 
@@ -406,6 +442,7 @@ class _Connection(asyncio.Protocol):
                     continue
                 stamps = ProtocolStamps(self._listener.model, path.startswith(SERVICE_PATH), recv_start, recv_end)
                 PROTOCOL_STAMPS.set(stamps)
+                response: bytes | StreamedResponse
                 if self._direct is not None and self._listener.in_flight >= self._listener.max_inflight:
                     response = http_response(503, [(b"content-type", b"application/json")], _busy(self._listener))
                 else:
@@ -415,7 +452,11 @@ class _Connection(asyncio.Protocol):
                         stamps.finish(0, 0)
                     return
                 send_start = time.perf_counter_ns()
-                self._transport.write(response)
+                if isinstance(response, StreamedResponse):
+                    if not await response.write(self._transport):
+                        return
+                else:
+                    self._transport.write(response)
                 if stamps.finish is not None:  # a traced request: its trace ends here
                     stamps.finish(send_start, time.perf_counter_ns())
                 if not keep_alive:

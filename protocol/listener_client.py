@@ -5,12 +5,17 @@ back to arrays.
 Used where one model calls another inside the server (an ensemble's steps): the call takes the
 path a client's request takes from the front, one process hop, instead of a Ray handle call.
 Connections are kept alive and reused, one request at a time each.
+
+A request of a decoupled model's sequence held by another replica is *streamed*
+(:meth:`ListenerClient.stream`): the listener answers with a chunked body, one chunk per
+response (:func:`stream_frame`), on a connection of its own.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import AsyncIterator
 from typing import Any
 from urllib.parse import quote
 
@@ -20,6 +25,8 @@ from rayinfer.protocol.dtypes import array_from_buffer, serialize_bytes_tensor
 from rayinfer.protocol.errors import Code, ServingError, UnavailableError
 from rayinfer.protocol.types import InferOutput, InferRequest, InferResponse
 
+# The request header asking a listener for a decoupled model's responses as a stream.
+STREAM_HEADER = b"x-rayinfer-stream"
 _STATUS_CODES = {400: Code.INVALID_ARG, 404: Code.NOT_FOUND, 501: Code.UNSUPPORTED, 503: Code.UNAVAILABLE}
 # Idle connections kept per listener.
 _MAX_IDLE = 32
@@ -60,6 +67,41 @@ class ListenerClient:
             self._release(address, connection)
             return decode_response(status, header_length, payload, request)
         raise AssertionError("unreachable")
+
+    async def stream(self, address: Address, request: InferRequest,
+                     headers: tuple[tuple[bytes, bytes], ...] = ()) -> AsyncIterator[InferResponse | ServingError]:
+        """Each response of a decoupled model's listener to ``request``, as it comes (an error
+        as its :class:`ServingError`), until the listener ends the stream; raises
+        :class:`UnavailableError` when it cannot be reached or the stream breaks off. Stopping
+        the iteration closes the connection, which cancels the request there."""
+        try:
+            reader, writer = await asyncio.open_connection(*address)
+        except OSError as exc:
+            raise UnavailableError(f"model '{request.model_name}' could not be reached: {exc}") from None
+        try:
+            writer.write(b"".join(encode_request(request, address, (*headers, (STREAM_HEADER, b"1")))))
+            try:
+                head = await reader.readuntil(b"\r\n\r\n")
+                status = int(head.split(b" ", 2)[1])
+                if b"transfer-encoding: chunked" not in head.lower():  # refused before the model: one error
+                    length = int(next((line.split(b":", 1)[1] for line in head.split(b"\r\n")
+                                       if line.lower().startswith(b"content-length:")), b"0"))
+                    body = await reader.readexactly(length) if length else b""
+                    yield _decoded(status, None, body, request)
+                    return
+                while True:
+                    size = int((await reader.readuntil(b"\r\n"))[:-2].split(b";")[0], 16)
+                    chunk = await reader.readexactly(size + 2)
+                    if size == 0:
+                        return
+                    line, _, body = chunk[:-2].partition(b"\n")
+                    frame_status, json_length = (int(v) for v in line.split())
+                    yield _decoded(frame_status, json_length if json_length >= 0 else None, body, request)
+            except (ConnectionError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, OSError, ValueError) as exc:
+                raise UnavailableError(f"model '{request.model_name}': the stream from its replica broke off: "
+                                       f"{exc}") from None
+        finally:
+            writer.close()
 
     async def _connect(self, address: Address) -> Connection:
         idle = self._idle.get(address)
@@ -154,6 +196,19 @@ async def _read_response(reader: asyncio.StreamReader) -> tuple[int, int | None,
     body = await reader.readexactly(length) if length else b""
     header_length = headers.get("inference-header-content-length")
     return status, int(header_length) if header_length is not None else None, body
+
+
+def stream_frame(status: int, json_length: int | None, body: bytes) -> bytes:
+    """One response of a stream (a chunk of the listener's body): "<status> <JSON header length
+    or -1>\\n" then the response's body as a unary response carries it."""
+    return b"%d %d\n%b" % (status, -1 if json_length is None else json_length, body)
+
+
+def _decoded(status: int, header_length: int | None, body: bytes, request: InferRequest) -> InferResponse | ServingError:
+    try:
+        return decode_response(status, header_length, body, request)
+    except ServingError as exc:
+        return exc
 
 
 def decode_response(status: int, header_length: int | None, body: bytes, request: InferRequest) -> InferResponse:

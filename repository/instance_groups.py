@@ -16,9 +16,8 @@ only that GPU. So here:
 
 A model with ``sequence_batching`` runs as many replicas as any other, each with the slots of
 one instance: every request of a sequence goes to the replica that owns the sequence's routing
-slot (:mod:`rayinfer.serving.sequence_routing`). A *decoupled* sequence model runs as one replica
-whatever its count: its responses stream back, and a replica that received a request of another
-replica's sequence could not relay them.
+slot (:mod:`rayinfer.serving.sequence_routing`); a *decoupled* model's responses stream back
+through the replica that received the request.
 
 One model's groups must resolve to one kind, and its GPU groups to one ``count``: a Serve
 deployment has one set of resources for all its replicas.
@@ -76,10 +75,8 @@ def replica_plan(config: ModelConfig, path: Path, *, cluster_has_gpus: bool,
             f"{path}: instance groups that resolve to both CPU and GPU replicas ({listed}) are not "
             "supported: one model's replicas share one set of resources; use one kind"
         )
-    # One replica: see the module's notes.
-    sequences = config.HasField("sequence_batching") and config.model_transaction_policy.decoupled
     if kinds == {_KIND.KIND_CPU}:
-        return ReplicaPlan(1 if sequences else sum(max(g.count, 1) for g in groups), "KIND_CPU")
+        return ReplicaPlan(sum(max(g.count, 1) for g in groups), "KIND_CPU")
     counts = {max(g.count, 1) for g, _ in resolved}
     if len(counts) > 1:
         raise ModelConfigError(
@@ -87,7 +84,7 @@ def replica_plan(config: ModelConfig, path: Path, *, cluster_has_gpus: bool,
             "each replica reserves 1/count of a GPU, and one model's replicas reserve the same"
         )
     count = counts.pop()
-    replicas = 1 if sequences else sum(count * max(1, len(g.gpus)) for g, _ in resolved)
+    replicas = sum(count * max(1, len(g.gpus)) for g, _ in resolved)
     share = int(_RESOURCE_STEP / count) / _RESOURCE_STEP  # 1/3 -> 0.3333: never more than a GPU
     return ReplicaPlan(replicas, "KIND_GPU", share)
 

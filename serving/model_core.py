@@ -61,6 +61,7 @@ class ModelCore:
         # A sequence model with several replicas (set by the replica: :meth:`route_sequences`).
         self._sequence_owner: Callable[[dict[str, Any], Callable[[Any], bool]], Address | None] | None = None
         self._send_on: Callable[[Address, InferRequest], Awaitable[InferResponse]] | None = None
+        self._stream_on: Callable[[Address, InferRequest], AsyncIterator[Result]] | None = None
         self._statistics = statistics
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{spec.name}-v{self.version}")
         # Unknown until measured: the first executions run on the thread.
@@ -73,7 +74,7 @@ class ModelCore:
         self._sequencer: SequenceBatcher | None = None
         if spec.sequence_batching is not None and self._execute_async is None:
             self._sequencer = SequenceBatcher(self._execute, spec.sequence_batching, model=spec.name,
-                                              max_batch_size=spec.max_batch_size)
+                                              max_batch_size=spec.max_batch_size, on_reject=self._rejected)
         if batching is not None and spec.max_batch_size > 0 and self._execute_async is None:
             self._batcher = DynamicBatcher(
                 self._execute,
@@ -100,11 +101,13 @@ class ModelCore:
         return self.executor.prepare(request)
 
     def route_sequences(self, owner: Callable[[dict[str, Any], Callable[[Any], bool]], Address | None],
-                        send_on: Callable[[Address, InferRequest], Awaitable[InferResponse]]) -> None:
+                        send_on: Callable[[Address, InferRequest], Awaitable[InferResponse]],
+                        stream_on: Callable[[Address, InferRequest], AsyncIterator[Result]]) -> None:
         """Send each request of a sequence another replica holds on to that replica:
         ``owner(parameters, holds)`` names its listener (None: this replica; ``holds(id)``:
-        whether the sequence runs here), ``send_on`` sends it."""
-        self._sequence_owner, self._send_on = owner, send_on
+        whether the sequence runs here), ``send_on`` sends it, and ``stream_on`` sends a
+        decoupled model's and relays its responses as they come."""
+        self._sequence_owner, self._send_on, self._stream_on = owner, send_on, stream_on
 
     def _held_elsewhere(self, prepared: Any) -> Address | None:
         """The listener of the replica holding this request's sequence, when not this one."""
@@ -138,8 +141,16 @@ class ModelCore:
         """Every response of one request, in order: zero to many for a decoupled model, else
         exactly one (its error included). A decoupled execution that fails ends the stream
         with its error."""
+        owner = self._held_elsewhere(prepared)
+        if owner is not None and self.decoupled:  # the replica holding its sequence answers
+            assert self._stream_on is not None
+            try:
+                async for result in self._stream_on(owner, prepared.request):
+                    yield result
+            except ServingError as exc:
+                yield exc
+            return
         if not self.decoupled:
-            owner = self._held_elsewhere(prepared)
             if owner is None:
                 yield await (self._traced(prepared) if self.tracer.active else self._schedule(prepared))
                 return
@@ -271,7 +282,8 @@ class ModelCore:
             self.executor.stats.record_failure(time.perf_counter_ns() - prepared.arrival_ns, "CANCELED")
 
     def _rejected(self, prepared: Any) -> None:
-        """A request whose queue timeout expired: a failure, as Triton counts it (REJECTED)."""
+        """A request whose queue timeout expired (or whose sequence's wait for a slot did): a
+        failure, as Triton counts it (REJECTED)."""
         self.executor.stats.record_failure(time.perf_counter_ns() - prepared.arrival_ns, "REJECTED")
 
     def _timed_execute(self, batch: list[Any]) -> tuple[list[Result] | None, float]:

@@ -7,12 +7,14 @@ Serve's ingress in the model replica and the replica's own listener both answer 
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator
 from typing import Any
 
 from rayinfer.protocol.compression import compress_body, decompress_body, response_encoding
-from rayinfer.protocol.errors import InvalidArgError, NotFoundError, UnsupportedError
+from rayinfer.protocol.errors import InvalidArgError, NotFoundError, ServingError, UnsupportedError
 from rayinfer.protocol.http_codec import error_response, raw_request, request_from_http, response_to_http
 from rayinfer.protocol.limits import DEFAULT_HTTP_MAX_INPUT_SIZE
+from rayinfer.protocol.listener_client import stream_frame
 from rayinfer.protocol.shared_memory import RegionMissing, decode_with_regions
 from rayinfer.protocol.statistics import stats_to_json
 from rayinfer.protocol.types import InferRequest
@@ -73,26 +75,62 @@ async def infer(core: ModelCore, headers: dict[bytes, bytes], body: bytes,
     try:
         if core.decoupled:
             raise UnsupportedError("HTTP end point doesn't support models with decoupled transaction policy")
-        body = decompress_body(body, _text(headers.get(b"content-encoding")), max_input_size)
-        raw_length = _text(headers.get(HEADER_LENGTH))
-        try:
-            header_length = int(raw_length) if raw_length is not None else None
-        except ValueError:
-            raise InvalidArgError(f"invalid Inference-Header-Content-Length '{raw_length}'") from None
-        if header_length == 0:  # a raw binary request: the body is the one input's data
-            spec = core.spec
-            request = raw_request(body, core.name, core.version,
-                                  [(t.name, t.datatype, t.dims) for t in spec.inputs], spec.max_batch_size > 0)
-        else:
-            try:
-                request = request_from_http(body, header_length, core.name, core.version, core.shm)
-            except RegionMissing:  # a shared memory region this replica has not mapped yet
-                request = await decode_with_regions(
-                    core.shm, lambda: request_from_http(body, header_length, core.name, core.version, core.shm))
+        request = await _decode(core, headers, body, max_input_size)
     except Exception as exc:
         return error_response(exc)
     request.forwarded = FORWARDED_HEADER in headers  # by another replica: this one holds the sequence
     return await _answer(core, request, headers)
+
+
+async def stream_forwarded(core: ModelCore, headers: dict[bytes, bytes], body: bytes, max_input_size: int
+                           ) -> tuple[int, list[tuple[bytes, bytes]], bytes | AsyncIterator[bytes]]:
+    """A decoupled model's request that another replica sent on (this replica holds its
+    sequence): each response as it comes, a frame of a chunked body
+    (:func:`~rayinfer.protocol.listener_client.stream_frame`); one error response when the
+    request is refused before the model."""
+    try:
+        request = await _decode(core, headers, body, max_input_size)
+        request.forwarded = True
+        prepared = core.prepare(request)
+    except Exception as exc:
+        return error_response(exc)
+
+    async def frames() -> AsyncIterator[bytes]:
+        async for result in core.stream(prepared):
+            if isinstance(result, ServingError):
+                status, _, payload = error_response(result)
+                yield stream_frame(status, None, payload)
+                continue
+            try:
+                payload, json_length = response_to_http(result, request, core.shm)
+            except Exception as exc:  # noqa: BLE001 - an output that cannot be written: that response's error
+                status, _, payload = error_response(exc)
+                yield stream_frame(status, None, payload)
+                continue
+            yield stream_frame(200, json_length, payload)
+
+    return 200, [], frames()
+
+
+async def _decode(core: ModelCore, headers: dict[bytes, bytes], body: bytes, max_input_size: int) -> InferRequest:
+    """The request in an infer request's body (raises its error)."""
+    body = decompress_body(body, _text(headers.get(b"content-encoding")), max_input_size)
+    raw_length = _text(headers.get(HEADER_LENGTH))
+    try:
+        header_length = int(raw_length) if raw_length is not None else None
+    except ValueError:
+        raise InvalidArgError(f"invalid Inference-Header-Content-Length '{raw_length}'") from None
+    if header_length == 0:  # a raw binary request: the body is the one input's data
+        spec = core.spec
+        request = raw_request(body, core.name, core.version,
+                              [(t.name, t.datatype, t.dims) for t in spec.inputs], spec.max_batch_size > 0)
+    else:
+        try:
+            request = request_from_http(body, header_length, core.name, core.version, core.shm)
+        except RegionMissing:  # a shared memory region this replica has not mapped yet
+            request = await decode_with_regions(
+                core.shm, lambda: request_from_http(body, header_length, core.name, core.version, core.shm))
+    return request
 
 
 async def _answer(core: ModelCore, request: InferRequest, headers: dict[bytes, bytes]) -> HttpResponse:

@@ -5,7 +5,10 @@ A stateful model's requests belong to sequences, named by their correlation id
 ``sequence_end``. A sequence holds a *slot* from its start to its end (or until it has been idle
 for ``max_sequence_idle_microseconds``); sequences that find every slot taken wait for one, in
 arrival order. A batch holds at most one request of each sequence, and a sequence's requests
-run in the order they came.
+run in the order they came. A request's ``timeout`` (microseconds) bounds only that wait, as in
+Triton's schedule policy for sequences: a sequence still without a slot when the earliest
+deadline of its requests passes fails every request it holds (UNAVAILABLE) and is forgotten, so
+its next request must START again.
 
 - **direct**: ``max_batch_size`` slots, and a sequence's requests always run in its slot's row
   of the batch, so a model may keep its state per row. The batch has as many rows as the highest
@@ -46,6 +49,9 @@ from rayinfer.repository.sequence_config import CorrelationId, SequenceSpec, seq
 
 logger = logging.getLogger(__name__)
 
+# Triton's message for the requests of a sequence whose wait for a slot timed out (UNAVAILABLE).
+SEQUENCE_TIMEOUT_MESSAGE = "timeout of the corresponding sequence has been expired"
+
 
 @dataclass(eq=False)
 class _Pending:
@@ -64,14 +70,21 @@ class _Sequence:
     state: dict[str, np.ndarray] | None = None
     last_used: float = 0.0
     ended: bool = False  # its END request has come (a request after it must START again)
+    # While it waits for a slot: when the earliest timeout of its requests runs out (loop time),
+    # and the timer that fails it then.
+    expires: float | None = None
+    timer: asyncio.TimerHandle | None = None
 
 
 class SequenceBatcher:
     """Queues the requests of a sequence model and executes them in batches, one at a time."""
 
     def __init__(self, execute: Callable[[list[Any]], Awaitable[Sequence[Any]]], spec: SequenceSpec, *,
-                 model: str, max_batch_size: int) -> None:
+                 model: str, max_batch_size: int, on_reject: Callable[[Any], None] | None = None) -> None:
+        """``on_reject``: called with each request failed because its sequence's wait for a
+        slot timed out."""
         self._execute = execute
+        self._on_reject = on_reject
         self._spec = spec
         self._model = model
         self._batching = max_batch_size > 0
@@ -120,6 +133,9 @@ class SequenceBatcher:
         pending = _Pending(prepared, start, end, now, asyncio.get_running_loop().create_future())
         sequence.queue.append(pending)
         sequence.last_used = now
+        timeout_us = prepared.request.parameters.get("timeout", 0)
+        if timeout_us and sequence.slot is None:  # it waits for a slot: not longer than this
+            self._expire_by(sequence, timeout_us / 1e6)
         self._ensure_running()
         self._wake.set()
         try:
@@ -170,6 +186,8 @@ class SequenceBatcher:
 
     def _release(self, sequence: _Sequence) -> None:
         """The sequence ended or went idle: its slot goes to the oldest waiting sequence."""
+        if sequence.slot is None and sequence in self._backlog:  # given up before it had a slot
+            self._backlog.remove(sequence)
         if sequence.slot is not None:
             index, sequence.slot = sequence.slot, None
             self._slots[index] = None
@@ -178,6 +196,9 @@ class SequenceBatcher:
                 self._slots[index] = waiting
                 waiting.slot = index
                 waiting.last_used = time.monotonic()
+                if waiting.timer is not None:  # it has its slot: its requests' timeouts no longer apply
+                    waiting.timer.cancel()
+                    waiting.expires = waiting.timer = None
         if self._sequences.get(sequence.corrid) is sequence:
             del self._sequences[sequence.corrid]
 
@@ -189,12 +210,41 @@ class SequenceBatcher:
                 continue
             idle_until = sequence.last_used + self._idle_s
             if idle_until <= now:
-                logger.info("model '%s': sequence %s timed out after %.3f s idle; its slot is released",
+                logger.debug("model '%s': sequence %s timed out after %.3f s idle; its slot is released",
                             self._model, sequence.corrid, self._idle_s)
                 self._release(sequence)
             else:
                 soonest = idle_until - now if soonest is None else min(soonest, idle_until - now)
         return soonest
+
+    def _expire_by(self, sequence: _Sequence, delay_s: float) -> None:
+        """Fail a waiting sequence in ``delay_s`` unless it has a slot by then (or an earlier
+        deadline)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + delay_s
+        if sequence.expires is not None and sequence.expires <= deadline:
+            return
+        if sequence.timer is not None:
+            sequence.timer.cancel()
+        sequence.expires = deadline
+        sequence.timer = loop.call_at(deadline, self._expire, sequence)
+
+    def _expire(self, sequence: _Sequence) -> None:
+        """A sequence waited for a slot past its timeout: its requests fail, and it is forgotten."""
+        sequence.timer = None
+        if sequence.slot is not None or sequence not in self._backlog:
+            return
+        logger.debug("model '%s': sequence %s timed out waiting for a slot; its %d request(s) are rejected",
+                    self._model, sequence.corrid, len(sequence.queue))
+        self._backlog.remove(sequence)
+        if self._sequences.get(sequence.corrid) is sequence:
+            del self._sequences[sequence.corrid]
+        while sequence.queue:
+            pending = sequence.queue.popleft()
+            if not pending.future.done():
+                if self._on_reject is not None:
+                    self._on_reject(pending.prepared)
+                pending.future.set_exception(UnavailableError(SEQUENCE_TIMEOUT_MESSAGE))
 
     # ---- batches ------------------------------------------------------------------------------
 
@@ -329,6 +379,9 @@ class SequenceBatcher:
     def close(self) -> None:
         """Fail what is still queued or executing (the model is unloading); refuse new requests."""
         self._closed = True
+        for sequence in self._backlog:
+            if sequence.timer is not None:
+                sequence.timer.cancel()
         self._fail_running(UnavailableError(f"model '{self._model}' is unloading"))
         for sequence in list(self._sequences.values()):
             while sequence.queue:

@@ -7,6 +7,13 @@
   through).
 - ``seq_python`` (a Python model, oldest strategy): keeps a running sum per correlation id in
   the model itself (string ids), and answers with the sum and the request's flags.
+- ``seq_stream`` (a decoupled Python model, two replicas): keeps a running sum per correlation
+  id and answers each request twice (PART 0, then 1) with the sum and its process id, so a
+  request that reached the replica not holding its sequence shows whether its responses were
+  relayed from the one that does.
+- ``seq_growing`` (ONNX, direct strategy, one slot, one replica): its implicit state grows by
+  one element per request (``HISTORY_OUT = Concat(HISTORY_IN, INPUT)``, state dims ``[ -1 ]``,
+  Triton's ``use_growable_memory``), and its answer is the whole history.
 """
 
 from __future__ import annotations
@@ -99,6 +106,83 @@ def seq_state_direct_model():
     return finish_onnx(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
 
 
+SEQ_STREAM_CONFIG = """name: "seq_stream"
+backend: "python"
+max_batch_size: 4
+model_transaction_policy { decoupled: true }
+sequence_batching {
+  oldest { max_candidate_sequences: 8 }
+  max_sequence_idle_microseconds: 120000000
+}
+input [ { name: "INPUT" data_type: TYPE_INT32 dims: [ 1 ] } ]
+output [ { name: "SUM" data_type: TYPE_INT32 dims: [ 1 ] }, { name: "PART" data_type: TYPE_INT32 dims: [ 1 ] },
+          { name: "PID" data_type: TYPE_INT32 dims: [ 1 ] } ]
+instance_group [ { count: 2 kind: KIND_CPU } ]
+"""
+
+SEQ_STREAM_MODEL = '''import os
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.sums = {}
+
+    def execute(self, requests):
+        for request in requests:
+            sender = request.get_response_sender()
+            sequence = request.correlation_id()
+            value = int(pb_utils.get_input_tensor_by_name(request, "INPUT").as_numpy()[0, 0])
+            if request.flags() & pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_START:
+                self.sums[sequence] = 0
+            self.sums[sequence] += value
+            for part in (0, 1):
+                sender.send(pb_utils.InferenceResponse([
+                    pb_utils.Tensor("SUM", np.array([[self.sums[sequence]]], np.int32)),
+                    pb_utils.Tensor("PART", np.array([[part]], np.int32)),
+                    pb_utils.Tensor("PID", np.array([[os.getpid()]], np.int32)),
+                ]))
+            sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            if request.flags() & pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_END:
+                del self.sums[sequence]
+        return None
+'''
+
+SEQ_GROWING_CONFIG = """name: "seq_growing"
+platform: "onnxruntime_onnx"
+max_batch_size: 1
+sequence_batching {
+  direct { }
+  max_sequence_idle_microseconds: 120000000
+  state [ {
+    input_name: "HISTORY_IN" output_name: "HISTORY_OUT" data_type: TYPE_INT32 dims: [ -1 ]
+    initial_state { name: "empty" data_type: TYPE_INT32 dims: [ 1 ] zero_data: true }
+    use_same_buffer_for_input_output: true
+    use_growable_memory: true
+  } ]
+}
+input [ { name: "INPUT" data_type: TYPE_INT32 dims: [ 1 ] } ]
+output [ { name: "HISTORY" data_type: TYPE_INT32 dims: [ -1 ] } ]
+instance_group [ { count: 1 kind: KIND_CPU } ]
+"""
+
+
+def seq_growing_model():
+    from onnx import TensorProto as T, helper
+
+    nodes = [helper.make_node("Concat", ["HISTORY_IN", "INPUT"], ["HISTORY_OUT"], axis=1),
+             helper.make_node("Identity", ["HISTORY_OUT"], ["HISTORY"])]
+    graph = helper.make_graph(
+        nodes, "seq_growing",
+        [helper.make_tensor_value_info("INPUT", T.INT32, ["batch", 1]),
+         helper.make_tensor_value_info("HISTORY_IN", T.INT32, ["batch", "length"])],
+        [helper.make_tensor_value_info(n, T.INT32, ["batch", "grown"]) for n in ("HISTORY_OUT", "HISTORY")],
+    )
+    return finish_onnx(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
+
+
 SEQ_ENSEMBLE_CONFIG = """name: "seq_ensemble"
 platform: "ensemble"
 max_batch_size: 4
@@ -165,5 +249,7 @@ def write_sequence_test_models(root: Path) -> None:
     (folder / "initial_state").mkdir(exist_ok=True)
     (folder / "initial_state" / "start_value").write_bytes(np.array([INITIAL_VALUE], "<i4").tobytes())
     write_python_model(root, "seq_python", SEQ_PYTHON_CONFIG, SEQ_PYTHON_MODEL)
+    write_model(root, "seq_growing", SEQ_GROWING_CONFIG, seq_growing_model())
+    write_python_model(root, "seq_stream", SEQ_STREAM_CONFIG, SEQ_STREAM_MODEL)
     (root / "seq_ensemble" / "1").mkdir(parents=True, exist_ok=True)
     (root / "seq_ensemble" / "config.pbtxt").write_text(SEQ_ENSEMBLE_CONFIG)

@@ -183,6 +183,51 @@ def test_requests_breaking_a_sequences_rules_get_tritons_errors(proto: tuple[Any
     assert _send(module, client, "simple_sequence", 454545, [3, 4]) == [4, 4]
 
 
+def _grow(module: Any, client: Any, sequence_id: int, value: int, **options: Any) -> list[int]:
+    inp = module.InferInput("INPUT", [1, 1], "INT32")
+    inp.set_data_from_numpy(np.full((1, 1), value, np.int32))
+    return client.infer("seq_growing", [inp], sequence_id=sequence_id, **options).as_numpy("HISTORY")[0].tolist()
+
+
+def test_a_state_grows_with_its_sequence(proto: tuple[Any, Any]) -> None:
+    """A state with dims [ -1 ] (and Triton's use_growable_memory) takes the shape the model
+    gives it: the history grows by one element per request, from the zero initial state."""
+    module, client = proto
+    sequence_id = 9100 if module.__name__.endswith("http") else 9200
+    histories = [_grow(module, client, sequence_id, value, sequence_start=value == 1, sequence_end=value == 4)
+                 for value in (1, 2, 3, 4)]
+    assert histories == [[0, 1], [0, 1, 2], [0, 1, 2, 3], [0, 1, 2, 3, 4]]
+
+
+def test_a_sequence_waiting_for_a_slot_past_its_timeout_is_rejected(proto: tuple[Any, Any],
+                                                                   server: dict[str, Any]) -> None:
+    """Triton's schedule policy for sequences: a request's ``timeout`` bounds its sequence's wait
+    for a slot. ``seq_growing`` has one slot; while a sequence holds it, another sequence's START
+    with a 200 ms timeout fails with Triton's UNAVAILABLE error and counts as a failed request,
+    that sequence must START again, and the holder runs on unaffected."""
+    module, _ = proto
+    http = module.__name__.endswith("http")
+    holder_id, waiter_id = (9300, 9301) if http else (9400, 9401)
+    with _own_client(module, server) as holder, _own_client(module, server) as waiter:
+        def failures() -> int:  # (gRPC's JSON form leaves out counts of zero, and writes int64s as strings)
+            stats = waiter.get_inference_statistics("seq_growing", **({} if http else {"as_json": True}))
+            return int(stats["model_stats"][0]["inference_stats"].get("fail", {}).get("count", 0))
+
+        failed_before = failures()
+        assert _grow(module, holder, holder_id, 7, sequence_start=True, timeout=1_000) == [0, 7]
+        with pytest.raises(InferenceServerException) as timed_out:
+            _grow(module, waiter, waiter_id, 1, sequence_start=True, timeout=200_000)
+        assert "timeout of the corresponding sequence has been expired" in str(timed_out.value)
+        assert timed_out.value.status() == ("503" if http else "StatusCode.UNAVAILABLE")
+        with pytest.raises(InferenceServerException, match="must specify the START flag"):
+            _grow(module, waiter, waiter_id, 2)
+        assert _grow(module, holder, holder_id, 8, sequence_end=True) == [0, 7, 8]
+        wait_until(lambda: failures() == failed_before + 1, "the rejected request in the model's statistics",
+                   timeout_s=10, interval_s=0.2)
+        # The slot is free again: the waiter's sequence may start now.
+        assert _grow(module, waiter, waiter_id, 3, sequence_start=True, sequence_end=True, timeout=200_000) == [0, 3]
+
+
 def _iter_input(module: Any, value: int) -> Any:
     inp = module.InferInput("IN", [1], "INT32")
     inp.set_data_from_numpy(np.array([value], np.int32))
@@ -359,3 +404,39 @@ def test_a_sequence_whose_replica_died_fails_and_the_others_go_on(server: dict[s
     finally:
         grpc.close()
         http.close()
+
+
+def test_a_decoupled_sequence_model_runs_its_replicas_and_streams_each_sequences_answers(
+        server: dict[str, Any]) -> None:
+    """``seq_stream`` (decoupled, two replicas) over one gRPC stream (Serve's ingress hands each
+    request to either replica): every request of a sequence runs on the replica holding the
+    sequence, and both of its responses come back, relayed when another replica received it."""
+    import tritonclient.grpc as grpcclient
+
+    answers: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(server["grpc_url"])
+    client.start_stream(callback=lambda result, error: answers.put(error or result))
+    ids = [f"stream-{k}" for k in range(12)]
+    seen: dict[str, list[tuple[int, int]]] = {sequence_id: [] for sequence_id in ids}
+    pids: dict[str, set[int]] = {sequence_id: set() for sequence_id in ids}
+    try:
+        for step in range(3):
+            for k, sequence_id in enumerate(ids):
+                inp = grpcclient.InferInput("INPUT", [1, 1], "INT32")
+                inp.set_data_from_numpy(np.full((1, 1), k + step, np.int32))
+                client.async_stream_infer("seq_stream", [inp], sequence_id=sequence_id, sequence_start=step == 0,
+                                          sequence_end=step == 2)
+                for _ in range(2):
+                    answer = answers.get(timeout=30)
+                    if isinstance(answer, Exception):
+                        raise answer
+                    seen[sequence_id].append((int(answer.as_numpy("SUM")[0][0]), int(answer.as_numpy("PART")[0][0])))
+                    pids[sequence_id].add(int(answer.as_numpy("PID")[0][0]))
+    finally:
+        client.stop_stream()
+        client.close()
+    for k, sequence_id in enumerate(ids):
+        sums = np.cumsum([k + step for step in range(3)]).tolist()
+        assert seen[sequence_id] == [(total, part) for total in sums for part in (0, 1)], sequence_id
+    assert all(len(replica) == 1 for replica in pids.values()), pids
+    assert len(set().union(*pids.values())) == 2, pids

@@ -19,6 +19,7 @@ from rayinfer.protocol.types import InferInput, InferRequest, RequestedOutput
 from rayinfer.serving import model_http
 from rayinfer.serving.model_core import ModelCore
 from rayinfer.serving.routes import parse_model_route
+from waiting import wait_until_async
 
 
 @pytest.fixture(scope="module")
@@ -69,3 +70,74 @@ def test_tensors_travel_binary_both_ways_over_one_kept_connection(cores):
         client.close()
 
     asyncio.run(run())
+
+
+REPEAT_CONFIG = """name: "repeat"
+backend: "python"
+input [ { name: "IN" data_type: TYPE_INT32 dims: [ -1 ] } ]
+output [ { name: "OUT" data_type: TYPE_INT32 dims: [ 1 ] } ]
+model_transaction_policy { decoupled: true }
+"""
+REPEAT_MODEL = '''import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        for request in requests:
+            sender = request.get_response_sender()
+            for value in pb_utils.get_input_tensor_by_name(request, "IN").as_numpy():
+                if value < 0:
+                    sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(f"negative: {value}")))
+                else:
+                    sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", np.array([value], np.int32))]))
+            sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        return None
+'''
+
+
+def test_a_decoupled_models_responses_stream_back_one_by_one(tmp_path: Path) -> None:
+    """A request another replica sent on to a decoupled model's replica (the stream header):
+    each response comes back as it is sent (an error as that response's error), the stream
+    ends with the model's final flag, and a request refused before the model is one error."""
+    from rayinfer.cluster.model_files import write_python_model
+    from rayinfer.protocol.listener_client import STREAM_HEADER
+    from rayinfer.serving.sequence_routing import FORWARDED_HEADER
+
+    write_python_model(tmp_path, "repeat", REPEAT_CONFIG, REPEAT_MODEL)
+    core = ModelCore(load_runner(tmp_path, "repeat", 1)[0], [1])
+    forwarded = ((FORWARDED_HEADER, b"1"),)
+
+    async def http(method: str, path: str, headers: dict[bytes, bytes], body: bytes):
+        assert STREAM_HEADER in headers and FORWARDED_HEADER in headers
+        return await model_http.stream_forwarded(core, headers, body, 1 << 20)
+
+    async def grpc(method: str, payload: bytes) -> bytes:
+        raise AssertionError("no gRPC here")
+
+    def request(values: list[int], name: str = "IN") -> InferRequest:
+        data = np.array(values, np.int32)
+        return InferRequest("repeat", inputs=[InferInput(name, "INT32", data.shape, data)])
+
+    async def run() -> None:
+        listener = ReplicaListener(grpc, http)
+        address = ("127.0.0.1", await listener.start("127.0.0.1"))
+        client = ListenerClient()
+        results = [r async for r in client.stream(address, request([3, -1, 5]), forwarded)]
+        assert [r.outputs[0].data.tolist() if not isinstance(r, ServingError) else r.message for r in results] == \
+            [[3], "negative: -1", [5]]
+        refused = [r async for r in client.stream(address, request([1], name="NOPE"), forwarded)]
+        assert len(refused) == 1 and isinstance(refused[0], ServingError)
+        assert refused[0].code == Code.INVALID_ARG and "NOPE" in refused[0].message
+        # A caller that stops listening closes its connection: the listener lets it go.
+        stream = client.stream(address, request(list(range(50))), forwarded)
+        first = await stream.__anext__()
+        assert not isinstance(first, ServingError) and first.outputs[0].data.tolist() == [0]
+        await stream.aclose()
+        await wait_until_async(lambda: not listener._connections, "the listener to let the connection go", timeout_s=5)
+        await listener.close(1.0)
+        with pytest.raises(UnavailableError, match="could not be reached"):
+            [r async for r in client.stream(address, request([1]), forwarded)]
+
+    asyncio.run(run())
+    core.close()

@@ -28,15 +28,15 @@ def test_cpu_groups_add_up() -> None:
     assert plan("instance_group [ { count: 2 kind: KIND_CPU }, { count: 3 kind: KIND_CPU } ]") == ReplicaPlan(5, "KIND_CPU")
 
 
-def test_a_sequence_model_runs_its_count_unless_decoupled() -> None:
+def test_a_sequence_model_runs_its_count_decoupled_or_not() -> None:
     """Sequences are routed to the replica owning their slot; a decoupled sequence model's
-    streamed responses could not be relayed, so it runs as one replica."""
+    streamed responses are relayed back through the replica that received the request."""
     sequences = "sequence_batching { } "
     assert plan(sequences + "instance_group [ { count: 3 kind: KIND_CPU } ]") == ReplicaPlan(3, "KIND_CPU")
     assert plan(sequences + "instance_group [ { count: 2 kind: KIND_GPU gpus: [ 0, 1 ] } ]") == \
         ReplicaPlan(4, "KIND_GPU", 0.5)
     decoupled = sequences + "model_transaction_policy { decoupled: true } "
-    assert plan(decoupled + "instance_group [ { count: 3 kind: KIND_CPU } ]") == ReplicaPlan(1, "KIND_CPU")
+    assert plan(decoupled + "instance_group [ { count: 3 kind: KIND_CPU } ]") == ReplicaPlan(3, "KIND_CPU")
 
 
 def test_gpu_count_shares_one_gpu() -> None:

@@ -166,6 +166,57 @@ def test_a_cancelled_request_leaves_its_queue_without_running() -> None:
     assert sum(len(batch) for batch in recorder.batches) == 2
 
 
+def test_a_timeout_bounds_only_the_wait_for_a_slot() -> None:
+    """Triton's schedule policy for sequences: a sequence still without a slot when its request's
+    timeout passes fails every request it holds (UNAVAILABLE), is rejected, and must START again;
+    a sequence that holds a slot is not affected by its requests' timeouts."""
+    from rayinfer.protocol.errors import UnavailableError
+    from rayinfer.serving.sequencer import SEQUENCE_TIMEOUT_MESSAGE
+
+    def timed(sequence_id: int, value: int, timeout_us: int, **flags: bool) -> PreparedRequest:
+        prepared = _request(sequence_id, value, **flags)
+        prepared.request.parameters["timeout"] = timeout_us
+        return prepared
+
+    async def main() -> tuple[list[Any], list[PreparedRequest], int]:
+        rejected: list[PreparedRequest] = []
+        batcher = SequenceBatcher(Recorder(), SequenceSpec(controls=CONTROLS, states=(STATE,), max_candidate_sequences=2,
+                                                           max_sequence_idle_us=60_000_000),
+                                  model="m", max_batch_size=2, on_reject=rejected.append)
+        # Two sequences take both slots and stay open (a timeout on a slot holder does nothing).
+        assert await batcher.submit(timed(1, 1, 1_000, start=True)) == 1
+        assert await batcher.submit(_request(2, 2, start=True)) == 2
+        waiting = [asyncio.ensure_future(batcher.submit(timed(3, 3, 50_000, start=True))),
+                   asyncio.ensure_future(batcher.submit(_request(3, 4)))]
+        outcomes = await asyncio.gather(*waiting, return_exceptions=True)
+        # Sequence 3 is forgotten: its next request without START gets Triton's error.
+        with pytest.raises(InvalidArgError, match="must specify the START flag"):
+            await batcher.submit(_request(3, 5))
+        # The slot holders run on, past their own requests' timeouts.
+        await asyncio.sleep(0.01)
+        late = await batcher.submit(_request(1, 10, end=True))
+        return outcomes, rejected, late
+
+    outcomes, rejected, late = asyncio.run(main())
+    assert all(isinstance(o, UnavailableError) and o.message == SEQUENCE_TIMEOUT_MESSAGE for o in outcomes)
+    assert [int(p.arrays["INPUT"][0, 0]) for p in rejected] == [3, 4]
+    assert late == 11
+
+
+def test_a_waiting_sequence_given_a_slot_in_time_runs() -> None:
+    async def main() -> list[int]:
+        batcher = SequenceBatcher(Recorder(), SequenceSpec(controls=CONTROLS, states=(STATE,), max_candidate_sequences=1),
+                                  model="m", max_batch_size=2)
+        assert await batcher.submit(_request(1, 1, start=True)) == 1
+        waiting = _request(2, 5, start=True, end=True)
+        waiting.request.parameters["timeout"] = 10_000_000  # 10 s: the slot frees long before
+        second = asyncio.ensure_future(batcher.submit(waiting))
+        first_end = await batcher.submit(_request(1, 1, end=True))
+        return [first_end, await second]
+
+    assert asyncio.run(main()) == [2, 5]
+
+
 def test_integer_ids_fill_the_corrid_type_as_triton_copies_them() -> None:
     from rayinfer.serving.sequencer import _integer_id
 
