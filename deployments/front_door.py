@@ -33,6 +33,7 @@ private to the network namespace, like the listener.
 
 from __future__ import annotations
 
+import re
 import selectors
 import socket
 import threading
@@ -67,6 +68,16 @@ PUMP = b"pump\n"
 RELAY_SOCKET = "relay.sock"
 GRPC_RELAY_SOCKET = "grpc-relay.sock"
 RELAY_SOCKETS = {"http": RELAY_SOCKET, "grpc": GRPC_RELAY_SOCKET}
+# What HAProxy's HTTP parser refuses in a request head, with an HTML page HAProxy 2.8 will not
+# replace: more than 100 headers (tune.http.maxhdr 101 counts the request line), or a head past
+# its buffer (about 15 KB; less with many headers). A connection whose first request the door
+# sees past them (for the size: not ended within the peek) is answered by the door, in Triton's
+# JSON form.
+_MAX_HEADERS = 100
+# An HTTP/1.x request line, as leniently as HAProxy reads one (a token, a target, the version).
+_REQUEST_LINE = re.compile(rb"[-!#$%&'*+.^_`|~0-9A-Za-z]+ +[^ ]+ +HTTP/1\.\d *")
+_BAD_HEAD = "HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\ncontent-length: {length}\r\n" \
+            "connection: close\r\n\r\n{body}"
 # HAProxy's environment variables holding the descriptors of its ends of the socket pairs.
 DOOR_FD_VARIABLES = {"http": "RAYINFER_DOOR_FD", "grpc": "RAYINFER_GRPC_DOOR_FD"}
 
@@ -239,6 +250,11 @@ class Door:
         if not head:  # closed before it sent anything
             connection.close()
             return
+        if kind == "http" and not key:  # not a model's request: HAProxy answers it, directly or relayed
+            refusal = bad_request_head(head)
+            if refusal is not None:
+                _refuse(connection, refusal)
+                return
         if key is None or not self._to_replica(connection, key, kind):
             self._to_haproxy(connection, kind)
 
@@ -339,6 +355,41 @@ class Door:
             self._refused[name] = time.monotonic() + _STOPPING_S
         for fd in fds:
             self._wait_for_request(socket.socket(fileno=fd), _RETURNED_WAIT_S)
+
+
+def bad_request_head(head: bytes) -> str | None:
+    """Why HAProxy's parser would refuse the request head ``head`` starts (the most the door
+    peeks), or None: a request line that is not HTTP/1.x, a line or head longer than the peek,
+    more headers than HAProxy takes. A head not all arrived yet is judged by what has (a head
+    HAProxy's buffer cannot take but that ends within the peek is left to HAProxy)."""
+    if head[:len(PREFACE)] == PREFACE[:len(head)]:  # HTTP/2 with prior knowledge: HAProxy's
+        return None
+    end = head.find(b"\r\n")
+    if end < 0:
+        return "request line too long" if len(head) >= _PEEK_BYTES else None
+    if _REQUEST_LINE.fullmatch(head[:end]) is None:
+        return "malformed request line"
+    if b"\r\n\r\n" not in head and len(head) >= _PEEK_BYTES:
+        return f"request headers too large (over {_PEEK_BYTES} bytes)"
+    head_end = head.find(b"\r\n\r\n")
+    headers = head.count(b"\r\n", 0, head_end if head_end >= 0 else len(head))  # the line ends before it
+    if headers > _MAX_HEADERS:
+        return f"too many request headers (over {_MAX_HEADERS})"
+    return None
+
+
+def _refuse(connection: socket.socket, reason: str) -> None:
+    """Answer a request HAProxy would refuse with Triton's form of a 400, then close."""
+    body = '{"error":"malformed HTTP request: %s"}' % reason
+    try:  # (a short answer on a new connection: its send buffer takes it at once)
+        connection.send(_BAD_HEAD.format(length=len(body), body=body).encode())
+        connection.shutdown(socket.SHUT_WR)
+        # What the client sent so far: closing with it unread would reset the answer away.
+        while connection.recv(65536, socket.MSG_DONTWAIT):
+            pass
+    except OSError:
+        pass  # nothing more to read now, or the client is gone
+    connection.close()
 
 
 def _speaks(head: bytes) -> str:

@@ -96,12 +96,19 @@ def test_the_server_serves_on_after_oversized_requests(server):
     for path in PATHS:
         exchange(b"POST %b HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n" % path.encode(),
                  chunks(LIMIT + (1 << 20)))
-        # Headers past the front's 16 KB buffer, one large or many: refused with 400 (HAProxy's
-        # own page, not JSON: README, "Request limits").
+        # Headers past the front's 16 KB buffer, one large or many: a model's request is read
+        # whole by its replica (here: a body without inputs); another is refused by the front's
+        # door with a JSON 400 (README, "Request limits").
         for headers in (b"x-big: %b\r\n" % (b"a" * 40_000), b"".join(b"x-%d: v\r\n" % i for i in range(5000))):
-            status, _ = exchange(b"POST %b HTTP/1.1\r\nHost: x\r\n%bContent-Length: 2\r\n\r\n{}" % (
+            status, doc = exchange(b"POST %b HTTP/1.1\r\nHost: x\r\n%bContent-Length: 2\r\n\r\n{}" % (
                 path.encode(), headers), [])
             assert status == 400
+            assert doc == ({"error": "request must contain a non-empty 'inputs' array"} if "/v2/models/" in path
+                           else {"error": "malformed HTTP request: request headers too large (over 16384 bytes)"})
+    for head, reason in ((b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n%b\r\n" % b"".join(
+            b"x-%d: v\r\n" % i for i in range(150)), "too many request headers (over 100)"),
+            (b"GARBAGE\r\n\r\n", "malformed request line")):
+        assert exchange(head, []) == (400, {"error": f"malformed HTTP request: {reason}"})
     assert http("GET", "/v2/health/live")[0] == 200
     ones = [1] * 16
     status, doc = http_json("POST", "/v2/models/simple/infer", {"inputs": [

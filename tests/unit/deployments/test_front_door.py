@@ -259,3 +259,42 @@ def test_a_relay_the_front_does_not_answer_is_a_502(loop, tmp_path):
     assert not keep_alive and head.startswith(b"HTTP/1.1 502 ") and b"connection: close" in head
     assert json.loads(body) == {"error": "the front did not answer a relayed request"}
     assert f"content-length: {len(body)}".encode() in head
+
+
+def _raw(port: int, data: bytes) -> tuple[int, dict]:
+    """Send ``data`` on a new connection; the status and JSON body of the answer (the
+    connection is closed after it)."""
+    with socket.create_connection(("127.0.0.1", port), 5) as sock:
+        sock.sendall(data)
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(b":") for line in head.split(b"\r\n")[1:])}
+    assert headers[b"content-type"] == b"application/json", answer
+    return int(head.split()[1]), json.loads(body)
+
+
+@pytest.mark.parametrize("data, reason", [
+    (b"HELLO THERE\r\n\r\n", "malformed request line"),
+    (b"GET /v2/health/live HTTP/9\r\nhost: x\r\n\r\n", "malformed request line"),
+    (b"GET /" + b"a" * 20000 + b" HTTP/1.1\r\n\r\n", "request line too long"),
+    (b"GET /v2/health/live HTTP/1.1\r\nhost: x\r\nx-big: " + b"a" * 17000 + b"\r\n\r\n",
+     "request headers too large (over 16384 bytes)"),
+    (b"GET /v2/health/live HTTP/1.1\r\nhost: x\r\n" + b"".join(b"x-h%d: v\r\n" % i for i in range(100)) + b"\r\n",
+     "too many request headers (over 100)"),
+])
+def test_a_request_head_haproxy_would_refuse_gets_a_json_400(door, data: bytes, reason: str) -> None:
+    """HAProxy answers these with an HTML page (HAProxy 2.8 ignores errorfile 400 for parse
+    errors): the door answers them itself, as Triton's errors look."""
+    _, port = door
+    assert _raw(port, data) == (400, {"error": f"malformed HTTP request: {reason}"})
+
+
+def test_a_request_head_at_haproxys_header_count_passes(door) -> None:
+    _, port = door
+    client = _Client(port)
+    headers = b"".join(b"x-h%d: v\r\n" % i for i in range(98))  # with host and content-length: 100
+    client.sock.sendall(b"GET /v2/health/live HTTP/1.1\r\nhost: x\r\n" + headers + b"content-length: 0\r\n\r\n")
+    status, _, body = client.request_sent()
+    assert status == 200 and body.startswith(b"serve GET /v2/health/live")
