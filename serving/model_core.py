@@ -161,6 +161,8 @@ class ModelCore:
                 yield exc
             return
         sender = prepared.sender = ResponseSender()
+        # Traced as any request, to its final response (each response's outputs at TENSORS).
+        trace = self._begin_trace(prepared) if self.tracer.active else None
         done = asyncio.ensure_future(self._schedule(prepared))
 
         def end_on_failure(task: asyncio.Future) -> None:
@@ -174,31 +176,49 @@ class ModelCore:
         done.add_done_callback(end_on_failure)
         try:
             async for response in sender.responses():
+                if trace is not None:
+                    trace[1].extend(self._output_tensors(response))
                 yield response
         finally:
             if not sender.closed:  # the caller stopped listening: the request is cancelled
                 self._cancelled(prepared)
             if not done.done():
                 done.cancel()
+            if trace is not None:
+                trace[0].append(("REQUEST_END", time.perf_counter_ns()))
+                self.tracer.finish(prepared.request, *trace)
+
+    def _begin_trace(self, prepared: Any) -> tuple[list[tuple[str, int]], list[dict[str, Any]]] | None:
+        """When the tracer samples the request: its first timestamps (the execution adds its
+        own to ``prepared.trace``) and, at the TENSORS level, its inputs; else None."""
+        stamps = self.tracer.sample()
+        if stamps is None:
+            return None
+        prepared.trace = stamps
+        stamps += [("REQUEST_START", prepared.arrival_ns), ("QUEUE_START", time.perf_counter_ns())]
+        tensors = [tensor_activity("TENSOR_QUEUE_INPUT", t.name, t.datatype, t.data)
+                   for t in prepared.request.inputs] if self.tracer.tensors else []
+        return stamps, tensors
+
+    def _output_tensors(self, result: Any) -> list[dict[str, Any]]:
+        """A response's outputs as the TENSORS level traces them (none below it, or for an error)."""
+        if not self.tracer.tensors or not isinstance(result, InferResponse):
+            return []
+        return [tensor_activity("TENSOR_BACKEND_OUTPUT", o.name, o.datatype, o.data) for o in result.outputs]
 
     async def _traced(self, prepared: Any) -> Any:
         """Schedule a request, tracing it when the tracer samples it (Triton's timestamps, and
         its tensors at the TENSORS level)."""
-        tracer = self.tracer
-        stamps = tracer.sample()
-        if stamps is None:
+        trace = self._begin_trace(prepared)
+        if trace is None:
             return await self._schedule(prepared)
-        prepared.trace = stamps
-        stamps += [("REQUEST_START", prepared.arrival_ns), ("QUEUE_START", time.perf_counter_ns())]
-        request = prepared.request
-        tensors = [tensor_activity("TENSOR_QUEUE_INPUT", t.name, t.datatype, t.data)
-                   for t in request.inputs] if tracer.tensors else []
+        stamps, tensors = trace
+        request, tracer = prepared.request, self.tracer
         try:
             result = await self._schedule(prepared)
         finally:
             stamps.append(("REQUEST_END", time.perf_counter_ns()))
-        if tracer.tensors and isinstance(result, InferResponse):
-            tensors += [tensor_activity("TENSOR_BACKEND_OUTPUT", o.name, o.datatype, o.data) for o in result.outputs]
+        tensors += self._output_tensors(result)
         protocol = PROTOCOL_STAMPS.get()
         if protocol is not None and protocol.model == self.name and protocol.finish is None:
             # Received by this replica's listener: the trace ends once the response has left.

@@ -6,6 +6,7 @@ timestamps (and tensors) for the requests the rate samples."""
 from __future__ import annotations
 
 import json
+import queue
 from pathlib import Path
 from typing import Any
 
@@ -107,6 +108,38 @@ def test_the_count_stops_tracing(proto: tuple[Any, Any], server: dict) -> None:
     finally:
         _update(module, client, {"trace_level": None, "trace_rate": None, "trace_count": None, "log_frequency": None},
                 "simple")
+
+
+def test_a_decoupled_models_request_is_traced_to_its_final_response(server: dict) -> None:
+    """``py_repeat`` (decoupled) on a gRPC stream: one trace for the request, Triton's timestamps
+    in order up to the final response, and at the TENSORS level each response's output."""
+    client = grpcclient.InferenceServerClient(server["grpc_url"])
+    before = _files(server["trace_file"])
+    _update(grpcclient, client, {"trace_level": ["TIMESTAMPS", "TENSORS"], "trace_rate": "1", "log_frequency": "1"},
+            "py_repeat")
+    answers: queue.Queue = queue.Queue()
+    try:
+        client.start_stream(callback=lambda result, error: answers.put(error or result))
+        inp = grpcclient.InferInput("IN", [3], "INT32")
+        inp.set_data_from_numpy(np.array([4, 5, 6], np.int32))
+        client.async_stream_infer("py_repeat", [inp])
+        outs = [answers.get(timeout=30) for _ in range(3)]
+        client.stop_stream()
+        new = wait_until(lambda: _files(server["trace_file"]) - before, "a trace file", timeout_s=30, interval_s=0.3)
+    finally:
+        _update(grpcclient, client, {"trace_level": None, "trace_rate": None, "log_frequency": None}, "py_repeat")
+        client.close()
+    assert [int(o.as_numpy("OUT")[0]) for o in outs] == [4, 5, 6]
+    traces = _traces(new)
+    assert len(traces) == 1
+    entries = next(iter(traces.values()))
+    assert entries[0]["model_name"] == "py_repeat"
+    stamps = [s for e in entries for s in e.get("timestamps", [])]
+    assert [s["name"] for s in stamps] == ORDER
+    assert all(a["ns"] <= b["ns"] for a, b in zip(stamps, stamps[1:]))
+    outputs = [e["tensor"]["data"] for e in entries if e.get("activity") == "TENSOR_BACKEND_OUTPUT"
+               and e["tensor"]["name"] == "OUT"]
+    assert outputs == ["4", "5", "6"]
 
 
 def test_wrong_settings_get_tritons_errors(proto: tuple[Any, Any]) -> None:
