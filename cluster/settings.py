@@ -290,8 +290,9 @@ def response_cache_bytes(settings: ServerSettings) -> int:
 
 
 def startup_log_settings(settings: ServerSettings) -> dict[str, Any]:
-    """The logging extension's settings at start (tritonserver's --log-* flags)."""
-    return {"log_file": settings.log_file, "log_info": settings.log_info, "log_warning": settings.log_warning,
+    """The logging extension's settings at start (tritonserver's --log-* flags); the log file as
+    an absolute path, which every process opens from its own working directory."""
+    return {"log_file": os.path.abspath(settings.log_file) if settings.log_file else "", "log_info": settings.log_info, "log_warning": settings.log_warning,
             "log_error": settings.log_error, "log_verbose_level": settings.log_verbose,
             "log_format": settings.log_format}
 

@@ -211,7 +211,7 @@ class SequenceBatcher:
             idle_until = sequence.last_used + self._idle_s
             if idle_until <= now:
                 logger.debug("model '%s': sequence %s timed out after %.3f s idle; its slot is released",
-                            self._model, sequence.corrid, self._idle_s)
+                             self._model, sequence.corrid, self._idle_s)
                 self._release(sequence)
             else:
                 soonest = idle_until - now if soonest is None else min(soonest, idle_until - now)
@@ -235,7 +235,7 @@ class SequenceBatcher:
         if sequence.slot is not None or sequence not in self._backlog:
             return
         logger.debug("model '%s': sequence %s timed out waiting for a slot; its %d request(s) are rejected",
-                    self._model, sequence.corrid, len(sequence.queue))
+                     self._model, sequence.corrid, len(sequence.queue))
         self._backlog.remove(sequence)
         if self._sequences.get(sequence.corrid) is sequence:
             del self._sequences[sequence.corrid]
