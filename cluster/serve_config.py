@@ -62,6 +62,7 @@ def render_serve_config(
         "gpu_fallback": settings.gpu_fallback == "cpu",
         "cache_size_bytes": response_cache_bytes(settings),
         "http_max_input_size": settings.http_max_input_size,
+        "log_settings": startup_log_settings(settings),
     }
     entries = scan_repository(repository_folder(settings)) if entries is None else entries
     applications: list[dict[str, Any]] = [{
@@ -82,7 +83,6 @@ def render_serve_config(
             "repository_poll_secs": settings.repository_poll_secs,
             "gpu_wait_secs": settings.gpu_wait_secs,
             "trace_config": list(settings.trace_config),
-            "log_settings": startup_log_settings(settings),
             **common,
         },
     }]

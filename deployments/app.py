@@ -81,7 +81,7 @@ def server_application(
 def build_model_app(args: dict[str, Any]) -> Application:
     """Serve-config entry point; ``args``: model_repository, model, version, is_default and
     optionally replica_num_cpus, auto_complete, log_level, gpu_fallback, cache_size_bytes,
-    http_max_input_size."""
+    http_max_input_size, log_settings."""
     return model_application(
         args["model_repository"],
         args["model"],
@@ -93,6 +93,7 @@ def build_model_app(args: dict[str, Any]) -> Application:
         gpu_fallback=parse_bool(args.get("gpu_fallback", False)),
         cache_size_bytes=int(args.get("cache_size_bytes", 0)),
         max_input_size=int(args.get("http_max_input_size", DEFAULT_HTTP_MAX_INPUT_SIZE)),
+        log_settings=dict(args.get("log_settings") or {}),
     )
 
 

@@ -112,6 +112,7 @@ def model_application(
     cache_size_bytes: int = 0,
     max_input_size: int = DEFAULT_HTTP_MAX_INPUT_SIZE,
     folder: Path | None = None,
+    log_settings: dict[str, Any] | None = None,
 ) -> Application:
     """The application serving one version of one model; replicas and their resources from its
     ``instance_group`` (:mod:`rayinfer.repository.instance_groups`).
@@ -122,7 +123,10 @@ def model_application(
     ``config_override``: a load request's config (Triton's JSON form) used instead of config.pbtxt;
     ``log_level``: the replicas' log level (``--log-verbose`` makes it DEBUG); ``gpu_fallback``:
     GPU groups run as CPU replicas; ``cache_size_bytes``: the response cache's size on a node;
-    ``max_input_size``: the largest HTTP body a replica reads (--http-max-input-size).
+    ``max_input_size``: the largest HTTP body a replica reads (--http-max-input-size);
+    ``log_settings``: the logging extension's settings at start (--log-* flags), which the
+    replicas follow from their first line until they register with the /v2 replica, whose
+    current settings they follow from then on.
     """
     entry = scan_model((folder or local_repository(model_repository, [model])) / model, config_override)
     if entry.config is None:
@@ -147,7 +151,7 @@ def model_application(
         logging_config=LoggingConfig(enable_access_log=False, log_level=log_level),
     )
     return deployment.bind(str(model_repository), model, int(version), auto_complete, config_override,
-                           cache_size_bytes, max_input_size)
+                           cache_size_bytes, max_input_size, log_settings or None)
 
 
 def deploy_models(
@@ -194,7 +198,7 @@ def _deploy_wave(model_repository: str, folder: Path, versions: list[tuple[str, 
                 replica_num_cpus=control.replica_num_cpus, auto_complete=control.auto_complete,
                 config_override=config_overrides.get(model), log_level=control.log_level,
                 gpu_fallback=control.gpu_fallback, cache_size_bytes=control.cache_size_bytes,
-                max_input_size=control.max_input_size, folder=folder,
+                max_input_size=control.max_input_size, folder=folder, log_settings=dict(control.log_settings),
             )
         except ModelConfigError as exc:  # e.g. instance groups Serve cannot express: this model only
             logger.error("model '%s' failed to load: %s", model, exc)

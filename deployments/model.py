@@ -91,9 +91,13 @@ class ModelDeployment:
         config_override: str | None = None,
         cache_size_bytes: int = 0,
         max_input_size: int = DEFAULT_HTTP_MAX_INPUT_SIZE,
+        start_log_settings: dict[str, Any] | None = None,
     ):
-        # rayinfer's and the model's lines: Triton's format, to this worker's stderr (or --log-file).
+        # rayinfer's and the model's lines: Triton's format, to this worker's stderr (or --log-file),
+        # following the settings at start (--log-*) until the /v2 replica's current ones arrive.
         log_settings.write_lines_here()
+        if start_log_settings:
+            log_settings.apply({**log_settings.default_settings(), **start_log_settings})
         context = serve.get_replica_context()
         self._replica_key = f"{context.app_name}/{context.replica_id.unique_id}"
         self._app_name = context.app_name

@@ -130,6 +130,12 @@ def test_log_flags_become_the_logging_extensions_settings_at_start(example_repos
     assert args["log_settings"] == expected
     control = next(a for a in build_server_app(args)._bound_deployment.init_args if isinstance(a, ModelControl))
     assert dict(control.log_settings) == expected
+    # Model replicas follow them from their first line (until the /v2 replica's arrive).
+    from rayinfer.deployments.app import build_model_app
+
+    model_args = render_serve_config(settings)["applications"][1]["args"]
+    assert model_args["log_settings"] == expected
+    assert build_model_app(model_args)._bound_deployment.init_args[-1] == expected
     with pytest.raises(SystemExit):
         build_parser().parse_args(["config", "--model-repository", str(example_repository), "--log-format", "json"])
 
