@@ -28,8 +28,27 @@ parameters { key: "INFERENCE_MODE" value: { string_value: "false" } }
 parameters { key: "DISABLE_OPTIMIZED_EXECUTION" value: { string_value: "true" } }
 """
 
+# A sequence model: an accumulator whose sum is its implicit state; the control inputs and the
+# state are bound by position like the inputs (forward(INPUT__0, START__1, READY__2, ACC_IN__3)).
+SEQUENCE_CONFIG = """backend: "pytorch"
+max_batch_size: 2
+sequence_batching {
+  direct { }
+  max_sequence_idle_microseconds: 120000000
+  control_input [
+    { name: "START__1" control [ { kind: CONTROL_SEQUENCE_START int32_false_true: [ 0, 1 ] } ] },
+    { name: "READY__2" control [ { kind: CONTROL_SEQUENCE_READY int32_false_true: [ 0, 1 ] } ] }
+  ]
+  state [ { input_name: "ACC_IN__3" output_name: "ACC_OUT__1" data_type: TYPE_INT32 dims: [ 1 ] } ]
+}
+input [ { name: "INPUT__0" data_type: TYPE_INT32 dims: [ 1 ] } ]
+output [ { name: "OUTPUT__0" data_type: TYPE_INT32 dims: [ 1 ] } ]
+instance_group [ { count: 1 kind: KIND_CPU } ]
+"""
+
 # The test repository's TorchScript models: name -> (config, module factory name).
-MODELS = {"ts_add_sub": (ADD_SUB_CONFIG, "add_sub"), "ts_named": (NAMED_CONFIG, "named")}
+MODELS = {"ts_add_sub": (ADD_SUB_CONFIG, "add_sub"), "ts_named": (NAMED_CONFIG, "named"),
+          "ts_sequence": (SEQUENCE_CONFIG, "accumulate")}
 
 
 def modules() -> dict:
@@ -45,6 +64,11 @@ def modules() -> dict:
         def forward(self, scale: Tensor, values: Tensor) -> list[Tensor]:
             return [values * scale, values.sum(dim=1, keepdim=True)]
 
+    class Accumulate(torch.nn.Module):
+        def forward(self, value: Tensor, start: Tensor, ready: Tensor, acc: Tensor) -> tuple[Tensor, Tensor]:
+            total = torch.where(start > 0, torch.zeros_like(acc), acc) + value * ready
+            return total, total
+
     class Identity(torch.nn.Module):
         def forward(self, x: Tensor) -> Tensor:
             return x.clone()
@@ -56,6 +80,7 @@ def modules() -> dict:
     return {
         "add_sub": torch.jit.script(AddSub()),
         "named": torch.jit.script(Named()),
+        "accumulate": torch.jit.script(Accumulate()),
         "identity": torch.jit.script(Identity()),
         "fails": torch.jit.script(Fails()),
         "traced": torch.jit.trace(AddSub(), (torch.zeros(1, 16), torch.zeros(1, 16))),

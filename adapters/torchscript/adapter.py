@@ -8,6 +8,9 @@ Tensors are bound as Triton's backend binds them:
 - outputs named ``<anything>__<index>`` are taken from that position of the returned tuple or
   list (a single tensor is position 0); otherwise in the config's order.
 
+A sequence model's control inputs and implicit state inputs are inputs like the config's (after
+them in the config's order), and its state outputs outputs like the config's.
+
 The config's ``parameters`` that apply here: ``INFERENCE_MODE`` (default true: executions run
 under ``torch.inference_mode()``, else ``torch.no_grad()``), ``DISABLE_OPTIMIZED_EXECUTION``
 (the TorchScript profiling optimizer off), ``INTRA_OP_THREAD_COUNT`` and
@@ -121,7 +124,7 @@ class TorchScriptAdapter:
                 )
         self._bind_inputs(config, path)
         self._arg_count = max(self._input_positions.values(), default=-1) + 1
-        names = [t.name for t in config.output]
+        names = [t.name for t in config.output] + [s.output_name for s in config.sequence_batching.state]
         indices = positions(names)
         self._output_positions = dict(zip(names, indices if indices is not None else range(len(names))))
 
@@ -142,7 +145,9 @@ class TorchScriptAdapter:
                     logger.warning("model '%s': %s not applied: %s", config.name, key, exc)
 
     def _bind_inputs(self, config: ModelConfig, path: Path) -> None:
-        names = [t.name for t in config.input]
+        sequences = config.sequence_batching
+        names = [t.name for t in config.input] + [c.name for c in sequences.control_input] + \
+            [s.input_name for s in sequences.state]
         indices = positions(names)
         if indices is not None:
             self._input_positions = dict(zip(names, indices))

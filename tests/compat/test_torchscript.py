@@ -73,3 +73,19 @@ def test_wrong_datatype_names_the_input(proto):
     a = np.ones((1, 16), dtype=np.float64)
     with pytest.raises(InferenceServerException, match="inference input 'INPUT__0' data-type is 'FP64'"):
         client.infer("ts_add_sub", [tensor(module, "INPUT__0", a, "FP64"), tensor(module, "INPUT__1", a, "FP64")])
+
+
+def test_a_sequence_models_controls_and_state_are_bound_by_position(proto):
+    """ts_sequence: START__1, READY__2 and the implicit state ACC_IN__3 / ACC_OUT__1 reach the
+    module by position, as Triton's PyTorch backend binds them; two sequences keep their sums."""
+    module, client = proto
+    base = 9500 if module.__name__.endswith("http") else 9600
+    sums = {base: [], base + 1: []}
+    for step in range(3):
+        for k, sequence_id in enumerate(sums):
+            inp = module.InferInput("INPUT__0", [1, 1], "INT32")
+            inp.set_data_from_numpy(np.full((1, 1), 10 * k + step + 1, np.int32))
+            result = client.infer("ts_sequence", [inp], sequence_id=sequence_id, sequence_start=step == 0,
+                                  sequence_end=step == 2)
+            sums[sequence_id].append(int(result.as_numpy("OUTPUT__0")[0][0]))
+    assert sums == {base: [1, 3, 6], base + 1: [11, 23, 36]}
