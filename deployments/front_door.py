@@ -33,6 +33,7 @@ private to the network namespace, like the listener.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import selectors
 import socket
@@ -369,9 +370,9 @@ def bad_request_head(head: bytes) -> str | None:
         return "request line too long" if len(head) >= _PEEK_BYTES else None
     if _REQUEST_LINE.fullmatch(head[:end]) is None:
         return "malformed request line"
-    if b"\r\n\r\n" not in head and len(head) >= _PEEK_BYTES:
-        return f"request headers too large (over {_PEEK_BYTES} bytes)"
     head_end = head.find(b"\r\n\r\n")
+    if head_end < 0 and len(head) >= _PEEK_BYTES:
+        return f"request headers too large (over {_PEEK_BYTES} bytes)"
     headers = head.count(b"\r\n", 0, head_end if head_end >= 0 else len(head))  # the line ends before it
     if headers > _MAX_HEADERS:
         return f"too many request headers (over {_MAX_HEADERS})"
@@ -381,14 +382,14 @@ def bad_request_head(head: bytes) -> str | None:
 def _refuse(connection: socket.socket, reason: str) -> None:
     """Answer a request HAProxy would refuse with Triton's form of a 400, then close."""
     body = '{"error":"malformed HTTP request: %s"}' % reason
-    try:  # (a short answer on a new connection: its send buffer takes it at once)
+    # (a short answer on a new connection: its send buffer takes it at once). OSError: nothing
+    # more to read now, or the client is gone.
+    with contextlib.suppress(OSError):
         connection.send(_BAD_HEAD.format(length=len(body), body=body).encode())
         connection.shutdown(socket.SHUT_WR)
         # What the client sent so far: closing with it unread would reset the answer away.
         while connection.recv(65536, socket.MSG_DONTWAIT):
-            pass
-    except OSError:
-        pass  # nothing more to read now, or the client is gone
+            continue
     connection.close()
 
 

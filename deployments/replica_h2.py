@@ -11,11 +11,11 @@ closed to new calls (``GOAWAY`` naming the last call taken) and the client's gRP
 that call again on a new connection, which the door gives HAProxy.
 
 An HTTP/2 connection cannot change hands once its header tables hold state, so a replica never
-gives one back to the door: it takes its turn (when a call ends :data:`_TURN_S` or more after the
-connection came, so that clients spread over replicas that started since) and stops the way HTTP/2 closes a connection gracefully: a
-``GOAWAY`` with the largest stream id and a ``PING``; once the ``PING`` is answered, every call the
-client sent before it has arrived, and a second ``GOAWAY`` names the last of them; the connection
-closes when they are answered.
+gives one back to the door: it takes its turn (when a call ends :data:`_TURN_S` or more after
+the connection came, so that clients spread over replicas that started since) and stops the
+way HTTP/2 closes a connection gracefully: a ``GOAWAY`` with the largest stream id and a
+``PING``; once the ``PING`` is answered, every call the client sent before it has arrived, and
+a second ``GOAWAY`` names the last of them; the connection closes when they are answered.
 """
 
 from __future__ import annotations

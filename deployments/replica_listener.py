@@ -30,16 +30,16 @@ import socket
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
-from http import HTTPStatus
 from typing import Any
 
 import httptools
 
 from rayinfer.protocol.errors import NotFoundError
-from rayinfer.protocol.grpc_wire import SERVICE, grpc_status, unframe
+from rayinfer.protocol.grpc_wire import SERVICE, unframe
 from rayinfer.protocol.http_codec import error_response
 from rayinfer.deployments import front_door
 from rayinfer.deployments.client_relay import RelayedRequest
+from rayinfer.deployments.listener_responses import StreamedResponse, grpc_error, grpc_response, http_response
 from rayinfer.deployments.replica_door import ReplicaDoor
 from rayinfer.deployments.replica_h2 import H2Connection
 from rayinfer.protocol.limits import (
@@ -56,7 +56,6 @@ from rayinfer.serving.trace import PROTOCOL_STAMPS, ProtocolStamps
 logger = logging.getLogger(__name__)
 
 SERVICE_PATH = SERVICE.encode()
-_RESPONSE_HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: application/grpc\r\ntransfer-encoding: chunked\r\n\r\n"
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 _BAD_REQUEST = (b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\ncontent-length: 29\r\n"
                 b"connection: close\r\n\r\n{\"error\":\"malformed request\"}")
@@ -67,7 +66,6 @@ GrpcHandler = Callable[[str, bytes], Awaitable[bytes]]
 # bytes, or chunks that stream as they come).
 HttpHandler = Callable[[str, str, dict[bytes, bytes], bytes],
                        Awaitable[tuple[int, list[tuple[bytes, bytes]], bytes | AsyncIterator[bytes]]]]
-_REASONS = {status.value: status.phrase.encode() for status in HTTPStatus}
 # Request headers kept while parsing: the serving core's, and the relay's own.
 _KEPT_HEADERS = REQUEST_HEADERS | {b"grpc-encoding", b"expect"}
 # (method, path as sent, the route key the door gave the connection for) -> whether the request
@@ -83,56 +81,6 @@ _TURN_S = 2.0
 # How long a connection whose request was refused for its size still reads (and drops) the rest
 # of the body after the answer, so that the front reads the answer before the connection closes.
 _DRAIN_S = 5.0
-
-
-def http_response(status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> bytes:
-    """A complete HTTP/1.1 response with a content-length."""
-    head = b"".join(b"%b: %b\r\n" % header for header in headers)
-    return b"HTTP/1.1 %d %b\r\ncontent-length: %d\r\n%b\r\n%b" % (
-        status, _REASONS.get(status, b"Status"), len(body), head, body
-    )
-
-
-class StreamedResponse:
-    """A response whose body comes in chunks as it is made (a decoupled model's responses to a
-    request another replica sent on, :meth:`ListenerClient.stream`): written chunk by chunk."""
-
-    __slots__ = ("head", "chunks")
-
-    def __init__(self, status: int, headers: list[tuple[bytes, bytes]], chunks: AsyncIterator[bytes]) -> None:
-        extra = b"".join(b"%b: %b\r\n" % header for header in headers)
-        self.head = b"HTTP/1.1 %d %b\r\ntransfer-encoding: chunked\r\n%b\r\n" % (
-            status, _REASONS.get(status, b"Status"), extra)
-        self.chunks = chunks
-
-    async def write(self, transport: Any) -> bool:
-        """Write the response; false when the connection went away meanwhile, or was closed
-        because the chunks failed (the reader then sees the stream break off)."""
-        transport.write(self.head)
-        try:
-            async for chunk in self.chunks:
-                if transport.is_closing():
-                    return False
-                transport.write(b"%x\r\n%b\r\n" % (len(chunk), chunk))
-        except Exception:
-            logger.exception("a streamed response failed")
-            transport.close()
-            return False
-        transport.write(b"0\r\n\r\n")
-        return True
-
-
-def grpc_response(message: bytes) -> bytes:
-    """A successful call: one uncompressed message frame, then ``grpc-status: 0``."""
-    frame_length = 5 + len(message)
-    return b"%b%x\r\n\x00%b%b\r\n0\r\ngrpc-status: 0\r\n\r\n" % (
-        _RESPONSE_HEAD, frame_length, len(message).to_bytes(4, "big"), message
-    )
-
-
-def grpc_error(exc: BaseException) -> bytes:
-    """A failed call: no message; its status and message as trailers."""
-    return b"%b0\r\ngrpc-status: %d\r\ngrpc-message: %b\r\n\r\n" % (_RESPONSE_HEAD, *grpc_status(exc))
 
 
 class ReplicaListener:

@@ -81,11 +81,9 @@ class ListenerClient:
         try:
             writer.write(b"".join(encode_request(request, address, (*headers, (STREAM_HEADER, b"1")))))
             try:
-                head = await reader.readuntil(b"\r\n\r\n")
-                status = int(head.split(b" ", 2)[1])
-                if b"transfer-encoding: chunked" not in head.lower():  # refused before the model: one error
-                    length = int(next((line.split(b":", 1)[1] for line in head.split(b"\r\n")
-                                       if line.lower().startswith(b"content-length:")), b"0"))
+                status, fields = await _read_head(reader)
+                if fields.get("transfer-encoding") != "chunked":  # refused before the model: one error
+                    length = int(fields.get("content-length", "0"))
                     body = await reader.readexactly(length) if length else b""
                     yield _decoded(status, None, body, request)
                     return
@@ -185,17 +183,22 @@ def encode_request(request: InferRequest, address: Address,
 
 async def _read_response(reader: asyncio.StreamReader) -> tuple[int, int | None, bytes]:
     """(status, the JSON header's length if binary data follows, body) of one response."""
-    head = await reader.readuntil(b"\r\n\r\n")
-    lines = head.decode("latin-1").split("\r\n")
-    status = int(lines[0].split(" ", 2)[1])
-    headers = {}
-    for line in lines[1:]:
-        name, _, value = line.partition(":")
-        headers[name.strip().lower()] = value.strip()
+    status, headers = await _read_head(reader)
     length = int(headers.get("content-length", "0"))
     body = await reader.readexactly(length) if length else b""
     header_length = headers.get("inference-header-content-length")
     return status, int(header_length) if header_length is not None else None, body
+
+
+async def _read_head(reader: asyncio.StreamReader) -> tuple[int, dict[str, str]]:
+    """A response's status and headers (lower-case names)."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    headers = {}
+    for line in lines[1:]:
+        name, _, value = line.partition(":")
+        headers[name.strip().lower()] = value.strip()
+    return int(lines[0].split(" ", 2)[1]), headers
 
 
 def stream_frame(status: int, json_length: int | None, body: bytes) -> bytes:

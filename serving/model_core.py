@@ -142,23 +142,19 @@ class ModelCore:
         exactly one (its error included). A decoupled execution that fails ends the stream
         with its error."""
         owner = self._held_elsewhere(prepared)
-        if owner is not None and self.decoupled:  # the replica holding its sequence answers
-            assert self._stream_on is not None
+        if owner is not None:  # the replica holding its sequence answers
+            assert self._send_on is not None and self._stream_on is not None
             try:
-                async for result in self._stream_on(owner, prepared.request):
-                    yield result
+                if self.decoupled:
+                    async for result in self._stream_on(owner, prepared.request):
+                        yield result
+                else:
+                    yield await self._send_on(owner, prepared.request)
             except ServingError as exc:
                 yield exc
             return
         if not self.decoupled:
-            if owner is None:
-                yield await (self._traced(prepared) if self.tracer.active else self._schedule(prepared))
-                return
-            assert self._send_on is not None
-            try:
-                yield await self._send_on(owner, prepared.request)
-            except ServingError as exc:
-                yield exc
+            yield await (self._traced(prepared) if self.tracer.active else self._schedule(prepared))
             return
         sender = prepared.sender = ResponseSender()
         # Traced as any request, to its final response (each response's outputs at TENSORS).

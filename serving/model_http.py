@@ -97,17 +97,14 @@ async def stream_forwarded(core: ModelCore, headers: dict[bytes, bytes], body: b
 
     async def frames() -> AsyncIterator[bytes]:
         async for result in core.stream(prepared):
-            if isinstance(result, ServingError):
-                status, _, payload = error_response(result)
-                yield stream_frame(status, None, payload)
-                continue
             try:
-                payload, json_length = response_to_http(result, request, core.shm)
-            except Exception as exc:  # noqa: BLE001 - an output that cannot be written: that response's error
+                if isinstance(result, ServingError):
+                    raise result
+                status, (payload, json_length) = 200, response_to_http(result, request, core.shm)
+            except Exception as exc:  # the model's error, or an output that cannot be written
                 status, _, payload = error_response(exc)
-                yield stream_frame(status, None, payload)
-                continue
-            yield stream_frame(200, json_length, payload)
+                json_length = None
+            yield stream_frame(status, json_length, payload)
 
     return 200, [], frames()
 

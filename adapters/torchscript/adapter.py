@@ -8,8 +8,9 @@ Tensors are bound as Triton's backend binds them:
 - outputs named ``<anything>__<index>`` are taken from that position of the returned tuple or
   list (a single tensor is position 0); otherwise in the config's order.
 
-A sequence model's control inputs and implicit state inputs are inputs like the config's (after
-them in the config's order), and its state outputs outputs like the config's.
+A sequence model's control inputs and implicit state inputs are bound as the config's inputs
+are (in the config's order after them, when neither rule applies), and its state outputs as
+the config's outputs are.
 
 The config's ``parameters`` that apply here: ``INFERENCE_MODE`` (default true: executions run
 under ``torch.inference_mode()``, else ``torch.no_grad()``), ``DISABLE_OPTIMIZED_EXECUTION``

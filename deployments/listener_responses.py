@@ -1,0 +1,70 @@
+"""The HTTP/1.1 responses a model replica's listener writes (:mod:`replica_listener`): a whole
+response with a content-length, a response streamed in chunks (a decoupled model's responses to
+a request another replica sent on), and a relayed gRPC call's answer (a chunked body with
+``grpc-status`` trailers, which HAProxy turns back into HTTP/2).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from http import HTTPStatus
+from typing import Any
+
+from rayinfer.protocol.grpc_wire import grpc_status
+
+logger = logging.getLogger(__name__)
+
+_REASONS = {status.value: status.phrase.encode() for status in HTTPStatus}
+_GRPC_HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: application/grpc\r\ntransfer-encoding: chunked\r\n\r\n"
+
+
+def _head(status: int, headers: list[tuple[bytes, bytes]], framing: bytes) -> bytes:
+    """The status line and headers, ``framing`` (content-length or transfer-encoding) first."""
+    extra = b"".join(b"%b: %b\r\n" % header for header in headers)
+    return b"HTTP/1.1 %d %b\r\n%b\r\n%b\r\n" % (status, _REASONS.get(status, b"Status"), framing, extra)
+
+
+def http_response(status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> bytes:
+    """A complete HTTP/1.1 response with a content-length."""
+    return _head(status, headers, b"content-length: %d" % len(body)) + body
+
+
+class StreamedResponse:
+    """A response whose body comes in chunks as it is made (a decoupled model's responses to a
+    request another replica sent on, :meth:`ListenerClient.stream`): written chunk by chunk."""
+
+    __slots__ = ("head", "chunks")
+
+    def __init__(self, status: int, headers: list[tuple[bytes, bytes]], chunks: AsyncIterator[bytes]) -> None:
+        self.head = _head(status, headers, b"transfer-encoding: chunked")
+        self.chunks = chunks
+
+    async def write(self, transport: Any) -> bool:
+        """Write the response; false when the connection went away meanwhile, or was closed
+        because the chunks failed (the reader then sees the stream break off)."""
+        transport.write(self.head)
+        try:
+            async for chunk in self.chunks:
+                if transport.is_closing():
+                    return False
+                transport.write(b"%x\r\n%b\r\n" % (len(chunk), chunk))
+        except Exception:
+            logger.exception("a streamed response failed")
+            transport.close()
+            return False
+        transport.write(b"0\r\n\r\n")
+        return True
+
+
+def grpc_response(message: bytes) -> bytes:
+    """A successful call: one uncompressed message frame, then ``grpc-status: 0``."""
+    frame_length = 5 + len(message)
+    return b"%b%x\r\n\x00%b%b\r\n0\r\ngrpc-status: 0\r\n\r\n" % (
+        _GRPC_HEAD, frame_length, len(message).to_bytes(4, "big"), message
+    )
+
+
+def grpc_error(exc: BaseException) -> bytes:
+    """A failed call: no message; its status and message as trailers."""
+    return b"%b0\r\ngrpc-status: %d\r\ngrpc-message: %b\r\n\r\n" % (_GRPC_HEAD, *grpc_status(exc))
