@@ -48,6 +48,8 @@ class PreparedRequest:
     classes: dict[str, int] | None = None
     # A traced request's timestamps, (name, perf_counter ns), set by the serving core.
     trace: list[tuple[str, int]] | None = None
+    # A traced request's link, which the requests it sends on carry (an ensemble's steps).
+    trace_link: str | None = None
 
 
 def trace_compute(batch: Sequence[PreparedRequest], infer_start: int, infer_end: int) -> None:

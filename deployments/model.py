@@ -323,13 +323,13 @@ class ModelDeployment:
                 except Exception as exc:  # the server app may not be deployed (yet)
                     logger.debug("could not register the listener: %s", exc)
             await asyncio.sleep(_STATS_PUSH_INTERVAL_S)
-            traces = self._core.tracer.collect()
-            if traces:
-                try:
-                    await self._server_handle().report_traces.remote(self._core.name, traces)
-                except Exception as exc:  # the server app may be gone: those traces are lost
-                    logger.debug("could not report traces: %s", exc)
             for key, core in self._reported_cores():
+                traces = core.tracer.collect()  # an in-place member's: its steps' child traces
+                if traces:
+                    try:
+                        await self._server_handle().report_traces.remote(core.name, traces)
+                    except Exception as exc:  # the server app may be gone: those traces are lost
+                        logger.debug("could not report traces: %s", exc)
                 snapshot = core.snapshot()
                 if _change_key(snapshot) == self._pushed.get(key):
                     continue

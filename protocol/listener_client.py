@@ -27,6 +27,8 @@ from rayinfer.protocol.types import InferOutput, InferRequest, InferResponse
 
 # The request header asking a listener for a decoupled model's responses as a stream.
 STREAM_HEADER = b"x-rayinfer-stream"
+# The request header carrying a traced sender's trace link (InferRequest.trace_parent).
+TRACE_PARENT_HEADER = b"x-rayinfer-trace-parent"
 _STATUS_CODES = {400: Code.INVALID_ARG, 404: Code.NOT_FOUND, 501: Code.UNSUPPORTED, 503: Code.UNAVAILABLE}
 # Idle connections kept per listener.
 _MAX_IDLE = 32
@@ -175,6 +177,8 @@ def encode_request(request: InferRequest, address: Address,
     body = header + b"".join(chunks)
     version = f"/versions/{request.model_version}" if request.model_version else ""
     path = f"/v2/models/{quote(request.model_name, safe='')}{version}/infer".encode()
+    if request.trace_parent is not None:
+        headers += ((TRACE_PARENT_HEADER, request.trace_parent.encode()),)
     extra = b"".join(b"%b: %b\r\n" % header for header in headers)
     head = (b"POST %b HTTP/1.1\r\nhost: %s:%d\r\ncontent-length: %d\r\ninference-header-content-length: %d\r\n%b\r\n"
             % (path, address[0].encode(), address[1], len(body), len(header), extra))

@@ -42,6 +42,9 @@ class InferRequest:
     parameters: dict[str, Any] = field(default_factory=dict)
     # Sent on by another replica of the model to this one, which holds its sequence.
     forwarded: bool = False
+    # Sent by a traced request (an ensemble's step): the sender's trace link
+    # (:attr:`rayinfer.serving.trace.Trace.link`); this request is traced as its child.
+    trace_parent: str | None = None
 
     def input_by_name(self) -> dict[str, InferInput]:
         return {tensor.name: tensor for tensor in self.inputs}

@@ -84,7 +84,7 @@ class EnsembleExecutor(ModelRunner):
                 results.append(response)
 
         try:
-            await _Run(self, prepared.request, emit).run()
+            await _Run(self, prepared.request, emit, prepared.trace_link).run()
         except Exception as exc:  # the request's own error; the replica keeps serving
             return self._failed([prepared], exc)[0]
         end = time.perf_counter_ns()
@@ -119,8 +119,10 @@ class EnsembleExecutor(ModelRunner):
         request = InferRequest(self.spec.name, self.version, first.id, parameters=first.parameters, inputs=[
             InferInput(name, self._inputs[name].datatype, tuple(array.shape), array) for name, array in merged.items()])
         outcome: list[dict[str, Tensor]] = []
+        # Its steps are traced as children of the first traced request's trace (if any).
+        trace_link = next((p.trace_link for p in group if p.trace_link is not None), None)
         try:
-            await _Run(self, request, outcome.append).run()
+            await _Run(self, request, outcome.append, trace_link).run()
             if not outcome:
                 raise ServingError(f"ensemble '{self.spec.name}' gave no response")
             names = [n for n in group[0].output_names if n in outcome[0]]
@@ -160,22 +162,6 @@ class EnsembleExecutor(ModelRunner):
             if flag is None or flag[2].size != 1 or not bool(flag[2].reshape(-1)[0]):
                 return True
         return False
-
-    def _step_request(self, step: EnsembleStep, request: InferRequest, tensors: dict[str, Tensor],
-                      parameters: dict[str, Any]) -> InferRequest:
-        inputs = []
-        for member_input, tensor in step.input_map:
-            if tensor in tensors:
-                datatype, shape, data = tensors[tensor]
-                inputs.append(InferInput(member_input, datatype, shape, data))
-        return InferRequest(
-            model_name=step.model_name,
-            model_version=step.model_version,
-            id=request.id,
-            inputs=inputs,
-            outputs=[RequestedOutput(member_output) for member_output, _ in step.output_map],
-            parameters=dict(parameters),
-        )
 
     @staticmethod
     def _take_outputs(step: EnsembleStep, response: InferResponse, tensors: dict[str, Tensor]) -> None:
@@ -217,10 +203,12 @@ class _Run:
     decoupled step), the first error, and every call still running."""
 
     def __init__(self, executor: EnsembleExecutor, request: InferRequest,
-                 emit: Callable[[dict[str, Tensor]], None]) -> None:
+                 emit: Callable[[dict[str, Tensor]], None], trace_link: str | None = None) -> None:
         self.x = executor
         self.request = request
         self.emit = emit
+        # A traced request's link: its steps are traced as its children (Triton's child traces).
+        self.trace_link = trace_link
         # The steps get the request's priority and sequence (a stateful member sees the
         # ensemble's correlation id and start / end flags, as in Triton).
         self.parameters = {k: v for k, v in request.parameters.items()
@@ -242,6 +230,23 @@ class _Run:
                 task.cancel()
         if self.error is not None:
             raise self.error
+
+    def step_request(self, step: EnsembleStep, tensors: dict[str, Tensor]) -> InferRequest:
+        """The request of ``step`` to its member, from the tensors this flow has."""
+        inputs = []
+        for member_input, tensor in step.input_map:
+            if tensor in tensors:
+                datatype, shape, data = tensors[tensor]
+                inputs.append(InferInput(member_input, datatype, shape, data))
+        return InferRequest(
+            model_name=step.model_name,
+            model_version=step.model_version,
+            id=self.request.id,
+            inputs=inputs,
+            outputs=[RequestedOutput(member_output) for member_output, _ in step.output_map],
+            parameters=dict(self.parameters),
+            trace_parent=self.trace_link,
+        )
 
     def spawn(self, coroutine: Any, call: bool = False) -> asyncio.Future:
         """Run ``coroutine`` as part of this request: cancelled with it; a flow's or a fork's
@@ -288,14 +293,14 @@ class _Run:
                 # no task and wait of its own.
                 step = starts[0]
                 try:
-                    response = await x._call(x._step_request(step, self.request, tensors, self.parameters))
+                    response = await x._call(self.step_request(step, tensors))
                 except Exception as exc:
                     raise x._step_error(step, exc) from None
                 x._take_outputs(step, response, tensors)
                 settled.add(step.index)
                 continue
             for step in starts:
-                request = x._step_request(step, self.request, tensors, self.parameters)
+                request = self.step_request(step, tensors)
                 started[step.index] = self.spawn(x._call(request), call=True)
                 running[started[step.index]] = step
             if not running:
@@ -317,7 +322,7 @@ class _Run:
         """A decoupled step: a new flow from this one's state for each of its responses."""
         x = self.x
         assert x._stream is not None
-        request = x._step_request(step, self.request, tensors, self.parameters)
+        request = self.step_request(step, tensors)
         try:
             async for response in x._stream(request):
                 child = dict(tensors)

@@ -21,7 +21,7 @@ from rayinfer.protocol.types import InferRequest, InferResponse
 from rayinfer.repository.model_config import config_to_json
 from rayinfer.serving.batcher import DynamicBatcher, QueueFullError
 from rayinfer.serving.response_cache import ResponseCache
-from rayinfer.serving.trace import PROTOCOL_STAMPS, Tracer, tensor_activity
+from rayinfer.serving.trace import PROTOCOL_STAMPS, Trace, Tracer, tensor_activity
 from rayinfer.serving.sequencer import SequenceBatcher
 from rayinfer.serving.executor import BlockingSender, Executor, ResponseSender, Result
 
@@ -126,10 +126,12 @@ class ModelCore:
             assert self._send_on is not None
             return await self._send_on(owner, prepared.request)
         try:
-            if batched:
-                result = (await self._execute([prepared]))[0]
+            if self._traces(prepared):
+                result = await self._traced(prepared, batched)
+            elif batched:
+                result = await self._execute_now(prepared)
             else:
-                result = await (self._traced(prepared) if self.tracer.active else self._schedule(prepared))
+                result = await self._schedule(prepared)
         except asyncio.CancelledError:
             self._cancelled(prepared)
             raise
@@ -154,17 +156,19 @@ class ModelCore:
                 yield exc
             return
         if not self.decoupled:
-            yield await (self._traced(prepared) if self.tracer.active else self._schedule(prepared))
+            yield await (self._traced(prepared) if self._traces(prepared) else self._schedule(prepared))
             return
         sender = prepared.sender = ResponseSender()
         # Traced as any request, to its final response (each response's outputs at TENSORS).
-        trace = self._begin_trace(prepared) if self.tracer.active else None
+        trace = self._begin_trace(prepared) if self._traces(prepared) else None
         done = asyncio.ensure_future(self._schedule(prepared))
 
         def end_on_failure(task: asyncio.Future) -> None:
-            if task.cancelled() or sender.closed:
+            if task.cancelled():
                 return
-            error = task.exception()
+            error = task.exception()  # retrieved even when the final response has been sent
+            if sender.closed:
+                return
             result = None if error is not None else task.result()
             if error is not None or isinstance(result, ServingError):
                 sender.send(as_serving_error(error) if error is not None else result, final=True)
@@ -173,56 +177,67 @@ class ModelCore:
         try:
             async for response in sender.responses():
                 if trace is not None:
-                    trace[1].extend(self._output_tensors(response))
+                    trace.tensors += self._output_tensors(trace, response)
                 yield response
         finally:
             if not sender.closed:  # the caller stopped listening: the request is cancelled
                 self._cancelled(prepared)
-            if not done.done():
                 done.cancel()
-            if trace is not None:
-                trace[0].append(("REQUEST_END", time.perf_counter_ns()))
-                self.tracer.finish(prepared.request, *trace)
+            if trace is not None:  # it ends when its execution has returned too
+                def end_trace(_: Any = None) -> None:
+                    trace.stamps.append(("REQUEST_END", time.perf_counter_ns()))
+                    self.tracer.finish(prepared.request, trace)
 
-    def _begin_trace(self, prepared: Any) -> tuple[list[tuple[str, int]], list[dict[str, Any]]] | None:
-        """When the tracer samples the request: its first timestamps (the execution adds its
-        own to ``prepared.trace``) and, at the TENSORS level, its inputs; else None."""
-        stamps = self.tracer.sample()
-        if stamps is None:
+                if done.done():
+                    end_trace()
+                else:  # the final response came before the execution returned
+                    done.add_done_callback(end_trace)
+
+    def _traces(self, prepared: Any) -> bool:
+        """Whether the request may be traced: the tracer samples, or a traced request sent it."""
+        return self.tracer.active or prepared.request.trace_parent is not None
+
+    def _begin_trace(self, prepared: Any) -> Trace | None:
+        """The request's trace, when traced (a traced ensemble's step always is, at the
+        ensemble's levels): its first timestamps (the execution adds its own to
+        ``prepared.trace``) and, at the TENSORS level, its inputs; else None."""
+        link = prepared.request.trace_parent
+        trace = self.tracer.child(link) if link is not None else self.tracer.sample()
+        if trace is None:
             return None
-        prepared.trace = stamps
-        stamps += [("REQUEST_START", prepared.arrival_ns), ("QUEUE_START", time.perf_counter_ns())]
-        tensors = [tensor_activity("TENSOR_QUEUE_INPUT", t.name, t.datatype, t.data)
-                   for t in prepared.request.inputs] if self.tracer.tensors else []
-        return stamps, tensors
+        prepared.trace, prepared.trace_link = trace.stamps, trace.link
+        trace.stamps += [("REQUEST_START", prepared.arrival_ns), ("QUEUE_START", time.perf_counter_ns())]
+        if trace.traces_tensors:
+            trace.tensors += [tensor_activity("TENSOR_QUEUE_INPUT", t.name, t.datatype, t.data)
+                              for t in prepared.request.inputs]
+        return trace
 
-    def _output_tensors(self, result: Any) -> list[dict[str, Any]]:
+    @staticmethod
+    def _output_tensors(trace: Trace, result: Any) -> list[dict[str, Any]]:
         """A response's outputs as the TENSORS level traces them (none below it, or for an error)."""
-        if not self.tracer.tensors or not isinstance(result, InferResponse):
+        if not trace.traces_tensors or not isinstance(result, InferResponse):
             return []
         return [tensor_activity("TENSOR_BACKEND_OUTPUT", o.name, o.datatype, o.data) for o in result.outputs]
 
-    async def _traced(self, prepared: Any) -> Any:
-        """Schedule a request, tracing it when the tracer samples it (Triton's timestamps, and
-        its tensors at the TENSORS level)."""
+    async def _traced(self, prepared: Any, batched: bool = False) -> Any:
+        """Schedule a request (``batched``: execute it at once), tracing it when traced
+        (Triton's timestamps, and its tensors at the TENSORS level)."""
         trace = self._begin_trace(prepared)
         if trace is None:
-            return await self._schedule(prepared)
-        stamps, tensors = trace
+            return await (self._execute_now(prepared) if batched else self._schedule(prepared))
         request, tracer = prepared.request, self.tracer
         try:
-            result = await self._schedule(prepared)
+            result = await (self._execute_now(prepared) if batched else self._schedule(prepared))
         finally:
-            stamps.append(("REQUEST_END", time.perf_counter_ns()))
-        tensors += self._output_tensors(result)
+            trace.stamps.append(("REQUEST_END", time.perf_counter_ns()))
+        trace.tensors += self._output_tensors(trace, result)
         protocol = PROTOCOL_STAMPS.get()
-        if protocol is not None and protocol.model == self.name and protocol.finish is None:
+        if trace.parent is None and protocol is not None and protocol.model == self.name and protocol.finish is None:
             # Received by this replica's listener: the trace ends once the response has left.
-            stamps += protocol.received
-            protocol.finish = lambda start, end: tracer.finish(request, stamps + protocol.send_stamps(start, end),
-                                                               tensors)
+            trace.stamps += protocol.received
+            protocol.finish = lambda start, end: tracer.finish(request, trace, protocol.send_stamps(start, end))
         else:
-            tracer.finish(request, stamps, tensors)
+            tracer.finish(request, trace)
         return result
 
     def execute_here(self, request: InferRequest) -> Iterator[Result]:
@@ -271,6 +286,10 @@ class ModelCore:
                 raise UnavailableError(f"[request id: {prepared.request.id or '<id_unknown>'}] {exc}") from None
         if self._execute_async is not None:  # an ensemble: each request runs its own steps
             return await self._execute_async(prepared)
+        return (await self._execute([prepared]))[0]
+
+    async def _execute_now(self, prepared: Any) -> Any:
+        """One request's result, executed at once (a batch already: past the batcher)."""
         return (await self._execute([prepared]))[0]
 
     async def _execute(self, batch: list[Any]) -> list[Any]:

@@ -14,7 +14,7 @@ from rayinfer.protocol.compression import compress_body, decompress_body, respon
 from rayinfer.protocol.errors import InvalidArgError, NotFoundError, ServingError, UnsupportedError
 from rayinfer.protocol.http_codec import error_response, raw_request, request_from_http, response_to_http
 from rayinfer.protocol.limits import DEFAULT_HTTP_MAX_INPUT_SIZE
-from rayinfer.protocol.listener_client import stream_frame
+from rayinfer.protocol.listener_client import TRACE_PARENT_HEADER, stream_frame
 from rayinfer.protocol.shared_memory import RegionMissing, decode_with_regions
 from rayinfer.protocol.statistics import stats_to_json
 from rayinfer.protocol.types import InferRequest
@@ -79,6 +79,7 @@ async def infer(core: ModelCore, headers: dict[bytes, bytes], body: bytes,
     except Exception as exc:
         return error_response(exc)
     request.forwarded = FORWARDED_HEADER in headers  # by another replica: this one holds the sequence
+    request.trace_parent = _text(headers.get(TRACE_PARENT_HEADER))  # a traced ensemble's step
     return await _answer(core, request, headers)
 
 

@@ -9,7 +9,8 @@ override the server's, setting by setting; a null value clears the model's own.
 
 A model replica's :class:`Tracer` samples requests and keeps their timestamps (and tensors, at
 the TENSORS level); the ``/v2`` replica collects them, numbers them and writes Triton's JSON
-trace files (:class:`TraceWriter`).
+trace files (:class:`TraceWriter`). A traced ensemble request's steps carry its trace's link,
+and the members trace them as its children (Triton's ``parent_id``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import json
 import logging
 import os
 import threading
+from collections import OrderedDict
 from collections.abc import Callable
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -34,6 +36,9 @@ logger = logging.getLogger(__name__)
 _LEVELS = ("TIMESTAMPS", "TENSORS")
 _UINT32_MAX = 2**32 - 1
 _INT32_MAX = 2**31 - 1
+# How many trace tokens the writer remembers the ids of (traces of one request arrive within
+# seconds of each other).
+_KEPT_IDS = 65536
 
 
 class ProtocolStamps:
@@ -190,6 +195,33 @@ class TraceSettings:
         return cls(dict(doc["server"]), {k: dict(v) for k, v in doc["models"].items()}, int(doc.get("version", 0)))
 
 
+class Trace:
+    """One traced request: its timestamps and, at the TENSORS level, its tensors. ``token``
+    names it to the traces of the requests it sends on (an ensemble's steps: Triton's child
+    traces), which carry its :attr:`link`; ``parent`` is the token of the trace that sent it.
+    ``owner``: the model whose settings (levels, file, log frequency) the trace follows, the
+    sampled request's model for a trace and all its children, as in Triton."""
+
+    __slots__ = ("stamps", "tensors", "levels", "token", "parent", "owner")
+
+    def __init__(self, levels: tuple[str, ...], token: str, owner: str, parent: str | None = None) -> None:
+        self.stamps: list[tuple[str, int]] = []
+        self.tensors: list[dict[str, Any]] = []
+        self.levels = levels
+        self.token = token
+        self.owner = owner
+        self.parent = parent
+
+    @property
+    def link(self) -> str:
+        """What a request sent on by the traced one carries (:meth:`Tracer.child` reads it)."""
+        return f"{self.token};{','.join(self.levels)};{self.owner}"
+
+    @property
+    def traces_tensors(self) -> bool:
+        return "TENSORS" in self.levels
+
+
 class Tracer:
     """One model version's sampling in one replica, and the traces it took since last collected."""
 
@@ -201,6 +233,9 @@ class Tracer:
         self._left = -1
         self._seen = 0
         self._traces: list[dict[str, Any]] = []
+        # Tokens are unique across replicas: this tracer's prefix and a count.
+        self._prefix = os.urandom(6).hex()
+        self._taken = 0
         # Whether any request may be traced (read on every request: a plain attribute).
         self.active = False
         self._version = -1
@@ -216,12 +251,8 @@ class Tracer:
         self._left = int(settings["trace_count"])
         self.active = bool(self._levels) and self._left != 0
 
-    @property
-    def tensors(self) -> bool:
-        return "TENSORS" in self._levels
-
-    def sample(self) -> list[tuple[str, int]] | None:
-        """A new trace's timestamp list when this request is to be traced, else None."""
+    def sample(self) -> Trace | None:
+        """A new trace when this request is to be traced, else None."""
         if not self._levels or self._left == 0:
             return None
         self._seen += 1
@@ -230,14 +261,28 @@ class Tracer:
         if self._left > 0:
             self._left -= 1
             self.active = self._left != 0
-        return []
+        return self._new(self._levels, self.model)
 
-    def finish(self, request: Any, stamps: list[tuple[str, int]], tensors: list[dict[str, Any]]) -> None:
-        timestamps = sorted(stamps, key=lambda s: s[1]) if "TIMESTAMPS" in self._levels else []
-        trace = {"model_name": self.model, "model_version": int(self.version) if self.version.isdigit() else 0,
-                 "request_id": request.id or "", "timestamps": timestamps, "tensors": tensors}
+    def child(self, link: str) -> Trace | None:
+        """The trace of a request a traced request sent on (its :attr:`Trace.link`): taken
+        whatever this model's own settings, with the sender's, as Triton traces an ensemble's
+        steps; None for a link that is not one."""
+        parent, names, owner = (link.split(";", 2) + ["", ""])[:3]
+        levels = tuple(level for level in _LEVELS if level in names.split(","))
+        return self._new(levels, owner, parent) if parent and levels and owner else None
+
+    def _new(self, levels: tuple[str, ...], owner: str, parent: str | None = None) -> Trace:
+        self._taken += 1
+        return Trace(levels, f"{self._prefix}-{self._taken}", owner, parent)
+
+    def finish(self, request: Any, trace: Trace, more_stamps: list[tuple[str, int]] | None = None) -> None:
+        stamps = trace.stamps + more_stamps if more_stamps else trace.stamps
+        timestamps = sorted(stamps, key=lambda s: s[1]) if "TIMESTAMPS" in trace.levels else []
+        entry = {"model_name": self.model, "model_version": int(self.version) if self.version.isdigit() else 0,
+                 "request_id": request.id or "", "timestamps": timestamps, "tensors": trace.tensors,
+                 "token": trace.token, "parent": trace.parent, "owner": trace.owner}
         with self._lock:
-            self._traces.append(trace)
+            self._traces.append(entry)
 
     def collect(self) -> list[dict[str, Any]]:
         with self._lock:
@@ -260,6 +305,9 @@ class TraceWriter:
 
     def __init__(self) -> None:
         self._next_id = 1
+        # Trace tokens -> the ids given them: a step's trace may arrive before or after its
+        # ensemble's (replicas report on their own), and both must name the same id.
+        self._ids: OrderedDict[str, int] = OrderedDict()
         self._pending: dict[str, list[dict[str, Any]]] = {}
         self._file_index: dict[str, int] = {}
         self._counts: dict[str, int] = {}  # traces pending per file
@@ -288,11 +336,24 @@ class TraceWriter:
             _write(path, self._pending[path])
         self._pending[path], self._counts[path] = [], 0
 
+    def _id(self, token: str | None) -> int:
+        """The id of the trace ``token`` names (a new one for a new token or none)."""
+        trace_id = self._ids.get(token) if token else None
+        if trace_id is None:
+            trace_id = self._next_id
+            self._next_id += 1
+            if token:
+                self._ids[token] = trace_id
+                if len(self._ids) > _KEPT_IDS:
+                    self._ids.popitem(last=False)
+        return trace_id
+
     def _entries(self, trace: dict[str, Any]) -> list[dict[str, Any]]:
-        trace_id = self._next_id
-        self._next_id += 1
+        parent = trace.get("parent")
+        parent_id = self._id(parent) if parent else 0  # before the child's: a parent's id is lower
+        trace_id = self._id(trace.get("token"))
         entries = [{"id": trace_id, "model_name": trace["model_name"], "model_version": trace["model_version"],
-                    "request_id": trace["request_id"], "parent_id": 0}]
+                    "request_id": trace["request_id"], "parent_id": parent_id}]
         entries += [{"id": trace_id, **tensor} for tensor in trace["tensors"]]
         if trace["timestamps"]:
             entries.append({"id": trace_id, "timestamps": [{"name": n, "ns": ns} for n, ns in trace["timestamps"]]})

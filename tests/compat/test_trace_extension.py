@@ -142,6 +142,46 @@ def test_a_decoupled_models_request_is_traced_to_its_final_response(server: dict
     assert outputs == ["4", "5", "6"]
 
 
+@pytest.mark.parametrize("ensemble", ["ens_chain", "ens_in_place"])
+def test_an_ensembles_steps_are_traced_as_its_children(proto: tuple[Any, Any], server: dict, ensemble: str) -> None:
+    """One traced request to an ensemble of two steps (``ens_chain``: to the members' replicas;
+    ``ens_in_place``: run in the ensemble's replica): Triton's child traces, one per step, the
+    member's name and timestamps and the ensemble's trace id as ``parent_id``; the steps follow
+    the ensemble's settings and do not spend the members' counts."""
+    module, client = proto
+    before = _files(server["trace_file"])
+    _update(module, client, {"trace_level": ["TIMESTAMPS"], "trace_rate": "1", "trace_count": "1",
+                             "log_frequency": "1"}, ensemble)
+    a = np.arange(16, dtype=np.int32).reshape(1, 16)
+    inputs = [module.InferInput(name, [1, 16], "INT32") for name in ("A", "B")]
+    for tensor in inputs:
+        tensor.set_data_from_numpy(a)
+    try:
+        client.infer(ensemble, inputs)
+        new = wait_until(lambda: len(_files(server["trace_file"]) - before) >= 3 and _files(server["trace_file"]) - before,
+                         "three trace files", timeout_s=30, interval_s=0.3)
+        assert _settings(module, client, ensemble)["trace_count"] == "0"
+        assert _settings(module, client, "simple")["trace_count"] == "-1"
+    finally:
+        _update(module, client, {"trace_level": None, "trace_rate": None, "trace_count": None, "log_frequency": None},
+                ensemble)
+    traces = _traces(new)
+    heads = {trace_id: entries[0] for trace_id, entries in traces.items()}
+    (parent_id,) = [i for i, head in heads.items() if head["model_name"] == ensemble]
+    assert heads[parent_id]["parent_id"] == 0
+    steps = sorted((head["model_name"], head["parent_id"]) for i, head in heads.items() if i != parent_id)
+    members = ["simple", "simple"] if ensemble == "ens_chain" else ["ens_pid_double", "simple"]
+    assert steps == [(member, parent_id) for member in members]
+    for trace_id, entries in traces.items():
+        stamps = [s for e in entries for s in e.get("timestamps", [])]
+        names = [s["name"] for s in stamps]
+        if trace_id == parent_id:
+            assert names[0] in ("HTTP_RECV_START", "GRPC_WAITREAD_START") and "REQUEST_END" in names
+        else:  # a step: no protocol of its own
+            assert names == ORDER
+        assert all(a["ns"] <= b["ns"] for a, b in zip(stamps, stamps[1:]))
+
+
 def test_wrong_settings_get_tritons_errors(proto: tuple[Any, Any]) -> None:
     module, client = proto
     for settings, model, message in (

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -227,6 +228,52 @@ def test_a_decoupled_executor_streams_zero_to_many_responses(tmp_path: Path) -> 
     assert three == [0, 1, 2]
     assert none == []
     assert status == 501 and "decoupled transaction policy" in json.loads(body)["error"]
+
+
+class _FinalFirst:
+    """A decoupled executor that sends its final response and returns 50 ms later."""
+
+    decoupled = True
+    version = "1"
+
+    def __init__(self, spec: Any) -> None:
+        self.spec = spec
+        self.stats = ModelStatistics()
+
+    def prepare(self, request: InferRequest) -> Any:
+        return type("Prepared", (), {"request": request, "rows": 1, "sender": None, "arrival_ns": time.perf_counter_ns(),
+                                     "trace": None})()
+
+    def execute(self, batch: list[Any]) -> None:
+        for prepared in batch:
+            prepared.sender.send(InferResponse("final_first", "1", []), final=True)
+        threading.Event().wait(0.05)
+        return None
+
+
+def test_a_decoupled_requests_trace_ends_when_its_execution_has_returned(tmp_path: Path) -> None:
+    """The final response may reach the caller before ``execute`` returns: the trace is taken
+    once both happened, with the execution's timestamps and REQUEST_END last."""
+    config = text_format.Parse('name: "final_first" backend: "python" max_batch_size: 0 '
+                               'input [ { name: "IN" data_type: TYPE_INT32 dims: [ 1 ] } ] '
+                               'output [ { name: "OUT" data_type: TYPE_INT32 dims: [ 1 ] } ]', ModelConfig())
+    core = ModelCore(_FinalFirst(spec_from_config(config, tmp_path / "config.pbtxt")), ["1"])
+    core.tracer.configure({"trace_level": ["TIMESTAMPS"], "trace_rate": "1", "trace_count": "-1"}, version=1)
+
+    async def main() -> tuple[int, list[Any]]:
+        responses = [r async for r in core.stream(core.prepare(InferRequest("final_first")))]
+        early = len(core.tracer.collect())  # the execution has not returned yet
+        for _ in range(200):
+            traces = core.tracer.collect()
+            if traces:
+                return early + len(responses), traces
+            await asyncio.sleep(0.01)
+        return early, []
+
+    answered, traces = asyncio.run(main())
+    assert answered == 1 and len(traces) == 1
+    names = [name for name, _ in traces[0]["timestamps"]]
+    assert names[0] == "REQUEST_START" and names[-1] == "REQUEST_END" and "COMPUTE_END" in names
 
 
 class _Counting:

@@ -70,7 +70,10 @@ def test_the_writer_numbers_traces_and_writes_tritons_files(tmp_path: Path) -> N
     settings = {"trace_file": str(tmp_path / "t.json"), "log_frequency": "2"}
     request = InferRequest("m", "2", "r1")
     for start in (10, 20, 30):
-        tracer.finish(request, [("REQUEST_END", start + 5), ("REQUEST_START", start)], [])
+        trace = tracer.sample()
+        assert trace is not None
+        trace.stamps += [("REQUEST_END", start + 5), ("REQUEST_START", start)]
+        tracer.finish(request, trace)
     writer = TraceWriter()
     writer.add(tracer.collect(), settings)
     first = json.loads((tmp_path / "t.json.0").read_text())
@@ -85,6 +88,37 @@ def test_the_writer_numbers_traces_and_writes_tritons_files(tmp_path: Path) -> N
              {**settings, "log_frequency": "0"})
     once.close()  # log_frequency 0: every trace to the file itself when the server stops
     assert [e["id"] for e in json.loads((tmp_path / "t.json").read_text())] == [1, 1]
+
+
+def test_a_traced_requests_steps_are_traced_as_its_children(tmp_path: Path) -> None:
+    """An ensemble's trace link makes a member trace its step whatever the member's own settings
+    (off here), at the ensemble's levels; the writer gives the step's trace the ensemble's id as
+    parent_id, whichever of the two arrives first."""
+    ensemble, member = Tracer("ens", "1"), Tracer("member", "1")
+    ensemble.configure({"trace_level": ["TIMESTAMPS", "TENSORS"], "trace_rate": "1", "trace_count": "-1"})
+    parents = [ensemble.sample(), ensemble.sample()]
+    assert all(parents) and parents[0].token != parents[1].token
+    children = [member.child(parent.link) for parent in parents]
+    assert not member.active and all(c is not None and c.traces_tensors for c in children)
+    assert [c.parent for c in children] == [p.token for p in parents]
+    assert {c.owner for c in children} == {"ens"}  # the ensemble's settings: its file and log frequency
+    assert member.child(children[0].link).owner == "ens"  # a nested ensemble's steps too
+    assert member.child("junk") is None and member.child("token;LOUD;ens") is None
+    for trace in (*parents, *children):
+        trace.stamps.append(("REQUEST_START", 1))
+    request = InferRequest("x", "1")
+    for tracer, trace in ((member, children[0]), (ensemble, parents[0]), (ensemble, parents[1]), (member, children[1])):
+        tracer.finish(request, trace)
+    writer = TraceWriter()
+    settings = {"trace_file": str(tmp_path / "t.json"), "log_frequency": "0"}
+    steps = member.collect()
+    writer.add(steps[:1], settings)  # the first step's trace before its ensemble's
+    writer.add(ensemble.collect(), settings)
+    writer.add(steps[1:], settings)  # the second step's after
+    writer.close()
+    heads = {e["id"]: (e["model_name"], e["parent_id"]) for e in json.loads((tmp_path / "t.json").read_text())
+             if "model_name" in e}
+    assert heads == {1: ("ens", 0), 2: ("member", 1), 3: ("ens", 0), 4: ("member", 3)}
 
 
 def test_protocol_stamps_name_the_protocol_and_may_have_no_send():
