@@ -23,7 +23,8 @@ class TritonPythonModel:
             model_name = pb_utils.get_input_tensor_by_name(request, "MODEL_NAME").as_numpy()[0].decode()
             inputs = [pb_utils.get_input_tensor_by_name(request, name) for name in ("INPUT0", "INPUT1")]
             bls_request = pb_utils.InferenceRequest(
-                model_name=model_name, inputs=inputs, requested_output_names=["OUTPUT0", "OUTPUT1"])
+                model_name=model_name, inputs=inputs, requested_output_names=["OUTPUT0", "OUTPUT1"],
+                trace=request.trace())
             bls_response = bls_request.exec()
             if bls_response.has_error():
                 responses.append(pb_utils.InferenceResponse(error=bls_response.error()))

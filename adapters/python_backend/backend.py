@@ -258,6 +258,8 @@ class PythonModelRunner(ModelRunner):
             model_name=self.spec.name, model_version=int(self.version),
         )
         pb_request._cancelled = cancelled = lambda: prepared.cancelled
+        if prepared.trace_link is not None:  # traced: BLS requests given request.trace() are its children
+            pb_request._trace = pb_utils.InferenceTrace(prepared.trace_link)
         if prepared.sender is not None:
             sender = prepared.sender
             pb_request._sender = pb_utils.InferenceResponseSender(

@@ -71,8 +71,10 @@ def to_infer_request(request: InferenceRequest) -> InferRequest:
     parameters = dict(request._parameters)
     if request.timeout():
         parameters.setdefault("timeout", int(request.timeout()))
+    trace = request._trace  # given as trace=request.trace(): traced as a child of that request
     return InferRequest(model_name=request.model_name, model_version=version, id=request.request_id() or None,
-                        inputs=inputs, outputs=outputs, parameters=parameters)
+                        inputs=inputs, outputs=outputs, parameters=parameters,
+                        trace_parent=trace._link if trace is not None else None)
 
 
 def to_inference_response(result: InferResponse | BaseException | None) -> InferenceResponse:

@@ -133,13 +133,25 @@ class InferenceResponseSender:
         return bool(self._cancelled is not None and self._cancelled())
 
 
+class InferenceTrace:
+    """A request's trace, as ``request.trace()`` gives it. Passed as ``trace=`` to a BLS
+    request, that request is traced as a child of the model's request when that one is traced."""
+
+    def __init__(self, link: str | None = None) -> None:
+        self._link = link
+
+    def get_context(self, mode: str = "opentelemetry") -> str | None:
+        """The trace's OpenTelemetry context: None, as Triton's for a trace in its own mode."""
+        return None
+
+
 class InferenceRequest:
     """A request as ``execute`` receives it."""
 
     def __init__(self, inputs: Sequence[Tensor] = (), requested_output_names: Sequence[str] = (),
                  request_id: str = "", correlation_id: int | str = 0, flags: int = 0, timeout: int = 0,
                  parameters: dict[str, Any] | str | None = None, model_name: str = "",
-                 model_version: int = -1, **_: Any) -> None:
+                 model_version: int = -1, trace: InferenceTrace | None = None, **_: Any) -> None:
         self._inputs = list(inputs)
         self._outputs = list(requested_output_names)
         self._request_id = request_id
@@ -152,6 +164,7 @@ class InferenceRequest:
         self._sender: InferenceResponseSender | None = None
         self._cancelled: Any = None  # set by the backend: says whether the client cancelled
         self._release_flags = TRITONSERVER_REQUEST_RELEASE_ALL
+        self._trace = trace
 
     def set_release_flags(self, flags: int) -> None:
         """``TRITONSERVER_REQUEST_RELEASE_RESCHEDULE``: run this request again in a later batch
@@ -182,6 +195,9 @@ class InferenceRequest:
 
     def is_cancelled(self) -> bool:
         return bool(self._cancelled is not None and self._cancelled())
+
+    def trace(self) -> InferenceTrace:
+        return self._trace if self._trace is not None else InferenceTrace()
 
     def get_response_sender(self) -> InferenceResponseSender:
         if self._sender is None:

@@ -182,6 +182,30 @@ def test_an_ensembles_steps_are_traced_as_its_children(proto: tuple[Any, Any], s
         assert all(a["ns"] <= b["ns"] for a, b in zip(stamps, stamps[1:]))
 
 
+def test_a_bls_request_given_its_requests_trace_is_traced_as_its_child(proto: tuple[Any, Any], server: dict) -> None:
+    """``py_bls`` passes ``trace=request.trace()`` to its BLS request, as Triton's BLS tracing
+    does: one traced request gives its own trace and its call's to ``nobatch``, a child."""
+    module, client = proto
+    before = _files(server["trace_file"])
+    _update(module, client, {"trace_level": ["TIMESTAMPS"], "trace_rate": "1", "trace_count": "1",
+                             "log_frequency": "1"}, "py_bls")
+    inputs = [module.InferInput("INPUT0", [16], "INT32"), module.InferInput("INPUT1", [16], "INT32"),
+              module.InferInput("MODEL_NAME", [1], "BYTES")]
+    for tensor in inputs[:2]:
+        tensor.set_data_from_numpy(np.arange(16, dtype=np.int32))
+    inputs[2].set_data_from_numpy(np.array([b"nobatch"], dtype=object))
+    try:
+        client.infer("py_bls", inputs)
+        new = wait_until(lambda: len(_files(server["trace_file"]) - before) >= 2 and _files(server["trace_file"]) - before,
+                         "two trace files", timeout_s=30, interval_s=0.3)
+    finally:
+        _update(module, client, {"trace_level": None, "trace_rate": None, "trace_count": None, "log_frequency": None},
+                "py_bls")
+    heads = {trace_id: entries[0] for trace_id, entries in _traces(new).items()}
+    (parent_id,) = [i for i, head in heads.items() if head["model_name"] == "py_bls"]
+    assert sorted((h["model_name"], h["parent_id"]) for h in heads.values()) == [("nobatch", parent_id), ("py_bls", 0)]
+
+
 def test_wrong_settings_get_tritons_errors(proto: tuple[Any, Any]) -> None:
     module, client = proto
     for settings, model, message in (

@@ -126,3 +126,10 @@ def test_a_request_for_another_model_keeps_its_version_parameters_and_outputs() 
     assert [o.name for o in converted.outputs] == ["B"] and converted.parameters == {"k": 1, "timeout": 5}
     assert converted.inputs[0].datatype == "BYTES"
     assert bls.to_infer_request(pb_utils.InferenceRequest(model_name="m")).model_version == ""
+    # trace=request.trace(): the BLS request carries the traced request's link (None: not traced)
+    untraced = pb_utils.InferenceRequest(model_name="m")
+    assert untraced.trace().get_context() is None
+    assert bls.to_infer_request(pb_utils.InferenceRequest(model_name="m", trace=untraced.trace())).trace_parent is None
+    traced = pb_utils.InferenceRequest(model_name="m", trace=pb_utils.InferenceTrace("t-1;TIMESTAMPS;ens"))
+    assert bls.to_infer_request(pb_utils.InferenceRequest(model_name="m", trace=traced.trace())).trace_parent == \
+        "t-1;TIMESTAMPS;ens"
