@@ -175,7 +175,9 @@ class ServerSettings(BaseSettings):
     trace_config: list[str] = Field(
         default_factory=list,
         description="tritonserver's --trace-config: rate=N, level=OFF|TIMESTAMPS|TENSORS, count=N, "
-        "triton,file=PATH, triton,log-frequency=N (the trace extension's settings at start).",
+        "mode=triton|opentelemetry, triton,file=PATH, triton,log-frequency=N, opentelemetry,url=URL, "
+        "opentelemetry,resource=KEY=VALUE, opentelemetry,bsp_max_queue_size=N, opentelemetry,bsp_schedule_delay=MS, "
+        "opentelemetry,bsp_max_export_batch_size=N (the trace extension's settings at start).",
     )
     http_restricted_api: list[str] = Field(
         default_factory=list,

@@ -170,7 +170,7 @@ class ServerGrpcMethods:
         return await answer(grpc_context, call, pb.ModelInferResponse)
 
     async def ModelStreamInfer(
-        self, requests: AsyncIterator[pb.ModelInferRequest]
+        self, requests: AsyncIterator[pb.ModelInferRequest], grpc_context: Any = None
     ) -> AsyncIterator[pb.ModelStreamInferResponse]:
         """Each request goes to its model, whose responses (zero to many for a decoupled model)
         stream back as they come; requests are answered in order, several in flight at once, and
@@ -181,6 +181,9 @@ class ServerGrpcMethods:
         pumps: set[asyncio.Task] = set()
         # (model, sequence id) -> the pump of that sequence's latest request in this stream
         sequences: dict[tuple[str, str], asyncio.Task] = {}
+        # A client's W3C trace context (the opentelemetry trace mode), from the stream's metadata.
+        metadata = dict(grpc_context.invocation_metadata()) if grpc_context is not None else {}
+        trace_context = metadata.get("traceparent")
 
         async def pump(request: pb.ModelInferRequest, out: asyncio.Queue, after: asyncio.Task | None) -> None:
             try:
@@ -188,7 +191,7 @@ class ServerGrpcMethods:
                     raise InternalError(UNPARSABLE_REQUEST)
                 if after is not None:
                     await asyncio.wait([after])
-                async for response in self._forwarder.stream(request):
+                async for response in self._forwarder.stream(request, trace_context):
                     await out.put(response)
             except Exception as exc:
                 await out.put(pb.ModelStreamInferResponse(error_message=as_serving_error(exc).message))
@@ -379,8 +382,10 @@ class ModelForwarder:
             answer_bytes = await self._new_handle(route).grpc_forwarded.remote(method, payload)
         return MODEL_RPCS[method][1].FromString(answer_bytes)
 
-    async def stream(self, request: pb.ModelInferRequest) -> AsyncIterator[pb.ModelStreamInferResponse]:
-        """The responses of one stream request, from a replica of its model by streaming handle."""
+    async def stream(self, request: pb.ModelInferRequest, trace_context: str | None = None
+                     ) -> AsyncIterator[pb.ModelStreamInferResponse]:
+        """The responses of one stream request, from a replica of its model by streaming handle
+        (``trace_context``: the client's traceparent)."""
         name, version = request.model_name, request.model_version
         if not name:
             raise InvalidArgError("the request does not name a model")
@@ -388,7 +393,7 @@ class ModelForwarder:
         if route is None:
             raise await self._api.unavailable_model(name, version or None)
         handle = self._handles.get(route) or self._new_handle(route)
-        async for payload in handle.options(stream=True).grpc_stream.remote(request.SerializeToString()):
+        async for payload in handle.options(stream=True).grpc_stream.remote(request.SerializeToString(), trace_context):
             if payload:  # an empty one ends every stream (ModelDeployment.grpc_stream)
                 yield pb.ModelStreamInferResponse.FromString(payload)
 

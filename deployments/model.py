@@ -55,7 +55,7 @@ from rayinfer.serving.executor import Result
 from rayinfer.serving.model_core import ModelCore
 from rayinfer.serving.response_cache import ResponseCache, model_fingerprint
 from rayinfer.serving.sequence_routing import FORWARDED_HEADER, SequenceRoutes
-from rayinfer.serving.trace import TraceSettings
+from rayinfer.serving.trace import TraceSettings, stamp_http_request
 from rayinfer.serving.routes import front_routed, keep_request_headers, parse_model_route
 
 logger = logging.getLogger(__name__)
@@ -164,15 +164,21 @@ class ModelDeployment:
                 return
             await asgi.send_error(send, NotFoundError(f"Not Found: {scope['method']} {scope['path']}"))
             return
+        recv_start = time.perf_counter_ns()
         try:
             body = await asgi.read_body(receive, self._max_input_size) if scope["method"] == "POST" else b""
         except ServingError as exc:
             await asgi.send_error(send, exc)
             return
         headers = keep_request_headers(scope["headers"])
+        # The trace extension's protocol stamps (and a client's trace context), as a listener's.
+        stamps = stamp_http_request(self._core.name, recv_start, scope["headers"])
         status, extra_headers, payload = await model_http.respond(self._core, scope["method"], route, headers, body,
                                                                   self._max_input_size)
+        send_start = time.perf_counter_ns()
         await asgi.send_bytes(send, status, payload, extra_headers)
+        if stamps.finish is not None:  # a traced request: its trace ends here
+            stamps.finish(send_start, time.perf_counter_ns())
 
     async def _trace_setting(self, model: str, method: str, receive: asgi.Receive, send: asgi.Send) -> None:
         try:
@@ -263,10 +269,11 @@ class ModelDeployment:
             yield result
         yield None  # the end (see _STREAM_END)
 
-    async def grpc_stream(self, payload: bytes) -> Any:
+    async def grpc_stream(self, payload: bytes, trace_context: str | None = None) -> Any:
         """One request of a gRPC stream the ``/v2`` replica forwards by streaming handle: its
-        serialized ModelStreamInferResponse messages, as the model answers them."""
-        async for message in model_grpc.stream_serialized(self._core, payload):
+        serialized ModelStreamInferResponse messages, as the model answers them
+        (``trace_context``: the client's traceparent, for the opentelemetry trace mode)."""
+        async for message in model_grpc.stream_serialized(self._core, payload, trace_context):
             yield message
         yield _STREAM_END
 
@@ -281,7 +288,7 @@ class ModelDeployment:
     def _trace_settings(self, doc: dict[str, Any]) -> None:
         """The trace extension's settings from the ``/v2`` replica: this model's apply."""
         settings = TraceSettings.from_dict(doc)
-        self._core.tracer.configure(settings.of(self._core.name), settings.version)
+        self._core.tracer.configure(settings.of(self._core.name), settings.version, settings.opentelemetry)
 
     async def _shared_memory_region(self, name: str) -> Registration | None:
         """A system shared memory region a request names that this replica has not mapped:

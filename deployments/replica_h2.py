@@ -302,7 +302,7 @@ class H2Connection(asyncio.Protocol):
                 data, fields = await relay_grpc(self._relay, path, call.headers, body)
                 self._send(call, data, b"".join(literal(name, value) for name, value in fields))
                 return
-            stamps = ProtocolStamps(self._listener.model, True, call.received, received)
+            stamps = ProtocolStamps(self._listener.model, True, call.received, received, call.headers)
             PROTOCOL_STAMPS.set(stamps)
             if self._listener.in_flight >= self._listener.max_inflight:
                 raise UnavailableError(inflight_limit_message(self._listener.max_inflight))

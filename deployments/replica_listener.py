@@ -51,7 +51,7 @@ from rayinfer.protocol.limits import (
     message_too_large,
 )
 from rayinfer.serving.routes import REQUEST_HEADERS
-from rayinfer.serving.trace import PROTOCOL_STAMPS, ProtocolStamps
+from rayinfer.serving.trace import PROTOCOL_STAMPS, TRACEPARENT, ProtocolStamps
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ GrpcHandler = Callable[[str, bytes], Awaitable[bytes]]
 HttpHandler = Callable[[str, str, dict[bytes, bytes], bytes],
                        Awaitable[tuple[int, list[tuple[bytes, bytes]], bytes | AsyncIterator[bytes]]]]
 # Request headers kept while parsing: the serving core's, and the relay's own.
-_KEPT_HEADERS = REQUEST_HEADERS | {b"grpc-encoding", b"expect"}
+_KEPT_HEADERS = REQUEST_HEADERS | {b"grpc-encoding", b"expect", TRACEPARENT}
 # (method, path as sent, the route key the door gave the connection for) -> whether the request
 # is this replica's to answer on a client's connection.
 Owns = Callable[[str, str, str], bool]
@@ -388,7 +388,8 @@ class _Connection(asyncio.Protocol):
                     if not self._pending and not self._reading and self.leave():
                         return
                     continue
-                stamps = ProtocolStamps(self._listener.model, path.startswith(SERVICE_PATH), recv_start, recv_end)
+                stamps = ProtocolStamps(self._listener.model, path.startswith(SERVICE_PATH), recv_start, recv_end,
+                                        headers.get(TRACEPARENT))
                 PROTOCOL_STAMPS.set(stamps)
                 response: bytes | StreamedResponse
                 if self._direct is not None and self._listener.in_flight >= self._listener.max_inflight:

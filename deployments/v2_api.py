@@ -128,11 +128,12 @@ class V2Api:
 
     async def report_traces(self, model: str, traces: list[dict[str, Any]]) -> None:
         """Traces a model replica took: written out, and taken off the count left (every replica
-        hears at once when that spends it; the traces of an ensemble's steps are not taken off
-        their members' counts)."""
+        hears at once when that spends it; the traces of an ensemble's steps, and those taken for
+        a client's trace context, are not taken off the count)."""
         for trace in traces:  # a step's trace follows its ensemble's settings
-            self.traces.add([trace], self.trace_settings.of(trace.get("owner") or model))
-        sampled = sum(1 for trace in traces if not trace.get("parent"))
+            if not trace.get("exported"):  # (the opentelemetry mode's spans are exported by the replicas)
+                self.traces.add([trace], self.trace_settings.of(trace.get("owner") or model))
+        sampled = sum(1 for trace in traces if trace.get("counted", True))
         if sampled and self.trace_settings.spend(model, sampled):
             await self._push_trace_settings()
 

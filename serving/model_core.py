@@ -202,11 +202,20 @@ class ModelCore:
         ensemble's levels): its first timestamps (the execution adds its own to
         ``prepared.trace``) and, at the TENSORS level, its inputs; else None."""
         link = prepared.request.trace_parent
-        trace = self.tracer.child(link) if link is not None else self.tracer.sample()
+        protocol = PROTOCOL_STAMPS.get()
+        if protocol is not None and (protocol.model != self.name or protocol.finish is not None):
+            protocol = None  # another model's request (an ensemble's, a BLS caller's)
+        if link is not None:
+            trace = self.tracer.child(link)
+        else:
+            trace = self.tracer.sample(protocol.context if protocol is not None else None)
         if trace is None:
             return None
-        prepared.trace, prepared.trace_link = trace.stamps, trace.link
         trace.stamps += [("REQUEST_START", prepared.arrival_ns), ("QUEUE_START", time.perf_counter_ns())]
+        if trace.exporter is not None:
+            received = protocol.received if protocol is not None and link is None else []
+            self.tracer.start(trace, prepared.arrival_ns, received)
+        prepared.trace, prepared.trace_link = trace.stamps, trace.link
         if trace.traces_tensors:
             trace.tensors += [tensor_activity("TENSOR_QUEUE_INPUT", t.name, t.datatype, t.data)
                               for t in prepared.request.inputs]

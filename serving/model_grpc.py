@@ -26,6 +26,7 @@ from rayinfer.protocol.grpc_codec import metadata_to_grpc, request_from_grpc, re
 from rayinfer.protocol.shared_memory import RegionMissing, decode_with_regions
 from rayinfer.protocol.statistics import stats_to_json
 from rayinfer.serving.model_core import ModelCore
+from rayinfer.serving.trace import stamp_stream_request
 
 # Request and response message of each model RPC.
 MODEL_RPCS: dict[str, tuple[Any, Any]] = {
@@ -89,10 +90,22 @@ async def call_serialized(core: ModelCore, method: str, payload: bytes) -> bytes
     return (await call(core, method, request)).SerializeToString()
 
 
-async def stream_serialized(core: ModelCore, payload: bytes) -> AsyncIterator[bytes]:
+async def stream_serialized(core: ModelCore, payload: bytes, trace_context: str | None = None
+                            ) -> AsyncIterator[bytes]:
     """One request of a ModelStreamInfer stream: its responses (zero to many for a decoupled
     model, else one) as serialized ``ModelStreamInferResponse`` messages; an error is a message
-    with ``error_message`` (the stream stays open)."""
+    with ``error_message`` (the stream stays open). ``trace_context``: the client's traceparent
+    (a stream has no protocol stamps here: its bytes were read by Serve's proxy)."""
+    stamps = stamp_stream_request(core.name, trace_context) if trace_context else None
+    try:
+        async for message in _stream_serialized(core, payload):
+            yield message
+    finally:
+        if stamps is not None and stamps.finish is not None:  # a traced request's trace ends
+            stamps.finish(0, 0)
+
+
+async def _stream_serialized(core: ModelCore, payload: bytes) -> AsyncIterator[bytes]:
     try:
         try:
             request = pb.ModelInferRequest.FromString(payload)

@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from contextvars import ContextVar
@@ -28,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from rayinfer.protocol.errors import Code, InvalidArgError, ServingError, UnsupportedError
+from rayinfer.serving import otel
 
 DEFAULTS: dict[str, Any] = {"trace_level": ["OFF"], "trace_rate": "1000", "trace_count": "-1",
                             "log_frequency": "0", "trace_file": "", "trace_mode": "triton"}
@@ -47,19 +49,33 @@ class ProtocolStamps:
     ... GRPC_SEND_END). The listener sets one per request in :data:`PROTOCOL_STAMPS`; the serving
     core of ``model`` that traces the request takes it."""
 
-    __slots__ = ("model", "grpc", "recv_start", "recv_end", "finish")
+    __slots__ = ("model", "grpc", "recv_start", "recv_end", "finish", "_context")
 
-    def __init__(self, model: str, grpc: bool, recv_start: int, recv_end: int) -> None:
+    def __init__(self, model: str, grpc: bool, recv_start: int, recv_end: int,
+                 context: bytes | list[tuple[bytes, bytes]] | None = None) -> None:
         self.model = model
         self.grpc = grpc
         self.recv_start = recv_start
         self.recv_end = recv_end
+        # The client's traceparent header, or the gRPC call's header list holding it (read
+        # only when the request is traced).
+        self._context = context
         # Set by the core tracing the request: called with the send's start and end (0 and 0:
         # the client went away before the answer was written).
         self.finish: Callable[[int, int], None] | None = None
 
     @property
+    def context(self) -> str | None:
+        """The client's W3C traceparent (header or gRPC metadata), for the opentelemetry mode."""
+        context = self._context
+        if isinstance(context, list):
+            context = next((value for name, value in context if name == TRACEPARENT), None)
+        return context.decode("latin-1") if context else None
+
+    @property
     def received(self) -> list[tuple[str, int]]:
+        if not self.recv_start:  # read by Serve's proxy: no stamps of its own
+            return []
         if self.grpc:
             return [("GRPC_WAITREAD_START", self.recv_start), ("GRPC_WAITREAD_END", self.recv_end)]
         return [("HTTP_RECV_START", self.recv_start), ("HTTP_RECV_END", self.recv_end)]
@@ -71,28 +87,54 @@ class ProtocolStamps:
         return [(f"{prefix}_SEND_START", start), (f"{prefix}_SEND_END", end)]
 
 
+# The W3C trace context header (HTTP) and metadata key (gRPC) of a client's span.
+TRACEPARENT = b"traceparent"
 # The request the current task answers, when a replica listener received it.
 PROTOCOL_STAMPS: ContextVar[ProtocolStamps | None] = ContextVar("rayinfer_protocol_stamps", default=None)
 
 
+def stamp_stream_request(model: str, context: str) -> ProtocolStamps:
+    """The stamps of a gRPC stream's request, read by Serve's proxy: only the client's trace
+    context (``traceparent``), set for the serving core of ``model`` that traces it."""
+    stamps = ProtocolStamps(model, True, 0, 0, context.encode("latin-1"))
+    PROTOCOL_STAMPS.set(stamps)
+    return stamps
+
+
+def stamp_http_request(model: str, recv_start: int, headers: list[tuple[bytes, bytes]]) -> ProtocolStamps:
+    """The stamps of an HTTP request the current task answers, read by now (Serve's ingress:
+    a listener sets its own), set for the serving core of ``model`` that traces it."""
+    stamps = ProtocolStamps(model, False, recv_start, time.perf_counter_ns(), headers)
+    PROTOCOL_STAMPS.set(stamps)
+    return stamps
+
+
 def settings_from_flags(values: list[str]) -> dict[str, Any]:
     """The server-wide settings from tritonserver's ``--trace-config`` values (``rate=N``,
-    ``level=L`` (repeatable), ``count=N``, ``mode=triton``, ``triton,file=PATH``,
-    ``triton,log-frequency=N``)."""
+    ``level=L`` (repeatable), ``count=N``, ``mode=triton|opentelemetry``, ``triton,file=PATH``,
+    ``triton,log-frequency=N``, ``opentelemetry,<setting>=<value>``); in the opentelemetry
+    mode, its exporter's settings under ``"opentelemetry"``."""
     settings = dict(DEFAULTS, trace_level=list(DEFAULTS["trace_level"]))
     levels: list[str] = []
+    exporter = otel.default_config()
     for value in values:
-        mode, _, setting = value.rpartition(",")
+        mode, _, setting = value.partition(",") if value.startswith(("triton,", "opentelemetry,")) else ("", "", value)
         key, _, number = setting.partition("=")
-        if mode not in ("", "triton"):
-            raise ValueError(f"--trace-config {value}: rayinfer traces in the 'triton' mode only")
-        if key == "level":
+        if mode not in ("", "triton", "opentelemetry"):
+            raise ValueError(f"--trace-config {value}: the mode is 'triton' or 'opentelemetry'")
+        if mode == "opentelemetry":
+            try:
+                otel.parse_setting(exporter, setting)
+            except ValueError as exc:
+                raise ValueError(f"--trace-config {value}: {exc}") from None
+        elif key == "level":
             if number not in ("OFF", *_LEVELS):
                 raise ValueError(f"--trace-config {value}: the level is OFF, TIMESTAMPS or TENSORS")
             levels = [] if number == "OFF" else [*levels, number]
         elif key == "mode":
-            if number != "triton":
-                raise ValueError(f"--trace-config {value}: rayinfer traces in the 'triton' mode only")
+            if number not in ("triton", "opentelemetry"):
+                raise ValueError(f"--trace-config {value}: the mode is 'triton' or 'opentelemetry'")
+            settings["trace_mode"] = number
         elif key == "file":
             settings["trace_file"] = os.path.abspath(number) if number else ""
         elif key in ("rate", "count", "log-frequency"):
@@ -105,6 +147,8 @@ def settings_from_flags(values: list[str]) -> dict[str, Any]:
         else:
             raise ValueError(f"--trace-config {value}: unknown setting '{key}'")
     settings["trace_level"] = [level for level in _LEVELS if level in levels] or ["OFF"]
+    if settings["trace_mode"] == "opentelemetry":
+        settings["opentelemetry"] = exporter
     return settings
 
 
@@ -187,6 +231,11 @@ class TraceSettings:
         self.version += 1
         return True
 
+    @property
+    def opentelemetry(self) -> dict[str, Any] | None:
+        """The exporter's settings in the opentelemetry mode (None in Triton's own)."""
+        return self.server.get("opentelemetry") if self.server.get("trace_mode") == "opentelemetry" else None
+
     def as_dict(self) -> dict[str, Any]:
         return {"server": self.server, "models": self.models, "version": self.version}
 
@@ -202,20 +251,30 @@ class Trace:
     ``owner``: the model whose settings (levels, file, log frequency) the trace follows, the
     sampled request's model for a trace and all its children, as in Triton."""
 
-    __slots__ = ("stamps", "tensors", "levels", "token", "parent", "owner")
+    __slots__ = ("stamps", "tensors", "levels", "token", "parent", "owner", "exporter", "spans", "context", "counted")
 
-    def __init__(self, levels: tuple[str, ...], token: str, owner: str, parent: str | None = None) -> None:
+    def __init__(self, levels: tuple[str, ...], token: str, owner: str, parent: str | None = None,
+                 exporter: otel.OtelTraces | None = None, context: str | None = None) -> None:
         self.stamps: list[tuple[str, int]] = []
         self.tensors: list[dict[str, Any]] = []
         self.levels = levels
         self.token = token
         self.owner = owner
         self.parent = parent
+        # The opentelemetry mode: the exporter, the open spans, and the W3C traceparent of the
+        # parent span (the caller's model span, or the client's span) until the spans open,
+        # then of this request's model span.
+        self.exporter = exporter
+        self.spans: otel.Spans | None = None
+        self.context = context
+        # Taken off the count: sampled by the rate (not a step, not for a client's context).
+        self.counted = parent is None and context is None
 
     @property
     def link(self) -> str:
         """What a request sent on by the traced one carries (:meth:`Tracer.child` reads it)."""
-        return f"{self.token};{','.join(self.levels)};{self.owner}"
+        context = self.context if self.spans is not None else ""
+        return f"{self.token};{','.join(self.levels)};{self.owner};{context or ''}"
 
     @property
     def traces_tensors(self) -> bool:
@@ -239,48 +298,77 @@ class Tracer:
         # Whether any request may be traced (read on every request: a plain attribute).
         self.active = False
         self._version = -1
+        self._exporter: otel.OtelTraces | None = None
 
-    def configure(self, settings: dict[str, Any], version: int = 0) -> None:
-        """New settings; the same version again (a replica registering anew) changes nothing,
-        so that the count this replica spent is not given back."""
+    def configure(self, settings: dict[str, Any], version: int = 0, opentelemetry: dict[str, Any] | None = None
+                  ) -> None:
+        """New settings (``opentelemetry``: the exporter's, in that mode); the same version
+        again (a replica registering anew) changes nothing, so that the count this replica
+        spent is not given back."""
         if version == self._version:
             return
         self._version = version
         self._levels = tuple(level for level in settings["trace_level"] if level != "OFF")
-        self._rate = max(1, int(settings["trace_rate"]))
+        self._rate = int(settings["trace_rate"])  # 0: none by rate (a client's context still is)
         self._left = int(settings["trace_count"])
-        self.active = bool(self._levels) and self._left != 0
+        self._exporter = otel.traces_for(opentelemetry) if opentelemetry is not None else None
+        # A client's trace context is traced whatever the rate and count (the opentelemetry mode).
+        self.active = bool(self._levels) and (self._left != 0 or self._exporter is not None)
 
-    def sample(self) -> Trace | None:
-        """A new trace when this request is to be traced, else None."""
-        if not self._levels or self._left == 0:
+    def sample(self, client_context: str | None = None) -> Trace | None:
+        """A new trace when this request is to be traced, else None. In the opentelemetry
+        mode, a request with its client's trace context (``client_context``) always is."""
+        if not self._levels:
+            return None
+        if client_context and self._exporter is not None:
+            return self._new(self._levels, self.model, None, self._exporter, client_context)
+        if self._left == 0 or self._rate == 0:
             return None
         self._seen += 1
         if self._seen % self._rate:
             return None
         if self._left > 0:
             self._left -= 1
-            self.active = self._left != 0
-        return self._new(self._levels, self.model)
+            self.active = self._left != 0 or self._exporter is not None
+        return self._new(self._levels, self.model, None, self._exporter)
 
     def child(self, link: str) -> Trace | None:
         """The trace of a request a traced request sent on (its :attr:`Trace.link`): taken
         whatever this model's own settings, with the sender's, as Triton traces an ensemble's
         steps; None for a link that is not one."""
-        parent, names, owner = (link.split(";", 2) + ["", ""])[:3]
+        parent, names, owner, context = (link.split(";", 3) + ["", "", ""])[:4]
         levels = tuple(level for level in _LEVELS if level in names.split(","))
-        return self._new(levels, owner, parent) if parent and levels and owner else None
+        if not (parent and levels and owner):
+            return None
+        # The opentelemetry mode: the caller's model span is the parent (an in-place step's
+        # process exports with the ensemble's exporter).
+        exporter = (self._exporter or otel.current()) if context else None
+        return self._new(levels, owner, parent, exporter, context if exporter is not None else None)
 
-    def _new(self, levels: tuple[str, ...], owner: str, parent: str | None = None) -> Trace:
+    def _new(self, levels: tuple[str, ...], owner: str, parent: str | None = None,
+             exporter: otel.OtelTraces | None = None, context: str | None = None) -> Trace:
         self._taken += 1
-        return Trace(levels, f"{self._prefix}-{self._taken}", owner, parent)
+        return Trace(levels, f"{self._prefix}-{self._taken}", owner, parent, exporter, context)
+
+    def start(self, trace: Trace, start_ns: int, received: list[tuple[str, int]]) -> None:
+        """Open the trace's spans (the opentelemetry mode), so that the requests it sends on
+        can name its model span; ``received``: the protocol's stamps of a client's request."""
+        if trace.exporter is not None:
+            trace.spans, trace.context = trace.exporter.start(self.model, start_ns, trace.context,
+                                                               trace.parent is not None, received)
 
     def finish(self, request: Any, trace: Trace, more_stamps: list[tuple[str, int]] | None = None) -> None:
         stamps = trace.stamps + more_stamps if more_stamps else trace.stamps
-        timestamps = sorted(stamps, key=lambda s: s[1]) if "TIMESTAMPS" in trace.levels else []
-        entry = {"model_name": self.model, "model_version": int(self.version) if self.version.isdigit() else 0,
-                 "request_id": request.id or "", "timestamps": timestamps, "tensors": trace.tensors,
-                 "token": trace.token, "parent": trace.parent, "owner": trace.owner}
+        entry: dict[str, Any]
+        if trace.exporter is not None and trace.spans is not None:
+            trace.exporter.end(trace.spans, self.model, self.version, request.id or "", trace.stamps, more_stamps or [])
+            # The /v2 replica only counts it (its spans are exported from here).
+            entry = {"model_name": self.model, "exported": True, "counted": trace.counted}
+        else:
+            timestamps = sorted(stamps, key=lambda s: s[1]) if "TIMESTAMPS" in trace.levels else []
+            entry = {"model_name": self.model, "model_version": int(self.version) if self.version.isdigit() else 0,
+                     "request_id": request.id or "", "timestamps": timestamps, "tensors": trace.tensors,
+                     "token": trace.token, "parent": trace.parent, "owner": trace.owner, "counted": trace.counted}
         with self._lock:
             self._traces.append(entry)
 

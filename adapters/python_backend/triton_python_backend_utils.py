@@ -141,8 +141,10 @@ class InferenceTrace:
         self._link = link
 
     def get_context(self, mode: str = "opentelemetry") -> str | None:
-        """The trace's OpenTelemetry context: None, as Triton's for a trace in its own mode."""
-        return None
+        """The trace's OpenTelemetry context as JSON (``{"traceparent": ...}``, the request's
+        model span) in the server's opentelemetry trace mode; None otherwise, as in Triton."""
+        context = self._link.split(";", 3)[3] if self._link and self._link.count(";") >= 3 else ""
+        return json.dumps({"traceparent": context}) if context and mode == "opentelemetry" else None
 
 
 class InferenceRequest:

@@ -12,6 +12,7 @@ Triton's fetch script), and simple_sequence with sequence batching.
 
 from __future__ import annotations
 
+import queue
 import shutil
 import urllib.request
 
@@ -22,7 +23,9 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from conftest import HTTP_PORT, ReadinessWatch, start_server, stop_server, stop_shared_server, tensor
+from otlp_receiver import OtlpReceiver
 from rayinfer.cluster.example_repository import write_example_repository
+from waiting import wait_until
 
 pytestmark = pytest.mark.own_cluster
 
@@ -59,7 +62,15 @@ instance_group [ { count: 1 kind: KIND_CPU } ]
 
 
 @pytest.fixture(scope="module")
-def example_server(tmp_path_factory):
+def otlp():
+    """The OTLP receiver the server exports its traces to (--trace-config mode=opentelemetry)."""
+    receiver = OtlpReceiver()
+    yield receiver
+    receiver.close()
+
+
+@pytest.fixture(scope="module")
+def example_server(tmp_path_factory, otlp):
     stop_shared_server()  # one Ray cluster at a time on a small machine
     repo = tmp_path_factory.mktemp("triton_examples")
     write_example_repository(repo)
@@ -78,6 +89,11 @@ def example_server(tmp_path_factory):
         "--model-control-mode", "explicit", *[arg for m in STARTUP_MODELS for arg in ("--load-model", m)],
         "--http-restricted-api", "statistics,logging:stats-key=s3cr3t",
         "--grpc-restricted-protocol", "statistics:stats-key=s3cr3t",
+        # Triton's OpenTelemetry mode (the rate traces none of the other tests' requests).
+        "--trace-config", "mode=opentelemetry", "--trace-config", f"opentelemetry,url={otlp.url}",
+        "--trace-config", "opentelemetry,resource=service.name=rayinfer-examples",
+        "--trace-config", "opentelemetry,bsp_schedule_delay=200", "--trace-config", "level=TIMESTAMPS",
+        "--trace-config", "rate=1000000",
         "--http-port", str(PORT),
         "--grpc-port", str(PORT + 1), "--metrics-port", str(PORT + 2), "--serve-grpc-port", str(PORT + 11),
         "--serve-http-port", str(PORT + 10),
@@ -181,3 +197,64 @@ def test_the_text_pipeline_matches_its_members_called_one_by_one(example_server,
     head = client.infer("nlp_head", [tensor(module, "embedding", embedding, "FP32")])
     np.testing.assert_array_equal(head.as_numpy("sentiment_label"), labels)
     np.testing.assert_allclose(head.as_numpy("confidence"), confidence, rtol=1e-5)
+
+
+@pytest.mark.parametrize("module", [httpclient, grpcclient], ids=["http", "grpc"])
+def test_a_clients_trace_context_is_traced_and_exported_over_otlp(example_server, otlp, module):
+    """Triton's opentelemetry mode with the client's W3C traceparent (a header over HTTP,
+    metadata over gRPC): traced though the rate would not, exported by the replicas to the OTLP
+    receiver in the client's trace. simple: InferRequest > simple > compute; the text
+    pipeline: InferRequest > nlp_ensemble > each member > its compute, as Triton nests them."""
+    trace_id = "0af7651916cd43dd8448eb211c12666c" if module is httpclient else "4bf92f3577b34da6a3ce929d0e0e4736"
+    headers = {"traceparent": f"00-{trace_id}-b7ad6b7169242424-01"}
+    client = module.InferenceServerClient(f"127.0.0.1:{PORT + (1 if module is grpcclient else 0)}")
+    a = np.arange(16, dtype=np.int32).reshape(1, 16)
+    client.infer("simple", [tensor(module, "INPUT0", a, "INT32"), tensor(module, "INPUT1", a, "INT32")],
+                 headers=headers)
+    text = np.array([["I love this great movie".encode()]], dtype=object)
+    client.infer("nlp_ensemble", [tensor(module, "raw_text", text, "BYTES")], headers=headers)
+
+    def spans() -> list[dict]:
+        return [span for span in otlp.taken() if span["trace_id"] == trace_id]
+
+    wait_until(lambda: len(spans()) >= 11, "the eleven spans of two traced requests", timeout_s=30, interval_s=0.3)
+    taken = spans()
+    by_id = {span["span_id"]: span for span in taken}
+    children: dict[str, list[str]] = {}
+    for span in taken:
+        parent = by_id.get(span["parent"])
+        if parent is not None:
+            children.setdefault(parent["name"], []).append(span["name"])
+    assert {name: sorted(names) for name, names in children.items()} == {
+        "InferRequest": ["nlp_ensemble", "simple"], "simple": ["compute"],
+        "nlp_ensemble": ["nlp_encoder", "nlp_head", "nlp_tokenizer"],
+        "nlp_tokenizer": ["compute"], "nlp_encoder": ["compute"], "nlp_head": ["compute"]}
+    roots = [span for span in taken if span["name"] == "InferRequest"]
+    assert len(roots) == 2 and {root["parent"] for root in roots} == {"b7ad6b7169242424"}
+    prefix = "GRPC" if module is grpcclient else "HTTP"
+    simple_root = by_id[next(s["parent"] for s in taken if s["name"] == "simple")]
+    assert simple_root["events"] == [f"{prefix}_RECV_START" if prefix == "HTTP" else "GRPC_WAITREAD_START",
+                                     f"{prefix}_RECV_END" if prefix == "HTTP" else "GRPC_WAITREAD_END",
+                                     "INFER_RESPONSE_COMPLETE", f"{prefix}_SEND_START", f"{prefix}_SEND_END"]
+    assert all(span["resource"]["service.name"] == "rayinfer-examples" for span in taken)
+
+
+def test_a_streams_trace_context_is_traced_too(example_server, otlp):
+    """A gRPC stream opened with the client's traceparent: its request to simple is traced in the
+    client's trace (InferRequest > simple > compute)."""
+    trace_id = "5bf92f3577b34da6a3ce929d0e0e4737"
+    answers: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{PORT + 1}")
+    client.start_stream(callback=lambda result, error: answers.put(error or result),
+                        headers={"traceparent": f"00-{trace_id}-b7ad6b7169242424-01"}, stream_timeout=60)
+    a = np.arange(16, dtype=np.int32).reshape(1, 16)
+    client.async_stream_infer("simple", [tensor(grpcclient, "INPUT0", a, "INT32"), tensor(grpcclient, "INPUT1", a, "INT32")])
+    answer = answers.get(timeout=60)
+    client.stop_stream()
+    assert not isinstance(answer, Exception), answer
+    spans = wait_until(lambda: len(s := [x for x in otlp.taken() if x["trace_id"] == trace_id]) >= 3 and s,
+                       "the stream request's three spans", timeout_s=30, interval_s=0.3)
+    by_id = {span["span_id"]: span for span in spans}
+    assert sorted((span["name"], by_id[span["parent"]]["name"] if span["parent"] in by_id else span["parent"])
+                  for span in spans) == [("InferRequest", "b7ad6b7169242424"), ("compute", "simple"),
+                                         ("simple", "InferRequest")]

@@ -267,7 +267,7 @@ def test_trace_config_reaches_the_server_app(repository: Path) -> None:
     assert server_args["trace_config"] == ["triton,file=/tmp/t.json", "level=TIMESTAMPS", "rate=5"]
 
 
-@pytest.mark.parametrize("value", ["opentelemetry,url=x", "level=LOUD", "rate=fast", "colour=red"])
+@pytest.mark.parametrize("value", ["zipkin,url=x", "opentelemetry,colour=red", "level=LOUD", "rate=fast", "colour=red"])
 def test_a_trace_config_rayinfer_cannot_serve_is_one_line(repository: Path, capsys: pytest.CaptureFixture[str],
                                                          value: str) -> None:
     line = exit_line(capsys, ["serve", "--model-repository", str(repository), "--trace-config", value])

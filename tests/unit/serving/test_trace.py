@@ -18,7 +18,7 @@ def test_flags_give_the_server_settings() -> None:
                                     "level=TENSORS", "level=TIMESTAMPS", "count=3"])
     assert settings == {"trace_level": ["TIMESTAMPS", "TENSORS"], "trace_rate": "10", "trace_count": "3",
                         "log_frequency": "5", "trace_file": "/tmp/t.json", "trace_mode": "triton"}
-    for wrong in (["opentelemetry,url=x"], ["level=LOUD"], ["rate=x"], ["count=-5"], ["colour=red"]):
+    for wrong in (["zipkin,url=x"], ["level=LOUD"], ["rate=x"], ["count=-5"], ["colour=red"]):
         with pytest.raises(ValueError):
             settings_from_flags(wrong)
 
@@ -53,6 +53,8 @@ def test_the_tracer_samples_every_rate_th_request_until_the_count_is_spent() -> 
     assert not tracer.active  # a replica registering anew does not get its spent count back
     tracer.configure({"trace_level": ["TIMESTAMPS"], "trace_rate": "1", "trace_count": "1"}, version=1)
     assert tracer.sample() is not None and tracer.sample() is None
+    tracer.configure({"trace_level": ["TIMESTAMPS"], "trace_rate": "0", "trace_count": "-1"}, version=2)
+    assert all(tracer.sample() is None for _ in range(5))  # rate 0: none (as in Triton)
 
 
 def test_a_spent_count_is_a_new_version_for_the_replicas() -> None:
