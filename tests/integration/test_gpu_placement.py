@@ -20,7 +20,7 @@ from waiting import wait_until
 pytestmark = pytest.mark.own_cluster
 
 PORT = HTTP_PORT + 200
-GPU_WAIT_S = 15
+GPU_WAIT_S = 8
 
 PROBE = '''import json, os
 import numpy as np
