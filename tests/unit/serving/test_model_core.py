@@ -203,12 +203,16 @@ class _Repeat:
         return None
 
 
-def test_a_decoupled_executor_streams_zero_to_many_responses(tmp_path: Path) -> None:
+def _decoupled_spec(tmp_path: Path, name: str) -> Any:
     config = text_format.Parse(
-        'name: "repeat" backend: "python" max_batch_size: 0 '
+        f'name: "{name}" backend: "python" max_batch_size: 0 '
         'input [ { name: "IN" data_type: TYPE_INT32 dims: [ 1 ] } ] '
         'output [ { name: "OUT" data_type: TYPE_INT32 dims: [ 1 ] } ]', ModelConfig())
-    spec = spec_from_config(config, tmp_path / "config.pbtxt")
+    return spec_from_config(config, tmp_path / "config.pbtxt")
+
+
+def test_a_decoupled_executor_streams_zero_to_many_responses(tmp_path: Path) -> None:
+    spec = _decoupled_spec(tmp_path, "repeat")
 
     def request(count: int) -> InferRequest:
         return InferRequest("repeat", inputs=[InferInput("IN", "INT32", (1,), np.array([count], dtype=np.int32))])
@@ -230,15 +234,8 @@ def test_a_decoupled_executor_streams_zero_to_many_responses(tmp_path: Path) -> 
     assert status == 501 and "decoupled transaction policy" in json.loads(body)["error"]
 
 
-class _FinalFirst:
+class _FinalFirst(_Repeat):
     """A decoupled executor that sends its final response and returns 50 ms later."""
-
-    decoupled = True
-    version = "1"
-
-    def __init__(self, spec: Any) -> None:
-        self.spec = spec
-        self.stats = ModelStatistics()
 
     def prepare(self, request: InferRequest) -> Any:
         return type("Prepared", (), {"request": request, "rows": 1, "sender": None, "arrival_ns": time.perf_counter_ns(),
@@ -254,10 +251,7 @@ class _FinalFirst:
 def test_a_decoupled_requests_trace_ends_when_its_execution_has_returned(tmp_path: Path) -> None:
     """The final response may reach the caller before ``execute`` returns: the trace is taken
     once both happened, with the execution's timestamps and REQUEST_END last."""
-    config = text_format.Parse('name: "final_first" backend: "python" max_batch_size: 0 '
-                               'input [ { name: "IN" data_type: TYPE_INT32 dims: [ 1 ] } ] '
-                               'output [ { name: "OUT" data_type: TYPE_INT32 dims: [ 1 ] } ]', ModelConfig())
-    core = ModelCore(_FinalFirst(spec_from_config(config, tmp_path / "config.pbtxt")), ["1"])
+    core = ModelCore(_FinalFirst(_decoupled_spec(tmp_path, "final_first")), ["1"])
     core.tracer.configure({"trace_level": ["TIMESTAMPS"], "trace_rate": "1", "trace_count": "-1"}, version=1)
 
     async def main() -> tuple[int, list[Any]]:
