@@ -15,6 +15,7 @@ from tritonclient.utils import InferenceServerException
 
 from conftest import tensor
 from ensemble_models import ENSEMBLE_MODELS
+from trace_files import ORDER, trace_files, trace_settings, traces_by_id
 from waiting import wait_until
 
 
@@ -366,3 +367,43 @@ def test_steps_in_place_follow_their_member_unloaded_and_loaded_again(server):
                         "the step to run in place again")
     assert direct_pid != in_place_pid
     np.testing.assert_array_equal(result.as_numpy("SUM2"), 2 * (a + b))
+
+
+@pytest.mark.parametrize("ensemble", ["ens_chain", "ens_in_place"])
+def test_an_ensembles_steps_are_traced_as_its_children(proto, server, ensemble):
+    """One traced request to an ensemble of two steps (``ens_chain``: to the members' replicas;
+    ``ens_in_place``: run in the ensemble's replica): Triton's child traces, one per step, the
+    member's name and timestamps and the ensemble's trace id as ``parent_id``; the steps follow
+    the ensemble's settings and do not spend the members' counts."""
+    module, client = proto
+    before = trace_files(server["trace_file"])
+    client.update_trace_settings(model_name=ensemble, settings={
+        "trace_level": ["TIMESTAMPS"], "trace_rate": "1", "trace_count": "1", "log_frequency": "1"})
+    a = np.arange(16, dtype=np.int32).reshape(1, 16)
+    inputs = [module.InferInput(name, [1, 16], "INT32") for name in ("A", "B")]
+    for tensor in inputs:
+        tensor.set_data_from_numpy(a)
+    try:
+        client.infer(ensemble, inputs)
+        new = wait_until(lambda: len(files := trace_files(server["trace_file"]) - before) >= 3 and files,
+                         "three trace files", timeout_s=30, interval_s=0.3)
+        assert trace_settings(module, client, ensemble)["trace_count"] == "0"
+        assert trace_settings(module, client, "simple")["trace_count"] == "-1"
+    finally:
+        client.update_trace_settings(model_name=ensemble, settings={
+            "trace_level": None, "trace_rate": None, "trace_count": None, "log_frequency": None})
+    traces = traces_by_id(new)
+    heads = {trace_id: entries[0] for trace_id, entries in traces.items()}
+    (parent_id,) = [i for i, head in heads.items() if head["model_name"] == ensemble]
+    assert heads[parent_id]["parent_id"] == 0
+    steps = sorted((head["model_name"], head["parent_id"]) for i, head in heads.items() if i != parent_id)
+    members = ["simple", "simple"] if ensemble == "ens_chain" else ["ens_pid_double", "simple"]
+    assert steps == [(member, parent_id) for member in members]
+    for trace_id, entries in traces.items():
+        stamps = [s for e in entries for s in e.get("timestamps", [])]
+        names = [s["name"] for s in stamps]
+        if trace_id == parent_id:
+            assert names[0] in ("HTTP_RECV_START", "GRPC_WAITREAD_START") and "REQUEST_END" in names
+        else:  # a step: no protocol of its own
+            assert names == ORDER
+        assert all(a["ns"] <= b["ns"] for a, b in zip(stamps, stamps[1:]))

@@ -5,9 +5,7 @@ timestamps (and tensors) for the requests the rate samples."""
 
 from __future__ import annotations
 
-import json
 import queue
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -15,18 +13,8 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
+from trace_files import ORDER, trace_files, trace_settings, traces_by_id
 from waiting import wait_until
-
-ORDER = ["REQUEST_START", "QUEUE_START", "COMPUTE_START", "COMPUTE_INPUT_END", "COMPUTE_OUTPUT_START", "COMPUTE_END",
-         "REQUEST_END"]
-
-
-def _settings(module: Any, client: Any, model: str | None = None) -> dict[str, Any]:
-    if module is grpcclient:
-        doc = client.get_trace_settings(model_name=model, as_json=True)["settings"]
-        return {k: v.get("value", []) if k == "trace_level" else (v.get("value") or [""])[0] for k, v in doc.items()}
-    return client.get_trace_settings(model_name=model)
-
 
 def _update(module: Any, client: Any, settings: dict[str, Any], model: str | None = None) -> None:
     client.update_trace_settings(model_name=model, settings=settings)
@@ -41,21 +29,9 @@ def _infer(module: Any, client: Any, times: int) -> None:
         client.infer("simple", inputs)
 
 
-def _files(trace_file: Path) -> set[Path]:
-    return set(trace_file.parent.glob(trace_file.name + ".*"))
-
-
-def _traces(paths: set[Path]) -> dict[int, list[dict[str, Any]]]:
-    by_id: dict[int, list[dict[str, Any]]] = {}
-    for path in paths:
-        for entry in json.loads(path.read_text()):
-            by_id.setdefault(entry["id"], []).append(entry)
-    return by_id
-
-
 def test_the_server_settings_come_from_the_command_line(proto: tuple[Any, Any], server: dict) -> None:
     module, client = proto
-    assert _settings(module, client) == {"trace_level": ["OFF"], "trace_rate": "1000", "trace_count": "-1",
+    assert trace_settings(module, client) == {"trace_level": ["OFF"], "trace_rate": "1000", "trace_count": "-1",
                                          "log_frequency": "0", "trace_file": str(server["trace_file"]),
                                          "trace_mode": "triton"}
     metadata = client.get_server_metadata()
@@ -65,19 +41,19 @@ def test_the_server_settings_come_from_the_command_line(proto: tuple[Any, Any], 
 
 def test_a_models_settings_trace_its_requests_to_files(proto: tuple[Any, Any], server: dict) -> None:
     module, client = proto
-    before = _files(server["trace_file"])
+    before = trace_files(server["trace_file"])
     _update(module, client, {"trace_level": ["TIMESTAMPS", "TENSORS"], "trace_rate": "2", "log_frequency": "1"},
             "simple")
     try:
-        assert _settings(module, client, "simple")["trace_level"] == ["TIMESTAMPS", "TENSORS"]
-        assert _settings(module, client)["trace_level"] == ["OFF"]  # the server's stay
+        assert trace_settings(module, client, "simple")["trace_level"] == ["TIMESTAMPS", "TENSORS"]
+        assert trace_settings(module, client)["trace_level"] == ["OFF"]  # the server's stay
         _infer(module, client, 4)  # every second request: two traces, one file each
-        new = wait_until(lambda: len(_files(server["trace_file"]) - before) >= 2 and _files(server["trace_file"]) - before,
+        new = wait_until(lambda: len(trace_files(server["trace_file"]) - before) >= 2 and trace_files(server["trace_file"]) - before,
                          "two trace files", timeout_s=30, interval_s=0.3)
     finally:
         _update(module, client, {"trace_level": None, "trace_rate": None, "log_frequency": None}, "simple")
-    assert _settings(module, client, "simple") == _settings(module, client)
-    traces = _traces(new)
+    assert trace_settings(module, client, "simple") == trace_settings(module, client)
+    traces = traces_by_id(new)
     assert len(traces) == 2
     for entries in traces.values():
         assert entries[0]["model_name"] == "simple" and entries[0]["model_version"] == 1
@@ -97,14 +73,14 @@ def test_a_models_settings_trace_its_requests_to_files(proto: tuple[Any, Any], s
 
 def test_the_count_stops_tracing(proto: tuple[Any, Any], server: dict) -> None:
     module, client = proto
-    before = _files(server["trace_file"])
+    before = trace_files(server["trace_file"])
     _update(module, client, {"trace_level": ["TIMESTAMPS"], "trace_rate": "1", "trace_count": "1",
                              "log_frequency": "1"}, "simple")
     try:
         _infer(module, client, 3)
-        wait_until(lambda: _settings(module, client, "simple")["trace_count"] == "0", "the count to reach 0",
+        wait_until(lambda: trace_settings(module, client, "simple")["trace_count"] == "0", "the count to reach 0",
                    timeout_s=30, interval_s=0.3)
-        assert len(_traces(_files(server["trace_file"]) - before)) == 1
+        assert len(traces_by_id(trace_files(server["trace_file"]) - before)) == 1
     finally:
         _update(module, client, {"trace_level": None, "trace_rate": None, "trace_count": None, "log_frequency": None},
                 "simple")
@@ -114,7 +90,7 @@ def test_a_decoupled_models_request_is_traced_to_its_final_response(server: dict
     """``py_repeat`` (decoupled) on a gRPC stream: one trace for the request, Triton's timestamps
     in order up to the final response, and at the TENSORS level each response's output."""
     client = grpcclient.InferenceServerClient(server["grpc_url"])
-    before = _files(server["trace_file"])
+    before = trace_files(server["trace_file"])
     _update(grpcclient, client, {"trace_level": ["TIMESTAMPS", "TENSORS"], "trace_rate": "1", "log_frequency": "1"},
             "py_repeat")
     answers: queue.Queue = queue.Queue()
@@ -125,12 +101,12 @@ def test_a_decoupled_models_request_is_traced_to_its_final_response(server: dict
         client.async_stream_infer("py_repeat", [inp])
         outs = [answers.get(timeout=30) for _ in range(3)]
         client.stop_stream()
-        new = wait_until(lambda: _files(server["trace_file"]) - before, "a trace file", timeout_s=30, interval_s=0.3)
+        new = wait_until(lambda: trace_files(server["trace_file"]) - before, "a trace file", timeout_s=30, interval_s=0.3)
     finally:
         _update(grpcclient, client, {"trace_level": None, "trace_rate": None, "log_frequency": None}, "py_repeat")
         client.close()
     assert [int(o.as_numpy("OUT")[0]) for o in outs] == [4, 5, 6]
-    traces = _traces(new)
+    traces = traces_by_id(new)
     assert len(traces) == 1
     entries = next(iter(traces.values()))
     assert entries[0]["model_name"] == "py_repeat"
@@ -142,51 +118,11 @@ def test_a_decoupled_models_request_is_traced_to_its_final_response(server: dict
     assert outputs == ["4", "5", "6"]
 
 
-@pytest.mark.parametrize("ensemble", ["ens_chain", "ens_in_place"])
-def test_an_ensembles_steps_are_traced_as_its_children(proto: tuple[Any, Any], server: dict, ensemble: str) -> None:
-    """One traced request to an ensemble of two steps (``ens_chain``: to the members' replicas;
-    ``ens_in_place``: run in the ensemble's replica): Triton's child traces, one per step, the
-    member's name and timestamps and the ensemble's trace id as ``parent_id``; the steps follow
-    the ensemble's settings and do not spend the members' counts."""
-    module, client = proto
-    before = _files(server["trace_file"])
-    _update(module, client, {"trace_level": ["TIMESTAMPS"], "trace_rate": "1", "trace_count": "1",
-                             "log_frequency": "1"}, ensemble)
-    a = np.arange(16, dtype=np.int32).reshape(1, 16)
-    inputs = [module.InferInput(name, [1, 16], "INT32") for name in ("A", "B")]
-    for tensor in inputs:
-        tensor.set_data_from_numpy(a)
-    try:
-        client.infer(ensemble, inputs)
-        new = wait_until(lambda: len(_files(server["trace_file"]) - before) >= 3 and _files(server["trace_file"]) - before,
-                         "three trace files", timeout_s=30, interval_s=0.3)
-        assert _settings(module, client, ensemble)["trace_count"] == "0"
-        assert _settings(module, client, "simple")["trace_count"] == "-1"
-    finally:
-        _update(module, client, {"trace_level": None, "trace_rate": None, "trace_count": None, "log_frequency": None},
-                ensemble)
-    traces = _traces(new)
-    heads = {trace_id: entries[0] for trace_id, entries in traces.items()}
-    (parent_id,) = [i for i, head in heads.items() if head["model_name"] == ensemble]
-    assert heads[parent_id]["parent_id"] == 0
-    steps = sorted((head["model_name"], head["parent_id"]) for i, head in heads.items() if i != parent_id)
-    members = ["simple", "simple"] if ensemble == "ens_chain" else ["ens_pid_double", "simple"]
-    assert steps == [(member, parent_id) for member in members]
-    for trace_id, entries in traces.items():
-        stamps = [s for e in entries for s in e.get("timestamps", [])]
-        names = [s["name"] for s in stamps]
-        if trace_id == parent_id:
-            assert names[0] in ("HTTP_RECV_START", "GRPC_WAITREAD_START") and "REQUEST_END" in names
-        else:  # a step: no protocol of its own
-            assert names == ORDER
-        assert all(a["ns"] <= b["ns"] for a, b in zip(stamps, stamps[1:]))
-
-
 def test_a_bls_request_given_its_requests_trace_is_traced_as_its_child(proto: tuple[Any, Any], server: dict) -> None:
     """``py_bls`` passes ``trace=request.trace()`` to its BLS request, as Triton's BLS tracing
     does: one traced request gives its own trace and its call's to ``nobatch``, a child."""
     module, client = proto
-    before = _files(server["trace_file"])
+    before = trace_files(server["trace_file"])
     _update(module, client, {"trace_level": ["TIMESTAMPS"], "trace_rate": "1", "trace_count": "1",
                              "log_frequency": "1"}, "py_bls")
     inputs = [module.InferInput("INPUT0", [16], "INT32"), module.InferInput("INPUT1", [16], "INT32"),
@@ -196,12 +132,12 @@ def test_a_bls_request_given_its_requests_trace_is_traced_as_its_child(proto: tu
     inputs[2].set_data_from_numpy(np.array([b"nobatch"], dtype=object))
     try:
         client.infer("py_bls", inputs)
-        new = wait_until(lambda: len(_files(server["trace_file"]) - before) >= 2 and _files(server["trace_file"]) - before,
+        new = wait_until(lambda: len(trace_files(server["trace_file"]) - before) >= 2 and trace_files(server["trace_file"]) - before,
                          "two trace files", timeout_s=30, interval_s=0.3)
     finally:
         _update(module, client, {"trace_level": None, "trace_rate": None, "trace_count": None, "log_frequency": None},
                 "py_bls")
-    heads = {trace_id: entries[0] for trace_id, entries in _traces(new).items()}
+    heads = {trace_id: entries[0] for trace_id, entries in traces_by_id(new).items()}
     (parent_id,) = [i for i, head in heads.items() if head["model_name"] == "py_bls"]
     assert sorted((h["model_name"], h["parent_id"]) for h in heads.values()) == [("nobatch", parent_id), ("py_bls", 0)]
 
@@ -218,4 +154,4 @@ def test_wrong_settings_get_tritons_errors(proto: tuple[Any, Any]) -> None:
         with pytest.raises(InferenceServerException) as caught:
             _update(module, client, settings, model)
         assert message in str(caught.value)
-    assert _settings(module, client)["trace_rate"] == "1000"
+    assert trace_settings(module, client)["trace_rate"] == "1000"

@@ -13,6 +13,7 @@ Triton's fetch script), and simple_sequence with sequence batching.
 from __future__ import annotations
 
 import queue
+import re
 import shutil
 import urllib.request
 
@@ -83,6 +84,7 @@ def example_server(tmp_path_factory, otlp):
     (repo / "simple_sequence" / "config.pbtxt").write_text(SEQUENCE)
     (repo / "simple_sequence" / "1" / "model.graphdef").write_bytes(b"\0")
     log = tmp_path_factory.mktemp("triton_examples_server") / "rayinfer.log"
+    log_file = log.with_name("log-file.log")
     watch = ReadinessWatch(PORT, STARTUP_MODELS)
     watch.start()
     proc = start_server(repo, log, [
@@ -94,13 +96,14 @@ def example_server(tmp_path_factory, otlp):
         "--trace-config", "opentelemetry,resource=service.name=rayinfer-examples",
         "--trace-config", "opentelemetry,bsp_schedule_delay=200", "--trace-config", "level=TIMESTAMPS",
         "--trace-config", "rate=1000000",
+        "--log-file", str(log_file),
         "--http-port", str(PORT),
         "--grpc-port", str(PORT + 1), "--metrics-port", str(PORT + 2), "--serve-grpc-port", str(PORT + 11),
         "--serve-http-port", str(PORT + 10),
     ])
     watch.stop()
     try:
-        yield log, watch.models_ready
+        yield log, watch.models_ready, log_file
     finally:
         stop_server(proc)
 
@@ -258,3 +261,17 @@ def test_a_streams_trace_context_is_traced_too(example_server, otlp):
     assert sorted((span["name"], by_id[span["parent"]]["name"] if span["parent"] in by_id else span["parent"])
                   for span in spans) == [("InferRequest", "b7ad6b7169242424"), ("compute", "simple"),
                                          ("simple", "InferRequest")]
+
+
+def test_the_log_file_holds_the_servers_and_the_model_replicas_lines(example_server):
+    """--log-file (tritonserver's flag): the CLI's lines and every model replica's, in Triton's
+    format, go to the file; the logging extension reports it (behind its restriction here)."""
+    log_file = example_server[2]
+    text = wait_until(lambda: "loaded model 'nlp_head'" in (t := log_file.read_text()) and t,
+                      "the model replicas' lines in the log file", timeout_s=30, interval_s=0.3)
+    line = r"^I\d{4} \d\d:\d\d:\d\d\.\d{6} +\d+ %s\.py:\d+\] %s"
+    for source, message in (("loader", "loaded model 'simple' version 1"), ("loader", "loaded model 'nlp_tokenizer'"),
+                            ("control", "model 'simple' is ready")):
+        assert re.search(line % (source, re.escape(message)), text, re.M), message
+    with httpclient.InferenceServerClient(f"127.0.0.1:{PORT}") as client:
+        assert client.get_log_settings(headers={"stats-key": "s3cr3t"})["log_file"] == str(log_file)
