@@ -49,8 +49,7 @@ from rayinfer.protocol.types import InferRequest, InferResponse
 from rayinfer.repository.ensemble import is_ensemble
 from rayinfer.repository.model_config import config_to_json, read_config
 from rayinfer.repository.object_store import local_repository
-from rayinfer.serving import model_grpc, model_http
-from rayinfer.serving import response_cache
+from rayinfer.serving import model_grpc, model_http, otel, response_cache
 from rayinfer.serving.executor import Result
 from rayinfer.serving.model_core import ModelCore
 from rayinfer.serving.response_cache import ResponseCache, model_fingerprint
@@ -71,6 +70,8 @@ _LISTENER_REGISTER_INTERVAL_S = 2.0
 _STREAM_END = b""
 # How long a replica being stopped waits for the calls its listener is answering.
 _LISTENER_DRAIN_S = 10.0
+# How long a replica being stopped waits for its last spans to be exported (opentelemetry mode).
+_SPAN_FLUSH_MS = 5000
 # How long a replica waits for the /v2 replica to tell it a shared memory region's registration.
 _SHM_FETCH_S = 10.0
 # A model's trace settings, which Serve routes to the model's application (its route prefix).
@@ -376,6 +377,9 @@ class ModelDeployment:
             client = getattr(self, name, None)
             if client is not None:
                 client.close()
+        exporter = otel.current()
+        if exporter is not None:  # the opentelemetry trace mode: spans not yet exported go now
+            await asyncio.to_thread(exporter.provider.force_flush, _SPAN_FLUSH_MS)
 
 
 def _response_cache(model_dir: Path, runner: Any, size_bytes: int) -> ResponseCache | None:
