@@ -54,7 +54,8 @@ from rayinfer.serving.executor import Result
 from rayinfer.serving.model_core import ModelCore
 from rayinfer.serving.response_cache import ResponseCache, model_fingerprint
 from rayinfer.serving.sequence_routing import FORWARDED_HEADER, SequenceRoutes
-from rayinfer.serving.trace import TraceSettings, stamp_http_request
+from rayinfer.serving.protocol_stamps import stamp_http_request
+from rayinfer.serving.trace import TraceSettings
 from rayinfer.serving.routes import front_routed, keep_request_headers, parse_model_route
 
 logger = logging.getLogger(__name__)

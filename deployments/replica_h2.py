@@ -37,7 +37,7 @@ from rayinfer.protocol.grpc_wire import (
     trailers, unframe, unpadded, window_update,
 )
 from rayinfer.protocol.limits import GRPC_MAX_MESSAGE_SIZE, inflight_limit_message, message_too_large
-from rayinfer.serving.trace import PROTOCOL_STAMPS, ProtocolStamps
+from rayinfer.serving.protocol_stamps import PROTOCOL_STAMPS, ProtocolStamps
 
 logger = logging.getLogger(__name__)
 

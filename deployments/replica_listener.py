@@ -51,7 +51,7 @@ from rayinfer.protocol.limits import (
     message_too_large,
 )
 from rayinfer.serving.routes import REQUEST_HEADERS
-from rayinfer.serving.trace import PROTOCOL_STAMPS, TRACEPARENT, ProtocolStamps
+from rayinfer.serving.protocol_stamps import PROTOCOL_STAMPS, TRACEPARENT, ProtocolStamps
 
 logger = logging.getLogger(__name__)
 

@@ -21,7 +21,8 @@ from rayinfer.protocol.types import InferRequest, InferResponse
 from rayinfer.repository.model_config import config_to_json
 from rayinfer.serving.batcher import DynamicBatcher, QueueFullError
 from rayinfer.serving.response_cache import ResponseCache
-from rayinfer.serving.trace import PROTOCOL_STAMPS, Trace, Tracer, tensor_activity
+from rayinfer.serving.protocol_stamps import PROTOCOL_STAMPS
+from rayinfer.serving.trace import Trace, Tracer, tensor_activity
 from rayinfer.serving.sequencer import SequenceBatcher
 from rayinfer.serving.executor import BlockingSender, Executor, ResponseSender, Result
 

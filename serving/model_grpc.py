@@ -26,7 +26,7 @@ from rayinfer.protocol.grpc_codec import metadata_to_grpc, request_from_grpc, re
 from rayinfer.protocol.shared_memory import RegionMissing, decode_with_regions
 from rayinfer.protocol.statistics import stats_to_json
 from rayinfer.serving.model_core import ModelCore
-from rayinfer.serving.trace import stamp_stream_request
+from rayinfer.serving.protocol_stamps import stamp_stream_request
 
 # Request and response message of each model RPC.
 MODEL_RPCS: dict[str, tuple[Any, Any]] = {

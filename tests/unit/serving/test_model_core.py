@@ -235,7 +235,11 @@ def test_a_decoupled_executor_streams_zero_to_many_responses(tmp_path: Path) -> 
 
 
 class _FinalFirst(_Repeat):
-    """A decoupled executor that sends its final response and returns 50 ms later."""
+    """A decoupled executor that sends its final response, then returns only once released."""
+
+    def __init__(self, spec: Any) -> None:
+        super().__init__(spec)
+        self.release = threading.Event()
 
     def prepare(self, request: InferRequest) -> Any:
         return type("Prepared", (), {"request": request, "rows": 1, "sender": None, "arrival_ns": time.perf_counter_ns(),
@@ -244,25 +248,31 @@ class _FinalFirst(_Repeat):
     def execute(self, batch: list[Any]) -> None:
         for prepared in batch:
             prepared.sender.send(InferResponse("final_first", "1", []), final=True)
-        threading.Event().wait(0.05)
+        self.release.wait(10)
         return None
 
 
 def test_a_decoupled_requests_trace_ends_when_its_execution_has_returned(tmp_path: Path) -> None:
     """The final response may reach the caller before ``execute`` returns: the trace is taken
     once both happened, with the execution's timestamps and REQUEST_END last."""
-    core = ModelCore(_FinalFirst(_decoupled_spec(tmp_path, "final_first")), ["1"])
+    executor = _FinalFirst(_decoupled_spec(tmp_path, "final_first"))
+    core = ModelCore(executor, ["1"])
     core.tracer.configure({"trace_level": ["TIMESTAMPS"], "trace_rate": "1", "trace_count": "-1"}, version=1)
+    finish = core.tracer.finish
 
     async def main() -> tuple[int, list[Any]]:
+        finished = asyncio.Event()
+
+        def finish_and_tell(*args: Any) -> None:
+            finish(*args)
+            finished.set()
+
+        core.tracer.finish = finish_and_tell  # type: ignore[method-assign]
         responses = [r async for r in core.stream(core.prepare(InferRequest("final_first")))]
-        early = len(core.tracer.collect())  # the execution has not returned yet
-        for _ in range(200):
-            traces = core.tracer.collect()
-            if traces:
-                return early + len(responses), traces
-            await asyncio.sleep(0.01)
-        return early, []
+        early = len(core.tracer.collect())  # the execution has not returned yet: no trace
+        executor.release.set()
+        await asyncio.wait_for(finished.wait(), 10)
+        return len(responses) - early, core.tracer.collect()
 
     answered, traces = asyncio.run(main())
     assert answered == 1 and len(traces) == 1

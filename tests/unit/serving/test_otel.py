@@ -22,7 +22,8 @@ from rayinfer.cluster.example_repository import add_sub_model, write_model
 from rayinfer.protocol.types import InferInput, InferRequest
 from rayinfer.serving import otel
 from rayinfer.serving.model_core import ModelCore
-from rayinfer.serving.trace import PROTOCOL_STAMPS, ProtocolStamps, TraceSettings, settings_from_flags
+from rayinfer.serving.protocol_stamps import PROTOCOL_STAMPS, ProtocolStamps
+from rayinfer.serving.trace import TraceSettings, settings_from_flags
 from waiting import wait_until
 
 CONFIG = """platform: "onnxruntime_onnx"

@@ -124,7 +124,7 @@ def test_a_traced_requests_steps_are_traced_as_its_children(tmp_path: Path) -> N
 
 
 def test_protocol_stamps_name_the_protocol_and_may_have_no_send():
-    from rayinfer.serving.trace import ProtocolStamps
+    from rayinfer.serving.protocol_stamps import ProtocolStamps
 
     http = ProtocolStamps("m", False, 10, 20)
     assert http.received == [("HTTP_RECV_START", 10), ("HTTP_RECV_END", 20)]

@@ -1,0 +1,77 @@
+"""What a request's protocol adds to its trace: when its bytes arrived at the replica and when its
+answer left (Triton's HTTP_RECV_START ... HTTP_SEND_END, or GRPC_WAITREAD_START ...
+GRPC_SEND_END), and the client's W3C trace context. Whoever reads a request (a replica's
+listener, Serve's HTTP ingress, a gRPC stream's forwarded request) sets the current task's
+:data:`PROTOCOL_STAMPS`; the serving core that traces the request takes them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from contextvars import ContextVar
+
+class ProtocolStamps:
+    """When a request's bytes arrived at a replica's listener, and the trace that waits for
+    when its response leaves (Triton's HTTP_RECV_START ... HTTP_SEND_END, or GRPC_WAITREAD_START
+    ... GRPC_SEND_END). The listener sets one per request in :data:`PROTOCOL_STAMPS`; the serving
+    core of ``model`` that traces the request takes it."""
+
+    __slots__ = ("model", "grpc", "recv_start", "recv_end", "finish", "_context")
+
+    def __init__(self, model: str, grpc: bool, recv_start: int, recv_end: int,
+                 context: bytes | list[tuple[bytes, bytes]] | None = None) -> None:
+        self.model = model
+        self.grpc = grpc
+        self.recv_start = recv_start
+        self.recv_end = recv_end
+        # The client's traceparent header, or the gRPC call's header list holding it (read
+        # only when the request is traced).
+        self._context = context
+        # Set by the core tracing the request: called with the send's start and end (0 and 0:
+        # the client went away before the answer was written).
+        self.finish: Callable[[int, int], None] | None = None
+
+    @property
+    def context(self) -> str | None:
+        """The client's W3C traceparent (header or gRPC metadata), for the opentelemetry mode."""
+        context = self._context
+        if isinstance(context, list):
+            context = next((value for name, value in context if name == TRACEPARENT), None)
+        return context.decode("latin-1") if context else None
+
+    @property
+    def received(self) -> list[tuple[str, int]]:
+        if not self.recv_start:  # read by Serve's proxy: no stamps of its own
+            return []
+        if self.grpc:
+            return [("GRPC_WAITREAD_START", self.recv_start), ("GRPC_WAITREAD_END", self.recv_end)]
+        return [("HTTP_RECV_START", self.recv_start), ("HTTP_RECV_END", self.recv_end)]
+
+    def send_stamps(self, start: int, end: int) -> list[tuple[str, int]]:
+        if not start:
+            return []
+        prefix = "GRPC" if self.grpc else "HTTP"
+        return [(f"{prefix}_SEND_START", start), (f"{prefix}_SEND_END", end)]
+
+
+# The W3C trace context header (HTTP) and metadata key (gRPC) of a client's span.
+TRACEPARENT = b"traceparent"
+# The request the current task answers, when a replica listener received it.
+PROTOCOL_STAMPS: ContextVar[ProtocolStamps | None] = ContextVar("rayinfer_protocol_stamps", default=None)
+
+
+def stamp_stream_request(model: str, context: str) -> ProtocolStamps:
+    """The stamps of a gRPC stream's request, read by Serve's proxy: only the client's trace
+    context (``traceparent``), set for the serving core of ``model`` that traces it."""
+    stamps = ProtocolStamps(model, True, 0, 0, context.encode("latin-1"))
+    PROTOCOL_STAMPS.set(stamps)
+    return stamps
+
+
+def stamp_http_request(model: str, recv_start: int, headers: list[tuple[bytes, bytes]]) -> ProtocolStamps:
+    """The stamps of an HTTP request the current task answers, read by now (Serve's ingress:
+    a listener sets its own), set for the serving core of ``model`` that traces it."""
+    stamps = ProtocolStamps(model, False, recv_start, time.perf_counter_ns(), headers)
+    PROTOCOL_STAMPS.set(stamps)
+    return stamps
