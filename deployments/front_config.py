@@ -112,7 +112,12 @@ frontend triton_grpc
     default_backend serve_grpc
 
 backend serve_grpc
-    http-reuse always
+    # A connection to Serve's HAProxy of this client connection's own, never one another client
+    # opened earlier: Serve replaces its HAProxy on every change of applications, and the
+    # replaced process refuses new streams on the connections it still has (the client sees
+    # UNAVAILABLE, "RST_STREAM ... error code 7"). A stream or a load starts on a new connection
+    # from the door, so it reaches the current process.
+    http-reuse never
     server serve {upstream_host}:{upstream_port} proto h2
 """
 
