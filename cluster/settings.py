@@ -50,6 +50,10 @@ RAY_ENVIRONMENT = {
     # a reload, so they move to the new process and its routes instead of staying until the
     # hard stop.
     "RAY_SERVE_HAPROXY_CLOSE_SPREAD_TIME_S": "2",
+    # Serve's HAProxy reads the request heads rayinfer's front passes on (up to 16 KB: see
+    # rayinfer.protocol.limits); its default 16 KB buffer takes heads up to 15 KB only, and
+    # answers a larger one with an HTML page.
+    "RAY_SERVE_HAPROXY_TUNE_BUFSIZE": "32768",
     # HAProxy drops a stopping replica within a second here; Ray's default waits 30 s.
     "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2",
     # Ports of the replicas' own HTTP and gRPC servers, below Linux's ephemeral range

@@ -12,7 +12,15 @@ from pathlib import Path
 
 from rayinfer.deployments.front_door import DOOR_FD_VARIABLES, GRPC_RELAY_SOCKET, RELAY_SOCKET
 from rayinfer.protocol.grpc_wire import ROUTED_RPCS, SERVICE
-from rayinfer.protocol.limits import body_limit_message, inflight_limit_message
+from rayinfer.protocol.limits import (
+    HEAD_TOO_LARGE,
+    MAX_REQUEST_HEAD_BYTES,
+    MAX_REQUEST_HEADERS,
+    TOO_MANY_HEADERS,
+    body_limit_message,
+    inflight_limit_message,
+    malformed_head_message,
+)
 from rayinfer.protocol.restricted_api import (
     GRPC_HEADER_PREFIX,
     GRPC_METHODS,
@@ -35,6 +43,11 @@ global
     lua-load {lua}
     nbthread {threads}
     maxconn 4096
+    # Request heads up to the limits of :mod:`limits` (16 KB, 100 headers) are answered by the
+    # rules below with Triton's JSON 400; HAProxy's parser answers what its buffer cannot take
+    # (a head over about 63 KB, or over 999 headers) with its own HTML page.
+    tune.bufsize 65536
+    tune.http.maxhdr 1000
 
 defaults
     mode http
@@ -124,6 +137,11 @@ backend serve_grpc
 _HTTP = """\
 frontend triton_http
 {binds}\
+    # A request head over the limits: Triton's 400 with a JSON error, as the door and the
+    # replicas' listeners answer it (the request line counts with the headers).
+    http-request set-var(txn.head_bytes) req.hdrs,length
+    http-request return status 400 content-type application/json string "{too_large_head}" if {{ url,length,add(txn.head_bytes) gt {max_head} }}
+    http-request return status 400 content-type application/json string "{too_many_headers}" if {{ req.fhdr_cnt gt {max_headers} }}
 {restricted}\
     # POST /v2/models/<model>[/versions/<version>]/infer, and a GET of a model's metadata,
     # readiness, config or statistics; the model name may be %-encoded.
@@ -177,6 +195,11 @@ def _http_errors() -> str:
                    for status, text in _HTTP_ERRORS.items())
 
 
+def _json_string(error: str) -> str:
+    """Triton's JSON error body for ``error``, quoted for an HAProxy string argument."""
+    return json.dumps({"error": error}).replace("\\", "\\\\").replace('"', '\\"')
+
+
 def _http_restrictions(restrictions: Restrictions) -> str:
     """HAProxy rules answering 403 to a restricted group's paths without its header."""
     lines = []
@@ -185,7 +208,7 @@ def _http_restrictions(restrictions: Restrictions) -> str:
         lines.append(f"    acl api_{name} path_reg {' '.join(HTTP_PATHS[group])}\n")
         excluded = HTTP_EXCLUDED.get(group)
         unless = f" !{{ path_reg {excluded} }}" if excluded else ""
-        body = json.dumps({"error": http_message(key)}).replace("\\", "\\\\").replace('"', '\\"')
+        body = _json_string(http_message(key))
         lines.append(f'    http-request return status 403 content-type application/json string "{body}" '
                      f"if api_{name}{unless} !{{ req.hdr({key}) -m str {value} }}\n")
     return "".join(lines)
@@ -253,7 +276,9 @@ def render(folder: Path, http: Endpoint | None, grpc: Endpoint | None, server_ap
             binds=_http_binds(folder, http[0], http[1], door), pick=pick, upstream_host=http[2], upstream_port=http[3],
             use_replica=_USE_REPLICA, unrouted=UNROUTED_PREFIX, max_input_size=max_input_size,
             too_large=body_limit_message(max_input_size), max_inflight=max_inflight, busy=busy,
-            restricted=_http_restrictions(http_restricted or {}),
+            restricted=_http_restrictions(http_restricted or {}), max_head=MAX_REQUEST_HEAD_BYTES,
+            max_headers=MAX_REQUEST_HEADERS, too_large_head=_json_string(malformed_head_message(HEAD_TOO_LARGE)),
+            too_many_headers=_json_string(malformed_head_message(TOO_MANY_HEADERS)),
         ))
         if door:
             parts.append(_DOOR.format(name="door", variable=DOOR_FD_VARIABLES["http"], relay=folder / RELAY_SOCKET))

@@ -42,6 +42,7 @@ import time
 from pathlib import Path
 
 from rayinfer.protocol.grpc_wire import INCOMPLETE, NOT_DIRECT_RPCS, PREFACE, ROUTED_RPCS, first_call, settings
+from rayinfer.protocol.limits import HEAD_TOO_LARGE, MAX_REQUEST_HEAD_BYTES, MAX_REQUEST_HEADERS, TOO_MANY_HEADERS, bad_head_answer
 from rayinfer.serving.routes import front_routed
 
 # How long a new connection may take to send its request line before it goes to HAProxy, which
@@ -52,7 +53,7 @@ _PEEK_WAIT_S = 0.5
 _RETURNED_WAIT_S = 30.0
 # The most of a connection's first bytes the door looks at: an HTTP request line, or a gRPC
 # call's headers and the start of its message.
-_PEEK_BYTES = 16384
+_PEEK_BYTES = MAX_REQUEST_HEAD_BYTES
 _SERVER_PREFACE = settings({})
 # A gRPC connection whose first call has not all arrived is looked at again this much later.
 _PEEK_AGAIN_S = 0.002
@@ -69,16 +70,8 @@ PUMP = b"pump\n"
 RELAY_SOCKET = "relay.sock"
 GRPC_RELAY_SOCKET = "grpc-relay.sock"
 RELAY_SOCKETS = {"http": RELAY_SOCKET, "grpc": GRPC_RELAY_SOCKET}
-# What HAProxy's HTTP parser refuses in a request head, with an HTML page HAProxy 2.8 will not
-# replace: more than 100 headers (tune.http.maxhdr 101 counts the request line), or a head past
-# its buffer (about 15 KB; less with many headers). A connection whose first request the door
-# sees past them (for the size: not ended within the peek) is answered by the door, in Triton's
-# JSON form.
-_MAX_HEADERS = 100
 # An HTTP/1.x request line, as leniently as HAProxy reads one (a token, a target, the version).
 _REQUEST_LINE = re.compile(rb"[-!#$%&'*+.^_`|~0-9A-Za-z]+ +[^ ]+ +HTTP/1\.\d *")
-_BAD_HEAD = "HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\ncontent-length: {length}\r\n" \
-            "connection: close\r\n\r\n{body}"
 # HAProxy's environment variables holding the descriptors of its ends of the socket pairs.
 DOOR_FD_VARIABLES = {"http": "RAYINFER_DOOR_FD", "grpc": "RAYINFER_GRPC_DOOR_FD"}
 
@@ -359,10 +352,10 @@ class Door:
 
 
 def bad_request_head(head: bytes) -> str | None:
-    """Why HAProxy's parser would refuse the request head ``head`` starts (the most the door
-    peeks), or None: a request line that is not HTTP/1.x, a line or head longer than the peek,
-    more headers than HAProxy takes. A head not all arrived yet is judged by what has (a head
-    HAProxy's buffer cannot take but that ends within the peek is left to HAProxy)."""
+    """Why the request head ``head`` starts (the most the door peeks) is refused, or None: a
+    request line that is not HTTP/1.x (HAProxy's parser would answer it with an HTML page), a
+    line or head longer than the peek, more headers than the limit (:mod:`limits`). A head not
+    all arrived yet is judged by what has."""
     if head[:len(PREFACE)] == PREFACE[:len(head)]:  # HTTP/2 with prior knowledge: HAProxy's
         return None
     end = head.find(b"\r\n")
@@ -372,20 +365,19 @@ def bad_request_head(head: bytes) -> str | None:
         return "malformed request line"
     head_end = head.find(b"\r\n\r\n")
     if head_end < 0 and len(head) >= _PEEK_BYTES:
-        return f"request headers too large (over {_PEEK_BYTES} bytes)"
+        return HEAD_TOO_LARGE
     headers = head.count(b"\r\n", 0, head_end if head_end >= 0 else len(head))  # the line ends before it
-    if headers > _MAX_HEADERS:
-        return f"too many request headers (over {_MAX_HEADERS})"
+    if headers > MAX_REQUEST_HEADERS:
+        return TOO_MANY_HEADERS
     return None
 
 
 def _refuse(connection: socket.socket, reason: str) -> None:
-    """Answer a request HAProxy would refuse with Triton's form of a 400, then close."""
-    body = '{"error":"malformed HTTP request: %s"}' % reason
+    """Answer a request head refused for ``reason`` with Triton's form of a 400, then close."""
     # (a short answer on a new connection: its send buffer takes it at once). OSError: nothing
     # more to read now, or the client is gone.
     with contextlib.suppress(OSError):
-        connection.send(_BAD_HEAD.format(length=len(body), body=body).encode())
+        connection.send(bad_head_answer(reason))
         connection.shutdown(socket.SHUT_WR)
         # What the client sent so far: closing with it unread would reset the answer away.
         while connection.recv(65536, socket.MSG_DONTWAIT):

@@ -46,6 +46,11 @@ from rayinfer.protocol.limits import (
     DEFAULT_HTTP_MAX_INPUT_SIZE,
     DEFAULT_MAX_INFLIGHT_REQUESTS,
     GRPC_MAX_MESSAGE_SIZE,
+    HEAD_TOO_LARGE,
+    MAX_REQUEST_HEAD_BYTES,
+    MAX_REQUEST_HEADERS,
+    TOO_MANY_HEADERS,
+    bad_head_answer,
     body_too_large,
     inflight_limit_message,
     message_too_large,
@@ -218,6 +223,9 @@ class _Connection(asyncio.Protocol):
         self._body_size = 0
         self._refused = False
         self._reading = False  # between a request's first byte and its end
+        self._in_head = False  # between a request's first byte and the end of its headers
+        self._head_bytes = 0  # a client's request line and headers parsed so far
+        self._head_chunks_bytes = 0  # the chunks wholly in a client's request head so far
         self._recv_start = 0
         self._turn_at = time.monotonic() + _TURN_S
         self._relayed: RelayedRequest | None = None  # a request of a client's being relayed
@@ -237,8 +245,15 @@ class _Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self._refused:  # the rest of a body refused for its size: dropped
             return
+        in_head = self._in_head
         try:
             self._parser.feed_data(data)
+            if in_head and self._in_head and self._direct is not None and not self._refused:
+                # httptools keeps a header until its value ends: a head that does not end is
+                # bounded by its chunks (the one it began in, part of it another request's, aside).
+                self._head_chunks_bytes += len(data)
+                if self._head_chunks_bytes > MAX_REQUEST_HEAD_BYTES:
+                    self._refuse_head(HEAD_TOO_LARGE)
         except httptools.HttpParserError as exc:
             logger.warning("malformed request from the %s: %s", "client" if self._direct else "front", exc)
             if self._transport is not None:
@@ -300,17 +315,24 @@ class _Connection(asyncio.Protocol):
 
     def on_message_begin(self) -> None:
         self._url, self._headers, self._body, self._body_size = b"", {}, [], 0
-        self._reading = True
+        self._reading = self._in_head = True
+        self._head_bytes = self._head_chunks_bytes = 0
         if self._direct is not None:
             self._all_headers = []
         self._recv_start = time.perf_counter_ns()
 
     def on_url(self, url: bytes) -> None:
         self._url += url
+        self._head_bytes += len(url)
 
     def on_header(self, name: bytes, value: bytes) -> None:
         if self._direct is not None:
             self._all_headers.append((name, value))
+            self._head_bytes += len(name) + len(value) + 4
+            if not self._refused and (len(self._all_headers) > MAX_REQUEST_HEADERS
+                                      or self._head_bytes > MAX_REQUEST_HEAD_BYTES):
+                self._refuse_head(TOO_MANY_HEADERS if len(self._all_headers) > MAX_REQUEST_HEADERS
+                                  else HEAD_TOO_LARGE)
         name = name.lower()
         if name in _KEPT_HEADERS:
             self._headers[name] = value
@@ -318,6 +340,7 @@ class _Connection(asyncio.Protocol):
             self._refuse(int(value))
 
     def on_headers_complete(self) -> None:
+        self._in_head = False
         if self._refused:
             return
         if self._headers.get(b"expect", b"").lower() == b"100-continue" and self._transport is not None:
@@ -334,6 +357,15 @@ class _Connection(asyncio.Protocol):
 
     def _limit(self) -> int:
         return GRPC_MAX_MESSAGE_SIZE + 5 if self._url.startswith(SERVICE_PATH) else self._listener.max_input_size
+
+    def _refuse_head(self, reason: str) -> None:
+        """Answer a client's request head over a limit (:mod:`limits`) with a 400, drop the rest."""
+        self._refused = True
+        self._all_headers, self._body = [], []
+        if self._transport is not None:
+            self._transport.write(bad_head_answer(reason))
+            self._transport.write_eof()
+            asyncio.get_running_loop().call_later(_DRAIN_S, self.close)
 
     def _refuse(self, size: int | None) -> None:
         """Answer a body over the limit at once, drop the rest of it, then close the connection."""

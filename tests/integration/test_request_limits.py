@@ -96,15 +96,16 @@ def test_the_server_serves_on_after_oversized_requests(server):
     for path in PATHS:
         exchange(b"POST %b HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n" % path.encode(),
                  chunks(LIMIT + (1 << 20)))
-        # Headers past the front's 16 KB buffer, one large or many: a model's request is read
-        # whole by its replica (here: a body without inputs); another is refused by the front's
-        # door with a JSON 400 (README, "Request limits").
-        for headers in (b"x-big: %b\r\n" % (b"a" * 40_000), b"".join(b"x-%d: v\r\n" % i for i in range(5000))):
+        # A head over 16 KB, one large header or many: refused with a JSON 400, by the model's
+        # replica as it reads the headers (5,000 are over 100 first) or by the front's door
+        # (the head does not end within its 16 KB look; README, "Request limits").
+        too_large, too_many = "request headers too large (over 16384 bytes)", "too many request headers (over 100)"
+        for headers, reason in ((b"x-big: %b\r\n" % (b"a" * 40_000), too_large),
+                                (b"".join(b"x-%d: v\r\n" % i for i in range(5000)),
+                                 too_many if "/v2/models/" in path else too_large)):
             status, doc = exchange(b"POST %b HTTP/1.1\r\nHost: x\r\n%bContent-Length: 2\r\n\r\n{}" % (
                 path.encode(), headers), [])
-            assert status == 400
-            assert doc == ({"error": "request must contain a non-empty 'inputs' array"} if "/v2/models/" in path
-                           else {"error": "malformed HTTP request: request headers too large (over 16384 bytes)"})
+            assert (status, doc) == (400, {"error": f"malformed HTTP request: {reason}"})
     for head, reason in ((b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n%b\r\n" % b"".join(
             b"x-%d: v\r\n" % i for i in range(150)), "too many request headers (over 100)"),
             (b"GARBAGE\r\n\r\n", "malformed request line")):
@@ -116,6 +117,48 @@ def test_the_server_serves_on_after_oversized_requests(server):
     assert status == 200 and doc["outputs"][0]["data"] == [2] * 16
     status, index = http_json("POST", "/v2/repository/index", {})
     assert status == 200 and any(row["name"] == "simple" for row in index)
+
+
+def _answers_on_one_connection(heads: list[bytes]) -> list[tuple[int, dict | None]]:
+    """Send ``heads`` one after another on one connection, each once the answer before it has
+    come; their statuses and JSON errors (None for a body that is not JSON)."""
+    answers = []
+    with socket.create_connection(("127.0.0.1", HTTP_PORT), timeout=30) as sock:
+        for head in heads:
+            sock.sendall(head)
+            answer = b""
+            while b"\r\n\r\n" not in answer or not _complete(answer):
+                data = sock.recv(65536)
+                if not data:
+                    break
+                answer += data
+            head_bytes, _, payload = answer.partition(b"\r\n\r\n")
+            try:
+                doc = json.loads(payload)
+            except ValueError:
+                doc = None
+            answers.append((int(head_bytes.split(b" ", 2)[1]), doc))
+    return answers
+
+
+@pytest.mark.parametrize("first", ["/v2/models/simple/ready", "/v2/health/live", "/v2/models/no_such_model/ready"],
+                         ids=["a-replicas-own", "relayed-by-a-replica", "held-by-haproxy"])
+def test_the_head_limits_hold_for_every_request_of_a_kept_connection(server, first):
+    """Heads up to 16 KB are served on any connection, a larger one or over 100 headers gets
+    a JSON 400, whoever reads it: a model's replica (its own request, or one it relays) or the
+    front's HAProxy (a connection the door gave it: no replica serves its first request)."""
+    def head(path: str, extra: bytes) -> bytes:
+        return b"GET %b HTTP/1.1\r\nHost: x\r\n%b\r\n" % (path.encode(), extra)
+
+    just_under = b"x-big: %b\r\n" % (b"a" * (16384 - 200))
+    for path in ("/v2/models/simple/ready", "/v2/health/live"):
+        answers = _answers_on_one_connection([head(first, b""), head(path, just_under), head(path, b"")])
+        assert [status for status, _ in answers[1:]] == [200, 200], (first, path, answers)
+    for extra, reason in ((b"x-big: %b\r\n" % (b"a" * 20_000), "request headers too large (over 16384 bytes)"),
+                          (b"".join(b"x-%d: v\r\n" % i for i in range(150)), "too many request headers (over 100)")):
+        for path in ("/v2/models/simple/ready", "/v2/health/live"):
+            answers = _answers_on_one_connection([head(first, b""), head(path, extra)])
+            assert answers[1] == (400, {"error": f"malformed HTTP request: {reason}"}), (path, reason)
 
 
 def test_a_deeply_nested_body_to_the_repository_index_gets_a_json_error(server):

@@ -298,3 +298,47 @@ def test_a_request_head_at_haproxys_header_count_passes(door) -> None:
     client.sock.sendall(b"GET /v2/health/live HTTP/1.1\r\nhost: x\r\n" + headers + b"content-length: 0\r\n\r\n")
     status, _, body = client.request_sent()
     assert status == 200 and body.startswith(b"serve GET /v2/health/live")
+
+
+_OVER_LIMITS = [
+    (b"x-big: " + b"a" * 20000 + b"\r\n", "request headers too large (over 16384 bytes)"),
+    (b"".join(b"x-h%d: v\r\n" % i for i in range(150)), "too many request headers (over 100)"),
+]
+
+
+@pytest.mark.parametrize("extra, reason", _OVER_LIMITS, ids=["large", "many"])
+def test_a_replica_refuses_a_clients_head_over_the_limits(loop, door, extra: bytes, reason: str) -> None:
+    """The door gives a model's request to its replica at its request line; the replica's
+    listener bounds the rest of the head (httptools would keep a header's value whole)."""
+    front, port = door
+    one = Replica(loop, "one")
+    one.listener.owns = _owns_model("m")
+    publish(loop, front, {"m/": [("127.0.0.1", one.port)]})
+    assert _raw(port, b"POST /v2/models/m/infer HTTP/1.1\r\nhost: x\r\n" + extra + b"\r\n") == (
+        400, {"error": f"malformed HTTP request: {reason}"})
+    client = _Client(port)
+    try:  # a head just under 16 KB is the model's
+        client.sock.sendall(b"POST /v2/models/m/infer HTTP/1.1\r\nhost: x\r\nx-big: " + b"a" * 16000
+                            + b"\r\ncontent-length: 0\r\n\r\n")
+        assert client.request_sent()[::2] == (200, b"one POST /v2/models/m/infer 0")
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize("extra, reason", _OVER_LIMITS, ids=["large", "many"])
+def test_haproxy_refuses_a_later_head_over_the_limits_with_json(door, extra: bytes, reason: str) -> None:
+    """A connection the door gave HAProxy (its first request is no replica's): a later request's
+    head over the limits gets the same JSON 400 from HAProxy, one just under them is served."""
+    _, port = door
+    client = _Client(port)
+    try:
+        assert client.request("GET", "/v2/health/live")[0] == 200
+        client.sock.sendall(b"GET /v2/health/live HTTP/1.1\r\nhost: x\r\nx-big: " + b"a" * 16000
+                            + b"\r\ncontent-length: 0\r\n\r\n")
+        assert client.request_sent()[0] == 200
+        client.sock.sendall(b"GET /v2/health/live HTTP/1.1\r\nhost: x\r\n" + extra + b"\r\n")
+        status, headers, body = client.request_sent()
+        assert (status, headers["content-type"], json.loads(body)) == (
+            400, "application/json", {"error": f"malformed HTTP request: {reason}"})
+    finally:
+        client.close()
