@@ -209,7 +209,9 @@ class Trace:
 
     @property
     def traces_tensors(self) -> bool:
-        return "TENSORS" in self.levels
+        """Whether the request's tensors are kept: at the TENSORS level, in Triton's own mode
+        only (Triton's opentelemetry mode exports no tensors either)."""
+        return self.exporter is None and "TENSORS" in self.levels
 
 
 class Tracer:
@@ -243,6 +245,9 @@ class Tracer:
         self._rate = int(settings["trace_rate"])  # 0: none by rate (a client's context still is)
         self._left = int(settings["trace_count"])
         self._exporter = otel.traces_for(opentelemetry) if opentelemetry is not None else None
+        if self._exporter is not None and "TENSORS" in self._levels:
+            # Triton logs this for each tensor it would have traced; here once per change.
+            logger.error("Tensor level tracing is not supported by the mode: opentelemetry")
         # A client's trace context is traced whatever the rate and count (the opentelemetry mode).
         self.active = bool(self._levels) and (self._left != 0 or self._exporter is not None)
 

@@ -121,3 +121,27 @@ def test_traced_requests_are_exported_as_tritons_spans(tmp_path: Path, receiver:
     untraced = front.prepare(_request("front_model"))
     asyncio.run(front.infer(untraced))
     assert untraced.trace is None
+
+
+def test_the_tensors_level_keeps_no_tensors_and_says_so_as_triton_does(tmp_path: Path, receiver: OtlpReceiver,
+                                                                       caplog: pytest.LogCaptureFixture) -> None:
+    """Triton's opentelemetry mode traces no tensors and logs that it does not: the request is
+    still exported with its timestamps."""
+    config = {**otel.default_config(), "url": receiver.url, "bsp_schedule_delay": 50}
+    core = _core(tmp_path, "tensors_model")
+    with caplog.at_level("ERROR", logger="rayinfer.serving.trace"):
+        core.tracer.configure({"trace_level": ["TIMESTAMPS", "TENSORS"], "trace_rate": "1", "trace_count": "-1"},
+                              version=1, opentelemetry=config)
+    assert "Tensor level tracing is not supported by the mode: opentelemetry" in caplog.messages
+    trace = core.tracer.sample()
+    assert trace is not None and trace.exporter is not None and not trace.traces_tensors
+
+    async def main() -> None:
+        await core.infer(core.prepare(_request("tensors_model")))
+
+    asyncio.run(main())
+    spans = wait_until(lambda: [s for s in receiver.taken() if s["name"] == "tensors_model"] or None,
+                       "the model's span to be exported", timeout_s=10)
+    assert spans[0]["events"] == ["REQUEST_START", "QUEUE_START", "REQUEST_END"]
+    core.tracer.configure({"trace_level": ["TIMESTAMPS", "TENSORS"], "trace_rate": "1", "trace_count": "-1"}, version=2)
+    assert core.tracer.sample().traces_tensors  # Triton's own mode keeps them
