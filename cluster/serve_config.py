@@ -63,6 +63,10 @@ def render_serve_config(
         "cache_size_bytes": response_cache_bytes(settings),
         "http_max_input_size": settings.http_max_input_size,
         "log_settings": startup_log_settings(settings),
+        # Checked by the front and by each model replica's listener (given only when set).
+        **({"http_restricted_api": list(settings.http_restricted_api)} if settings.http_restricted_api else {}),
+        **({"grpc_restricted_protocol": list(settings.grpc_restricted_protocol)}
+           if settings.grpc_restricted_protocol else {}),
     }
     entries = scan_repository(repository_folder(settings)) if entries is None else entries
     applications: list[dict[str, Any]] = [{

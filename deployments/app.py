@@ -94,6 +94,8 @@ def build_model_app(args: dict[str, Any]) -> Application:
         cache_size_bytes=int(args.get("cache_size_bytes", 0)),
         max_input_size=int(args.get("http_max_input_size", DEFAULT_HTTP_MAX_INPUT_SIZE)),
         log_settings=dict(args.get("log_settings") or {}),
+        http_restricted=[str(v) for v in args.get("http_restricted_api") or ()],
+        grpc_restricted=[str(v) for v in args.get("grpc_restricted_protocol") or ()],
     )
 
 
@@ -145,4 +147,6 @@ def _control_from_args(args: dict[str, Any]) -> ModelControl:
         trace_config=tuple(args.get("trace_config") or ()),
         max_input_size=int(args.get("http_max_input_size", DEFAULT_HTTP_MAX_INPUT_SIZE)),
         log_settings=tuple(dict(args.get("log_settings") or {}).items()),
+        http_restricted=tuple(str(v) for v in args.get("http_restricted_api") or ()),
+        grpc_restricted=tuple(str(v) for v in args.get("grpc_restricted_protocol") or ()),
     )

@@ -96,6 +96,10 @@ class ModelControl:
     # The logging extension's settings at start (tritonserver's --log-* flags), as (key, value)
     # pairs; those not given keep Triton's defaults.
     log_settings: tuple[tuple[str, Any], ...] = ()
+    # tritonserver's --http-restricted-api and --grpc-restricted-protocol values, which model
+    # replicas check too.
+    http_restricted: tuple[str, ...] = ()
+    grpc_restricted: tuple[str, ...] = ()
 
 
 def model_application(
@@ -113,6 +117,8 @@ def model_application(
     max_input_size: int = DEFAULT_HTTP_MAX_INPUT_SIZE,
     folder: Path | None = None,
     log_settings: dict[str, Any] | None = None,
+    http_restricted: list[str] | None = None,
+    grpc_restricted: list[str] | None = None,
 ) -> Application:
     """The application serving one version of one model; replicas and their resources from its
     ``instance_group`` (:mod:`rayinfer.repository.instance_groups`).
@@ -126,7 +132,9 @@ def model_application(
     ``max_input_size``: the largest HTTP body a replica reads (--http-max-input-size);
     ``log_settings``: the logging extension's settings at start (--log-* flags), which the
     replicas follow from their first line until they register with the /v2 replica, whose
-    current settings they follow from then on.
+    current settings they follow from then on. ``http_restricted``, ``grpc_restricted``: the
+    values of --http-restricted-api and --grpc-restricted-protocol, which the replicas' listeners
+    check as the front does.
     """
     entry = scan_model((folder or local_repository(model_repository, [model])) / model, config_override)
     if entry.config is None:
@@ -151,7 +159,8 @@ def model_application(
         logging_config=LoggingConfig(enable_access_log=False, log_level=log_level),
     )
     return deployment.bind(str(model_repository), model, int(version), auto_complete, config_override,
-                           cache_size_bytes, max_input_size, log_settings or None)
+                           cache_size_bytes, max_input_size, log_settings or None,
+                           {"http": list(http_restricted or ()), "grpc": list(grpc_restricted or ())})
 
 
 def deploy_models(
@@ -199,6 +208,7 @@ def _deploy_wave(model_repository: str, folder: Path, versions: list[tuple[str, 
                 config_override=config_overrides.get(model), log_level=control.log_level,
                 gpu_fallback=control.gpu_fallback, cache_size_bytes=control.cache_size_bytes,
                 max_input_size=control.max_input_size, folder=folder, log_settings=dict(control.log_settings),
+                http_restricted=list(control.http_restricted), grpc_restricted=list(control.grpc_restricted),
             )
         except ModelConfigError as exc:  # e.g. instance groups Serve cannot express: this model only
             logger.error("model '%s' failed to load: %s", model, exc)

@@ -74,7 +74,8 @@ def deploy_repository(
     """
     control = ModelControl(control_mode, replica_num_cpus, auto_complete, timeout_s, poll_secs, log_level,
                            gpu_fallback, gpu_wait_s, cache_size_bytes, trace_config, max_input_size,
-                           tuple((log_settings or {}).items()))
+                           tuple((log_settings or {}).items()), tuple(http_restricted or ()),
+                           tuple(grpc_restricted or ()))
     launch_version = f"rayinfer-{uuid.uuid4().hex}"
 
     def run_server_app(errors: dict[str, str], starting: bool = True) -> None:

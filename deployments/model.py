@@ -46,6 +46,7 @@ from rayinfer.protocol.limits import DEFAULT_HTTP_MAX_INPUT_SIZE
 from rayinfer.protocol.listener_client import STREAM_HEADER, ListenerClient
 from rayinfer.protocol.shared_memory import Registration, SharedMemoryRegistry
 from rayinfer.protocol.types import InferRequest, InferResponse
+from rayinfer.protocol.restricted_api import parse_restrictions
 from rayinfer.repository.ensemble import is_ensemble
 from rayinfer.repository.model_config import config_to_json, read_config
 from rayinfer.repository.object_store import local_repository
@@ -94,6 +95,7 @@ class ModelDeployment:
         cache_size_bytes: int = 0,
         max_input_size: int = DEFAULT_HTTP_MAX_INPUT_SIZE,
         start_log_settings: dict[str, Any] | None = None,
+        restricted: dict[str, list[str]] | None = None,
     ):
         # rayinfer's and the model's lines: Triton's format, to this worker's stderr (or --log-file),
         # following the settings at start (--log-*) until the /v2 replica's current ones arrive.
@@ -132,6 +134,11 @@ class ModelDeployment:
         self._max_input_size = max_input_size
         self._listener = ReplicaListener(self._listener_grpc, self._listener_http, max_input_size, self._core.name)
         self._listener.owns = self._owns
+        # --http-restricted-api / --grpc-restricted-protocol: checked by the front, and here for
+        # a client that reaches the listener directly.
+        restricted = restricted or {}
+        self._listener.restrict(parse_restrictions(restricted.get("http", []), "--http-restricted-api"),
+                                parse_restrictions(restricted.get("grpc", []), "--grpc-restricted-protocol"))
         self._listener.owns_grpc = self._owns_grpc
         host = ray.util.get_node_ip_address()
         self._listener_address = (host, await self._listener.start(host))

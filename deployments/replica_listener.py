@@ -24,6 +24,7 @@ connections (HTTP/2) from the door are served by :mod:`replica_h2`.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import socket
@@ -34,8 +35,9 @@ from typing import Any
 
 import httptools
 
-from rayinfer.protocol.errors import NotFoundError
+from rayinfer.protocol.errors import NotFoundError, UnavailableError
 from rayinfer.protocol.grpc_wire import SERVICE, unframe
+from rayinfer.protocol.restricted_api import Restrictions, grpc_message, header_names, http_message, missing_header
 from rayinfer.protocol.http_codec import error_response
 from rayinfer.deployments import front_door
 from rayinfer.deployments.client_relay import RelayedRequest
@@ -114,6 +116,10 @@ class ReplicaListener:
         self._door: ReplicaDoor | None = None
         self.door_name = ""
         self.closing = False
+        # --http-restricted-api and --grpc-restricted-protocol (:meth:`restrict`), and the
+        # headers they name (kept from a request's headers for the check).
+        self._restricted: tuple[Restrictions, Restrictions] | None = None
+        self.restricted_headers: frozenset[bytes] = frozenset()
 
     async def start(self, host: str) -> int:
         loop = asyncio.get_running_loop()
@@ -140,9 +146,23 @@ class ReplicaListener:
             connection = lambda: _Connection(self, (relay, key))
         loop.create_task(loop.connect_accepted_socket(connection, client))
 
+    def restrict(self, http: Restrictions, grpc: Restrictions) -> None:
+        """Answer a restricted group's requests only with their header (tritonserver's
+        --http-restricted-api and --grpc-restricted-protocol, as the front checks them): a
+        client that reaches this listener directly gets the front's refusal."""
+        self._restricted = (http, grpc) if http or grpc else None
+        self.restricted_headers = header_names(http, grpc)
+
     async def respond(self, path: bytes, headers: dict[bytes, bytes], body: bytes,
                       method: bytes = b"POST") -> bytes | StreamedResponse:
         """The whole HTTP/1.1 response to one relayed request (or its head and its chunks)."""
+        if self._restricted is not None:
+            key = missing_header(*self._restricted, path.decode("latin-1"), headers, SERVICE)
+            if key is not None:
+                if path.startswith(SERVICE_PATH):
+                    return grpc_error(UnavailableError(grpc_message(key)))
+                return http_response(403, [(b"content-type", b"application/json")],
+                                     json.dumps({"error": http_message(key)}).encode())
         self.in_flight += 1
         try:
             if not path.startswith(SERVICE_PATH):
@@ -334,7 +354,7 @@ class _Connection(asyncio.Protocol):
                 self._refuse_head(TOO_MANY_HEADERS if len(self._all_headers) > MAX_REQUEST_HEADERS
                                   else HEAD_TOO_LARGE)
         name = name.lower()
-        if name in _KEPT_HEADERS:
+        if name in _KEPT_HEADERS or name in self._listener.restricted_headers:
             self._headers[name] = value
         elif name == b"content-length" and value.isdigit() and int(value) > self._limit():
             self._refuse(int(value))

@@ -10,6 +10,7 @@ A flag's value is ``<group>[,<group>...]:<key>=<value>``; it may be given again 
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 
 GROUPS = ("health", "metadata", "inference", "shared-memory", "model-config", "model-repository", "statistics",
           "trace", "logging")
@@ -71,6 +72,46 @@ def parse_restrictions(values: list[str], flag: str) -> Restrictions:
                 raise ValueError(f"restricted {what} '{group}' can not be specified in multiple config groups")
             restrictions[group] = (key, expected)
     return restrictions
+
+
+_HTTP_GROUPS = [(group, re.compile("|".join(f"(?:{p})" for p in patterns))) for group, patterns in HTTP_PATHS.items()]
+_HTTP_EXCLUDED = {group: re.compile(pattern) for group, pattern in HTTP_EXCLUDED.items()}
+_GRPC_GROUPS = {method: group for group, methods in GRPC_METHODS.items() for method in methods}
+
+
+def http_group(path: str) -> str | None:
+    """The endpoint group of an HTTP request's path (None: none's)."""
+    for group, pattern in _HTTP_GROUPS:
+        excluded = _HTTP_EXCLUDED.get(group)
+        if pattern.match(path) and not (excluded is not None and excluded.match(path)):
+            return group
+    return None
+
+
+def grpc_group(method: str) -> str | None:
+    """The endpoint group of a GRPCInferenceService method (None: none's)."""
+    return _GRPC_GROUPS.get(method)
+
+
+def header_names(http: Restrictions, grpc: Restrictions) -> frozenset[bytes]:
+    """The headers (lower case) the restricted groups' requests must carry."""
+    names = {key.lower() for key, _ in http.values()} | {f"{GRPC_HEADER_PREFIX}{key}".lower() for key, _ in grpc.values()}
+    return frozenset(name.encode() for name in names)
+
+
+def missing_header(http: Restrictions, grpc: Restrictions, path: str, headers: Mapping[bytes, bytes],
+                   service_path: str) -> str | None:
+    """The key of the header a request to ``path`` lacks (or carries with another value) when
+    its group is restricted, else None; ``headers``: lower-case names; a path under
+    ``service_path`` is a gRPC call."""
+    if path.startswith(service_path):
+        restrictions, group, prefix = grpc, grpc_group(path[len(service_path):]), GRPC_HEADER_PREFIX
+    else:
+        restrictions, group, prefix = http, http_group(path), ""
+    if group is None or group not in restrictions:
+        return None
+    key, value = restrictions[group]
+    return None if headers.get(f"{prefix}{key}".lower().encode()) == value.encode() else key
 
 
 def http_message(key: str) -> str:

@@ -35,12 +35,17 @@ def exchange(head: bytes, body_parts, timeout_s: float = 30.0) -> tuple[int, dic
                 sock.sendall(part)
         except OSError:  # the server answered and closed while the body was still coming
             pass
-        answer = b""
-        while b"\r\n\r\n" not in answer or not _complete(answer):
-            data = sock.recv(65536)
-            if not data:
-                break
-            answer += data
+        return _answer(sock)
+
+
+def _answer(sock: socket.socket) -> tuple[int, dict | None]:
+    """The status and JSON error (None if not JSON) of the next answer on ``sock``."""
+    answer = b""
+    while b"\r\n\r\n" not in answer or not _complete(answer):
+        data = sock.recv(65536)
+        if not data:
+            break
+        answer += data
     head_bytes, _, payload = answer.partition(b"\r\n\r\n")
     status = int(head_bytes.split(b" ", 2)[1])
     try:
@@ -126,18 +131,7 @@ def _answers_on_one_connection(heads: list[bytes]) -> list[tuple[int, dict | Non
     with socket.create_connection(("127.0.0.1", HTTP_PORT), timeout=30) as sock:
         for head in heads:
             sock.sendall(head)
-            answer = b""
-            while b"\r\n\r\n" not in answer or not _complete(answer):
-                data = sock.recv(65536)
-                if not data:
-                    break
-                answer += data
-            head_bytes, _, payload = answer.partition(b"\r\n\r\n")
-            try:
-                doc = json.loads(payload)
-            except ValueError:
-                doc = None
-            answers.append((int(head_bytes.split(b" ", 2)[1]), doc))
+            answers.append(_answer(sock))
     return answers
 
 

@@ -135,7 +135,7 @@ def test_log_flags_become_the_logging_extensions_settings_at_start(example_repos
 
     model_args = render_serve_config(settings)["applications"][1]["args"]
     assert model_args["log_settings"] == expected
-    assert build_model_app(model_args)._bound_deployment.init_args[-1] == expected
+    assert build_model_app(model_args)._bound_deployment.init_args[-2] == expected
     with pytest.raises(SystemExit):
         build_parser().parse_args(["config", "--model-repository", str(example_repository), "--log-format", "json"])
 
@@ -237,3 +237,27 @@ def test_front_on_head_places_the_v2_replica_on_the_head_node(example_repository
     options = build_server_app(args)._bound_deployment.ray_actor_options
     assert options["resources"] == {HEAD_NODE_RESOURCE: 0.001} and options["num_cpus"] == 0.1
     assert "resources" not in build_server_app(server_args())._bound_deployment.ray_actor_options
+
+
+def test_restricted_groups_reach_every_model_replica(example_repository: Path) -> None:
+    """--http-restricted-api and --grpc-restricted-protocol reach the model applications (whose
+    listeners check them too) and the /v2 app's model control (models loaded later)."""
+    from rayinfer.deployments.app import build_model_app, build_server_app
+    from rayinfer.deployments.control import ModelControl
+
+    settings = settings_from_args(build_parser().parse_args([
+        "config", "--model-repository", str(example_repository), "--http-restricted-api", "inference:key=v",
+        "--grpc-restricted-protocol", "inference,health:key=v",
+    ]))
+    config = render_serve_config(settings)
+    model_args = config["applications"][1]["args"]
+    assert (model_args["http_restricted_api"], model_args["grpc_restricted_protocol"]) == (
+        ["inference:key=v"], ["inference,health:key=v"])
+    assert build_model_app(model_args)._bound_deployment.init_args[-1] == {
+        "http": ["inference:key=v"], "grpc": ["inference,health:key=v"]}
+    server_args = config["applications"][0]["args"]
+    control = next(a for a in build_server_app(server_args)._bound_deployment.init_args if isinstance(a, ModelControl))
+    assert (control.http_restricted, control.grpc_restricted) == (("inference:key=v",), ("inference,health:key=v",))
+    plain = render_serve_config(settings_from_args(build_parser().parse_args(
+        ["config", "--model-repository", str(example_repository)])))
+    assert "http_restricted_api" not in plain["applications"][1]["args"]

@@ -90,3 +90,30 @@ def test_restricted_api_values_are_checked(value, message):
         parse_restrictions([value], "--http-restricted-api")
     with pytest.raises(ValueError, match="restricted protocol 'health' can not be specified in multiple config groups"):
         parse_restrictions(["health:a=b", "health,logging:c=d"], "--grpc-restricted-protocol")
+
+
+def test_a_replicas_listener_checks_the_restrictions_itself(loop):
+    """A client that reaches a model replica's listener directly (its port is on the node's
+    network) gets the front's answers: 403 over HTTP, UNAVAILABLE over gRPC, without the header."""
+    replica = Replica(loop, "one")
+    replica.listener.restrict(parse_restrictions(["inference,metadata:infer-key=secret"], "--http-restricted-api"),
+                              parse_restrictions(["inference:infer-key=secret"], "--grpc-restricted-protocol"))
+    reply = http_exchange(replica.port, post("/v2/models/m/infer", b"{}"))
+    assert reply.startswith(b"HTTP/1.1 403") and json.loads(reply.partition(b"\r\n\r\n")[2]) == {
+        "error": "This API is restricted, expecting header 'infer-key'"}
+    assert http_exchange(replica.port, get("/v2/models/m/versions/1")).startswith(b"HTTP/1.1 403")
+    assert http_exchange(replica.port, with_header(post("/v2/models/m/infer", b"{}"), b"Infer-Key: wrong")).startswith(
+        b"HTTP/1.1 403")
+    assert http_exchange(replica.port, with_header(post("/v2/models/m/infer", b"{}"), b"Infer-Key: secret")).endswith(
+        b"one POST /v2/models/m/infer 2")
+    assert http_exchange(replica.port, get("/v2/models/m/ready")).endswith(b"one GET /v2/models/m/ready 0")  # open
+    # gRPC calls as the front relays them (HTTP/1.1): the header is triton-grpc-protocol-<key>.
+    message = b"\0\0\0\0\3\x0a\x01m"  # ModelInferRequest(model_name="m"), framed
+    call = post("/inference.GRPCInferenceService/ModelInfer", message, b"content-type: application/grpc\r\n")
+    reply = http_exchange(replica.port, call)
+    assert b"grpc-status: 14" in reply
+    assert b"This protocol is restricted, expecting header 'triton-grpc-protocol-infer-key'" in reply
+    reply = http_exchange(replica.port, with_header(call, b"triton-grpc-protocol-infer-key: secret"))
+    assert b"grpc-status: 0" in reply
+    replica.listener.restrict({}, {})
+    assert http_exchange(replica.port, post("/v2/models/m/infer", b"{}")).endswith(b"one POST /v2/models/m/infer 2")
