@@ -146,10 +146,6 @@ def _front_args(settings: ServerSettings) -> dict[str, Any]:
     if front is not None:
         address, port, upstream_host, upstream_port = front
         args.update(grpc_address=address, grpc_port=port, serve_grpc_host=upstream_host, serve_grpc_port=upstream_port)
-    if settings.http_restricted_api:
-        args["http_restricted_api"] = list(settings.http_restricted_api)
-    if settings.grpc_restricted_protocol:
-        args["grpc_restricted_protocol"] = list(settings.grpc_restricted_protocol)
     return args
 
 

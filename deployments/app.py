@@ -81,7 +81,7 @@ def server_application(
 def build_model_app(args: dict[str, Any]) -> Application:
     """Serve-config entry point; ``args``: model_repository, model, version, is_default and
     optionally replica_num_cpus, auto_complete, log_level, gpu_fallback, cache_size_bytes,
-    http_max_input_size, log_settings."""
+    http_max_input_size, log_settings, http_restricted_api, grpc_restricted_protocol."""
     return model_application(
         args["model_repository"],
         args["model"],
@@ -134,7 +134,8 @@ def build_server_app(args: dict[str, Any]) -> Application:
 
 def _control_from_args(args: dict[str, Any]) -> ModelControl:
     """model_control_mode, replica_num_cpus, auto_complete, repository_poll_secs, log_level,
-    gpu_fallback, gpu_wait_secs, cache_size_bytes, trace_config, http_max_input_size, log_settings."""
+    gpu_fallback, gpu_wait_secs, cache_size_bytes, trace_config, http_max_input_size, log_settings,
+    http_restricted_api, grpc_restricted_protocol."""
     return ModelControl(
         mode=str(args.get("model_control_mode", "none")),
         replica_num_cpus=float(args.get("replica_num_cpus", DEFAULT_REPLICA_NUM_CPUS)),

@@ -44,13 +44,14 @@ MEMBER_WAIT_S = 120.0
 class EnsembleMembers:
     """Routes and calls an ensemble's members from its replica."""
 
-    def __init__(self) -> None:
+    def __init__(self, headers: tuple[tuple[bytes, bytes], ...] = ()) -> None:
+        """``headers``: sent with each step to a member's listener (a restricted group's header)."""
         self._routes: dict[tuple[str, str], tuple[float, tuple[str, str] | None]] = {}
         # (model, version) -> (when read, (application, deployment), its replicas' listeners)
         self._targets: dict[tuple[str, str], tuple[float, tuple[str, str], list[tuple[str, int]]]] = {}
         self._handles: dict[tuple[str, str], Any] = {}
         self._server: Any = None
-        self._client = ListenerClient()
+        self._client = ListenerClient(headers)
         # The members this replica runs itself (parameter steps_in_place), when it does.
         self.in_place: InPlaceMembers | None = None
 

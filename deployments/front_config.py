@@ -197,7 +197,7 @@ def _http_errors() -> str:
 
 def _json_string(error: str) -> str:
     """Triton's JSON error body for ``error``, quoted for an HAProxy string argument."""
-    return json.dumps({"error": error}).replace("\\", "\\\\").replace('"', '\\"')
+    return json.dumps({"error": error}, separators=(",", ":")).replace("\\", "\\\\").replace('"', '\\"')
 
 
 def _http_restrictions(restrictions: Restrictions) -> str:

@@ -46,7 +46,7 @@ from rayinfer.protocol.limits import DEFAULT_HTTP_MAX_INPUT_SIZE
 from rayinfer.protocol.listener_client import STREAM_HEADER, ListenerClient
 from rayinfer.protocol.shared_memory import Registration, SharedMemoryRegistry
 from rayinfer.protocol.types import InferRequest, InferResponse
-from rayinfer.protocol.restricted_api import parse_restrictions
+from rayinfer.protocol.restricted_api import inference_headers, parse_restrictions
 from rayinfer.repository.ensemble import is_ensemble
 from rayinfer.repository.model_config import config_to_json, read_config
 from rayinfer.repository.object_store import local_repository
@@ -117,11 +117,18 @@ class ModelDeployment:
         # CUDA_VISIBLE_DEVICES to that GPU); one given none runs them on the CPU.
         on_gpu = bool(ray.get_gpu_ids())
         # An s3:// repository: this model's folder, copied to this node.
+        # --http-restricted-api / --grpc-restricted-protocol: checked by the front, and by this
+        # replica's listener for a client that reaches it directly; its own calls to other
+        # replicas' listeners carry the inference group's header.
+        restricted = restricted or {}
+        restrictions = (parse_restrictions(restricted.get("http", []), "--http-restricted-api"),
+                        parse_restrictions(restricted.get("grpc", []), "--grpc-restricted-protocol"))
+        peer_headers = inference_headers(restrictions[0])
         repository = await asyncio.to_thread(local_repository, model_repository, [model_name])
         if is_ensemble(read_config(repository / model_name, override=config_override)):
             # An ensemble runs no model of its own: it calls its members' deployments (and reads
             # their folders: all of an s3:// repository).
-            self._members = EnsembleMembers()
+            self._members = EnsembleMembers(peer_headers)
             repository = await asyncio.to_thread(local_repository, model_repository)
             runner, entry = await load_ensemble(repository, model_name, int(version), config_override, self._members)
         else:
@@ -134,11 +141,7 @@ class ModelDeployment:
         self._max_input_size = max_input_size
         self._listener = ReplicaListener(self._listener_grpc, self._listener_http, max_input_size, self._core.name)
         self._listener.owns = self._owns
-        # --http-restricted-api / --grpc-restricted-protocol: checked by the front, and here for
-        # a client that reaches the listener directly.
-        restricted = restricted or {}
-        self._listener.restrict(parse_restrictions(restricted.get("http", []), "--http-restricted-api"),
-                                parse_restrictions(restricted.get("grpc", []), "--grpc-restricted-protocol"))
+        self._listener.restrict(*restrictions)
         self._listener.owns_grpc = self._owns_grpc
         host = ray.util.get_node_ip_address()
         self._listener_address = (host, await self._listener.start(host))
@@ -147,7 +150,7 @@ class ModelDeployment:
         self._sequences: SequenceRoutes | None = None
         if self._core.spec.sequence_batching is not None and self._members is None:
             self._sequences = SequenceRoutes(self._listener_address)
-            self._sequence_client = ListenerClient()
+            self._sequence_client = ListenerClient(peer_headers)
             self._core.route_sequences(self._sequences.owner, self._send_sequence_on, self._stream_sequence_on)
         self._report_task = asyncio.get_running_loop().create_task(self._report_forever())
         # Everything loaded so far (framework modules, the model) lives as long as the replica:

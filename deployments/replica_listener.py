@@ -246,6 +246,7 @@ class _Connection(asyncio.Protocol):
         self._in_head = False  # between a request's first byte and the end of its headers
         self._head_bytes = 0  # a client's request line and headers parsed so far
         self._head_chunks_bytes = 0  # the chunks wholly in a client's request head so far
+        self._began = False  # a request began in the chunk being parsed
         self._recv_start = 0
         self._turn_at = time.monotonic() + _TURN_S
         self._relayed: RelayedRequest | None = None  # a request of a client's being relayed
@@ -265,10 +266,10 @@ class _Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self._refused:  # the rest of a body refused for its size: dropped
             return
-        in_head = self._in_head
+        in_head, self._began = self._in_head, False
         try:
             self._parser.feed_data(data)
-            if in_head and self._in_head and self._direct is not None and not self._refused:
+            if in_head and self._in_head and not self._began and self._direct is not None and not self._refused:
                 # httptools keeps a header until its value ends: a head that does not end is
                 # bounded by its chunks (the one it began in, part of it another request's, aside).
                 self._head_chunks_bytes += len(data)
@@ -335,7 +336,7 @@ class _Connection(asyncio.Protocol):
 
     def on_message_begin(self) -> None:
         self._url, self._headers, self._body, self._body_size = b"", {}, [], 0
-        self._reading = self._in_head = True
+        self._reading = self._in_head = self._began = True
         self._head_bytes = self._head_chunks_bytes = 0
         if self._direct is not None:
             self._all_headers = []
@@ -344,15 +345,19 @@ class _Connection(asyncio.Protocol):
     def on_url(self, url: bytes) -> None:
         self._url += url
         self._head_bytes += len(url)
+        if self._direct is not None and self._head_bytes > MAX_REQUEST_HEAD_BYTES and not self._refused:
+            self._refuse_head(HEAD_TOO_LARGE)
 
     def on_header(self, name: bytes, value: bytes) -> None:
         if self._direct is not None:
             self._all_headers.append((name, value))
             self._head_bytes += len(name) + len(value) + 4
-            if not self._refused and (len(self._all_headers) > MAX_REQUEST_HEADERS
-                                      or self._head_bytes > MAX_REQUEST_HEAD_BYTES):
+            if self._refused:
+                return
+            if len(self._all_headers) > MAX_REQUEST_HEADERS or self._head_bytes > MAX_REQUEST_HEAD_BYTES:
                 self._refuse_head(TOO_MANY_HEADERS if len(self._all_headers) > MAX_REQUEST_HEADERS
                                   else HEAD_TOO_LARGE)
+                return
         name = name.lower()
         if name in _KEPT_HEADERS or name in self._listener.restricted_headers:
             self._headers[name] = value
@@ -382,6 +387,8 @@ class _Connection(asyncio.Protocol):
         """Answer a client's request head over a limit (:mod:`limits`) with a 400, drop the rest."""
         self._refused = True
         self._all_headers, self._body = [], []
+        if self._task is not None:  # the answers before it are dropped with the connection
+            self._task.cancel()
         if self._transport is not None:
             self._transport.write(bad_head_answer(reason))
             self._transport.write_eof()
@@ -389,6 +396,8 @@ class _Connection(asyncio.Protocol):
 
     def _refuse(self, size: int | None) -> None:
         """Answer a body over the limit at once, drop the rest of it, then close the connection."""
+        if self._refused:  # answered already (a head over the limits)
+            return
         self._refused = True
         self._body = []
         if self._transport is None:

@@ -40,15 +40,17 @@ Connection = tuple[asyncio.StreamReader, asyncio.StreamWriter]
 class ListenerClient:
     """Sends inference requests to listeners; keeps their connections for the next request."""
 
-    def __init__(self) -> None:
+    def __init__(self, headers: tuple[tuple[bytes, bytes], ...] = ()) -> None:
+        """``headers``: sent with every request (a restricted group's header)."""
         self._idle: dict[Address, list[Connection]] = {}
+        self.headers = headers
 
     async def infer(self, address: Address, request: InferRequest,
                     headers: tuple[tuple[bytes, bytes], ...] = ()) -> InferResponse:
         """The listener's response to ``request`` (sent with ``headers`` too); its error
         (Triton's code from the status) raised as :class:`ServingError`;
         :class:`UnavailableError` when it cannot be reached."""
-        message = b"".join(encode_request(request, address, headers))  # one send
+        message = b"".join(encode_request(request, address, (*self.headers, *headers)))  # one send
         for attempt in (0, 1):
             reused = bool(self._idle.get(address))
             try:
@@ -81,7 +83,7 @@ class ListenerClient:
         except OSError as exc:
             raise UnavailableError(f"model '{request.model_name}' could not be reached: {exc}") from None
         try:
-            writer.write(b"".join(encode_request(request, address, (*headers, (STREAM_HEADER, b"1")))))
+            writer.write(b"".join(encode_request(request, address, (*self.headers, *headers, (STREAM_HEADER, b"1")))))
             try:
                 status, fields = await _read_head(reader)
                 if fields.get("transfer-encoding") != "chunked":  # refused before the model: one error

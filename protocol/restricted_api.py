@@ -22,18 +22,18 @@ _VALUE = re.compile(r"[A-Za-z0-9!#$&*+./:;<>?@^_`|~=-]+")
 _M = "/v2/models/[^/]+(/versions/[^/]+)?"
 # HTTP paths of each group (regular expressions HAProxy matches against the path).
 HTTP_PATHS: dict[str, tuple[str, ...]] = {
-    "health": ("^/v2/health(/.*)?$", f"^{_M}/ready/?$"),
-    "metadata": ("^/v2/?$", f"^{_M}/?$"),
-    "inference": (f"^{_M}/(infer|generate|generate_stream)/?$",),
+    "health": ("^/v2/health(/.*)?$", f"^{_M}/ready/*$"),
+    "metadata": ("^/v2/*$", f"^{_M}/*$"),
+    "inference": (f"^{_M}/(infer|generate|generate_stream)/*$",),
     "shared-memory": ("^/v2/(system|cuda)sharedmemory(/.*)?$",),
-    "model-config": (f"^{_M}/config/?$",),
+    "model-config": (f"^{_M}/config/*$",),
     "model-repository": ("^/v2/repository(/.*)?$",),
-    "statistics": ("^/v2/models/stats/?$", f"^{_M}/stats/?$"),
-    "trace": ("^/v2/trace/setting/?$", f"^{_M}/trace/setting/?$"),
-    "logging": ("^/v2/logging/?$",),
+    "statistics": ("^/v2/models/stats/*$", f"^{_M}/stats/*$"),
+    "trace": ("^/v2/trace/setting/*$", f"^{_M}/trace/setting/*$"),
+    "logging": ("^/v2/logging/*$",),
 }
 # Paths a group's patterns match that belong to another group.
-HTTP_EXCLUDED: dict[str, str] = {"metadata": "^/v2/models/stats/?$"}
+HTTP_EXCLUDED: dict[str, str] = {"metadata": "^/v2/models/stats/*$"}
 # GRPCInferenceService's methods in each group.
 GRPC_METHODS: dict[str, tuple[str, ...]] = {
     "health": ("ServerLive", "ServerReady", "ModelReady"),
@@ -97,6 +97,15 @@ def header_names(http: Restrictions, grpc: Restrictions) -> frozenset[bytes]:
     """The headers (lower case) the restricted groups' requests must carry."""
     names = {key.lower() for key, _ in http.values()} | {f"{GRPC_HEADER_PREFIX}{key}".lower() for key, _ in grpc.values()}
     return frozenset(name.encode() for name in names)
+
+
+def inference_headers(http: Restrictions) -> tuple[tuple[bytes, bytes], ...]:
+    """The header a replica's own inference calls to other replicas' listeners carry (an
+    ensemble's steps, a sequence's request sent on) when the ``inference`` group is restricted."""
+    if "inference" not in http:
+        return ()
+    key, value = http["inference"]
+    return ((key.lower().encode(), value.encode()),)
 
 
 def missing_header(http: Restrictions, grpc: Restrictions, path: str, headers: Mapping[bytes, bytes],

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import time
 
 import pytest
 
@@ -340,5 +341,32 @@ def test_haproxy_refuses_a_later_head_over_the_limits_with_json(door, extra: byt
         status, headers, body = client.request_sent()
         assert (status, headers["content-type"], json.loads(body)) == (
             400, "application/json", {"error": f"malformed HTTP request: {reason}"})
+    finally:
+        client.close()
+
+
+def test_a_refused_head_is_answered_once_and_pipelined_requests_are_not_refused(loop, door) -> None:
+    """A head over the header count with a Content-Length over the body limit gets one 400 (the
+    head's); requests sent back to back in one write, a large body between them, are served."""
+    front, port = door
+    one = Replica(loop, "one")
+    one.listener.owns = _owns_model("m")
+    publish(loop, front, {"m/": [("127.0.0.1", one.port)]})
+    many = b"".join(b"x-h%d: v\r\n" % i for i in range(101))
+    assert _raw(port, b"POST /v2/models/m/infer HTTP/1.1\r\nhost: x\r\n" + many
+                + b"content-length: 99999999999\r\n\r\n") == (400, {"error": "malformed HTTP request: too many request headers (over 100)"})
+    client = _Client(port)
+    try:
+        # The first head in two pieces, the second piece ending with the next request's start
+        # (a pause between the writes lets each arrive as a chunk of its own).
+        body = b"b" * 30000
+        client.sock.sendall(b"POST /v2/models/m/infer HTTP/1.1\r\nhost: x\r\n")
+        time.sleep(0.2)
+        client.sock.sendall(b"content-length: %d\r\n\r\n%bPOST /v2/models/m/infer HTTP/1.1\r\nhost: x\r\n" % (
+            len(body), body))
+        time.sleep(0.2)
+        client.sock.sendall(b"content-length: 0\r\n\r\n")
+        assert client.request_sent()[::2] == (200, b"one POST /v2/models/m/infer 30000")
+        assert client.request_sent()[::2] == (200, b"one POST /v2/models/m/infer 0")
     finally:
         client.close()

@@ -102,6 +102,8 @@ def test_a_replicas_listener_checks_the_restrictions_itself(loop):
     assert reply.startswith(b"HTTP/1.1 403") and json.loads(reply.partition(b"\r\n\r\n")[2]) == {
         "error": "This API is restricted, expecting header 'infer-key'"}
     assert http_exchange(replica.port, get("/v2/models/m/versions/1")).startswith(b"HTTP/1.1 403")
+    # Trailing slashes, which the routes ignore, do not take a request out of its group.
+    assert http_exchange(replica.port, post("/v2/models/m/infer//", b"{}")).startswith(b"HTTP/1.1 403")
     assert http_exchange(replica.port, with_header(post("/v2/models/m/infer", b"{}"), b"Infer-Key: wrong")).startswith(
         b"HTTP/1.1 403")
     assert http_exchange(replica.port, with_header(post("/v2/models/m/infer", b"{}"), b"Infer-Key: secret")).endswith(

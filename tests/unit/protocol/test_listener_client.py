@@ -141,3 +141,30 @@ def test_a_decoupled_models_responses_stream_back_one_by_one(tmp_path: Path) -> 
 
     asyncio.run(run())
     core.close()
+
+
+def test_a_replicas_own_calls_carry_the_restricted_inference_header(cores):
+    """With the inference group restricted, a listener refuses a call without the header; the
+    client a replica calls other replicas with (an ensemble's steps, a sequence sent on) sends
+    it, so those calls are served."""
+    from rayinfer.protocol.restricted_api import inference_headers, parse_restrictions
+
+    restrictions = parse_restrictions(["inference:infer-key=secret"], "--http-restricted-api")
+
+    async def run() -> None:
+        listener = serve(cores)
+        listener.restrict(restrictions, {})
+        address = ("127.0.0.1", await listener.start("127.0.0.1"))
+        a = np.ones((1, 16), dtype=np.int32)
+        request = InferRequest("simple", inputs=[InferInput("INPUT0", "INT32", (1, 16), a),
+                                                 InferInput("INPUT1", "INT32", (1, 16), a)])
+        plain, peer = ListenerClient(), ListenerClient(inference_headers(restrictions))
+        with pytest.raises(ServingError, match="This API is restricted, expecting header 'infer-key'"):
+            await plain.infer(address, request)
+        response = await peer.infer(address, request)
+        np.testing.assert_array_equal({o.name: o.data for o in response.outputs}["OUTPUT0"], a + a)
+        plain.close()
+        peer.close()
+        await listener.close(1.0)
+
+    asyncio.run(run())
