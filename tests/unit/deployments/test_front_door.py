@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-import time
 
 import pytest
 
@@ -225,9 +224,9 @@ def test_a_replica_that_is_gone_gets_no_connections(loop, door):
 def test_connections_take_turns_over_the_replicas(loop, door, monkeypatch):
     """A replica gives its connection back to the door between two requests once its turn is
     over: one keep-alive client reaches both replicas (one started later, as after a scale-up)."""
-    from rayinfer.deployments import replica_listener
+    from rayinfer.deployments import listener_connection
 
-    monkeypatch.setattr(replica_listener, "_TURN_S", 0.0)
+    monkeypatch.setattr(listener_connection, "_TURN_S", 0.0)
     front, port = door
     one = Replica(loop, "one")
     one.listener.owns = _owns_model("m")
@@ -357,16 +356,16 @@ def test_a_refused_head_is_answered_once_and_pipelined_requests_are_not_refused(
                 + b"content-length: 99999999999\r\n\r\n") == (400, {"error": "malformed HTTP request: too many request headers (over 100)"})
     client = _Client(port)
     try:
-        # The first head in two pieces, the second piece ending with the next request's start
-        # (a pause between the writes lets each arrive as a chunk of its own).
+        # The first head in two pieces (the replica has read the first), the second piece ending
+        # with the next request's start, whose rest comes once the first is answered.
         body = b"b" * 30000
         client.sock.sendall(b"POST /v2/models/m/infer HTTP/1.1\r\nhost: x\r\n")
-        time.sleep(0.2)
+        wait_until(lambda: any(c._direct is not None and c._in_head for c in list(one.listener._connections)),
+                   "the replica to read the first piece of the head", timeout_s=10)
         client.sock.sendall(b"content-length: %d\r\n\r\n%bPOST /v2/models/m/infer HTTP/1.1\r\nhost: x\r\n" % (
             len(body), body))
-        time.sleep(0.2)
-        client.sock.sendall(b"content-length: 0\r\n\r\n")
         assert client.request_sent()[::2] == (200, b"one POST /v2/models/m/infer 30000")
+        client.sock.sendall(b"content-length: 0\r\n\r\n")
         assert client.request_sent()[::2] == (200, b"one POST /v2/models/m/infer 0")
     finally:
         client.close()
