@@ -121,6 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
                               "model (default true; false: the front relays every request)")
         sub.add_argument("--front-on-head", type=_bool, nargs="?", const=True, default=None,
                          help="run the front (HTTP, gRPC and metrics ports) on the Ray head node")
+        sub.add_argument("--front-on-every-node", type=_bool, nargs="?", const=True, default=None,
+                         help="run the front's HTTP and gRPC ports on every node with model replicas too")
         sub.add_argument("--gpu-wait-secs", type=float, default=None,
                          help="how long a model waits for missing GPUs before it is UNAVAILABLE (default 180)")
         sub.add_argument("--ray-metrics-port", type=int, default=None, help="embedded Ray's metrics port")
@@ -265,6 +267,7 @@ def serve(settings: ServerSettings) -> int:
             http_restricted=settings.http_restricted_api,
             grpc_restricted=settings.grpc_restricted_protocol,
             front_on_head=settings.front_on_head,
+            front_on_every_node=settings.front_on_every_node,
             log_level=replica_log_level(settings),
             log_settings=startup_log_settings(settings),
             # Models asked for whose config cannot be read count as failed loads (readiness).

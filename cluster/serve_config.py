@@ -83,6 +83,7 @@ def render_serve_config(
             "max_inflight_requests": settings.max_inflight_requests,
             "direct_connections": settings.direct_connections,
             **({"front_on_head": True} if settings.front_on_head else {}),
+            **({"front_on_every_node": True} if settings.front_on_every_node else {}),
             "model_control_mode": settings.model_control_mode,
             "repository_poll_secs": settings.repository_poll_secs,
             "gpu_wait_secs": settings.gpu_wait_secs,

@@ -216,6 +216,13 @@ class ServerSettings(BaseSettings):
         description="Run the front (the HTTP, gRPC and metrics ports) on the Ray cluster's head node; "
         "by default Serve places it on any node. Needs a head node with CPUs for it.",
     )
+    front_on_every_node: bool = Field(
+        False,
+        description="Run the front (the HTTP and gRPC ports) on every node with model replicas too, not only on "
+        "the node of the /v2 replica (the metrics port stays there). Each node's front routes to the replicas "
+        "of every node; use an address every node has (0.0.0.0, or the /v2 node's own address, which becomes "
+        "each node's).",
+    )
     gpu_wait_secs: float = Field(
         180.0, gt=0,
         description="How long a model waits for GPUs the cluster does not have (an autoscaler may add a GPU "

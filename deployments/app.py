@@ -42,6 +42,7 @@ def server_application(
     grpc_restricted: list[str] | None = None,
     front_on_head: bool = False,
     direct_connections: bool = True,
+    front_on_every_node: bool = False,
 ) -> Application:
     """The ``/v2`` application: health, metadata, repository index, statistics, unknown models,
     Triton's metrics port as ``metrics`` says and the front's gRPC and HTTP ports at
@@ -59,6 +60,8 @@ def server_application(
     and so the front's ports, on the Ray head node (Ray's ``node:__internal_head__`` resource),
     where a Kubernetes service or ``ray attach -p`` finds them. ``direct_connections``: HTTP
     and gRPC connections go straight to a model's replica (--direct-connections, :mod:`front_door`).
+    ``front_on_every_node``: the front's ports on every node with model replicas too
+    (:mod:`node_fronts`).
     """
     control = control or ModelControl()
     deployment = ServerDeployment.options(
@@ -75,6 +78,7 @@ def server_application(
     return deployment.bind(
         str(model_repository), server_id, strict_readiness, metrics, control, grpc_front, http_front, front_threads,
         list(http_restricted or ()), list(grpc_restricted or ()), max_inflight, direct_connections,
+        front_on_every_node,
     )
 
 
@@ -104,7 +108,8 @@ def build_server_app(args: dict[str, Any]) -> Application:
     for the metrics port, metrics_address, metrics_port, metrics_interval_ms, allow_cpu_metrics and
     allow_gpu_metrics; for the front's gRPC port, grpc_address,
     grpc_port, serve_grpc_host and serve_grpc_port; for its HTTP port, http_address, http_port,
-    serve_http_host and serve_http_port; front_threads; max_inflight_requests; direct_connections; front_on_head; and model control's args
+    serve_http_host and serve_http_port; front_threads; max_inflight_requests; direct_connections; front_on_head; front_on_every_node; and model
+    control's args
     (:func:`_control_from_args`)."""
     return server_application(
         args["model_repository"],
@@ -129,6 +134,7 @@ def build_server_app(args: dict[str, Any]) -> Application:
         grpc_restricted=[str(v) for v in args.get("grpc_restricted_protocol") or ()],
         front_on_head=parse_bool(args.get("front_on_head", False)),
         direct_connections=parse_bool(args.get("direct_connections", True)),
+        front_on_every_node=parse_bool(args.get("front_on_every_node", False)),
     )
 
 

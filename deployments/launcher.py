@@ -65,6 +65,7 @@ def deploy_repository(
     http_restricted: list[str] | None = None,
     grpc_restricted: list[str] | None = None,
     front_on_head: bool = False,
+    front_on_every_node: bool = False,
 ) -> dict[str, str]:
     """Deploy the ``/v2`` app and one app per model version; returns models that failed to load.
 
@@ -90,6 +91,7 @@ def deploy_repository(
                 direct_connections=direct_connections,
                 startup_models=sorted({model for model, _, _ in versions}) if starting else [],
                 http_restricted=http_restricted, grpc_restricted=grpc_restricted, front_on_head=front_on_head,
+                front_on_every_node=front_on_every_node,
             ),
             name=SERVER_APP,
             route_prefix=SERVER_ROUTE_PREFIX,

@@ -67,7 +67,10 @@ class ServerDeployment(ServerGrpcMethods):
         grpc_restricted: list[str] | None = None,
         max_inflight: int | None = None,
         direct_connections: bool = True,
+        front_on_every_node: bool = False,
     ):
+        """``front_on_every_node``: the front runs on every node with model replicas too
+        (:mod:`node_fronts`), not only on this replica's."""
         control = control or ModelControl()
         log_settings.write_lines_here()  # rayinfer's lines: Triton's format (see log_settings)
         # An s3:// repository is read from its copy on this node, brought up to date on each poll
@@ -79,10 +82,17 @@ class ServerDeployment(ServerGrpcMethods):
         if grpc_front is not None or http_front is not None:
             from rayinfer.deployments.front import Front
 
-            self._front = Front(http_front, grpc_front, SERVER_APP, front_threads, control.max_input_size,
-                                parse_restrictions(http_restricted or [], "--http-restricted-api"),
-                                parse_restrictions(grpc_restricted or [], "--grpc-restricted-protocol"),
-                                max_inflight or DEFAULT_MAX_INFLIGHT_REQUESTS, direct_connections)
+            options = {
+                "server_app": SERVER_APP, "threads": front_threads, "max_input_size": control.max_input_size,
+                "http_restricted": parse_restrictions(http_restricted or [], "--http-restricted-api"),
+                "grpc_restricted": parse_restrictions(grpc_restricted or [], "--grpc-restricted-protocol"),
+                "max_inflight": max_inflight or DEFAULT_MAX_INFLIGHT_REQUESTS, "direct": direct_connections,
+            }
+            self._front = Front(http_front, grpc_front, **options)
+            if front_on_every_node:
+                from rayinfer.deployments.node_fronts import Fronts
+
+                self._front = Fronts(self._front, http_front, grpc_front, options)
         self._max_input_size = control.max_input_size
         self._max_inflight = max_inflight or DEFAULT_MAX_INFLIGHT_REQUESTS
         self._api = V2Api(server_id, strict_readiness, self._controller, state, RouteTable(state, self._front),

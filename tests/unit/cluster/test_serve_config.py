@@ -234,6 +234,8 @@ def test_front_on_head_places_the_v2_replica_on_the_head_node(example_repository
     assert "front_on_head" not in server_args()
     args = server_args(front_on_head=True)
     assert args["front_on_head"] is True
+    assert "front_on_every_node" not in args
+    assert server_args(front_on_every_node=True)["front_on_every_node"] is True
     options = build_server_app(args)._bound_deployment.ray_actor_options
     assert options["resources"] == {HEAD_NODE_RESOURCE: 0.001} and options["num_cpus"] == 0.1
     assert "resources" not in build_server_app(server_args())._bound_deployment.ray_actor_options

@@ -1,0 +1,213 @@
+"""A front on every node that runs model replicas (``--front-on-every-node``).
+
+The ``/v2`` replica runs the front on its own node (:mod:`front`). With a front on every node it
+also runs one, through a small Ray actor of no CPU (:class:`NodeFront`), on each other node
+whose model replicas registered a listener: the same ports and settings, and the same routes
+(every replica of the cluster), so that a client reaching any such node is answered, by a
+replica on that node through the door, or relayed to one on any node. What a node's front does
+not route goes to Serve's ingress on that node, which Serve runs on every node with a replica
+(``proxy_location: EveryNode``).
+
+:class:`Fronts` is what the route table publishes to: the local front first, then each node's
+front (a node front that does not answer within a few seconds, or whose HAProxy has exited, is
+stopped and started again after :data:`RETRY_S`). A node is found by its address: the host of
+the listeners its replicas registered (Ray's node IP address). Nodes sharing one address (Ray
+nodes started on one machine) would share their ports and get no front of their own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+# How long a node front has to start (HAProxy and its door), and to take new routes.
+START_TIMEOUT_S = 30.0
+PUBLISH_TIMEOUT_S = 5.0
+# After a node front failed, how long before it is started again on that node.
+RETRY_S = 30.0
+# How often the cluster's nodes are read again (sooner when a replica's address is new).
+_NODES_REFRESH_S = 10.0
+
+Endpoint = tuple[str, int, str, int]
+
+
+def node_endpoint(endpoint: Endpoint | None, own_ip: str, node_ip: str) -> Endpoint | None:
+    """The front's ``endpoint`` (address, port, Serve's host, Serve's port) for another node:
+    an address that is the ``/v2`` replica's node's own becomes that node's; a wildcard or
+    loopback address is the same on every node."""
+    if endpoint is None:
+        return None
+    address, port, serve_host, serve_port = endpoint
+    return (node_ip if address == own_ip else address, port, node_ip if serve_host == own_ip else serve_host,
+            serve_port)
+
+
+def front_nodes(routes: dict[str, list[tuple[str, int]]], nodes: dict[str, list[str]], own_ip: str) -> dict[str, str]:
+    """Node ID -> address of each node that needs a front: its replicas are in ``routes``, it is
+    not the ``/v2`` replica's node, and it is the only live node at its address (``nodes``:
+    address -> live node IDs)."""
+    hosts = {host for listeners in routes.values() for host, _ in listeners}
+    return {ids[0]: ip for ip, ids in nodes.items() if ip in hosts and ip != own_ip and len(ids) == 1}
+
+
+class NodeFront:
+    """Runs the front on the node it is placed on (a Ray actor of :class:`Fronts`)."""
+
+    def __init__(self, http: Endpoint | None, grpc: Endpoint | None, own_ip: str, options: dict[str, Any]) -> None:
+        import ray
+
+        from rayinfer.deployments.front import Front
+
+        node_ip = ray.util.get_node_ip_address()
+        self._front = Front(node_endpoint(http, own_ip, node_ip), node_endpoint(grpc, own_ip, node_ip), **options)
+
+    async def publish(self, routes: dict[str, list[tuple[str, int]]], sequence_keys: frozenset[str]) -> bool:
+        """Take ``routes``; answers whether this node's front still runs."""
+        await self._front.publish(routes, sequence_keys)
+        return self._front.running
+
+    def stop(self) -> None:
+        self._front.stop()
+
+
+class Fronts:
+    """The local front and a front on every other node with model replicas, published to as one
+    (:class:`~rayinfer.deployments.route_table.RouteTable`'s front)."""
+
+    def __init__(self, local: Any, http: Endpoint | None, grpc: Endpoint | None, options: dict[str, Any]) -> None:
+        import ray
+
+        self.local = local
+        self._http, self._grpc, self._options = http, grpc, options
+        self._own_ip = ray.util.get_node_ip_address()
+        self._actors: dict[str, Any] = {}  # node ID -> its NodeFront actor
+        self._ready: set[str] = set()  # nodes whose front started and took its first routes
+        self._starting: dict[str, asyncio.Task] = {}
+        self._failed_at: dict[str, float] = {}
+        self._nodes: dict[str, list[str]] = {}
+        self._nodes_read_at = float("-inf")
+
+    @property
+    def published(self) -> dict[str, list[tuple[str, int]]]:
+        return self.local.published
+
+    @property
+    def sequence_keys(self) -> frozenset[str]:
+        return self.local.sequence_keys
+
+    @property
+    def running(self) -> bool:
+        return self.local.running
+
+    @property
+    def nodes(self) -> dict[str, str]:
+        """Node ID -> address of the node fronts that run and route."""
+        return {node: ip for ip, ids in self._nodes.items() for node in ids if node in self._ready}
+
+    async def publish(self, routes: dict[str, list[tuple[str, int]]],
+                      sequence_keys: frozenset[str] = frozenset()) -> None:
+        """The local front's routes first; then every running node front's (each within
+        :data:`PUBLISH_TIMEOUT_S`), and fronts started on nodes that newly need one."""
+        await self.local.publish(routes, sequence_keys)
+        routes, sequence_keys = self.local.published, self.local.sequence_keys
+        wanted = front_nodes(routes, await self._live_nodes(routes), self._own_ip)
+        for node in set(self._actors) - set(wanted):
+            self._stop_node(node, "it runs no model replica now")
+        now = time.monotonic()
+        for node, ip in wanted.items():
+            if node not in self._actors and now - self._failed_at.get(node, float("-inf")) >= RETRY_S:
+                self._start_node(node, ip, routes, sequence_keys)
+        ready = [node for node in self._ready if node in wanted]
+        results = await asyncio.gather(*(self._publish_to(node, routes, sequence_keys) for node in ready))
+        for node, error in zip(ready, results):
+            if error is not None:
+                self._fail(node, error)
+
+    async def _publish_to(self, node: str, routes: dict[str, list[tuple[str, int]]],
+                          sequence_keys: frozenset[str], timeout_s: float = PUBLISH_TIMEOUT_S) -> str | None:
+        """None once ``node``'s front took the routes, else why it did not."""
+        try:
+            running = await asyncio.wait_for(self._actors[node].publish.remote(routes, sequence_keys), timeout_s)
+        except Exception as exc:  # noqa: BLE001  # the actor died, its node left, or it hangs
+            return f"{type(exc).__name__}: {exc}"
+        return None if running else "its HAProxy has exited"
+
+    def _start_node(self, node: str, ip: str, routes: dict[str, list[tuple[str, int]]],
+                    sequence_keys: frozenset[str]) -> None:
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        actor_class = ray.remote(NodeFront).options(
+            num_cpus=0, max_restarts=0, max_concurrency=4,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False))
+        self._actors[node] = actor_class.remote(self._http, self._grpc, self._own_ip, self._options)
+        logger.info("starting the front on node %s (%s)", node, ip)
+
+        async def first_routes() -> None:
+            error = await self._publish_to(node, routes, sequence_keys, START_TIMEOUT_S)  # the start too
+            if self._starting.pop(node, None) is None:
+                return  # stopped meanwhile
+            if error is None:
+                self._ready.add(node)
+                logger.info("the front on node %s (%s) routes", node, ip)
+            else:
+                self._fail(node, error)
+
+        self._starting[node] = asyncio.get_running_loop().create_task(first_routes())
+
+    def _fail(self, node: str, error: str) -> None:
+        if node not in self._actors:
+            return
+        logger.warning("the front on node %s failed (%s); starting it again in %.0f s", node, error, RETRY_S)
+        self._failed_at[node] = time.monotonic()
+        self._stop_node(node, None)
+
+    def _stop_node(self, node: str, why: str | None) -> None:
+        import ray
+
+        if why is not None:
+            logger.info("stopping the front on node %s: %s", node, why)
+        actor = self._actors.pop(node, None)
+        self._ready.discard(node)
+        task = self._starting.pop(node, None)
+        if task is not None:
+            task.cancel()
+        if actor is not None:
+            actor.stop.remote()  # then its actor ends with this handle
+
+    async def _live_nodes(self, routes: dict[str, list[tuple[str, int]]]) -> dict[str, list[str]]:
+        """Address -> live node IDs, read again every :data:`_NODES_REFRESH_S` or for a new address."""
+        hosts = {host for listeners in routes.values() for host, _ in listeners}
+        if time.monotonic() - self._nodes_read_at >= _NODES_REFRESH_S or not hosts <= set(self._nodes):
+            import ray
+
+            try:
+                listed = await asyncio.to_thread(ray.nodes)
+            except Exception as exc:  # noqa: BLE001  # the GCS is briefly unreachable: keep what we had
+                logger.debug("could not list Ray's nodes: %s", exc)
+                return self._nodes
+            nodes: dict[str, list[str]] = {}
+            for entry in listed:
+                if entry.get("Alive"):
+                    nodes.setdefault(entry["NodeManagerAddress"], []).append(entry["NodeID"])
+            self._nodes, self._nodes_read_at = nodes, time.monotonic()
+        return self._nodes
+
+    def stop(self) -> None:
+        """Stop every node's front (waiting up to 5 s for them), then the local one."""
+        import ray
+
+        refs = []
+        for node in list(self._actors):
+            actor = self._actors.pop(node)
+            refs.append(actor.stop.remote())
+        if refs:
+            try:
+                ray.wait(refs, num_returns=len(refs), timeout=5.0)
+            except Exception:  # noqa: BLE001  # Ray is shutting down: their keepers stop on their own
+                logger.debug("could not wait for the node fronts to stop", exc_info=True)
+        self.local.stop()

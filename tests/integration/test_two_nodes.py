@@ -1,0 +1,182 @@
+"""rayinfer on a Ray cluster of two nodes with addresses of their own (the second node in a
+network namespace of its own: tests/second_host.py), the front on every node
+(``--front-on-every-node``): every RPC of both protocols answers through each node's front,
+each front routes to the replicas of both nodes, and a node's front that dies is started again."""
+
+from __future__ import annotations
+
+import os
+import queue
+import secrets
+import signal
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from onnx import TensorProto
+from tritonclient.utils import InferenceServerException
+
+from conftest import HTTP_PORT, add_sub_inputs, start_server, stop_server, stop_shared_server
+from rayinfer.cluster.example_repository import SIMPLE_CONFIG, add_sub_model, write_model
+from rayinfer.cluster.settings import RAY_ENVIRONMENT
+from second_host import HERE_IP, THERE_IP, SecondHost
+from waiting import wait_until
+
+pytestmark = pytest.mark.own_cluster
+
+PORT = HTTP_PORT + 300
+BIN = Path(sys.executable).parent
+A = np.arange(16, dtype=np.int32).reshape(1, 16)
+
+
+@pytest.fixture(scope="module")
+def two_nodes():
+    """A head (1 CPU) here and a worker node (2 CPUs) on the second host."""
+    stop_shared_server()  # one Ray cluster at a time on a small machine
+    try:
+        host = SecondHost()
+    except OSError as exc:
+        pytest.skip(f"needs root (CAP_NET_ADMIN) to give a second Ray node a network of its own: {exc}")
+    # Ray turns token authentication on for a head not on loopback: the nodes share one token.
+    env = {**os.environ, **RAY_ENVIRONMENT, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
+    try:
+        subprocess.run([str(BIN / "ray"), "start", "--head", "--node-ip-address", HERE_IP, "--num-cpus", "1",
+                        "--disable-usage-stats", "--dashboard-host", "127.0.0.1"],
+                       env=env, check=True, capture_output=True, timeout=120)
+        host.run([str(BIN / "ray"), "start", "--address", f"{HERE_IP}:6379", "--node-ip-address", THERE_IP,
+                  "--num-cpus", "2", "--disable-usage-stats"], env=env, check=True, capture_output=True, timeout=120)
+        yield host, env
+    finally:
+        subprocess.run([str(BIN / "ray"), "stop"], env=env, capture_output=True, timeout=120)
+        host.close()
+
+
+def ready(ip: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://{ip}:{PORT}/v2/health/ready", timeout=5) as response:
+            return response.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+@pytest.fixture(scope="module")
+def server(two_nodes, tmp_path_factory):
+    """``simple`` with a replica on each node (the head holds the /v2 replica and one of 0.9
+    CPU); ``spare`` to load and unload."""
+    host, env = two_nodes
+    repo = tmp_path_factory.mktemp("two_nodes_repo")
+    write_model(repo, "simple", SIMPLE_CONFIG + "instance_group [ { count: 2 kind: KIND_CPU } ]\n",
+                add_sub_model(TensorProto.INT32))
+    write_model(repo, "spare", SIMPLE_CONFIG.replace('name: "simple"', 'name: "spare"'),
+                add_sub_model(TensorProto.INT32))
+    with pytest.MonkeyPatch.context() as patch:
+        for key, value in env.items():
+            patch.setenv(key, value)
+        proc = start_server(repo, tmp_path_factory.mktemp("two_nodes_log") / "rayinfer.log", [
+            "--ray-address", "auto", "--http-address", "0.0.0.0", "--http-port", str(PORT),
+            "--grpc-port", str(PORT + 1), "--metrics-port", str(PORT + 2), "--serve-http-port", str(PORT + 10),
+            "--serve-grpc-port", str(PORT + 11), "--front-on-head", "--front-on-every-node",
+            "--model-control-mode", "explicit", "--load-model", "simple", "--replica-num-cpus", "0.9"])
+    try:
+        wait_until(lambda: ready(HERE_IP), "the head's front to be ready", timeout_s=120)
+        wait_until(lambda: ready(THERE_IP), "the second node's front to be ready", timeout_s=60)
+        yield host
+    finally:
+        stop_server(proc)
+
+
+def grpc_inputs() -> list:
+    inputs = [grpcclient.InferInput(n, [1, 16], "INT32") for n in ("INPUT0", "INPUT1")]
+    for tensor in inputs:
+        tensor.set_data_from_numpy(A)
+    return inputs
+
+
+@pytest.mark.parametrize("ip", [HERE_IP, THERE_IP])
+def test_every_http_endpoint_answers_through_each_nodes_front(server, ip: str):
+    client = httpclient.InferenceServerClient(f"{ip}:{PORT}", network_timeout=120.0)
+    assert client.is_server_live() and client.is_server_ready()
+    assert client.get_server_metadata()["name"] == "triton"
+    assert client.is_model_ready("simple") and not client.is_model_ready("spare")
+    assert client.get_model_metadata("simple")["name"] == "simple"
+    assert client.get_model_config("simple")["max_batch_size"] == 8
+    for _ in range(4):
+        np.testing.assert_array_equal(client.infer("simple", add_sub_inputs(A, A)).as_numpy("OUTPUT0"), 2 * A)
+    # The replicas report their statistics every second or two.
+    wait_until(lambda: client.get_inference_statistics("simple")["model_stats"][0]["inference_stats"]["success"]
+               ["count"] >= 4, "the statistics to count the inferences", timeout_s=30)
+    assert {m["name"] for m in client.get_model_repository_index()} == {"simple", "spare"}
+    assert "trace_level" in client.get_trace_settings()
+    assert "log_verbose_level" in client.get_log_settings()
+    assert client.get_system_shared_memory_status() == []
+    client.load_model("spare")
+    np.testing.assert_array_equal(client.infer("spare", add_sub_inputs(A, A)).as_numpy("OUTPUT1"), 0 * A)
+    client.unload_model("spare")
+    with pytest.raises(InferenceServerException, match="spare"):
+        client.infer("spare", add_sub_inputs(A, A))
+    client.close()
+
+
+@pytest.mark.parametrize("ip", [HERE_IP, THERE_IP])
+def test_every_grpc_rpc_answers_through_each_nodes_front(server, ip: str):
+    client = grpcclient.InferenceServerClient(f"{ip}:{PORT + 1}")
+    assert client.is_server_live() and client.is_server_ready()
+    assert client.get_server_metadata().name == "triton"
+    assert client.is_model_ready("simple") and not client.is_model_ready("spare")
+    assert client.get_model_metadata("simple").name == "simple"
+    assert client.get_model_config("simple").config.max_batch_size == 8
+    for _ in range(4):
+        np.testing.assert_array_equal(client.infer("simple", grpc_inputs()).as_numpy("OUTPUT0"), 2 * A)
+    wait_until(lambda: client.get_inference_statistics("simple").model_stats[0].inference_stats.success.count >= 4,
+               "the statistics to count the inferences", timeout_s=30)
+    assert {m.name for m in client.get_model_repository_index().models} == {"simple", "spare"}
+    assert client.get_trace_settings().settings
+    assert client.get_log_settings().settings
+    assert list(client.get_system_shared_memory_status().regions) == []
+    results: queue.Queue = queue.Queue()
+    client.start_stream(lambda result, error: results.put((result, error)))
+    for _ in range(3):
+        client.async_stream_infer("simple", grpc_inputs())
+    for _ in range(3):
+        result, error = results.get(timeout=60)
+        assert error is None
+        np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), 2 * A)
+    client.stop_stream()
+    client.load_model("spare")
+    np.testing.assert_array_equal(client.infer("spare", grpc_inputs()).as_numpy("OUTPUT1"), 0 * A)
+    client.unload_model("spare")
+    with pytest.raises(InferenceServerException, match="spare"):
+        client.infer("spare", grpc_inputs())
+    client.close()
+
+
+def node_front_folder(host: SecondHost) -> Path:
+    """The folder of the front whose keeper runs on the second node."""
+    keepers = {pid for pid in host.pids() if b"front_keeper" in Path(f"/proc/{pid}/cmdline").read_bytes()}
+    folders = [folder for folder in Path("/tmp").glob("rayinfer-front-*")
+               if (folder / "keeper.pid").exists() and int((folder / "keeper.pid").read_text()) in keepers]
+    assert len(folders) == 1, folders
+    return folders[0]
+
+
+def test_each_nodes_front_routes_to_the_replicas_of_both_nodes(server):
+    listeners = (node_front_folder(server) / "listeners.map").read_text().split()
+    hosts = {value.split("|")[0] for value in listeners[1::2]}
+    assert hosts == {HERE_IP, THERE_IP}, listeners
+
+
+def test_a_node_front_that_dies_is_started_again(server):
+    folder = node_front_folder(server)
+    os.kill(int((folder / "keeper.pid").read_text()), signal.SIGKILL)
+    wait_until(lambda: not ready(THERE_IP), "the second node's front to stop answering", timeout_s=30)
+    # Started again on the next publication after RETRY_S (30 s).
+    wait_until(lambda: ready(THERE_IP), "the second node's front to be started again", timeout_s=90)
+    client = httpclient.InferenceServerClient(f"{THERE_IP}:{PORT}")
+    np.testing.assert_array_equal(client.infer("simple", add_sub_inputs(A, A)).as_numpy("OUTPUT0"), 2 * A)
+    assert ready(HERE_IP)
