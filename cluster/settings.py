@@ -220,8 +220,7 @@ class ServerSettings(BaseSettings):
         False,
         description="Run the front (the HTTP and gRPC ports) on every node with model replicas too, not only on "
         "the node of the /v2 replica (the metrics port stays there). Each node's front routes to the replicas "
-        "of every node; use an address every node has (0.0.0.0, or the /v2 node's own address, which becomes "
-        "each node's).",
+        "of every node; use --http-address 0.0.0.0 (Serve's ingress binds it on every node too).",
     )
     gpu_wait_secs: float = Field(
         180.0, gt=0,

@@ -9,8 +9,10 @@ not route goes to Serve's ingress on that node, which Serve runs on every node w
 (``proxy_location: EveryNode``).
 
 :class:`Fronts` is what the route table publishes to: the local front first, then each node's
-front (a node front that does not answer within a few seconds, or whose HAProxy has exited, is
-stopped and started again after :data:`RETRY_S`). A node is found by its address: the host of
+front that routes (a node front that does not answer within a few seconds, or whose HAProxy has
+exited, is stopped and started again after :data:`RETRY_S`). Which nodes need a front is looked
+at in the background after each publication; a new node front is given the routes published
+while it started until it has the latest, and is published to with the others from then on. A node is found by its address: the host of
 the listeners its replicas registered (Ray's node IP address). Nodes sharing one address (Ray
 nodes started on one machine) would share their ports and get no front of their own.
 """
@@ -18,6 +20,7 @@ nodes started on one machine) would share their ports and get no front of their 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from typing import Any
@@ -78,18 +81,25 @@ class Fronts:
     """The local front and a front on every other node with model replicas, published to as one
     (:class:`~rayinfer.deployments.route_table.RouteTable`'s front)."""
 
-    def __init__(self, local: Any, http: Endpoint | None, grpc: Endpoint | None, options: dict[str, Any]) -> None:
+    def __init__(self, local: Any, http: Endpoint | None, grpc: Endpoint | None, options: dict[str, Any],
+                 own_ip: str | None = None) -> None:
+        """``own_ip``: this node's address (default: Ray's for this process)."""
         import ray
 
         self.local = local
         self._http, self._grpc, self._options = http, grpc, options
-        self._own_ip = ray.util.get_node_ip_address()
+        self._own_ip = own_ip or ray.util.get_node_ip_address()
+        for endpoint in (http, grpc):
+            if endpoint is not None and (endpoint[0].startswith("127.") or endpoint[0] == "::1"):
+                logger.warning("the front on every node binds %s: each node's front answers its own machine only "
+                               "(use --http-address 0.0.0.0)", endpoint[0])
         self._actors: dict[str, Any] = {}  # node ID -> its NodeFront actor
         self._ready: set[str] = set()  # nodes whose front started and took its first routes
         self._starting: dict[str, asyncio.Task] = {}
         self._failed_at: dict[str, float] = {}
         self._nodes: dict[str, list[str]] = {}
         self._nodes_read_at = float("-inf")
+        self._placing: asyncio.Task | None = None
 
     @property
     def published(self) -> dict[str, list[tuple[str, int]]]:
@@ -103,29 +113,39 @@ class Fronts:
     def running(self) -> bool:
         return self.local.running
 
-    @property
-    def nodes(self) -> dict[str, str]:
-        """Node ID -> address of the node fronts that run and route."""
-        return {node: ip for ip, ids in self._nodes.items() for node in ids if node in self._ready}
-
     async def publish(self, routes: dict[str, list[tuple[str, int]]],
                       sequence_keys: frozenset[str] = frozenset()) -> None:
-        """The local front's routes first; then every running node front's (each within
-        :data:`PUBLISH_TIMEOUT_S`), and fronts started on nodes that newly need one."""
+        """The local front's routes first, then every routing node front's (each within
+        :data:`PUBLISH_TIMEOUT_S`); which nodes need a front is looked at in the background
+        (Ray's node list is not read under the route table's lock)."""
         await self.local.publish(routes, sequence_keys)
         routes, sequence_keys = self.local.published, self.local.sequence_keys
-        wanted = front_nodes(routes, await self._live_nodes(routes), self._own_ip)
+        ready = list(self._ready)
+        results = await asyncio.gather(*(self._publish_to(node, routes, sequence_keys) for node in ready))
+        for node, error in zip(ready, results):
+            if error is not None:
+                self._fail(node, error)
+        if self._placing is None or self._placing.done():
+            self._placing = asyncio.get_running_loop().create_task(self._place())
+
+    async def _place(self) -> None:
+        """Start a front on each node that newly needs one; stop those of nodes that do not."""
+        try:
+            routes = self.local.published
+            wanted = front_nodes(routes, await self._live_nodes(routes), self._own_ip)
+        except Exception:  # noqa: BLE001  # looked at again on the next publication
+            logger.exception("could not place the node fronts")
+            return
         for node in set(self._actors) - set(wanted):
             self._stop_node(node, "it runs no model replica now")
         now = time.monotonic()
         for node, ip in wanted.items():
             if node not in self._actors and now - self._failed_at.get(node, float("-inf")) >= RETRY_S:
-                self._start_node(node, ip, routes, sequence_keys)
-        ready = [node for node in self._ready if node in wanted]
-        results = await asyncio.gather(*(self._publish_to(node, routes, sequence_keys) for node in ready))
-        for node, error in zip(ready, results):
-            if error is not None:
-                self._fail(node, error)
+                try:
+                    self._start_node(node, ip)
+                except Exception:  # noqa: BLE001  # tried again after RETRY_S
+                    logger.exception("could not start the front on node %s (%s)", node, ip)
+                    self._failed_at[node] = now
 
     async def _publish_to(self, node: str, routes: dict[str, list[tuple[str, int]]],
                           sequence_keys: frozenset[str], timeout_s: float = PUBLISH_TIMEOUT_S) -> str | None:
@@ -136,26 +156,30 @@ class Fronts:
             return f"{type(exc).__name__}: {exc}"
         return None if running else "its HAProxy has exited"
 
-    def _start_node(self, node: str, ip: str, routes: dict[str, list[tuple[str, int]]],
-                    sequence_keys: frozenset[str]) -> None:
-        import ray
+    def _start_node(self, node: str, ip: str) -> None:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        actor_class = ray.remote(NodeFront).options(
-            num_cpus=0, max_restarts=0, max_concurrency=4,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False))
-        self._actors[node] = actor_class.remote(self._http, self._grpc, self._own_ip, self._options)
+        self._actors[node] = _actor_class().options(
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
+        ).remote(self._http, self._grpc, self._own_ip, self._options)
         logger.info("starting the front on node %s (%s)", node, ip)
 
         async def first_routes() -> None:
-            error = await self._publish_to(node, routes, sequence_keys, START_TIMEOUT_S)  # the start too
-            if self._starting.pop(node, None) is None:
-                return  # stopped meanwhile
-            if error is None:
-                self._ready.add(node)
-                logger.info("the front on node %s (%s) routes", node, ip)
-            else:
-                self._fail(node, error)
+            # The routes published while it started, until it has the latest: it routes (is
+            # published to with the others) only from then on.
+            sent: tuple[dict[str, list[tuple[str, int]]], frozenset[str]] | None = None
+            while (self.local.published, self.local.sequence_keys) != sent:
+                sent = (self.local.published, self.local.sequence_keys)
+                error = await self._publish_to(node, *sent, timeout_s=START_TIMEOUT_S)  # the start too
+                if node not in self._starting:
+                    return  # stopped meanwhile
+                if error is not None:
+                    self._starting.pop(node, None)
+                    self._fail(node, error)
+                    return
+            self._starting.pop(node, None)
+            self._ready.add(node)
+            logger.info("the front on node %s (%s) routes", node, ip)
 
         self._starting[node] = asyncio.get_running_loop().create_task(first_routes())
 
@@ -167,8 +191,6 @@ class Fronts:
         self._stop_node(node, None)
 
     def _stop_node(self, node: str, why: str | None) -> None:
-        import ray
-
         if why is not None:
             logger.info("stopping the front on node %s: %s", node, why)
         actor = self._actors.pop(node, None)
@@ -186,7 +208,7 @@ class Fronts:
             import ray
 
             try:
-                listed = await asyncio.to_thread(ray.nodes)
+                listed = await asyncio.wait_for(asyncio.to_thread(ray.nodes), PUBLISH_TIMEOUT_S)
             except Exception as exc:  # noqa: BLE001  # the GCS is briefly unreachable: keep what we had
                 logger.debug("could not list Ray's nodes: %s", exc)
                 return self._nodes
@@ -201,13 +223,26 @@ class Fronts:
         """Stop every node's front (waiting up to 5 s for them), then the local one."""
         import ray
 
+        for task in (self._placing, *self._starting.values()):
+            if task is not None:
+                task.cancel()
+        self._starting.clear()
+        self._ready.clear()
         refs = []
         for node in list(self._actors):
             actor = self._actors.pop(node)
             refs.append(actor.stop.remote())
-        if refs:
+        if refs and ray.is_initialized():
             try:
                 ray.wait(refs, num_returns=len(refs), timeout=5.0)
             except Exception:  # noqa: BLE001  # Ray is shutting down: their keepers stop on their own
                 logger.debug("could not wait for the node fronts to stop", exc_info=True)
         self.local.stop()
+
+
+@functools.cache
+def _actor_class() -> Any:
+    """:class:`NodeFront` as a Ray actor class (made once: each new one is exported to the GCS)."""
+    import ray
+
+    return ray.remote(num_cpus=0, max_restarts=0, max_concurrency=4)(NodeFront)  # type: ignore[call-overload]

@@ -42,7 +42,7 @@ from waiting import wait_until
 
 pytestmark = pytest.mark.own_cluster
 
-PORT = HTTP_PORT + 200
+PORT = HTTP_PORT + 400
 PORT_ARGS = ["--http-port", str(PORT), "--grpc-port", str(PORT + 1), "--metrics-port", str(PORT + 2),
              "--serve-http-port", str(PORT + 10), "--serve-grpc-port", str(PORT + 11)]
 BIN = Path(sys.executable).parent

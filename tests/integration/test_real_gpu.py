@@ -27,7 +27,7 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU with CUDA"),
 ]
 
-PORT = HTTP_PORT + 300
+PORT = HTTP_PORT + 700
 
 PROBE = '''import json, os
 import numpy as np

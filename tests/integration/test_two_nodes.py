@@ -30,7 +30,7 @@ from waiting import wait_until
 
 pytestmark = pytest.mark.own_cluster
 
-PORT = HTTP_PORT + 300
+PORT = HTTP_PORT + 600
 BIN = Path(sys.executable).parent
 A = np.arange(16, dtype=np.int32).reshape(1, 16)
 
@@ -156,23 +156,34 @@ def test_every_grpc_rpc_answers_through_each_nodes_front(server, ip: str):
     client.close()
 
 
-def node_front_folder(host: SecondHost) -> Path:
-    """The folder of the front whose keeper runs on the second node."""
-    keepers = {pid for pid in host.pids() if b"front_keeper" in Path(f"/proc/{pid}/cmdline").read_bytes()}
-    folders = [folder for folder in Path("/tmp").glob("rayinfer-front-*")
-               if (folder / "keeper.pid").exists() and int((folder / "keeper.pid").read_text()) in keepers]
-    assert len(folders) == 1, folders
-    return folders[0]
+def front_folders(host: SecondHost) -> dict[str, Path]:
+    """The folder of each running front, by the node its keeper runs on."""
+    there = set(host.pids())
+    folders: dict[str, Path] = {}
+    for folder in Path("/tmp").glob("rayinfer-front-*"):
+        try:
+            keeper = int((folder / "keeper.pid").read_text())
+            alive = b"front_keeper" in Path(f"/proc/{keeper}/cmdline").read_bytes()
+        except (OSError, ValueError):
+            continue
+        if alive:
+            node = THERE_IP if keeper in there else HERE_IP
+            assert node not in folders, f"two fronts on {node}"
+            folders[node] = folder
+    return folders
 
 
 def test_each_nodes_front_routes_to_the_replicas_of_both_nodes(server):
-    listeners = (node_front_folder(server) / "listeners.map").read_text().split()
-    hosts = {value.split("|")[0] for value in listeners[1::2]}
-    assert hosts == {HERE_IP, THERE_IP}, listeners
+    maps = {node: (folder / "listeners.map").read_text().split() for node, folder in front_folders(server).items()}
+    assert set(maps) == {HERE_IP, THERE_IP}
+    assert maps[HERE_IP] == maps[THERE_IP]  # the same routes on both
+    # Serve spreads a deployment's replicas over the nodes (and the head has room for one only).
+    assert {value.split("|")[0] for key, value in zip(maps[THERE_IP][::2], maps[THERE_IP][1::2])
+            if key.startswith("simple/")} == {HERE_IP, THERE_IP}
 
 
 def test_a_node_front_that_dies_is_started_again(server):
-    folder = node_front_folder(server)
+    folder = front_folders(server)[THERE_IP]
     os.kill(int((folder / "keeper.pid").read_text()), signal.SIGKILL)
     wait_until(lambda: not ready(THERE_IP), "the second node's front to stop answering", timeout_s=30)
     # Started again on the next publication after RETRY_S (30 s).
