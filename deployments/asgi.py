@@ -11,8 +11,10 @@ from typing import Any
 from collections.abc import Awaitable, Callable
 
 from rayinfer.protocol.errors import ServingError
+from rayinfer.protocol.grpc_wire import SERVICE
 from rayinfer.protocol.http_codec import error_response
 from rayinfer.protocol.limits import DEFAULT_HTTP_MAX_INPUT_SIZE, body_too_large
+from rayinfer.protocol.restricted_api import Restrictions, http_message, missing_header
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
@@ -66,6 +68,19 @@ async def send_error(send: Send, error: ServingError) -> None:
     """Triton's error response: the code's HTTP status and ``{"error": message}``."""
     status, headers, body = error_response(error)
     await send_bytes(send, status, body, headers)
+
+
+async def refuse_restricted(send: Send, restrictions: tuple[Restrictions, Restrictions] | None, path: str,
+                            headers: list[tuple[bytes, bytes]]) -> bool:
+    """--http-restricted-api at Serve's HTTP ingress, as the front checks it: a request to a
+    restricted group without its header gets 403 and Triton's message (True when answered)."""
+    if not restrictions or not any(restrictions):
+        return False
+    key = missing_header(*restrictions, path, dict(headers), SERVICE)
+    if key is None:
+        return False
+    await send_json(send, 403, {"error": http_message(key)})
+    return True
 
 
 async def send_empty(send: Send, status: int) -> None:

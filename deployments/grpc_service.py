@@ -28,11 +28,14 @@ from rayinfer.protocol.errors import (
     InvalidArgError,
     NotFoundError,
     ServingError,
+    UnavailableError,
     UnsupportedError,
     as_serving_error,
     grpc_status_name,
 )
 from rayinfer.protocol import log_settings
+from rayinfer.protocol.grpc_wire import SERVICE
+from rayinfer.protocol.restricted_api import Restrictions, grpc_message, missing_header
 from rayinfer.protocol.grpc_codec import index_to_grpc, parameters_from_grpc, statistics_to_grpc
 from rayinfer.serving.model_grpc import MODEL_RPCS
 from rayinfer.serving.trace import parse_update
@@ -116,6 +119,20 @@ def set_error(grpc_context: Any, exc: BaseException) -> ServingError:
     return error
 
 
+def restricted(restrictions: tuple[Restrictions, Restrictions] | None, method: str, grpc_context: Any) -> bool:
+    """--grpc-restricted-protocol at Serve's gRPC ingress, as the front checks it: a call of a
+    restricted group without its header gets UNAVAILABLE and Triton's message (True then)."""
+    if not restrictions or not any(restrictions) or grpc_context is None:
+        return False
+    metadata = {str(k).lower().encode(): v.encode() if isinstance(v, str) else v
+                for k, v in grpc_context.invocation_metadata()}
+    key = missing_header(*restrictions, SERVICE + method, metadata, SERVICE)
+    if key is None:
+        return False
+    set_error(grpc_context, UnavailableError(grpc_message(key)))
+    return True
+
+
 async def answer(grpc_context: Any, call: Awaitable[Any], empty: type) -> Any:
     """The response of ``call``, or an empty ``empty`` message with the error's status set."""
     try:
@@ -136,6 +153,8 @@ class ServerGrpcMethods:
 
     _api: V2Api
     _forwarder: ModelForwarder
+    # --http-restricted-api and --grpc-restricted-protocol, checked again on every call
+    _restrictions: tuple[Restrictions, Restrictions] | None = None
 
     # ---- server ---------------------------------------------------------------------------
 
@@ -182,6 +201,8 @@ class ServerGrpcMethods:
         # (model, sequence id) -> the pump of that sequence's latest request in this stream
         sequences: dict[tuple[str, str], asyncio.Task] = {}
         # A client's W3C trace context (the opentelemetry trace mode), from the stream's metadata.
+        if restricted(self._restrictions, "ModelStreamInfer", grpc_context):
+            return
         metadata = dict(grpc_context.invocation_metadata()) if grpc_context is not None else {}
         trace_context = metadata.get("traceparent")
 
@@ -329,6 +350,8 @@ def _refusing_unparsable(cls: type) -> type:
 
         async def checked(self: Any, request: Any, grpc_context: Any = None, *, _rpc: Any = rpc,
                           _takes_context: bool = takes_context, _empty: type = empty) -> Any:
+            if restricted(self._restrictions, _rpc.__name__, grpc_context):
+                return _empty()
             if isinstance(request, Unparsable):
                 set_error(grpc_context, InternalError(UNPARSABLE_REQUEST))
                 return _empty()

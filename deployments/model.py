@@ -38,12 +38,13 @@ from rayinfer.deployments.names import (
     SHM_FORGET_PATH,
     TRACE_SETTINGS_PATH,
 )
+from rayinfer.deployments.internal_token import cluster_token
 from rayinfer.deployments.replica_listener import ReplicaListener
 from rayinfer.protocol import log_settings
 from rayinfer.protocol.errors import NotFoundError, ServingError, UnavailableError, UnsupportedError, as_serving_error
 from rayinfer.protocol.http_codec import parse_json_body
 from rayinfer.protocol.limits import DEFAULT_HTTP_MAX_INPUT_SIZE
-from rayinfer.protocol.listener_client import STREAM_HEADER, ListenerClient
+from rayinfer.protocol.listener_client import INTERNAL_HEADER, STREAM_HEADER, ListenerClient
 from rayinfer.protocol.shared_memory import Registration, SharedMemoryRegistry
 from rayinfer.protocol.types import InferRequest, InferResponse
 from rayinfer.protocol.restricted_api import inference_headers, parse_restrictions
@@ -124,6 +125,8 @@ class ModelDeployment:
         restrictions = (parse_restrictions(restricted.get("http", []), "--http-restricted-api"),
                         parse_restrictions(restricted.get("grpc", []), "--grpc-restricted-protocol"))
         peer_headers = inference_headers(restrictions[0])
+        self._restrictions = restrictions  # and at Serve's HTTP ingress (_asgi)
+        self._internal_token = cluster_token()  # the /v2 replica's calls to the internal routes
         repository = await asyncio.to_thread(local_repository, model_repository, [model_name])
         if is_ensemble(read_config(repository / model_name, override=config_override)):
             # An ensemble runs no model of its own: it calls its members' deployments (and reads
@@ -167,6 +170,8 @@ class ModelDeployment:
         if scope["type"] == "lifespan":
             await asgi.handle_lifespan(receive, send)
             return
+        if await asgi.refuse_restricted(send, self._restrictions, scope["path"], scope["headers"]):
+            return
         route = parse_model_route(scope["path"])
         if route is None:
             trace = _TRACE_ROUTE.fullmatch(scope["path"].rstrip("/"))
@@ -207,6 +212,8 @@ class ModelDeployment:
         of the model's metadata, readiness, config or statistics."""
         route = parse_model_route(path, encoded=True)
         if route is None:
+            if headers.get(INTERNAL_HEADER) != self._internal_token:
+                raise NotFoundError(f"Not Found: {method} {path}")
             if method == "POST" and path == SEQUENCE_SLOTS_PATH and self._sequences is not None:
                 self._sequences.update(json.loads(body))  # the /v2 replica: the slots moved
                 return 200, [], b""

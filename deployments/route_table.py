@@ -36,9 +36,13 @@ _TELL_TIMEOUT_S = 1.0
 class RouteTable:
     """Registered listeners, and what of them the front (if any) routes to."""
 
-    def __init__(self, state: ServeState, front: Any = None) -> None:
+    def __init__(self, state: ServeState, front: Any = None,
+                 internal_headers: tuple[tuple[bytes, bytes], ...] = ()) -> None:
+        """``internal_headers``: what the calls to the replicas' internal routes carry
+        (:mod:`internal_token`)."""
         self._state = state
         self._front = front  # a rayinfer.deployments.front.Front, or None
+        self.internal_headers = internal_headers
         self._lock = asyncio.Lock()
         # replica -> (application, host, port, last registered)
         self._listeners: dict[str, tuple[str, str, int, float]] = {}
@@ -77,7 +81,7 @@ class RouteTable:
         it on by the new one)."""
         calls = [(address, json.dumps(table).encode()) for app, table in self._tables.items()
                  if table != self._told.get(app) for address in self.listeners(app)]
-        for address, result in await post_each(calls, SEQUENCE_SLOTS_PATH, _TELL_TIMEOUT_S):
+        for address, result in await post_each(calls, SEQUENCE_SLOTS_PATH, _TELL_TIMEOUT_S, self.internal_headers):
             # It reads the table again when it next registers.
             logger.warning("model replica at %s:%d did not take its new sequence slots: %s", *address, result)
         self._told = dict(self._tables)

@@ -20,6 +20,7 @@ from tritonclient.grpc import service_pb2 as pb
 from rayinfer.deployments import asgi
 from rayinfer.deployments.control import ModelControl, ServeDeployer
 from rayinfer.deployments.grpc_service import ModelForwarder, ServerGrpcMethods
+from rayinfer.deployments.internal_token import cluster_token, internal_headers
 from rayinfer.deployments.metrics_endpoint import MetricsEndpoint
 from rayinfer.deployments.names import SERVER_APP
 from rayinfer.deployments.route_table import RouteTable
@@ -79,13 +80,15 @@ class ServerDeployment(ServerGrpcMethods):
         self._controller = ModelController(repository, ServeDeployer(control), control.mode, str(model_repository))
         state = ServeState(repository, self._controller)
         self._front: Any = None
+        # Checked by the front, and again here for what reaches Serve's ingress some other way.
+        self._restrictions = (parse_restrictions(http_restricted or [], "--http-restricted-api"),
+                              parse_restrictions(grpc_restricted or [], "--grpc-restricted-protocol"))
         if grpc_front is not None or http_front is not None:
             from rayinfer.deployments.front import Front
 
             options = {
                 "server_app": SERVER_APP, "threads": front_threads, "max_input_size": control.max_input_size,
-                "http_restricted": parse_restrictions(http_restricted or [], "--http-restricted-api"),
-                "grpc_restricted": parse_restrictions(grpc_restricted or [], "--grpc-restricted-protocol"),
+                "http_restricted": self._restrictions[0], "grpc_restricted": self._restrictions[1],
                 "max_inflight": max_inflight or DEFAULT_MAX_INFLIGHT_REQUESTS, "direct": direct_connections,
             }
             self._front = Front(http_front, grpc_front, **options)
@@ -95,7 +98,7 @@ class ServerDeployment(ServerGrpcMethods):
                 self._front = Fronts(self._front, http_front, grpc_front, options)
         self._max_input_size = control.max_input_size
         self._max_inflight = max_inflight or DEFAULT_MAX_INFLIGHT_REQUESTS
-        self._api = V2Api(server_id, strict_readiness, self._controller, state, RouteTable(state, self._front),
+        self._api = V2Api(server_id, strict_readiness, self._controller, state, RouteTable(state, self._front, internal_headers(cluster_token())),
                           control.poll_secs,
                           settings_from_flags(list(control.trace_config)))
         # --log-verbose and the --log-* flags (a Serve config written before them: --log-verbose alone).
@@ -206,6 +209,8 @@ class ServerDeployment(ServerGrpcMethods):
         api = self._api
         if path.startswith(UNROUTED_PREFIX + "/"):
             path = path[len(UNROUTED_PREFIX):]
+        if await asgi.refuse_restricted(send, self._restrictions, path, scope["headers"]):
+            return
         try:
             if path == "/v2" and method == "GET":
                 await asgi.send_json(send, 200, api.server_metadata())

@@ -145,7 +145,7 @@ class V2Api:
         """POST ``body`` to ``path`` on every registered model replica's listener, at once;
         a replica that does not answer 200 is logged."""
         failed = await post_each([(address, body) for address in self.routes.all_listeners()], path,
-                                 _LISTENER_PUSH_TIMEOUT_S)
+                                 _LISTENER_PUSH_TIMEOUT_S, self.routes.internal_headers)
         for address, result in failed:
             logger.warning("model replica at %s:%d did not %s: %s", *address, what, result)
 

@@ -1,6 +1,7 @@
 """What the shared test server exposes by default: its HTTP, gRPC and metrics ports and Serve's
-ingress behind them listen on loopback only, no dashboard runs, and tensor data sent to it never
-reaches its logs at the default (INFO) level. (Ray's own gRPC ports and Serve's HAProxy stats
+ingress behind them listen on loopback only, no dashboard runs, tensor data sent to it never
+reaches its logs at the default (INFO) level, and its model replicas' listeners answer their
+internal routes only to the /v2 replica. (Ray's own gRPC ports and Serve's HAProxy stats
 port listen on every interface whatever rayinfer asks: README says to firewall them.)"""
 
 from __future__ import annotations
@@ -55,3 +56,31 @@ def test_tensor_data_stays_out_of_the_logs(server):
     found = [path for path in map(Path, logs)
              if path.is_file() and os.access(path, os.R_OK) and MARKER.encode() in path.read_bytes()]
     assert not found, f"tensor data in {found}"
+
+
+def test_a_listeners_internal_routes_need_the_clusters_token(server):
+    """A model replica's listener listens on its node's network (other nodes' fronts reach it):
+    a client there gets 404 from the routes only the /v2 replica calls (new trace settings, a
+    shared-memory region forgotten, sequence slots), which carry the cluster's token."""
+    import urllib.error
+    import urllib.request
+
+    from conftest import front_folder, read_map
+    from rayinfer.deployments.names import SEQUENCE_SLOTS_PATH, SHM_FORGET_PATH, TRACE_SETTINGS_PATH
+
+    listener = next(v for k, v in read_map(front_folder(server) / "listeners.map").items() if k.startswith("simple/"))
+    host, port = listener.rsplit("|", 1)
+    for path, body in ((TRACE_SETTINGS_PATH, b'{"trace_level": ["TIMESTAMPS"]}'), (SHM_FORGET_PATH, b""),
+                       (SEQUENCE_SLOTS_PATH, b'{"listeners": [], "previous": []}')):
+        request = urllib.request.Request(f"http://{host}:{port}{path}", data=body, method="POST",
+                                         headers={"x-rayinfer-internal": "guessed"})
+        try:
+            with urllib.request.urlopen(request, timeout=30) as response:
+                status, answer = response.status, response.read()
+        except urllib.error.HTTPError as exc:
+            status, answer = exc.code, exc.read()
+        assert status == 404, (path, status, answer)
+        assert json.loads(answer) == {"error": f"Not Found: POST {path}"}
+    # The model still serves, and its trace settings (pushed by the /v2 replica) are unchanged.
+    assert http("GET", "/v2/models/simple/ready")[0] == 200
+    assert http("GET", "/v2/models/simple/trace/setting")[0] == 200

@@ -12,9 +12,11 @@ Triton's fetch script), and simple_sequence with sequence batching.
 
 from __future__ import annotations
 
+import json
 import queue
 import re
 import shutil
+import urllib.error
 import urllib.request
 
 import numpy as np
@@ -30,7 +32,7 @@ from waiting import wait_until
 
 pytestmark = pytest.mark.own_cluster
 
-PORT = HTTP_PORT + 200
+PORT = HTTP_PORT + 500
 STARTUP_MODELS = ["simple", "nlp_ensemble"]
 FETCHED_LATER = {
     "densenet_onnx": """name: "densenet_onnx"
@@ -138,6 +140,34 @@ def test_restricted_groups_need_their_header_over_both_protocols(example_server)
     assert stats.model_stats[0].name == "simple"
     assert grpc.get_log_settings()  # logging is restricted over HTTP only
     http.close()
+    grpc.close()
+
+
+def test_serves_own_ingress_ports_check_the_restricted_groups_too(example_server):
+    """A client that reaches Ray Serve's own HTTP and gRPC ingress (--serve-http-port,
+    --serve-grpc-port), not the front, gets the same refusals: the model's replica (Serve routes
+    a model's HTTP routes to its application) and the /v2 replica check them again."""
+    for path in ("/v2/models/simple/stats", "/v2/logging"):
+        request = urllib.request.Request(f"http://127.0.0.1:{PORT + 10}{path}")
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(request, timeout=30)
+        assert refused.value.code == 403, path
+        assert json.loads(refused.value.read()) == {"error": "This API is restricted, expecting header 'stats-key'"}
+        request.add_header("stats-key", "s3cr3t")
+        with urllib.request.urlopen(request, timeout=30) as response:
+            assert response.status == 200, path
+    with urllib.request.urlopen(f"http://127.0.0.1:{PORT + 10}/v2/models/simple/ready", timeout=30) as response:
+        assert response.status == 200  # health is not restricted
+    grpc = grpcclient.InferenceServerClient(f"127.0.0.1:{PORT + 11}")
+    to_server = {"application": "rayinfer"}  # Serve's gRPC ingress routes by this metadata
+    with pytest.raises(InferenceServerException) as error:
+        grpc.get_inference_statistics("simple", headers=to_server)
+    assert error.value.status() == "StatusCode.UNAVAILABLE"
+    assert error.value.message() == "This protocol is restricted, expecting header 'triton-grpc-protocol-stats-key'"
+    stats = grpc.get_inference_statistics(
+        "simple", headers={**to_server, "triton-grpc-protocol-stats-key": "s3cr3t"})
+    assert stats.model_stats[0].name == "simple"
+    assert grpc.is_server_live(headers=to_server)
     grpc.close()
 
 

@@ -87,3 +87,57 @@ def test_forward_raises_what_a_retry_cannot_mend(forwarder, errors):
     with pytest.raises(grpc.aio.AioRpcError):
         asyncio.run(server.forward("ModelStatistics", "m", "1", pb.ModelStatisticsRequest(name="m")))
     assert [len(h.calls) for h in handles] == [1] * len(errors)
+
+
+class _Context:
+    """What Serve gives an RPC: the call's metadata, and the status it is to answer."""
+
+    def __init__(self, metadata: list[tuple[str, str]]) -> None:
+        self._metadata = metadata
+        self.code: grpc.StatusCode | None = None
+        self.details = ""
+
+    def invocation_metadata(self) -> list[tuple[str, str]]:
+        return self._metadata
+
+    def set_code(self, code: grpc.StatusCode) -> None:
+        self.code = code
+
+    def set_details(self, details: str) -> None:
+        self.details = details
+
+
+class _Restricted(grpc_service.ServerGrpcMethods):
+    """The /v2 replica's RPCs with statistics and inference restricted over gRPC."""
+
+    def __init__(self) -> None:
+        from rayinfer.protocol.restricted_api import parse_restrictions
+
+        self._restrictions = ({}, parse_restrictions(["statistics,inference:key=v"], "--grpc-restricted-protocol"))
+
+
+def test_serves_grpc_ingress_refuses_a_restricted_call_without_its_header():
+    """Calls that reach the /v2 replica through Serve's gRPC ingress, not the front, are
+    checked as the front checks them: UNAVAILABLE and Triton's message, the call not run."""
+    server = _Restricted()
+    context = _Context([("application", "rayinfer")])
+    answer = asyncio.run(server.ModelStatistics(pb.ModelStatisticsRequest(name="simple"), context))
+    assert answer == pb.ModelStatisticsResponse()
+    assert context.code == grpc.StatusCode.UNAVAILABLE
+    assert context.details == "This protocol is restricted, expecting header 'triton-grpc-protocol-key'"
+
+    async def stream() -> list:
+        async def requests():
+            yield pb.ModelInferRequest(model_name="simple")
+
+        context = _Context([("triton-grpc-protocol-key", "wrong")])
+        responses = [r async for r in server.ModelStreamInfer(requests(), context)]
+        return [responses, context.code]
+
+    assert asyncio.run(stream()) == [[], grpc.StatusCode.UNAVAILABLE]
+
+
+def test_serves_grpc_ingress_answers_an_unrestricted_call():
+    context = _Context([])
+    assert asyncio.run(_Restricted().ServerLive(pb.ServerLiveRequest(), context)).live
+    assert context.code is None
