@@ -201,7 +201,8 @@ def _json_string(error: str) -> str:
 
 
 def _http_restrictions(restrictions: Restrictions) -> str:
-    """HAProxy rules answering 403 to a restricted group's paths without its header."""
+    """HAProxy rules answering 403 to a restricted group's paths without its header (its whole
+    value: ``fhdr``, not split at commas, as a replica's listener and tritonserver compare it)."""
     lines = []
     for group, (key, value) in restrictions.items():
         name = group.replace("-", "_")
@@ -210,7 +211,7 @@ def _http_restrictions(restrictions: Restrictions) -> str:
         unless = f" !{{ path_reg {excluded} }}" if excluded else ""
         body = _json_string(http_message(key))
         lines.append(f'    http-request return status 403 content-type application/json string "{body}" '
-                     f"if api_{name}{unless} !{{ req.hdr({key}) -m str {value} }}\n")
+                     f"if api_{name}{unless} !{{ req.fhdr({key}) -m str {value} }}\n")
     return "".join(lines)
 
 
@@ -223,7 +224,7 @@ def _grpc_restrictions(restrictions: Restrictions) -> str:
         lines.append(f"    acl rpc_{name} path {' '.join(SERVICE + m for m in GRPC_METHODS[group])}\n")
         lines.append(f'    http-request return status 200 content-type application/grpc hdr grpc-status 14 '
                      f'hdr grpc-message "{grpc_message(key)}" '
-                     f"if rpc_{name} !{{ req.hdr({GRPC_HEADER_PREFIX}{key}) -m str {value} }}\n")
+                     f"if rpc_{name} !{{ req.fhdr({GRPC_HEADER_PREFIX}{key}) -m str {value} }}\n")
     return "".join(lines)
 
 

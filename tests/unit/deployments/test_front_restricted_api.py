@@ -56,6 +56,9 @@ def test_restricted_http_groups_need_their_header(restricted_front):
     assert reply.endswith(b"one POST /v2/models/m/infer 2")
     assert http_exchange(port, with_header(post("/v2/models/m/infer", b"{}"), b"infer-key: wrong")).startswith(
         b"HTTP/1.1 403")
+    # The whole value counts, as at a replica's listener: not one of its comma-separated parts.
+    assert http_exchange(port, with_header(post("/v2/models/m/infer", b"{}"), b"infer-key: secret, x")).startswith(
+        b"HTTP/1.1 403")
     # Groups left open: health, statistics (/v2/models/stats is not a model's metadata), config.
     for path in ("/v2/health/live", "/v2/models/stats", "/v2/models/m/ready", "/v2/models/m/config"):
         assert http_exchange(port, get(path)).startswith(b"HTTP/1.1 200"), path
