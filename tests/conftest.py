@@ -150,13 +150,18 @@ def model_repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _build_repository(tmp_path_factory.mktemp("repo"))
 
 
+# How long a server may take to start. The session server loads about 60 models: 100-270 s on
+# this 2-core machine depending on the day, and over 300 s on a slower CI machine.
+_START_TIMEOUT_S = 600
+
+
 def start_server(repository: Path | str, log_path: Path, args: list[str]) -> subprocess.Popen:
     """``rayinfer serve`` on ``repository`` (a folder or a URL) with ``args``; returns once it printed that
     HTTP is up."""
     log = log_path.open("w")
     proc = subprocess.Popen(
         [sys.executable, "-m", "rayinfer.cluster.cli", "serve", "--model-repository", str(repository),
-         "--replica-num-cpus", "0.01", "--num-cpus", "2", "--startup-timeout-s", "240", *args],
+         "--replica-num-cpus", "0.01", "--num-cpus", "2", "--startup-timeout-s", str(_START_TIMEOUT_S - 60), *args],
         stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )
     log.close()
@@ -167,7 +172,7 @@ def start_server(repository: Path | str, log_path: Path, args: list[str]) -> sub
         return "Started HTTPService" in log_path.read_text()
 
     try:
-        wait_until(started, "rayinfer to print 'Started HTTPService'", timeout_s=300, interval_s=0.5)
+        wait_until(started, "rayinfer to print 'Started HTTPService'", timeout_s=_START_TIMEOUT_S, interval_s=0.5)
     except WaitTimeout as exc:
         stop_server(proc)
         pytest.fail(f"{exc}:\n{log_path.read_text()[-4000:]}")
