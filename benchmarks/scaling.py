@@ -11,7 +11,12 @@ benchmarks/compare_triton.py) four ways, one after the other, inside a private n
 - ``2 replicas, 2 nodes``: ``count: 2`` on a Ray cluster of two nodes started on this machine
   (``ray start --head`` and ``ray start --address``, one CPU each), with replicas asking for 0.6
   CPU so that each node takes one; where each replica runs is checked from its raylet;
-- ``4 replicas``: ``count: 4`` on the embedded one-node Ray.
+- ``4 replicas``: ``count: 4`` on the embedded one-node Ray;
+- ``2 replicas, 2 hosts``: as ``2 replicas, 2 nodes``, but the second node runs on a second
+  "host" (tests/second_host.py: a network namespace of its own joined by a veth pair, so it has
+  an address, a loopback and ports of its own, as on two machines; needs root), with a front on
+  every node (``--http-address 0.0.0.0 --front-on-head --front-on-every-node``); perf_analyzer
+  calls the head's front.
 
 For each it runs perf_analyzer (batch 1 per request) at each concurrency and records the memory of
 every process the server started: PSS (shared pages split between the processes sharing them, so
@@ -25,6 +30,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import secrets
 import shutil
 import subprocess
 import sys
@@ -56,8 +62,8 @@ PORT = 18400
 RAY_PORT = 6390  # outside the worker port ranges below
 WORKER_NODE_PORTS = (25000, 29999)  # the second node's workers (the head's: 20000-24999)
 BIN = Path(sys.executable).parent
-SETUPS = ("1 replica", "2 replicas", "2 replicas, 2 nodes", "4 replicas")
-REPLICAS = (1, 2, 2, 4)  # instance_group count of each setup
+SETUPS = ("1 replica", "2 replicas", "2 replicas, 2 nodes", "4 replicas", "2 replicas, 2 hosts")
+REPLICAS = (1, 2, 2, 4, 2)  # instance_group count of each setup
 MARKS = ("<!-- scaling:begin -->", "<!-- scaling:end -->")
 
 
@@ -152,6 +158,28 @@ def start_two_nodes(env: dict[str, str]) -> None:
         start_ray_node(kind, env)
 
 
+def start_two_hosts(env: dict[str, str]):
+    """A head (one CPU) at ``HERE_IP`` here and a node (one CPU) at ``THERE_IP`` on a second host
+    (tests/second_host.py); returns that host (``close()`` it after ``ray stop``). Ray turns token
+    authentication on for a head off loopback: both nodes get one token through ``env``."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from second_host import HERE_IP, THERE_IP, SecondHost
+
+    host = SecondHost()
+    env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32))
+    common = ["--num-cpus", "1", "--disable-usage-stats"]
+    head = subprocess.run([str(BIN / "ray"), "start", "--head", "--node-ip-address", HERE_IP, "--port", str(RAY_PORT),
+                           "--include-dashboard", "false", *common], env=env, capture_output=True, text=True)
+    worker = head if head.returncode else host.run(
+        [str(BIN / "ray"), "start", "--address", f"{HERE_IP}:{RAY_PORT}", "--node-ip-address", THERE_IP, *common],
+        env=env, capture_output=True, text=True)
+    if worker.returncode:
+        subprocess.run([str(BIN / "ray"), "stop"], env=env, capture_output=True)
+        host.close()
+        raise RuntimeError(f"ray start failed:\n{worker.stdout[-1500:]}\n{worker.stderr[-1500:]}")
+    return host
+
+
 def measure_points(setup: str, result: dict, work: Path, points: list[tuple[str, int]], interval_ms: int,
                    before: set[int]) -> None:
     """perf_analyzer at each point into ``result``, and the memory under load at concurrency 16."""
@@ -185,13 +213,18 @@ def run_setup(setup: str, repo: Path, work: Path, points: list[tuple[str, int]],
     env = ray_environment()
     before = set(processes())
     two_nodes = setup.endswith("2 nodes")
+    two_hosts = setup.endswith("2 hosts")
     result: dict = {"points": {}}
-    proc = None
+    proc = host = None
     try:
         extra: tuple[str, ...] = ()
         if two_nodes:
             start_two_nodes(env)
             extra = ("--ray-address", f"127.0.0.1:{RAY_PORT}", "--replica-num-cpus", "0.6")
+        if two_hosts:
+            host = start_two_hosts(env)
+            extra = ("--ray-address", "auto", "--replica-num-cpus", "0.6", "--http-address", "0.0.0.0",
+                     "--front-on-head", "--front-on-every-node")
         log = work / f"rayinfer-{setup.replace(' ', '_').replace(',', '')}.log"
         proc = start_rayinfer(repo, PORT, log, extra, env)
         wait_ready(PORT, proc, 300)
@@ -202,8 +235,10 @@ def run_setup(setup: str, repo: Path, work: Path, points: list[tuple[str, int]],
     finally:
         if proc is not None:
             stop_server(proc)
-        if two_nodes:  # the cluster this setup started (`ray stop` stops every Ray of this user)
+        if two_nodes or host is not None:  # the cluster this setup started (`ray stop` stops every Ray of this user)
             subprocess.run([str(BIN / "ray"), "stop"], env=env, capture_output=True)
+        if host is not None:
+            host.close()
     return result
 
 
@@ -254,7 +289,7 @@ def render(results: dict[str, dict], points: list[tuple[str, int]], args: argpar
             f"| {idle['replica_rss_mib']:,.0f} / {loaded['replica_rss_mib']:,.0f} |"
         )
     lines += ["", f"Reproduce: `.venv/bin/python benchmarks/scaling.py --concurrency {args.concurrency} "
-              f"--protocols {args.protocols}`", MARKS[1]]
+              f"--protocols {args.protocols} --setups {args.setups}`", MARKS[1]]
     return "\n".join(lines)
 
 
@@ -264,7 +299,7 @@ def main() -> int:
     parser.add_argument("--protocols", default="http,grpc")
     parser.add_argument("--setups", default=",".join(str(i) for i in range(len(SETUPS))),
                         help="which setups, by index: 0 = 1 replica, 1 = 2 replicas, 2 = 2 replicas on 2 nodes, "
-                             "3 = 4 replicas")
+                             "3 = 4 replicas, 4 = 2 replicas on 2 hosts (needs root)")
     parser.add_argument("--measurement-interval", type=int, default=3000, help="ms per perf_analyzer window")
     parser.add_argument("--output", type=Path, default=ROOT / "docs" / "benchmarks.md")
     args = parser.parse_args()

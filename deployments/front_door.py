@@ -432,6 +432,10 @@ def listening_socket(address: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in address else socket.AF_INET
     listening = socket.socket(family, socket.SOCK_STREAM)
     listening.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    # Inherited by every accepted connection. HAProxy sets it on the connections it accepts
+    # itself, not on those it is given (``sockpair@``): without it, the frames of a gRPC answer
+    # after the first waited for the client's delayed acknowledgement, about 40 ms a call.
+    listening.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     listening.bind((address, port))
     listening.listen(1024)
     listening.setblocking(False)

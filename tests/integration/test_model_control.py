@@ -98,7 +98,7 @@ def test_loads_and_unloads_in_a_row_under_traffic(server, client):
         assert outcomes and set(outcomes) == {"ok"}, (protocol, [o for o in outcomes if o != "ok"][:3])
 
 
-def test_load_errors_name_the_model():
+def test_load_errors_name_the_model(server):
     status, doc = http_json("POST", "/v2/repository/models/nope/load")
     assert (status, doc) == (500, {"error": "failed to load 'nope', failed to poll from model repository"})
     status, doc = http_json("POST", "/v2/repository/models/broken_config/load")
@@ -108,7 +108,7 @@ def test_load_errors_name_the_model():
     assert status == 400 and "failed to parse the repository JSON" in doc["error"]
 
 
-def test_unloading_an_unknown_model_is_not_an_error():
+def test_unloading_an_unknown_model_is_not_an_error(server):
     assert http("POST", "/v2/repository/models/nope/unload")[0] == 200
 
 
@@ -260,7 +260,7 @@ def test_load_with_a_config_override(client):
         client.unload_model(model)
 
 
-def test_bad_load_parameters_are_rejected_with_the_reason():
+def test_bad_load_parameters_are_rejected_with_the_reason(server):
     model = on_demand("bad_parameters")  # never loaded
     status, doc = http_json("POST", f"/v2/repository/models/{model}/load", {"parameters": {"config": "{oops"}})
     assert status == 400 and "failed to parse the configuration override" in doc["error"]
@@ -272,7 +272,7 @@ def test_bad_load_parameters_are_rejected_with_the_reason():
 
 
 @pytest.mark.parametrize("path", ["../../escaped.onnx", "/tmp/escaped.onnx", "1/../../escaped.onnx", "A" * 256])
-def test_file_parameters_never_write_outside_the_model_directory(path, tmp_path):
+def test_file_parameters_never_write_outside_the_model_directory(server, path, tmp_path):
     import tempfile
 
     model = on_demand("bad_paths")  # never loaded

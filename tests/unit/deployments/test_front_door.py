@@ -12,7 +12,7 @@ import pytest
 
 from front_stand_ins import Replica, free_port, publish
 from rayinfer.deployments.front import Front
-from rayinfer.deployments.front_door import route_key
+from rayinfer.deployments.front_door import listening_socket, route_key
 from waiting import wait_until
 
 
@@ -369,3 +369,19 @@ def test_a_refused_head_is_answered_once_and_pipelined_requests_are_not_refused(
         assert client.request_sent()[::2] == (200, b"one POST /v2/models/m/infer 0")
     finally:
         client.close()
+
+
+def test_the_doors_connections_send_small_writes_at_once():
+    """The door's connections carry TCP_NODELAY to whoever takes them: HAProxy does not set it on
+    a connection it is given, and a gRPC answer's frames then waited for the client's delayed
+    acknowledgement (about 40 ms a call)."""
+    listening = listening_socket("127.0.0.1", 0)
+    client = socket.create_connection(listening.getsockname())
+    try:
+        listening.setblocking(True)
+        connection, _ = listening.accept()
+        with connection:
+            assert connection.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+    finally:
+        client.close()
+        listening.close()
