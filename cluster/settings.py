@@ -28,9 +28,10 @@ RAY_ENVIRONMENT = {
     "RAY_worker_niceness": "0",
     # Serve's HAProxy checks each of its servers every 5 s (Ray's default; 250 ms once a check
     # failed), and every backend (two per model: HTTP and gRPC) lists Serve's proxy as a backup
-    # server too: checking every second cost a tenth of a core on an idle server with 60 models
-    # (docs/benchmarks.md). They concern Serve's own ingress only: rayinfer's front sends requests
-    # to the replicas' listeners.
+    # server too, so the proxy took most of those checks. With the metrics timer below, checking
+    # every second cost an idle server with 30 models 12% of a core more (benchmarks/idle_cpu.py).
+    # They concern Serve's own ingress only: rayinfer's front sends requests to the replicas'
+    # listeners.
     "RAY_SERVE_HAPROXY_HEALTH_CHECK_INTER": "5s",
     # Per-request HAProxy log lines feed ray_serve HTTP metrics through a parser actor that
     # costs as much CPU as HAProxy itself; replicas still export their own request metrics.
@@ -53,8 +54,8 @@ RAY_ENVIRONMENT = {
     "RAY_SERVE_HAPROXY_HARD_STOP_AFTER_S": "900",
     # Serve's replicas and request routers export their cached request metrics every second
     # instead of every 100 ms. Every model replica and every router (the proxy holds one per
-    # application) wakes up on that timer while idle: with 60 models it cost about a fifth of a
-    # core on an idle server (docs/benchmarks.md). Prometheus scrapes every 10 s or more.
+    # application) wakes up on that timer while idle (with the health checks above: 12% of a core
+    # on an idle server with 30 models, docs/benchmarks.md). Prometheus scrapes every 10 s or more.
     "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000",
     # Ray's description: the old process's idle connections are closed over this window after
     # a reload, so they move to the new process and its routes instead of staying until the
