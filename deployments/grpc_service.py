@@ -48,6 +48,22 @@ logger = logging.getLogger(__name__)
 SERVICER_FUNCTION = "rayinfer.deployments.grpc_service.add_servicer_to_server"
 # Responses of a stream computed ahead of the one being sent (they are still sent in order).
 _STREAM_WINDOW = 64
+# The front's own way to the ``/v2`` replica's gRPC server (:func:`want_loopback_port`): asked
+# for by the replica before Serve starts that server, the port known once it has.
+_LOOPBACK = {"wanted": False, "port": None}
+
+
+def want_loopback_port() -> None:
+    """Have this process's Serve gRPC server (the ``/v2`` replica's, started after its
+    constructor) listen on a port of 127.0.0.1 too, for the front on this machine: its calls
+    then reach the replica without Serve's ingress HAProxy, which Serve replaces on every change
+    of applications (a stream sent across a replacement could be refused or go unanswered)."""
+    _LOOPBACK["wanted"] = True
+
+
+def loopback_port() -> int | None:
+    """The port :func:`want_loopback_port` got, once Serve's gRPC server has it."""
+    return _LOOPBACK["port"]
 
 
 def add_servicer_to_server(servicer: Any, server: Any) -> None:
@@ -64,6 +80,11 @@ def add_servicer_to_server(servicer: Any, server: Any) -> None:
     sys.modules.setdefault(pb.DESCRIPTOR.name.replace(".proto", "_pb2"), pb)
     sys.modules.setdefault(model_config_pb2.DESCRIPTOR.name.replace(".proto", "_pb2"), model_config_pb2)
     service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, _LenientRequests(server))
+    if _LOOPBACK["wanted"]:
+        try:
+            _LOOPBACK["port"] = server.add_insecure_port("127.0.0.1:0") or None
+        except RuntimeError as exc:  # the front goes on through Serve's ingress
+            logger.warning("the /v2 replica's gRPC server cannot listen on 127.0.0.1 for the front: %s", exc)
 
 
 class Unparsable:

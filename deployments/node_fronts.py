@@ -113,6 +113,10 @@ class Fronts:
     def running(self) -> bool:
         return self.local.running
 
+    async def use_v2_port(self, port: int) -> None:
+        """The local front only: the ``/v2`` replica's loopback port is on its machine."""
+        await self.local.use_v2_port(port)
+
     async def publish(self, routes: dict[str, list[tuple[str, int]]],
                       sequence_keys: frozenset[str] = frozenset()) -> None:
         """The local front's routes first, then every routing node front's (each within

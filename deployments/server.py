@@ -11,6 +11,7 @@ repository poller, route publishing). Its HTTP routes are below, its gRPC method
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 from typing import Any
 
@@ -19,7 +20,7 @@ from tritonclient.grpc import service_pb2 as pb
 
 from rayinfer.deployments import asgi
 from rayinfer.deployments.control import ModelControl, ServeDeployer
-from rayinfer.deployments.grpc_service import ModelForwarder, ServerGrpcMethods
+from rayinfer.deployments.grpc_service import ModelForwarder, ServerGrpcMethods, loopback_port, want_loopback_port
 from rayinfer.deployments.internal_token import cluster_token, internal_headers
 from rayinfer.deployments.metrics_endpoint import MetricsEndpoint
 from rayinfer.deployments.names import SERVER_APP
@@ -46,6 +47,8 @@ _SHM_ROUTE = re.compile(r"/v2/(system|cuda)sharedmemory(?:/region/([^/]+))?/(sta
 _TRACE_ROUTE = re.compile(r"/v2(?:/models/([^/]+))?/trace/setting")
 # How often the front's routes are compared with the served versions and their replicas.
 _ROUTES_REFRESH_S = 2.0
+
+logger = logging.getLogger(__name__)
 
 
 @serve.deployment(name="ServerDeployment")
@@ -92,6 +95,8 @@ class ServerDeployment(ServerGrpcMethods):
                 "max_inflight": max_inflight or DEFAULT_MAX_INFLIGHT_REQUESTS, "direct": direct_connections,
             }
             self._front = Front(http_front, grpc_front, **options)
+            if grpc_front is not None:
+                want_loopback_port()
             if front_on_every_node:
                 from rayinfer.deployments.node_fronts import Fronts
 
@@ -311,8 +316,19 @@ class ServerDeployment(ServerGrpcMethods):
     # ---- supervision ----------------------------------------------------------------------------
 
     async def _publish_routes_forever(self) -> None:
+        port_given = False
         while True:
             await self._api.routes.publish()
+            if not port_given and (port := loopback_port()) is not None:
+                # Until the front has it, it sends this replica's gRPC calls through Serve's ingress.
+                try:
+                    await self._front.use_v2_port(port)
+                    port_given = True
+                except OSError:  # the front's admin socket: tried again
+                    pass
+                except RuntimeError as exc:
+                    port_given = True
+                    logger.warning("the front cannot call this replica's gRPC server directly: %s", exc)
             await asyncio.sleep(_ROUTES_REFRESH_S)
 
     def check_health(self) -> None:

@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -109,6 +110,20 @@ def _in_this_network(folder: Path) -> bool:
         return os.readlink(f"/proc/{keeper}/ns/net") == os.readlink("/proc/self/ns/net")
     except OSError:
         return False
+
+
+def front_stat(front: Path, backend: str) -> dict[str, dict[str, str]]:
+    """HAProxy's ``show stat`` rows of ``backend`` in the front at ``front``, by server name."""
+    with socket.socket(socket.AF_UNIX) as admin:
+        admin.connect(str(front / "admin.sock"))
+        admin.sendall(b"show stat\n")
+        text = b""
+        while chunk := admin.recv(65536):
+            text += chunk
+    header, *rows = text.decode().splitlines()
+    names = header.lstrip("# ").split(",")
+    return {row["svname"]: row for row in (dict(zip(names, line.split(","))) for line in rows)
+            if row.get("pxname") == backend}
 
 
 def read_map(path: Path) -> dict[str, str]:

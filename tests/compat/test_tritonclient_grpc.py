@@ -15,7 +15,7 @@ import tritonclient.grpc.aio as grpcaio
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
-from conftest import front_folder, read_map
+from conftest import front_folder, front_stat, read_map
 from model_factory import on_demand
 from waiting import wait_until
 
@@ -344,3 +344,26 @@ def test_the_front_routes_served_versions_to_their_replicas(client, server):
                 reply += chunk
         assert reply.startswith(b"HTTP/1.1 200 OK") and trailer in reply, reply
     assert not [key for key in counts if key.startswith(("broken_config/", "no_such_model/"))]
+
+
+def test_streams_and_server_calls_go_to_the_v2_replica_without_serves_ingress(client, server):
+    """The /v2 application's gRPC calls (a stream, ServerMetadata) reach the /v2 replica's own
+    gRPC server from the front, not through Serve's ingress HAProxy (replaced on every load)."""
+    front = front_folder(server)
+    wait_until(lambda: front_stat(front, "serve_grpc")["v2"]["status"] == "UP",
+               "the front's way to the /v2 replica's gRPC server to be up", timeout_s=10)
+    before = front_stat(front, "serve_grpc")
+    received: queue.Queue = queue.Queue()
+    stream = grpcclient.InferenceServerClient(server["grpc_url"])
+    stream.start_stream(callback=lambda result, error: received.put((result, error)))
+    try:
+        stream.async_stream_infer("simple", add_sub_inputs(np.ones((1, 16), np.int32), np.ones((1, 16), np.int32)))
+        result, error = received.get(timeout=60)
+        assert error is None and result.as_numpy("OUTPUT0").tolist() == [[2] * 16]
+    finally:
+        stream.stop_stream()
+        stream.close()
+    assert client.get_server_metadata().name == "triton"
+    after = front_stat(front, "serve_grpc")
+    assert int(after["v2"]["stot"]) >= int(before["v2"]["stot"]) + 2
+    assert after["serve"]["stot"] == before["serve"]["stot"]

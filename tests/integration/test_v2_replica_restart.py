@@ -5,6 +5,7 @@ keeper process) goes on relaying inference calls to the model replicas while Ser
 from __future__ import annotations
 
 import os
+import queue
 import signal
 import threading
 import time
@@ -15,7 +16,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
-from conftest import HTTP_PORT, pids_titled, start_server, stop_server, stop_shared_server
+from conftest import HTTP_PORT, front_folder, front_stat, pids_titled, start_server, stop_server, stop_shared_server
 from rayinfer.cluster.example_repository import write_example_repository
 from waiting import wait_until
 
@@ -102,4 +103,26 @@ def test_inference_goes_on_while_the_v2_replica_restarts(server):
     load.join(30)
     assert load.failures == [], load.failures[:5]
     assert pids_titled(V2_REPLICA) and before not in pids_titled(V2_REPLICA)
+    # The new replica gives the front its own gRPC server's port: a stream and a server call
+    # reach it there again, not through Serve's ingress.
+    front = front_folder({"grpc_url": f"127.0.0.1:{PORT + 1}"})
+    wait_until(lambda: front_stat(front, "serve_grpc")["v2"]["status"] == "UP",
+               "the front's way to the new /v2 replica's gRPC server", timeout_s=30, interval_s=0.2)
+    through_serve = front_stat(front, "serve_grpc")["serve"]["stot"]
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{PORT + 1}")
+    answers: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: answers.put((result, error)))
+    try:
+        a = np.arange(16, dtype=np.int32).reshape(1, 16)
+        inputs = [grpcclient.InferInput(name, [1, 16], "INT32") for name in ("INPUT0", "INPUT1")]
+        for tensor in inputs:
+            tensor.set_data_from_numpy(a)
+        client.async_stream_infer("simple", inputs)
+        result, error = answers.get(timeout=60)
+        assert error is None and result.as_numpy("OUTPUT0").tolist() == (2 * a).tolist()
+    finally:
+        client.stop_stream()
+    assert client.get_server_metadata().name == "triton"
+    client.close()
+    assert front_stat(front, "serve_grpc")["serve"]["stot"] == through_serve
     print(f"/v2 replica back after {restart_s:.1f} s; {load.ok} calls answered, none failed")

@@ -9,11 +9,15 @@ import json
 import os
 import socket
 import threading
+import time
 from collections import Counter
 
+import grpc
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
+from tritonclient.grpc import service_pb2 as pb
+from tritonclient.grpc import service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
 from front_stand_ins import (
@@ -27,6 +31,7 @@ from front_stand_ins import (
     publish,
     refuses_connections,
 )
+from rayinfer.deployments import grpc_service
 from rayinfer.deployments.front import Front
 from rayinfer.deployments.front_keeper import stop_fronts
 from rayinfer.protocol.grpc_wire import grpc_message_header, unframe
@@ -337,3 +342,76 @@ def test_a_call_routed_to_a_dead_listener_fails_fast(loop, front):
     assert error.value.status() == "StatusCode.UNAVAILABLE"
     client.close()
     assert time.monotonic() - start < 4.0  # two calls; three retries a second apart took 6 s
+
+
+class _V2StandIn(service_pb2_grpc.GRPCInferenceServiceServicer):
+    """A gRPC server standing in for the /v2 replica's (or Serve's ingress): ServerMetadata
+    answers its name, ModelStreamInfer answers each request with a response naming it."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    async def ServerMetadata(self, request, context):
+        return pb.ServerMetadataResponse(name=self.name)
+
+    async def ModelStreamInfer(self, requests, context):
+        async for request in requests:
+            yield pb.ModelStreamInferResponse(infer_response=pb.ModelInferResponse(model_name=self.name, id=request.id))
+
+
+def _stand_in_server(loop, name: str, address: str, register):
+    async def start():
+        server = grpc.aio.server()
+        register(_V2StandIn(name), server)
+        port = server.add_insecure_port(address)
+        await server.start()
+        return server, port
+
+    return asyncio.run_coroutine_threadsafe(start(), loop).result(10)
+
+
+def test_the_v2_applications_grpc_calls_skip_serves_ingress_once_the_replica_gives_its_port(loop, monkeypatch):
+    """Streams and the other calls of the /v2 application go to the port the /v2 replica's gRPC
+    server took on 127.0.0.1 (grpc_service.want_loopback_port) once the replica gives it to the
+    front; to Serve's ingress before that, and again within seconds of that server going away."""
+    monkeypatch.setitem(grpc_service._LOOPBACK, "wanted", False)
+    monkeypatch.setitem(grpc_service._LOOPBACK, "port", None)
+    ingress, ingress_port = _stand_in_server(loop, "ingress", "127.0.0.1:0",
+                                             service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server)
+    grpc_service.want_loopback_port()
+    # The replica's server as Serve starts it: its own port, then the servicer function.
+    v2, _ = _stand_in_server(loop, "v2", "[::]:0", grpc_service.add_servicer_to_server)
+    v2_port = grpc_service.loopback_port()
+    assert v2_port
+    port = free_port()
+    frontend = Front(None, ("127.0.0.1", port, "127.0.0.1", ingress_port), "v2")
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
+
+    def stream_answers() -> list[tuple[str, str]]:
+        answers = []
+        stream = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
+        stream.start_stream(callback=lambda result, error: answers.append(
+            (result.get_response().model_name, result.get_response().id) if error is None else error))
+        for n in range(3):
+            stream.async_stream_infer("m", [], request_id=str(n))
+        wait_until(lambda: len(answers) == 3, 10)
+        stream.stop_stream()
+        stream.close()
+        return answers
+
+    try:
+        assert client.get_server_metadata().name == "ingress"
+        assert stream_answers() == [("ingress", "0"), ("ingress", "1"), ("ingress", "2")]
+        asyncio.run_coroutine_threadsafe(frontend.use_v2_port(v2_port), loop).result(10)
+        assert client.get_server_metadata().name == "v2"
+        assert stream_answers() == [("v2", "0"), ("v2", "1"), ("v2", "2")]
+        # The /v2 replica stops: the next call finds its port refusing and goes to the ingress.
+        asyncio.run_coroutine_threadsafe(v2.stop(None), loop).result(10)
+        started = time.monotonic()
+        assert client.get_server_metadata().name == "ingress"
+        assert time.monotonic() - started < 3
+        assert stream_answers() == [("ingress", "0"), ("ingress", "1"), ("ingress", "2")]
+    finally:
+        client.close()
+        frontend.stop()
+        asyncio.run_coroutine_threadsafe(ingress.stop(None), loop).result(10)
