@@ -320,16 +320,19 @@ class ServerDeployment(ServerGrpcMethods):
         while True:
             await self._api.routes.publish()
             if not port_given and (port := loopback_port()) is not None:
-                # Until the front has it, it sends this replica's gRPC calls through Serve's ingress.
-                try:
-                    await self._front.use_v2_port(port)
-                    port_given = True
-                except OSError:  # the front's admin socket: tried again
-                    pass
-                except RuntimeError as exc:
-                    port_given = True
-                    logger.warning("the front cannot call this replica's gRPC server directly: %s", exc)
+                port_given = await self._give_front_grpc_port(port)
             await asyncio.sleep(_ROUTES_REFRESH_S)
+
+    async def _give_front_grpc_port(self, port: int) -> bool:
+        """Give the front this replica's gRPC port on 127.0.0.1 (until it has it, the front sends
+        this replica's gRPC calls through Serve's ingress); False to try again later."""
+        try:
+            await self._front.use_v2_port(port)
+        except OSError:  # the front's admin socket
+            return False
+        except RuntimeError as exc:
+            logger.warning("the front cannot call this replica's gRPC server directly: %s", exc)
+        return True
 
     def check_health(self) -> None:
         """Serve restarts this replica (which starts a new front) if the front has died."""
