@@ -5,7 +5,8 @@ and calls the replica's method named after the RPC. The front (:mod:`front`) rel
 RPCs it can route straight to a replica of the model version (its own listener, not Serve's gRPC
 server); everything else reaches the ``/v2`` application, whose :class:`ServerGrpcMethods` are
 below: server RPCs answered by :class:`~rayinfer.deployments.v2_api.V2Api`, model RPCs the front
-could not route forwarded to the model's replicas by :class:`ModelForwarder`.
+could not route forwarded to the model's replicas by
+:class:`~rayinfer.deployments.model_forwarder.ModelForwarder`.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 from google.protobuf.message import DecodeError
-from ray import serve
 from tritonclient.grpc import service_pb2 as pb
 
 from rayinfer.protocol.errors import (
@@ -37,10 +37,10 @@ from rayinfer.protocol import log_settings
 from rayinfer.protocol.grpc_wire import SERVICE
 from rayinfer.protocol.restricted_api import Restrictions, grpc_message, missing_header
 from rayinfer.protocol.grpc_codec import index_to_grpc, parameters_from_grpc, statistics_to_grpc
-from rayinfer.serving.model_grpc import MODEL_RPCS
 from rayinfer.serving.trace import parse_update
 
 if TYPE_CHECKING:
+    from rayinfer.deployments.model_forwarder import ModelForwarder
     from rayinfer.deployments.v2_api import V2Api
 
 logger = logging.getLogger(__name__)
@@ -385,70 +385,6 @@ def _refusing_unparsable(cls: type) -> type:
 
 
 ServerGrpcMethods = _refusing_unparsable(ServerGrpcMethods)
-
-
-class ModelForwarder:
-    """Forwards model RPCs to a replica of the model version by deployment handle (one hop)."""
-
-    def __init__(self, api: V2Api) -> None:
-        self._api = api
-        self._handles: dict[tuple[str, str], Any] = {}
-
-    async def route(self, name: str, version: str) -> tuple[str, str] | None:
-        """(application, deployment) serving ``name`` at ``version``; Serve is read again when
-        the version is not routed yet (it may have become ready since the last read)."""
-        state = self._api.state
-        route = state.route(name, version)
-        if route is None:
-            await state.refresh()
-            route = state.route(name, version)
-        return route
-
-    async def forward(self, method: str, name: str, version: str, request: Any) -> Any:
-        """The model version's answer to ``request``, or Triton's error when it is not served."""
-        if not name:
-            raise InvalidArgError("the request does not name a model")
-        route = await self.route(name, version)
-        if route is None:
-            raise await self._api.unavailable_model(name, version or None)
-        payload = request.SerializeToString()
-        handle = self._handles.get(route) or self._new_handle(route)
-        try:
-            answer_bytes = await handle.grpc_forwarded.remote(method, payload)
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
-                raise
-            # Serve's router reached a gRPC server without Serve's replica service, so the replica
-            # address it holds is another server's now. The call never reached a model: it is
-            # sent again through a new handle, which reads the replicas afresh.
-            logger.warning("%s for model '%s' reached a server that is not its replica (%s); retrying "
-                           "with a new handle", method, name, exc.details())
-            answer_bytes = await self._new_handle(route).grpc_forwarded.remote(method, payload)
-        return MODEL_RPCS[method][1].FromString(answer_bytes)
-
-    async def stream(self, request: pb.ModelInferRequest, trace_context: str | None = None
-                     ) -> AsyncIterator[pb.ModelStreamInferResponse]:
-        """The responses of one stream request, from a replica of its model by streaming handle
-        (``trace_context``: the client's traceparent)."""
-        name, version = request.model_name, request.model_version
-        if not name:
-            raise InvalidArgError("the request does not name a model")
-        route = await self.route(name, version)
-        if route is None:
-            raise await self._api.unavailable_model(name, version or None)
-        handle = self._handles.get(route) or self._new_handle(route)
-        async for payload in handle.options(stream=True).grpc_stream.remote(request.SerializeToString(), trace_context):
-            if payload:  # an empty one ends every stream (ModelDeployment.grpc_stream)
-                yield pb.ModelStreamInferResponse.FromString(payload)
-
-    def forget(self, model: str) -> None:
-        """Drop the handles to the applications of an unloaded model."""
-        self._handles = {route: h for route, h in self._handles.items() if route[1].rpartition("_v")[0] != model}
-
-    def _new_handle(self, route: tuple[str, str]) -> Any:
-        """A deployment handle to ``route`` (application, deployment), kept for later calls."""
-        handle = self._handles[route] = serve.get_deployment_handle(route[1], route[0])
-        return handle
 
 
 async def _map(call: Awaitable[Any], convert: Callable[[Any], Any]) -> Any:

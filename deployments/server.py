@@ -20,9 +20,10 @@ from tritonclient.grpc import service_pb2 as pb
 
 from rayinfer.deployments import asgi
 from rayinfer.deployments.control import ModelControl, ServeDeployer
-from rayinfer.deployments.grpc_service import ModelForwarder, ServerGrpcMethods, loopback_port, want_loopback_port
+from rayinfer.deployments.grpc_service import ServerGrpcMethods, loopback_port, want_loopback_port
 from rayinfer.deployments.internal_token import cluster_token, internal_headers
 from rayinfer.deployments.metrics_endpoint import MetricsEndpoint
+from rayinfer.deployments.model_forwarder import ModelForwarder
 from rayinfer.deployments.names import SERVER_APP
 from rayinfer.deployments.route_table import RouteTable
 from rayinfer.deployments.serve_state import ServeState

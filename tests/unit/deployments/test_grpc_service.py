@@ -14,8 +14,9 @@ import pytest
 from ray.serve._private.utils import import_attr
 from tritonclient.grpc import service_pb2 as pb
 
-from rayinfer.deployments import grpc_service
-from rayinfer.deployments.grpc_service import SERVICER_FUNCTION, ModelForwarder
+from rayinfer.deployments import grpc_service, model_forwarder
+from rayinfer.deployments.grpc_service import SERVICER_FUNCTION
+from rayinfer.deployments.model_forwarder import ModelForwarder
 
 
 def test_servicer_function_registers_the_service_and_makes_messages_picklable():
@@ -63,7 +64,7 @@ def forwarder(monkeypatch: pytest.MonkeyPatch):
             assert (app, deployment) == ("m", "m_v1")
             return made.pop(0)
 
-        monkeypatch.setattr(grpc_service, "serve", SimpleNamespace(get_deployment_handle=new_handle))
+        monkeypatch.setattr(model_forwarder, "serve", SimpleNamespace(get_deployment_handle=new_handle))
         return ModelForwarder(_Api()), handles  # type: ignore[arg-type]  # a stand-in V2Api
 
     return make
