@@ -129,7 +129,7 @@ backend serve_grpc
     # this machine (:data:`V2_SERVER`: its port is set at run time, by the replica that owns the
     # front), so that streams and the repository API do not cross Serve's ingress HAProxy: Serve
     # replaces that process on every change of applications, and a stream sent across a
-    # replacement was refused (UNAVAILABLE, "RST_STREAM ... error code 7") or went unanswered.
+    # replacement was refused (UNAVAILABLE, "RST_STREAM ... error code 7").
     # Serve's ingress takes the calls while v2 has no port yet, and once it refuses a connection
     # or fails its check (a /v2 replica that stopped): the call that found it refusing goes there
     # on its retry.

@@ -57,7 +57,7 @@ def want_loopback_port() -> None:
     """Have this process's Serve gRPC server (the ``/v2`` replica's, started after its
     constructor) listen on a port of 127.0.0.1 too, for the front on this machine: its calls
     then reach the replica without Serve's ingress HAProxy, which Serve replaces on every change
-    of applications (a stream sent across a replacement could be refused or go unanswered)."""
+    of applications (a stream sent across a replacement could be refused)."""
     _LOOPBACK["wanted"] = True
 
 
