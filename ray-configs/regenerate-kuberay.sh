@@ -16,6 +16,6 @@ manifest=ray-configs/kuberay-rayservice.yaml
 {
     sed '/^  serveConfigV2: |$/q' "$manifest"
     "$rayinfer" config --model-repository "$work/models" --http-address 0.0.0.0 --metrics-address 0.0.0.0 \
-        --front-on-head | sed "s#$work/models#/home/ray/models#g; s/^/    /"
+        --front-on-head --front-on-every-node | sed "s#$work/models#/home/ray/models#g; s/^/    /"
 } > "$manifest.new"
 mv "$manifest.new" "$manifest"

@@ -19,15 +19,19 @@ from rayinfer.cluster.settings import RAY_ENVIRONMENT
 
 CONFIGS = Path(__file__).resolve().parents[3] / "ray-configs"
 MANIFEST = yaml.safe_load((CONFIGS / "kuberay-rayservice.yaml").read_text())
+FRONT_SERVICE = yaml.safe_load((CONFIGS / "kuberay-front-service.yaml").read_text())
 IMAGE_REPOSITORY = "/home/ray/models"
 # What ray-configs/regenerate-kuberay.sh renders.
-CONFIG_FLAGS = ["--http-address", "0.0.0.0", "--metrics-address", "0.0.0.0", "--front-on-head"]
+CONFIG_FLAGS = ["--http-address", "0.0.0.0", "--metrics-address", "0.0.0.0", "--front-on-head", "--front-on-every-node"]
+
+
+def groups() -> list[dict]:
+    cluster = MANIFEST["spec"]["rayClusterConfig"]
+    return [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]
 
 
 def containers() -> list[dict]:
-    cluster = MANIFEST["spec"]["rayClusterConfig"]
-    groups = [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]
-    return [c for group in groups for c in group["template"]["spec"]["containers"]]
+    return [c for group in groups() for c in group["template"]["spec"]["containers"]]
 
 
 def serve_config() -> dict:
@@ -50,6 +54,7 @@ def test_serve_config_v2_passes_serves_schema() -> None:
     assert {app.name for app in config.applications} >= {"rayinfer", "mlp", "nlp_ensemble", "simple_identity"}
     server = serve_config()["applications"][0]["args"]
     assert server["model_repository"] == IMAGE_REPOSITORY and server["front_on_head"] is True
+    assert server["front_on_every_node"] is True
     assert server["http_address"] == server["grpc_address"] == server["metrics_address"] == "0.0.0.0"
 
 
@@ -105,3 +110,21 @@ def test_gpu_workers_are_autoscaled_from_zero() -> None:
     limits = gpu["template"]["spec"]["containers"][0]["resources"]["limits"]
     assert limits["nvidia.com/gpu"] == "1" and gpu["minReplicas"] == 0 < gpu["maxReplicas"]
     assert "nvidia.com/gpu" not in cluster["headGroupSpec"]["template"]["spec"]["containers"][0]["resources"]["limits"]
+
+
+def test_the_front_service_reaches_each_serving_pods_front() -> None:
+    """ray-configs/kuberay-front-service.yaml: a Service over the pods KubeRay marks as serving
+    (``ray.io/serve``) among the RayService's (a label every pod template carries), on the
+    front's HTTP and gRPC ports, which every container declares under the names it targets."""
+    assert FRONT_SERVICE["apiVersion"] == "v1" and FRONT_SERVICE["kind"] == "Service"
+    selector = dict(FRONT_SERVICE["spec"]["selector"])
+    assert selector.pop("ray.io/serve") == "true"
+    for group in groups():
+        assert selector.items() <= group["template"]["metadata"]["labels"].items()
+    server = serve_config()["applications"][0]["args"]
+    ports = {p["name"]: p for p in FRONT_SERVICE["spec"]["ports"]}
+    assert (ports["triton-http"]["port"], ports["triton-grpc"]["port"]) == (server["http_port"], server["grpc_port"])
+    for container in containers():
+        declared = {p["name"]: p["containerPort"] for p in container["ports"]}
+        for port in ports.values():
+            assert declared[port["targetPort"]] == port["port"]
