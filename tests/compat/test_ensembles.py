@@ -15,6 +15,7 @@ from tritonclient.utils import InferenceServerException
 
 from conftest import tensor
 from ensemble_models import ENSEMBLE_MODELS
+from stream_answers import stream_answers
 from trace_files import ORDER, trace_files, trace_settings, traces_by_id
 from waiting import wait_until
 
@@ -239,7 +240,7 @@ def test_a_decoupled_member_streams_through_the_ensemble(server):
     try:
         client.async_stream_infer("ens_stream", [tensor(grpcclient, "VALUES", np.array([3, 5, 7], dtype=np.int32), "INT32")])
         client.async_stream_infer("ens_stream", [tensor(grpcclient, "VALUES", np.array([-2], dtype=np.int32), "INT32")])
-        answers = [received.get(timeout=60) for _ in range(4)]
+        answers = stream_answers(received, 4, server)
     finally:
         client.stop_stream()
     assert [error for _, error in answers] == [None] * 4

@@ -15,6 +15,7 @@ from tritonclient.utils import InferenceServerException
 
 from conftest import tensor
 from python_models import ANCHOR_MODELS
+from stream_answers import stream_answers
 from waiting import wait_until
 
 needs_anchors = pytest.mark.skipif(not ANCHOR_MODELS.is_dir(), reason="needs ../shared/anchors beside the checkout")
@@ -108,7 +109,7 @@ def test_a_decoupled_model_streams_zero_to_many_responses_over_grpc(server):
             client.async_stream_infer("py_repeat", [tensor(grpcclient, "IN", np.array(values, dtype=np.int32), "INT32")])
         x = np.ones((1, 4), dtype=np.float32)
         client.async_stream_infer("py_auto_complete", [tensor(grpcclient, "INPUT0", x, "FP32")])
-        answers = [received.get(timeout=60) for _ in range(5)]
+        answers = stream_answers(received, 5, server)
     finally:
         client.stop_stream()
     assert [error for _, error in answers] == [None] * 5

@@ -14,6 +14,7 @@ from tritonclient.utils import InferenceServerException
 
 from conftest import tensor
 from model_factory import on_demand
+from stream_answers import stream_answers
 from waiting import wait_until
 
 
@@ -105,7 +106,7 @@ def test_client_cancellation_reaches_is_cancelled(server):
     client.start_stream(callback=lambda result, error: received.put((result, error)))
     try:
         client.async_stream_infer("py_cancel", [tensor(grpcclient, "IN", np.array([1], dtype=np.int32), "INT32")])
-        first, error = received.get(timeout=60)
+        ((first, error),) = stream_answers(received, 1, server)
         assert error is None and int(first.as_numpy("OUT")[0]) == 1
     finally:
         client.stop_stream(cancel_requests=True)

@@ -17,6 +17,7 @@ from tritonclient.utils import InferenceServerException
 
 from conftest import front_folder, front_stat, read_map
 from model_factory import on_demand
+from stream_answers import stream_answers
 from waiting import wait_until
 
 
@@ -358,7 +359,7 @@ def test_streams_and_server_calls_go_to_the_v2_replica_without_serves_ingress(cl
     stream.start_stream(callback=lambda result, error: received.put((result, error)))
     try:
         stream.async_stream_infer("simple", add_sub_inputs(np.ones((1, 16), np.int32), np.ones((1, 16), np.int32)))
-        result, error = received.get(timeout=60)
+        ((result, error),) = stream_answers(received, 1, server)
         assert error is None and result.as_numpy("OUTPUT0").tolist() == [[2] * 16]
     finally:
         stream.stop_stream()
