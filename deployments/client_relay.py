@@ -65,7 +65,13 @@ class RelayedRequest:
         self._socket_path = socket_path
         head = [b"%b %b HTTP/1.1\r\n" % (method, url)]
         head += [b"%b: %b\r\n" % (name, value) for name, value in headers if name.lower() not in _HOP_HEADERS]
-        head.append(b"content-length: %d\r\nconnection: close\r\n\r\n" % len(body))
+        # A request with neither Content-Length nor Transfer-Encoding has no body, so one without
+        # a body gets only Connection, and one with a body has the client's Content-Length or
+        # Transfer-Encoding replaced: a head at the 100-header limit stays within the 101 headers
+        # Serve's ingress (HAProxy's default) takes, when the front passes the request on there.
+        if body:
+            head.append(b"content-length: %d\r\n" % len(body))
+        head.append(b"connection: close\r\n\r\n")
         self._request = b"".join(head) + body
         self._upstream: _Upstream | None = None
         self._answering = False  # the answer's head was written to the client

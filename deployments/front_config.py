@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from rayinfer.deployments.front_door import DOOR_FD_VARIABLES, GRPC_RELAY_SOCKET, RELAY_SOCKET
+from rayinfer.deployments.front_door import DOOR_FD_VARIABLES, GRPC_RELAY_SOCKET, RELAY_SOCKET, REPLICA_RELAY_SOCKET
 from rayinfer.protocol.grpc_wire import ROUTED_RPCS, SERVICE
 from rayinfer.protocol.limits import (
     HEAD_TOO_LARGE,
@@ -148,10 +148,12 @@ _HTTP = """\
 frontend triton_http
 {binds}\
     # A request head over the limits: Triton's 400 with a JSON error, as the door and the
-    # replicas' listeners answer it (the request line counts with the headers).
+    # replicas' listeners answer it (the request line counts with the headers). A request a
+    # replica relays was checked by the replica, before the relay added its two headers.
+    acl relayed so_name replica
     http-request set-var(txn.head_bytes) req.hdrs,length
-    http-request return status 400 content-type application/json string "{too_large_head}" if {{ url,length,add(txn.head_bytes) gt {max_head} }}
-    http-request return status 400 content-type application/json string "{too_many_headers}" if {{ req.fhdr_cnt gt {max_headers} }}
+    http-request return status 400 content-type application/json string "{too_large_head}" if {{ url,length,add(txn.head_bytes) gt {max_head} }} !relayed
+    http-request return status 400 content-type application/json string "{too_many_headers}" if {{ req.fhdr_cnt gt {max_headers} }} !relayed
 {restricted}\
     # POST /v2/models/<model>[/versions/<version>]/infer, and a GET of a model's metadata,
     # readiness, config or statistics; the model name may be %-encoded.
@@ -242,9 +244,10 @@ def _http_binds(folder: Path, address: str, port: int, door: bool) -> str:
     if not door:
         return f"    bind {address}:{port}\n"
     # The keeper's door (front_door.py) owns the port and passes HAProxy the connections it does
-    # not give a model replica; a replica relays here a request of such a connection that is not
-    # its own.
-    return f"    # door {address}:{port}\n    bind unix@{folder / RELAY_SOCKET} mode 600\n"
+    # not give a model replica (on the first socket); a replica relays a request of a connection
+    # it holds that is not its own to the second.
+    return (f"    # door {address}:{port}\n    bind unix@{folder / RELAY_SOCKET} mode 600\n"
+            f"    bind unix@{folder / REPLICA_RELAY_SOCKET} mode 600 name replica\n")
 
 
 def _grpc_binds(folder: Path, address: str, port: int, door: bool) -> str:

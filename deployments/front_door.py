@@ -65,11 +65,15 @@ _STOPPING_S = 30.0
 # A replica that stops while it relays a request hands the client's connection and HAProxy's to
 # the door with this message, then what HAProxy answered so far: the door copies the rest.
 PUMP = b"pump\n"
-# The Unix sockets (in the front's folder) of HAProxy's HTTP and gRPC frontends, for requests
-# replicas relay.
+# The Unix sockets (in the front's folder) of HAProxy's HTTP and gRPC frontends: the
+# connections the door passes HAProxy arrive on the first (HAProxy's socket pair is relayed to
+# it), the requests replicas relay on the others (:data:`RELAY_SOCKETS`). A replica has read
+# and checked the head of each request it relays (as the door checks a connection's first), so
+# HAProxy does not count the two headers a relay adds against the client's limits.
 RELAY_SOCKET = "relay.sock"
+REPLICA_RELAY_SOCKET = "replica-relay.sock"
 GRPC_RELAY_SOCKET = "grpc-relay.sock"
-RELAY_SOCKETS = {"http": RELAY_SOCKET, "grpc": GRPC_RELAY_SOCKET}
+RELAY_SOCKETS = {"http": REPLICA_RELAY_SOCKET, "grpc": GRPC_RELAY_SOCKET}
 # An HTTP/1.x request line, as leniently as HAProxy reads one (a token, a target, the version).
 _REQUEST_LINE = re.compile(rb"[-!#$%&'*+.^_`|~0-9A-Za-z]+ +[^ ]+ +HTTP/1\.\d *")
 # HAProxy's environment variables holding the descriptors of its ends of the socket pairs.
