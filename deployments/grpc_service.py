@@ -15,6 +15,7 @@ import asyncio
 import inspect
 import logging
 import sys
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -227,13 +228,14 @@ class ServerGrpcMethods:
         metadata = dict(grpc_context.invocation_metadata()) if grpc_context is not None else {}
         trace_context = metadata.get("traceparent")
 
-        async def pump(request: pb.ModelInferRequest, out: asyncio.Queue, after: asyncio.Task | None) -> None:
+        async def pump(request: pb.ModelInferRequest, out: asyncio.Queue, after: asyncio.Task | None,
+                       read: tuple[int, int]) -> None:
             try:
                 if isinstance(request, Unparsable):
                     raise InternalError(UNPARSABLE_REQUEST)
                 if after is not None:
                     await asyncio.wait([after])
-                async for response in self._forwarder.stream(request, trace_context):
+                async for response in self._forwarder.stream(request, trace_context, read):
                     await out.put(response)
             except Exception as exc:
                 await out.put(pb.ModelStreamInferResponse(error_message=as_serving_error(exc).message))
@@ -242,16 +244,21 @@ class ServerGrpcMethods:
 
         async def submit() -> None:
             try:
+                # When each request's read began (the previous one's was done) and ended: its
+                # trace's GRPC_WAITREAD_START and _END, as Triton stamps a stream's requests.
+                reading = time.perf_counter_ns()
                 async for request in requests:
+                    read = (reading, time.perf_counter_ns())
                     out: asyncio.Queue = asyncio.Queue()
                     key = _sequence_key(request)
-                    task = asyncio.ensure_future(pump(request, out, sequences.get(key) if key else None))
+                    task = asyncio.ensure_future(pump(request, out, sequences.get(key) if key else None, read))
                     if key is not None:
                         sequences[key] = task
                         task.add_done_callback(lambda done, key=key: sequences.get(key) is done and sequences.pop(key))
                     pumps.add(task)
                     task.add_done_callback(pumps.discard)
                     await window.put(out)
+                    reading = time.perf_counter_ns()
             finally:
                 await window.put(None)
 

@@ -5,6 +5,7 @@ version, by deployment handle."""
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
@@ -60,10 +61,12 @@ class ModelForwarder:
             answer_bytes = await self._new_handle(route).grpc_forwarded.remote(method, payload)
         return MODEL_RPCS[method][1].FromString(answer_bytes)
 
-    async def stream(self, request: pb.ModelInferRequest, trace_context: str | None = None
-                     ) -> AsyncIterator[pb.ModelStreamInferResponse]:
+    async def stream(self, request: pb.ModelInferRequest, trace_context: str | None = None,
+                     read: tuple[int, int] | None = None) -> AsyncIterator[pb.ModelStreamInferResponse]:
         """The responses of one stream request, from a replica of its model by streaming handle
-        (``trace_context``: the client's traceparent)."""
+        (``trace_context``: the client's traceparent; ``read``: when the request's read began and
+        ended, on this process's monotonic clock, sent as how long ago each was: the replica may
+        be on another node, whose clock is another)."""
         name, version = request.model_name, request.model_version
         if not name:
             raise InvalidArgError("the request does not name a model")
@@ -71,7 +74,10 @@ class ModelForwarder:
         if route is None:
             raise await self._api.unavailable_model(name, version or None)
         handle = self._handles.get(route) or self._new_handle(route)
-        async for payload in handle.options(stream=True).grpc_stream.remote(request.SerializeToString(), trace_context):
+        now = time.perf_counter_ns()
+        ages = (now - read[0], now - read[1]) if read is not None else None
+        async for payload in handle.options(stream=True).grpc_stream.remote(request.SerializeToString(), trace_context,
+                                                                             ages):
             if payload:  # an empty one ends every stream (ModelDeployment.grpc_stream)
                 yield pb.ModelStreamInferResponse.FromString(payload)
 

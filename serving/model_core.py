@@ -162,6 +162,9 @@ class ModelCore:
         sender = prepared.sender = ResponseSender()
         # Traced as any request, to its final response (each response's outputs at TENSORS).
         trace = self._begin_trace(prepared) if self._traces(prepared) else None
+        protocol = PROTOCOL_STAMPS.get()
+        received = protocol.received if trace is not None and trace.parent is None and protocol is not None \
+            and protocol.model == self.name and protocol.finish is None else []
         done = asyncio.ensure_future(self._schedule(prepared))
 
         def end_on_failure(task: asyncio.Future) -> None:
@@ -187,6 +190,7 @@ class ModelCore:
             if trace is not None:  # it ends when its execution has returned too
                 def end_trace(_: Any = None) -> None:
                     trace.stamps.append(("REQUEST_END", time.perf_counter_ns()))
+                    trace.stamps += received  # a stream's request: when the /v2 replica read it
                     self.tracer.finish(prepared.request, trace)
 
                 if done.done():

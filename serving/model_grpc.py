@@ -90,13 +90,15 @@ async def call_serialized(core: ModelCore, method: str, payload: bytes) -> bytes
     return (await call(core, method, request)).SerializeToString()
 
 
-async def stream_serialized(core: ModelCore, payload: bytes, trace_context: str | None = None
-                            ) -> AsyncIterator[bytes]:
+async def stream_serialized(core: ModelCore, payload: bytes, trace_context: str | None = None,
+                            read_ages: tuple[int, int] | None = None) -> AsyncIterator[bytes]:
     """One request of a ModelStreamInfer stream: its responses (zero to many for a decoupled
     model, else one) as serialized ``ModelStreamInferResponse`` messages; an error is a message
-    with ``error_message`` (the stream stays open). ``trace_context``: the client's traceparent
-    (a stream has no protocol stamps here: its bytes were read by Serve's proxy)."""
-    stamps = stamp_stream_request(core.name, trace_context) if trace_context else None
+    with ``error_message`` (the stream stays open). ``trace_context``: the client's traceparent;
+    ``read_ages``: how long ago (ns) the ``/v2`` replica, which reads the stream, began and ended
+    reading this request (its trace's GRPC_WAITREAD_START and _END; a stream has no send stamps:
+    its responses are written there)."""
+    stamps = stamp_stream_request(core.name, trace_context, read_ages) if trace_context or read_ages else None
     try:
         async for message in _stream_serialized(core, payload):
             yield message

@@ -42,7 +42,7 @@ class ProtocolStamps:
 
     @property
     def received(self) -> list[tuple[str, int]]:
-        if not self.recv_start:  # read by Serve's proxy: no stamps of its own
+        if not self.recv_start:  # no read was stamped (a caller that gave none)
             return []
         if self.grpc:
             return [("GRPC_WAITREAD_START", self.recv_start), ("GRPC_WAITREAD_END", self.recv_end)]
@@ -61,10 +61,13 @@ TRACEPARENT = b"traceparent"
 PROTOCOL_STAMPS: ContextVar[ProtocolStamps | None] = ContextVar("rayinfer_protocol_stamps", default=None)
 
 
-def stamp_stream_request(model: str, context: str) -> ProtocolStamps:
-    """The stamps of a gRPC stream's request, read by Serve's proxy: only the client's trace
+def stamp_stream_request(model: str, context: str | None, read_ages: tuple[int, int] | None) -> ProtocolStamps:
+    """The stamps of a gRPC stream's request, read by the ``/v2`` replica: when its read began
+    and ended (``read_ages``: how long ago, in ns, on this node's clock now) and the client's trace
     context (``traceparent``), set for the serving core of ``model`` that traces it."""
-    stamps = ProtocolStamps(model, True, 0, 0, context.encode("latin-1"))
+    now = time.perf_counter_ns()
+    start, end = (now - read_ages[0], now - read_ages[1]) if read_ages else (0, 0)
+    stamps = ProtocolStamps(model, True, start, end, context.encode("latin-1") if context else None)
     PROTOCOL_STAMPS.set(stamps)
     return stamps
 

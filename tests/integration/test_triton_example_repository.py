@@ -291,6 +291,9 @@ def test_a_streams_trace_context_is_traced_too(example_server, otlp):
     assert sorted((span["name"], by_id[span["parent"]]["name"] if span["parent"] in by_id else span["parent"])
                   for span in spans) == [("InferRequest", "b7ad6b7169242424"), ("compute", "simple"),
                                          ("simple", "InferRequest")]
+    # When the /v2 replica, which reads the stream, began and ended reading the request.
+    root = next(span for span in spans if span["name"] == "InferRequest")
+    assert root["events"][:2] == ["GRPC_WAITREAD_START", "GRPC_WAITREAD_END"], root["events"]
 
 
 def test_the_log_file_holds_the_servers_and_the_model_replicas_lines(example_server):
