@@ -112,15 +112,21 @@ def _in_this_network(folder: Path) -> bool:
         return False
 
 
-def front_stat(front: Path, backend: str) -> dict[str, dict[str, str]]:
-    """HAProxy's ``show stat`` rows of ``backend`` in the front at ``front``, by server name."""
+def front_command(front: Path, command: str) -> str:
+    """What the HAProxy of the front at ``front`` answers ``command`` on its admin socket."""
     with socket.socket(socket.AF_UNIX) as admin:
+        admin.settimeout(10)
         admin.connect(str(front / "admin.sock"))
-        admin.sendall(b"show stat\n")
+        admin.sendall(command.encode() + b"\n")
         text = b""
         while chunk := admin.recv(65536):
             text += chunk
-    header, *rows = text.decode().splitlines()
+    return text.decode(errors="replace")
+
+
+def front_stat(front: Path, backend: str) -> dict[str, dict[str, str]]:
+    """HAProxy's ``show stat`` rows of ``backend`` in the front at ``front``, by server name."""
+    header, *rows = front_command(front, "show stat").splitlines()
     names = header.lstrip("# ").split(",")
     return {row["svname"]: row for row in (dict(zip(names, line.split(","))) for line in rows)
             if row.get("pxname") == backend}

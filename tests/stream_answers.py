@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import queue
 import re
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -28,30 +27,19 @@ def stream_answers(received: queue.Queue, count: int, server: dict, timeout_s: f
 def front_state(server: dict) -> str:
     """HAProxy's sessions and its serve_grpc servers in the session server's front, and who
     holds each TCP connection to the gRPC port."""
-    from conftest import front_folder  # the tests' own conftest, on sys.path as this module is
+    from conftest import front_command, front_folder  # the tests' own conftest, on sys.path as this module is
 
     lines = []
     try:
         front = front_folder(server)
         for command in ("show sess", "show servers state serve_grpc"):
-            lines += [f"# {command}", _admin(front, command)]
+            lines += [f"# {command}", front_command(front, command).strip()]
     except (OSError, ValueError) as exc:
         lines.append(f"the front's admin socket: {exc}")
     port = int(server["grpc_url"].rpartition(":")[2])
     lines.append(f"# TCP connections of port {port}: local -> remote, state, queues, holder")
     lines += _connections(port)
     return "\n".join(lines)
-
-
-def _admin(front: Path, command: str) -> str:
-    with socket.socket(socket.AF_UNIX) as admin:
-        admin.settimeout(10)
-        admin.connect(str(front / "admin.sock"))
-        admin.sendall(command.encode() + b"\n")
-        text = b""
-        while chunk := admin.recv(65536):
-            text += chunk
-    return text.decode(errors="replace").strip()
 
 
 def _connections(port: int) -> list[str]:
