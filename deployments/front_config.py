@@ -37,9 +37,15 @@ LUA = Path(__file__).with_name("front_sequences.lua")
 # (address, port) a front port binds to, and (host, port) of Serve's ingress behind it.
 Endpoint = tuple[str, int, str, int]
 
+# The ring in HAProxy's memory that keeps the front's latest abnormal sessions (an error, a
+# timeout, a retry, an answer of 500 or more, a client or server that closed early), read with
+# ``show events abnormal`` on the admin socket: bounded, and empty while all goes well.
+EVENTS_RING = "abnormal"
+
 _GLOBAL = """\
 global
     stats socket {admin} mode 600 level admin
+    log ring@{ring} local0
     lua-load {lua}
     nbthread {threads}
     maxconn 4096
@@ -48,6 +54,12 @@ global
     # (a head over about 63 KB, or over 999 headers) with its own HTML page.
     tune.bufsize 65536
     tune.http.maxhdr 1000
+
+ring {ring}
+    description "the front's latest abnormal sessions"
+    format iso
+    maxlen 2048
+    size 1048576
 
 defaults
     mode http
@@ -75,6 +87,14 @@ backend replica
     retries 1
     timeout connect 1s
     server listener 0.0.0.0:0
+"""
+
+# Each HTTP-mode frontend logs its abnormal sessions only (to the ring :data:`EVENTS_RING`), with
+# HAProxy's HTTP log line: its termination state, timers, server, status and retries.
+_LOG = """\
+    log global
+    option httplog
+    option dontlog-normal
 """
 
 # From txn.key ("<model>/<version>", version "" for the default): two different replicas of
@@ -110,7 +130,7 @@ _USE_REPLICA = "    use_backend replica if { var(txn.listener) -m found }\n"
 _GRPC = """\
 frontend triton_grpc
 {binds}\
-{restricted}\
+{log}{restricted}\
     acl model_rpc path {paths}
     http-request set-header application {server_app}
     # The first 64 bytes hold the model name and version; bytes(5) skips the gRPC frame header.
@@ -147,7 +167,7 @@ V2_SERVER = "serve_grpc/v2"
 _HTTP = """\
 frontend triton_http
 {binds}\
-    # A request head over the limits: Triton's 400 with a JSON error, as the door and the
+{log}    # A request head over the limits: Triton's 400 with a JSON error, as the door and the
     # replicas' listeners answer it (the request line counts with the headers). A request a
     # replica relays was checked by the replica, before the relay added its two headers.
     acl relayed so_name replica
@@ -282,11 +302,12 @@ def render(folder: Path, http: Endpoint | None, grpc: Endpoint | None, server_ap
     busy = inflight_limit_message(max_inflight)
     paths = {"counts": folder / "replicas.map", "listeners": folder / "listeners.map",
              "sequences": folder / "sequences.map"}
-    parts = [_GLOBAL.format(admin=folder / "admin.sock", threads=threads, http_errors=_http_errors(),
+    parts = [_GLOBAL.format(ring=EVENTS_RING, admin=folder / "admin.sock", threads=threads, http_errors=_http_errors(),
                             lua=folder / LUA.name)]
     if http is not None:
         pick = _PICK_REPLICA.format(**paths, sequence_fetch="rayinfer_http_sequence")
         parts.append(_HTTP.format(
+            log=_LOG,
             binds=_http_binds(folder, http[0], http[1], door), pick=pick, upstream_host=http[2], upstream_port=http[3],
             use_replica=_USE_REPLICA, unrouted=UNROUTED_PREFIX, max_input_size=max_input_size,
             too_large=body_limit_message(max_input_size), max_inflight=max_inflight, busy=busy,
@@ -299,6 +320,7 @@ def render(folder: Path, http: Endpoint | None, grpc: Endpoint | None, server_ap
     if grpc is not None:
         pick = _PICK_REPLICA.format(**paths, sequence_fetch="rayinfer_grpc_sequence")
         parts.append(_GRPC.format(
+            log=_LOG,
             binds=_grpc_binds(folder, grpc[0], grpc[1], grpc_door), pick=pick, upstream_host=grpc[2], upstream_port=grpc[3],
             paths=" ".join(SERVICE + rpc for rpc in ROUTED_RPCS), server_app=server_app,
             use_replica=_USE_REPLICA, restricted=_grpc_restrictions(grpc_restricted or {}),

@@ -1,38 +1,48 @@
-"""The answers of a gRPC stream a test opened, and, when they do not come, what the server's
-front holds at that moment (an unanswered stream has failed a few suite runs, and could not be
-caught on demand: the failure message carries what its cause needs)."""
+"""The answers of a gRPC stream a test opened, and, when one does not come or is an error, what
+the server's front holds at that moment and the server's latest warnings (a stream that failed
+now and then in suite runs was found this way: a model replica closed a connection too early)."""
 
 from __future__ import annotations
 
 import os
 import queue
 import re
+import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
+from rayinfer.deployments.front_config import EVENTS_RING
+
 
 def stream_answers(received: queue.Queue, count: int, server: dict, timeout_s: float = 60.0) -> list[Any]:
-    """``count`` items from a stream callback's queue, each within ``timeout_s``; an
-    AssertionError with the front's state when one does not come."""
+    """``count`` (result, error) items from a stream callback's queue, each within
+    ``timeout_s`` and none an error; an AssertionError with the front's state and the server's
+    latest warnings when one does not come or is an error (a stream that failed ends with its
+    error: nothing comes after it)."""
     answers = []
     for _ in range(count):
         try:
-            answers.append(received.get(timeout=timeout_s))
+            answer = received.get(timeout=timeout_s)
         except queue.Empty:
             raise AssertionError(f"answer {len(answers) + 1} of {count} did not come within {timeout_s:g} s\n"
-                                 f"{front_state(server)}") from None
+                                 f"{front_state(server)}\n{server_warnings()}") from None
+        if answer[1] is not None:
+            raise AssertionError(f"answer {len(answers) + 1} of {count} is an error: {answer[1]}\n"
+                                 f"{front_state(server)}\n{server_warnings()}")
+        answers.append(answer)
     return answers
 
 
 def front_state(server: dict) -> str:
-    """HAProxy's sessions and its serve_grpc servers in the session server's front, and who
-    holds each TCP connection to the gRPC port."""
+    """HAProxy's sessions, its latest abnormal ones and its serve_grpc servers in the session
+    server's front, and who holds each TCP connection to the gRPC port."""
     from conftest import front_command, front_folder  # the tests' own conftest, on sys.path as this module is
 
     lines = []
     try:
         front = front_folder(server)
-        for command in ("show sess", "show servers state serve_grpc"):
+        for command in ("show sess", f"show events {EVENTS_RING}", "show servers state serve_grpc"):
             lines += [f"# {command}", front_command(front, command).strip()]
     except (OSError, ValueError) as exc:
         lines.append(f"the front's admin socket: {exc}")
@@ -40,6 +50,22 @@ def front_state(server: dict) -> str:
     lines.append(f"# TCP connections of port {port}: local -> remote, state, queues, holder")
     lines += _connections(port)
     return "\n".join(lines)
+
+
+def server_warnings(lines: int = 40, within_s: float = 300.0) -> str:
+    """The latest warnings and errors in the logs of Ray Serve's processes (the replicas, the
+    proxy, the controller) written in the last ``within_s`` seconds."""
+    found = []
+    folder = Path(tempfile.gettempdir()) / "ray" / "session_latest" / "logs" / "serve"
+    for log in sorted(folder.glob("*.log")) if folder.is_dir() else []:
+        try:
+            if time.time() - log.stat().st_mtime > within_s:
+                continue
+            found += [f"{log.name}: {line}" for line in log.read_text(errors="replace").splitlines()[-2000:]
+                      if line.startswith(("WARNING", "ERROR"))][-10:]
+        except OSError:
+            continue  # a log rotated away meanwhile
+    return "\n".join([f"# warnings and errors in {folder}", *found[-lines:]])
 
 
 def _connections(port: int) -> list[str]:

@@ -33,9 +33,11 @@ from front_stand_ins import (
 )
 from rayinfer.deployments import grpc_service
 from rayinfer.deployments.front import Front
+from rayinfer.deployments.front_config import EVENTS_RING
 from rayinfer.deployments.front_keeper import stop_fronts
 from rayinfer.protocol.grpc_wire import grpc_message_header, unframe
 from rayinfer.serving.sequence_routing import SLOTS, slot_of
+from conftest import front_command
 from waiting import wait_until
 
 
@@ -342,6 +344,22 @@ def test_a_call_routed_to_a_dead_listener_fails_fast(loop, front):
     assert error.value.status() == "StatusCode.UNAVAILABLE"
     client.close()
     assert time.monotonic() - start < 4.0  # two calls; three retries a second apart took 6 s
+
+
+def test_the_fronts_abnormal_sessions_are_kept_for_its_admin_socket(loop, front):
+    """``show events abnormal`` lists the front's sessions that failed (here a 503 and a call
+    whose replica is gone), with HAProxy's termination state and retries, and not the calls that
+    went well."""
+    frontend, port = front
+    publish(loop, frontend, {"ok/": [("127.0.0.1", Replica(loop, "ok").port)], "lost/": [("127.0.0.1", free_port())]})
+    assert http_exchange(frontend.http_port, post("/v2/models/ok/infer", b"{}")).startswith(b"HTTP/1.1 200")
+    assert http_exchange(frontend.http_port, post("/v2/models/lost/infer", b"{}")).startswith(b"HTTP/1.1 503")
+    wait_until(lambda: "/v2/models/lost/infer" in front_command(frontend._dir, f"show events {EVENTS_RING}"),
+               "the failed request in the front's ring of abnormal sessions", timeout_s=10)
+    events = front_command(frontend._dir, f"show events {EVENTS_RING}")
+    (line,) = [line for line in events.splitlines() if "/v2/models/lost/infer" in line]
+    assert " 503 " in line and "triton_http replica/listener" in line
+    assert "/v2/models/ok/infer" not in events
 
 
 class _V2StandIn(service_pb2_grpc.GRPCInferenceServiceServicer):
