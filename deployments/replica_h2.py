@@ -47,6 +47,7 @@ _TURN_S = 10.0
 _RELAYED_TURN_S = 1.0  # the turn of a connection with a call relayed
 _GOING = b"rayinfer"  # the PING of a graceful close
 _PING_WAIT_S = 2.0  # a client that does not answer that PING: the second GOAWAY anyway
+_LINGER_S = 5.0  # after the last GOAWAY and answer: how long the client may take to close its end
 
 
 class _Call:
@@ -83,6 +84,7 @@ class H2Connection(asyncio.Protocol):
         self._highest = 0  # the largest stream id the client opened
         self._last_taken = MAX_WINDOW  # calls above this id are not taken (a GOAWAY named it)
         self._going = 0  # 0 serving, 1 first GOAWAY and PING sent, 2 last GOAWAY sent
+        self._shut = False  # all sent (the last GOAWAY, then FIN): what the client sends is dropped
         self._send_window = DEFAULT_WINDOW
         self._initial_window = DEFAULT_WINDOW  # each call's send window at its start
         self._max_frame = DEFAULT_FRAME_SIZE
@@ -132,6 +134,8 @@ class H2Connection(asyncio.Protocol):
         self._calls.clear()
 
     def data_received(self, data: bytes) -> None:
+        if self._shut:
+            return  # frames the client sent before it read the GOAWAY: it sends their calls again
         self._buffer += data
         try:
             self._read_frames()
@@ -367,5 +371,17 @@ class H2Connection(asyncio.Protocol):
             self._maybe_close()
 
     def _maybe_close(self) -> None:
-        if self._going == 2 and not self._calls and self._transport is not None:
-            self._transport.close()
+        if self._going == 2 and not self._calls and self._transport is not None and not self._shut:
+            self._shut_down()
+
+    def _shut_down(self) -> None:
+        """End a connection whose calls are answered, after the last GOAWAY: FIN, then read and
+        drop what the client sends until it closes its end (or :data:`_LINGER_S` has passed).
+        Closing at once would reset the connection when the client's next frames arrive (a
+        call it started before it read the GOAWAY), and a client whose write fails first fails
+        that call ("Stream removed (sendmsg: Broken pipe)", UNAVAILABLE) instead of sending it
+        again on a new connection, as the GOAWAY tells it to."""
+        self._shut = True
+        self._buffer.clear()
+        self._transport.write_eof()
+        asyncio.get_running_loop().call_later(_LINGER_S, self.close)

@@ -227,9 +227,7 @@ def test_a_broken_ensemble_fails_to_load_naming_the_step(server, model, message)
 
 def test_a_decoupled_member_streams_through_the_ensemble(server):
     """ens_stream: py_repeat answers once per element; each answer runs the next step, and the
-    ensemble streams one response per element over gRPC (decoupled, like its member). Placed
-    before the tests that load and unload models: a stream opened just after Serve reconfigured
-    its applications got no answer in two suite runs (README, Known problems)."""
+    ensemble streams one response per element over gRPC (decoupled, like its member)."""
     import queue
 
     client = grpcclient.InferenceServerClient(server["grpc_url"])

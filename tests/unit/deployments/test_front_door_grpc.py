@@ -22,7 +22,7 @@ from rayinfer.deployments import replica_h2
 from rayinfer.deployments.front import Front
 from rayinfer.deployments.front_door import grpc_route_key
 from rayinfer.deployments.replica_h2 import H2Connection
-from rayinfer.protocol.grpc_wire import DATA, END_HEADERS, END_STREAM, HEADERS, INCOMPLETE, PREFACE, frame, settings
+from rayinfer.protocol.grpc_wire import DATA, END_HEADERS, END_STREAM, HEADERS, INCOMPLETE, PREFACE, frame, goaway, settings
 from waiting import wait_until
 
 _SERVICE = "inference.GRPCInferenceService"
@@ -187,6 +187,37 @@ def test_a_stream_or_an_unload_goes_on_a_new_connection_to_haproxy(loop, door):
         assert infer(client, "m", data).model_name == "one"
     finally:
         client.close()
+
+
+def test_a_refused_stream_finds_the_connection_open_until_the_client_closes_it(loop, door):
+    """A replica that refuses a stream (GOAWAY) ends the connection with FIN and reads on: the
+    frames the client sent meanwhile (the stream's messages) are dropped, not answered with a
+    reset, so the client reads the GOAWAY and sends the stream again elsewhere (grpc failed it
+    with "Stream removed (sendmsg: Broken pipe)" when its next write met a closed socket)."""
+    import socket
+    import time
+
+    front, port = door
+    _replicas_of_m(loop, front, "one")
+    request = pb.ModelInferRequest(model_name="m", id="r1").SerializeToString()
+    with socket.create_connection(("127.0.0.1", port), 5) as sock:
+        sock.sendall(_first_call(f"/{_SERVICE}/ModelInfer", request))
+        received = b""
+        while b"one" not in received:  # the replica's answer (the door's preface and its own come first)
+            received += sock.recv(65536)
+        stream = hpack.Encoder().encode([(":method", "POST"), (":scheme", "http"), (":path", f"/{_SERVICE}/ModelStreamInfer"),
+                                         (":authority", "x"), ("content-type", "application/grpc"), ("te", "trailers")])
+        sock.sendall(frame(HEADERS, END_HEADERS, 3, stream))
+        # The stream's messages go on for a while after the GOAWAY has come: none meets a reset.
+        message = b"\0" + len(request).to_bytes(4, "big") + request
+        for _ in range(20):
+            time.sleep(0.02)
+            sock.sendall(frame(DATA, 0, 3, message))
+        sock.settimeout(5)
+        while chunk := sock.recv(65536):  # up to the replica's FIN
+            received += chunk
+    last_stream = received.index(goaway(1))  # the GOAWAY names call 1 the last one taken
+    assert last_stream > received.index(b"one")
 
 
 def test_a_stopping_replica_closes_its_connections_gracefully(loop, door):
