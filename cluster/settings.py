@@ -220,7 +220,7 @@ class ServerSettings(BaseSettings):
         "its next request (gRPC: its first call) names, which then answers its requests with no proxy in between "
         "(it relays others to the front; an HTTP connection is given back, a gRPC one takes its turn). Off: the "
         "front relays every request. Not on a port with restricted APIs (--http-restricted-api, "
-        "--grpc-restricted-api), which the front checks on every request.",
+        "--grpc-restricted-protocol), which the front checks on every request.",
     )
     front_on_head: bool = Field(
         False,

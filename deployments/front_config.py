@@ -45,7 +45,7 @@ EVENTS_RING = "abnormal"
 _GLOBAL = """\
 global
     stats socket {admin} mode 600 level admin
-    log ring@{ring} local0
+    log ring@{ring} len 2048 local0
     lua-load {lua}
     nbthread {threads}
     maxconn 4096

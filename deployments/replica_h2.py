@@ -15,7 +15,8 @@ gives one back to the door: it takes its turn (when a call ends :data:`_TURN_S` 
 the connection came, so that clients spread over replicas that started since) and stops the
 way HTTP/2 closes a connection gracefully: a ``GOAWAY`` with the largest stream id and a
 ``PING``; once the ``PING`` is answered, every call the client sent before it has arrived, and
-a second ``GOAWAY`` names the last of them; the connection closes when they are answered.
+a second ``GOAWAY`` names the last of them; once they are answered the replica sends FIN and
+reads on, dropping what arrives, until the client closes its end (:meth:`H2Connection._shut_down`).
 """
 
 from __future__ import annotations
@@ -109,13 +110,19 @@ class H2Connection(asyncio.Protocol):
         are answered."""
         if self._transport is not None and not self._going:
             self._going = 1
-            self._transport.write(goaway(MAX_WINDOW) + frame(PING, 0, 0, _GOING))
+            self._write(goaway(MAX_WINDOW) + frame(PING, 0, 0, _GOING))
             asyncio.get_running_loop().call_later(_PING_WAIT_S, self._last_goaway)
         return True
 
     def close(self) -> None:
         if self._transport is not None:
             self._transport.close()
+
+    def _write(self, data: bytes) -> None:
+        """Send ``data``, unless the connection is shut (FIN sent): a call that ends after that
+        (one refused for its size) has nothing more to say to the client."""
+        if self._transport is not None and not self._shut:
+            self._transport.write(data)
 
     # asyncio.Protocol
 
@@ -145,7 +152,7 @@ class H2Connection(asyncio.Protocol):
 
     def _fail(self) -> None:
         if self._transport is not None:
-            self._transport.write(goaway(self._highest, PROTOCOL_ERROR))
+            self._write(goaway(self._highest, PROTOCOL_ERROR))
             self._transport.close()
 
     # frames in
@@ -196,7 +203,7 @@ class H2Connection(asyncio.Protocol):
             if payload == _GOING and self._going == 1:
                 self._last_goaway()
         elif kind == PING:
-            self._transport.write(frame(PING, ACK, 0, payload))
+            self._write(frame(PING, ACK, 0, payload))
         elif kind == WINDOW_UPDATE:
             increment = int.from_bytes(payload, "big") & MAX_WINDOW
             if stream == 0:
@@ -224,7 +231,7 @@ class H2Connection(asyncio.Protocol):
                 call.window += delta
         if SETTINGS_MAX_FRAME_SIZE in values:
             self._max_frame = values[SETTINGS_MAX_FRAME_SIZE]
-        self._transport.write(frame(SETTINGS, ACK, 0))
+        self._write(frame(SETTINGS, ACK, 0))
         self._flush()
 
     def _headers(self, stream: int, flags: int, block: bytes) -> None:
@@ -254,13 +261,13 @@ class H2Connection(asyncio.Protocol):
         on a new connection."""
         self._last_taken = stream - 2
         self._going = 2
-        self._transport.write(goaway(max(stream - 2, 0)))
+        self._write(goaway(max(stream - 2, 0)))
         self._maybe_close()
 
     def _data(self, flags: int, stream: int, payload: bytes) -> None:
         self._unacked += len(payload)
         if self._unacked >= _CONNECTION_WINDOW // 2:
-            self._transport.write(window_update(0, self._unacked))
+            self._write(window_update(0, self._unacked))
             self._unacked = 0
         call = self._calls.get(stream)
         if call is None or call.task is not None:
@@ -269,7 +276,7 @@ class H2Connection(asyncio.Protocol):
         call.size += len(data)
         if call.size > GRPC_MAX_MESSAGE_SIZE + 5:
             self._send(call, b"", trailers(*grpc_status(message_too_large(call.size, GRPC_MAX_MESSAGE_SIZE))))
-            self._transport.write(frame(RST_STREAM, 0, call.id, b"\0\0\0\0"))
+            self._write(frame(RST_STREAM, 0, call.id, b"\0\0\0\0"))
             return
         call.body.append(data)
         if flags & END_STREAM:
@@ -277,7 +284,7 @@ class H2Connection(asyncio.Protocol):
             return
         call.unacked += len(payload)
         if call.unacked >= _STREAM_WINDOW // 2:
-            self._transport.write(window_update(stream, call.unacked))
+            self._write(window_update(stream, call.unacked))
             call.unacked = 0
 
     # calls
@@ -327,7 +334,7 @@ class H2Connection(asyncio.Protocol):
         if self._calls.get(call.id) is not call or self._transport is None:
             return  # reset by the client meanwhile
         if not data:  # trailers only
-            self._transport.write(frame(HEADERS, END_HEADERS | END_STREAM, call.id, RESPONSE_HEADERS + trailer_block))
+            self._write(frame(HEADERS, END_HEADERS | END_STREAM, call.id, RESPONSE_HEADERS + trailer_block))
             self._ended(call)
             return
         call.left, call.trailers = memoryview(data), trailer_block
@@ -347,7 +354,7 @@ class H2Connection(asyncio.Protocol):
         if not left:
             out.append(frame(HEADERS, END_HEADERS | END_STREAM, call.id, call.trailers))
         if out:
-            self._transport.write(b"".join(out))
+            self._write(b"".join(out))
         if not left:
             self._ended(call)
 
@@ -367,7 +374,7 @@ class H2Connection(asyncio.Protocol):
         if self._going == 1 and self._transport is not None:
             self._going = 2
             self._last_taken = self._highest
-            self._transport.write(goaway(self._highest))
+            self._write(goaway(self._highest))
             self._maybe_close()
 
     def _maybe_close(self) -> None:

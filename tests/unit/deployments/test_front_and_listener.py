@@ -347,9 +347,9 @@ def test_a_call_routed_to_a_dead_listener_fails_fast(loop, front):
 
 
 def test_the_fronts_abnormal_sessions_are_kept_for_its_admin_socket(loop, front):
-    """``show events abnormal`` lists the front's sessions that failed (here a 503 and a call
-    whose replica is gone), with HAProxy's termination state and retries, and not the calls that
-    went well."""
+    """``show events abnormal`` lists the front's sessions that failed (here a call whose
+    replica is gone: 503), with HAProxy's termination state, server and status, and not the
+    calls that went well."""
     frontend, port = front
     publish(loop, frontend, {"ok/": [("127.0.0.1", Replica(loop, "ok").port)], "lost/": [("127.0.0.1", free_port())]})
     assert http_exchange(frontend.http_port, post("/v2/models/ok/infer", b"{}")).startswith(b"HTTP/1.1 200")
@@ -358,7 +358,8 @@ def test_the_fronts_abnormal_sessions_are_kept_for_its_admin_socket(loop, front)
                "the failed request in the front's ring of abnormal sessions", timeout_s=10)
     events = front_command(frontend._dir, f"show events {EVENTS_RING}")
     (line,) = [line for line in events.splitlines() if "/v2/models/lost/infer" in line]
-    assert " 503 " in line and "triton_http replica/listener" in line
+    # "SC": the server side refused the connection, at its connect stage.
+    assert " 503 " in line and "triton_http replica/listener" in line and " SC" in line
     assert "/v2/models/ok/infer" not in events
 
 

@@ -204,7 +204,9 @@ def test_a_refused_stream_finds_the_connection_open_until_the_client_closes_it(l
         sock.sendall(_first_call(f"/{_SERVICE}/ModelInfer", request))
         received = b""
         while b"one" not in received:  # the replica's answer (the door's preface and its own come first)
-            received += sock.recv(65536)
+            chunk = sock.recv(65536)
+            assert chunk, f"the connection closed before the replica answered: {received!r}"
+            received += chunk
         stream = hpack.Encoder().encode([(":method", "POST"), (":scheme", "http"), (":path", f"/{_SERVICE}/ModelStreamInfer"),
                                          (":authority", "x"), ("content-type", "application/grpc"), ("te", "trailers")])
         sock.sendall(frame(HEADERS, END_HEADERS, 3, stream))
@@ -216,8 +218,9 @@ def test_a_refused_stream_finds_the_connection_open_until_the_client_closes_it(l
         sock.settimeout(5)
         while chunk := sock.recv(65536):  # up to the replica's FIN
             received += chunk
-    last_stream = received.index(goaway(1))  # the GOAWAY names call 1 the last one taken
-    assert last_stream > received.index(b"one")
+    # The GOAWAY names call 1 the last one taken, after its answer; nothing follows it (no reset,
+    # no answer to the refused stream), then FIN.
+    assert received.endswith(goaway(1)) and received.index(goaway(1)) > received.index(b"one")
 
 
 def test_a_stopping_replica_closes_its_connections_gracefully(loop, door):
