@@ -37,8 +37,9 @@ LUA = Path(__file__).with_name("front_sequences.lua")
 # (address, port) a front port binds to, and (host, port) of Serve's ingress behind it.
 Endpoint = tuple[str, int, str, int]
 
-# The ring in HAProxy's memory that keeps the front's latest abnormal sessions (an error, a
-# timeout, a retry, an answer of 500 or more, a client or server that closed early), read with
+# The ring in HAProxy's memory that keeps the front's latest abnormal sessions, as ``option
+# dontlog-normal`` counts them (an answer of 500 or more, a retry, a connection either side ended
+# early, a timeout), read with
 # ``show events abnormal`` on the admin socket: bounded, and empty while all goes well.
 EVENTS_RING = "abnormal"
 
