@@ -265,8 +265,15 @@ class ServerGrpcMethods:
         feeder = asyncio.ensure_future(submit())
         try:
             while (out := await window.get()) is not None:
+                sends: list[tuple[str, int]] = []  # its responses' GRPC_SEND_START and _END
                 while (response := await out.get()) is not None:
+                    if isinstance(response, tuple):  # the request was traced: (token, replica clock offset)
+                        token, offset = response
+                        self._api.traces.sent(token, [(name, ns + offset) for name, ns in sends])
+                        continue
+                    send_start = time.perf_counter_ns()
                     yield response
+                    sends += (("GRPC_SEND_START", send_start), ("GRPC_SEND_END", time.perf_counter_ns()))
             await feeder
         finally:
             feeder.cancel()

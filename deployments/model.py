@@ -56,7 +56,7 @@ from rayinfer.serving.executor import Result
 from rayinfer.serving.model_core import ModelCore
 from rayinfer.serving.response_cache import ResponseCache, model_fingerprint
 from rayinfer.serving.sequence_routing import FORWARDED_HEADER, SequenceRoutes
-from rayinfer.serving.protocol_stamps import stamp_http_request
+from rayinfer.serving.protocol_stamps import StreamTrace, stamp_http_request
 from rayinfer.serving.trace import TraceSettings
 from rayinfer.serving.routes import front_routed, keep_request_headers, parse_model_route
 
@@ -295,6 +295,8 @@ class ModelDeployment:
         (``trace_context``: the client's traceparent, for the opentelemetry trace mode;
         ``read_ages``: how long ago, in ns, the ``/v2`` replica began and ended reading it)."""
         async for message in model_grpc.stream_serialized(self._core, payload, trace_context, read_ages):
+            if isinstance(message, StreamTrace):  # a traced request's: on this node's clock
+                message = message._replace(node=ray.get_runtime_context().get_node_id())
             yield message
         yield _STREAM_END
 

@@ -10,11 +10,13 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 import grpc
+import ray
 from ray import serve
 from tritonclient.grpc import service_pb2 as pb
 
 from rayinfer.protocol.errors import InvalidArgError
 from rayinfer.serving.model_grpc import MODEL_RPCS
+from rayinfer.serving.protocol_stamps import StreamTrace
 
 if TYPE_CHECKING:
     from rayinfer.deployments.v2_api import V2Api
@@ -28,6 +30,7 @@ class ModelForwarder:
     def __init__(self, api: V2Api) -> None:
         self._api = api
         self._handles: dict[tuple[str, str], Any] = {}
+        self._node_id: str | None = None
 
     async def route(self, name: str, version: str) -> tuple[str, str] | None:
         """(application, deployment) serving ``name`` at ``version``; Serve is read again when
@@ -62,11 +65,15 @@ class ModelForwarder:
         return MODEL_RPCS[method][1].FromString(answer_bytes)
 
     async def stream(self, request: pb.ModelInferRequest, trace_context: str | None = None,
-                     read: tuple[int, int] | None = None) -> AsyncIterator[pb.ModelStreamInferResponse]:
+                     read: tuple[int, int] | None = None
+                     ) -> AsyncIterator[pb.ModelStreamInferResponse | tuple[str, int]]:
         """The responses of one stream request, from a replica of its model by streaming handle
         (``trace_context``: the client's traceparent; ``read``: when the request's read began and
         ended, on this process's monotonic clock, sent as how long ago each was: the replica may
-        be on another node, whose clock is another)."""
+        be on another node, whose clock is another). When the request was traced (Triton's trace
+        file), ``(token, offset)`` follows its responses: its trace's token, and how far the
+        replica's clock is ahead of this process's (0 on the same node), for the send stamps
+        taken here."""
         name, version = request.model_name, request.model_version
         if not name:
             raise InvalidArgError("the request does not name a model")
@@ -78,8 +85,18 @@ class ModelForwarder:
         ages = (now - read[0], now - read[1]) if read is not None else None
         async for payload in handle.options(stream=True).grpc_stream.remote(request.SerializeToString(), trace_context,
                                                                              ages):
-            if payload:  # an empty one ends every stream (ModelDeployment.grpc_stream)
+            if isinstance(payload, StreamTrace):
+                # Another node's clock: its offset from this one, as near as this can tell (the
+                # time the item took to arrive is counted in it).
+                offset = payload.clock_ns - time.perf_counter_ns() if payload.node != self._node() else 0
+                yield payload.token, offset
+            elif payload:  # an empty one ends every stream (ModelDeployment.grpc_stream)
                 yield pb.ModelStreamInferResponse.FromString(payload)
+
+    def _node(self) -> str:
+        if self._node_id is None:
+            self._node_id = ray.get_runtime_context().get_node_id()
+        return self._node_id
 
     def forget(self, model: str) -> None:
         """Drop the handles to the applications of an unloaded model."""

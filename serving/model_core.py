@@ -163,8 +163,15 @@ class ModelCore:
         # Traced as any request, to its final response (each response's outputs at TENSORS).
         trace = self._begin_trace(prepared) if self._traces(prepared) else None
         protocol = PROTOCOL_STAMPS.get()
-        received = protocol.received if trace is not None and trace.parent is None and protocol is not None \
-            and protocol.model == self.name and protocol.finish is None else []
+        received: list[tuple[str, int]] = []
+        sent_elsewhere = False
+        if trace is not None and trace.parent is None and protocol is not None and protocol.model == self.name \
+                and protocol.finish is None:
+            received = protocol.received
+            # A stream's request: the /v2 replica adds the send stamps of its responses.
+            sent_elsewhere = protocol.sent_elsewhere and trace.writes_timestamps
+            if sent_elsewhere:
+                protocol.token = trace.token
         done = asyncio.ensure_future(self._schedule(prepared))
 
         def end_on_failure(task: asyncio.Future) -> None:
@@ -191,7 +198,7 @@ class ModelCore:
                 def end_trace(_: Any = None) -> None:
                     trace.stamps.append(("REQUEST_END", time.perf_counter_ns()))
                     trace.stamps += received  # a stream's request: when the /v2 replica read it
-                    self.tracer.finish(prepared.request, trace)
+                    self.tracer.finish(prepared.request, trace, awaits_send=sent_elsewhere)
 
                 if done.done():
                     end_trace()
@@ -247,9 +254,14 @@ class ModelCore:
         trace.tensors += self._output_tensors(trace, result)
         protocol = PROTOCOL_STAMPS.get()
         if trace.parent is None and protocol is not None and protocol.model == self.name and protocol.finish is None:
-            # Received by this replica's listener: the trace ends once the response has left.
+            # Received by this replica's listener: the trace ends once the response has left
+            # (a stream's: once the ``/v2`` replica has its response, and its send stamps).
             trace.stamps += protocol.received
-            protocol.finish = lambda start, end: tracer.finish(request, trace, protocol.send_stamps(start, end))
+            sent_elsewhere = protocol.sent_elsewhere and trace.writes_timestamps
+            if sent_elsewhere:
+                protocol.token = trace.token
+            protocol.finish = lambda start, end: tracer.finish(request, trace, protocol.send_stamps(start, end),
+                                                               sent_elsewhere)
         else:
             tracer.finish(request, trace)
         return result

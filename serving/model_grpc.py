@@ -7,6 +7,7 @@ deployment handle both answer through :func:`call_serialized`; errors are raised
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -26,7 +27,7 @@ from rayinfer.protocol.grpc_codec import metadata_to_grpc, request_from_grpc, re
 from rayinfer.protocol.shared_memory import RegionMissing, decode_with_regions
 from rayinfer.protocol.statistics import stats_to_json
 from rayinfer.serving.model_core import ModelCore
-from rayinfer.serving.protocol_stamps import stamp_stream_request
+from rayinfer.serving.protocol_stamps import StreamTrace, stamp_stream_request
 
 # Request and response message of each model RPC.
 MODEL_RPCS: dict[str, tuple[Any, Any]] = {
@@ -91,13 +92,14 @@ async def call_serialized(core: ModelCore, method: str, payload: bytes) -> bytes
 
 
 async def stream_serialized(core: ModelCore, payload: bytes, trace_context: str | None = None,
-                            read_ages: tuple[int, int] | None = None) -> AsyncIterator[bytes]:
+                            read_ages: tuple[int, int] | None = None) -> AsyncIterator[bytes | StreamTrace]:
     """One request of a ModelStreamInfer stream: its responses (zero to many for a decoupled
     model, else one) as serialized ``ModelStreamInferResponse`` messages; an error is a message
     with ``error_message`` (the stream stays open). ``trace_context``: the client's traceparent;
     ``read_ages``: how long ago (ns) the ``/v2`` replica, which reads the stream, began and ended
-    reading this request (its trace's GRPC_WAITREAD_START and _END; a stream has no send stamps:
-    its responses are written there)."""
+    reading this request (its trace's GRPC_WAITREAD_START and _END). The ``/v2`` replica writes
+    the responses: when the request was traced (Triton's trace file, timestamps), a
+    :class:`StreamTrace` after them names the trace, for the send stamps it takes there."""
     stamps = stamp_stream_request(core.name, trace_context, read_ages) if trace_context or read_ages else None
     try:
         async for message in _stream_serialized(core, payload):
@@ -105,6 +107,8 @@ async def stream_serialized(core: ModelCore, payload: bytes, trace_context: str 
     finally:
         if stamps is not None and stamps.finish is not None:  # a traced request's trace ends
             stamps.finish(0, 0)
+    if stamps is not None and stamps.token is not None:
+        yield StreamTrace(stamps.token, time.perf_counter_ns())
 
 
 async def _stream_serialized(core: ModelCore, payload: bytes) -> AsyncIterator[bytes]:

@@ -10,6 +10,20 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from contextvars import ContextVar
+from typing import NamedTuple
+
+
+class StreamTrace(NamedTuple):
+    """The last item of a traced stream request's answer (after its responses), from the model
+    replica to the ``/v2`` replica that writes them: the trace's ``token``, and the model
+    replica's clock (``clock_ns``, ``time.perf_counter_ns``) and ``node`` (set by the
+    deployment), so that the send stamps the ``/v2`` replica takes on its own clock are put on
+    the model replica's when the two are on different nodes."""
+
+    token: str
+    clock_ns: int
+    node: str = ""
+
 
 class ProtocolStamps:
     """When a request's bytes arrived at a replica's listener, and the trace that waits for
@@ -17,7 +31,7 @@ class ProtocolStamps:
     ... GRPC_SEND_END). The listener sets one per request in :data:`PROTOCOL_STAMPS`; the serving
     core of ``model`` that traces the request takes it."""
 
-    __slots__ = ("model", "grpc", "recv_start", "recv_end", "finish", "_context")
+    __slots__ = ("model", "grpc", "recv_start", "recv_end", "finish", "_context", "sent_elsewhere", "token")
 
     def __init__(self, model: str, grpc: bool, recv_start: int, recv_end: int,
                  context: bytes | list[tuple[bytes, bytes]] | None = None) -> None:
@@ -29,8 +43,14 @@ class ProtocolStamps:
         # only when the request is traced).
         self._context = context
         # Set by the core tracing the request: called with the send's start and end (0 and 0:
-        # the client went away before the answer was written).
+        # the client went away before the answer was written, or, :attr:`sent_elsewhere`, its
+        # answers are written by another process).
         self.finish: Callable[[int, int], None] | None = None
+        # A gRPC stream's request: the ``/v2`` replica, which read it, writes its responses and
+        # gives their send stamps to the trace it names by :attr:`token` (set by the core when
+        # the request is traced in Triton's mode).
+        self.sent_elsewhere = False
+        self.token: str | None = None
 
     @property
     def context(self) -> str | None:
@@ -68,6 +88,7 @@ def stamp_stream_request(model: str, context: str | None, read_ages: tuple[int, 
     now = time.perf_counter_ns()
     start, end = (now - read_ages[0], now - read_ages[1]) if read_ages else (0, 0)
     stamps = ProtocolStamps(model, True, start, end, context.encode("latin-1") if context else None)
+    stamps.sent_elsewhere = True
     PROTOCOL_STAMPS.set(stamps)
     return stamps
 

@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,6 +39,9 @@ _INT32_MAX = 2**31 - 1
 # How many trace tokens the writer remembers the ids of (traces of one request arrive within
 # seconds of each other).
 _KEPT_IDS = 65536
+# How long a stream request's trace waits in the /v2 replica for the send stamps of its responses
+# (or those stamps for their trace) before it is written without them: the client went away.
+_SEND_WAIT_S = 30.0
 
 
 def settings_from_flags(values: list[str]) -> dict[str, Any]:
@@ -208,6 +212,12 @@ class Trace:
         return f"{self.token};{','.join(self.levels)};{self.owner};{context or ''}"
 
     @property
+    def writes_timestamps(self) -> bool:
+        """Whether the trace's timestamps go to Triton's trace file (its own mode, the
+        TIMESTAMPS level), where stamps taken in another process may join them."""
+        return self.exporter is None and "TIMESTAMPS" in self.levels
+
+    @property
     def traces_tensors(self) -> bool:
         """Whether the request's tensors are kept: at the TENSORS level, in Triton's own mode
         only (Triton's opentelemetry mode exports no tensors either)."""
@@ -293,7 +303,10 @@ class Tracer:
             trace.spans, trace.context = trace.exporter.start(self.model, start_ns, trace.context,
                                                                trace.parent is not None, received)
 
-    def finish(self, request: Any, trace: Trace, more_stamps: list[tuple[str, int]] | None = None) -> None:
+    def finish(self, request: Any, trace: Trace, more_stamps: list[tuple[str, int]] | None = None,
+               awaits_send: bool = False) -> None:
+        """The trace is done here; ``awaits_send``: its response is written by the ``/v2``
+        replica (a stream's), whose send stamps join it there (:meth:`TraceWriter.sent`)."""
         entry: dict[str, Any]
         if trace.exporter is not None and trace.spans is not None:
             trace.exporter.end(trace.spans, self.model, self.version, request.id or "", trace.stamps, more_stamps or [])
@@ -305,6 +318,8 @@ class Tracer:
             entry = {"model_name": self.model, "model_version": int(self.version) if self.version.isdigit() else 0,
                      "request_id": request.id or "", "timestamps": timestamps, "tensors": trace.tensors,
                      "token": trace.token, "parent": trace.parent, "owner": trace.owner, "counted": trace.counted}
+            if awaits_send and timestamps:
+                entry["awaits_send"] = True
         with self._lock:
             self._traces.append(entry)
 
@@ -336,19 +351,58 @@ class TraceWriter:
         self._file_index: dict[str, int] = {}
         self._counts: dict[str, int] = {}  # traces pending per file
         self._frequency: dict[str, int] = {}  # the log frequency last in effect per file
+        # A stream request's trace and the send stamps of its responses, whichever came first
+        # (by token, oldest first): (when it came, the trace and its settings, or the stamps).
+        self._awaiting_sends: dict[str, tuple[float, dict[str, Any], dict[str, Any]]] = {}
+        self._sends: dict[str, tuple[float, list[tuple[str, int]]]] = {}
 
     def add(self, traces: list[dict[str, Any]], settings: dict[str, Any]) -> None:
+        """Traces a replica took, written as the settings say; a stream request's
+        (``awaits_send``) once the send stamps of its responses are here (:meth:`sent`)."""
+        for trace in traces:
+            if trace.get("awaits_send"):
+                sends = self._sends.pop(trace["token"], None)
+                if sends is None:
+                    self._awaiting_sends[trace["token"]] = (time.monotonic(), trace, settings)
+                    continue
+                trace = _with_sends(trace, sends[1])
+            self._add(trace, settings)
+        self._expire()
+
+    def sent(self, token: str, stamps: list[tuple[str, int]]) -> None:
+        """When the responses of the stream request traced as ``token`` were written (Triton's
+        GRPC_SEND_START and _END of each, on the model replica's clock), by the ``/v2`` replica."""
+        waiting = self._awaiting_sends.pop(token, None)
+        if waiting is None:
+            self._sends[token] = (time.monotonic(), stamps)
+        else:
+            self._add(_with_sends(waiting[1], stamps), waiting[2])
+        self._expire()
+
+    def _expire(self, wait_s: float = _SEND_WAIT_S) -> None:
+        """Write the stream traces that waited ``wait_s`` for their send stamps without them, and
+        drop stamps whose trace did not come (a replica that died)."""
+        before = time.monotonic() - wait_s
+        while self._awaiting_sends:
+            token, (since, trace, settings) = next(iter(self._awaiting_sends.items()))
+            if since > before:
+                break
+            del self._awaiting_sends[token]
+            self._add(trace, settings)
+        while self._sends and next(iter(self._sends.values()))[0] <= before:
+            del self._sends[next(iter(self._sends))]
+
+    def _add(self, trace: dict[str, Any], settings: dict[str, Any]) -> None:
         path = settings["trace_file"]
         if not path:
             return
         frequency = int(settings["log_frequency"])
         self._frequency[path] = frequency
-        for trace in traces:
-            pending = self._pending.setdefault(path, [])
-            pending.extend(self._entries(trace))
-            self._counts[path] = count = self._counts.get(path, 0) + 1
-            if frequency > 0 and count >= frequency:
-                self._flush(path)
+        pending = self._pending.setdefault(path, [])
+        pending.extend(self._entries(trace))
+        self._counts[path] = count = self._counts.get(path, 0) + 1
+        if frequency > 0 and count >= frequency:
+            self._flush(path)
 
     def _flush(self, path: str) -> None:
         """Write ``path``'s pending traces: to ``<path>.<n>`` with a log frequency, else ``<path>``."""
@@ -384,10 +438,17 @@ class TraceWriter:
         return entries
 
     def close(self) -> None:
-        """Write what is pending (the server stops)."""
+        """Write what is pending (the server stops), stream traces still waiting for their send
+        stamps included."""
+        self._expire(wait_s=float("-inf"))
         for path, pending in list(self._pending.items()):
             if pending:
                 self._flush(path)
+
+
+def _with_sends(trace: dict[str, Any], stamps: list[tuple[str, int]]) -> dict[str, Any]:
+    """A stream request's trace with the send stamps of its responses, in time order."""
+    return {**trace, "timestamps": sorted([*trace["timestamps"], *stamps], key=lambda s: s[1])}
 
 
 def _write(path: str, entries: list[dict[str, Any]]) -> None:

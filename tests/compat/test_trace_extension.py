@@ -111,12 +111,49 @@ def test_a_decoupled_models_request_is_traced_to_its_final_response(server: dict
     entries = next(iter(traces.values()))
     assert entries[0]["model_name"] == "py_repeat"
     stamps = [s for e in entries for s in e.get("timestamps", [])]
-    # When the /v2 replica, which reads the stream, began and ended reading the request.
-    assert [s["name"] for s in stamps] == ["GRPC_WAITREAD_START", "GRPC_WAITREAD_END", *ORDER]
+    names = [s["name"] for s in stamps]
+    # When the /v2 replica, which reads the stream and writes its responses, began and ended
+    # reading the request, and began and ended writing each response (as they came: the first
+    # may leave before the execution has returned).
+    assert [n for n in names if not n.startswith("GRPC_SEND")] == ["GRPC_WAITREAD_START", "GRPC_WAITREAD_END", *ORDER]
+    assert [n for n in names if n.startswith("GRPC_SEND")] == ["GRPC_SEND_START", "GRPC_SEND_END"] * 3
+    assert names.index("GRPC_SEND_START") > names.index("COMPUTE_START")
     assert all(a["ns"] <= b["ns"] for a, b in zip(stamps, stamps[1:]))
     outputs = [e["tensor"]["data"] for e in entries if e.get("activity") == "TENSOR_BACKEND_OUTPUT"
                and e["tensor"]["name"] == "OUT"]
     assert outputs == ["4", "5", "6"]
+
+
+def test_a_stream_request_is_traced_from_its_read_to_its_responses_write(server: dict) -> None:
+    """``simple`` on a gRPC stream: the /v2 replica reads the request and writes its response;
+    its trace has Triton's stream stamps, GRPC_WAITREAD_START / _END first and GRPC_SEND_START
+    / _END last, on one clock with the model's."""
+    client = grpcclient.InferenceServerClient(server["grpc_url"])
+    before = trace_files(server["trace_file"])
+    _update(grpcclient, client, {"trace_level": ["TIMESTAMPS"], "trace_rate": "1", "trace_count": "1",
+                                 "log_frequency": "1"}, "simple")
+    answers: queue.Queue = queue.Queue()
+    try:
+        client.start_stream(callback=lambda result, error: answers.put(error or result))
+        a = np.arange(16, dtype=np.int32).reshape(1, 16)
+        inputs = [grpcclient.InferInput("INPUT0", [1, 16], "INT32"), grpcclient.InferInput("INPUT1", [1, 16], "INT32")]
+        for tensor in inputs:
+            tensor.set_data_from_numpy(a)
+        client.async_stream_infer("simple", inputs)
+        answer = answers.get(timeout=30)
+        client.stop_stream()
+        new = wait_until(lambda: trace_files(server["trace_file"]) - before, "a trace file", timeout_s=30, interval_s=0.3)
+    finally:
+        _update(grpcclient, client, {"trace_level": None, "trace_rate": None, "trace_count": None,
+                                     "log_frequency": None}, "simple")
+        client.close()
+    assert not isinstance(answer, Exception), answer
+    traces = traces_by_id(new)
+    assert len(traces) == 1
+    stamps = [s for e in next(iter(traces.values())) for s in e.get("timestamps", [])]
+    assert [s["name"] for s in stamps] == ["GRPC_WAITREAD_START", "GRPC_WAITREAD_END", *ORDER, "GRPC_SEND_START",
+                                           "GRPC_SEND_END"]
+    assert all(a["ns"] <= b["ns"] for a, b in zip(stamps, stamps[1:]))
 
 
 def test_a_bls_request_given_its_requests_trace_is_traced_as_its_child(proto: tuple[Any, Any], server: dict) -> None:

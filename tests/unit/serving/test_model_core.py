@@ -263,8 +263,8 @@ def test_a_decoupled_requests_trace_ends_when_its_execution_has_returned(tmp_pat
     async def main() -> tuple[int, list[Any]]:
         finished = asyncio.Event()
 
-        def finish_and_tell(*args: Any) -> None:
-            finish(*args)
+        def finish_and_tell(*args: Any, **kwargs: Any) -> None:
+            finish(*args, **kwargs)
             finished.set()
 
         core.tracer.finish = finish_and_tell  # type: ignore[method-assign]

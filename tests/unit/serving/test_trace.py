@@ -3,13 +3,22 @@ settings over the server's, sampling by rate and count, and the trace files' for
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
+from onnx import TensorProto
+from tritonclient.grpc import service_pb2 as pb
 
+from rayinfer.adapters.loader import load_runner
+from rayinfer.cluster.example_repository import add_sub_model, write_model
 from rayinfer.protocol.errors import ServingError
 from rayinfer.protocol.types import InferRequest
+from rayinfer.serving.model_core import ModelCore
+from rayinfer.serving.model_grpc import stream_serialized
+from rayinfer.serving.protocol_stamps import StreamTrace
 from rayinfer.serving.trace import TraceSettings, Tracer, TraceWriter, parse_update, settings_from_flags
 
 
@@ -133,3 +142,67 @@ def test_protocol_stamps_name_the_protocol_and_may_have_no_send():
     assert [name for name, _ in grpc.received + grpc.send_stamps(30, 40)] == [
         "GRPC_WAITREAD_START", "GRPC_WAITREAD_END", "GRPC_SEND_START", "GRPC_SEND_END"]
     assert grpc.send_stamps(0, 0) == []  # the client went away before the answer was written
+
+
+STREAM_MODEL = """platform: "onnxruntime_onnx"
+max_batch_size: 8
+input [ { name: "INPUT0" data_type: TYPE_INT32 dims: [ 16 ] }, { name: "INPUT1" data_type: TYPE_INT32 dims: [ 16 ] } ]
+output [ { name: "OUTPUT0" data_type: TYPE_INT32 dims: [ 16 ] }, { name: "OUTPUT1" data_type: TYPE_INT32 dims: [ 16 ] } ]
+"""
+
+
+def _stream_request() -> bytes:
+    request = pb.ModelInferRequest(model_name="m", id="s-1")
+    for name in ("INPUT0", "INPUT1"):
+        request.inputs.add(name=name, datatype="INT32", shape=[1, 16])
+        request.raw_input_contents.append(np.arange(16, dtype=np.int32).tobytes())
+    return request.SerializeToString()
+
+
+def _stream_core(tmp_path: Path) -> ModelCore:
+    write_model(tmp_path, "m", STREAM_MODEL, add_sub_model(TensorProto.INT32))
+    runner, entry = load_runner(tmp_path, "m", 1)
+    return ModelCore(runner, entry.versions)
+
+
+def _answer(core: ModelCore) -> list:
+    """What the model replica sends the /v2 replica for one stream request (read 2 and 1 µs ago)."""
+    async def items() -> list:
+        return [item async for item in stream_serialized(core, _stream_request(), None, (2000, 1000))]
+
+    return asyncio.run(items())
+
+
+def test_a_stream_requests_trace_takes_the_send_stamps_of_the_process_that_wrote_its_response(tmp_path: Path) -> None:
+    """A real ONNX model's core answers a stream's request as the model replica does: its
+    response, then the trace's token (the /v2 replica writes the response); the writer puts the
+    /v2 replica's GRPC_SEND_START / _END into that trace whether they or the trace come first,
+    and writes a trace whose response was never written (the client went away) at the end
+    without them."""
+    core = _stream_core(tmp_path)
+    core.tracer.configure({"trace_level": ["TIMESTAMPS"], "trace_rate": "1", "trace_count": "-1"}, version=1)
+
+    answers = [_answer(core) for _ in range(3)]
+    for answer in answers:
+        assert len(answer) == 2 and isinstance(answer[0], bytes) and isinstance(answer[1], StreamTrace)
+    traces = core.tracer.collect()
+    assert [t["token"] for t in traces] == [a[1].token for a in answers] and all(t["awaits_send"] for t in traces)
+    end = max(ns for t in traces for _, ns in t["timestamps"])
+    settings = {"trace_file": str(tmp_path / "t.json"), "log_frequency": "0"}
+    writer = TraceWriter()
+    writer.sent(answers[0][1].token, [("GRPC_SEND_START", end + 1), ("GRPC_SEND_END", end + 2)])  # before its trace
+    writer.add(traces, settings)
+    writer.sent(answers[1][1].token, [("GRPC_SEND_START", end + 3), ("GRPC_SEND_END", end + 4)])  # after it
+    writer.close()  # the third's response was never written: its trace without send stamps
+    stamps = [[s["name"] for s in e["timestamps"]] for e in json.loads((tmp_path / "t.json").read_text())
+              if "timestamps" in e]
+    order = ["GRPC_WAITREAD_START", "GRPC_WAITREAD_END", "REQUEST_START", "QUEUE_START", "COMPUTE_START",
+             "COMPUTE_INPUT_END", "COMPUTE_OUTPUT_START", "COMPUTE_END", "REQUEST_END"]
+    assert stamps == [order + ["GRPC_SEND_START", "GRPC_SEND_END"]] * 2 + [order]
+
+
+def test_an_untraced_stream_request_names_no_trace(tmp_path: Path) -> None:
+    core = _stream_core(tmp_path)
+
+    answer = _answer(core)
+    assert len(answer) == 1 and isinstance(answer[0], bytes) and core.tracer.collect() == []
