@@ -15,7 +15,11 @@ loaded at start) inside a private network namespace and runs, until the time is 
   refusals, of the burst's calls or of the others' meanwhile, count as refused, not as errors).
 
 Per minute: calls, errors (by kind), p50 / p99 of the infer calls, the server's memory (PSS of
-its processes). Prints the per-minute rows and writes a summary (first vs last five minutes) to
+its processes), the CPU time the server's processes and the soak's own client used (so the CPU
+each call cost), and the machine's speed: a separate process runs the same fixed piece of pure
+Python work every second and reports the CPU time it took (it rises when the machine's cores
+give less work per CPU second: a busier host, a lower clock), with the steal time the kernel
+counts. Prints the per-minute rows and writes a summary (first vs last five minutes) to
 docs/benchmarks.md.
 """
 
@@ -25,6 +29,8 @@ import argparse
 import json
 import os
 import platform
+import resource
+import subprocess
 import sys
 import tempfile
 import threading
@@ -67,6 +73,86 @@ class Recorder:
             outcome = "refused" if "Server is busy" in str(exc) else f"{type(exc).__name__}: {str(exc)[:80]}"
         with self.lock:
             self.calls.append((start, kind, time.monotonic() - start, outcome))
+
+
+# The machine's speed: the CPU milliseconds of a fixed piece of pure Python work, once a second.
+PROBE = """
+import time
+while True:
+    start = time.process_time()
+    total = 0
+    for i in range(300_000):
+        total += i * i % 7
+    print(time.monotonic(), (time.process_time() - start) * 1000, flush=True)
+    time.sleep(1)
+"""
+
+
+class MachineProbe:
+    """The fixed work's CPU milliseconds, by time, read from its process's output."""
+
+    def __init__(self) -> None:
+        self.samples: list[tuple[float, float]] = []
+        self._proc = subprocess.Popen([sys.executable, "-c", PROBE], stdout=subprocess.PIPE, text=True)
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self._proc.stdout is not None
+        for line in self._proc.stdout:
+            at, ms = line.split()
+            self.samples.append((float(at), float(ms)))
+
+    def stop(self) -> None:
+        self._proc.kill()
+        self._proc.wait()
+
+
+def cpu_seconds(pids: set[int]) -> dict[int, float]:
+    """User and system CPU seconds of each of the processes ``pids`` still running."""
+    tick, seconds = os.sysconf("SC_CLK_TCK"), {}
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        seconds[pid] = (int(fields[11]) + int(fields[12])) / tick
+    return seconds
+
+
+def server_pids(before: set[int]) -> set[int]:
+    """The processes started since ``before`` was taken that are Ray's or rayinfer's (the server's)."""
+    return {pid for pid, cmd in processes().items() if pid not in before and "ray" in cmd and pid != os.getpid()}
+
+
+def steal_seconds() -> float:
+    """CPU time the hypervisor gave to others while this machine's cores wanted it (all cores)."""
+    fields = Path("/proc/stat").read_text().splitlines()[0].split()
+    return int(fields[8]) / os.sysconf("SC_CLK_TCK") if len(fields) > 8 else 0.0
+
+
+def own_cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+class CpuClock:
+    """CPU seconds at each minute's end: the server's processes (summed per process, so that a
+    replica that stopped takes its time with it rather than counting negative), the soak's own
+    client, and the machine's steal time."""
+
+    def __init__(self, before: set[int]) -> None:
+        self._before = before
+        self._pids: set[int] = set()
+        self._last: dict[int, float] = {}
+        self.server = 0.0
+        self.at: dict[int, tuple[float, float, float]] = {}
+
+    def take(self, minute: int) -> None:
+        self._pids |= server_pids(self._before)  # a reloaded model's replica is a new process
+        now = cpu_seconds(self._pids)
+        self.server += sum(seconds - self._last.get(pid, 0.0) for pid, seconds in now.items())
+        self._last = now
+        self.at[minute] = (self.server, own_cpu_seconds(), steal_seconds())
 
 
 def url(path: str, port: int = PORT) -> str:
@@ -145,20 +231,31 @@ def burst(rec: Recorder, seconds: float = 10.0, clients: int = 64) -> None:
         thread.join(60)
 
 
-def minute_rows(rec: Recorder, start: float, memory: dict[int, float]) -> list[dict]:
+def minute_rows(rec: Recorder, start: float, memory: dict[int, float], cpu: dict[int, tuple[float, float, float]],
+                probe: list[tuple[float, float]]) -> list[dict]:
+    """Per minute: the calls' figures, memory, and (``cpu``: server, client and steal CPU
+    seconds at each minute's end) the CPU each call cost and the machine probe's median."""
     by_minute: dict[int, list] = defaultdict(list)
     for t, kind, seconds, outcome in rec.calls:
         by_minute[int((t - start) // 60)].append((kind, seconds, outcome))
+    probe_by_minute: dict[int, list[float]] = defaultdict(list)
+    for at, ms in probe:
+        probe_by_minute[int((at - start) // 60)].append(ms)
     rows = []
     for minute in sorted(by_minute):
         calls = by_minute[minute]
         infer = [s for kind, s, outcome in calls if kind == "infer" and outcome == "ok"]
         errors = Counter(outcome for _, _, outcome in calls if outcome not in ("ok", "refused"))
+        used = [b - a for a, b in zip(cpu[minute], cpu[minute + 1])] if minute in cpu and minute + 1 in cpu \
+            else [float("nan")] * 3
         rows.append({
             "minute": minute + 1, "calls": len(calls), "refused": sum(o == "refused" for _, _, o in calls),
             "errors": sum(errors.values()), "error_kinds": errors.most_common(3),
             "p50_ms": percentile(infer, 0.5), "p99_ms": percentile(infer, 0.99),
             "pss_mib": memory.get(minute + 1, float("nan")),
+            "server_cpu_s": used[0], "client_cpu_s": used[1], "steal_s": used[2],
+            "server_cpu_ms_per_call": used[0] * 1000 / len(calls),
+            "probe_ms": float(np.median(probe_by_minute[minute])) if probe_by_minute[minute] else float("nan"),
         })
     return rows
 
@@ -168,7 +265,10 @@ def summary(rows: list[dict], args: argparse.Namespace) -> str:
         calls, errors = sum(r["calls"] for r in part), sum(r["errors"] for r in part)
         p50 = np.median([r["p50_ms"] for r in part])
         p99 = np.median([r["p99_ms"] for r in part])
-        return f"{calls:,} | {errors} | {sum(r['refused'] for r in part):,} | {p50:.1f} | {p99:.1f} | {part[-1]['pss_mib']:,.0f}"
+        per_call = np.nanmedian([r["server_cpu_ms_per_call"] for r in part])
+        probe = np.nanmedian([r["probe_ms"] for r in part])
+        return (f"{calls:,} | {errors} | {sum(r['refused'] for r in part):,} | {p50:.1f} | {p99:.1f} | "
+                f"{part[-1]['pss_mib']:,.0f} | {per_call:.3f} | {probe:.1f}")
 
     kinds = Counter()
     for r in rows:
@@ -182,8 +282,8 @@ def summary(rows: list[dict], args: argparse.Namespace) -> str:
         "minutes over `--max-inflight-requests 32`).",
         "",
         "| minutes | calls | errors | refused (503, bursts) | infer p50 (ms, median of minutes) | infer p99 (ms) | "
-        "server PSS at the end (MiB) |",
-        "|---|---|---|---|---|---|---|",
+        "server PSS at the end (MiB) | server CPU per call (ms) | machine probe (CPU ms of fixed work) |",
+        "|---|---|---|---|---|---|---|---|---|",
         f"| first 5 | {window(rows[:5])} |",
         f"| last 5 | {window(rows[-5:])} |",
         f"| all {len(rows)} | {window(rows)} |",
@@ -212,17 +312,21 @@ def main() -> int:
     load = [a for m in ("simple", "simple_string", "mlp", "simple_identity") for a in ("--load-model", m)]
     proc = start_rayinfer(repo, PORT, repo / "rayinfer.log", ("--model-control-mode", "explicit", *load,
                                                                "--max-inflight-requests", str(BURST_LIMIT)))
-    rec, memory, stop = Recorder(), {}, threading.Event()
+    rec, memory, cpu, stop = Recorder(), {}, CpuClock(before), threading.Event()
+    probe = MachineProbe()
     try:
         wait_ready(PORT, proc, 600)
         start = time.monotonic()
+        cpu.take(0)
         threads = start_traffic(stop, rec)
         end, next_minute = start + args.minutes * 60, start + 60
         next_reload, next_burst = start + args.reload_every_s, start + args.burst_every_s
         while time.monotonic() < end:
             now = time.monotonic()
             if now >= next_minute:
-                memory[int(round((now - start) / 60))] = server_memory(before)["pss_mib"]
+                minute = int(round((now - start) / 60))
+                cpu.take(minute)
+                memory[minute] = server_memory(before)["pss_mib"]
                 next_minute += 60
             if now >= next_reload:
                 reload_identity(rec)
@@ -231,15 +335,18 @@ def main() -> int:
                 burst(rec)
                 next_burst += args.burst_every_s
             time.sleep(0.2)  # the schedule's tick: minutes, reloads and bursts are due by the clock
-        memory[int(round((time.monotonic() - start) / 60))] = server_memory(before)["pss_mib"]
+        minute = int(round((time.monotonic() - start) / 60))
+        cpu.take(minute)
+        memory[minute] = server_memory(before)["pss_mib"]
         stop.set()
         for thread in threads:
             thread.join(60)
         hung = sum(thread.is_alive() for thread in threads)
     finally:
+        probe.stop()
         stop_server(proc)
     # The calls still answered after the end fall in one more, partial minute: left out.
-    rows = [row for row in minute_rows(rec, start, memory) if row["minute"] <= round(args.minutes)]
+    rows = [row for row in minute_rows(rec, start, memory, cpu.at, probe.samples) if row["minute"] <= round(args.minutes)]
     for row in rows:
         print(row, flush=True)
     section = summary(rows, args)
