@@ -86,10 +86,7 @@ class ModelForwarder:
         async for payload in handle.options(stream=True).grpc_stream.remote(request.SerializeToString(), trace_context,
                                                                              ages):
             if isinstance(payload, StreamTrace):
-                # Another node's clock: its offset from this one, as near as this can tell (the
-                # time the item took to arrive is counted in it).
-                offset = payload.clock_ns - time.perf_counter_ns() if payload.node != self._node() else 0
-                yield payload.token, offset
+                yield payload.token, payload.clock_offset(self._node(), time.perf_counter_ns())
             elif payload:  # an empty one ends every stream (ModelDeployment.grpc_stream)
                 yield pb.ModelStreamInferResponse.FromString(payload)
 

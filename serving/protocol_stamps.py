@@ -24,6 +24,12 @@ class StreamTrace(NamedTuple):
     clock_ns: int
     node: str = ""
 
+    def clock_offset(self, node: str, now_ns: int) -> int:
+        """How far the model replica's clock is ahead of that of the reader on ``node``, whose
+        clock reads ``now_ns`` as this arrives: 0 on the same node (one monotonic clock), else
+        as near as this can tell (the time it took to arrive counts in it)."""
+        return 0 if self.node == node else self.clock_ns - now_ns
+
 
 class ProtocolStamps:
     """When a request's bytes arrived at a replica's listener, and the trace that waits for

@@ -206,3 +206,12 @@ def test_an_untraced_stream_request_names_no_trace(tmp_path: Path) -> None:
 
     answer = _answer(core)
     assert len(answer) == 1 and isinstance(answer[0], bytes) and core.tracer.collect() == []
+
+
+def test_a_stream_traces_clock_offset_is_zero_on_one_node_and_measured_across_nodes() -> None:
+    """The /v2 replica's send stamps go onto the model replica's clock: one monotonic clock on a
+    node, an offset read on arrival across nodes."""
+    trace = StreamTrace("t-1", 5_000_000, "node-a")
+    assert trace.clock_offset("node-a", 9_000_000) == 0
+    assert trace.clock_offset("node-b", 2_000_000) == 3_000_000  # its clock is 3 ms ahead
+    assert trace.clock_offset("node-b", 6_000_000) == -1_000_000
