@@ -32,7 +32,8 @@ from rayinfer.protocol.shared_memory import Registration, SharedMemoryRegistry
 from rayinfer.serving.model_control import ModelController
 from rayinfer.serving import response_cache
 from rayinfer.serving.statistics_store import StatisticsStore
-from rayinfer.serving.trace import TraceSettings, TraceWriter
+from rayinfer.serving.trace import TraceSettings
+from rayinfer.serving.trace_writer import TraceWriter
 
 logger = logging.getLogger(__name__)
 

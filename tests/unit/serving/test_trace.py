@@ -19,7 +19,8 @@ from rayinfer.protocol.types import InferRequest
 from rayinfer.serving.model_core import ModelCore
 from rayinfer.serving.model_grpc import stream_serialized
 from rayinfer.serving.protocol_stamps import StreamTrace
-from rayinfer.serving.trace import TraceSettings, Tracer, TraceWriter, parse_update, settings_from_flags
+from rayinfer.serving.trace import TraceSettings, Tracer, parse_update, settings_from_flags
+from rayinfer.serving.trace_writer import TraceWriter
 
 
 def test_flags_give_the_server_settings() -> None:
