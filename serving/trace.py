@@ -9,8 +9,8 @@ override the server's, setting by setting; a null value clears the model's own.
 
 A model replica's :class:`Tracer` samples requests and keeps their timestamps (and tensors, at
 the TENSORS level); the ``/v2`` replica collects them, numbers them and writes Triton's JSON
-trace files (:class:`~rayinfer.serving.trace_writer.TraceWriter`). A traced ensemble request's steps carry its trace's link,
-and the members trace them as its children (Triton's ``parent_id``).
+trace files (:mod:`rayinfer.serving.trace_writer`). A traced ensemble request's steps carry its
+trace's link, and the members trace them as its children (Triton's ``parent_id``).
 """
 
 from __future__ import annotations
