@@ -92,14 +92,17 @@ def parent(pid: int) -> int:
     return int(stat[stat.rindex(")") + 2:].split()[1])
 
 
+def server_processes(before: set[int]) -> dict[int, str]:
+    """{pid: command line} of the server's processes: new since ``before`` was taken and Ray's or
+    rayinfer's (the namespace is the network's, not the PIDs')."""
+    return {pid: cmd for pid, cmd in processes().items() if pid not in before and "ray" in cmd and pid != os.getpid()}
+
+
 def server_memory(before: set[int]) -> dict[str, float]:
     """The memory of every process started since ``before`` was taken (the server's), in MiB."""
     total_pss = total_rss = 0
     replicas: list[tuple[int, int]] = []
-    for pid, cmd in processes().items():
-        # New since ``before`` and Ray's or rayinfer's (the namespace is the network's, not the PIDs').
-        if pid in before or "ray" not in cmd or pid == os.getpid():
-            continue
+    for pid, cmd in server_processes(before).items():
         figures = memory_kib(pid)
         if figures is None:
             continue

@@ -43,7 +43,7 @@ from pathlib import Path
 import numpy as np
 from compare_triton import ROOT, in_private_netns, processes, reexec_in_netns, start_rayinfer, stop_server, wait_ready, write_doc
 from overload import percentile
-from scaling import server_memory
+from scaling import server_memory, server_processes
 
 from rayinfer.cluster.example_repository import write_example_repository
 
@@ -119,11 +119,6 @@ def cpu_seconds(pids: set[int]) -> dict[int, float]:
     return seconds
 
 
-def server_pids(before: set[int]) -> set[int]:
-    """The processes started since ``before`` was taken that are Ray's or rayinfer's (the server's)."""
-    return {pid for pid, cmd in processes().items() if pid not in before and "ray" in cmd and pid != os.getpid()}
-
-
 def steal_seconds() -> float:
     """CPU time the hypervisor gave to others while this machine's cores wanted it (all cores)."""
     fields = Path("/proc/stat").read_text().splitlines()[0].split()
@@ -148,7 +143,7 @@ class CpuClock:
         self.at: dict[int, tuple[float, float, float]] = {}
 
     def take(self, minute: int) -> None:
-        self._pids |= server_pids(self._before)  # a reloaded model's replica is a new process
+        self._pids |= set(server_processes(self._before))  # a reloaded model's replica is a new process
         now = cpu_seconds(self._pids)
         self.server += sum(seconds - self._last.get(pid, 0.0) for pid, seconds in now.items())
         self._last = now
