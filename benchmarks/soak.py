@@ -43,6 +43,7 @@ from pathlib import Path
 import numpy as np
 from compare_triton import ROOT, in_private_netns, processes, reexec_in_netns, start_rayinfer, stop_server, wait_ready, write_doc
 from overload import percentile
+from idle_cpu import cpu_ticks
 from scaling import server_memory, server_processes
 
 from rayinfer.cluster.example_repository import write_example_repository
@@ -107,18 +108,6 @@ class MachineProbe:
         self._proc.wait()
 
 
-def cpu_seconds(pids: set[int]) -> dict[int, float]:
-    """User and system CPU seconds of each of the processes ``pids`` still running."""
-    tick, seconds = os.sysconf("SC_CLK_TCK"), {}
-    for pid in pids:
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        seconds[pid] = (int(fields[11]) + int(fields[12])) / tick
-    return seconds
-
-
 def steal_seconds() -> float:
     """CPU time the hypervisor gave to others while this machine's cores wanted it (all cores)."""
     fields = Path("/proc/stat").read_text().splitlines()[0].split()
@@ -144,7 +133,8 @@ class CpuClock:
 
     def take(self, minute: int) -> None:
         self._pids |= set(server_processes(self._before))  # a reloaded model's replica is a new process
-        now = cpu_seconds(self._pids)
+        tick = os.sysconf("SC_CLK_TCK")
+        now = {pid: ticks / tick for pid, ticks in cpu_ticks(list(self._pids)).items()}
         self.server += sum(seconds - self._last.get(pid, 0.0) for pid, seconds in now.items())
         self._last = now
         self.at[minute] = (self.server, own_cpu_seconds(), steal_seconds())
