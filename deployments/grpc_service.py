@@ -27,10 +27,8 @@ from rayinfer.protocol.errors import (
     UNPARSABLE_REQUEST,
     InternalError,
     InvalidArgError,
-    NotFoundError,
     ServingError,
     UnavailableError,
-    UnsupportedError,
     as_serving_error,
     grpc_status_name,
 )
@@ -38,6 +36,7 @@ from rayinfer.protocol import log_settings
 from rayinfer.protocol.grpc_wire import SERVICE
 from rayinfer.protocol.restricted_api import Restrictions, grpc_message, missing_header
 from rayinfer.protocol.grpc_codec import index_to_grpc, parameters_from_grpc, statistics_to_grpc
+from rayinfer.protocol.shared_memory import CUDA, SYSTEM
 from rayinfer.serving.trace import parse_update
 
 if TYPE_CHECKING:
@@ -302,8 +301,6 @@ class ServerGrpcMethods:
         return await answer(grpc_context, _then(call, pb.RepositoryModelUnloadResponse),
                             pb.RepositoryModelUnloadResponse)
 
-    # ---- extensions not implemented --------------------------------------------------------
-
     # ---- shared memory ---------------------------------------------------------------------
 
     async def SystemSharedMemoryStatus(self, request: Any, grpc_context: Any = None) -> Any:
@@ -325,21 +322,30 @@ class ServerGrpcMethods:
         return pb.SystemSharedMemoryRegisterResponse()
 
     async def SystemSharedMemoryUnregister(self, request: Any, grpc_context: Any = None) -> Any:
-        await self._api.shm_unregister(request.name)
+        await self._api.shm_unregister(request.name, SYSTEM)
         return pb.SystemSharedMemoryUnregisterResponse()
 
     async def CudaSharedMemoryStatus(self, request: Any, grpc_context: Any = None) -> Any:
-        """No CUDA region can be registered here (as in a Triton built without GPU support)."""
-        if request.name:
-            set_error(grpc_context, NotFoundError(f"Unable to find cuda shared memory region: '{request.name}'"))
-        return pb.CudaSharedMemoryStatusResponse()
+        response = pb.CudaSharedMemoryStatusResponse()
+        try:
+            for region in self._api.shm.status(request.name, CUDA):
+                response.regions[region["name"]].CopyFrom(pb.CudaSharedMemoryStatusResponse.RegionStatus(**region))
+        except ServingError as exc:
+            set_error(grpc_context, exc)
+            return pb.CudaSharedMemoryStatusResponse()
+        return response
 
     async def CudaSharedMemoryRegister(self, request: Any, grpc_context: Any = None) -> Any:
-        set_error(grpc_context, InvalidArgError(
-            f"failed to register CUDA shared memory region: '{request.name}', GPUs not supported"))
+        try:
+            if request.device_id < 0:
+                raise InvalidArgError(f"failed to register CUDA shared memory region '{request.name}': invalid args")
+            self._api.shm_register_cuda(request.name, request.raw_handle, request.device_id, request.byte_size)
+        except ServingError as exc:
+            set_error(grpc_context, exc)
         return pb.CudaSharedMemoryRegisterResponse()
 
     async def CudaSharedMemoryUnregister(self, request: Any, grpc_context: Any = None) -> Any:
+        await self._api.shm_unregister(request.name, CUDA)
         return pb.CudaSharedMemoryUnregisterResponse()
 
     async def TraceSetting(self, request: Any, grpc_context: Any = None) -> Any:

@@ -221,8 +221,9 @@ class ModelDeployment:
                 self._trace_settings(json.loads(body))
                 return 200, [], b""
             if method == "POST" and path.startswith(SHM_FORGET_PATH):
-                # The /v2 replica: a region was unregistered (all of them for an empty name).
-                self._core.shm.unregister(unquote(path[len(SHM_FORGET_PATH):]))
+                # The /v2 replica: a region was unregistered (all of its kind for an empty name).
+                kind, _, name = path[len(SHM_FORGET_PATH):].partition("/")
+                self._core.shm.unregister(unquote(name), kind)
                 return 200, [], b""
             raise NotFoundError(f"Not Found: {method} {path}")
         if STREAM_HEADER in headers and FORWARDED_HEADER in headers and self._core.decoupled \
@@ -314,7 +315,7 @@ class ModelDeployment:
         self._core.tracer.configure(settings.of(self._core.name), settings.version, settings.opentelemetry)
 
     async def _shared_memory_region(self, name: str) -> Registration | None:
-        """A system shared memory region a request names that this replica has not mapped:
+        """A shared memory region a request names that this replica has not mapped:
         its registration with the ``/v2`` replica (None if there is none)."""
         try:
             return await asyncio.wait_for(self._server_handle().shared_memory_region.remote(name), _SHM_FETCH_S)

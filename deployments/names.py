@@ -10,8 +10,9 @@ SERVER_DEPLOYMENT = "ServerDeployment"
 SERVER_ROUTE_PREFIX = "/v2"
 MODEL_DEPLOYMENT = "ModelDeployment"
 # The path on a model replica's listener by which the ``/v2`` replica tells it to forget a
-# system shared memory region (the region's name follows, percent-encoded; none: every region).
-SHM_FORGET_PATH = "/rayinfer/systemsharedmemory/forget/"
+# shared memory region: ``system/`` or ``cuda/`` follows, then the region's name, percent-encoded
+# (none: every region of the kind).
+SHM_FORGET_PATH = "/rayinfer/sharedmemory/forget/"
 # The path on a model replica's listener by which the ``/v2`` replica gives it its sequence
 # model's new routing slots (serving/sequence_routing.py).
 SEQUENCE_SLOTS_PATH = "/rayinfer/sequences/slots"

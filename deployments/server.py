@@ -34,7 +34,7 @@ from rayinfer.protocol.restricted_api import parse_restrictions
 from rayinfer.protocol.http_codec import parse_json_body
 from rayinfer.protocol.metrics import MetricsOptions
 from rayinfer.protocol.limits import DEFAULT_MAX_INFLIGHT_REQUESTS
-from rayinfer.protocol.shared_memory import Registration, registration_from_json
+from rayinfer.protocol.shared_memory import CUDA, Registration, cuda_registration_from_json, registration_from_json
 from rayinfer.repository.model_config import config_to_json
 from rayinfer.repository.object_store import local_repository
 from rayinfer.serving import response_cache
@@ -256,26 +256,22 @@ class ServerDeployment(ServerGrpcMethods):
 
     async def _shared_memory(self, kind: str, name: str, action: str, method: str, receive: asgi.Receive,
                              send: asgi.Send) -> None:
-        """The system and CUDA shared memory extensions' routes (CUDA: no region can be registered
-        here, as in a Triton built without GPU support)."""
+        """The system and CUDA shared memory extensions' routes."""
         if method != ("GET" if action == "status" else "POST"):
             raise NotFoundError(f"Not Found: {method} /v2/{kind}sharedmemory")
-        if kind == "cuda":
-            if action == "register":
-                raise InvalidArgError(f"failed to register CUDA shared memory region: '{name}', GPUs not supported")
-            if action == "status" and name:
-                raise NotFoundError(f"Unable to find cuda shared memory region: '{name}'")
-            await (asgi.send_json(send, 200, []) if action == "status" else asgi.send_empty(send, 200))
-        elif action == "status":
-            await asgi.send_json(send, 200, self._api.shm.status(name))
+        if action == "status":
+            await asgi.send_json(send, 200, self._api.shm.status(name, kind))
         elif action == "register":
             if not name:
-                raise InvalidArgError("'region name' is necessary to register system shared memory region")
+                raise InvalidArgError(f"'region name' is necessary to register {kind} shared memory region")
             doc = parse_json_body(await asgi.read_body(receive, self._max_input_size), "register")
-            self._api.shm_register(name, *registration_from_json(doc))
+            if kind == CUDA:
+                self._api.shm_register_cuda(name, *cuda_registration_from_json(doc))
+            else:
+                self._api.shm_register(name, *registration_from_json(doc))
             await asgi.send_empty(send, 200)
         else:
-            await self._api.shm_unregister(name)
+            await self._api.shm_unregister(name, kind)
             await asgi.send_empty(send, 200)
 
     async def _unrouted_model(self, route: ModelRoute, method: str, send: asgi.Send) -> None:

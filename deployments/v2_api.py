@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ from urllib.parse import quote
 import rayinfer
 from rayinfer.deployments.names import SHM_FORGET_PATH, TRACE_SETTINGS_PATH
 from rayinfer.deployments.route_table import RouteTable
-from rayinfer.deployments.serve_state import ServeState
+from rayinfer.deployments.serve_state import ServeState, cluster_gpus
 from rayinfer.protocol.custom_metrics import CustomMetricsCollector
 from rayinfer.protocol.errors import InvalidArgError, NotFoundError, ServingError, UnavailableError
 from rayinfer.protocol.host_figures import CpuFigures, GpuFigures
@@ -28,7 +29,7 @@ from rayinfer.protocol.metrics import CacheFigures, ModelFigures, render
 from rayinfer.protocol.statistics import stats_to_json
 from rayinfer.protocol import log_settings
 from rayinfer.protocol.listener_client import post_each
-from rayinfer.protocol.shared_memory import Registration, SharedMemoryRegistry
+from rayinfer.protocol.shared_memory import SYSTEM, Registration, SharedMemoryRegistry
 from rayinfer.serving.model_control import ModelController
 from rayinfer.serving import response_cache
 from rayinfer.serving.statistics_store import StatisticsStore
@@ -54,6 +55,10 @@ EXTENSIONS = [
     "system_shared_memory",
     "trace",
 ]
+# Named too where the cluster has GPUs.
+CUDA_EXTENSION = "cuda_shared_memory"
+# How long the cluster's GPU count is taken as known.
+_GPU_COUNT_TTL_S = 10.0
 
 
 class V2Api:
@@ -76,8 +81,9 @@ class V2Api:
         # The logging extension's settings; model replicas take them when they register.
         self.log_settings = log_settings.default_settings()
         log_settings.apply(self.log_settings)
-        # The system shared memory regions clients registered.
+        # The system and CUDA shared memory regions clients registered.
         self.shm = SharedMemoryRegistry()
+        self._gpus_seen = (0.0, -_GPU_COUNT_TTL_S)  # (the cluster's GPUs, when counted)
         # The trace extension: settings (model replicas take them) and the trace files.
         self.trace_settings = TraceSettings(dict(trace)) if trace else TraceSettings()
         self.traces = TraceWriter()
@@ -93,12 +99,27 @@ class V2Api:
         log_settings.apply(settings)
         return settings
 
-    # ---- system shared memory --------------------------------------------------------------
+    # ---- shared memory ----------------------------------------------------------------------
 
     def shm_register(self, name: str, key: str, offset: int, byte_size: int) -> None:
         """Register a region clients name in requests (mapped here to check it exists and is
         large enough); model replicas map it when a request first names it."""
         self.shm.register(name, key, offset, byte_size)
+
+    def shm_register_cuda(self, name: str, raw_handle: bytes, device_id: int, byte_size: int) -> None:
+        """Register a CUDA region (kept here, which has no GPU; a model replica opens its handle
+        when a request first names it). A cluster without GPUs refuses it, as a Triton built
+        without GPU support does."""
+        if not self.cluster_has_gpus():
+            raise InvalidArgError(f"failed to register CUDA shared memory region: '{name}', GPUs not supported")
+        self.shm.register_cuda(name, raw_handle, device_id, byte_size)
+
+    def cluster_has_gpus(self) -> bool:
+        gpus, counted = self._gpus_seen
+        if time.monotonic() - counted > _GPU_COUNT_TTL_S:
+            gpus = cluster_gpus()
+            self._gpus_seen = (gpus, time.monotonic())
+        return gpus > 0
 
     def shm_registration(self, name: str) -> Registration | None:
         try:
@@ -106,13 +127,13 @@ class V2Api:
         except NotFoundError:
             return None
 
-    async def shm_unregister(self, name: str = "") -> None:
-        """Forget a region (every region for an empty name), here and in every model replica:
-        a request naming it afterwards gets Triton's NOT_FOUND error."""
-        self.shm.unregister(name)
+    async def shm_unregister(self, name: str = "", kind: str = SYSTEM) -> None:
+        """Forget a region of ``kind`` (every one for an empty name), here and in every model
+        replica: a request naming it afterwards gets Triton's NOT_FOUND error."""
+        self.shm.unregister(name, kind)
         # A replica going away keeps nothing; one that stays keeps a stale mapping (logged).
-        await self._tell_replicas(SHM_FORGET_PATH + quote(name, safe=""), b"",
-                                  f"forget shared memory region '{name or '(all)'}'")
+        await self._tell_replicas(SHM_FORGET_PATH + kind + "/" + quote(name, safe=""), b"",
+                                  f"forget {kind} shared memory region '{name or '(all)'}'")
 
     # ---- trace --------------------------------------------------------------------------------
 
@@ -151,7 +172,8 @@ class V2Api:
             logger.warning("model replica at %s:%d did not %s: %s", *address, what, result)
 
     def server_metadata(self) -> dict[str, Any]:
-        return {"name": self._server_id, "version": rayinfer.__version__, "extensions": EXTENSIONS}
+        extensions = EXTENSIONS + [CUDA_EXTENSION] if self.cluster_has_gpus() else EXTENSIONS
+        return {"name": self._server_id, "version": rayinfer.__version__, "extensions": extensions}
 
     async def ready(self) -> bool:
         """Strict readiness: every model is READY; in explicit mode only the models rayinfer was

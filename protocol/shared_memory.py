@@ -1,11 +1,14 @@
-"""Triton's system shared memory extension: registered regions of POSIX shared memory that
-requests read their inputs from and responses write their outputs to.
+"""Triton's shared memory extensions: registered regions of POSIX shared memory (system) or of
+CUDA device memory (CUDA) that requests read their inputs from and responses write their
+outputs to.
 
 A client creates a shared memory object (``shm_open(key)``, which is ``/dev/shm/<key>`` on
 Linux), registers a named window of it (``offset``, ``byte_size``) with the server, and then
 names the region in a tensor's parameters (``shared_memory_region``,
 ``shared_memory_byte_size``, ``shared_memory_offset`` within the region). The memory is the
-node's own: a region is usable only by processes on the client's node.
+node's own: a region is usable only by processes on the client's node. A CUDA region is device
+memory the client shares through a CUDA IPC handle (:mod:`~rayinfer.protocol.cuda_memory`), with
+the same parameters naming it; region names are one namespace for both kinds, as in Triton.
 
 :class:`SharedMemoryRegistry` maps each region into the process that holds it. The ``/v2``
 replica keeps the registrations clients make; a model replica keeps a cache that it fills on
@@ -14,15 +17,18 @@ first use (``fetch``) and empties when the ``/v2`` replica tells it a region was
 
 from __future__ import annotations
 
+import base64
 import mmap
 import os
 from collections.abc import Awaitable, Callable
 import stat
+import threading
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
+from rayinfer.protocol.cuda_memory import IPC_HANDLE_BYTES, open_ipc_memory
 from rayinfer.protocol.dtypes import serialize_bytes_tensor
 from rayinfer.protocol.errors import Code, InvalidArgError, NotFoundError, ServingError, UnsupportedError
 
@@ -33,8 +39,23 @@ OFFSET = "shared_memory_offset"
 TENSOR_PARAMETERS = (REGION, BYTE_SIZE, OFFSET)
 _SHM_DIR = "/dev/shm"
 
-# (key, offset, byte_size) of a registration, as the ``/v2`` replica hands it to a model replica.
-Registration = tuple[str, int, int]
+SYSTEM, CUDA = "system", "cuda"
+
+
+class Registration(NamedTuple):
+    """A registration as the ``/v2`` replica hands it to a model replica: system memory's
+    ``key``, ``offset`` and ``byte_size``, or (``raw_handle`` set) a CUDA region's IPC handle,
+    device and ``byte_size``."""
+
+    key: str
+    offset: int
+    byte_size: int
+    device_id: int = 0
+    raw_handle: bytes = b""
+
+    @property
+    def kind(self) -> str:
+        return CUDA if self.raw_handle else SYSTEM
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,12 +106,32 @@ def registration_from_json(doc: dict[str, Any]) -> tuple[str, int, int]:
     if not isinstance(key, str):
         raise InvalidArgError("Unable to parse 'key': expected a JSON string")
     values = []
-    for field in ("offset", "byte_size"):
-        value = doc.get(field, 0)
+    for name in ("offset", "byte_size"):
+        value = doc.get(name, 0)
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise InvalidArgError(f"Unable to parse '{field}': expected a JSON unsigned integer")
+            raise InvalidArgError(f"Unable to parse '{name}': expected a JSON unsigned integer")
         values.append(value)
     return key, values[0], values[1]
+
+
+def cuda_registration_from_json(doc: dict[str, Any]) -> tuple[bytes, int, int]:
+    """(raw_handle, device_id, byte_size) of an HTTP CUDA register request's body, whose
+    ``raw_handle`` is ``{"b64": <the handle in base64>}``."""
+    handle = doc.get("raw_handle")
+    encoded = handle.get("b64") if isinstance(handle, dict) else None
+    try:
+        raw_handle = base64.b64decode(encoded, validate=True) if isinstance(encoded, str) else None
+    except ValueError:
+        raw_handle = None
+    if raw_handle is None:
+        raise InvalidArgError("Unable to parse 'raw_handle': expected a JSON object {\"b64\": <base64 string>}")
+    values = []
+    for name in ("device_id", "byte_size"):
+        value = doc.get(name, 0)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise InvalidArgError(f"Unable to parse '{name}': expected a JSON unsigned integer")
+        values.append(value)
+    return raw_handle, values[0], values[1]
 
 
 def shm_path(key: str) -> str:
@@ -101,10 +142,21 @@ def shm_path(key: str) -> str:
     return os.path.join(_SHM_DIR, name)
 
 
+def _window(name: str, base: int, region_bytes: int, offset: int, byte_size: int) -> tuple[int, int]:
+    """[start, end) of ``byte_size`` bytes at ``offset`` in a region of ``region_bytes`` bytes
+    that starts at ``base`` of its memory, with Triton's checks and messages."""
+    if offset >= region_bytes:
+        raise InvalidArgError(f"Invalid offset for shared memory region: '{name}'")
+    if offset + byte_size > region_bytes:
+        raise InvalidArgError(f"Invalid offset + byte size for shared memory region: '{name}'")
+    return base + offset, base + offset + byte_size
+
+
 class _Region:
     """One registered region mapped into this process (the file's first offset + byte_size bytes)."""
 
     __slots__ = ("key", "offset", "byte_size", "_map")
+    kind = SYSTEM
 
     def __init__(self, name: str, key: str, offset: int, byte_size: int):
         path = shm_path(key)
@@ -127,80 +179,134 @@ class _Region:
             os.close(fd)
         self.key, self.offset, self.byte_size = key, offset, byte_size
 
-    def window(self, name: str, offset: int, byte_size: int) -> tuple[int, int]:
-        """[start, end) in the mapping of ``byte_size`` bytes at ``offset`` in the region,
-        with Triton's checks and messages."""
-        if offset >= self.byte_size:
-            raise InvalidArgError(f"Invalid offset for shared memory region: '{name}'")
-        if offset + byte_size > self.byte_size:
-            raise InvalidArgError(f"Invalid offset + byte size for shared memory region: '{name}'")
-        start = self.offset + offset
-        return start, start + byte_size
+    def registration(self) -> Registration:
+        return Registration(self.key, self.offset, self.byte_size)
 
-    def read(self, start: int, end: int) -> bytes:
+    def status(self, name: str) -> dict[str, Any]:
+        return {"name": name, "key": self.key, "offset": self.offset, "byte_size": self.byte_size}
+
+    def window(self, name: str, offset: int, byte_size: int) -> tuple[int, int]:
+        return _window(name, self.offset, self.byte_size, offset, byte_size)
+
+    def read(self, name: str, start: int, end: int) -> bytes:
         return self._map[start:end]
 
-    def write(self, start: int, data: bytes | memoryview) -> None:
+    def write(self, name: str, start: int, data: bytes | memoryview) -> None:
         self._map[start:start + len(data)] = data
 
 
+class _CudaRegion:
+    """One registered CUDA region: its IPC handle, opened in this process when a request first
+    reads or writes it (the ``/v2`` replica, which sees no GPU, only keeps it)."""
+
+    __slots__ = ("raw_handle", "device_id", "byte_size", "_memory", "_lock")
+    kind = CUDA
+
+    def __init__(self, name: str, raw_handle: bytes, device_id: int, byte_size: int):
+        if len(raw_handle) != IPC_HANDLE_BYTES or device_id < 0:
+            raise InvalidArgError(f"failed to register CUDA shared memory region '{name}': invalid args (a "
+                                  f"raw_handle of {IPC_HANDLE_BYTES} bytes and a device_id of 0 or more, got "
+                                  f"{len(raw_handle)} bytes and {device_id})")
+        self.raw_handle, self.device_id, self.byte_size = raw_handle, device_id, byte_size
+        self._memory: Any = None
+        self._lock = threading.Lock()
+
+    def registration(self) -> Registration:
+        return Registration("", 0, self.byte_size, self.device_id, self.raw_handle)
+
+    def status(self, name: str) -> dict[str, Any]:
+        return {"name": name, "device_id": self.device_id, "byte_size": self.byte_size}
+
+    def window(self, name: str, offset: int, byte_size: int) -> tuple[int, int]:
+        return _window(name, 0, self.byte_size, offset, byte_size)
+
+    def _opened(self, name: str) -> Any:
+        with self._lock:
+            if self._memory is None:
+                self._memory = open_ipc_memory(name, self.raw_handle, self.device_id, self.byte_size)
+            return self._memory
+
+    def read(self, name: str, start: int, end: int) -> bytes:
+        return self._opened(name).read(start, end)
+
+    def write(self, name: str, start: int, data: bytes | memoryview) -> None:
+        self._opened(name).write(start, data)
+
+
+def _region_of(name: str, registration: Registration) -> _Region | _CudaRegion:
+    if registration.kind == CUDA:
+        return _CudaRegion(name, registration.raw_handle, registration.device_id, registration.byte_size)
+    return _Region(name, registration.key, registration.offset, registration.byte_size)
+
 
 class SharedMemoryRegistry:
-    """Registered system shared memory regions of one process, by name.
+    """Registered shared memory regions of one process, by name (system and CUDA alike).
 
     ``fetch`` (a model replica's) asks the ``/v2`` replica for a registration this process has
     not seen (None: there is none); without it (the ``/v2`` replica's own registry) an unknown name is Triton's
     NOT_FOUND error."""
 
     def __init__(self, fetch: Callable[[str], Awaitable[Registration | None]] | None = None):
-        self._regions: dict[str, _Region] = {}
+        self._regions: dict[str, _Region | _CudaRegion] = {}
         self._fetch = fetch
         # Unregistrations so far: a fetch that saw one happen while it waited maps nothing.
         self._forgotten = 0
 
-    def register(self, name: str, key: str, offset: int, byte_size: int) -> None:
+    def _check_new(self, name: str, kind: str) -> None:
         if not name:
-            raise InvalidArgError("'region name' is necessary to register system shared memory region")
+            raise InvalidArgError(f"'region name' is necessary to register {kind} shared memory region")
         if name in self._regions:
             raise ServingError(f"shared memory region '{name}' already in manager", Code.ALREADY_EXISTS)
+
+    def register(self, name: str, key: str, offset: int, byte_size: int) -> None:
+        self._check_new(name, SYSTEM)
         if offset < 0 or byte_size < 0:
             raise InvalidArgError(f"failed to register shared memory region '{name}': invalid args")
         self._regions[name] = _Region(name, key, offset, byte_size)
 
-    def unregister(self, name: str = "") -> None:
-        """Forget ``name`` (every region when empty); an unknown name is no error (Triton's rule)."""
+    def register_cuda(self, name: str, raw_handle: bytes, device_id: int, byte_size: int) -> None:
+        """Keep a CUDA region (its handle is opened where a request uses it)."""
+        self._check_new(name, CUDA)
+        self._regions[name] = _CudaRegion(name, raw_handle, device_id, byte_size)
+
+    def unregister(self, name: str = "", kind: str | None = SYSTEM) -> None:
+        """Forget ``name`` (every region of the kind when empty; ``kind`` None: of any kind); an
+        unknown name, or one of the other kind, is no error (Triton's rule)."""
         # A mapping goes with its last reference: requests decoded against it still finish.
         self._forgotten += 1
-        if name:
-            self._regions.pop(name, None)
-        else:
-            self._regions.clear()
+        for region in [name] if name else list(self._regions):
+            if region in self._regions and kind in (None, self._regions[region].kind):
+                del self._regions[region]
 
     def registration(self, name: str) -> Registration:
         region = self._regions.get(name)
         if region is None:
-            raise NotFoundError(f"Unable to find system shared memory region: '{name}'")
-        return region.key, region.offset, region.byte_size
+            raise NotFoundError(f"Unable to find shared memory region: '{name}'")
+        return region.registration()
 
-    def status(self, name: str = "") -> list[dict[str, Any]]:
-        """Triton's status document: every region, or the one named."""
-        names = [name] if name else sorted(self._regions)
-        if name:
-            self.registration(name)  # Triton's NOT_FOUND for an unknown name
-        return [{"name": n, "key": self._regions[n].key, "offset": self._regions[n].offset,
-                 "byte_size": self._regions[n].byte_size} for n in names]
+    def status(self, name: str = "", kind: str = SYSTEM) -> list[dict[str, Any]]:
+        """Triton's status document: every region of the kind, or the one named."""
+        if not name:
+            return [region.status(n) for n, region in sorted(self._regions.items()) if region.kind == kind]
+        region = self._regions.get(name)
+        if region is None:
+            raise NotFoundError(f"Unable to find {kind} shared memory region: '{name}'")
+        if region.kind != kind:
+            other = {SYSTEM: "system shared memory", CUDA: "CUDA shared memory"}
+            raise NotFoundError(f"The region named '{name}' is registered as {other[region.kind]}, "
+                                f"not {other[kind]}")
+        return [region.status(name)]
 
     async def fetch(self, name: str) -> None:
-        """Map a region registered with the ``/v2`` replica (its NOT_FOUND error if it is not)."""
+        """Take a region registered with the ``/v2`` replica (its NOT_FOUND error if it is not)."""
         forgotten = self._forgotten
         registration = await self._fetch(name) if self._fetch is not None else None
         if registration is None:
             raise NotFoundError(f"Unable to find shared memory region: '{name}'")
-        key, offset, byte_size = registration
         if forgotten == self._forgotten and name not in self._regions:  # else: stale, ask again
-            self._regions[name] = _Region(name, key, offset, byte_size)
+            self._regions[name] = _region_of(name, Registration(*registration))
 
-    def _region(self, name: str) -> _Region:
+    def _region(self, name: str) -> _Region | _CudaRegion:
         region = self._regions.get(name)
         if region is None:
             if self._fetch is not None:
@@ -218,7 +324,7 @@ class SharedMemoryRegistry:
     def read(self, location: TensorLocation) -> bytes:
         """A copy of the tensor's bytes (the client may reuse the region once answered)."""
         region = self._region(location.region)
-        return region.read(*region.window(location.region, location.offset, location.byte_size))
+        return region.read(location.region, *region.window(location.region, location.offset, location.byte_size))
 
     def write(self, location: TensorLocation, data: bytes | memoryview, output: str) -> None:
         """Write an output's bytes; Triton's INTERNAL error when the window is too small."""
@@ -228,7 +334,8 @@ class SharedMemoryRegistry:
             raise ServingError(
                 f"shared memory size specified with the request for output '{output}' ({location.byte_size} bytes) "
                 f"should be at least {len(data)} bytes to hold the results", Code.INTERNAL)
-        region.write(start, data)
+        region.write(location.region, start, data)
+
 
 def read_input(shm: SharedMemoryRegistry | None, parameters: dict[str, Any], what: str) -> bytes | None:
     """The bytes of an input whose parameters name a region (None when they do not)."""

@@ -1,9 +1,11 @@
 """KIND_GPU instance groups on a Ray cluster with one logical GPU (``rayinfer serve --num-gpus 1``
 on this CPU machine): fractional GPU replicas, what each replica is given, and a model asking for
-more GPUs than the cluster has left, reported while the others serve."""
+more GPUs than the cluster has left, reported while the others serve; CUDA shared memory
+registered on a cluster with a GPU."""
 
 from __future__ import annotations
 
+import base64
 import concurrent.futures
 import json
 
@@ -149,3 +151,31 @@ def test_missing_gpus_make_the_model_unavailable_naming_them(gpu_server):
     assert rows["gpu_too_many"]["state"] == "UNAVAILABLE"
     assert "GPU resources" in rows["gpu_too_many"]["reason"]
     assert client.is_model_ready("gpu_probe") and client.is_model_ready("cpu_probe")
+
+
+def test_cuda_shared_memory_registers_where_the_cluster_has_gpus(gpu_server):
+    """A cluster with a GPU names the extension and keeps CUDA regions (over both protocols); a
+    request naming one gets an error naming the region where the model's replica cannot open
+    its handle (here: a made-up handle, on a machine with or without the CUDA driver)."""
+    client, _ = gpu_server
+    assert "cuda_shared_memory" in client.get_server_metadata()["extensions"]
+    handle = base64.b64encode(bytes(range(64)))
+    with grpcclient.InferenceServerClient(f"127.0.0.1:{PORT + 1}") as grpc:
+        client.register_cuda_shared_memory("by_http", handle, 0, 64)
+        grpc.register_cuda_shared_memory("by_grpc", handle, 0, 16)
+        assert client.get_cuda_shared_memory_status() == [
+            {"name": "by_grpc", "device_id": 0, "byte_size": 16}, {"name": "by_http", "device_id": 0, "byte_size": 64}]
+        status = grpc.get_cuda_shared_memory_status("by_http", as_json=True)
+        assert status["regions"]["by_http"]["byte_size"] == "64"
+        assert client.get_system_shared_memory_status() == []
+        with pytest.raises(InferenceServerException, match="registered as CUDA shared memory, not system"):
+            client.get_system_shared_memory_status("by_http")
+        for infer, module in ((client.infer, httpclient), (grpc.infer, grpcclient)):
+            inp = module.InferInput("IN", [1], "INT32")
+            inp.set_shared_memory("by_grpc", 4)
+            with pytest.raises(InferenceServerException) as failure:
+                infer("gpu_probe", [inp])
+            assert "Unable to open CUDA shared memory region 'by_grpc' on GPU 0: " in str(failure.value)
+        grpc.unregister_cuda_shared_memory()
+        assert client.get_cuda_shared_memory_status() == []
+    answers(client, "gpu_probe", 1)  # the model still serves

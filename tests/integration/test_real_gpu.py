@@ -1,7 +1,8 @@
 """KIND_GPU models on a machine with a real NVIDIA GPU: Ray finds the GPU itself (no
 ``--num-gpus``), two instances share it as two replicas at 0.5 GPU, a TorchScript model runs on
 CUDA there, and an ONNX model on GPU instances runs on onnxruntime's CUDA provider (or, without
-the gpu extra, fails to load naming it while the others serve). Skipped without a GPU.
+the gpu extra, fails to load naming it while the others serve); inputs and outputs in CUDA
+shared memory as Triton's simple_*_cudashm_client examples use it. Skipped without a GPU.
 
 The machine may have one GPU: each test loads its model (explicit model control) and unloads it
 at the end, so that the next one finds the GPU free."""
@@ -76,6 +77,31 @@ ONNX_CONFIG = SIMPLE_CONFIG.replace('name: "simple"\n', "").replace("TYPE_INT32"
     "instance_group [ { count: 1 kind: KIND_GPU } ]\n"
 
 
+# OUTPUT0 = INPUT0 + INPUT1, OUTPUT1 = INPUT0 - INPUT1 (the example's simple) on a GPU instance,
+# so that its replica sees the GPU the client's CUDA shared memory is on.
+ADD_SUB = '''import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            a = pb_utils.get_input_tensor_by_name(request, "INPUT0").as_numpy()
+            b = pb_utils.get_input_tensor_by_name(request, "INPUT1").as_numpy()
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0", a + b),
+                                                         pb_utils.Tensor("OUTPUT1", a - b)]))
+        return responses
+'''
+
+ADD_SUB_CONFIG = """backend: "python"
+max_batch_size: 8
+input [ { name: "INPUT0" data_type: TYPE_INT32 dims: [ 16 ] }, { name: "INPUT1" data_type: TYPE_INT32 dims: [ 16 ] } ]
+output [ { name: "OUTPUT0" data_type: TYPE_INT32 dims: [ 16 ] }, { name: "OUTPUT1" data_type: TYPE_INT32 dims: [ 16 ] } ]
+instance_group [ { count: 1 kind: KIND_GPU } ]
+"""
+
+
 def cuda_linear():
     """OUTPUT__0 = 2 * x + 1 through a Linear layer, OUTPUT__1 = 1 where it ran on CUDA."""
 
@@ -105,6 +131,7 @@ def gpu_server(tmp_path_factory):
     stop_shared_server()  # one Ray cluster at a time
     repo = tmp_path_factory.mktemp("real_gpu_repo")
     write_python_model(repo, "gpu_probe", PROBE_CONFIG, PROBE)
+    write_python_model(repo, "cuda_add_sub", ADD_SUB_CONFIG, ADD_SUB)
     version_dir = repo / "ts_cuda" / "1"
     version_dir.mkdir(parents=True)
     (repo / "ts_cuda" / "config.pbtxt").write_text(TS_CONFIG)
@@ -209,3 +236,48 @@ def test_gpu_metrics_name_the_gpu(gpu_server):
     text = urllib.request.urlopen(f"http://127.0.0.1:{PORT + 2}/metrics", timeout=30).read().decode()
     assert 'nv_gpu_memory_total_bytes{gpu_uuid="GPU-' in text
     assert 'nv_gpu_utilization{gpu_uuid="GPU-' in text
+
+
+def test_cuda_shared_memory_as_tritons_cudashm_examples_use_it(gpu_server, loaded):
+    """The steps of Triton's simple_http_cudashm_client.py and simple_grpc_cudashm_client.py:
+    device regions made with tritonclient's helper, registered by their IPC handles, inputs read
+    and outputs written there by the model's replica (another process)."""
+    try:
+        import tritonclient.utils.cuda_shared_memory as cudashm
+    except (ImportError, RuntimeError):
+        pytest.skip("needs cuda-python (the gpu extra) for tritonclient's CUDA shared memory helper")
+    client, _ = gpu_server
+    loaded("cuda_add_sub")
+    a, b = np.arange(16, dtype=np.int32).reshape(1, 16), np.ones((1, 16), dtype=np.int32)
+    size = a.nbytes
+    handles = {name: cudashm.create_shared_memory_region(name, size, 0)
+               for name in ("input0_data", "input1_data", "output0_data", "output1_data")}
+    try:
+        cudashm.set_shared_memory_region(handles["input0_data"], [a])
+        cudashm.set_shared_memory_region(handles["input1_data"], [b])
+        with grpcclient.InferenceServerClient(f"127.0.0.1:{PORT + 1}") as grpc:
+            for module, own in ((httpclient, client), (grpcclient, grpc)):
+                own.unregister_cuda_shared_memory()
+                for name, handle in handles.items():
+                    own.register_cuda_shared_memory(name, cudashm.get_raw_handle(handle), 0, size)
+                inputs = [module.InferInput("INPUT0", [1, 16], "INT32"), module.InferInput("INPUT1", [1, 16], "INT32")]
+                inputs[0].set_shared_memory("input0_data", size)
+                inputs[1].set_shared_memory("input1_data", size)
+                outputs = [module.InferRequestedOutput("OUTPUT0"), module.InferRequestedOutput("OUTPUT1")]
+                outputs[0].set_shared_memory("output0_data", size)
+                outputs[1].set_shared_memory("output1_data", size)
+                own.infer("cuda_add_sub", inputs, outputs=outputs)
+                np.testing.assert_array_equal(
+                    cudashm.get_contents_as_numpy(handles["output0_data"], np.int32, [1, 16]), a + b)
+                np.testing.assert_array_equal(
+                    cudashm.get_contents_as_numpy(handles["output1_data"], np.int32, [1, 16]), a - b)
+                cudashm.set_shared_memory_region(handles["input0_data"], [a * 3])  # the next call's input
+                a = a * 3
+                status = own.get_cuda_shared_memory_status()
+                names = [r["name"] for r in status] if isinstance(status, list) else list(status.regions)
+                assert sorted(names) == sorted(handles)
+                own.unregister_cuda_shared_memory()
+    finally:
+        client.unregister_cuda_shared_memory()
+        for handle in handles.values():
+            cudashm.destroy_shared_memory_region(handle)
