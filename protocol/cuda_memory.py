@@ -4,9 +4,10 @@ machine with an NVIDIA driver has; no CUDA toolkit or Python package is needed).
 
 A client allocates device memory, takes its ``cudaIpcMemHandle_t`` (64 bytes) and registers it
 with the device's id. A process that opens the handle sees the same memory: inputs are copied
-from it to the host, outputs from the host to it. The handle is opened on the device the client
-named, as this process numbers it: ``CUDA_VISIBLE_DEVICES`` (which Ray sets for a replica given
-GPUs) maps the client's device id to the process's ordinal.
+from it to the host, outputs from the host to it (synchronous copies, small next to a model's
+run). The handle is opened on the device the client named, as this process numbers it:
+``CUDA_VISIBLE_DEVICES`` (which Ray sets for a replica given GPUs) maps the client's device id
+to the process's ordinal.
 """
 
 from __future__ import annotations
@@ -102,16 +103,19 @@ def _the_driver() -> _Driver:
 
 
 def local_ordinal(device_id: int, visible: str | None = None) -> int:
-    """The ordinal this process gives the client's device ``device_id``; CudaUnavailable when
-    ``CUDA_VISIBLE_DEVICES`` hides it."""
+    """The ordinal this process gives the client's device ``device_id`` (``CUDA_VISIBLE_DEVICES``
+    renumbers devices). A device it does not list (or listed by UUID) is tried from the first
+    visible one: the driver opens handles of devices a process does not see, through peer
+    access. CudaUnavailable where no device is visible at all (Ray's setting for a replica
+    without GPUs)."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES") if visible is None else visible
     if visible is None:
         return device_id
     devices = [d.strip() for d in visible.split(",") if d.strip()]
-    if str(device_id) not in devices:
-        raise CudaUnavailable(f"GPU {device_id} is not visible to this process (CUDA_VISIBLE_DEVICES="
-                              f"'{visible}'); place the model on that GPU (instance_group KIND_GPU)")
-    return devices.index(str(device_id))
+    if not devices:
+        raise CudaUnavailable(f"no GPU is visible to this process (CUDA_VISIBLE_DEVICES='{visible}'); serve the "
+                              "model on GPU instances (instance_group KIND_GPU)")
+    return devices.index(str(device_id)) if str(device_id) in devices else 0
 
 
 class CudaIpcMemory:
@@ -149,8 +153,9 @@ class CudaIpcMemory:
         self._driver.run(self._ordinal, "cuMemcpyHtoD", ctypes.c_uint64(self._pointer.value + start), source,
                          ctypes.c_size_t(len(data)))
         # A copy from pageable memory may still be in flight when cuMemcpyHtoD returns: the
-        # client reads the output as soon as the response arrives.
-        self._driver.run(self._ordinal, "cuCtxSynchronize")
+        # client reads the output as soon as the response arrives. Only the copy's (legacy
+        # default) stream is waited for, not the models' work on other streams.
+        self._driver.run(self._ordinal, "cuStreamSynchronize", None)
 
     def close(self) -> None:
         if self._pointer.value:

@@ -100,12 +100,14 @@ def test_the_http_register_body_carries_the_handle_in_base64() -> None:
         "Unable to parse 'device_id': expected a JSON unsigned integer"
 
 
-def test_a_replica_opens_the_device_the_client_named_as_it_numbers_it() -> None:
+def test_a_replica_opens_the_device_the_client_named_as_it_numbers_it(monkeypatch) -> None:
     assert local_ordinal(2, visible="1,2") == 1
     assert local_ordinal(3, visible="3") == 0
-    with pytest.raises(CudaUnavailable, match=r"GPU 1 is not visible to this process \(CUDA_VISIBLE_DEVICES='0'\)"):
-        local_ordinal(1, visible="0")
-    with pytest.raises(CudaUnavailable, match="GPU 0 is not visible"):
+    assert local_ordinal(1, visible="0") == 0  # not listed: opened through the visible one (peer access)
+    assert local_ordinal(1, visible="GPU-8d1f") == 0
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert local_ordinal(2) == 2  # no CUDA_VISIBLE_DEVICES: the driver's numbering
+    with pytest.raises(CudaUnavailable, match=r"no GPU is visible to this process \(CUDA_VISIBLE_DEVICES=''\)"):
         local_ordinal(0, visible="")  # Ray's setting for a replica without GPUs
 
 
