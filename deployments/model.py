@@ -290,12 +290,13 @@ class ModelDeployment:
         yield None  # the end (see _STREAM_END)
 
     async def grpc_stream(self, payload: bytes, trace_context: str | None = None,
-                          read_ages: tuple[int, int] | None = None) -> Any:
+                          read_walls: tuple[int, int] | None = None) -> Any:
         """One request of a gRPC stream the ``/v2`` replica forwards by streaming handle: its
         serialized ModelStreamInferResponse messages, as the model answers them
         (``trace_context``: the client's traceparent, for the opentelemetry trace mode;
-        ``read_ages``: how long ago, in ns, the ``/v2`` replica began and ended reading it)."""
-        async for message in model_grpc.stream_serialized(self._core, payload, trace_context, read_ages):
+        ``read_walls``: when, on the wall clock in ns, the ``/v2`` replica began and ended reading
+        it)."""
+        async for message in model_grpc.stream_serialized(self._core, payload, trace_context, read_walls):
             if isinstance(message, StreamTrace):  # a traced request's: on this node's clock
                 message = message._replace(node=ray.get_runtime_context().get_node_id())
             yield message

@@ -5,7 +5,6 @@ version, by deployment handle."""
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
@@ -16,7 +15,7 @@ from tritonclient.grpc import service_pb2 as pb
 
 from rayinfer.protocol.errors import InvalidArgError
 from rayinfer.serving.model_grpc import MODEL_RPCS
-from rayinfer.serving.protocol_stamps import StreamTrace
+from rayinfer.serving.protocol_stamps import StreamTrace, wall_minus_clock_ns
 
 if TYPE_CHECKING:
     from rayinfer.deployments.v2_api import V2Api
@@ -69,9 +68,9 @@ class ModelForwarder:
                      ) -> AsyncIterator[pb.ModelStreamInferResponse | tuple[str, int]]:
         """The responses of one stream request, from a replica of its model by streaming handle
         (``trace_context``: the client's traceparent; ``read``: when the request's read began and
-        ended, on this process's monotonic clock, sent as how long ago each was: the replica may
-        be on another node, whose clock is another). When the request was traced (Triton's trace
-        file), ``(token, offset)`` follows its responses: its trace's token, and how far the
+        ended, on this process's monotonic clock, sent as wall-clock times: the replica may be on
+        another node, whose monotonic clock is another). When the request was traced (Triton's
+        trace file), ``(token, offset)`` follows its responses: its trace's token, and how far the
         replica's clock is ahead of this process's (0 on the same node), for the send stamps
         taken here."""
         name, version = request.model_name, request.model_version
@@ -81,12 +80,12 @@ class ModelForwarder:
         if route is None:
             raise await self._api.unavailable_model(name, version or None)
         handle = self._handles.get(route) or self._new_handle(route)
-        now = time.perf_counter_ns()
-        ages = (now - read[0], now - read[1]) if read is not None else None
+        to_wall = wall_minus_clock_ns()
+        walls = (read[0] + to_wall, read[1] + to_wall) if read is not None else None
         async for payload in handle.options(stream=True).grpc_stream.remote(request.SerializeToString(), trace_context,
-                                                                             ages):
+                                                                             walls):
             if isinstance(payload, StreamTrace):
-                yield payload.token, payload.clock_offset(self._node(), time.perf_counter_ns())
+                yield payload.token, payload.clock_offset(self._node(), wall_minus_clock_ns())
             elif payload:  # an empty one ends every stream (ModelDeployment.grpc_stream)
                 yield pb.ModelStreamInferResponse.FromString(payload)
 

@@ -7,7 +7,6 @@ deployment handle both answer through :func:`call_serialized`; errors are raised
 
 from __future__ import annotations
 
-import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -17,7 +16,6 @@ from tritonclient.grpc import service_pb2 as pb
 from rayinfer.protocol.errors import (
     UNPARSABLE_REQUEST,
     InternalError,
-    InvalidArgError,
     NotFoundError,
     ServingError,
     UnsupportedError,
@@ -27,7 +25,7 @@ from rayinfer.protocol.grpc_codec import metadata_to_grpc, request_from_grpc, re
 from rayinfer.protocol.shared_memory import RegionMissing, decode_with_regions
 from rayinfer.protocol.statistics import stats_to_json
 from rayinfer.serving.model_core import ModelCore
-from rayinfer.serving.protocol_stamps import StreamTrace, stamp_stream_request
+from rayinfer.serving.protocol_stamps import StreamTrace, stamp_stream_request, wall_minus_clock_ns
 
 # Request and response message of each model RPC.
 MODEL_RPCS: dict[str, tuple[Any, Any]] = {
@@ -92,15 +90,15 @@ async def call_serialized(core: ModelCore, method: str, payload: bytes) -> bytes
 
 
 async def stream_serialized(core: ModelCore, payload: bytes, trace_context: str | None = None,
-                            read_ages: tuple[int, int] | None = None) -> AsyncIterator[bytes | StreamTrace]:
+                            read_walls: tuple[int, int] | None = None) -> AsyncIterator[bytes | StreamTrace]:
     """One request of a ModelStreamInfer stream: its responses (zero to many for a decoupled
     model, else one) as serialized ``ModelStreamInferResponse`` messages; an error is a message
     with ``error_message`` (the stream stays open). ``trace_context``: the client's traceparent;
-    ``read_ages``: how long ago (ns) the ``/v2`` replica, which reads the stream, began and ended
-    reading this request (its trace's GRPC_WAITREAD_START and _END). The ``/v2`` replica writes
+    ``read_walls``: when (wall-clock ns) the ``/v2`` replica, which reads the stream, began and
+    ended reading this request (its trace's GRPC_WAITREAD_START and _END). The ``/v2`` replica writes
     the responses: when the request was traced (Triton's trace file, timestamps), a
     :class:`StreamTrace` after them names the trace, for the send stamps it takes there."""
-    stamps = stamp_stream_request(core.name, trace_context, read_ages) if trace_context or read_ages else None
+    stamps = stamp_stream_request(core.name, trace_context, read_walls) if trace_context or read_walls else None
     try:
         async for message in _stream_serialized(core, payload):
             yield message
@@ -108,7 +106,7 @@ async def stream_serialized(core: ModelCore, payload: bytes, trace_context: str 
         if stamps is not None and stamps.finish is not None:  # a traced request's trace ends
             stamps.finish(0, 0)
     if stamps is not None and stamps.token is not None:
-        yield StreamTrace(stamps.token, time.perf_counter_ns())
+        yield StreamTrace(stamps.token, wall_minus_clock_ns())
 
 
 async def _stream_serialized(core: ModelCore, payload: bytes) -> AsyncIterator[bytes]:

@@ -16,19 +16,26 @@ from typing import NamedTuple
 class StreamTrace(NamedTuple):
     """The last item of a traced stream request's answer (after its responses), from the model
     replica to the ``/v2`` replica that writes them: the trace's ``token``, and the model
-    replica's clock (``clock_ns``, ``time.perf_counter_ns``) and ``node`` (set by the
-    deployment), so that the send stamps the ``/v2`` replica takes on its own clock are put on
-    the model replica's when the two are on different nodes."""
+    replica's ``node`` (set by the deployment) and :func:`wall_minus_clock_ns`, so that the send
+    stamps the ``/v2`` replica takes on its own clock are put on the model replica's when the
+    two are on different nodes."""
 
     token: str
-    clock_ns: int
+    wall_minus_clock_ns: int
     node: str = ""
 
-    def clock_offset(self, node: str, now_ns: int) -> int:
+    def clock_offset(self, node: str, wall_minus_clock_ns: int) -> int:
         """How far the model replica's clock is ahead of that of the reader on ``node``, whose
-        clock reads ``now_ns`` as this arrives: 0 on the same node (one monotonic clock), else
-        as near as this can tell (the time it took to arrive counts in it)."""
-        return 0 if self.node == node else self.clock_ns - now_ns
+        :func:`wall_minus_clock_ns` is given: 0 on the same node (one monotonic clock), else
+        through both nodes' wall clocks (exact where they are one machine's, otherwise as close
+        as the nodes' clocks are synchronised, as by NTP)."""
+        return 0 if self.node == node else wall_minus_clock_ns - self.wall_minus_clock_ns
+
+
+def wall_minus_clock_ns() -> int:
+    """The wall clock (``time.time_ns``) less the trace clock (``time.perf_counter_ns``) in this
+    process: a stamp plus this is the stamp's wall-clock time."""
+    return time.time_ns() - time.perf_counter_ns()
 
 
 class ProtocolStamps:
@@ -87,12 +94,12 @@ TRACEPARENT = b"traceparent"
 PROTOCOL_STAMPS: ContextVar[ProtocolStamps | None] = ContextVar("rayinfer_protocol_stamps", default=None)
 
 
-def stamp_stream_request(model: str, context: str | None, read_ages: tuple[int, int] | None) -> ProtocolStamps:
+def stamp_stream_request(model: str, context: str | None, read_walls: tuple[int, int] | None) -> ProtocolStamps:
     """The stamps of a gRPC stream's request, read by the ``/v2`` replica: when its read began
-    and ended (``read_ages``: how long ago, in ns, on this node's clock now) and the client's trace
-    context (``traceparent``), set for the serving core of ``model`` that traces it."""
-    now = time.perf_counter_ns()
-    start, end = (now - read_ages[0], now - read_ages[1]) if read_ages else (0, 0)
+    and ended (``read_walls``: wall-clock ns, put on this process's trace clock) and the client's
+    trace context (``traceparent``), set for the serving core of ``model`` that traces it."""
+    to_wall = wall_minus_clock_ns()
+    start, end = (read_walls[0] - to_wall, read_walls[1] - to_wall) if read_walls else (0, 0)
     stamps = ProtocolStamps(model, True, start, end, context.encode("latin-1") if context else None)
     stamps.sent_elsewhere = True
     PROTOCOL_STAMPS.set(stamps)

@@ -1,7 +1,8 @@
 """rayinfer on a Ray cluster of two nodes with addresses of their own (the second node in a
 network namespace of its own: tests/second_host.py), the front on every node
 (``--front-on-every-node``): every RPC of both protocols answers through each node's front,
-each front routes to the replicas of both nodes, and a node's front that dies is started again."""
+each front routes to the replicas of both nodes, a gRPC stream's trace gets its send stamps from
+the other node, and a node's front that dies is started again."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from onnx import TensorProto
 from tritonclient.utils import InferenceServerException
 
 from conftest import HTTP_PORT, add_sub_inputs, start_server, stop_server, stop_shared_server
+from trace_files import ORDER, trace_files, traces_by_id
 from rayinfer.cluster.example_repository import SIMPLE_CONFIG, add_sub_model, write_model
 from rayinfer.cluster.settings import RAY_ENVIRONMENT
 from second_host import HERE_IP, THERE_IP, SecondHost
@@ -68,9 +70,11 @@ def ready(ip: str) -> bool:
 @pytest.fixture(scope="module")
 def server(two_nodes, tmp_path_factory):
     """``simple`` with a replica on each node (the head holds the /v2 replica and one of 0.9
-    CPU); ``spare`` to load and unload."""
+    CPU); ``spare`` to load and unload (on the second node: the head has no room left); trace
+    files (no request is traced until a test asks)."""
     host, env = two_nodes
     repo = tmp_path_factory.mktemp("two_nodes_repo")
+    trace_file = tmp_path_factory.mktemp("two_nodes_traces") / "trace.json"
     write_model(repo, "simple", SIMPLE_CONFIG + "instance_group [ { count: 2 kind: KIND_CPU } ]\n",
                 add_sub_model(TensorProto.INT32))
     write_model(repo, "spare", SIMPLE_CONFIG.replace('name: "simple"', 'name: "spare"'),
@@ -82,10 +86,12 @@ def server(two_nodes, tmp_path_factory):
             "--ray-address", "auto", "--http-address", "0.0.0.0", "--http-port", str(PORT),
             "--grpc-port", str(PORT + 1), "--metrics-port", str(PORT + 2), "--serve-http-port", str(PORT + 10),
             "--serve-grpc-port", str(PORT + 11), "--front-on-head", "--front-on-every-node",
-            "--model-control-mode", "explicit", "--load-model", "simple", "--replica-num-cpus", "0.9"])
+            "--model-control-mode", "explicit", "--load-model", "simple", "--replica-num-cpus", "0.9",
+            "--trace-config", f"triton,file={trace_file}"])
     try:
         wait_until(lambda: ready(HERE_IP), "the head's front to be ready", timeout_s=120)
         wait_until(lambda: ready(THERE_IP), "the second node's front to be ready", timeout_s=60)
+        host.trace_file = trace_file
         yield host
     finally:
         stop_server(proc)
@@ -180,6 +186,48 @@ def test_each_nodes_front_routes_to_the_replicas_of_both_nodes(server):
     # Serve spreads a deployment's replicas over the nodes (and the head has room for one only).
     assert {value.split("|")[0] for key, value in zip(maps[THERE_IP][::2], maps[THERE_IP][1::2])
             if key.startswith("simple/")} == {HERE_IP, THERE_IP}
+
+
+@pytest.mark.parametrize("ip", [HERE_IP, THERE_IP])
+def test_a_stream_traced_across_nodes_gets_its_send_stamps(server, ip: str):
+    """``spare``'s replica runs on the second node, the /v2 replica (which reads a stream and
+    writes its responses) on the head: each traced stream request's file has the model's stamps
+    and then GRPC_SEND_START / _END, joined from the other node, in time order."""
+    client = grpcclient.InferenceServerClient(f"{ip}:{PORT + 1}")
+    client.load_model("spare")
+    answers: queue.Queue = queue.Queue()
+    before = trace_files(server.trace_file)
+    try:
+        wait_until(lambda: any(key.startswith("spare/") and value.startswith(THERE_IP + "|") for key, value in
+                               pairs((front_folders(server)[HERE_IP] / "listeners.map").read_text().split())),
+                   "spare's replica on the second node to be routed to", timeout_s=30)
+        client.update_trace_settings("spare", {"trace_level": ["TIMESTAMPS"], "trace_rate": "1", "log_frequency": "1"})
+        client.start_stream(lambda result, error: answers.put(error or result))
+        for _ in range(3):
+            client.async_stream_infer("spare", grpc_inputs())
+        outs = [answers.get(timeout=60) for _ in range(3)]
+        client.stop_stream()
+        new = wait_until(lambda: len(traces_by_id(trace_files(server.trace_file) - before)) >= 3 and
+                         trace_files(server.trace_file) - before, "three traces", timeout_s=60, interval_s=0.3)
+    finally:
+        client.update_trace_settings("spare", {"trace_level": None, "trace_rate": None, "log_frequency": None})
+        client.unload_model("spare")
+        client.close()
+    for out in outs:
+        assert not isinstance(out, Exception), out
+        np.testing.assert_array_equal(out.as_numpy("OUTPUT1"), 0 * A)
+    traces = traces_by_id(new)
+    assert len(traces) == 3
+    for entries in traces.values():
+        stamps = [s for e in entries for s in e.get("timestamps", [])]
+        assert [s["name"] for s in stamps] == ["GRPC_WAITREAD_START", "GRPC_WAITREAD_END", *ORDER,
+                                               "GRPC_SEND_START", "GRPC_SEND_END"]
+        assert all(a["ns"] <= b["ns"] for a, b in zip(stamps, stamps[1:]))
+
+
+def pairs(words: list[str]) -> list[tuple[str, str]]:
+    """A listeners.map's (route, address) pairs."""
+    return list(zip(words[::2], words[1::2]))
 
 
 def test_a_node_front_that_dies_is_started_again(server):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +19,7 @@ from rayinfer.protocol.errors import ServingError
 from rayinfer.protocol.types import InferRequest
 from rayinfer.serving.model_core import ModelCore
 from rayinfer.serving.model_grpc import stream_serialized
-from rayinfer.serving.protocol_stamps import StreamTrace
+from rayinfer.serving.protocol_stamps import StreamTrace, wall_minus_clock_ns
 from rayinfer.serving.trace import TraceSettings, Tracer, parse_update, settings_from_flags
 from rayinfer.serving.trace_writer import TraceWriter
 
@@ -167,9 +168,11 @@ def _stream_core(tmp_path: Path) -> ModelCore:
 
 
 def _answer(core: ModelCore) -> list:
-    """What the model replica sends the /v2 replica for one stream request (read 2 and 1 µs ago)."""
+    """What the model replica sends the /v2 replica for one stream request (read 2 and 1 µs ago,
+    sent as wall-clock times)."""
     async def items() -> list:
-        return [item async for item in stream_serialized(core, _stream_request(), None, (2000, 1000))]
+        now = time.time_ns()
+        return [item async for item in stream_serialized(core, _stream_request(), None, (now - 2000, now - 1000))]
 
     return asyncio.run(items())
 
@@ -209,10 +212,14 @@ def test_an_untraced_stream_request_names_no_trace(tmp_path: Path) -> None:
     assert len(answer) == 1 and isinstance(answer[0], bytes) and core.tracer.collect() == []
 
 
-def test_a_stream_traces_clock_offset_is_zero_on_one_node_and_measured_across_nodes() -> None:
+def test_a_stream_traces_clock_offset_is_zero_on_one_node_and_taken_from_wall_clocks_across_nodes() -> None:
     """The /v2 replica's send stamps go onto the model replica's clock: one monotonic clock on a
-    node, an offset read on arrival across nodes."""
-    trace = StreamTrace("t-1", 5_000_000, "node-a")
+    node; across nodes, through each process's wall clock less its trace clock."""
+    trace = StreamTrace("t-1", 5_000_000, "node-a")  # model replica: wall = clock + 5 ms
     assert trace.clock_offset("node-a", 9_000_000) == 0
-    assert trace.clock_offset("node-b", 2_000_000) == 3_000_000  # its clock is 3 ms ahead
-    assert trace.clock_offset("node-b", 6_000_000) == -1_000_000
+    # Reader: wall = clock + 8 ms, so the model replica's clock reads 3 ms more at one instant.
+    assert trace.clock_offset("node-b", 8_000_000) == 3_000_000
+    assert trace.clock_offset("node-b", 4_000_000) == -1_000_000
+    # Read twice on one machine, the clocks' offset comes to (nearly) nothing.
+    here = wall_minus_clock_ns()
+    assert abs(StreamTrace("t-2", wall_minus_clock_ns(), "node-a").clock_offset("node-b", here)) < 1_000_000
