@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import re
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -39,6 +41,31 @@ _REGISTRY = {
     "pytorch": "rayinfer.adapters.torchscript.adapter:TorchScriptAdapter",
     "tensorrt": "rayinfer.adapters.tensorrt.adapter:TensorRTAdapter",
 }
+
+
+def backend_uses_gpus(backend: str) -> bool:
+    """Whether ``backend``, as installed here, can run a model on a GPU: what Triton asks of a
+    KIND_AUTO group (and of a config without instance groups) before it makes GPU instances.
+    onnxruntime: a build with the CUDA provider (onnxruntime-gpu, the gpu extra); pytorch: a
+    CUDA or ROCm build of torch; python and tensorrt: yes. Read from the installed files, without
+    importing the framework (the ``/v2`` replica asks)."""
+    if backend in ("python", "tensorrt"):
+        return True
+    package = _package_dir({"onnxruntime": "onnxruntime", "pytorch": "torch"}.get(backend, ""))
+    if package is None:
+        return False
+    if backend == "onnxruntime":
+        return (package / "capi" / "libonnxruntime_providers_cuda.so").exists()
+    try:  # torch/version.py: cuda = '12.8' (or hip = ...) in a GPU build, None in a CPU one
+        text = (package / "version.py").read_text()
+    except OSError:
+        return False
+    return re.search(r"^(cuda|hip)\b[^=\n]*=\s*['\"]", text, re.MULTILINE) is not None
+
+
+def _package_dir(name: str) -> Path | None:
+    spec = importlib.util.find_spec(name) if name else None
+    return Path(spec.origin).parent if spec is not None and spec.origin else None
 
 
 def create_adapter(backend: str) -> ModelAdapter:

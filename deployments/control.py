@@ -18,6 +18,7 @@ from ray import serve
 from ray.serve import Application
 from ray.serve.schema import LoggingConfig
 
+from rayinfer.adapters.base import backend_uses_gpus
 from rayinfer.deployments.autoscaling import serve_autoscaling_config
 from rayinfer.deployments.model import ModelDeployment
 from rayinfer.deployments.names import (
@@ -55,8 +56,10 @@ def replica_resources(entry: ModelEntry, version: int, replica_num_cpus: float, 
     CPUs, a share of a GPU for GPU instance groups, a Python model's own packages. Raises
     :class:`ModelConfigError` for instance groups Serve cannot express."""
     assert entry.config is not None
-    plan = replica_plan(entry.config, entry.path / "config.pbtxt", cluster_has_gpus=cluster_has_gpus,
-                        gpu_fallback=gpu_fallback)
+    # Triton's KIND_AUTO: GPU instances where there are GPUs and the backend can use them (an
+    # ONNX model with onnxruntime's CPU build runs on CPU instances, as it would in Triton).
+    auto_gpu = cluster_has_gpus and backend_uses_gpus(entry.config.backend)
+    plan = replica_plan(entry.config, entry.path / "config.pbtxt", auto_gpu=auto_gpu, gpu_fallback=gpu_fallback)
     options: dict[str, Any] = {"num_cpus": replica_num_cpus}
     if plan.num_gpus:
         options["num_gpus"] = plan.num_gpus

@@ -53,10 +53,11 @@ def _kind_name(kind: int) -> str:
     return _KIND.Kind.Name(kind)
 
 
-def replica_plan(config: ModelConfig, path: Path, *, cluster_has_gpus: bool,
+def replica_plan(config: ModelConfig, path: Path, *, auto_gpu: bool,
                  gpu_fallback: bool = False) -> ReplicaPlan:
     """The replicas of a (defaults-filled) config; raises :class:`ModelConfigError` naming
-    ``path`` for groups this mapping cannot express."""
+    ``path`` for groups this mapping cannot express. ``auto_gpu``: KIND_AUTO groups are GPU
+    groups (the cluster has GPUs and the model's backend can use them)."""
     groups = list(config.instance_group)
     if not groups:  # fill_defaults gives every config one
         return ReplicaPlan(1, "KIND_CPU")
@@ -64,7 +65,7 @@ def replica_plan(config: ModelConfig, path: Path, *, cluster_has_gpus: bool,
     for group in groups:
         kind = group.kind
         if kind == _KIND.KIND_AUTO:
-            kind = _KIND.KIND_GPU if cluster_has_gpus else _KIND.KIND_CPU
+            kind = _KIND.KIND_GPU if auto_gpu else _KIND.KIND_CPU
         if kind == _KIND.KIND_MODEL or (kind == _KIND.KIND_GPU and gpu_fallback):
             kind = _KIND.KIND_CPU
         resolved.append((group, kind))

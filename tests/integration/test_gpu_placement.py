@@ -16,7 +16,10 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from conftest import HTTP_PORT, start_server, stop_server, stop_shared_server
-from rayinfer.cluster.example_repository import write_python_model
+from onnx import TensorProto
+
+from rayinfer.adapters.base import backend_uses_gpus
+from rayinfer.cluster.example_repository import SIMPLE_CONFIG, add_sub_model, write_model, write_python_model
 from waiting import wait_until
 
 pytestmark = pytest.mark.own_cluster
@@ -65,6 +68,8 @@ def gpu_server(tmp_path_factory):
     # A whole GPU, loaded once gpu_probe holds the cluster's only one.
     write_python_model(repo, "gpu_too_many", probe_config("instance_group [ { count: 1 kind: KIND_GPU gpus: [ 0 ] } ]"), PROBE)
     write_python_model(repo, "cpu_probe", probe_config("instance_group [ { count: 1 kind: KIND_CPU } ]"), PROBE)
+    # No instance_group (Triton's default, KIND_AUTO): GPU instances only where onnxruntime can use a GPU.
+    write_model(repo, "onnx_auto", SIMPLE_CONFIG.replace('name: "simple"\n', ""), add_sub_model(TensorProto.INT32))
     log = tmp_path_factory.mktemp("gpu_server") / "rayinfer.log"
     proc = start_server(repo, log, [
         "--num-gpus", "1", "--gpu-wait-secs", str(GPU_WAIT_S), "--model-control-mode", "explicit",
@@ -113,6 +118,25 @@ def test_cpu_instances_get_no_gpu(gpu_server):
     client, _ = gpu_server
     (answer,) = answers(client, "cpu_probe", 1).values()
     assert answer["kind"] == "CPU" and answer["gpu_ids"] == []
+
+
+@pytest.mark.skipif(backend_uses_gpus("onnxruntime"), reason="shows onnxruntime's CPU build: the GPU build "
+                    "is installed here (its model would wait for the GPU the probes hold)")
+def test_a_model_without_instance_groups_runs_on_cpus_where_its_backend_has_no_gpu(gpu_server):
+    """An ONNX model without instance_group on a cluster with a GPU, onnxruntime's CPU build
+    installed: CPU instances that serve (not a GPU replica that cannot load), as Triton's
+    KIND_AUTO chooses GPU instances only for a backend that can use them."""
+    client, _ = gpu_server
+    client.load_model("onnx_auto")
+    try:
+        assert [g["kind"] for g in client.get_model_config("onnx_auto")["instance_group"]] == ["KIND_CPU"]
+        a = np.arange(16, dtype=np.int32).reshape(1, 16)
+        inputs = [httpclient.InferInput(n, [1, 16], "INT32") for n in ("INPUT0", "INPUT1")]
+        for tensor in inputs:
+            tensor.set_data_from_numpy(a)
+        np.testing.assert_array_equal(client.infer("onnx_auto", inputs).as_numpy("OUTPUT0"), 2 * a)
+    finally:
+        client.unload_model("onnx_auto")
 
 
 def test_missing_gpus_make_the_model_unavailable_naming_them(gpu_server):

@@ -7,8 +7,9 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
+from rayinfer.adapters.base import backend_uses_gpus
 from rayinfer.cluster.cli import build_parser, settings_from_args
-from rayinfer.cluster.example_repository import write_example_repository
+from rayinfer.cluster.example_repository import write_example_repository, write_python_model
 from rayinfer.cluster.serve_config import render_serve_config, served_versions
 from rayinfer.cluster.settings import ServerSettings
 from rayinfer.protocol.metrics import MetricsOptions
@@ -207,9 +208,18 @@ def test_instance_groups_become_deployment_resources(tmp_path: Path) -> None:
     assert fallback["simple"] == [{"name": "simple_v1", "num_replicas": 2, "ray_actor_options": {"num_cpus": 0.25}}]
     apps = render_serve_config(ServerSettings(model_repository=tmp_path, gpu_fallback="cpu"))["applications"]
     assert all(app["args"]["gpu_fallback"] for app in apps if app["name"] != "rayinfer")
-    # KIND_AUTO (no instance_group) counts as GPU only when the settings give the cluster GPUs.
+    # KIND_AUTO (no instance_group) counts as GPU only when the settings give the cluster GPUs
+    # and the backend, as installed, can use them (a Python model can; onnxruntime's CPU build
+    # cannot).
+    write_python_model(tmp_path, "py_auto", 'backend: "python"\nmax_batch_size: 0\n'
+                       'input [ { name: "IN" data_type: TYPE_INT32 dims: [ 1 ] } ]\n'
+                       'output [ { name: "OUT" data_type: TYPE_INT32 dims: [ 1 ] } ]\n', "")
     assert deployments()["simple_string"][0]["ray_actor_options"] == {"num_cpus": 0.25}
-    assert deployments(num_gpus=1)["simple_string"][0]["ray_actor_options"] == {"num_cpus": 0.25, "num_gpus": 1.0}
+    assert deployments()["py_auto"][0]["ray_actor_options"] == {"num_cpus": 0.25}
+    on_gpus = deployments(num_gpus=1)
+    assert on_gpus["py_auto"][0]["ray_actor_options"] == {"num_cpus": 0.25, "num_gpus": 1.0}
+    assert on_gpus["simple_string"][0]["ray_actor_options"] == (
+        {"num_cpus": 0.25, "num_gpus": 1.0} if backend_uses_gpus("onnxruntime") else {"num_cpus": 0.25})
 
 
 def test_autoscaling_parameters_become_the_deployments_autoscaling_config(tmp_path: Path) -> None:

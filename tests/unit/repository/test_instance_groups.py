@@ -21,7 +21,7 @@ def _config(groups: str) -> ModelConfig:
 
 
 def plan(groups: str, gpus: bool = True, fallback: bool = False) -> ReplicaPlan:
-    return replica_plan(_config(groups), PATH, cluster_has_gpus=gpus, gpu_fallback=fallback)
+    return replica_plan(_config(groups), PATH, auto_gpu=gpus, gpu_fallback=fallback)
 
 
 def test_cpu_groups_add_up() -> None:
