@@ -103,6 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
                          help="GPUs of the embedded local Ray (logical ones on a machine without GPUs)")
         sub.add_argument("--gpu-fallback", choices=("none", "cpu"), default=None,
                          help="cpu: run KIND_GPU instance groups on CPU replicas")
+        sub.add_argument("--gpu-fraction-per-model", type=float, default=None,
+                         help="share of a GPU a model version's GPU instances reserve together (default 1; "
+                         "0.25: four models share a GPU)")
         sub.add_argument("--cache-config", action="append", default=None,
                          help="local,size=<bytes>: the response cache (models with response_cache enabled)")
         sub.add_argument("--trace-config", action="append", default=None,
@@ -253,6 +256,7 @@ def serve(settings: ServerSettings) -> int:
             timeout_s=settings.startup_timeout_s,
             gpu_fallback=settings.gpu_fallback == "cpu",
             gpu_wait_s=settings.gpu_wait_secs,
+            gpu_fraction=settings.gpu_fraction_per_model,
             cache_size_bytes=response_cache_bytes(settings),
             trace_config=tuple(settings.trace_config),
             max_input_size=settings.http_max_input_size,

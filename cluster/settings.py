@@ -182,6 +182,11 @@ class ServerSettings(BaseSettings):
     gpu_fallback: Literal["none", "cpu"] = Field(
         "none", description="cpu: run KIND_GPU instance groups as CPU replicas (development without a GPU)."
     )
+    gpu_fraction_per_model: float = Field(
+        1.0, gt=0, le=1,
+        description="The share of a GPU one model version's GPU instances reserve together (each of N "
+        "instances reserves this / N): below 1, several models share a GPU, as in Triton.",
+    )
     cache_config: list[str] = Field(
         default_factory=list,
         description="tritonserver's --cache-config: local,size=<bytes> enables the response cache for models "

@@ -51,7 +51,7 @@ DEFAULT_GPU_WAIT_S = 180.0
 
 
 def replica_resources(entry: ModelEntry, version: int, replica_num_cpus: float, *, cluster_has_gpus: bool,
-                      gpu_fallback: bool) -> tuple[int, dict[str, Any]]:
+                      gpu_fallback: bool, gpu_fraction: float = 1.0) -> tuple[int, dict[str, Any]]:
     """How many replicas serve a (readable) model version and the ``ray_actor_options`` of each:
     CPUs, a share of a GPU for GPU instance groups, a Python model's own packages. Raises
     :class:`ModelConfigError` for instance groups Serve cannot express."""
@@ -59,7 +59,8 @@ def replica_resources(entry: ModelEntry, version: int, replica_num_cpus: float, 
     # Triton's KIND_AUTO: GPU instances where there are GPUs and the backend can use them (an
     # ONNX model with onnxruntime's CPU build runs on CPU instances, as it would in Triton).
     auto_gpu = cluster_has_gpus and backend_uses_gpus(entry.config.backend)
-    plan = replica_plan(entry.config, entry.path / "config.pbtxt", auto_gpu=auto_gpu, gpu_fallback=gpu_fallback)
+    plan = replica_plan(entry.config, entry.path / "config.pbtxt", auto_gpu=auto_gpu, gpu_fallback=gpu_fallback,
+                        gpu_fraction=gpu_fraction)
     options: dict[str, Any] = {"num_cpus": replica_num_cpus}
     if plan.num_gpus:
         options["num_gpus"] = plan.num_gpus
@@ -103,6 +104,8 @@ class ModelControl:
     # replicas check too.
     http_restricted: tuple[str, ...] = ()
     grpc_restricted: tuple[str, ...] = ()
+    # The share of a GPU each model version's GPU instances reserve together (--gpu-fraction-per-model).
+    gpu_fraction: float = 1.0
 
 
 def model_application(
@@ -116,6 +119,7 @@ def model_application(
     config_override: str | None = None,
     log_level: str = "WARNING",
     gpu_fallback: bool = False,
+    gpu_fraction: float = 1.0,
     cache_size_bytes: int = 0,
     max_input_size: int = DEFAULT_HTTP_MAX_INPUT_SIZE,
     folder: Path | None = None,
@@ -131,7 +135,8 @@ def model_application(
 
     ``config_override``: a load request's config (Triton's JSON form) used instead of config.pbtxt;
     ``log_level``: the replicas' log level (``--log-verbose`` makes it DEBUG); ``gpu_fallback``:
-    GPU groups run as CPU replicas; ``cache_size_bytes``: the response cache's size on a node;
+    GPU groups run as CPU replicas; ``gpu_fraction``: the share of a GPU the version's GPU
+    instances reserve together; ``cache_size_bytes``: the response cache's size on a node;
     ``max_input_size``: the largest HTTP body a replica reads (--http-max-input-size);
     ``log_settings``: the logging extension's settings at start (--log-* flags), which the
     replicas follow from their first line until they register with the /v2 replica, whose
@@ -144,7 +149,8 @@ def model_application(
         raise ModelConfigError(entry.error or f"model '{model}' cannot be read")
     config = entry.config
     replicas, actor_options = replica_resources(entry, version, replica_num_cpus,
-                                                cluster_has_gpus=cluster_gpus() > 0, gpu_fallback=gpu_fallback)
+                                                cluster_has_gpus=cluster_gpus() > 0, gpu_fallback=gpu_fallback,
+                                                gpu_fraction=gpu_fraction)
     deployment = ModelDeployment.options(
         name=model_deployment_name(model, version),
         **replica_count(entry, replicas),
@@ -209,7 +215,8 @@ def _deploy_wave(model_repository: str, folder: Path, versions: list[tuple[str, 
                 model_repository, model, version, is_default,
                 replica_num_cpus=control.replica_num_cpus, auto_complete=control.auto_complete,
                 config_override=config_overrides.get(model), log_level=control.log_level,
-                gpu_fallback=control.gpu_fallback, cache_size_bytes=control.cache_size_bytes,
+                gpu_fallback=control.gpu_fallback, gpu_fraction=control.gpu_fraction,
+                cache_size_bytes=control.cache_size_bytes,
                 max_input_size=control.max_input_size, folder=folder, log_settings=dict(control.log_settings),
                 http_restricted=list(control.http_restricted), grpc_restricted=list(control.grpc_restricted),
             )

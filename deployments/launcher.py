@@ -58,6 +58,7 @@ def deploy_repository(
     load_errors: dict[str, str] | None = None,
     gpu_fallback: bool = False,
     gpu_wait_s: float = DEFAULT_GPU_WAIT_S,
+    gpu_fraction: float = 1.0,
     cache_size_bytes: int = 0,
     trace_config: tuple[str, ...] = (),
     log_settings: dict[str, Any] | None = None,
@@ -76,7 +77,7 @@ def deploy_repository(
     control = ModelControl(control_mode, replica_num_cpus, auto_complete, timeout_s, poll_secs, log_level,
                            gpu_fallback, gpu_wait_s, cache_size_bytes, trace_config, max_input_size,
                            tuple((log_settings or {}).items()), tuple(http_restricted or ()),
-                           tuple(grpc_restricted or ()))
+                           tuple(grpc_restricted or ()), gpu_fraction)
     launch_version = f"rayinfer-{uuid.uuid4().hex}"
 
     def run_server_app(errors: dict[str, str], starting: bool = True) -> None:

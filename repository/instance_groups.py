@@ -13,6 +13,10 @@ only that GPU. So here:
 - ``KIND_AUTO`` (and a config with no ``instance_group``, Triton's default): GPU replicas when
   the cluster has GPUs, else CPU.
 - ``gpu_fallback``: GPU groups run as CPU replicas (development on a machine without a GPU).
+- ``gpu_fraction``: the share of a GPU one model version's instances on it reserve together
+  (1 by default; ``--gpu-fraction-per-model 0.25`` lets four single-instance models share a GPU,
+  as any number do in Triton, whose instances reserve nothing): each replica reserves
+  ``gpu_fraction / N``.
 
 A model with ``sequence_batching`` runs as many replicas as any other, each with the slots of
 one instance: every request of a sequence goes to the replica that owns the sequence's routing
@@ -54,7 +58,7 @@ def _kind_name(kind: int) -> str:
 
 
 def replica_plan(config: ModelConfig, path: Path, *, auto_gpu: bool,
-                 gpu_fallback: bool = False) -> ReplicaPlan:
+                 gpu_fallback: bool = False, gpu_fraction: float = 1.0) -> ReplicaPlan:
     """The replicas of a (defaults-filled) config; raises :class:`ModelConfigError` naming
     ``path`` for groups this mapping cannot express. ``auto_gpu``: KIND_AUTO groups are GPU
     groups (the cluster has GPUs and the model's backend can use them)."""
@@ -86,7 +90,8 @@ def replica_plan(config: ModelConfig, path: Path, *, auto_gpu: bool,
         )
     count = counts.pop()
     replicas = sum(count * max(1, len(g.gpus)) for g, _ in resolved)
-    share = int(_RESOURCE_STEP / count) / _RESOURCE_STEP  # 1/3 -> 0.3333: never more than a GPU
+    # 1/3 -> 0.3333: never more than a GPU's share; at least Ray's smallest unit
+    share = max(int(_RESOURCE_STEP * gpu_fraction / count), 1) / _RESOURCE_STEP
     return ReplicaPlan(replicas, "KIND_GPU", share)
 
 

@@ -1,6 +1,7 @@
 """KIND_GPU instance groups on a Ray cluster with one logical GPU (``rayinfer serve --num-gpus 1``
-on this CPU machine): fractional GPU replicas, what each replica is given, and a model asking for
-more GPUs than the cluster has left, reported while the others serve; CUDA shared memory
+on this CPU machine, with ``--gpu-fraction-per-model 0.5``): fractional GPU replicas, two models
+sharing the GPU, what each replica is given, and a model asking for more GPUs than the cluster
+has left, reported while the others serve; CUDA shared memory
 registered on a cluster with a GPU."""
 
 from __future__ import annotations
@@ -63,16 +64,19 @@ output [ {{ name: "ANSWER" data_type: TYPE_STRING dims: [ 1, 1 ] }} ]
 def gpu_server(tmp_path_factory):
     stop_shared_server()  # one Ray cluster at a time on a small machine
     repo = tmp_path_factory.mktemp("gpu_repo")
-    # Two instances sharing one GPU: two replicas at 0.5 GPU each.
+    # --gpu-fraction-per-model 0.5: each model's GPU instances reserve half the GPU together.
+    # Two instances sharing it: two replicas at 0.25 GPU each.
     write_python_model(repo, "gpu_probe", probe_config("instance_group [ { count: 2 kind: KIND_GPU } ]"), PROBE)
-    # A whole GPU, loaded once gpu_probe holds the cluster's only one.
+    # One instance: 0.5, beside gpu_probe; then the GPU is full for gpu_too_many.
+    write_python_model(repo, "gpu_single", probe_config("instance_group [ { count: 1 kind: KIND_GPU } ]"), PROBE)
     write_python_model(repo, "gpu_too_many", probe_config("instance_group [ { count: 1 kind: KIND_GPU gpus: [ 0 ] } ]"), PROBE)
     write_python_model(repo, "cpu_probe", probe_config("instance_group [ { count: 1 kind: KIND_CPU } ]"), PROBE)
     # No instance_group (Triton's default, KIND_AUTO): GPU instances only where onnxruntime can use a GPU.
     write_model(repo, "onnx_auto", SIMPLE_CONFIG.replace('name: "simple"\n', ""), add_sub_model(TensorProto.INT32))
     log = tmp_path_factory.mktemp("gpu_server") / "rayinfer.log"
     proc = start_server(repo, log, [
-        "--num-gpus", "1", "--gpu-wait-secs", str(GPU_WAIT_S), "--model-control-mode", "explicit",
+        "--num-gpus", "1", "--gpu-fraction-per-model", "0.5", "--gpu-wait-secs", str(GPU_WAIT_S),
+        "--model-control-mode", "explicit",
         "--load-model", "gpu_probe", "--load-model", "cpu_probe", "--http-port", str(PORT),
         "--grpc-port", str(PORT + 1), "--metrics-port", str(PORT + 2), "--serve-grpc-port", str(PORT + 11),
         "--serve-http-port", str(PORT + 10),
@@ -108,7 +112,7 @@ def test_two_instances_share_one_logical_gpu(gpu_server):
         assert answer["kind"] == "GPU" and answer["device"] == "0" and answer["config_kind"] == "KIND_GPU"
         assert len(answer["gpu_ids"]) == 1
         assert answer["cuda_visible_devices"] == answer["gpu_ids"][0]
-    # 0.5 + 0.5 on the one GPU.
+    # 0.25 + 0.25 on the one GPU.
     assert {a["gpu_ids"][0] for a in replicas.values()} == {"0"}
     config = client.get_model_config("gpu_probe")
     assert [(g["kind"], g["count"]) for g in config["instance_group"]] == [("KIND_GPU", 2)]
@@ -139,8 +143,20 @@ def test_a_model_without_instance_groups_runs_on_cpus_where_its_backend_has_no_g
         client.unload_model("onnx_auto")
 
 
-def test_missing_gpus_make_the_model_unavailable_naming_them(gpu_server):
+def test_models_share_the_gpu_by_their_fraction_and_one_too_many_is_reported(gpu_server):
+    """gpu_single's 0.5 fits beside gpu_probe's 2 x 0.25 (two models on one GPU); gpu_too_many's
+    0.5 then waits, is reported while it waits, and fails naming the GPUs while the others serve."""
     client, _ = gpu_server
+    client.load_model("gpu_single")
+    (single,) = answers(client, "gpu_single", 1).values()
+    assert single["kind"] == "GPU" and single["gpu_ids"] == ["0"]
+    try:
+        _one_too_many(client)
+    finally:
+        client.unload_model("gpu_single")
+
+
+def _one_too_many(client) -> None:
 
     def load() -> str:
         with httpclient.InferenceServerClient(f"127.0.0.1:{PORT}", network_timeout=120.0) as own:
@@ -156,7 +172,7 @@ def test_missing_gpus_make_the_model_unavailable_naming_them(gpu_server):
             return rows["gpu_too_many"].get("reason", "")
 
         # While it waits, the index says for what.
-        wait_until(lambda: waiting_reason().startswith("waiting for GPU resources: 1 of its 1 replicas need 1 GPU"),
+        wait_until(lambda: waiting_reason().startswith("waiting for GPU resources: 1 of its 1 replicas need 0.5 GPU"),
                    "the index to say that gpu_too_many waits for a GPU", timeout_s=GPU_WAIT_S)
         # Readiness and metadata over HTTP answer at once while it loads, as in Triton.
         with httpclient.InferenceServerClient(f"127.0.0.1:{PORT}", network_timeout=5.0) as quick:
@@ -166,7 +182,7 @@ def test_missing_gpus_make_the_model_unavailable_naming_them(gpu_server):
             assert metadata.value.status() == "404"  # as for any model not ready
             assert quick.is_model_ready("gpu_probe") and quick.get_model_metadata("gpu_probe")["name"] == "gpu_probe"
         message = loading.result(timeout=120)
-    assert (f"waited {GPU_WAIT_S} s for GPU resources: 1 of its 1 replicas need 1 GPU each; "
+    assert (f"waited {GPU_WAIT_S} s for GPU resources: 1 of its 1 replicas need 0.5 GPU each; "
             "the cluster has 1 GPU(s), 0 free") in message
     assert not client.is_model_ready("gpu_too_many")
     with grpcclient.InferenceServerClient(f"127.0.0.1:{PORT + 1}") as grpc:
@@ -174,7 +190,7 @@ def test_missing_gpus_make_the_model_unavailable_naming_them(gpu_server):
     rows = {row["name"]: row for row in client.get_model_repository_index()}
     assert rows["gpu_too_many"]["state"] == "UNAVAILABLE"
     assert "GPU resources" in rows["gpu_too_many"]["reason"]
-    assert client.is_model_ready("gpu_probe") and client.is_model_ready("cpu_probe")
+    assert client.is_model_ready("gpu_probe") and client.is_model_ready("cpu_probe") and client.is_model_ready("gpu_single")
 
 
 def test_cuda_shared_memory_registers_where_the_cluster_has_gpus(gpu_server):

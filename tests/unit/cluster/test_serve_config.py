@@ -30,6 +30,7 @@ def test_settings_from_args(tmp_path: Path) -> None:
     args = build_parser().parse_args([
         "config", "--model-repository", str(tmp_path), "--http-port", "9000", "--id", "mine",
         "--strict-readiness", "false", "--disable-auto-complete-config", "--replica-num-cpus", "0.25",
+        "--gpu-fraction-per-model", "0.5",
     ])
     settings = settings_from_args(args)
     assert settings.model_repository == tmp_path
@@ -37,6 +38,7 @@ def test_settings_from_args(tmp_path: Path) -> None:
     assert settings.strict_readiness is False
     assert settings.disable_auto_complete_config is True
     assert settings.replica_num_cpus == 0.25
+    assert settings.gpu_fraction_per_model == 0.5
 
 
 def test_settings_defaults(tmp_path: Path) -> None:
@@ -55,6 +57,9 @@ def test_bad_flag_values_are_rejected(tmp_path: Path) -> None:
         parser.parse_args(["serve"])  # the repository is required
     with pytest.raises(ValidationError):
         ServerSettings(model_repository=tmp_path, no_such_setting=1)  # type: ignore[call-arg]
+    for fraction in (0, 1.5):  # a share of one GPU
+        with pytest.raises(ValidationError, match="gpu_fraction_per_model"):
+            ServerSettings(model_repository=tmp_path, gpu_fraction_per_model=fraction)
 
 
 def test_render_serve_config(example_repository: Path) -> None:
@@ -203,6 +208,16 @@ def test_instance_groups_become_deployment_resources(tmp_path: Path) -> None:
     assert rendered["simple"] == [{"name": "simple_v1", "num_replicas": 4,
                                    "ray_actor_options": {"num_cpus": 0.25, "num_gpus": 0.5}}]
     assert rendered["mlp"] is None  # mixed kinds: the application reports the error when deployed
+    shared = deployments(gpu_fraction_per_model=0.5)
+    assert shared["simple"][0]["ray_actor_options"] == {"num_cpus": 0.25, "num_gpus": 0.25}
+    # The applications get it too (serve deploy builds them from these args, strings included).
+    apps = render_serve_config(ServerSettings(model_repository=tmp_path, gpu_fraction_per_model=0.5))["applications"]
+    assert all(app["args"]["gpu_fraction_per_model"] == 0.5 for app in apps)
+    from rayinfer.deployments.app import build_model_app
+
+    simple_app = build_model_app({"model_repository": str(tmp_path), "model": "simple", "version": 1,
+                                  "gpu_fraction_per_model": "0.5"})
+    assert simple_app._bound_deployment.ray_actor_options == {"num_cpus": 0.1, "num_gpus": 0.25}
     fallback = deployments(gpu_fallback="cpu")
     # as KIND_CPU groups of the same count
     assert fallback["simple"] == [{"name": "simple_v1", "num_replicas": 2, "ray_actor_options": {"num_cpus": 0.25}}]

@@ -45,6 +45,16 @@ def test_gpu_count_shares_one_gpu() -> None:
     assert plan("instance_group [ { count: 3 kind: KIND_GPU } ]").num_gpus == 0.3333
 
 
+def test_a_gpu_fraction_per_model_lets_models_share_a_gpu() -> None:
+    one = replica_plan(_config("instance_group [ { count: 1 kind: KIND_GPU } ]"), PATH, auto_gpu=True, gpu_fraction=0.25)
+    assert one == ReplicaPlan(1, "KIND_GPU", 0.25)  # four such models on one GPU
+    two = replica_plan(_config("instance_group [ { count: 2 kind: KIND_GPU } ]"), PATH, auto_gpu=True, gpu_fraction=0.25)
+    assert two == ReplicaPlan(2, "KIND_GPU", 0.125)
+    tiny = replica_plan(_config("instance_group [ { count: 3 kind: KIND_GPU } ]"), PATH, auto_gpu=True,
+                        gpu_fraction=0.0001)
+    assert tiny.num_gpus == 0.0001  # Ray's smallest unit, never 0 (which would be no GPU at all)
+
+
 def test_listed_gpus_multiply_the_count() -> None:
     result = plan("instance_group [ { count: 2 kind: KIND_GPU gpus: [ 0, 1 ] } ]")
     assert result == ReplicaPlan(4, "KIND_GPU", 0.5) and result.total_gpus == 2.0
