@@ -6,6 +6,7 @@ import importlib
 import importlib.util
 import re
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import numpy as np
@@ -43,15 +44,16 @@ _REGISTRY = {
 }
 
 
-def backend_uses_gpus(backend: str) -> bool:
+def backend_uses_gpus(backend: str, package_dir: Callable[[str], Path | None] | None = None) -> bool:
     """Whether ``backend``, as installed here, can run a model on a GPU: what Triton asks of a
     KIND_AUTO group (and of a config without instance groups) before it makes GPU instances.
     onnxruntime: a build with the CUDA provider (onnxruntime-gpu, the gpu extra); pytorch: a
     CUDA or ROCm build of torch; python and tensorrt: yes. Read from the installed files, without
-    importing the framework (the ``/v2`` replica asks)."""
+    importing the framework (the ``/v2`` replica asks). ``package_dir``: where an installed
+    package's folder is (default: this interpreter's)."""
     if backend in ("python", "tensorrt"):
         return True
-    package = _package_dir({"onnxruntime": "onnxruntime", "pytorch": "torch"}.get(backend, ""))
+    package = (package_dir or _package_dir)({"onnxruntime": "onnxruntime", "pytorch": "torch"}.get(backend, ""))
     if package is None:
         return False
     if backend == "onnxruntime":

@@ -129,7 +129,8 @@ def render_serve_config(
 def _deployment_resources(settings: ServerSettings, entry: ModelEntry, version: int) -> dict[str, Any] | None:
     """The replicas and Ray resources of a model version, as Serve's config writes them (the
     application builds the same from the instance groups; edit these to override them). A
-    KIND_AUTO group is rendered as GPU replicas when --num-gpus says the cluster has GPUs. None
+    KIND_AUTO group is rendered as GPU replicas when --num-gpus says the cluster has GPUs and the
+    model's backend, as installed here, can use one. None
     when the instance groups cannot be served (the application reports why when deployed)."""
     try:
         replicas, options = replica_resources(entry, version, settings.replica_num_cpus,

@@ -82,6 +82,14 @@ def server_application(
     )
 
 
+def gpu_fraction_arg(args: dict[str, Any]) -> float:
+    """``gpu_fraction_per_model`` of a Serve config's args: a share of one GPU (0 < F <= 1)."""
+    fraction = float(args.get("gpu_fraction_per_model", 1.0))
+    if not 0 < fraction <= 1:
+        raise ValueError(f"gpu_fraction_per_model must be above 0 and at most 1, not {fraction}")
+    return fraction
+
+
 def build_model_app(args: dict[str, Any]) -> Application:
     """Serve-config entry point; ``args``: model_repository, model, version, is_default and
     optionally replica_num_cpus, auto_complete, log_level, gpu_fallback, gpu_fraction_per_model, cache_size_bytes,
@@ -95,7 +103,7 @@ def build_model_app(args: dict[str, Any]) -> Application:
         auto_complete=parse_bool(args.get("auto_complete", True)),
         log_level=str(args.get("log_level", "WARNING")),
         gpu_fallback=parse_bool(args.get("gpu_fallback", False)),
-        gpu_fraction=float(args.get("gpu_fraction_per_model", 1.0)),
+        gpu_fraction=gpu_fraction_arg(args),
         cache_size_bytes=int(args.get("cache_size_bytes", 0)),
         max_input_size=int(args.get("http_max_input_size", DEFAULT_HTTP_MAX_INPUT_SIZE)),
         log_settings=dict(args.get("log_settings") or {}),
@@ -157,5 +165,5 @@ def _control_from_args(args: dict[str, Any]) -> ModelControl:
         log_settings=tuple(dict(args.get("log_settings") or {}).items()),
         http_restricted=tuple(str(v) for v in args.get("http_restricted_api") or ()),
         grpc_restricted=tuple(str(v) for v in args.get("grpc_restricted_protocol") or ()),
-        gpu_fraction=float(args.get("gpu_fraction_per_model", 1.0)),
+        gpu_fraction=gpu_fraction_arg(args),
     )

@@ -26,7 +26,6 @@ from tritonclient.grpc import service_pb2 as pb
 from rayinfer.protocol.errors import (
     UNPARSABLE_REQUEST,
     InternalError,
-    InvalidArgError,
     ServingError,
     UnavailableError,
     as_serving_error,
@@ -337,8 +336,6 @@ class ServerGrpcMethods:
 
     async def CudaSharedMemoryRegister(self, request: Any, grpc_context: Any = None) -> Any:
         try:
-            if request.device_id < 0:
-                raise InvalidArgError(f"failed to register CUDA shared memory region '{request.name}': invalid args")
             self._api.shm_register_cuda(request.name, request.raw_handle, request.device_id, request.byte_size)
         except ServingError as exc:
             set_error(grpc_context, exc)

@@ -74,10 +74,13 @@ def deploy_repository(
     the reason) and never stops the others. ``load_errors``: models asked for that could not be
     read (they count against readiness, and are returned with the failures).
     """
-    control = ModelControl(control_mode, replica_num_cpus, auto_complete, timeout_s, poll_secs, log_level,
-                           gpu_fallback, gpu_wait_s, cache_size_bytes, trace_config, max_input_size,
-                           tuple((log_settings or {}).items()), tuple(http_restricted or ()),
-                           tuple(grpc_restricted or ()), gpu_fraction)
+    control = ModelControl(
+        mode=control_mode, replica_num_cpus=replica_num_cpus, auto_complete=auto_complete, timeout_s=timeout_s,
+        poll_secs=poll_secs, log_level=log_level, gpu_fallback=gpu_fallback, gpu_wait_s=gpu_wait_s,
+        cache_size_bytes=cache_size_bytes, trace_config=trace_config, max_input_size=max_input_size,
+        log_settings=tuple((log_settings or {}).items()), http_restricted=tuple(http_restricted or ()),
+        grpc_restricted=tuple(grpc_restricted or ()), gpu_fraction=gpu_fraction,
+    )
     launch_version = f"rayinfer-{uuid.uuid4().hex}"
 
     def run_server_app(errors: dict[str, str], starting: bool = True) -> None:

@@ -15,7 +15,7 @@ from tritonclient.grpc import service_pb2 as pb
 
 from rayinfer.protocol.errors import InvalidArgError
 from rayinfer.serving.model_grpc import MODEL_RPCS
-from rayinfer.serving.protocol_stamps import StreamTrace, wall_minus_clock_ns
+from rayinfer.serving.protocol_stamps import StreamTrace, wall_clock_offset_ns
 
 if TYPE_CHECKING:
     from rayinfer.deployments.v2_api import V2Api
@@ -80,12 +80,12 @@ class ModelForwarder:
         if route is None:
             raise await self._api.unavailable_model(name, version or None)
         handle = self._handles.get(route) or self._new_handle(route)
-        to_wall = wall_minus_clock_ns()
+        to_wall = wall_clock_offset_ns()
         walls = (read[0] + to_wall, read[1] + to_wall) if read is not None else None
         async for payload in handle.options(stream=True).grpc_stream.remote(request.SerializeToString(), trace_context,
                                                                              walls):
             if isinstance(payload, StreamTrace):
-                yield payload.token, payload.clock_offset(self._node(), wall_minus_clock_ns())
+                yield payload.token, payload.clock_offset(self._node(), wall_clock_offset_ns())
             elif payload:  # an empty one ends every stream (ModelDeployment.grpc_stream)
                 yield pb.ModelStreamInferResponse.FromString(payload)
 

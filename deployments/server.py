@@ -264,6 +264,8 @@ class ServerDeployment(ServerGrpcMethods):
         elif action == "register":
             if not name:
                 raise InvalidArgError(f"'region name' is necessary to register {kind} shared memory region")
+            if kind == CUDA:
+                self._api.require_gpus(name)
             doc = parse_json_body(await asgi.read_body(receive, self._max_input_size), "register")
             if kind == CUDA:
                 self._api.shm_register_cuda(name, *cuda_registration_from_json(doc))

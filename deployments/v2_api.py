@@ -110,11 +110,17 @@ class V2Api:
         """Register a CUDA region (kept here, which has no GPU; a model replica opens its handle
         when a request first names it). A cluster without GPUs refuses it, as a Triton built
         without GPU support does."""
-        if not self.cluster_has_gpus():
-            raise InvalidArgError(f"failed to register CUDA shared memory region: '{name}', GPUs not supported")
+        self.require_gpus(name)
         self.shm.register_cuda(name, raw_handle, device_id, byte_size)
 
+    def require_gpus(self, region: str) -> None:
+        """Triton's answer to a CUDA register where the cluster has no GPU (before the request's
+        body is read, as a Triton built without GPU support does)."""
+        if not self.cluster_has_gpus():
+            raise InvalidArgError(f"failed to register CUDA shared memory region: '{region}', GPUs not supported")
+
     def cluster_has_gpus(self) -> bool:
+        """Whether the Ray cluster has GPUs (logical ones included), counted at most every 10 s."""
         gpus, counted = self._gpus_seen
         if time.monotonic() - counted > _GPU_COUNT_TTL_S:
             gpus = cluster_gpus()

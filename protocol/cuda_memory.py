@@ -38,7 +38,7 @@ _SYMBOLS = {name: name + "_v2" for name in ("cuCtxPushCurrent", "cuCtxPopCurrent
                                             "cuMemGetAddressRange", "cuMemcpyDtoH", "cuMemcpyHtoD")}
 
 
-class CudaUnavailable(Exception):
+class CudaUnavailableError(Exception):
     """This process cannot reach the device: no driver, or the device is not visible here."""
 
 
@@ -50,7 +50,7 @@ class _Driver:
         try:
             self._lib = ctypes.CDLL("libcuda.so.1")
         except OSError as exc:
-            raise CudaUnavailable(f"no CUDA driver on this node ({exc})") from None
+            raise CudaUnavailableError(f"no CUDA driver on this node ({exc})") from None
         self._call("cuInit", 0)
         self._contexts: dict[int, ctypes.c_void_p] = {}
         self._lock = threading.Lock()
@@ -59,7 +59,7 @@ class _Driver:
         symbol = _SYMBOLS.get(name, name)
         function = getattr(self._lib, symbol, None)
         if function is None:
-            raise CudaUnavailable(f"the CUDA driver has no {symbol}")
+            raise CudaUnavailableError(f"the CUDA driver has no {symbol}")
         return function
 
     def _call(self, name: str, *args: Any) -> None:
@@ -68,7 +68,7 @@ class _Driver:
             message = ctypes.c_char_p()
             self._lib.cuGetErrorString(result, ctypes.byref(message))
             text = message.value.decode() if message.value else f"CUDA error {result}"
-            raise CudaUnavailable(f"{name}: {text}")
+            raise CudaUnavailableError(f"{name}: {text}")
 
     def context(self, ordinal: int) -> ctypes.c_void_p:
         with self._lock:
@@ -106,14 +106,14 @@ def local_ordinal(device_id: int, visible: str | None = None) -> int:
     """The ordinal this process gives the client's device ``device_id`` (``CUDA_VISIBLE_DEVICES``
     renumbers devices). A device it does not list (or listed by UUID) is tried from the first
     visible one: the driver opens handles of devices a process does not see, through peer
-    access. CudaUnavailable where no device is visible at all (Ray's setting for a replica
+    access. CudaUnavailableError where no device is visible at all (Ray's setting for a replica
     without GPUs)."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES") if visible is None else visible
     if visible is None:
         return device_id
     devices = [d.strip() for d in visible.split(",") if d.strip()]
     if not devices:
-        raise CudaUnavailable(f"no GPU is visible to this process (CUDA_VISIBLE_DEVICES='{visible}'); serve the "
+        raise CudaUnavailableError(f"no GPU is visible to this process (CUDA_VISIBLE_DEVICES='{visible}'); serve the "
                               "model on GPU instances (instance_group KIND_GPU)")
     return devices.index(str(device_id)) if str(device_id) in devices else 0
 
@@ -123,8 +123,8 @@ class CudaIpcMemory:
     and from host buffers. Closed when the object goes (requests decoded against it hold it)."""
 
     def __init__(self, raw_handle: bytes, device_id: int, byte_size: int):
+        self._ordinal = local_ordinal(device_id)  # first: a replica without GPUs is told so
         self._driver = _the_driver()
-        self._ordinal = local_ordinal(device_id)
         self._pointer = ctypes.c_uint64()
         handle = ipc_handle(raw_handle)
         self._driver.run(self._ordinal, "cuIpcOpenMemHandle", ctypes.byref(self._pointer), handle,
@@ -134,8 +134,8 @@ class CudaIpcMemory:
             self._driver.run(self._ordinal, "cuMemGetAddressRange", ctypes.byref(base), ctypes.byref(size),
                              self._pointer)
             if byte_size > size.value - (self._pointer.value - base.value):
-                raise CudaUnavailable(f"the allocation holds {size.value} bytes, fewer than byte_size {byte_size}")
-        except CudaUnavailable:
+                raise CudaUnavailableError(f"the allocation holds {size.value} bytes, fewer than byte_size {byte_size}")
+        except CudaUnavailableError:
             self.close()
             raise
 
@@ -174,5 +174,5 @@ def open_ipc_memory(name: str, raw_handle: bytes, device_id: int, byte_size: int
     process cannot."""
     try:
         return CudaIpcMemory(raw_handle, device_id, byte_size)
-    except CudaUnavailable as exc:
+    except CudaUnavailableError as exc:
         raise InvalidArgError(f"Unable to open CUDA shared memory region '{name}' on GPU {device_id}: {exc}") from None

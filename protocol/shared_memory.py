@@ -40,6 +40,7 @@ TENSOR_PARAMETERS = (REGION, BYTE_SIZE, OFFSET)
 _SHM_DIR = "/dev/shm"
 
 SYSTEM, CUDA = "system", "cuda"
+_BAD_HANDLE = "'raw_handle' must be a valid base64 encoded cudaIpcMemHandle_t"
 
 
 class Registration(NamedTuple):
@@ -116,22 +117,26 @@ def registration_from_json(doc: dict[str, Any]) -> tuple[str, int, int]:
 
 def cuda_registration_from_json(doc: dict[str, Any]) -> tuple[bytes, int, int]:
     """(raw_handle, device_id, byte_size) of an HTTP CUDA register request's body, whose
-    ``raw_handle`` is ``{"b64": <the handle in base64>}``."""
-    handle = doc.get("raw_handle")
+    ``raw_handle`` is ``{"b64": <the handle in base64>}``; Triton's messages."""
+    if "raw_handle" not in doc:
+        raise InvalidArgError("Shared memory register request has no 'raw_handle' field")
+    handle = doc["raw_handle"]
     encoded = handle.get("b64") if isinstance(handle, dict) else None
-    try:
-        raw_handle = base64.b64decode(encoded, validate=True) if isinstance(encoded, str) else None
-    except ValueError:
-        raw_handle = None
-    if raw_handle is None:
-        raise InvalidArgError("Unable to parse 'raw_handle': expected a JSON object {\"b64\": <base64 string>}")
+    if not isinstance(encoded, str):
+        raise InvalidArgError("Unable to parse 'b64': expected a JSON string in 'raw_handle'")
     values = []
-    for name in ("device_id", "byte_size"):
-        value = doc.get(name, 0)
+    for name in ("byte_size", "device_id"):
+        value = doc.get(name)
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise InvalidArgError(f"Unable to parse '{name}': expected a JSON unsigned integer")
         values.append(value)
-    return raw_handle, values[0], values[1]
+    try:
+        raw_handle = base64.b64decode(encoded, validate=True)
+    except ValueError:
+        raw_handle = b""
+    if len(raw_handle) != IPC_HANDLE_BYTES:
+        raise InvalidArgError(_BAD_HANDLE)
+    return raw_handle, values[1], values[0]
 
 
 def shm_path(key: str) -> str:
@@ -203,10 +208,10 @@ class _CudaRegion:
     kind = CUDA
 
     def __init__(self, name: str, raw_handle: bytes, device_id: int, byte_size: int):
-        if len(raw_handle) != IPC_HANDLE_BYTES or device_id < 0:
-            raise InvalidArgError(f"failed to register CUDA shared memory region '{name}': invalid args (a "
-                                  f"raw_handle of {IPC_HANDLE_BYTES} bytes and a device_id of 0 or more, got "
-                                  f"{len(raw_handle)} bytes and {device_id})")
+        if len(raw_handle) != IPC_HANDLE_BYTES:
+            raise InvalidArgError(_BAD_HANDLE)
+        if device_id < 0:
+            raise InvalidArgError(f"failed to register shared memory region '{name}': invalid args")
         self.raw_handle, self.device_id, self.byte_size = raw_handle, device_id, byte_size
         self._memory: Any = None
         self._lock = threading.Lock()

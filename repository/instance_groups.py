@@ -11,7 +11,7 @@ only that GPU. So here:
   ids only count GPUs.
 - ``KIND_CPU``: ``count`` replicas, no GPU. ``KIND_MODEL``: the same (the model places itself).
 - ``KIND_AUTO`` (and a config with no ``instance_group``, Triton's default): GPU replicas when
-  the cluster has GPUs, else CPU.
+  the cluster has GPUs and the model's backend, as installed, can use one (``auto_gpu``), else CPU.
 - ``gpu_fallback``: GPU groups run as CPU replicas (development on a machine without a GPU).
 - ``gpu_fraction``: the share of a GPU one model version's instances on it reserve together
   (1 by default; ``--gpu-fraction-per-model 0.25`` lets four single-instance models share a GPU,

@@ -25,7 +25,7 @@ from rayinfer.protocol.grpc_codec import metadata_to_grpc, request_from_grpc, re
 from rayinfer.protocol.shared_memory import RegionMissing, decode_with_regions
 from rayinfer.protocol.statistics import stats_to_json
 from rayinfer.serving.model_core import ModelCore
-from rayinfer.serving.protocol_stamps import StreamTrace, stamp_stream_request, wall_minus_clock_ns
+from rayinfer.serving.protocol_stamps import StreamTrace, stamp_stream_request, wall_clock_offset_ns
 
 # Request and response message of each model RPC.
 MODEL_RPCS: dict[str, tuple[Any, Any]] = {
@@ -106,7 +106,7 @@ async def stream_serialized(core: ModelCore, payload: bytes, trace_context: str 
         if stamps is not None and stamps.finish is not None:  # a traced request's trace ends
             stamps.finish(0, 0)
     if stamps is not None and stamps.token is not None:
-        yield StreamTrace(stamps.token, wall_minus_clock_ns())
+        yield StreamTrace(stamps.token, wall_clock_offset_ns())
 
 
 async def _stream_serialized(core: ModelCore, payload: bytes) -> AsyncIterator[bytes]:

@@ -16,23 +16,23 @@ from typing import NamedTuple
 class StreamTrace(NamedTuple):
     """The last item of a traced stream request's answer (after its responses), from the model
     replica to the ``/v2`` replica that writes them: the trace's ``token``, and the model
-    replica's ``node`` (set by the deployment) and :func:`wall_minus_clock_ns`, so that the send
+    replica's ``node`` (set by the deployment) and :func:`wall_clock_offset_ns`, so that the send
     stamps the ``/v2`` replica takes on its own clock are put on the model replica's when the
     two are on different nodes."""
 
     token: str
-    wall_minus_clock_ns: int
+    wall_offset_ns: int
     node: str = ""
 
-    def clock_offset(self, node: str, wall_minus_clock_ns: int) -> int:
+    def clock_offset(self, node: str, reader_wall_offset_ns: int) -> int:
         """How far the model replica's clock is ahead of that of the reader on ``node``, whose
-        :func:`wall_minus_clock_ns` is given: 0 on the same node (one monotonic clock), else
+        :func:`wall_clock_offset_ns` is given: 0 on the same node (one monotonic clock), else
         through both nodes' wall clocks (exact where they are one machine's, otherwise as close
         as the nodes' clocks are synchronised, as by NTP)."""
-        return 0 if self.node == node else wall_minus_clock_ns - self.wall_minus_clock_ns
+        return 0 if self.node == node else reader_wall_offset_ns - self.wall_offset_ns
 
 
-def wall_minus_clock_ns() -> int:
+def wall_clock_offset_ns() -> int:
     """The wall clock (``time.time_ns``) less the trace clock (``time.perf_counter_ns``) in this
     process: a stamp plus this is the stamp's wall-clock time."""
     return time.time_ns() - time.perf_counter_ns()
@@ -98,7 +98,7 @@ def stamp_stream_request(model: str, context: str | None, read_walls: tuple[int,
     """The stamps of a gRPC stream's request, read by the ``/v2`` replica: when its read began
     and ended (``read_walls``: wall-clock ns, put on this process's trace clock) and the client's
     trace context (``traceparent``), set for the serving core of ``model`` that traces it."""
-    to_wall = wall_minus_clock_ns()
+    to_wall = wall_clock_offset_ns()
     start, end = (read_walls[0] - to_wall, read_walls[1] - to_wall) if read_walls else (0, 0)
     stamps = ProtocolStamps(model, True, start, end, context.encode("latin-1") if context else None)
     stamps.sent_elsewhere = True

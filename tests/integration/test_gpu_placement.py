@@ -125,7 +125,7 @@ def test_cpu_instances_get_no_gpu(gpu_server):
 
 
 @pytest.mark.skipif(backend_uses_gpus("onnxruntime"), reason="shows onnxruntime's CPU build: the GPU build "
-                    "is installed here (its model would wait for the GPU the probes hold)")
+                    "is installed here (its model would be a GPU replica)")
 def test_a_model_without_instance_groups_runs_on_cpus_where_its_backend_has_no_gpu(gpu_server):
     """An ONNX model without instance_group on a cluster with a GPU, onnxruntime's CPU build
     installed: CPU instances that serve (not a GPU replica that cannot load), as Triton's

@@ -218,6 +218,9 @@ def test_instance_groups_become_deployment_resources(tmp_path: Path) -> None:
     simple_app = build_model_app({"model_repository": str(tmp_path), "model": "simple", "version": 1,
                                   "gpu_fraction_per_model": "0.5"})
     assert simple_app._bound_deployment.ray_actor_options == {"num_cpus": 0.1, "num_gpus": 0.25}
+    with pytest.raises(ValueError, match="gpu_fraction_per_model must be above 0 and at most 1, not 2.0"):
+        build_model_app({"model_repository": str(tmp_path), "model": "simple", "version": 1,
+                         "gpu_fraction_per_model": 2})
     fallback = deployments(gpu_fallback="cpu")
     # as KIND_CPU groups of the same count
     assert fallback["simple"] == [{"name": "simple_v1", "num_replicas": 2, "ray_actor_options": {"num_cpus": 0.25}}]

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import pytest
 import tritonclient.utils.shared_memory as shm_client
 
-from rayinfer.protocol.cuda_memory import CudaUnavailable, ipc_handle, local_ordinal, open_ipc_memory
+from rayinfer.protocol.cuda_memory import CudaUnavailableError, ipc_handle, local_ordinal, open_ipc_memory
 from rayinfer.protocol.errors import Code, ServingError
 from rayinfer.protocol.http_codec import request_from_http
 from rayinfer.protocol.shared_memory import (
@@ -80,9 +80,10 @@ def test_one_namespace_and_a_handle_of_the_right_size(registry) -> None:
         assert (duplicate.code, duplicate.message) == (Code.ALREADY_EXISTS, f"shared memory region '{args[0]}' "
                                                                             "already in manager")
     short = _error(registry.register_cuda, "short", HANDLE[:6], 0, 8)
-    assert (short.code, short.message) == (
-        Code.INVALID_ARG, "failed to register CUDA shared memory region 'short': invalid args (a raw_handle of 64 "
-        "bytes and a device_id of 0 or more, got 6 bytes and 0)")
+    assert (short.code, short.message) == (Code.INVALID_ARG,
+                                           "'raw_handle' must be a valid base64 encoded cudaIpcMemHandle_t")
+    assert _error(registry.register_cuda, "negative", HANDLE, -1, 8).message == \
+        "failed to register shared memory region 'negative': invalid args"
     assert _error(registry.register_cuda, "", HANDLE, 0, 8).message == \
         "'region name' is necessary to register cuda shared memory region"
     assert registry.registration("gpu") == Registration("", 0, 256, 0, HANDLE)
@@ -90,14 +91,20 @@ def test_one_namespace_and_a_handle_of_the_right_size(registry) -> None:
 
 
 def test_the_http_register_body_carries_the_handle_in_base64() -> None:
-    doc = {"raw_handle": {"b64": base64.b64encode(HANDLE).decode()}, "device_id": 1, "byte_size": 64}
+    encoded = base64.b64encode(HANDLE).decode()
+    doc = {"raw_handle": {"b64": encoded}, "device_id": 1, "byte_size": 64}
     assert cuda_registration_from_json(doc) == (HANDLE, 1, 64)
-    for bad in ({"raw_handle": "AAAA"}, {"raw_handle": {"b64": "not base64!"}}, {}):
-        assert _error(cuda_registration_from_json, bad).message == \
-            "Unable to parse 'raw_handle': expected a JSON object {\"b64\": <base64 string>}"
-    negative = {"raw_handle": {"b64": ""}, "device_id": -1}
-    assert _error(cuda_registration_from_json, negative).message == \
-        "Unable to parse 'device_id': expected a JSON unsigned integer"
+    errors = {  # Triton's messages where it has one
+        "Shared memory register request has no 'raw_handle' field": {"device_id": 0, "byte_size": 64},
+        "Unable to parse 'b64': expected a JSON string in 'raw_handle'": {**doc, "raw_handle": "AAAA"},
+        "'raw_handle' must be a valid base64 encoded cudaIpcMemHandle_t": {**doc, "raw_handle": {"b64": "AAAA"}},
+        "Unable to parse 'byte_size': expected a JSON unsigned integer": {"raw_handle": {"b64": encoded}, "device_id": 0},
+        "Unable to parse 'device_id': expected a JSON unsigned integer": {**doc, "device_id": -1},
+    }
+    for message, body in errors.items():
+        assert _error(cuda_registration_from_json, body).message == message
+    assert _error(cuda_registration_from_json, {**doc, "raw_handle": {"b64": "not base64!"}}).message == \
+        "'raw_handle' must be a valid base64 encoded cudaIpcMemHandle_t"
 
 
 def test_a_replica_opens_the_device_the_client_named_as_it_numbers_it(monkeypatch) -> None:
@@ -107,7 +114,7 @@ def test_a_replica_opens_the_device_the_client_named_as_it_numbers_it(monkeypatc
     assert local_ordinal(1, visible="GPU-8d1f") == 0
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     assert local_ordinal(2) == 2  # no CUDA_VISIBLE_DEVICES: the driver's numbering
-    with pytest.raises(CudaUnavailable, match=r"no GPU is visible to this process \(CUDA_VISIBLE_DEVICES=''\)"):
+    with pytest.raises(CudaUnavailableError, match=r"no GPU is visible to this process \(CUDA_VISIBLE_DEVICES=''\)"):
         local_ordinal(0, visible="")  # Ray's setting for a replica without GPUs
 
 

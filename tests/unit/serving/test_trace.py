@@ -19,7 +19,7 @@ from rayinfer.protocol.errors import ServingError
 from rayinfer.protocol.types import InferRequest
 from rayinfer.serving.model_core import ModelCore
 from rayinfer.serving.model_grpc import stream_serialized
-from rayinfer.serving.protocol_stamps import StreamTrace, wall_minus_clock_ns
+from rayinfer.serving.protocol_stamps import StreamTrace, wall_clock_offset_ns
 from rayinfer.serving.trace import TraceSettings, Tracer, parse_update, settings_from_flags
 from rayinfer.serving.trace_writer import TraceWriter
 
@@ -221,5 +221,5 @@ def test_a_stream_traces_clock_offset_is_zero_on_one_node_and_taken_from_wall_cl
     assert trace.clock_offset("node-b", 8_000_000) == 3_000_000
     assert trace.clock_offset("node-b", 4_000_000) == -1_000_000
     # Read twice on one machine, the clocks' offset comes to (nearly) nothing.
-    here = wall_minus_clock_ns()
-    assert abs(StreamTrace("t-2", wall_minus_clock_ns(), "node-a").clock_offset("node-b", here)) < 1_000_000
+    here = wall_clock_offset_ns()
+    assert abs(StreamTrace("t-2", wall_clock_offset_ns(), "node-a").clock_offset("node-b", here)) < 1_000_000
