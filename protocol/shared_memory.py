@@ -106,13 +106,7 @@ def registration_from_json(doc: dict[str, Any]) -> tuple[str, int, int]:
     key = doc.get("key")
     if not isinstance(key, str):
         raise InvalidArgError("Unable to parse 'key': expected a JSON string")
-    values = []
-    for name in ("offset", "byte_size"):
-        value = doc.get(name, 0)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise InvalidArgError(f"Unable to parse '{name}': expected a JSON unsigned integer")
-        values.append(value)
-    return key, values[0], values[1]
+    return key, _unsigned(doc, "offset", 0), _unsigned(doc, "byte_size", 0)
 
 
 def cuda_registration_from_json(doc: dict[str, Any]) -> tuple[bytes, int, int]:
@@ -124,19 +118,22 @@ def cuda_registration_from_json(doc: dict[str, Any]) -> tuple[bytes, int, int]:
     encoded = handle.get("b64") if isinstance(handle, dict) else None
     if not isinstance(encoded, str):
         raise InvalidArgError("Unable to parse 'b64': expected a JSON string in 'raw_handle'")
-    values = []
-    for name in ("byte_size", "device_id"):
-        value = doc.get(name)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise InvalidArgError(f"Unable to parse '{name}': expected a JSON unsigned integer")
-        values.append(value)
+    byte_size, device_id = _unsigned(doc, "byte_size"), _unsigned(doc, "device_id")
     try:
         raw_handle = base64.b64decode(encoded, validate=True)
     except ValueError:
         raw_handle = b""
     if len(raw_handle) != IPC_HANDLE_BYTES:
         raise InvalidArgError(_BAD_HANDLE)
-    return raw_handle, values[1], values[0]
+    return raw_handle, device_id, byte_size
+
+
+def _unsigned(doc: dict[str, Any], name: str, default: int | None = None) -> int:
+    """A register body's unsigned integer field (``default`` when absent; None: required)."""
+    value = doc.get(name, default)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise InvalidArgError(f"Unable to parse '{name}': expected a JSON unsigned integer")
+    return value
 
 
 def shm_path(key: str) -> str:
