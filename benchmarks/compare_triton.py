@@ -98,10 +98,30 @@ def start_rayinfer(repo: Path, base_port: int, log_path: Path, extra: tuple[str,
         )
 
 
-def stop_server(proc: subprocess.Popen) -> None:
-    proc.send_signal(signal.SIGINT)
+def start_triton(repo: Path, port: int, log_path: Path, extra: tuple[str, ...] = ()) -> subprocess.Popen:
+    """The anchor's tritonserver on ``repo`` with its start script's flags (HTTP on ``port``,
+    gRPC + 1, metrics + 2, on 127.0.0.1) and ``extra``. Stop it with :func:`stop_triton`."""
+    server = ANCHOR_HOME / "tritonserver"
+    flags = [f"--model-repository={repo}", f"--backend-directory={server / 'backends'}",
+             f"--cache-directory={server / 'caches'}", "--http-address=127.0.0.1", f"--http-port={port}",
+             "--grpc-address=127.0.0.1", f"--grpc-port={port + 1}", "--metrics-address=127.0.0.1",
+             f"--metrics-port={port + 2}", "--allow-gpu-metrics=false", "--allow-sagemaker=false",
+             "--allow-vertex-ai=false", "--log-verbose=0", *extra]
+    script = f'source "{ANCHORS / "triton" / "env"}" && exec "{server / "bin" / "tritonserver"}" "$@"'
+    with log_path.open("w") as log:
+        return subprocess.Popen(["bash", "-c", script, "tritonserver", *flags], stdout=log, stderr=subprocess.STDOUT,
+                                env={**os.environ, "TRITON_ANCHOR": str(ANCHOR_HOME)})
+
+
+def stop_triton(proc: subprocess.Popen) -> None:
+    stop_server(proc, signal.SIGTERM, 60.0)
+
+
+def stop_server(proc: subprocess.Popen, sig: int = signal.SIGINT, timeout_s: float = 90.0) -> None:
+    """Stop a server started here by its own PID: ``sig``, then SIGKILL after ``timeout_s``."""
+    proc.send_signal(sig)
     try:
-        proc.wait(timeout=90)
+        proc.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
