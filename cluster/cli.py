@@ -103,6 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
                          help="GPUs of the embedded local Ray (logical ones on a machine without GPUs)")
         sub.add_argument("--gpu-fallback", choices=("none", "cpu"), default=None,
                          help="cpu: run KIND_GPU instance groups on CPU replicas")
+        sub.add_argument("--replica-ray-metrics", type=_bool, nargs="?", const=True, default=None,
+                         help="model replicas report Ray's own metrics too (default false: Ray keeps a "
+                              "replica's series after it is gone)")
         sub.add_argument("--gpu-fraction-per-model", type=float, default=None,
                          help="share of a GPU a model version's GPU instances reserve together (default 1; "
                          "0.25: four models share a GPU)")
@@ -257,6 +260,7 @@ def serve(settings: ServerSettings) -> int:
             gpu_fallback=settings.gpu_fallback == "cpu",
             gpu_wait_s=settings.gpu_wait_secs,
             gpu_fraction=settings.gpu_fraction_per_model,
+            replica_ray_metrics=settings.replica_ray_metrics,
             cache_size_bytes=response_cache_bytes(settings),
             trace_config=tuple(settings.trace_config),
             max_input_size=settings.http_max_input_size,

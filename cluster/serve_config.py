@@ -65,6 +65,7 @@ def render_serve_config(
         "log_settings": startup_log_settings(settings),
         **({"gpu_fraction_per_model": settings.gpu_fraction_per_model} if settings.gpu_fraction_per_model != 1.0
            else {}),
+        **({"replica_ray_metrics": True} if settings.replica_ray_metrics else {}),
         # Checked by the front and by each model replica's listener (given only when set).
         **({"http_restricted_api": list(settings.http_restricted_api)} if settings.http_restricted_api else {}),
         **({"grpc_restricted_protocol": list(settings.grpc_restricted_protocol)}
@@ -136,7 +137,8 @@ def _deployment_resources(settings: ServerSettings, entry: ModelEntry, version: 
         replicas, options = replica_resources(entry, version, settings.replica_num_cpus,
                                               cluster_has_gpus=bool(settings.num_gpus),
                                               gpu_fallback=settings.gpu_fallback == "cpu",
-                                              gpu_fraction=settings.gpu_fraction_per_model)
+                                              gpu_fraction=settings.gpu_fraction_per_model,
+                                              ray_metrics=settings.replica_ray_metrics)
         count = replica_count(entry, replicas)
     except ModelConfigError:
         return None

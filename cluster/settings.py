@@ -187,6 +187,12 @@ class ServerSettings(BaseSettings):
         description="The share of a GPU one model version's GPU instances reserve together (each of N "
         "instances reserves this / N): below 1, several models share a GPU, as in Triton.",
     )
+    replica_ray_metrics: bool = Field(
+        False,
+        description="Model replicas report Ray's own metrics (ray_serve_* and ray_* per replica) too. Off by "
+        "default: Ray keeps every replica's series after the replica is gone, so each reload would grow Ray's "
+        "processes; rayinfer's nv_inference_* metrics cover the replicas either way.",
+    )
     cache_config: list[str] = Field(
         default_factory=list,
         description="tritonserver's --cache-config: local,size=<bytes> enables the response cache for models "

@@ -92,7 +92,8 @@ def gpu_fraction_arg(args: dict[str, Any]) -> float:
 
 def build_model_app(args: dict[str, Any]) -> Application:
     """Serve-config entry point; ``args``: model_repository, model, version, is_default and
-    optionally replica_num_cpus, auto_complete, log_level, gpu_fallback, gpu_fraction_per_model, cache_size_bytes,
+    optionally replica_num_cpus, auto_complete, log_level, gpu_fallback, gpu_fraction_per_model, replica_ray_metrics,
+    cache_size_bytes,
     http_max_input_size, log_settings, http_restricted_api, grpc_restricted_protocol."""
     return model_application(
         args["model_repository"],
@@ -104,6 +105,7 @@ def build_model_app(args: dict[str, Any]) -> Application:
         log_level=str(args.get("log_level", "WARNING")),
         gpu_fallback=parse_bool(args.get("gpu_fallback", False)),
         gpu_fraction=gpu_fraction_arg(args),
+        ray_metrics=parse_bool(args.get("replica_ray_metrics", False)),
         cache_size_bytes=int(args.get("cache_size_bytes", 0)),
         max_input_size=int(args.get("http_max_input_size", DEFAULT_HTTP_MAX_INPUT_SIZE)),
         log_settings=dict(args.get("log_settings") or {}),
@@ -149,7 +151,7 @@ def build_server_app(args: dict[str, Any]) -> Application:
 
 def _control_from_args(args: dict[str, Any]) -> ModelControl:
     """model_control_mode, replica_num_cpus, auto_complete, repository_poll_secs, log_level,
-    gpu_fallback, gpu_wait_secs, gpu_fraction_per_model, cache_size_bytes, trace_config,
+    gpu_fallback, gpu_wait_secs, gpu_fraction_per_model, replica_ray_metrics, cache_size_bytes, trace_config,
     http_max_input_size, log_settings, http_restricted_api, grpc_restricted_protocol."""
     return ModelControl(
         mode=str(args.get("model_control_mode", "none")),
@@ -166,4 +168,5 @@ def _control_from_args(args: dict[str, Any]) -> ModelControl:
         http_restricted=tuple(str(v) for v in args.get("http_restricted_api") or ()),
         grpc_restricted=tuple(str(v) for v in args.get("grpc_restricted_protocol") or ()),
         gpu_fraction=gpu_fraction_arg(args),
+        replica_ray_metrics=parse_bool(args.get("replica_ray_metrics", False)),
     )

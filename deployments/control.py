@@ -51,10 +51,12 @@ DEFAULT_GPU_WAIT_S = 180.0
 
 
 def replica_resources(entry: ModelEntry, version: int, replica_num_cpus: float, *, cluster_has_gpus: bool,
-                      gpu_fallback: bool, gpu_fraction: float = 1.0) -> tuple[int, dict[str, Any]]:
+                      gpu_fallback: bool, gpu_fraction: float = 1.0,
+                      ray_metrics: bool = False) -> tuple[int, dict[str, Any]]:
     """How many replicas serve a (readable) model version and the ``ray_actor_options`` of each:
-    CPUs, a share of a GPU for GPU instance groups, a Python model's own packages. Raises
-    :class:`ModelConfigError` for instance groups Serve cannot express."""
+    CPUs, a share of a GPU for GPU instance groups, and (unless ``ray_metrics``) Ray's metrics
+    off in the replica's process. Raises :class:`ModelConfigError` for instance groups Serve
+    cannot express."""
     assert entry.config is not None
     # Triton's KIND_AUTO: GPU instances where there are GPUs and the backend can use them (an
     # ONNX model with onnxruntime's CPU build runs on CPU instances, as it would in Triton).
@@ -64,6 +66,10 @@ def replica_resources(entry: ModelEntry, version: int, replica_num_cpus: float, 
     options: dict[str, Any] = {"num_cpus": replica_num_cpus}
     if plan.num_gpus:
         options["num_gpus"] = plan.num_gpus
+    if not ray_metrics:
+        # Ray keeps the series of every process that reported metrics after it exits (in its
+        # dashboard agent and Serve's processes): each reload would add a replica's (about 80).
+        options["runtime_env"] = {"env_vars": {"RAY_enable_metrics_collection": "0"}}
     return plan.replicas, options
 
 
@@ -106,6 +112,8 @@ class ModelControl:
     grpc_restricted: tuple[str, ...] = ()
     # The share of a GPU each model version's GPU instances reserve together (--gpu-fraction-per-model).
     gpu_fraction: float = 1.0
+    # Model replicas report Ray's own metrics too (--replica-ray-metrics).
+    replica_ray_metrics: bool = False
 
 
 def model_application(
@@ -120,6 +128,7 @@ def model_application(
     log_level: str = "WARNING",
     gpu_fallback: bool = False,
     gpu_fraction: float = 1.0,
+    ray_metrics: bool = False,
     cache_size_bytes: int = 0,
     max_input_size: int = DEFAULT_HTTP_MAX_INPUT_SIZE,
     folder: Path | None = None,
@@ -136,7 +145,8 @@ def model_application(
     ``config_override``: a load request's config (Triton's JSON form) used instead of config.pbtxt;
     ``log_level``: the replicas' log level (``--log-verbose`` makes it DEBUG); ``gpu_fallback``:
     GPU groups run as CPU replicas; ``gpu_fraction``: the share of a GPU the version's GPU
-    instances reserve together; ``cache_size_bytes``: the response cache's size on a node;
+    instances reserve together; ``ray_metrics``: the replicas report Ray's own metrics;
+    ``cache_size_bytes``: the response cache's size on a node;
     ``max_input_size``: the largest HTTP body a replica reads (--http-max-input-size);
     ``log_settings``: the logging extension's settings at start (--log-* flags), which the
     replicas follow from their first line until they register with the /v2 replica, whose
@@ -150,7 +160,7 @@ def model_application(
     config = entry.config
     replicas, actor_options = replica_resources(entry, version, replica_num_cpus,
                                                 cluster_has_gpus=cluster_gpus() > 0, gpu_fallback=gpu_fallback,
-                                                gpu_fraction=gpu_fraction)
+                                                gpu_fraction=gpu_fraction, ray_metrics=ray_metrics)
     deployment = ModelDeployment.options(
         name=model_deployment_name(model, version),
         **replica_count(entry, replicas),
@@ -216,7 +226,7 @@ def _deploy_wave(model_repository: str, folder: Path, versions: list[tuple[str, 
                 replica_num_cpus=control.replica_num_cpus, auto_complete=control.auto_complete,
                 config_override=config_overrides.get(model), log_level=control.log_level,
                 gpu_fallback=control.gpu_fallback, gpu_fraction=control.gpu_fraction,
-                cache_size_bytes=control.cache_size_bytes,
+                ray_metrics=control.replica_ray_metrics, cache_size_bytes=control.cache_size_bytes,
                 max_input_size=control.max_input_size, folder=folder, log_settings=dict(control.log_settings),
                 http_restricted=list(control.http_restricted), grpc_restricted=list(control.grpc_restricted),
             )

@@ -59,6 +59,7 @@ def deploy_repository(
     gpu_fallback: bool = False,
     gpu_wait_s: float = DEFAULT_GPU_WAIT_S,
     gpu_fraction: float = 1.0,
+    replica_ray_metrics: bool = False,
     cache_size_bytes: int = 0,
     trace_config: tuple[str, ...] = (),
     log_settings: dict[str, Any] | None = None,
@@ -80,6 +81,7 @@ def deploy_repository(
         cache_size_bytes=cache_size_bytes, trace_config=trace_config, max_input_size=max_input_size,
         log_settings=tuple((log_settings or {}).items()), http_restricted=tuple(http_restricted or ()),
         grpc_restricted=tuple(grpc_restricted or ()), gpu_fraction=gpu_fraction,
+        replica_ray_metrics=replica_ray_metrics,
     )
     launch_version = f"rayinfer-{uuid.uuid4().hex}"
 

@@ -23,6 +23,7 @@ from waiting import WaitTimeout, wait_until
 HTTP_PORT = int(os.environ.get("RAYINFER_TEST_HTTP_PORT", "18600"))
 GRPC_PORT = HTTP_PORT + 1
 METRICS_PORT = HTTP_PORT + 2
+RAY_METRICS_PORT = HTTP_PORT + 5  # the embedded Ray's own metrics
 # Ray Serve's own gRPC and HTTP ingress, behind the front on GRPC_PORT and HTTP_PORT.
 SERVE_GRPC_PORT = HTTP_PORT + 11
 SERVE_HTTP_PORT = HTTP_PORT + 10
@@ -299,6 +300,7 @@ def server(model_repository: Path, tmp_path_factory: pytest.TempPathFactory):
         "--model-control-mode", "explicit", *load, "--http-port", str(HTTP_PORT), "--metrics-port", str(METRICS_PORT),
         "--grpc-port", str(GRPC_PORT), "--serve-grpc-port", str(SERVE_GRPC_PORT), "--serve-http-port", str(SERVE_HTTP_PORT),
         "--cache-config", "local,size=1048576", "--trace-config", f"triton,file={trace_file}",
+        "--ray-metrics-port", str(RAY_METRICS_PORT),
     ])
     _SHARED["server"] = proc
     try:
@@ -306,6 +308,7 @@ def server(model_repository: Path, tmp_path_factory: pytest.TempPathFactory):
             "url": f"127.0.0.1:{HTTP_PORT}",
             "grpc_url": f"127.0.0.1:{GRPC_PORT}",
             "metrics_url": f"http://127.0.0.1:{METRICS_PORT}/metrics",
+            "ray_metrics_url": f"http://127.0.0.1:{RAY_METRICS_PORT}/metrics",
             "log": log_path,
             "trace_file": trace_file,
             "process": proc,

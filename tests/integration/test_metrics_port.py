@@ -113,3 +113,18 @@ def test_metrics_agree_with_the_statistics_extension(server, client):
     assert model_value(samples, "nv_inference_count", "nobatch") == stats["inference_count"]
     assert model_value(samples, "nv_inference_exec_count", "nobatch") == stats["execution_count"]
     assert model_value(samples, "nv_inference_queue_duration_us", "nobatch") == stats["inference_stats"]["queue"]["ns"] // 1000
+
+
+def test_model_replicas_report_none_of_rays_own_metrics(server):
+    """Ray keeps the metric series of a process after it exits, so every reload would leave a
+    model replica's (about 80) in Ray's processes: model replicas run with Ray's metrics off
+    (``--replica-ray-metrics`` turns them on), the ``/v2`` replica with them on."""
+    def replicas_reporting() -> set[str] | None:
+        with urllib.request.urlopen(server["ray_metrics_url"], timeout=30) as response:
+            lines = response.read().decode().splitlines()
+        # Each Serve replica reports this gauge itself, labelled with its application.
+        apps = {re.search(r'application="([^"]*)"', line).group(1) for line in lines
+                if line.startswith("ray_serve_replica_processing_queries{")}
+        return apps if "rayinfer" in apps else None  # Ray exports every 10 s
+
+    assert wait_until(replicas_reporting, "the /v2 replica's Ray metrics", timeout_s=60, interval_s=2.0) == {"rayinfer"}

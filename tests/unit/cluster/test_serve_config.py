@@ -202,7 +202,11 @@ def test_instance_groups_become_deployment_resources(tmp_path: Path) -> None:
 
     def deployments(**settings) -> dict:
         doc = render_serve_config(ServerSettings(model_repository=tmp_path, replica_num_cpus=0.25, **settings))
-        return {app["name"]: app.get("deployments") for app in doc["applications"] if app["name"] != "rayinfer"}
+        apps = {app["name"]: app.get("deployments") for app in doc["applications"] if app["name"] != "rayinfer"}
+        for deployment in (d for app in apps.values() for d in app or ()):
+            # Ray's own metrics are off in every model replica (see the test below).
+            assert deployment["ray_actor_options"].pop("runtime_env") == RAY_METRICS_OFF
+        return apps
 
     rendered = deployments()
     assert rendered["simple"] == [{"name": "simple_v1", "num_replicas": 4,
@@ -217,7 +221,8 @@ def test_instance_groups_become_deployment_resources(tmp_path: Path) -> None:
 
     simple_app = build_model_app({"model_repository": str(tmp_path), "model": "simple", "version": 1,
                                   "gpu_fraction_per_model": "0.5"})
-    assert simple_app._bound_deployment.ray_actor_options == {"num_cpus": 0.1, "num_gpus": 0.25}
+    assert simple_app._bound_deployment.ray_actor_options == {"num_cpus": 0.1, "num_gpus": 0.25,
+                                                              "runtime_env": RAY_METRICS_OFF}
     with pytest.raises(ValueError, match="gpu_fraction_per_model must be above 0 and at most 1, not 2.0"):
         build_model_app({"model_repository": str(tmp_path), "model": "simple", "version": 1,
                          "gpu_fraction_per_model": 2})
@@ -238,6 +243,34 @@ def test_instance_groups_become_deployment_resources(tmp_path: Path) -> None:
     assert on_gpus["py_auto"][0]["ray_actor_options"] == {"num_cpus": 0.25, "num_gpus": 1.0}
     assert on_gpus["simple_string"][0]["ray_actor_options"] == (
         {"num_cpus": 0.25, "num_gpus": 1.0} if backend_uses_gpus("onnxruntime") else {"num_cpus": 0.25})
+
+
+RAY_METRICS_OFF = {"env_vars": {"RAY_enable_metrics_collection": "0"}}
+
+
+def test_model_replicas_report_rays_own_metrics_only_when_asked(tmp_path: Path) -> None:
+    """Ray keeps the metric series of a process after it exits, so model replicas (new ones on
+    every reload) run with Ray's metrics off; --replica-ray-metrics turns them on, in the
+    replicas' options and in the args ``serve deploy`` builds the applications from."""
+    from rayinfer.deployments.app import build_model_app, build_server_app
+
+    write_example_repository(tmp_path)
+    for flag, env in ((False, {"runtime_env": RAY_METRICS_OFF}), (True, {})):
+        doc = render_serve_config(ServerSettings(model_repository=tmp_path, replica_ray_metrics=flag))
+        models = [app for app in doc["applications"] if app["name"] != "rayinfer"]
+        assert all(app["deployments"][0]["ray_actor_options"] == {"num_cpus": 0.1, **env} for app in models
+                   if app.get("deployments"))
+        assert all(app["args"].get("replica_ray_metrics", False) is flag for app in doc["applications"])
+        args = {"model_repository": str(tmp_path), "model": "simple", "version": 1, "replica_ray_metrics": str(flag)}
+        assert build_model_app(args)._bound_deployment.ray_actor_options == {"num_cpus": 0.1, **env}
+        server = next(app for app in doc["applications"] if app["name"] == "rayinfer")
+        control = build_server_app(server["args"])._bound_deployment.init_args[4]
+        assert control.replica_ray_metrics is flag
+    # The flag, as `rayinfer serve` and `config` take it.
+    for command in ("serve", "config"):
+        for given, value in ((["--replica-ray-metrics"], True), (["--replica-ray-metrics", "false"], False), ([], False)):
+            args = build_parser().parse_args([command, "--model-repository", str(tmp_path), *given])
+            assert settings_from_args(args).replica_ray_metrics is value
 
 
 def test_autoscaling_parameters_become_the_deployments_autoscaling_config(tmp_path: Path) -> None:
