@@ -44,7 +44,7 @@ BODY = json.dumps({"inputs": [{"name": "INPUT0", "shape": [1, 16], "datatype": "
 KINDS = (("ServeController", "Serve controller"), ("ProxyActor", "Serve proxy"),
          ("ServeReplica:rayinfer:", "/v2 replica"), (f"ServeReplica:{PYTHON_MODEL}:", f"{PYTHON_MODEL} replica"),
          ("ServeReplica:simple:", "simple replica"), ("haproxy", "HAProxy"), ("raylet", "raylet"),
-         ("gcs_server", "GCS"), ("dashboard_agent", "dashboard agent"), ("runtime_env", "runtime env agent"),
+         ("gcs_server", "GCS"), ("DashboardAgent", "dashboard agent"), ("RuntimeEnvAgent", "runtime env agent"),
          ("dashboard.py", "dashboard"), ("log_monitor", "log monitor"), ("rayinfer", "rayinfer CLI"),
          ("triton_python_backend_stub", "Python backend stub"), ("tritonserver", "tritonserver"))
 
@@ -187,6 +187,8 @@ def main() -> int:
     parser.add_argument("--no-triton", dest="triton", action="store_false", help="rayinfer only")
     parser.add_argument("--output", type=Path, default=ROOT / "docs" / "benchmarks.md")
     args = parser.parse_args()
+    if args.cycles < 2 * args.every:
+        parser.error("--cycles must be at least twice --every (the growth is measured after the first --every)")
     if args.triton:
         ensure_anchor()  # before the network goes away
     if not in_private_netns():

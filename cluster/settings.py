@@ -34,7 +34,8 @@ RAY_ENVIRONMENT = {
     # listeners.
     "RAY_SERVE_HAPROXY_HEALTH_CHECK_INTER": "5s",
     # Per-request HAProxy log lines feed ray_serve HTTP metrics through a parser actor that
-    # costs as much CPU as HAProxy itself; replicas still export their own request metrics.
+    # costs as much CPU as HAProxy itself (Serve's own replicas export theirs; model replicas
+    # report none of Ray's metrics unless --replica-ray-metrics).
     "RAY_SERVE_HAPROXY_METRICS_ENABLED": "0",
     # One HAProxy thread per core at most on small machines.
     "RAY_SERVE_HAPROXY_NBTHREAD": str(min(4, max(1, (os.cpu_count() or 2) // 2))),

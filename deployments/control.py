@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import ray
 from ray import serve
 
 from ray.serve import Application
@@ -69,8 +70,20 @@ def replica_resources(entry: ModelEntry, version: int, replica_num_cpus: float, 
     if not ray_metrics:
         # Ray keeps the series of every process that reported metrics after it exits (in its
         # dashboard agent and Serve's processes): each reload would add a replica's (about 80).
-        options["runtime_env"] = {"env_vars": {"RAY_enable_metrics_collection": "0"}}
+        options["runtime_env"] = {"env_vars": dict(RAY_METRICS_OFF)}
     return plan.replicas, options
+
+
+RAY_METRICS_OFF = {"RAY_enable_metrics_collection": "0"}
+
+
+def with_callers_runtime_env(own: dict[str, Any], caller: dict[str, Any] | None) -> dict[str, Any]:
+    """A replica's ``runtime_env`` on top of the deploying process's (``caller``), as Serve merges
+    an application's with its deployments' (env vars joined, ours winning): Serve gives a
+    deployment the caller's runtime_env only when the deployment sets none."""
+    caller = dict(caller or {})
+    env_vars = {**(caller.get("env_vars") or {}), **(own.get("env_vars") or {})}
+    return {**caller, **own, **({"env_vars": env_vars} if env_vars else {})}
 
 
 def replica_count(entry: ModelEntry, replicas: int) -> dict[str, Any]:
@@ -161,6 +174,11 @@ def model_application(
     replicas, actor_options = replica_resources(entry, version, replica_num_cpus,
                                                 cluster_has_gpus=cluster_gpus() > 0, gpu_fallback=gpu_fallback,
                                                 gpu_fraction=gpu_fraction, ray_metrics=ray_metrics)
+    if "runtime_env" in actor_options and ray.is_initialized():
+        # The load API, poll mode and the launcher deploy from a process (the /v2 replica, the
+        # CLI) whose runtime_env (a `serve deploy` application's, a job's) the replicas keep.
+        actor_options["runtime_env"] = with_callers_runtime_env(actor_options["runtime_env"],
+                                                                ray.get_runtime_context().runtime_env)
     deployment = ModelDeployment.options(
         name=model_deployment_name(model, version),
         **replica_count(entry, replicas),

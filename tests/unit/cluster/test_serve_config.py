@@ -253,6 +253,7 @@ def test_model_replicas_report_rays_own_metrics_only_when_asked(tmp_path: Path) 
     every reload) run with Ray's metrics off; --replica-ray-metrics turns them on, in the
     replicas' options and in the args ``serve deploy`` builds the applications from."""
     from rayinfer.deployments.app import build_model_app, build_server_app
+    from rayinfer.deployments.control import with_callers_runtime_env
 
     write_example_repository(tmp_path)
     for flag, env in ((False, {"runtime_env": RAY_METRICS_OFF}), (True, {})):
@@ -266,6 +267,14 @@ def test_model_replicas_report_rays_own_metrics_only_when_asked(tmp_path: Path) 
         server = next(app for app in doc["applications"] if app["name"] == "rayinfer")
         control = build_server_app(server["args"])._bound_deployment.init_args[4]
         assert control.replica_ray_metrics is flag
+    # Deployed from a process with a runtime_env of its own (a `serve deploy` application's, a
+    # job's), the replicas keep it: Serve would give them only its working_dir once they set one.
+    assert with_callers_runtime_env({"env_vars": dict(RAY_METRICS_OFF["env_vars"])}, None) == RAY_METRICS_OFF
+    caller = {"pip": ["numpy"], "working_dir": "gcs://_ray_pkg_1.zip", "env_vars": {"A": "1",
+                                                                                   "RAY_enable_metrics_collection": "1"}}
+    assert with_callers_runtime_env(RAY_METRICS_OFF, caller) == {
+        "pip": ["numpy"], "working_dir": "gcs://_ray_pkg_1.zip", "env_vars": {"A": "1", "RAY_enable_metrics_collection": "0"}}
+    assert caller["env_vars"]["RAY_enable_metrics_collection"] == "1"  # not changed
     # The flag, as `rayinfer serve` and `config` take it.
     for command in ("serve", "config"):
         for given, value in ((["--replica-ray-metrics"], True), (["--replica-ray-metrics", "false"], False), ([], False)):
@@ -306,6 +315,7 @@ def test_restricted_groups_reach_every_model_replica(example_repository: Path) -
     """--http-restricted-api and --grpc-restricted-protocol reach the model applications (whose
     listeners check them too) and the /v2 app's model control (models loaded later)."""
     from rayinfer.deployments.app import build_model_app, build_server_app
+    from rayinfer.deployments.control import with_callers_runtime_env
     from rayinfer.deployments.control import ModelControl
 
     settings = settings_from_args(build_parser().parse_args([
