@@ -17,15 +17,14 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import socket
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from compare_triton import (ANCHORS, PYTHON_MODEL, ROOT, ensure_anchor, in_private_netns, reexec_in_netns,
-                            start_rayinfer, start_triton, stop_server, stop_triton, wait_ready, write_doc)
+from compare_triton import (PYTHON_MODEL, ROOT, ensure_anchor, in_private_netns, python_model_repository,
+                            reexec_in_netns, start_rayinfer, start_triton, stop_server, stop_triton, wait_ready, write_doc)
 
 TRITON_PORT = 18980
 RAYINFER_PORT = 18990
@@ -103,8 +102,7 @@ def measure(port: int, kinds: dict[str, bytes | None]) -> dict[str, list[str]]:
 
 
 def run_triton(work: Path) -> dict[str, list[str]]:
-    repo = work / "triton-repository"
-    shutil.copytree(ANCHORS / "models" / PYTHON_MODEL, repo / PYTHON_MODEL)
+    repo = python_model_repository(work / "triton-repository", example=False)
     proc = start_triton(repo, TRITON_PORT, work / "triton.log")
     try:
         wait_ready(TRITON_PORT, proc, 240)
@@ -114,10 +112,7 @@ def run_triton(work: Path) -> dict[str, list[str]]:
 
 
 def run_rayinfer(work: Path) -> dict[str, list[str]]:
-    from rayinfer.cluster.example_repository import write_example_repository
-    repo = work / "rayinfer-repository"
-    write_example_repository(repo)
-    shutil.copytree(ANCHORS / "models" / PYTHON_MODEL, repo / PYTHON_MODEL)
+    repo = python_model_repository(work / "rayinfer-repository", example=True)
     proc = start_rayinfer(repo, RAYINFER_PORT, work / "rayinfer.log")
     try:
         wait_ready(RAYINFER_PORT, proc, 600)

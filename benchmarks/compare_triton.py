@@ -98,6 +98,17 @@ def start_rayinfer(repo: Path, base_port: int, log_path: Path, extra: tuple[str,
         )
 
 
+def python_model_repository(repo: Path, example: bool) -> Path:
+    """``repo`` holding the anchor's Python model ``identity_fp32``, and with ``example`` the
+    example repository beside it (what rayinfer serves; Triton's anchor has the Python backend
+    only)."""
+    if example:
+        from rayinfer.cluster.example_repository import write_example_repository
+        write_example_repository(repo)
+    shutil.copytree(ANCHORS / "models" / PYTHON_MODEL, repo / PYTHON_MODEL)
+    return repo
+
+
 def start_triton(repo: Path, port: int, log_path: Path, extra: tuple[str, ...] = ()) -> subprocess.Popen:
     """The anchor's tritonserver on ``repo`` with its start script's flags (HTTP on ``port``,
     gRPC + 1, metrics + 2, on 127.0.0.1) and ``extra``. Stop it with :func:`stop_triton`."""

@@ -21,7 +21,6 @@ import argparse
 import json
 import platform
 import re
-import shutil
 import sys
 import tempfile
 import time
@@ -29,14 +28,13 @@ import urllib.request
 from collections import Counter, defaultdict
 from pathlib import Path
 
-from compare_triton import (ANCHORS, PYTHON_MODEL, ROOT, ensure_anchor, in_private_netns, processes, reexec_in_netns,
-                            start_rayinfer, start_triton, stop_server, stop_triton, wait_ready, write_doc)
+from compare_triton import (PYTHON_MODEL, ROOT, ensure_anchor, in_private_netns, processes, python_model_repository,
+                            reexec_in_netns, start_rayinfer, start_triton, stop_server, stop_triton, wait_ready, write_doc)
 from scaling import memory_kib
-
-from rayinfer.cluster.example_repository import write_example_repository
 
 PORT = 18950
 RAY_METRICS_PORT = 18945
+RAY_EXPORT_WAIT_S = 15.0
 TRITON_PORT = 18970
 MARKS = ("<!-- reload_churn:begin -->", "<!-- reload_churn:end -->")
 BODY = json.dumps({"inputs": [{"name": "INPUT0", "shape": [1, 16], "datatype": "FP32", "data": [0.5] * 16}]}).encode()
@@ -90,8 +88,10 @@ def churn(port: int, cycles: int, every: int, memory) -> list[Row]:
 
 
 def ray_series() -> Counter[str]:
-    """How many series each metric has on Ray's metrics port (Prometheus text); none where the
-    port does not answer (Ray's metrics turned off)."""
+    """How many series each metric has on Ray's metrics port (Prometheus text), once what the
+    processes recorded so far has been exported; none where the port does not answer (Ray's
+    metrics turned off)."""
+    time.sleep(RAY_EXPORT_WAIT_S)  # Ray's processes export every 10 s, with no event to wait on
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{RAY_METRICS_PORT}/metrics", timeout=60) as response:
             lines = response.read().decode().splitlines()
@@ -103,9 +103,7 @@ def ray_series() -> Counter[str]:
 
 def run_rayinfer(work: Path, args: argparse.Namespace) -> tuple[list[Row], Counter[str], Counter[str]]:
     """The churn's rows, and Ray's metric series before and after it."""
-    repo = work / "rayinfer-repository"
-    write_example_repository(repo)
-    shutil.copytree(ANCHORS / "models" / PYTHON_MODEL, repo / PYTHON_MODEL)
+    repo = python_model_repository(work / "rayinfer-repository", example=True)
     before = set(processes())
     proc = start_rayinfer(repo, PORT, work / "rayinfer.log", ("--model-control-mode", "explicit", "--load-model", "simple",
                                                               "--load-model", PYTHON_MODEL,
@@ -113,10 +111,8 @@ def run_rayinfer(work: Path, args: argparse.Namespace) -> tuple[list[Row], Count
     try:
         wait_ready(PORT, proc, 600)
         post(PORT, f"/v2/models/{PYTHON_MODEL}/infer", BODY)
-        time.sleep(15)  # the start's figures reach the metrics port (Ray exports every 10 s)
         series_before = ray_series()
         rows = churn(PORT, args.cycles, args.every, lambda: memory_by_kind(before, ("ray", "haproxy")))
-        time.sleep(15)  # the last replica's figures reach the metrics port (Ray exports every 10 s)
         return rows, series_before, ray_series()
     finally:
         stop_server(proc)
@@ -125,8 +121,7 @@ def run_rayinfer(work: Path, args: argparse.Namespace) -> tuple[list[Row], Count
 def run_triton(work: Path, args: argparse.Namespace) -> list[Row]:
     """The anchor's tritonserver, in explicit mode, on ``identity_fp32`` alone."""
     ensure_anchor()
-    repo = work / "triton-repository"
-    shutil.copytree(ANCHORS / "models" / PYTHON_MODEL, repo / PYTHON_MODEL)
+    repo = python_model_repository(work / "triton-repository", example=False)
     before = set(processes())
     proc = start_triton(repo, TRITON_PORT, work / "triton.log", ("--model-control-mode=explicit",
                                                                  f"--load-model={PYTHON_MODEL}"))
