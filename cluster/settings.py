@@ -80,6 +80,9 @@ RAY_ENVIRONMENT = {
     # Marks v2 requests so Serve runs them without a disconnect watcher (Triton's semantics);
     # see rayinfer.deployments.ingress.
     "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": "rayinfer.deployments.ingress:http_middlewares",
+    # Serve's controller builds one replica actor class per replica name instead of one per
+    # deployment, which Ray keeps in its processes for good; see rayinfer.deployments.replica_classes.
+    "RAY_SERVE_CONTROLLER_CALLBACK_IMPORT_PATH": "rayinfer.deployments.replica_classes:reuse_replica_classes",
 }
 
 

@@ -90,6 +90,31 @@ def pids_titled(title: str) -> set[int]:
     return pids
 
 
+def ray_actor_classes(server: dict) -> int:
+    """How many actor classes the GCS of the server's embedded Ray holds (its function table):
+    one for each class a process exported, which every process that takes a handle to an actor
+    of that class loads and keeps. Asked from a process of its own (Ray's token, as the server's
+    ``ray.init`` made it)."""
+    gcs = []
+    for pid in pids_titled("gcs_server"):
+        try:
+            if int((Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[1]) == server["process"].pid:
+                gcs.append(pid)
+        except (OSError, IndexError, ValueError):
+            continue
+    (pid,) = gcs
+    args = (Path("/proc") / str(pid) / "cmdline").read_bytes().decode().split("\0")
+    (session,) = [a.split("=", 1)[1] for a in args if a.startswith("--session-dir=")]
+    (port_file,) = Path(session).glob("gcs_server_port_*")
+    script = ("import sys; from ray._raylet import GcsClient; "
+              "print(len(GcsClient(address=sys.argv[1]).internal_kv_keys(b'ActorClass', b'fun')))")
+    done = subprocess.run([sys.executable, "-c", script, f"127.0.0.1:{port_file.read_text().strip()}"],
+                          env={**os.environ, "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "token")},
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return int(done.stdout.split()[-1])
+
+
 def front_folder(server: dict) -> Path:
     """The folder of the session server's live front (HAProxy): its route maps are
     ``replicas.map`` (``<model>/<version>`` -> replica count; the default version's key is

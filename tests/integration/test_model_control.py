@@ -10,7 +10,7 @@ import pytest
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from conftest import add_sub_inputs, front_folder, http, http_json, pids_titled, read_map
+from conftest import add_sub_inputs, front_folder, http, http_json, pids_titled, ray_actor_classes, read_map
 from model_factory import on_demand
 from waiting import wait_until
 
@@ -65,7 +65,8 @@ def call_until(stop, server, protocol: str, model: str, outcomes: list[str]) -> 
 
 def test_loads_and_unloads_in_a_row_under_traffic(server, client):
     """A model loaded, served and unloaded twice while other models answer HTTP and gRPC calls
-    throughout: no call to them fails or hangs, and each load and unload takes effect."""
+    throughout: no call to them fails or hangs, and each load and unload takes effect. The second
+    load adds no actor class to Ray (the first one's is reused: Ray keeps every class it saw)."""
     import threading
 
     model = on_demand("load_unload")
@@ -74,10 +75,12 @@ def test_loads_and_unloads_in_a_row_under_traffic(server, client):
     threads = [threading.Thread(target=call_until, args=(stop, server, p, "batched", calls[p])) for p in calls]
     for thread in threads:
         thread.start()
+    classes = []
     try:
         for _ in range(2):
             try:
                 client.load_model(model)  # answers when the model is ready, as Triton does
+                classes.append(ray_actor_classes(server))
                 assert client.is_model_ready(model)
                 assert index_row(model)["state"] == "READY"
                 np.testing.assert_array_equal(add_sub(client, model), np.arange(16).reshape(1, 16) * 2)
@@ -96,6 +99,7 @@ def test_loads_and_unloads_in_a_row_under_traffic(server, client):
     assert not any(t.is_alive() for t in threads), "a call to a served model hung"
     for protocol, outcomes in calls.items():
         assert outcomes and set(outcomes) == {"ok"}, (protocol, [o for o in outcomes if o != "ok"][:3])
+    assert classes[1] == classes[0], f"Ray's actor classes after each load: {classes}"
 
 
 def test_load_errors_name_the_model(server):

@@ -1,0 +1,47 @@
+"""One Ray actor class per Serve replica name in Serve's controller, reused by every deployment.
+
+Ray Serve's controller builds the Ray actor class of a deployment's replicas
+(``ServeReplica:<app>:<deployment>``, Serve's ``ReplicaActor`` under that name) each time it
+creates the deployment's info: every deploy, so every model load. Each class gets a new function
+id, and Ray keeps every class a process has seen for the life of the process: the controller
+keeps the class it built and its method metadata, and each process that takes a handle to one of
+its replicas (Serve's proxy, the controller again when it stops one) loads the class from GCS
+and keeps that copy too. A model unloaded and loaded 40 times left 40 classes in each, about
+0.25 MiB per load with GCS's copies (docs/benchmarks.md, "Reload churn").
+
+Serve calls :func:`reuse_replica_classes` in its controller as it starts, being named by
+``RAY_SERVE_CONTROLLER_CALLBACK_IMPORT_PATH`` (rayinfer's Ray environment). From then on the
+controller builds the class of a replica name once and gives it to every later deployment of
+that name: the classes are the same but for their identity (what differs between two deployments
+reaches the replica through its constructor and the actor's options), so the function id stays
+and no process loads the class again.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+def reuse_replica_classes() -> None:
+    """Make Serve's deployment info give every deployment of a replica name the same actor class."""
+    from ray.serve._private.deployment_info import DeploymentInfo
+
+    build = DeploymentInfo.__dict__.get("actor_def")
+    if not isinstance(build, property) or build.fget is None:
+        logger.warning("this Ray Serve builds replica classes in an unknown way: each deployment keeps its own")
+        return
+    if getattr(build.fget, "reuses_replica_classes", False):
+        return
+    classes: dict[str, Any] = {}
+
+    def actor_def(info: DeploymentInfo) -> Any:
+        shared = classes.get(info.actor_name)
+        if shared is None:
+            shared = classes[info.actor_name] = build.fget(info)
+        return shared
+
+    actor_def.reuses_replica_classes = True  # type: ignore[attr-defined]  # marks the installed getter
+    DeploymentInfo.actor_def = property(actor_def, doc=build.__doc__)
