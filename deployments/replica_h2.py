@@ -5,10 +5,11 @@ replica of the model version it names; this protocol then answers, on the replic
 the unary model calls for that version (``ModelInfer`` and the model's metadata, readiness,
 config and statistics) with no process in between. Any other unary call on the connection is
 relayed to the front's HAProxy as HTTP/1.1 (:func:`client_relay.relay_grpc`), which routes it
-as it routes every call. A stream (``ModelStreamInfer``), a call of another service, and a call
-that may stop this replica (a model load or unload) are not taken here: the connection is
-closed to new calls (``GOAWAY`` naming the last call taken) and the client's gRPC library sends
-that call again on a new connection, which the door gives HAProxy.
+as it routes every call; a stream (``ModelStreamInfer``) is relayed to HAProxy over HTTP/2, frame
+by frame (:mod:`h2_stream_relay`: refused, it could lose a message). A call of another service
+and a call that may stop this replica (a model load or unload) are not taken here: the
+connection is closed to new calls (``GOAWAY`` naming the last call taken) and the client's gRPC
+library sends that call again on a new connection, which the door gives HAProxy.
 
 An HTTP/2 connection cannot change hands once its header tables hold state, so a replica never
 gives one back to the door: it takes its turn (when a call ends :data:`_TURN_S` or more after
@@ -29,13 +30,14 @@ from typing import Any
 import hpack
 
 from rayinfer.deployments.client_relay import relay_grpc
+from rayinfer.deployments.h2_stream_relay import StreamRelay, encode
 from rayinfer.protocol.errors import UnavailableError
 from rayinfer.protocol.grpc_wire import (
     ACK, CONTINUATION, DATA, DEFAULT_FRAME_SIZE, DEFAULT_WINDOW, END_HEADERS, END_STREAM, GOAWAY, HEADERS,
     MAX_WINDOW, NOT_DIRECT_RPCS, OK_TRAILERS, PING, PREFACE, PROTOCOL_ERROR, PUSH_PROMISE, RESPONSE_HEADERS, ROUTED_RPCS,
-    RST_STREAM, SERVICE, SETTINGS, SETTINGS_INITIAL_WINDOW_SIZE, SETTINGS_MAX_FRAME_SIZE, WINDOW_UPDATE,
-    HeaderDecoder, frame, frame_header, goaway, grpc_status, literal, name_and_version, parse_settings, settings,
-    trailers, unframe, unpadded, window_update,
+    RST_STREAM, SERVICE, SETTINGS, SETTINGS_INITIAL_WINDOW_SIZE, SETTINGS_MAX_FRAME_SIZE, STREAM_RPC, WINDOW_UPDATE,
+    HeaderDecoder, frame, frame_header, goaway, grpc_status, header_frames, literal, name_and_version,
+    parse_settings, settings, trailers, unframe, unpadded, window_update,
 )
 from rayinfer.protocol.limits import GRPC_MAX_MESSAGE_SIZE, inflight_limit_message, message_too_large
 from rayinfer.serving.protocol_stamps import PROTOCOL_STAMPS, ProtocolStamps
@@ -54,7 +56,8 @@ _LINGER_S = 5.0  # after the last GOAWAY and answer: how long the client may tak
 class _Call:
     """One call (stream): its request as read, and its answer while it waits for send window."""
 
-    __slots__ = ("id", "headers", "body", "size", "unacked", "task", "received", "window", "left", "trailers")
+    __slots__ = ("id", "headers", "body", "size", "unacked", "task", "received", "window", "left", "trailers",
+                 "relay", "out", "answering")
 
     def __init__(self, stream: int, headers: list[tuple[bytes, bytes]], window: int) -> None:
         self.id = stream
@@ -66,6 +69,9 @@ class _Call:
         self.window = window  # what the client lets this side send on the call
         self.left: memoryview | None = None  # the answer's messages not sent yet
         self.trailers = b""
+        self.relay: StreamRelay | None = None  # a stream relayed to HAProxy
+        self.out = bytearray()  # a relayed stream's answers not sent yet
+        self.answering = False  # a relayed stream's response headers are sent
 
 
 class H2Connection(asyncio.Protocol):
@@ -138,6 +144,8 @@ class H2Connection(asyncio.Protocol):
         for call in self._calls.values():  # the client went away: its calls are cancelled
             if call.task is not None:
                 call.task.cancel()
+            if call.relay is not None:
+                call.relay.cancel()
         self._calls.clear()
 
     def data_received(self, data: bytes) -> None:
@@ -215,6 +223,8 @@ class H2Connection(asyncio.Protocol):
             call = self._calls.pop(stream, None)
             if call is not None and call.task is not None:
                 call.task.cancel()
+            if call is not None and call.relay is not None:
+                call.relay.cancel()
             self._maybe_close()
         elif kind == GOAWAY:  # the client opens no more calls
             self._last_taken = min(self._last_taken, self._highest)
@@ -238,7 +248,9 @@ class H2Connection(asyncio.Protocol):
         headers = self._decoder.decode(block)  # always: the decoder's table follows every block
         call = self._calls.get(stream)
         if call is not None:  # a call's trailers
-            if flags & END_STREAM and call.task is None:
+            if flags & END_STREAM and call.relay is not None:
+                call.relay.send(b"", True)
+            elif flags & END_STREAM and call.task is None:
                 self._start(call)
             return
         if not stream & 1:
@@ -249,6 +261,9 @@ class H2Connection(asyncio.Protocol):
         if stream > self._last_taken:
             return  # after the GOAWAY: the client sends it again elsewhere
         path = next((value for name, value in headers if name == b":path"), b"").decode("latin-1")
+        if path == SERVICE + STREAM_RPC:
+            self._relay_stream(stream, headers, bool(flags & END_STREAM))
+            return
         if not path.startswith(SERVICE) or path[len(SERVICE):] in NOT_DIRECT_RPCS:
             self._not_taken(stream)
             return
@@ -270,6 +285,9 @@ class H2Connection(asyncio.Protocol):
             self._write(window_update(0, self._unacked))
             self._unacked = 0
         call = self._calls.get(stream)
+        if call is not None and call.relay is not None:
+            call.relay.send(unpadded(payload, flags, DATA), bool(flags & END_STREAM))
+            return
         if call is None or call.task is not None:
             return  # a call refused, reset or answered: its data is dropped
         data = unpadded(payload, flags, DATA)
@@ -359,10 +377,68 @@ class H2Connection(asyncio.Protocol):
             self._ended(call)
 
     def _flush(self) -> None:
-        for call in [c for c in self._calls.values() if c.left is not None]:
+        for call in [c for c in self._calls.values() if c.left is not None or c.relay is not None]:
             if self._send_window <= 0:
                 return
-            self._flush_call(call, [])
+            if call.relay is not None:
+                self._flush_relayed(call)
+            else:
+                self._flush_call(call, [])
+
+    # relayed streams (:class:`~rayinfer.deployments.h2_stream_relay.StreamRelay` calls these)
+
+    def _relay_stream(self, stream: int, headers: list[tuple[bytes, bytes]], ended: bool) -> None:
+        call = self._calls[stream] = _Call(stream, headers, self._initial_window)
+        call.relay = StreamRelay(self, call)
+        if ended:
+            call.relay.send(b"", True)
+        call.task = asyncio.get_running_loop().create_task(call.relay.open(self._relay))
+
+    def relay_sent(self, call: _Call, size: int) -> None:
+        """``size`` bytes of the client's went up: the client may send as many more."""
+        call.unacked += size
+        if call.unacked >= _STREAM_WINDOW // 2 and self._calls.get(call.id) is call:
+            self._write(window_update(call.id, call.unacked))
+            call.unacked = 0
+
+    def relay_headers(self, call: _Call, block: bytes) -> None:
+        if self._calls.get(call.id) is call:
+            call.answering = True
+            self._write(header_frames(call.id, block, False, self._max_frame))
+
+    def relay_data(self, call: _Call, data: bytes) -> None:
+        call.out += data
+        self._flush_relayed(call)
+
+    def relay_end(self, call: _Call, fields: list[tuple[bytes, bytes]]) -> None:
+        """The stream's trailers (sent once its answers are)."""
+        block = encode(fields)
+        if not call.answering and not any(name == b":status" for name, _ in fields):
+            block = RESPONSE_HEADERS + block  # trailers only
+        call.trailers, call.answering = block, True
+        self._flush_relayed(call)
+
+    def _flush_relayed(self, call: _Call) -> None:
+        """Send what the windows allow of a relayed stream's answers (its trailers after them)."""
+        if self._calls.get(call.id) is not call or self._transport is None:
+            return
+        out, sent = [], 0
+        while call.out and min(self._send_window, call.window) > 0:
+            size = min(len(call.out), self._send_window, call.window, self._max_frame)
+            out.append(frame(DATA, 0, call.id, bytes(call.out[:size])))
+            del call.out[:size]
+            self._send_window -= size
+            call.window -= size
+            sent += size
+        ended = not call.out and bool(call.trailers)
+        if ended:
+            out.append(header_frames(call.id, call.trailers, True, self._max_frame))
+        if out:
+            self._write(b"".join(out))
+        if sent and call.relay is not None:
+            call.relay.delivered(sent)
+        if ended:
+            self._ended(call)
 
     def _ended(self, call: _Call) -> None:
         self._calls.pop(call.id, None)

@@ -31,15 +31,17 @@ PRIORITY_FLAG = 0x20
 # Settings and error codes this side uses.
 SETTINGS_INITIAL_WINDOW_SIZE = 0x4
 SETTINGS_MAX_FRAME_SIZE = 0x5
-NO_ERROR, PROTOCOL_ERROR = 0x0, 0x1
+NO_ERROR, PROTOCOL_ERROR, CANCEL = 0x0, 0x1, 0x8
 DEFAULT_WINDOW = 65_535
 DEFAULT_FRAME_SIZE = 16_384
 MAX_WINDOW = (1 << 31) - 1
 # The model RPCs the front routes by the model name and version their message starts with.
 ROUTED_RPCS = ("ModelInfer", "ModelReady", "ModelMetadata", "ModelConfig", "ModelStatistics")
-# Calls a replica never takes on a client's connection (a stream, a call that may stop the
-# replica): the connection goes, or the call is sent again, to the front's HAProxy.
-NOT_DIRECT_RPCS = frozenset({"ModelStreamInfer", "RepositoryModelLoad", "RepositoryModelUnload"})
+# Calls a replica never answers itself (a stream, a call that may stop the replica): the door
+# gives a connection that starts with one to the front's HAProxy; on a connection a replica
+# holds, a stream is relayed by the replica and a model load or unload sent again elsewhere.
+STREAM_RPC = "ModelStreamInfer"
+NOT_DIRECT_RPCS = frozenset({STREAM_RPC, "RepositoryModelLoad", "RepositoryModelUnload"})
 
 
 def grpc_message_header(message: str) -> bytes:
@@ -127,6 +129,19 @@ def literal(name: bytes, value: bytes) -> bytes:
 # ":status: 200" (static table entry 8) and gRPC's content type.
 RESPONSE_HEADERS = b"\x88" + literal(b"content-type", b"application/grpc")
 OK_TRAILERS = literal(b"grpc-status", b"0")
+
+
+def header_frames(stream: int, block: bytes, end_stream: bool, max_frame: int) -> bytes:
+    """A header block as a HEADERS frame, and CONTINUATIONs when it is over ``max_frame``."""
+    first, rest = block[:max_frame], block[max_frame:]
+    flags = END_STREAM if end_stream else 0
+    if not rest:
+        return frame(HEADERS, flags | END_HEADERS, stream, first)
+    parts = [frame(HEADERS, flags, stream, first)]
+    while rest:
+        chunk, rest = rest[:max_frame], rest[max_frame:]
+        parts.append(frame(CONTINUATION, 0 if rest else END_HEADERS, stream, chunk))
+    return b"".join(parts)
 
 
 def trailers(status: int, message: bytes = b"") -> bytes:

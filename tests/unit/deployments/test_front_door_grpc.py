@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import queue
+import time
 from concurrent import futures
 
 import grpc
@@ -30,7 +31,8 @@ _SERVICE = "inference.GRPCInferenceService"
 
 def _serve_ingress() -> tuple[grpc.Server, int]:
     """Serve's gRPC ingress stand-in: ServerLive answers live, ModelInfer names "serve",
-    ModelStreamInfer echoes each request's id, RepositoryModelUnload succeeds."""
+    ModelStreamInfer echoes each request's id and raw inputs (a request with id "fail" ends the
+    stream with NOT_FOUND), RepositoryModelUnload succeeds."""
 
     def live(request: bytes, context) -> bytes:
         return pb.ServerLiveResponse(live=True).SerializeToString()
@@ -44,8 +46,11 @@ def _serve_ingress() -> tuple[grpc.Server, int]:
     def stream(requests, context):
         for request in requests:
             infer_request = pb.ModelInferRequest.FromString(request)
+            if infer_request.id == "fail":
+                context.abort(grpc.StatusCode.NOT_FOUND, "Request for unknown model: 'fail' is not found")
             yield pb.ModelStreamInferResponse(
-                infer_response=pb.ModelInferResponse(model_name="serve-stream", id=infer_request.id)
+                infer_response=pb.ModelInferResponse(model_name="serve-stream", id=infer_request.id,
+                                                     raw_output_contents=infer_request.raw_input_contents)
             ).SerializeToString()
 
     handlers = {
@@ -163,7 +168,27 @@ def test_a_connection_opened_with_a_server_call_is_placed_by_a_later_one(loop, d
         client.close()
 
 
-def test_a_stream_or_an_unload_goes_on_a_new_connection_to_haproxy(loop, door):
+def _stream(client, *requests: tuple[str, np.ndarray], timeout_s: float = 10.0) -> list:
+    """(response or None, error or None) of each request sent on a new stream, "m" the model."""
+    results: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: results.put((result, error)))
+    try:
+        for request_id, data in requests:
+            tensor = grpcclient.InferInput("X", list(data.shape), "FP32")
+            tensor.set_data_from_numpy(data)
+            client.async_stream_infer("m", [tensor], request_id=request_id)
+        answers = []
+        for _ in requests:
+            result, error = results.get(timeout=timeout_s)
+            answers.append((result.get_response() if result is not None else None, error))
+            if error is not None:
+                break
+        return answers
+    finally:
+        client.stop_stream()
+
+
+def test_a_replica_relays_a_stream_and_refuses_an_unload(loop, door):
     front, port = door
     (one,) = _replicas_of_m(loop, front, "one")
     client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
@@ -171,34 +196,95 @@ def test_a_stream_or_an_unload_goes_on_a_new_connection_to_haproxy(loop, door):
     try:
         assert infer(client, "m", data).model_name == "one"
         assert _h2_connections(one) == 1
-        # The replica closes its connection to the stream; the client's library sends it again
-        # on a new connection, which the door gives HAProxy.
-        results: queue.Queue = queue.Queue()
-        client.start_stream(callback=lambda result, error: results.put((result, error)))
-        tensor = grpcclient.InferInput("X", [1, 2], "FP32")
-        tensor.set_data_from_numpy(data)
-        client.async_stream_infer("m", [tensor], request_id="s1")
-        result, error = results.get(timeout=10)
-        assert error is None and result.get_response().model_name == "serve-stream"
-        client.stop_stream()
+        # The replica relays the stream to HAProxy (which gives it to Serve's ingress) on the
+        # client's connection, which stays the replica's: three messages of 3 MB each way
+        # (gRPC's default limit is 4 MB), beyond every flow-control window, then an error
+        # status that ends the stream.
+        big = np.random.default_rng(0).standard_normal((1, 3 << 18)).astype(np.float32)
+        answers = _stream(client, ("s1", data), *((f"big{k}", big) for k in range(3)), ("fail", data), ("s2", data))
+        assert [(response.model_name, response.id) for response, _ in answers[:4]] == [
+            ("serve-stream", "s1"), ("serve-stream", "big0"), ("serve-stream", "big1"), ("serve-stream", "big2")]
+        assert all(response.raw_output_contents[0] == big.tobytes() for response, _ in answers[1:4])
+        error = answers[4][1]
+        assert len(answers) == 5 and answers[4][0] is None and error.status() == "StatusCode.NOT_FOUND"
+        assert error.message() == "Request for unknown model: 'fail' is not found"
+        assert _h2_connections(one) == 1
+        assert infer(client, "m", data).model_name == "one"
+        # An unload is not: the replica closes its connection to it; the client's library sends
+        # it again on a new connection, which the door gives HAProxy.
+        client.unload_model("m")
         wait_until(lambda: _h2_connections(one) == 0, "the replica's connection closes", 5)
-        assert infer(client, "m", data).model_name == "one"  # a new connection, the replica's again
-        client.unload_model("m")  # never relayed by the replica whose model it may stop
         assert infer(client, "m", data).model_name == "one"
     finally:
         client.close()
 
 
-def test_a_refused_stream_finds_the_connection_open_until_the_client_closes_it(loop, door):
-    """A replica that refuses a stream (GOAWAY) ends the connection with FIN and reads on: the
-    frames the client sent meanwhile (the stream's messages) are dropped, not answered with a
-    reset, so the client reads the GOAWAY and sends the stream again elsewhere (grpc failed it
+def test_a_relayed_stream_the_client_cancels_is_cancelled_upstream(loop, door):
+    """A client that ends its stream while answers are still coming: the replica resets its
+    side of the relay, and its connection goes on serving."""
+    front, port = door
+    (one,) = _replicas_of_m(loop, front, "one")
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
+    data = np.zeros((1, 2), np.float32)
+    try:
+        assert infer(client, "m", data).model_name == "one"
+        results: queue.Queue = queue.Queue()
+        client.start_stream(callback=lambda result, error: results.put((result, error)))
+        tensor = grpcclient.InferInput("X", [1, 2], "FP32")
+        tensor.set_data_from_numpy(data)
+        client.async_stream_infer("m", [tensor], request_id="c1")
+        assert results.get(timeout=10)[1] is None
+        client.stop_stream(cancel_requests=True)
+        wait_until(lambda: not any(call.relay for connection in list(one.listener._connections)
+                                   if isinstance(connection, H2Connection) for call in connection._calls.values()),
+                   "the replica to drop the relayed stream", 5)
+        assert infer(client, "m", data).model_name == "one" and _h2_connections(one) == 1
+    finally:
+        client.close()
+
+
+def test_a_stream_the_front_does_not_take_ends_with_unavailable(loop, door, monkeypatch, tmp_path):
+    front, port = door
+    (one,) = _replicas_of_m(loop, front, "one")
+    relay_stream = H2Connection._relay_stream
+
+    def to_nowhere(connection: H2Connection, *args) -> None:  # HAProxy's socket gone
+        connection._relay = str(tmp_path / "gone.sock")
+        relay_stream(connection, *args)
+
+    monkeypatch.setattr(H2Connection, "_relay_stream", to_nowhere)
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
+    data = np.zeros((1, 2), np.float32)
+    try:
+        assert infer(client, "m", data).model_name == "one"
+        results: queue.Queue = queue.Queue()
+        client.start_stream(callback=lambda result, error: results.put((result, error)))
+        tensor = grpcclient.InferInput("X", [1, 2], "FP32")
+        tensor.set_data_from_numpy(data)
+        try:
+            client.async_stream_infer("m", [tensor])
+        except InferenceServerException:
+            pass  # the stream had ended already: its error comes through the callback
+        response, error = results.get(timeout=10)
+        client.stop_stream()
+        assert response is None and error.status() == "StatusCode.UNAVAILABLE"
+        assert error.message() == "the front did not take a relayed stream"
+        assert infer(client, "m", data).model_name == "one" and _h2_connections(one) == 1
+    finally:
+        client.close()
+
+
+def test_a_refused_call_finds_the_connection_open_until_the_client_closes_it(loop, door):
+    """A replica that refuses a call (GOAWAY: an unload) ends the connection with FIN and reads
+    on: the frames the client sent meanwhile (the call's message) are dropped, not answered with
+    a reset, so the client reads the GOAWAY and sends the call again elsewhere (grpc failed it
     with "Stream removed (sendmsg: Broken pipe)" when its next write met a closed socket)."""
     import socket
 
     front, port = door
     _replicas_of_m(loop, front, "one")
     request = pb.ModelInferRequest(model_name="m", id="r1").SerializeToString()
+    unload = pb.RepositoryModelUnloadRequest(model_name="m").SerializeToString()
     with socket.create_connection(("127.0.0.1", port), 5) as sock:
         sock.sendall(_first_call(f"/{_SERVICE}/ModelInfer", request))
         received = b""
@@ -206,20 +292,21 @@ def test_a_refused_stream_finds_the_connection_open_until_the_client_closes_it(l
             chunk = sock.recv(65536)
             assert chunk, f"the connection closed before the replica answered: {received!r}"
             received += chunk
-        stream = hpack.Encoder().encode([(":method", "POST"), (":scheme", "http"), (":path", f"/{_SERVICE}/ModelStreamInfer"),
-                                         (":authority", "x"), ("content-type", "application/grpc"), ("te", "trailers")])
-        sock.sendall(frame(HEADERS, END_HEADERS, 3, stream))
+        call = hpack.Encoder().encode([(":method", "POST"), (":scheme", "http"),
+                                       (":path", f"/{_SERVICE}/RepositoryModelUnload"), (":authority", "x"),
+                                       ("content-type", "application/grpc"), ("te", "trailers")])
+        sock.sendall(frame(HEADERS, END_HEADERS, 3, call))
         sock.settimeout(5)
         while chunk := sock.recv(65536):  # up to the replica's FIN, after its GOAWAY
             received += chunk
-        # The stream's messages, sent after that (as a client that has not read the GOAWAY yet
-        # does): none meets a reset.
-        message = b"\0" + len(request).to_bytes(4, "big") + request
+        # The call's message, sent after that (as a client that has not read the GOAWAY yet
+        # does), and more: none meets a reset.
+        message = b"\0" + len(unload).to_bytes(4, "big") + unload
         for _ in range(5):
             sock.sendall(frame(DATA, 0, 3, message))
         assert sock.recv(65536) == b""
     # The GOAWAY names call 1 the last one taken, after its answer; nothing follows it (no reset,
-    # no answer to the refused stream), then FIN.
+    # no answer to the refused call), then FIN.
     assert received.endswith(goaway(1)) and received.index(goaway(1)) > received.index(b"one")
 
 
@@ -256,3 +343,48 @@ def test_connections_take_turns_over_the_replicas(loop, door, monkeypatch):
         wait_until(both_served, "a connection to take its turn to the other replica", 10)
     finally:
         client.close()
+
+
+def test_a_stream_started_on_a_replicas_connection_gets_every_message_answered(loop, door, monkeypatch):
+    """A stream started on a connection a replica holds, its messages sent a millisecond or so
+    apart: every one is answered, in order. (Refused with GOAWAY, grpc's C core sends such a
+    stream again on a new connection, and drops a message now and then when some were sent
+    before the GOAWAY came and some after: the stream then waits forever for its answer.)"""
+    import random
+
+    front, port = door
+    (one,) = _replicas_of_m(loop, front, "one")
+    data = np.zeros((1, 2), np.float32)
+    tensor = grpcclient.InferInput("X", [1, 2], "FP32")
+    tensor.set_data_from_numpy(data)
+    pace = random.Random(0)
+    headers = H2Connection._headers
+
+    def busy(connection: H2Connection, stream: int, flags: int, block: bytes) -> None:
+        # The replica's event loop busy when the stream's headers come, as a loaded replica's
+        # is: some of the stream's messages are sent before it reads them, some after.
+        if stream == 3:
+            time.sleep(pace.random() * 0.002)
+        headers(connection, stream, flags, block)
+
+    monkeypatch.setattr(H2Connection, "_headers", busy)
+    for round_ in range(12):
+        client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")  # a new connection: the replica's
+        try:
+            assert infer(client, "m", data).model_name == "one"
+            results: queue.Queue = queue.Queue()
+            client.start_stream(callback=lambda result, error: results.put((result, error)))
+            for k in range(6):
+                client.async_stream_infer("m", [tensor], request_id=f"{round_}.{k}")
+                time.sleep(pace.random() * 0.001)
+            answers = []
+            for _ in range(6):
+                try:
+                    answers.append(results.get(timeout=5))
+                except queue.Empty:
+                    break
+            client.stop_stream()
+        finally:
+            client.close()
+        assert [error for _, error in answers] == [None] * len(answers)
+        assert [result.get_response().id for result, _ in answers] == [f"{round_}.{k}" for k in range(6)]

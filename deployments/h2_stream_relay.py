@@ -1,0 +1,236 @@
+"""A gRPC stream (``ModelStreamInfer``) that a client starts on a connection a model replica
+holds, relayed by that replica to the front's HAProxy over HTTP/2.
+
+The replica does not answer streams itself (the ``/v2`` replica forwards each of a stream's
+requests to its model), and it cannot give the connection away once HTTP/2's header tables hold
+state. Refusing the stream (a ``GOAWAY`` naming the call before it) makes the client's gRPC
+library send it again on a new connection, but grpc's C core (under tritonclient.grpc and
+perf_analyzer) then drops a message now and then when some of the stream's messages went out
+before the ``GOAWAY`` came and some after: the stream waits forever for that answer. So the
+replica keeps the stream and copies it, frame by frame, over a connection of its own to
+HAProxy's gRPC socket (stream 1 there), which routes it as it routes a stream from the door.
+
+:class:`StreamRelay` is the HAProxy side of one relayed stream: the client's messages go up as
+HAProxy's flow-control window allows (the client's own window is given back only as they go, so
+a stream never holds more than its window here), and HAProxy's answers come down to the client's
+connection (:class:`~rayinfer.deployments.replica_h2.H2Connection`), whose windows pace them
+(HAProxy's window is given back as they reach the client). Header blocks are decoded on one side
+and sent on as literals on the other. A stream HAProxy refuses, resets or whose connection ends
+before its status ends for the client with UNAVAILABLE and a message saying so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, Protocol
+
+import hpack
+
+from rayinfer.protocol.grpc_wire import (
+    ACK, CANCEL, CONTINUATION, DATA, DEFAULT_FRAME_SIZE, DEFAULT_WINDOW, END_HEADERS, END_STREAM, GOAWAY, HEADERS,
+    MAX_WINDOW, PING, PREFACE, RST_STREAM, SETTINGS, SETTINGS_INITIAL_WINDOW_SIZE, SETTINGS_MAX_FRAME_SIZE,
+    WINDOW_UPDATE, HeaderDecoder, frame, frame_header, header_frames, literal, parse_settings, settings, unpadded,
+    window_update,
+)
+
+logger = logging.getLogger(__name__)
+
+Fields = list[tuple[bytes, bytes]]
+
+_UP = 1  # the relayed stream's id on HAProxy's connection
+_STREAM_WINDOW = 1 << 22  # what HAProxy may send down before the client has read it
+_CONNECTION_WINDOW = 1 << 22
+_UNAVAILABLE = b"14"
+
+
+class ClientSide(Protocol):
+    """The client's connection a stream is relayed for (``replica_h2.H2Connection``); ``call``
+    is its call, whose ``headers`` the relay sends up."""
+
+    def relay_sent(self, call: Any, size: int) -> None: ...  # the client's bytes that went up
+
+    def relay_headers(self, call: Any, block: bytes) -> None: ...  # HAProxy's response headers
+
+    def relay_data(self, call: Any, data: bytes) -> None: ...  # HAProxy's DATA
+
+    def relay_end(self, call: Any, fields: Fields) -> None: ...  # the trailers: the end
+
+
+def unavailable(message: bytes) -> Fields:
+    return [(b"grpc-status", _UNAVAILABLE), (b"grpc-message", message)]
+
+
+def encode(fields: Fields) -> bytes:
+    return b"".join(literal(name, value) for name, value in fields)
+
+
+class StreamRelay(asyncio.Protocol):
+    """One relayed stream: the connection to HAProxy that carries it, and both directions."""
+
+    def __init__(self, down: ClientSide, call: Any) -> None:
+        self._down, self._call = down, call
+        self._transport: Any = None
+        self._buffer = bytearray()
+        self._decoder = HeaderDecoder()
+        self._block: list[bytes] | None = None  # a header block in CONTINUATIONs
+        self._block_ends = False
+        self._up = bytearray()  # the client's bytes not sent up yet
+        self._up_ends = False  # the client has ended its side: END_STREAM after them
+        self._up_ended = False
+        self._send_window = self._stream_window = self._initial_window = DEFAULT_WINDOW
+        self._max_frame = DEFAULT_FRAME_SIZE
+        self._down_unacked = 0  # bytes delivered to the client since the last WINDOW_UPDATEs
+        self._answering = False  # HAProxy's response headers came
+        self.done = False
+
+    async def open(self, socket_path: str) -> None:
+        try:
+            await asyncio.get_running_loop().create_unix_connection(lambda: self, socket_path)
+        except OSError as exc:
+            logger.warning("could not relay a stream to the front (%s): %s", socket_path, exc)
+            self._fail(b"the front did not take a relayed stream")
+
+    # the client's side (H2Connection calls these)
+
+    def send(self, data: bytes, end: bool) -> None:
+        """The client's DATA for the stream (``end``: its last)."""
+        self._up += data
+        self._up_ends = self._up_ends or end
+        self._flush_up()
+
+    def delivered(self, size: int) -> None:
+        """``size`` bytes of HAProxy's DATA reached the client: HAProxy may send as many more."""
+        self._down_unacked += size
+        if self._down_unacked >= _STREAM_WINDOW // 2 and self._transport is not None:
+            self._transport.write(window_update(0, self._down_unacked) + window_update(_UP, self._down_unacked))
+            self._down_unacked = 0
+
+    def cancel(self) -> None:
+        """The client reset the stream or went away: HAProxy's side is reset and closed."""
+        self.done = True
+        if self._transport is not None:
+            self._transport.write(frame(RST_STREAM, 0, _UP, CANCEL.to_bytes(4, "big")))
+            self._transport.close()
+
+    # asyncio.Protocol
+
+    def connection_made(self, transport: Any) -> None:
+        if self.done:  # the client went away while it connected
+            transport.close()
+            return
+        self._transport = transport
+        headers = encode([(name, value) for name, value in self._call.headers])
+        transport.write(PREFACE + settings({SETTINGS_INITIAL_WINDOW_SIZE: _STREAM_WINDOW})
+                        + window_update(0, _CONNECTION_WINDOW - DEFAULT_WINDOW)
+                        + header_frames(_UP, headers, False, DEFAULT_FRAME_SIZE))
+        self._flush_up()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._transport = None
+        self._fail(b"the front closed a relayed stream")
+
+    def data_received(self, data: bytes) -> None:
+        self._buffer += data
+        buffer, at = self._buffer, 0
+        try:
+            while len(buffer) - at >= 9 and not self.done:
+                length, kind, flags, stream = frame_header(buffer, at)
+                if len(buffer) - at - 9 < length:
+                    break
+                payload = bytes(buffer[at + 9:at + 9 + length])
+                at += 9 + length
+                self._frame(kind, flags, stream, payload)
+        except (ValueError, hpack.HPACKError) as exc:
+            logger.warning("malformed HTTP/2 from the front on a relayed stream: %s", exc)
+            self._fail(b"the front answered a relayed stream with malformed HTTP/2")
+        del buffer[:at]
+
+    # frames from HAProxy
+
+    def _frame(self, kind: int, flags: int, stream: int, payload: bytes) -> None:
+        if kind == DATA and stream == _UP:
+            data = unpadded(payload, flags, kind)
+            self.delivered(len(payload) - len(data))  # padding is never delivered
+            if data:
+                self._down.relay_data(self._call, data)
+            if flags & END_STREAM:  # no trailers: no status
+                self._end([(b"grpc-status", b"13"), (b"grpc-message", b"the front ended a relayed stream without a status")])
+        elif kind in (HEADERS, CONTINUATION) and stream == _UP:
+            if kind == HEADERS:
+                self._block, self._block_ends = [unpadded(payload, flags, kind)], bool(flags & END_STREAM)
+            elif self._block is not None:
+                self._block.append(payload)
+            if flags & END_HEADERS and self._block is not None:
+                fields = self._decoder.decode(b"".join(self._block))
+                self._block = None
+                self._headers(fields, self._block_ends)
+        elif kind == SETTINGS and not flags & ACK:
+            values = parse_settings(payload)
+            if SETTINGS_INITIAL_WINDOW_SIZE in values:  # changes the stream's window by the difference
+                self._stream_window += values[SETTINGS_INITIAL_WINDOW_SIZE] - self._initial_window
+                self._initial_window = values[SETTINGS_INITIAL_WINDOW_SIZE]
+            self._max_frame = values.get(SETTINGS_MAX_FRAME_SIZE, self._max_frame)
+            self._write(frame(SETTINGS, ACK, 0))
+            self._flush_up()
+        elif kind == PING and not flags & ACK:
+            self._write(frame(PING, ACK, 0, payload))
+        elif kind == WINDOW_UPDATE:
+            increment = int.from_bytes(payload, "big") & MAX_WINDOW
+            if stream == 0:
+                self._send_window += increment
+            elif stream == _UP:
+                self._stream_window += increment
+            self._flush_up()
+        elif kind == RST_STREAM and stream == _UP:
+            code = int.from_bytes(payload, "big")
+            self._fail(b"the front reset a relayed stream (HTTP/2 error %d)" % code)
+        elif kind == GOAWAY and int.from_bytes(payload[:4], "big") & MAX_WINDOW < _UP:
+            self._fail(b"the front refused a relayed stream")
+
+    def _headers(self, fields: Fields, ends: bool) -> None:
+        if not self._answering and not ends:  # the response's headers
+            self._answering = True
+            self._down.relay_headers(self._call, encode(fields))
+        elif ends:  # the trailers (or a trailers-only response)
+            self._answering = True
+            self._end(fields)
+
+    # frames to HAProxy
+
+    def _write(self, data: bytes) -> None:
+        if self._transport is not None:
+            self._transport.write(data)
+
+    def _flush_up(self) -> None:
+        """Send what HAProxy's windows allow of the client's bytes; give the client's window
+        back as they go."""
+        if self._transport is None or self._up_ended:
+            return
+        out, sent = [], 0
+        while self._up and min(self._send_window, self._stream_window) > 0:
+            size = min(len(self._up), self._send_window, self._stream_window, self._max_frame)
+            out.append(frame(DATA, 0, _UP, bytes(self._up[:size])))
+            del self._up[:size]
+            self._send_window -= size
+            self._stream_window -= size
+            sent += size
+        if self._up_ends and not self._up:
+            out.append(frame(DATA, END_STREAM, _UP))
+            self._up_ended = True
+        if out:
+            self._transport.write(b"".join(out))
+        if sent:
+            self._down.relay_sent(self._call, sent)
+
+    # the end
+
+    def _end(self, fields: Fields) -> None:
+        if not self.done:
+            self.done = True
+            self._down.relay_end(self._call, fields)
+            if self._transport is not None:
+                self._transport.close()
+
+    def _fail(self, message: bytes) -> None:
+        self._end(unavailable(message))
