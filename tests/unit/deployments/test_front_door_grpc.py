@@ -6,6 +6,7 @@ Serve's gRPC ingress behind the front."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import queue
 import time
 from concurrent import futures
@@ -168,15 +169,34 @@ def test_a_connection_opened_with_a_server_call_is_placed_by_a_later_one(loop, d
         client.close()
 
 
+@contextlib.contextmanager
+def _replicas_connection(loop, door):
+    """(replica, client, data): a client whose connection the door gave m's one replica."""
+    front, port = door
+    (one,) = _replicas_of_m(loop, front, "one")
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
+    data = np.zeros((1, 2), np.float32)
+    try:
+        assert infer(client, "m", data).model_name == "one"
+        assert _h2_connections(one) == 1
+        yield one, client, data
+    finally:
+        client.close()
+
+
+def _tensor(data: np.ndarray) -> grpcclient.InferInput:
+    tensor = grpcclient.InferInput("X", list(data.shape), "FP32")
+    tensor.set_data_from_numpy(data)
+    return tensor
+
+
 def _stream(client, *requests: tuple[str, np.ndarray], timeout_s: float = 10.0) -> list:
     """(response or None, error or None) of each request sent on a new stream, "m" the model."""
     results: queue.Queue = queue.Queue()
     client.start_stream(callback=lambda result, error: results.put((result, error)))
     try:
         for request_id, data in requests:
-            tensor = grpcclient.InferInput("X", list(data.shape), "FP32")
-            tensor.set_data_from_numpy(data)
-            client.async_stream_infer("m", [tensor], request_id=request_id)
+            client.async_stream_infer("m", [_tensor(data)], request_id=request_id)
         answers = []
         for _ in requests:
             result, error = results.get(timeout=timeout_s)
@@ -189,13 +209,7 @@ def _stream(client, *requests: tuple[str, np.ndarray], timeout_s: float = 10.0) 
 
 
 def test_a_replica_relays_a_stream_and_refuses_an_unload(loop, door):
-    front, port = door
-    (one,) = _replicas_of_m(loop, front, "one")
-    client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
-    data = np.zeros((1, 2), np.float32)
-    try:
-        assert infer(client, "m", data).model_name == "one"
-        assert _h2_connections(one) == 1
+    with _replicas_connection(loop, door) as (one, client, data):
         # The replica relays the stream to HAProxy (which gives it to Serve's ingress) on the
         # client's connection, which stays the replica's: three messages of 3 MB each way
         # (gRPC's default limit is 4 MB), beyond every flow-control window, then an error
@@ -215,37 +229,24 @@ def test_a_replica_relays_a_stream_and_refuses_an_unload(loop, door):
         client.unload_model("m")
         wait_until(lambda: _h2_connections(one) == 0, "the replica's connection closes", 5)
         assert infer(client, "m", data).model_name == "one"
-    finally:
-        client.close()
 
 
 def test_a_relayed_stream_the_client_cancels_is_cancelled_upstream(loop, door):
     """A client that ends its stream while answers are still coming: the replica resets its
     side of the relay, and its connection goes on serving."""
-    front, port = door
-    (one,) = _replicas_of_m(loop, front, "one")
-    client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
-    data = np.zeros((1, 2), np.float32)
-    try:
-        assert infer(client, "m", data).model_name == "one"
+    with _replicas_connection(loop, door) as (one, client, data):
         results: queue.Queue = queue.Queue()
         client.start_stream(callback=lambda result, error: results.put((result, error)))
-        tensor = grpcclient.InferInput("X", [1, 2], "FP32")
-        tensor.set_data_from_numpy(data)
-        client.async_stream_infer("m", [tensor], request_id="c1")
+        client.async_stream_infer("m", [_tensor(data)], request_id="c1")
         assert results.get(timeout=10)[1] is None
         client.stop_stream(cancel_requests=True)
         wait_until(lambda: not any(call.relay for connection in list(one.listener._connections)
                                    if isinstance(connection, H2Connection) for call in connection._calls.values()),
                    "the replica to drop the relayed stream", 5)
         assert infer(client, "m", data).model_name == "one" and _h2_connections(one) == 1
-    finally:
-        client.close()
 
 
 def test_a_stream_the_front_does_not_take_ends_with_unavailable(loop, door, monkeypatch, tmp_path):
-    front, port = door
-    (one,) = _replicas_of_m(loop, front, "one")
     relay_stream = H2Connection._relay_stream
 
     def to_nowhere(connection: H2Connection, *args) -> None:  # HAProxy's socket gone
@@ -253,16 +254,11 @@ def test_a_stream_the_front_does_not_take_ends_with_unavailable(loop, door, monk
         relay_stream(connection, *args)
 
     monkeypatch.setattr(H2Connection, "_relay_stream", to_nowhere)
-    client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
-    data = np.zeros((1, 2), np.float32)
-    try:
-        assert infer(client, "m", data).model_name == "one"
+    with _replicas_connection(loop, door) as (one, client, data):
         results: queue.Queue = queue.Queue()
         client.start_stream(callback=lambda result, error: results.put((result, error)))
-        tensor = grpcclient.InferInput("X", [1, 2], "FP32")
-        tensor.set_data_from_numpy(data)
         try:
-            client.async_stream_infer("m", [tensor])
+            client.async_stream_infer("m", [_tensor(data)])
         except InferenceServerException:
             pass  # the stream had ended already: its error comes through the callback
         response, error = results.get(timeout=10)
@@ -270,8 +266,6 @@ def test_a_stream_the_front_does_not_take_ends_with_unavailable(loop, door, monk
         assert response is None and error.status() == "StatusCode.UNAVAILABLE"
         assert error.message() == "the front did not take a relayed stream"
         assert infer(client, "m", data).model_name == "one" and _h2_connections(one) == 1
-    finally:
-        client.close()
 
 
 def test_a_refused_call_finds_the_connection_open_until_the_client_closes_it(loop, door):
@@ -355,8 +349,7 @@ def test_a_stream_started_on_a_replicas_connection_gets_every_message_answered(l
     front, port = door
     (one,) = _replicas_of_m(loop, front, "one")
     data = np.zeros((1, 2), np.float32)
-    tensor = grpcclient.InferInput("X", [1, 2], "FP32")
-    tensor.set_data_from_numpy(data)
+    tensor = _tensor(data)
     pace = random.Random(0)
     headers = H2Connection._headers
 
