@@ -13,7 +13,8 @@ HAProxy's gRPC socket (stream 1 there), which routes it as it routes a stream fr
 :class:`StreamRelay` is the HAProxy side of one relayed stream: the client's messages go up as
 HAProxy's flow-control window allows (the client's own window is given back only as they go, so
 a stream never holds more than its window here), and HAProxy's answers come down to the client's
-connection (:class:`~rayinfer.deployments.replica_h2.H2Connection`), whose windows pace them
+connection (:class:`RelayedStreams`, the part of
+:class:`~rayinfer.deployments.replica_h2.H2Connection` that sends them), whose windows pace them
 (HAProxy's window is given back as they reach the client). Header blocks are decoded on one side
 and sent on as literals on the other. A stream HAProxy refuses, resets or whose connection ends
 before its status ends for the client with UNAVAILABLE and a message saying so.
@@ -23,13 +24,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Protocol
+from collections.abc import Callable
+from typing import Any
 
 import hpack
 
 from rayinfer.protocol.grpc_wire import (
     ACK, CANCEL, CONTINUATION, DATA, DEFAULT_FRAME_SIZE, DEFAULT_WINDOW, END_HEADERS, END_STREAM, GOAWAY, HEADERS,
-    MAX_WINDOW, PING, PREFACE, RST_STREAM, SETTINGS, SETTINGS_INITIAL_WINDOW_SIZE, SETTINGS_MAX_FRAME_SIZE,
+    MAX_WINDOW, PING, PREFACE, RESPONSE_HEADERS, RST_STREAM, SETTINGS, SETTINGS_INITIAL_WINDOW_SIZE, SETTINGS_MAX_FRAME_SIZE,
     WINDOW_UPDATE, HeaderDecoder, frame, frame_header, header_frames, literal, parse_settings, settings, unpadded,
     window_update,
 )
@@ -44,17 +46,64 @@ _CONNECTION_WINDOW = 1 << 22
 _UNAVAILABLE = b"14"
 
 
-class ClientSide(Protocol):
-    """The client's connection a stream is relayed for (``replica_h2.H2Connection``); ``call``
-    is its call, whose ``headers`` the relay sends up."""
+class RelayedStreams:
+    """The client's side of relayed streams, a part of ``replica_h2.H2Connection``: what
+    :class:`StreamRelay` calls with HAProxy's answers, sent to the client as the client's
+    flow-control windows allow. A ``call`` is the connection's call of the stream."""
 
-    def relay_sent(self, call: Any, size: int) -> None: ...  # the client's bytes that went up
+    _calls: dict[int, Any]
+    _transport: Any
+    _send_window: int  # what the client lets this side send on the connection
+    _max_frame: int
+    _client_window: int  # what a client may send on one call before the replica reads it
+    _write: Callable[[bytes], None]  # to the client (H2Connection's)
+    _ended: Callable[[Any], None]  # a call is over (H2Connection's)
 
-    def relay_headers(self, call: Any, block: bytes) -> None: ...  # HAProxy's response headers
+    def relay_sent(self, call: Any, size: int) -> None:
+        """``size`` bytes of the client's went up: the client may send as many more."""
+        call.unacked += size
+        if call.unacked >= self._client_window // 2 and self._calls.get(call.id) is call:
+            self._write(window_update(call.id, call.unacked))
+            call.unacked = 0
 
-    def relay_data(self, call: Any, data: bytes) -> None: ...  # HAProxy's DATA
+    def relay_headers(self, call: Any, block: bytes) -> None:
+        if self._calls.get(call.id) is call:
+            call.answering = True
+            self._write(header_frames(call.id, block, False, self._max_frame))
 
-    def relay_end(self, call: Any, fields: Fields) -> None: ...  # the trailers: the end
+    def relay_data(self, call: Any, data: bytes) -> None:
+        call.out += data
+        self._flush_relayed(call)
+
+    def relay_end(self, call: Any, fields: list[tuple[bytes, bytes]]) -> None:
+        """The stream's trailers (sent once its answers are)."""
+        block = encode(fields)
+        if not call.answering and not any(name == b":status" for name, _ in fields):
+            block = RESPONSE_HEADERS + block  # trailers only
+        call.trailers, call.answering = block, True
+        self._flush_relayed(call)
+
+    def _flush_relayed(self, call: Any) -> None:
+        """Send what the windows allow of a relayed stream's answers (its trailers after them)."""
+        if self._calls.get(call.id) is not call or self._transport is None:
+            return
+        out, sent = [], 0
+        while call.out and min(self._send_window, call.window) > 0:
+            size = min(len(call.out), self._send_window, call.window, self._max_frame)
+            out.append(frame(DATA, 0, call.id, bytes(call.out[:size])))
+            del call.out[:size]
+            self._send_window -= size
+            call.window -= size
+            sent += size
+        ended = not call.out and bool(call.trailers)
+        if ended:
+            out.append(header_frames(call.id, call.trailers, True, self._max_frame))
+        if out:
+            self._write(b"".join(out))
+        if sent and call.relay is not None:
+            call.relay.delivered(sent)
+        if ended:
+            self._ended(call)
 
 
 def unavailable(message: bytes) -> Fields:
@@ -68,7 +117,7 @@ def encode(fields: Fields) -> bytes:
 class StreamRelay(asyncio.Protocol):
     """One relayed stream: the connection to HAProxy that carries it, and both directions."""
 
-    def __init__(self, down: ClientSide, call: Any) -> None:
+    def __init__(self, down: RelayedStreams, call: Any) -> None:
         self._down, self._call = down, call
         self._transport: Any = None
         self._buffer = bytearray()

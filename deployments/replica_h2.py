@@ -30,13 +30,13 @@ from typing import Any
 import hpack
 
 from rayinfer.deployments.client_relay import relay_grpc
-from rayinfer.deployments.h2_stream_relay import StreamRelay, encode
+from rayinfer.deployments.h2_stream_relay import RelayedStreams, StreamRelay
 from rayinfer.protocol.errors import UnavailableError
 from rayinfer.protocol.grpc_wire import (
     ACK, CONTINUATION, DATA, DEFAULT_FRAME_SIZE, DEFAULT_WINDOW, END_HEADERS, END_STREAM, GOAWAY, HEADERS,
     MAX_WINDOW, NOT_DIRECT_RPCS, OK_TRAILERS, PING, PREFACE, PROTOCOL_ERROR, PUSH_PROMISE, RESPONSE_HEADERS, ROUTED_RPCS,
     RST_STREAM, SERVICE, SETTINGS, SETTINGS_INITIAL_WINDOW_SIZE, SETTINGS_MAX_FRAME_SIZE, STREAM_RPC, WINDOW_UPDATE,
-    HeaderDecoder, frame, frame_header, goaway, grpc_status, header_frames, literal, name_and_version,
+    HeaderDecoder, frame, frame_header, goaway, grpc_status, literal, name_and_version,
     parse_settings, settings, trailers, unframe, unpadded, window_update,
 )
 from rayinfer.protocol.limits import GRPC_MAX_MESSAGE_SIZE, inflight_limit_message, message_too_large
@@ -74,7 +74,7 @@ class _Call:
         self.answering = False  # a relayed stream's response headers are sent
 
 
-class H2Connection(asyncio.Protocol):
+class H2Connection(RelayedStreams, asyncio.Protocol):
     """One client's HTTP/2 connection; ``direct``: the Unix socket of the front's HAProxy that
     takes relayed calls, and the route key (``<model>/<version>``) the door gave it for."""
 
@@ -97,6 +97,7 @@ class H2Connection(asyncio.Protocol):
         self._max_frame = DEFAULT_FRAME_SIZE
         self._unacked = 0  # bytes received since the last connection WINDOW_UPDATE
         self._turn_at = time.monotonic() + _TURN_S
+        self._client_window = _STREAM_WINDOW
 
     # the listener's view (as of its HTTP/1.1 connections)
 
@@ -385,7 +386,7 @@ class H2Connection(asyncio.Protocol):
             else:
                 self._flush_call(call, [])
 
-    # relayed streams (:class:`~rayinfer.deployments.h2_stream_relay.StreamRelay` calls these)
+    # relayed streams (the rest of their side here is :class:`RelayedStreams`)
 
     def _relay_stream(self, stream: int, headers: list[tuple[bytes, bytes]], ended: bool) -> None:
         call = self._calls[stream] = _Call(stream, headers, self._initial_window)
@@ -393,52 +394,6 @@ class H2Connection(asyncio.Protocol):
         if ended:
             call.relay.send(b"", True)
         call.task = asyncio.get_running_loop().create_task(call.relay.open(self._relay))
-
-    def relay_sent(self, call: _Call, size: int) -> None:
-        """``size`` bytes of the client's went up: the client may send as many more."""
-        call.unacked += size
-        if call.unacked >= _STREAM_WINDOW // 2 and self._calls.get(call.id) is call:
-            self._write(window_update(call.id, call.unacked))
-            call.unacked = 0
-
-    def relay_headers(self, call: _Call, block: bytes) -> None:
-        if self._calls.get(call.id) is call:
-            call.answering = True
-            self._write(header_frames(call.id, block, False, self._max_frame))
-
-    def relay_data(self, call: _Call, data: bytes) -> None:
-        call.out += data
-        self._flush_relayed(call)
-
-    def relay_end(self, call: _Call, fields: list[tuple[bytes, bytes]]) -> None:
-        """The stream's trailers (sent once its answers are)."""
-        block = encode(fields)
-        if not call.answering and not any(name == b":status" for name, _ in fields):
-            block = RESPONSE_HEADERS + block  # trailers only
-        call.trailers, call.answering = block, True
-        self._flush_relayed(call)
-
-    def _flush_relayed(self, call: _Call) -> None:
-        """Send what the windows allow of a relayed stream's answers (its trailers after them)."""
-        if self._calls.get(call.id) is not call or self._transport is None:
-            return
-        out, sent = [], 0
-        while call.out and min(self._send_window, call.window) > 0:
-            size = min(len(call.out), self._send_window, call.window, self._max_frame)
-            out.append(frame(DATA, 0, call.id, bytes(call.out[:size])))
-            del call.out[:size]
-            self._send_window -= size
-            call.window -= size
-            sent += size
-        ended = not call.out and bool(call.trailers)
-        if ended:
-            out.append(header_frames(call.id, call.trailers, True, self._max_frame))
-        if out:
-            self._write(b"".join(out))
-        if sent and call.relay is not None:
-            call.relay.delivered(sent)
-        if ended:
-            self._ended(call)
 
     def _ended(self, call: _Call) -> None:
         self._calls.pop(call.id, None)
