@@ -75,7 +75,7 @@ class RelayedStreams:
         call.out += data
         self._flush_relayed(call)
 
-    def relay_end(self, call: Any, fields: list[tuple[bytes, bytes]]) -> None:
+    def relay_end(self, call: Any, fields: Fields) -> None:
         """The stream's trailers (sent once its answers are)."""
         block = encode(fields)
         if not call.answering and not any(name == b":status" for name, _ in fields):
@@ -169,7 +169,7 @@ class StreamRelay(asyncio.Protocol):
             transport.close()
             return
         self._transport = transport
-        headers = encode([(name, value) for name, value in self._call.headers])
+        headers = encode(self._call.headers)
         transport.write(PREFACE + settings({SETTINGS_INITIAL_WINDOW_SIZE: _STREAM_WINDOW})
                         + window_update(0, _CONNECTION_WINDOW - DEFAULT_WINDOW)
                         + header_frames(_UP, headers, False, DEFAULT_FRAME_SIZE))

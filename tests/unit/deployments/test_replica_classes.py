@@ -11,7 +11,7 @@ from rayinfer.deployments.replica_classes import reuse_replica_classes
 
 
 class Model:
-    pass
+    """The user class a deployment's replicas run (the test needs only its name)."""
 
 
 @pytest.fixture
