@@ -22,6 +22,7 @@ from rayinfer.cluster.settings import (
     RAY_ENVIRONMENT,
     ServerSettings,
     auto_complete,
+    connection_limits,
     grpc_front,
     http_front,
     metrics_endpoint,
@@ -122,6 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("--max-inflight-requests", type=int, default=None,
                          help="inference calls the front relays to model replicas at once; more answer "
                               "503 / UNAVAILABLE (default 1024)")
+        for flag, kind, what in _CONNECTION_FLAGS:
+            sub.add_argument(flag, type=kind, default=None, help=what)
         sub.add_argument("--direct-connections", type=_bool, nargs="?", const=True, default=None,
                          help="HTTP and gRPC connections straight to a replica of their first request's "
                               "model (default true; false: the front relays every request)")
@@ -143,6 +146,23 @@ def build_parser() -> argparse.ArgumentParser:
     example = commands.add_parser("example-repository", help="write the example model repository")
     example.add_argument("directory", type=Path)
     return parser
+
+
+# Limits on clients' connections to model replicas (ServerSettings has each one's description).
+_CONNECTION_FLAGS = (
+    ("--http-request-timeout", float, "seconds for a request head / gRPC header block (default 30)"),
+    ("--http-keepalive-timeout", float, "seconds a client connection may stay idle (default 60)"),
+    ("--client-send-timeout", float, "seconds a client may leave its answers unread (default 60)"),
+    ("--connection-buffer-bytes", int, "answer bytes buffered per client connection (default 4 MiB)"),
+    ("--http-max-pipelined-requests", int, "HTTP/1.1 requests read ahead of their answers (default 16)"),
+    ("--grpc-max-concurrent-streams", int, "HTTP/2 streams per gRPC connection (default 100)"),
+    ("--grpc-max-header-list-size", int, "bytes of a gRPC call's header block (default 16384)"),
+    ("--grpc-max-reset-streams", int, "streams a client may reset in 10 s (default 200)"),
+    ("--grpc-max-control-frames", int, "PING, SETTINGS and other control frames in 10 s (default 1000)"),
+    ("--grpc-stream-window", int, "HTTP/2 stream window in bytes (default 1 MiB)"),
+    ("--grpc-connection-window", int, "bytes a gRPC connection's calls may hold (default 64 MiB)"),
+    ("--grpc-replica-buffer", int, "bytes all gRPC calls may hold in a replica (default 256 MiB)"),
+)
 
 
 def settings_from_args(args: argparse.Namespace) -> ServerSettings:
@@ -264,6 +284,7 @@ def serve(settings: ServerSettings) -> int:
             cache_size_bytes=response_cache_bytes(settings),
             trace_config=tuple(settings.trace_config),
             max_input_size=settings.http_max_input_size,
+            connection_limits=connection_limits(settings),
             metrics=metrics_endpoint(settings),
             control_mode=settings.model_control_mode,
             poll_secs=settings.repository_poll_secs,

@@ -229,6 +229,44 @@ class ServerSettings(BaseSettings):
         description="Inference calls (HTTP and gRPC together) the front relays to model replicas at once; "
         "one more is answered at once with 503 / UNAVAILABLE. Bounds what the replicas queue and hold.",
     )
+    http_request_timeout: float = Field(
+        30.0, gt=0, description="Seconds a client's connection to a model replica may take to send a request head "
+        "(HTTP/1.1) or a header block (gRPC); past it the connection is closed (HTTP/1.1: 408 first). HAProxy's "
+        "'timeout http-request'.")
+    http_keepalive_timeout: float = Field(
+        60.0, gt=0, description="Seconds a client's connection to a model replica may stay idle (no request or call "
+        "open) before it is closed (gRPC: gracefully, GOAWAY); also how long a gRPC call may wait for its client's "
+        "next bytes. HAProxy's 'timeout http-keep-alive'.")
+    client_send_timeout: float = Field(
+        60.0, gt=0, description="Seconds a client may leave its answers unread (the connection's send buffer full) "
+        "before its connection is closed. HAProxy's 'timeout client'.")
+    connection_buffer_bytes: int = Field(
+        1 << 22, gt=0, description="Bytes of answers a model replica buffers for one client connection that does not "
+        "read; past it the replica stops reading that connection until the client reads.")
+    http_max_pipelined_requests: int = Field(
+        16, gt=0, description="Requests a model replica reads ahead of its answers on one HTTP/1.1 connection; past "
+        "it the connection is not read until answers go out.")
+    grpc_max_concurrent_streams: int = Field(
+        100, gt=0, le=2**31 - 1, description="HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS a model replica advertises; a call "
+        "past it is refused (RST_STREAM REFUSED_STREAM).")
+    grpc_max_header_list_size: int = Field(
+        16384, ge=1024, le=1 << 24, description="Bytes of one gRPC call's header block (its CONTINUATION frames "
+        "included, before and after HPACK decoding); a larger one closes the connection (ENHANCE_YOUR_CALM).")
+    grpc_max_reset_streams: int = Field(
+        200, gt=0, description="Streams a client may reset (RST_STREAM) on one connection in 10 s; one more closes "
+        "the connection (ENHANCE_YOUR_CALM). Bounds 'rapid reset' (CVE-2023-44487).")
+    grpc_max_control_frames: int = Field(
+        1000, gt=0, description="PING, SETTINGS, PRIORITY, empty DATA and unknown frames a client may send on one "
+        "connection in 10 s; one more closes the connection (ENHANCE_YOUR_CALM).")
+    grpc_stream_window: int = Field(
+        1 << 20, ge=65535, le=2**31 - 1, description="HTTP/2 stream window: bytes a gRPC call may send before a "
+        "model replica reads them (SETTINGS_INITIAL_WINDOW_SIZE).")
+    grpc_connection_window: int = Field(
+        1 << 26, ge=65535, le=2**31 - 1, description="Bytes the calls of one gRPC connection may hold in a model "
+        "replica; past it only the connection's oldest call being received gets more window.")
+    grpc_replica_buffer: int = Field(
+        1 << 28, gt=0, description="Bytes the gRPC calls of all connections may hold in one model replica; past it "
+        "only each connection's oldest call being received gets more window.")
     direct_connections: bool = Field(
         True,
         description="Give each HTTP and gRPC connection straight to a replica on the front's machine of the model "
@@ -368,3 +406,21 @@ def metrics_endpoint(settings: ServerSettings) -> MetricsOptions | None:
         settings.metrics_address or settings.http_address, settings.metrics_port, settings.metrics_interval_ms,
         settings.allow_cpu_metrics, settings.allow_gpu_metrics,
     )
+
+
+def connection_limits(settings: ServerSettings) -> dict[str, float]:
+    """The model replicas' :class:`~rayinfer.protocol.limits.ConnectionLimits`, from the flags."""
+    return {
+        "request_head_timeout_s": settings.http_request_timeout,
+        "keepalive_timeout_s": settings.http_keepalive_timeout,
+        "send_timeout_s": settings.client_send_timeout,
+        "connection_buffer_bytes": settings.connection_buffer_bytes,
+        "max_pipelined_requests": settings.http_max_pipelined_requests,
+        "max_concurrent_streams": settings.grpc_max_concurrent_streams,
+        "max_header_list_bytes": settings.grpc_max_header_list_size,
+        "max_reset_streams": settings.grpc_max_reset_streams,
+        "max_control_frames": settings.grpc_max_control_frames,
+        "stream_window_bytes": settings.grpc_stream_window,
+        "connection_window_bytes": settings.grpc_connection_window,
+        "replica_buffer_bytes": settings.grpc_replica_buffer,
+    }

@@ -94,7 +94,7 @@ def build_model_app(args: dict[str, Any]) -> Application:
     """Serve-config entry point; ``args``: model_repository, model, version, is_default and
     optionally replica_num_cpus, auto_complete, log_level, gpu_fallback, gpu_fraction_per_model, replica_ray_metrics,
     cache_size_bytes,
-    http_max_input_size, log_settings, http_restricted_api, grpc_restricted_protocol."""
+    http_max_input_size, log_settings, connection_limits, http_restricted_api, grpc_restricted_protocol."""
     return model_application(
         args["model_repository"],
         args["model"],
@@ -152,7 +152,7 @@ def build_server_app(args: dict[str, Any]) -> Application:
 def _control_from_args(args: dict[str, Any]) -> ModelControl:
     """model_control_mode, replica_num_cpus, auto_complete, repository_poll_secs, log_level,
     gpu_fallback, gpu_wait_secs, gpu_fraction_per_model, replica_ray_metrics, cache_size_bytes, trace_config,
-    http_max_input_size, log_settings, http_restricted_api, grpc_restricted_protocol."""
+    http_max_input_size, log_settings, connection_limits, http_restricted_api, grpc_restricted_protocol."""
     return ModelControl(
         mode=str(args.get("model_control_mode", "none")),
         replica_num_cpus=float(args.get("replica_num_cpus", DEFAULT_REPLICA_NUM_CPUS)),
@@ -165,6 +165,7 @@ def _control_from_args(args: dict[str, Any]) -> ModelControl:
         trace_config=tuple(args.get("trace_config") or ()),
         max_input_size=int(args.get("http_max_input_size", DEFAULT_HTTP_MAX_INPUT_SIZE)),
         log_settings=tuple(dict(args.get("log_settings") or {}).items()),
+        connection_limits=tuple(dict(args.get("connection_limits") or {}).items()),
         http_restricted=tuple(str(v) for v in args.get("http_restricted_api") or ()),
         grpc_restricted=tuple(str(v) for v in args.get("grpc_restricted_protocol") or ()),
         gpu_fraction=gpu_fraction_arg(args),

@@ -127,6 +127,8 @@ class ModelControl:
     gpu_fraction: float = 1.0
     # Model replicas report Ray's own metrics too (--replica-ray-metrics).
     replica_ray_metrics: bool = False
+    # Limits on clients' connections to model replicas (ConnectionLimits' fields; the connection flags).
+    connection_limits: tuple[tuple[str, float], ...] = ()
 
 
 def model_application(

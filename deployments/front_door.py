@@ -41,6 +41,8 @@ import threading
 import time
 from pathlib import Path
 
+import httptools
+
 from rayinfer.protocol.grpc_wire import INCOMPLETE, NOT_DIRECT_RPCS, PREFACE, ROUTED_RPCS, first_call, settings
 from rayinfer.protocol.limits import HEAD_TOO_LARGE, MAX_REQUEST_HEAD_BYTES, MAX_REQUEST_HEADERS, TOO_MANY_HEADERS, bad_head_answer
 from rayinfer.serving.routes import front_routed
@@ -91,14 +93,35 @@ def return_name(folder_name: str) -> str:
     return f"\0rayinfer-door-back-{folder_name}"
 
 
+class _RequestTarget:
+    """The request target httptools reads from a request line."""
+
+    def __init__(self) -> None:
+        self.url = b""
+        self.ended = False
+
+    def on_url(self, url: bytes) -> None:
+        self.url += url
+
+    def on_headers_complete(self) -> None:
+        self.ended = True
+
+
 def route_key(request: bytes) -> str | None:
     """``<model>/<version>`` of a request line that is a model call or a model GET, "" for
-    another HTTP/1.x request, None for what is not one."""
-    line = request.partition(b"\r\n")[0]
-    parts = line.split(b" ")
-    if len(parts) != 3 or not parts[2].startswith(b"HTTP/1.") or not parts[0].isalpha():
+    another HTTP/1.x request, None for what is not one (the line parsed by httptools)."""
+    line, found, _ = request.partition(b"\r\n")
+    if not found:
         return None
-    route = front_routed(parts[0].decode("latin-1"), parts[1].partition(b"?")[0].decode("latin-1"))
+    target = _RequestTarget()
+    parser = httptools.HttpRequestParser(target)
+    try:
+        parser.feed_data(line + b"\r\n\r\n")  # the line alone, as a whole head
+    except httptools.HttpParserError:
+        return None
+    if not target.ended or not parser.get_http_version().startswith("1."):
+        return None
+    route = front_routed(parser.get_method().decode("latin-1"), target.url.partition(b"?")[0].decode("latin-1"))
     return "" if route is None else f"{route.model}/{route.version}"
 
 

@@ -29,11 +29,13 @@ from typing import Any
 
 import hpack
 
+from hyperframe.exceptions import HyperframeError
+from hyperframe.frame import Frame
+
 from rayinfer.protocol.grpc_wire import (
-    ACK, CANCEL, CONTINUATION, DATA, DEFAULT_FRAME_SIZE, DEFAULT_WINDOW, END_HEADERS, END_STREAM, GOAWAY, HEADERS,
-    MAX_WINDOW, PING, PREFACE, RESPONSE_HEADERS, RST_STREAM, SETTINGS, SETTINGS_INITIAL_WINDOW_SIZE, SETTINGS_MAX_FRAME_SIZE,
-    WINDOW_UPDATE, HeaderDecoder, frame, frame_header, header_frames, literal, parse_settings, settings, unpadded,
-    window_update,
+    ACK, CANCEL, CONTINUATION, DATA, DEFAULT_FRAME_SIZE, DEFAULT_WINDOW, END_STREAM, GOAWAY, HEADERS,
+    PING, PREFACE, RESPONSE_HEADERS, RST_STREAM, SETTINGS, SETTINGS_INITIAL_WINDOW_SIZE, SETTINGS_MAX_FRAME_SIZE,
+    WINDOW_UPDATE, HeaderDecoder, check_settings, frame, header_frames, literal, settings, window_update,
 )
 
 logger = logging.getLogger(__name__)
@@ -58,9 +60,11 @@ class RelayedStreams:
     _client_window: int  # what a client may send on one call before the replica reads it
     _write: Callable[[bytes], None]  # to the client (H2Connection's)
     _ended: Callable[[Any], None]  # a call is over (H2Connection's)
+    _release: Callable[[Any, int], None]  # bytes a call held are freed (H2Connection's)
 
     def relay_sent(self, call: Any, size: int) -> None:
         """``size`` bytes of the client's went up: the client may send as many more."""
+        self._release(call, size)
         call.unacked += size
         if call.unacked >= self._client_window // 2 and self._calls.get(call.id) is call:
             self._write(window_update(call.id, call.unacked))
@@ -120,7 +124,7 @@ class StreamRelay(asyncio.Protocol):
     def __init__(self, down: RelayedStreams, call: Any) -> None:
         self._down, self._call = down, call
         self._transport: Any = None
-        self._buffer = bytearray()
+        self._buffer = b""
         self._decoder = HeaderDecoder()
         self._block: list[bytes] | None = None  # a header block in CONTINUATIONs
         self._block_ends = False
@@ -180,61 +184,60 @@ class StreamRelay(asyncio.Protocol):
         self._fail(b"the front closed a relayed stream")
 
     def data_received(self, data: bytes) -> None:
-        self._buffer += data
-        buffer, at = self._buffer, 0
+        data = self._buffer + data if self._buffer else data
+        view, at = memoryview(data), 0
         try:
-            while len(buffer) - at >= 9 and not self.done:
-                length, kind, flags, stream = frame_header(buffer, at)
-                if len(buffer) - at - 9 < length:
+            while len(data) - at >= 9 and not self.done:
+                parsed, length = Frame.parse_frame_header(view[at:at + 9])
+                if len(data) - at - 9 < length:
                     break
-                payload = bytes(buffer[at + 9:at + 9 + length])
+                parsed.parse_body(view[at + 9:at + 9 + length])
                 at += 9 + length
-                self._frame(kind, flags, stream, payload)
-        except (ValueError, hpack.HPACKError) as exc:
+                self._frame(parsed, length)
+        except (HyperframeError, hpack.HPACKError, ValueError) as exc:
             logger.warning("malformed HTTP/2 from the front on a relayed stream: %s", exc)
             self._fail(b"the front answered a relayed stream with malformed HTTP/2")
-        del buffer[:at]
+        self._buffer = data[at:]
 
-    # frames from HAProxy
+    # frames from HAProxy (parsed by hyperframe)
 
-    def _frame(self, kind: int, flags: int, stream: int, payload: bytes) -> None:
+    def _frame(self, parsed: Any, length: int) -> None:
+        kind, flags, stream = parsed.type, parsed.flags, parsed.stream_id
         if kind == DATA and stream == _UP:
-            data = unpadded(payload, flags, kind)
-            self.delivered(len(payload) - len(data))  # padding is never delivered
-            if data:
-                self._down.relay_data(self._call, data)
-            if flags & END_STREAM:  # no trailers: no status
+            self.delivered(length - len(parsed.data))  # padding is never delivered
+            if parsed.data:
+                self._down.relay_data(self._call, parsed.data)
+            if "END_STREAM" in flags:  # no trailers: no status
                 self._end([(b"grpc-status", b"13"), (b"grpc-message", b"the front ended a relayed stream without a status")])
         elif kind in (HEADERS, CONTINUATION) and stream == _UP:
             if kind == HEADERS:
-                self._block, self._block_ends = [unpadded(payload, flags, kind)], bool(flags & END_STREAM)
+                self._block, self._block_ends = [parsed.data], "END_STREAM" in flags
             elif self._block is not None:
-                self._block.append(payload)
-            if flags & END_HEADERS and self._block is not None:
+                self._block.append(parsed.data)
+            if "END_HEADERS" in flags and self._block is not None:
                 fields = self._decoder.decode(b"".join(self._block))
                 self._block = None
                 self._headers(fields, self._block_ends)
-        elif kind == SETTINGS and not flags & ACK:
-            values = parse_settings(payload)
+        elif kind == SETTINGS and "ACK" not in flags:
+            values = parsed.settings
+            check_settings(values)
             if SETTINGS_INITIAL_WINDOW_SIZE in values:  # changes the stream's window by the difference
                 self._stream_window += values[SETTINGS_INITIAL_WINDOW_SIZE] - self._initial_window
                 self._initial_window = values[SETTINGS_INITIAL_WINDOW_SIZE]
             self._max_frame = values.get(SETTINGS_MAX_FRAME_SIZE, self._max_frame)
             self._write(frame(SETTINGS, ACK, 0))
             self._flush_up()
-        elif kind == PING and not flags & ACK:
-            self._write(frame(PING, ACK, 0, payload))
+        elif kind == PING and "ACK" not in flags:
+            self._write(frame(PING, ACK, 0, parsed.opaque_data))
         elif kind == WINDOW_UPDATE:
-            increment = int.from_bytes(payload, "big") & MAX_WINDOW
             if stream == 0:
-                self._send_window += increment
+                self._send_window += parsed.window_increment
             elif stream == _UP:
-                self._stream_window += increment
+                self._stream_window += parsed.window_increment
             self._flush_up()
         elif kind == RST_STREAM and stream == _UP:
-            code = int.from_bytes(payload, "big")
-            self._fail(b"the front reset a relayed stream (HTTP/2 error %d)" % code)
-        elif kind == GOAWAY and int.from_bytes(payload[:4], "big") & MAX_WINDOW < _UP:
+            self._fail(b"the front reset a relayed stream (HTTP/2 error %d)" % parsed.error_code)
+        elif kind == GOAWAY and parsed.last_stream_id < _UP:
             self._fail(b"the front refused a relayed stream")
 
     def _headers(self, fields: Fields, ends: bool) -> None:

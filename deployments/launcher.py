@@ -64,6 +64,7 @@ def deploy_repository(
     trace_config: tuple[str, ...] = (),
     log_settings: dict[str, Any] | None = None,
     max_input_size: int = DEFAULT_HTTP_MAX_INPUT_SIZE,
+    connection_limits: dict[str, float] | None = None,
     http_restricted: list[str] | None = None,
     grpc_restricted: list[str] | None = None,
     front_on_head: bool = False,
@@ -81,7 +82,7 @@ def deploy_repository(
         cache_size_bytes=cache_size_bytes, trace_config=trace_config, max_input_size=max_input_size,
         log_settings=tuple((log_settings or {}).items()), http_restricted=tuple(http_restricted or ()),
         grpc_restricted=tuple(grpc_restricted or ()), gpu_fraction=gpu_fraction,
-        replica_ray_metrics=replica_ray_metrics,
+        replica_ray_metrics=replica_ray_metrics, connection_limits=tuple((connection_limits or {}).items()),
     )
     launch_version = f"rayinfer-{uuid.uuid4().hex}"
 

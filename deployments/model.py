@@ -43,7 +43,7 @@ from rayinfer.deployments.replica_listener import ReplicaListener
 from rayinfer.protocol import log_settings
 from rayinfer.protocol.errors import NotFoundError, ServingError, UnavailableError, UnsupportedError, as_serving_error
 from rayinfer.protocol.http_codec import parse_json_body
-from rayinfer.protocol.limits import DEFAULT_HTTP_MAX_INPUT_SIZE
+from rayinfer.protocol.limits import DEFAULT_HTTP_MAX_INPUT_SIZE, connection_limits
 from rayinfer.protocol.listener_client import INTERNAL_HEADER, STREAM_HEADER, ListenerClient
 from rayinfer.protocol.shared_memory import Registration, SharedMemoryRegistry
 from rayinfer.protocol.types import InferRequest, InferResponse
@@ -347,6 +347,7 @@ class ModelDeployment:
                     )
                     registered_at = time.monotonic()
                     self._listener.max_inflight = settings.get("max_inflight", self._listener.max_inflight)
+                    self._listener.limits = connection_limits(settings.get("connection_limits"))
                     if self._sequences is not None:
                         self._sequences.update(settings.get("sequence_slots"))
                     # The logging extension's (again: loggers created since get them too).

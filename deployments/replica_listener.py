@@ -39,7 +39,12 @@ from rayinfer.deployments.replica_h2 import H2Connection
 from rayinfer.protocol.errors import NotFoundError, UnavailableError
 from rayinfer.protocol.grpc_wire import SERVICE, unframe
 from rayinfer.protocol.http_codec import error_response
-from rayinfer.protocol.limits import DEFAULT_HTTP_MAX_INPUT_SIZE, DEFAULT_MAX_INFLIGHT_REQUESTS
+from rayinfer.protocol.limits import (
+    DEFAULT_CONNECTION_LIMITS,
+    DEFAULT_HTTP_MAX_INPUT_SIZE,
+    DEFAULT_MAX_INFLIGHT_REQUESTS,
+    ConnectionLimits,
+)
 from rayinfer.protocol.restricted_api import Restrictions, grpc_message, header_names, http_message, missing_header
 
 logger = logging.getLogger(__name__)
@@ -82,6 +87,9 @@ class ReplicaListener:
         self.owns: Owns = lambda method, path, key: False
         self.owns_grpc: OwnsGrpc = lambda model, version, key: False
         self.max_inflight = DEFAULT_MAX_INFLIGHT_REQUESTS
+        # What each client's connection may hold or take (the server's connection flags).
+        self.limits: ConnectionLimits = DEFAULT_CONNECTION_LIMITS
+        self.held_bytes = 0  # request bytes the clients' HTTP/2 calls hold here (replica_h2)
         self._door: ReplicaDoor | None = None
         self.door_name = ""
         self.closing = False

@@ -104,6 +104,7 @@ class ServerDeployment(ServerGrpcMethods):
                 self._front = Fronts(self._front, http_front, grpc_front, options)
         self._max_input_size = control.max_input_size
         self._max_inflight = max_inflight or DEFAULT_MAX_INFLIGHT_REQUESTS
+        self._connection_limits = dict(control.connection_limits)
         self._api = V2Api(server_id, strict_readiness, self._controller, state, RouteTable(state, self._front, internal_headers(cluster_token())),
                           control.poll_secs,
                           settings_from_flags(list(control.trace_config)))
@@ -142,7 +143,8 @@ class ServerDeployment(ServerGrpcMethods):
         routes = self._api.routes
         await routes.register(replica_key, app, host, port, sequences)
         return {"log": self._api.log_settings, "trace": self._api.trace_settings.as_dict(),
-                "sequence_slots": routes.slot_table(app) if sequences else None, "max_inflight": self._max_inflight}
+                "sequence_slots": routes.slot_table(app) if sequences else None, "max_inflight": self._max_inflight,
+                "connection_limits": self._connection_limits}
 
     async def trace_setting(self, model: str, doc: dict[str, Any] | None) -> dict[str, Any]:
         """A model's trace settings over HTTP, which Serve routes to the model's replica."""

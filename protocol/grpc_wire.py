@@ -2,7 +2,9 @@
 9113, HPACK: RFC 7541) as a model replica needs to answer unary calls on a client's connection
 and the front's door to read a connection's first call.
 
-Header blocks are decoded with ``hpack``; what this side sends is encoded here, every field
+What a peer sends is parsed by python-hyper's libraries: frames by ``hyperframe``, header
+blocks by ``hpack``; SETTINGS values are checked here (:func:`check_settings`). What this
+side sends is encoded here, every field
 indexed in the static table or a literal without indexing and without Huffman coding, so the
 client's decoder table never changes (the response headers and the OK trailers are constant
 bytes).
@@ -11,10 +13,12 @@ bytes).
 from __future__ import annotations
 
 import zlib
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import grpc
 import hpack
+from hyperframe.exceptions import HyperframeError
+from hyperframe.frame import Frame
 
 from rayinfer.protocol.compression import inflate
 from rayinfer.protocol.errors import InternalError, UnsupportedError, as_serving_error, grpc_status_name
@@ -26,14 +30,18 @@ SERVICE = "/inference.GRPCInferenceService/"
 DATA, HEADERS, PRIORITY, RST_STREAM, SETTINGS, PUSH_PROMISE, PING, GOAWAY, WINDOW_UPDATE, CONTINUATION = range(10)
 END_STREAM = ACK = 0x1
 END_HEADERS = 0x4
-PADDED = 0x8
-PRIORITY_FLAG = 0x20
 # Settings and error codes this side uses.
+SETTINGS_ENABLE_PUSH = 0x2
+SETTINGS_MAX_CONCURRENT_STREAMS = 0x3
 SETTINGS_INITIAL_WINDOW_SIZE = 0x4
 SETTINGS_MAX_FRAME_SIZE = 0x5
-NO_ERROR, PROTOCOL_ERROR, CANCEL = 0x0, 0x1, 0x8
+SETTINGS_MAX_HEADER_LIST_SIZE = 0x6
+SETTINGS_ENABLE_CONNECT_PROTOCOL = 0x8
+NO_ERROR, PROTOCOL_ERROR, FLOW_CONTROL_ERROR, FRAME_SIZE_ERROR = 0x0, 0x1, 0x3, 0x6
+REFUSED_STREAM, CANCEL, ENHANCE_YOUR_CALM = 0x7, 0x8, 0xB
 DEFAULT_WINDOW = 65_535
 DEFAULT_FRAME_SIZE = 16_384
+MAX_FRAME_SIZE = (1 << 24) - 1
 MAX_WINDOW = (1 << 31) - 1
 # The model RPCs the front routes by the model name and version their message starts with.
 ROUTED_RPCS = ("ModelInfer", "ModelReady", "ModelMetadata", "ModelConfig", "ModelStatistics")
@@ -82,26 +90,6 @@ def unframe(body: bytes, encoding: bytes | None) -> bytes:
 
 def frame(kind: int, flags: int, stream: int, payload: bytes = b"") -> bytes:
     return len(payload).to_bytes(3, "big") + bytes((kind, flags)) + stream.to_bytes(4, "big") + payload
-
-
-def frame_header(data: bytes | bytearray, at: int) -> tuple[int, int, int, int]:
-    """(payload length, type, flags, stream) of the frame at ``at`` (9 bytes must be there)."""
-    return (int.from_bytes(data[at:at + 3], "big"), data[at + 3], data[at + 4],
-            int.from_bytes(data[at + 5:at + 9], "big") & MAX_WINDOW)
-
-
-def unpadded(payload: bytes, flags: int, kind: int) -> bytes:
-    """A DATA or HEADERS payload without its padding (and a HEADERS' priority fields)."""
-    start, end = 0, len(payload)
-    if flags & PADDED:
-        if not payload or payload[0] >= len(payload):
-            raise ValueError("padding longer than the frame")
-        start, end = 1, len(payload) - payload[0]
-    if kind == HEADERS and flags & PRIORITY_FLAG:
-        start += 5
-    if start > end:
-        raise ValueError("frame too short for its flags")
-    return payload[start:end]
 
 
 def _string(data: bytes) -> bytes:
@@ -153,9 +141,28 @@ def settings(values: dict[int, int]) -> bytes:
     return frame(SETTINGS, 0, 0, b"".join(k.to_bytes(2, "big") + v.to_bytes(4, "big") for k, v in values.items()))
 
 
-def parse_settings(payload: bytes) -> dict[int, int]:
-    return {int.from_bytes(payload[i:i + 2], "big"): int.from_bytes(payload[i + 2:i + 6], "big")
-            for i in range(0, len(payload) - 5, 6)}
+class H2ProtocolError(ValueError):
+    """A peer broke RFC 9113 in a way that ends the connection: ``code`` is the error its
+    ``GOAWAY`` carries."""
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(code, message)
+        self.code = code
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def check_settings(values: dict[int, int]) -> None:
+    """Raise :class:`H2ProtocolError` for a SETTINGS value RFC 9113 (section 6.5.2) forbids."""
+    for setting, value in values.items():
+        if setting in (SETTINGS_ENABLE_PUSH, SETTINGS_ENABLE_CONNECT_PROTOCOL) and value > 1:
+            raise H2ProtocolError(PROTOCOL_ERROR, f"SETTINGS 0x{setting:x} = {value}: must be 0 or 1")
+        if setting == SETTINGS_INITIAL_WINDOW_SIZE and value > MAX_WINDOW:
+            raise H2ProtocolError(FLOW_CONTROL_ERROR, f"SETTINGS_INITIAL_WINDOW_SIZE = {value}: over 2^31-1")
+        if setting == SETTINGS_MAX_FRAME_SIZE and not DEFAULT_FRAME_SIZE <= value <= MAX_FRAME_SIZE:
+            raise H2ProtocolError(PROTOCOL_ERROR, f"SETTINGS_MAX_FRAME_SIZE = {value}: not in 16384..2^24-1")
 
 
 def window_update(stream: int, increment: int) -> bytes:
@@ -174,8 +181,10 @@ class HeaderDecoder:
     client sends once its headers are in the table) changes nothing, so its fields are kept and
     the next identical block is not decoded again."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_header_list_size: int = 1 << 16) -> None:
         self._decoder = hpack.Decoder()
+        # A block whose fields add up to more (RFC 7541's sizes) raises OversizedHeaderListError.
+        self._decoder.max_header_list_size = max_header_list_size
         self._known: dict[bytes, Headers] = {}
 
     def decode(self, block: bytes) -> Headers:
@@ -242,52 +251,63 @@ class FirstCall(NamedTuple):
 INCOMPLETE = FirstCall("")
 
 
-def first_call(data: bytes) -> FirstCall | None:
+def first_call(data: bytes, max_header_list_size: int = 1 << 14) -> FirstCall | None:
     """The first call of a connection whose first bytes are ``data``; :data:`INCOMPLETE` (test
     with ``is``) when more bytes are needed to tell; None when they are not HTTP/2 with prior
-    knowledge, or not valid."""
+    knowledge, or not valid. Frames are parsed by ``hyperframe``, the header block decoded by
+    ``hpack`` (at most ``max_header_list_size`` bytes, before and after decoding)."""
     if not PREFACE.startswith(data[:len(PREFACE)]):
         return None
-    at, stream, block, method = len(PREFACE), 0, b"", ""
-    body = b""
+    view, at, stream, block, method, body = memoryview(data), len(PREFACE), 0, b"", "", b""
     try:
         while at + 9 <= len(data):
-            length, kind, flags, frame_stream = frame_header(data, at)
-            payload = data[at + 9:at + 9 + length]
-            whole = len(payload) == length
+            parsed: Any  # the frame's own class (DataFrame, HeadersFrame, ...)
+            parsed, length = Frame.parse_frame_header(view[at:at + 9])
+            if length > DEFAULT_FRAME_SIZE:
+                return None
+            if at + 9 + length > len(data):
+                if parsed.type == DATA and method:  # the start of a message may be enough
+                    return _first_message(method, body + bytes(view[at + 9:]), False, parsed.flags)
+                return INCOMPLETE
+            parsed.parse_body(view[at + 9:at + 9 + length])
             at += 9 + length
-            if kind == HEADERS and not stream:
-                if not whole:
-                    return INCOMPLETE
-                stream, block = frame_stream, unpadded(payload, flags, kind)
-                if not flags & END_HEADERS:
-                    continue
-            elif kind == CONTINUATION and frame_stream == stream and not method:
-                if not whole:
-                    return INCOMPLETE
-                block += payload
-                if not flags & END_HEADERS:
-                    continue
-            elif kind == DATA and frame_stream == stream and method:
-                body += unpadded(payload, flags, kind) if whole else payload[1:] if flags & PADDED else payload
-                ended = whole and bool(flags & END_STREAM)
-                if len(body) >= 5:
-                    if body[0]:  # compressed: the door cannot read it
-                        return FirstCall(method)
-                    end = 5 + int.from_bytes(body[1:5], "big")
-                    found = name_and_version(body[5:end], ended or len(body) >= end)
-                    if found is not None:
-                        return FirstCall(method, *found)
-                if ended:
-                    return FirstCall(method, "", "")
+            if parsed.type == HEADERS and not stream:
+                stream, block = parsed.stream_id, parsed.data
+            elif parsed.type == CONTINUATION and parsed.stream_id == stream and not method:
+                block += parsed.data
+            elif parsed.type == DATA and parsed.stream_id == stream and method:
+                body += parsed.data
+                found = _first_message(method, body, "END_STREAM" in parsed.flags)
+                if found is not INCOMPLETE:
+                    return found
                 continue
             else:
                 continue
-            headers = dict(hpack.Decoder().decode(block, raw=True))
+            if len(block) > max_header_list_size:
+                return None
+            if "END_HEADERS" not in parsed.flags:
+                continue
+            decoder = hpack.Decoder()
+            decoder.max_header_list_size = max_header_list_size
+            headers = dict(decoder.decode(block, raw=True))
             path = bytes(headers.get(b":path", b"")).decode("latin-1")
             method = path[len(SERVICE):] if path.startswith(SERVICE) else path
             if method not in ROUTED_RPCS:
                 return FirstCall(method)
-    except (ValueError, hpack.HPACKError):
+    except (HyperframeError, hpack.HPACKError, ValueError):
         return None
     return INCOMPLETE
+
+
+def _first_message(method: str, body: bytes, ended: bool, flags: Any = ()) -> FirstCall:
+    """The model and version at the start of a first call's message (``body``: its DATA so far)."""
+    if len(body) >= 5:
+        if body[0]:  # compressed: the door cannot read it
+            return FirstCall(method)
+        if flags and "PADDED" in flags:  # a padded frame not whole: its padding is not known yet
+            return INCOMPLETE
+        end = 5 + int.from_bytes(body[1:5], "big")
+        found = name_and_version(body[5:end], ended or len(body) >= end)
+        if found is not None:
+            return FirstCall(method, *found)
+    return FirstCall(method, "", "") if ended else INCOMPLETE

@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 
 from rayinfer.protocol.errors import InvalidArgError
 
@@ -71,3 +72,54 @@ def bad_head_answer(reason: str) -> bytes:
     body = json.dumps({"error": malformed_head_message(reason)}, separators=(",", ":")).encode()
     return (b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
             b"connection: close\r\n\r\n%b" % (len(body), body))
+
+
+@dataclass(frozen=True)
+class ConnectionLimits:
+    """What one client connection to a model replica's listener may hold or take, with the
+    flag that sets each (HAProxy's and nginx's names where they have one). A connection that
+    passes one is closed (HTTP/2: ``GOAWAY`` with the RFC 9113 error); nothing else notices."""
+
+    # HTTP/1.1 and HTTP/2
+    request_head_timeout_s: float = 30.0  # --http-request-timeout: a request head's bytes, from its first
+    keepalive_timeout_s: float = 60.0  # --http-keepalive-timeout: idle between two requests (HTTP/2: no call open)
+    send_timeout_s: float = 60.0  # --client-send-timeout: an answer not taken by the client for this long
+    connection_buffer_bytes: int = 1 << 22  # --connection-buffer-bytes: answers a client has not read yet
+    # HTTP/1.1
+    max_pipelined_requests: int = 16  # --http-max-pipelined-requests: read ahead of the answers, then pause
+    # HTTP/2 (RFC 9113)
+    max_concurrent_streams: int = 100  # --grpc-max-concurrent-streams: advertised; one more is REFUSED_STREAM
+    max_header_list_bytes: int = MAX_REQUEST_HEAD_BYTES  # --grpc-max-header-list-size: a header block, CONTINUATIONs with it
+    max_reset_streams: int = 200  # --grpc-max-reset-streams: streams a client may reset in 10 s
+    max_control_frames: int = 1000  # --grpc-max-control-frames: PING, SETTINGS, empty frames in 10 s
+    stream_window_bytes: int = 1 << 20  # --grpc-stream-window: what a call may send before it is read
+    connection_window_bytes: int = 1 << 26  # --grpc-connection-window: held by a connection's calls, then only its oldest gets more
+    replica_buffer_bytes: int = 1 << 28  # --grpc-replica-buffer: held by all of a replica's calls, the same way
+
+    def as_dict(self) -> dict[str, float]:
+        return dict(vars(self))
+
+
+DEFAULT_CONNECTION_LIMITS = ConnectionLimits()
+
+
+def request_timeout_message(timeout_s: float) -> str:
+    """The error of a request head not received whole within ``--http-request-timeout``."""
+    return (f"request timeout: the request head was not received within {timeout_s:g} s, "
+            f"the limit set by --http-request-timeout")
+
+
+def request_timeout_answer(timeout_s: float) -> bytes:
+    """The whole HTTP answer (408) to a request head not received within ``timeout_s``; the
+    connection closes after it."""
+    body = json.dumps({"error": request_timeout_message(timeout_s)}, separators=(",", ":")).encode()
+    return (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+            b"connection: close\r\n\r\n%b" % (len(body), body))
+
+
+def connection_limits(values: dict[str, float] | None) -> ConnectionLimits:
+    """The limits the server's flags set (``values``: ConnectionLimits' fields; the rest default)."""
+    if not values:
+        return DEFAULT_CONNECTION_LIMITS
+    return ConnectionLimits(**{name: type(getattr(DEFAULT_CONNECTION_LIMITS, name))(value)
+                               for name, value in values.items() if hasattr(DEFAULT_CONNECTION_LIMITS, name)})

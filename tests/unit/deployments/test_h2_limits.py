@@ -1,0 +1,297 @@
+"""Hostile gRPC (HTTP/2) clients on connections the front's door gives a replica: each abuse is
+sent on one raw connection while tritonclient.grpc, on a connection of its own, is answered
+within 2 s; the abusing connection is closed with RFC 9113's error, and what the replica holds
+stays within the limits (:class:`~rayinfer.protocol.limits.ConnectionLimits`). A real keeper,
+door and HAProxy; the listeners of tests/front_stand_ins.py as replicas."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import time
+from dataclasses import replace
+
+import hpack
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+from hyperframe.frame import Frame
+from tritonclient.grpc import service_pb2 as pb
+
+from front_stand_ins import Replica, free_port, infer, publish
+from rayinfer.deployments.front import Front
+from rayinfer.protocol.grpc_wire import (
+    CONTINUATION, DATA, END_HEADERS, END_STREAM, ENHANCE_YOUR_CALM, FRAME_SIZE_ERROR, GOAWAY, HEADERS, PING,
+    PREFACE, PROTOCOL_ERROR, REFUSED_STREAM, RST_STREAM, SETTINGS_MAX_FRAME_SIZE, WINDOW_UPDATE, frame, settings,
+)
+from rayinfer.protocol.limits import DEFAULT_CONNECTION_LIMITS
+from waiting import wait_until
+
+_INFER = "/inference.GRPCInferenceService/ModelInfer"
+
+
+@pytest.fixture(scope="module")
+def door(loop):
+    port = free_port()
+    front = Front(None, ("127.0.0.1", port, "127.0.0.1", free_port()), "v2", direct=True)
+    replica = Replica(loop, "one")
+    replica.listener.owns_grpc = lambda model, version, key: model == "m"
+    publish(loop, front, {"m/": [("127.0.0.1", replica.port)]})
+    yield replica, port
+    front.stop()
+
+
+@pytest.fixture
+def replica(door):
+    replica, _ = door
+    yield replica
+    replica.listener.limits = DEFAULT_CONNECTION_LIMITS
+
+
+def _block(encoder: hpack.Encoder, path: str = _INFER) -> bytes:
+    return encoder.encode([(":method", "POST"), (":scheme", "http"), (":path", path), (":authority", "x"),
+                           ("content-type", "application/grpc"), ("te", "trailers")])
+
+
+def _message(size: int = 0) -> bytes:
+    request = pb.ModelInferRequest(model_name="m", id="hostile")
+    if size:
+        request.raw_input_contents.append(b"\1" * size)
+    body = request.SerializeToString()
+    return b"\0" + len(body).to_bytes(4, "big") + body
+
+
+def _connect(port: int, first: bytes = settings({})) -> tuple[socket.socket, hpack.Encoder]:
+    """A raw client connection whose first call (a ModelInfer for "m") takes it to the replica;
+    ``first``: what it sends before that call (its SETTINGS)."""
+    encoder = hpack.Encoder()
+    client = socket.create_connection(("127.0.0.1", port), timeout=10)
+    client.sendall(PREFACE + first + frame(HEADERS, END_HEADERS, 1, _block(encoder)) + frame(DATA, END_STREAM, 1, _message()))
+    return client, encoder
+
+
+def _frames_until_closed(client: socket.socket, timeout_s: float = 10.0) -> list:
+    """The frames the server sends until it closes the connection (fails after ``timeout_s``)."""
+    data, deadline = b"", time.monotonic() + timeout_s
+    while True:
+        client.settimeout(max(deadline - time.monotonic(), 0.01))
+        try:
+            chunk = client.recv(1 << 16)
+        except TimeoutError:
+            raise AssertionError("the server did not close the connection") from None
+        except ConnectionResetError:
+            chunk = b""
+        if not chunk:
+            break
+        data += chunk
+    frames, at, view = [], 0, memoryview(data)
+    while at + 9 <= len(data):
+        parsed, length = Frame.parse_frame_header(view[at:at + 9])
+        parsed.parse_body(view[at + 9:at + 9 + length])
+        frames.append(parsed)
+        at += 9 + length
+    client.close()
+    return frames
+
+
+def _first_answer(client: socket.socket) -> None:
+    """Read until the first call (stream 1) is answered."""
+    data = b""
+    while True:
+        data += client.recv(1 << 16)
+        at, view = 0, memoryview(data)
+        while at + 9 <= len(data) and at + 9 + int.from_bytes(data[at:at + 3], "big") <= len(data):
+            parsed, length = Frame.parse_frame_header(view[at:at + 9])
+            parsed.parse_body(view[at + 9:at + 9 + length])
+            if parsed.type == HEADERS and parsed.stream_id == 1 and "END_STREAM" in parsed.flags:
+                return
+            at += 9 + length
+
+
+def _goaway_code(frames: list) -> int | None:
+    return next((f.error_code for f in frames if f.type == GOAWAY and f.error_code), None)
+
+
+def _others_are_answered(port: int) -> None:
+    """A well-behaved client on its own connection is answered within 2 s."""
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
+    try:
+        started = time.monotonic()
+        response = infer(client, "m", np.ones((1, 4), dtype=np.float32), request_id="polite")
+        assert (response.model_name, response.id) == ("one", "polite")
+        assert time.monotonic() - started < 2.0
+    finally:
+        client.close()
+
+
+def test_an_illegal_max_frame_size_closes_that_connection_only(door):
+    """The 40 bytes that hung a replica: SETTINGS_MAX_FRAME_SIZE = 0, then a call."""
+    replica, port = door
+    client, _ = _connect(port, settings({SETTINGS_MAX_FRAME_SIZE: 0}))
+    assert _goaway_code(_frames_until_closed(client)) == PROTOCOL_ERROR
+    _others_are_answered(port)
+    assert replica.listener.held_bytes == 0
+
+
+def test_a_frame_over_the_max_frame_size_closes_the_connection(door):
+    replica, port = door
+    client, _ = _connect(port)
+    client.sendall((20_000).to_bytes(3, "big") + bytes((DATA, 0)) + (3).to_bytes(4, "big") + b"\0" * 20_000)
+    assert _goaway_code(_frames_until_closed(client)) == FRAME_SIZE_ERROR
+    _others_are_answered(port)
+
+
+def test_a_continuation_flood_is_bounded(door, replica):
+    _, port = door
+    client, encoder = _connect(port)
+    client.sendall(frame(HEADERS, 0, 3, _block(encoder)))
+    with contextlib.suppress(OSError):  # the server closes while it is sent
+        for _ in range(10_000):
+            client.sendall(frame(CONTINUATION, 0, 3, b"\x40\x01a\x01b" * 200))
+    assert _goaway_code(_frames_until_closed(client)) == ENHANCE_YOUR_CALM
+    _others_are_answered(port)
+
+
+def test_rapid_resets_spend_the_budget_and_close_the_connection(door, replica):
+    _, port = door
+    replica.listener.limits = replace(DEFAULT_CONNECTION_LIMITS, max_reset_streams=50)
+    client, encoder = _connect(port)
+    block = _block(encoder)
+    with contextlib.suppress(OSError):  # the server closes while it is sent
+        for stream in range(3, 20_000, 2):
+            client.sendall(frame(HEADERS, END_HEADERS, stream, block) + frame(RST_STREAM, 0, stream, b"\0\0\0\x08"))
+    assert _goaway_code(_frames_until_closed(client)) == ENHANCE_YOUR_CALM
+    _others_are_answered(port)
+
+
+def test_a_ping_flood_spends_the_control_frame_budget(door, replica):
+    _, port = door
+    replica.listener.limits = replace(DEFAULT_CONNECTION_LIMITS, max_control_frames=100)
+    client, _ = _connect(port)
+    with contextlib.suppress(OSError):  # the server closes while it is sent
+        for _ in range(20_000):
+            client.sendall(frame(PING, 0, 0, b"12345678"))
+    assert _goaway_code(_frames_until_closed(client)) == ENHANCE_YOUR_CALM
+    _others_are_answered(port)
+
+
+def test_streams_past_max_concurrent_streams_are_refused(door, replica):
+    _, port = door
+    replica.listener.limits = replace(DEFAULT_CONNECTION_LIMITS, max_concurrent_streams=5)
+    client, encoder = _connect(port)
+    _first_answer(client)
+    block = _block(encoder)
+    # Seven calls that never end: the last two find five open.
+    client.sendall(b"".join(frame(HEADERS, END_HEADERS, stream, block) for stream in range(3, 17, 2)))
+    refused: list[int] = []
+    data = b""
+    deadline = time.monotonic() + 10
+    while len(refused) < 2 and time.monotonic() < deadline:
+        client.settimeout(1)
+        data += client.recv(1 << 16)
+        at, view, refused = 0, memoryview(data), []
+        while at + 9 <= len(data) and at + 9 + int.from_bytes(data[at:at + 3], "big") <= len(data):
+            parsed, length = Frame.parse_frame_header(view[at:at + 9])
+            parsed.parse_body(view[at + 9:at + 9 + length])
+            if parsed.type == RST_STREAM and parsed.error_code == REFUSED_STREAM:
+                refused.append(parsed.stream_id)
+            at += 9 + length
+    assert refused == [13, 15]
+    client.close()
+    _others_are_answered(port)
+
+
+def test_a_header_block_that_does_not_end_times_out(door, replica):
+    _, port = door
+    replica.listener.limits = replace(DEFAULT_CONNECTION_LIMITS, request_head_timeout_s=0.5)
+    client, encoder = _connect(port)
+    client.sendall(frame(HEADERS, 0, 3, _block(encoder)))  # no END_HEADERS, no CONTINUATION
+    started = time.monotonic()
+    assert _goaway_code(_frames_until_closed(client)) == ENHANCE_YOUR_CALM
+    assert time.monotonic() - started < 3.0
+    _others_are_answered(port)
+
+
+def test_an_idle_connection_is_closed_gracefully(door, replica):
+    _, port = door
+    replica.listener.limits = replace(DEFAULT_CONNECTION_LIMITS, keepalive_timeout_s=0.5)
+    client, _ = _connect(port)  # it answers nothing (not the PING either): the close ends without it
+    frames = _frames_until_closed(client)
+    assert any(f.type == GOAWAY for f in frames) and _goaway_code(frames) is None
+
+
+def test_a_call_whose_client_goes_silent_is_dropped(door, replica):
+    """A half-open call (its message never ends, the client sends nothing more)."""
+    _, port = door
+    replica.listener.limits = replace(DEFAULT_CONNECTION_LIMITS, keepalive_timeout_s=0.5)
+    client, encoder = _connect(port)
+    client.sendall(frame(HEADERS, END_HEADERS, 3, _block(encoder)) + frame(DATA, 0, 3, _message(1000)[:500]))
+    assert _goaway_code(_frames_until_closed(client)) == ENHANCE_YOUR_CALM
+    wait_until(lambda: replica.listener.held_bytes == 0, "the call's bytes released", 5)
+    _others_are_answered(port)
+
+
+def test_calls_that_do_not_end_hold_at_most_their_windows(door, replica):
+    """Past the connection's window, only the oldest call gets more window: the others stop at
+    their stream window, and what the replica holds stays bounded."""
+    _, port = door
+    stream_window, connection_window = 1 << 16, 1 << 18
+    replica.listener.limits = replace(DEFAULT_CONNECTION_LIMITS, stream_window_bytes=stream_window,
+                                      connection_window_bytes=connection_window)
+    client, encoder = _connect(port)
+    block = _block(encoder)
+    message = _message(8 * stream_window)  # a message larger than a stream's window
+    streams = list(range(3, 3 + 2 * 20, 2))
+    for stream in streams:  # each sends its first window, without ending
+        client.sendall(frame(HEADERS, END_HEADERS, stream, block)
+                       + b"".join(frame(DATA, 0, stream, message[at:at + 16_384])
+                                  for at in range(0, stream_window, 16_384)))
+    bound = connection_window + len(streams) * stream_window
+    wait_until(lambda: replica.listener.held_bytes >= len(streams) * stream_window, "the calls' bytes held", 5)
+    client.settimeout(0.5)
+    granted: dict[int, int] = {}
+    data = b""
+    try:
+        while True:
+            data += client.recv(1 << 16)
+    except TimeoutError:
+        pass
+    at, view = 0, memoryview(data)
+    while at + 9 <= len(data):
+        parsed, length = Frame.parse_frame_header(view[at:at + 9])
+        parsed.parse_body(view[at + 9:at + 9 + length])
+        if parsed.type == WINDOW_UPDATE and parsed.stream_id:
+            granted[parsed.stream_id] = granted.get(parsed.stream_id, 0) + parsed.window_increment
+        at += 9 + length
+    # Held past the connection's window: the calls after it got no more window; the oldest did.
+    assert streams[0] in granted
+    assert not any(granted.get(stream) for stream in streams[-10:])
+    assert replica.listener.held_bytes <= bound
+    # The oldest call ends: it is answered, and its bytes are released.
+    rest = message[stream_window:]
+    client.sendall(b"".join(frame(DATA, END_STREAM if at + 16_384 >= len(rest) else 0, streams[0], rest[at:at + 16_384])
+                            for at in range(0, len(rest), 16_384)))
+    wait_until(lambda: replica.listener.held_bytes <= bound - stream_window, "the oldest call's bytes released", 5)
+    client.close()
+    wait_until(lambda: replica.listener.held_bytes == 0, "every call's bytes released", 5)
+    _others_are_answered(port)
+
+
+def test_a_client_that_does_not_read_its_answers_is_cut_off(door, replica):
+    _, port = door
+    replica.listener.limits = replace(DEFAULT_CONNECTION_LIMITS, send_timeout_s=0.5, connection_buffer_bytes=1 << 16)
+    client = socket.socket()
+    client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 12)
+    client.connect(("127.0.0.1", port))
+    encoder = hpack.Encoder()
+    big = _message(1 << 20)
+    # A window large enough for every answer, then calls with large answers it never reads.
+    client.sendall(PREFACE + settings({0x4: (1 << 31) - 1}) + frame(WINDOW_UPDATE, 0, 0, ((1 << 31) - 1 - 65_535).to_bytes(4, "big")))
+    with contextlib.suppress(OSError):  # the server closes while it is sent
+        for stream in range(1, 401, 2):
+            client.sendall(frame(HEADERS, END_HEADERS, stream, _block(encoder))
+                           + b"".join(frame(DATA, END_STREAM if at + 16_384 >= len(big) else 0, stream, big[at:at + 16_384])
+                                      for at in range(0, len(big), 16_384)))
+    client.close()
+    wait_until(lambda: replica.listener.held_bytes == 0, "the calls' bytes released", 10)
+    _others_are_answered(port)
