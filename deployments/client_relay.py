@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from rayinfer.deployments import front_door
@@ -77,9 +78,12 @@ class RelayedRequest:
         self._answering = False  # the answer's head was written to the client
         self.handed_over = False
 
-    async def answer(self, client: Any, keep_alive: bool) -> bool:
+    async def answer(self, client: Any, keep_alive: bool,
+                     writable: Callable[[], Awaitable[None] | None] | None = None) -> bool:
         """Relay the request and write the answer to ``client`` (a transport); whether the
-        client's connection stays open afterwards."""
+        client's connection stays open afterwards. With ``writable`` (None while the client
+        takes what is written, else what to await), HAProxy's answer is not read while the
+        client does not take it: what is held of it stays bounded."""
         loop = asyncio.get_running_loop()
         try:
             _, self._upstream = await loop.create_unix_connection(_Upstream, self._socket_path)
@@ -104,6 +108,10 @@ class RelayedRequest:
                 if upstream.buffer:
                     client.write(bytes(upstream.buffer))
                     upstream.buffer.clear()
+                    if writable is not None and (paused := writable()) is not None:
+                        upstream.transport.pause_reading()
+                        await paused
+                        upstream.transport.resume_reading()
                 if upstream.ended:
                     break
                 await upstream.wait()

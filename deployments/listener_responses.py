@@ -7,7 +7,7 @@ a request another replica sent on), and a relayed gRPC call's answer (a chunked 
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from http import HTTPStatus
 from typing import Any
 
@@ -16,6 +16,9 @@ from rayinfer.protocol.grpc_wire import grpc_status
 logger = logging.getLogger(__name__)
 
 _REASONS = {status.value: status.phrase.encode() for status in HTTPStatus}
+# What a connection's writer awaits before writing more: None while the client takes what is
+# written, else an awaitable done once it has taken enough (the transport resumed writing).
+Writable = Callable[[], Awaitable[None] | None]
 _GRPC_HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: application/grpc\r\ntransfer-encoding: chunked\r\n\r\n"
 
 
@@ -40,12 +43,15 @@ class StreamedResponse:
         self.head = _head(status, headers, b"transfer-encoding: chunked")
         self.chunks = chunks
 
-    async def write(self, transport: Any) -> bool:
+    async def write(self, transport: Any, writable: Writable | None = None) -> bool:
         """Write the response; false when the connection went away meanwhile, or was closed
-        because the chunks failed (the reader then sees the stream break off)."""
+        because the chunks failed (the reader then sees the stream break off). With
+        ``writable``, a chunk is written only once the client has taken enough of those before."""
         transport.write(self.head)
         try:
             async for chunk in self.chunks:
+                if writable is not None and (paused := writable()) is not None:
+                    await paused
                 if transport.is_closing():
                     return False
                 transport.write(b"%x\r\n%b\r\n" % (len(chunk), chunk))
