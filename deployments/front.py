@@ -225,7 +225,10 @@ class Front:
         reply = await self._command(f"commit map @{version} {path}")
         if reply.strip():
             raise RuntimeError(f"HAProxy refused the route map: {reply.strip()}")
-        path.write_text("".join(f"{k} {v}\n" for k, v in sorted(entries.items())))
+        # Whole or not at all for the door, which reads it on its own (os.replace is atomic).
+        staged = path.with_name(path.name + ".new")
+        staged.write_text("".join(f"{k} {v}\n" for k, v in sorted(entries.items())))
+        os.replace(staged, path)
 
     async def _command(self, line: str) -> str:
         reader, writer = await asyncio.open_unix_connection(str(self._admin))

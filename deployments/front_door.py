@@ -34,9 +34,12 @@ private to the network namespace, like the listener.
 from __future__ import annotations
 
 import contextlib
+import logging
+import os
 import re
 import selectors
 import socket
+import struct
 import threading
 import time
 from pathlib import Path
@@ -46,6 +49,8 @@ import httptools
 from rayinfer.protocol.grpc_wire import INCOMPLETE, NOT_DIRECT_RPCS, PREFACE, ROUTED_RPCS, first_call, settings
 from rayinfer.protocol.limits import HEAD_TOO_LARGE, MAX_REQUEST_HEAD_BYTES, MAX_REQUEST_HEADERS, TOO_MANY_HEADERS, bad_head_answer
 from rayinfer.serving.routes import front_routed
+
+logger = logging.getLogger(__name__)
 
 # How long a new connection may take to send its request line before it goes to HAProxy, which
 # applies its own timeouts to it.
@@ -85,6 +90,17 @@ DOOR_FD_VARIABLES = {"http": "RAYINFER_DOOR_FD", "grpc": "RAYINFER_GRPC_DOOR_FD"
 def door_name(host: str, port: int) -> str:
     """The abstract Unix socket a replica whose listener is ``host``:``port`` takes connections on."""
     return f"\0rayinfer-door-{host}-{port}"
+
+
+def same_user(channel: socket.socket) -> bool:
+    """Whether the process at the other end of a Unix socket runs as this one's user
+    (``SO_PEERCRED``): the door's abstract sockets take connections and messages only from the
+    server's own processes, as a filesystem socket with mode 0600 would."""
+    try:
+        _, uid, _ = struct.unpack("3i", channel.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    except OSError:
+        return False
+    return uid == os.getuid()
 
 
 def return_name(folder_name: str) -> str:
@@ -329,6 +345,8 @@ class Door:
                     channel.setblocking(False)
                     self._doors[name] = channel
                     channel.connect(name)
+                    if not same_user(channel):  # another user's process holds the replica's name
+                        raise OSError(f"{name[1:]!r} is not the server's")
                 socket.send_fds(channel, [message], [connection.fileno()])
                 return True
             except OSError:
@@ -350,6 +368,10 @@ class Door:
         try:
             channel, _ = returns.accept()
         except OSError:
+            return
+        if not same_user(channel):
+            logger.warning("refused a connection to the door's return socket from another user's process")
+            channel.close()
             return
         channel.setblocking(False)
         self._selector.register(channel, selectors.EVENT_READ, self._take_back)
@@ -447,6 +469,8 @@ def give_back(folder_name: str, connections: list[int], message: bytes) -> bool:
         with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as channel:
             channel.settimeout(1.0)
             channel.connect(return_name(folder_name))
+            if not same_user(channel):  # another user's process holds the name: not the door
+                return False
             for start in range(0, len(connections), 16):
                 socket.send_fds(channel, [message], connections[start:start + 16])
         return True

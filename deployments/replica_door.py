@@ -1,5 +1,6 @@
 """A model replica's end of the front's door (:mod:`front_door`): the abstract Unix socket, named
-after the replica's listener, over which the door passes clients' HTTP connections.
+after the replica's listener, over which the door passes clients' HTTP connections. Only a
+process of the server's own user may open a channel to it (``SO_PEERCRED``).
 
 The door keeps one channel open to each replica it passes connections to; each message carries
 one connection (``SCM_RIGHTS``) and says which socket of the front's HAProxy takes the requests
@@ -12,6 +13,8 @@ import asyncio
 import logging
 import socket
 from collections.abc import Callable
+
+from rayinfer.deployments.front_door import same_user
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +65,10 @@ class ReplicaDoor:
         try:
             channel, _ = self._socket.accept()  # type: ignore[union-attr]
         except OSError:
+            return
+        if not same_user(channel):  # only the server's own door passes connections
+            logger.warning("refused a channel to the replica's door from another user's process")
+            channel.close()
             return
         channel.setblocking(False)
         self._channels.add(channel)
