@@ -28,6 +28,7 @@ from rayinfer.cluster.settings import (
     metrics_endpoint,
     replica_log_level,
     startup_log_settings,
+    tls_settings,
     repository_folder,
     repository_source,
     response_cache_bytes,
@@ -123,6 +124,15 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("--max-inflight-requests", type=int, default=None,
                          help="inference calls the front relays to model replicas at once; more answer "
                               "503 / UNAVAILABLE (default 1024)")
+        for kind in ("grpc", "http"):
+            what = "gRPC" if kind == "grpc" else "HTTP"
+            sub.add_argument(f"--{kind}-use-ssl", type=_bool, nargs="?", const=True, default=None,
+                             help=f"TLS on the {what} port (needs --{kind}-server-cert and --{kind}-server-key)")
+            sub.add_argument(f"--{kind}-use-ssl-mutual", type=_bool, nargs="?", const=True, default=None,
+                             help=f"TLS on the {what} port with client certificates signed by --{kind}-root-cert")
+            sub.add_argument(f"--{kind}-server-cert", default=None, help=f"PEM certificate of the {what} port")
+            sub.add_argument(f"--{kind}-server-key", default=None, help=f"PEM private key of the {what} port")
+            sub.add_argument(f"--{kind}-root-cert", default=None, help=f"PEM root certificate for {what} clients (mutual TLS)")
         for flag, kind, what in _CONNECTION_FLAGS:
             sub.add_argument(flag, type=kind, default=None, help=what)
         sub.add_argument("--direct-connections", type=_bool, nargs="?", const=True, default=None,
@@ -285,6 +295,7 @@ def serve(settings: ServerSettings) -> int:
             trace_config=tuple(settings.trace_config),
             max_input_size=settings.http_max_input_size,
             connection_limits=connection_limits(settings),
+            tls=tls_settings(settings),
             metrics=metrics_endpoint(settings),
             control_mode=settings.model_control_mode,
             poll_secs=settings.repository_poll_secs,

@@ -267,6 +267,28 @@ class ServerSettings(BaseSettings):
     grpc_replica_buffer: int = Field(
         1 << 28, gt=0, description="Bytes the gRPC calls of all connections may hold in one model replica; past it "
         "only each connection's oldest call being received gets more window.")
+    grpc_use_ssl: bool = Field(
+        False, description="Serve the gRPC port over TLS, terminated by the front's HAProxy (tritonserver's "
+        "--grpc-use-ssl); needs --grpc-server-cert and --grpc-server-key. Connections then go through HAProxy (no "
+        "direct connections on that port).")
+    grpc_use_ssl_mutual: bool = Field(
+        False, description="TLS on the gRPC port with client certificates signed by --grpc-root-cert required "
+        "(--grpc-use-ssl-mutual; implies --grpc-use-ssl).")
+    grpc_server_cert: str | None = Field(None, description="PEM file of the gRPC port's certificate (chain).")
+    grpc_server_key: str | None = Field(None, description="PEM file of the gRPC port's private key.")
+    grpc_root_cert: str | None = Field(
+        None, description="PEM file of the root certificate(s) that sign clients' certificates (mutual TLS on the gRPC port).")
+    http_use_ssl: bool = Field(
+        False, description="Serve the HTTP port over TLS, terminated by the front's HAProxy (like gRPC's; tritonserver has no HTTPS "
+        "--http-use-ssl); needs --http-server-cert and --http-server-key. Connections then go through HAProxy (no "
+        "direct connections on that port).")
+    http_use_ssl_mutual: bool = Field(
+        False, description="TLS on the HTTP port with client certificates signed by --http-root-cert required "
+        "(--http-use-ssl-mutual; implies --http-use-ssl).")
+    http_server_cert: str | None = Field(None, description="PEM file of the HTTP port's certificate (chain).")
+    http_server_key: str | None = Field(None, description="PEM file of the HTTP port's private key.")
+    http_root_cert: str | None = Field(
+        None, description="PEM file of the root certificate(s) that sign clients' certificates (mutual TLS on the HTTP port).")
     direct_connections: bool = Field(
         True,
         description="Give each HTTP and gRPC connection straight to a replica on the front's machine of the model "
@@ -336,6 +358,21 @@ class ServerSettings(BaseSettings):
         # A relative trace file is relative to where the command runs, not to Ray's workers.
         return [f"triton,file={os.path.abspath(v.split('=', 1)[1])}"
                 if v.startswith("triton,file=") and v.split("=", 1)[1] else v for v in values]
+
+    @model_validator(mode="after")
+    def _check_tls_files(self) -> ServerSettings:
+        for kind in ("grpc", "http"):
+            if not (getattr(self, f"{kind}_use_ssl") or getattr(self, f"{kind}_use_ssl_mutual")):
+                continue
+            needed = ["server_cert", "server_key"] + (["root_cert"] if getattr(self, f"{kind}_use_ssl_mutual") else [])
+            for name in needed:
+                path = getattr(self, f"{kind}_{name}")
+                flag = f"--{kind}-{name.replace('_', '-')}"
+                if not path:
+                    raise ValueError(f"--{kind}-use-ssl needs {flag}")
+                if not os.access(path, os.R_OK):
+                    raise ValueError(f"{flag}: cannot read {path}")
+        return self
 
     @model_validator(mode="after")
     def _warn_on_overridden_strict_model_config(self) -> ServerSettings:
@@ -424,3 +461,16 @@ def connection_limits(settings: ServerSettings) -> dict[str, float]:
         "connection_window_bytes": settings.grpc_connection_window,
         "replica_buffer_bytes": settings.grpc_replica_buffer,
     }
+
+
+def tls_settings(settings: ServerSettings) -> dict[str, dict[str, Any]]:
+    """TLS by port kind ("grpc", "http"), as the front's TlsSettings take it; {} without TLS."""
+    tls = {}
+    for kind in ("grpc", "http"):
+        mutual = getattr(settings, f"{kind}_use_ssl_mutual")
+        if getattr(settings, f"{kind}_use_ssl") or mutual:
+            root = getattr(settings, f"{kind}_root_cert")
+            tls[kind] = {"cert": os.path.abspath(getattr(settings, f"{kind}_server_cert")),
+                         "key": os.path.abspath(getattr(settings, f"{kind}_server_key")),
+                         "root_cert": os.path.abspath(root) if root else "", "mutual": mutual}
+    return tls

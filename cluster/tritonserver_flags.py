@@ -1,7 +1,7 @@
 """tritonserver's flags that ``rayinfer serve`` does not take, and a parser that answers in one line.
 
 A manifest written for tritonserver may carry flags rayinfer has no counterpart for (memory
-pools, tracing, caches, TLS, ...). Each of them is registered, hidden, on the ``serve`` and
+pools, tracing, caches, ...). Each of them is registered, hidden, on the ``serve`` and
 ``config`` parsers and refused by name as soon as it is met, whatever value it carries; any
 other command-line error is also one line on stderr, exit status 2, without argparse's usage
 dump (``--help`` still prints the usage).
@@ -24,7 +24,6 @@ UNSUPPORTED_FLAGS: tuple[str, ...] = (
     "allow-http", "reuse-http-port", "http-header-forward-pattern",
     # gRPC
     "reuse-grpc-port", "grpc-header-forward-pattern", "grpc-infer-allocation-pool-size",
-    "grpc-use-ssl", "grpc-use-ssl-mutual", "grpc-server-cert", "grpc-server-key", "grpc-root-cert",
     "grpc-infer-response-compression-level", "grpc-keepalive-time", "grpc-keepalive-timeout",
     "grpc-keepalive-permit-without-calls", "grpc-http2-max-pings-without-data",
     "grpc-http2-min-recv-ping-interval-without-data", "grpc-http2-max-ping-strikes",

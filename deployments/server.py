@@ -20,6 +20,7 @@ from tritonclient.grpc import service_pb2 as pb
 
 from rayinfer.deployments import asgi
 from rayinfer.deployments.control import ModelControl, ServeDeployer
+from rayinfer.deployments.front_config import TlsSettings
 from rayinfer.deployments.grpc_service import ServerGrpcMethods, loopback_port, want_loopback_port
 from rayinfer.deployments.internal_token import cluster_token, internal_headers
 from rayinfer.deployments.metrics_endpoint import MetricsEndpoint
@@ -73,6 +74,7 @@ class ServerDeployment(ServerGrpcMethods):
         max_inflight: int | None = None,
         direct_connections: bool = True,
         front_on_every_node: bool = False,
+        tls: dict[str, dict[str, Any]] | None = None,
     ):
         """``front_on_every_node``: the front runs on every node with model replicas too
         (:mod:`node_fronts`), not only on this replica's."""
@@ -94,6 +96,7 @@ class ServerDeployment(ServerGrpcMethods):
                 "server_app": SERVER_APP, "threads": front_threads, "max_input_size": control.max_input_size,
                 "http_restricted": self._restrictions[0], "grpc_restricted": self._restrictions[1],
                 "max_inflight": max_inflight or DEFAULT_MAX_INFLIGHT_REQUESTS, "direct": direct_connections,
+                "tls": {kind: TlsSettings(**values) for kind, values in (tls or {}).items()},
             }
             self._front = Front(http_front, grpc_front, **options)
             if grpc_front is not None:

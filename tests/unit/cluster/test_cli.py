@@ -168,7 +168,28 @@ def test_direct_connections_reach_the_front(repository: Path) -> None:
     server, model = all_args(settings_of(repository, "--direct-connections", "false", command="config"))
     assert server["direct_connections"] is False and "direct_connections" not in model
     bound = build_server_app(server)._bound_deployment.init_args  # the Serve config's entry point
-    assert bound[-1] is False
+    assert bound[-3] is False  # direct_connections (then front_on_every_node, tls)
+
+
+def test_tls_flags_reach_the_front(repository: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """tritonserver's gRPC TLS flags (and the same for HTTP) go to the front's HAProxy; missing
+    or unreadable files are refused at start, naming the flag."""
+    from rayinfer.deployments.app import build_server_app
+
+    for name in ("cert.pem", "key.pem", "ca.pem"):
+        (tmp_path / name).write_text("PEM")
+    server, _ = all_args(settings_of(
+        repository, "--grpc-use-ssl-mutual=true", f"--grpc-server-cert={tmp_path / 'cert.pem'}",
+        f"--grpc-server-key={tmp_path / 'key.pem'}", f"--grpc-root-cert={tmp_path / 'ca.pem'}", command="config"))
+    assert server["tls"] == {"grpc": {"cert": str(tmp_path / "cert.pem"), "key": str(tmp_path / "key.pem"),
+                                      "root_cert": str(tmp_path / "ca.pem"), "mutual": True}}
+    assert build_server_app(server)._bound_deployment.init_args[-1] == server["tls"]
+    assert "tls" not in all_args(settings_of(repository))[0]
+    line = exit_line(capsys, ["config", "--model-repository", str(repository), "--http-use-ssl"])
+    assert "--http-use-ssl needs --http-server-cert" in line
+    line = exit_line(capsys, ["config", "--model-repository", str(repository), "--grpc-use-ssl",
+                              f"--grpc-server-cert={tmp_path / 'cert.pem'}", f"--grpc-server-key={tmp_path / 'none.pem'}"])
+    assert f"--grpc-server-key: cannot read {tmp_path / 'none.pem'}" in line
 
 
 def test_backend_directory_is_accepted_and_ignored(
@@ -209,7 +230,7 @@ def test_the_common_tritonserver_flags_are_known() -> None:
     for flag in ("model-load-thread-count", "backend-config", "pinned-memory-pool-byte-size",
                  "cuda-memory-pool-byte-size", "trace-file", "rate-limit", "response-cache-byte-size",
                  "allow-sagemaker", "allow-vertex-ai", "model-namespacing", "buffer-manager-thread-count",
-                 "min-supported-compute-capability", "grpc-use-ssl", "reuse-http-port", "reuse-grpc-port",
+                 "min-supported-compute-capability", "grpc-keepalive-time", "reuse-http-port", "reuse-grpc-port",
                  "allow-http", "exit-timeout-secs"):
         assert flag in UNSUPPORTED_FLAGS
 

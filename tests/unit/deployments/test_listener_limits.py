@@ -54,7 +54,7 @@ def _connect(port: int, rcvbuf: int = 0, sndbuf: int = 0) -> socket.socket:
 
 
 def _closed_by_server(sock: socket.socket) -> bool:
-    """The server closed or reset the connection (read without reading what it sent)."""
+    """The server closed or reset the connection, seen without reading what it sent (TCP_INFO)."""
     return sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 8)[0] in (_TCP_CLOSE, _TCP_CLOSE_WAIT)
 
 
