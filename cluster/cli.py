@@ -202,6 +202,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "ray-env":
         print("export " + " ".join(f"{key}={value}" for key, value in RAY_ENVIRONMENT.items()))
         return 0
+    from rayinfer.deployments.serve_internals import ray_version_problem
+
+    problem = ray_version_problem()
+    if problem is not None:
+        parser.error(problem)
     try:
         settings = settings_from_args(args)
     except ValidationError as exc:

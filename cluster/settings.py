@@ -81,8 +81,8 @@ RAY_ENVIRONMENT = {
     # see rayinfer.deployments.ingress.
     "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": "rayinfer.deployments.ingress:http_middlewares",
     # Serve's controller builds one replica actor class per replica name instead of one per
-    # deployment, which Ray keeps in its processes for good; see rayinfer.deployments.replica_classes.
-    "RAY_SERVE_CONTROLLER_CALLBACK_IMPORT_PATH": "rayinfer.deployments.replica_classes:reuse_replica_classes",
+    # deployment, which Ray keeps in its processes for good; see rayinfer.deployments.serve_internals.
+    "RAY_SERVE_CONTROLLER_CALLBACK_IMPORT_PATH": "rayinfer.deployments.serve_internals:reuse_replica_classes",
 }
 
 

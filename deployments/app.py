@@ -13,6 +13,7 @@ from ray.serve.schema import LoggingConfig
 
 from rayinfer.deployments.control import DEFAULT_GPU_WAIT_S, MIN_ONGOING_REQUESTS, ModelControl, model_application
 from rayinfer.deployments.names import DEFAULT_REPLICA_NUM_CPUS, parse_bool
+from rayinfer.deployments.serve_internals import ray_version_problem, with_code_version
 from rayinfer.deployments.server import ServerDeployment
 from rayinfer.protocol.limits import DEFAULT_HTTP_MAX_INPUT_SIZE
 from rayinfer.protocol.metrics import MetricsOptions
@@ -75,8 +76,7 @@ def server_application(
         logging_config=LoggingConfig(log_level="DEBUG" if control.log_level == "DEBUG" else "INFO"),
     )
     if version is not None:
-        # ``version`` left Serve's public options; the pinned Ray still takes it with ``_internal``.
-        deployment = deployment.options(version=version, _internal=True)
+        deployment = with_code_version(deployment, version)
     return deployment.bind(
         str(model_repository), server_id, strict_readiness, metrics, control, grpc_front, http_front, front_threads,
         list(http_restricted or ()), list(grpc_restricted or ()), max_inflight, direct_connections,
@@ -124,6 +124,9 @@ def build_server_app(args: dict[str, Any]) -> Application:
     serve_http_host and serve_http_port; front_threads; max_inflight_requests; direct_connections; front_on_head; front_on_every_node; and model
     control's args
     (:func:`_control_from_args`)."""
+    problem = ray_version_problem()
+    if problem is not None:  # Serve reports it as the deployment's error
+        raise RuntimeError(problem)
     return server_application(
         args["model_repository"],
         server_id=str(args.get("server_id", "triton")),

@@ -45,6 +45,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 SERVICER_FUNCTION = "rayinfer.deployments.grpc_service.add_servicer_to_server"
+_SERVICE_NAME = "inference.GRPCInferenceService"
 # Responses of a stream computed ahead of the one being sent (they are still sent in order).
 _STREAM_WINDOW = 64
 # The front's own way to the ``/v2`` replica's gRPC server (:func:`want_loopback_port`): asked
@@ -74,11 +75,13 @@ def add_servicer_to_server(servicer: Any, server: Any) -> None:
     Ray Serve's gRPC proxy pickles requests it forwards (its fallback while a replica starts or
     drains), and pickle needs them. So those names are made to point at tritonclient's modules.
     """
-    from tritonclient.grpc import model_config_pb2, service_pb2_grpc
+    from tritonclient.grpc import model_config_pb2
 
     sys.modules.setdefault(pb.DESCRIPTOR.name.replace(".proto", "_pb2"), pb)
     sys.modules.setdefault(model_config_pb2.DESCRIPTOR.name.replace(".proto", "_pb2"), model_config_pb2)
-    service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, _LenientRequests(server))
+    handlers = _method_handlers(servicer)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(_SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(_SERVICE_NAME, handlers)
     if _LOOPBACK["wanted"]:
         try:
             _LOOPBACK["port"] = server.add_insecure_port("127.0.0.1:0") or None
@@ -105,29 +108,25 @@ def _lenient(deserialize: Callable[[bytes], Any] | None) -> Callable[[bytes], An
     return parse
 
 
-class _LenientRequests:
-    """Passes the servicer's method handlers on to ``server`` with :func:`_lenient` request
-    deserializers (Serve's gRPC server keeps a handler's deserializer when it takes the call
-    over)."""
+_HANDLER_KINDS = {
+    (False, False): grpc.unary_unary_rpc_method_handler,
+    (False, True): grpc.unary_stream_rpc_method_handler,
+    (True, False): grpc.stream_unary_rpc_method_handler,
+    (True, True): grpc.stream_stream_rpc_method_handler,
+}
 
-    def __init__(self, server: Any) -> None:
-        self._server = server
 
-    def add_generic_rpc_handlers(self, handlers: Any) -> None:
-        for handler in handlers:
-            methods = getattr(handler, "_method_handlers", None)  # grpc's dictionary handler
-            if methods is not None:
-                handler._method_handlers = {name: method._replace(request_deserializer=_lenient(method.request_deserializer))
-                                            for name, method in methods.items()}
-        self._server.add_generic_rpc_handlers(handlers)
-
-    def add_registered_method_handlers(self, service: str, methods: dict[str, Any]) -> None:
-        self._server.add_registered_method_handlers(service, {
-            name: method._replace(request_deserializer=_lenient(method.request_deserializer))
-            for name, method in methods.items()})
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._server, name)
+def _method_handlers(servicer: Any) -> dict[str, grpc.RpcMethodHandler]:
+    """The service's method handlers (as its generated ``add_..._to_server`` builds them, from
+    the service's descriptor) with :func:`_lenient` request deserializers: Serve's gRPC server
+    keeps a handler's deserializer when it takes the call over."""
+    handlers = {}
+    for method in pb.DESCRIPTOR.services_by_name[_SERVICE_NAME.rpartition(".")[2]].methods:
+        request, response = getattr(pb, method.input_type.name), getattr(pb, method.output_type.name)
+        kind = _HANDLER_KINDS[(method.client_streaming, method.server_streaming)]
+        handlers[method.name] = kind(getattr(servicer, method.name), request_deserializer=_lenient(request.FromString),
+                                     response_serializer=response.SerializeToString)
+    return handlers
 
 
 def set_error(grpc_context: Any, exc: BaseException) -> ServingError:

@@ -8,7 +8,6 @@ import uuid
 from typing import Any
 
 from ray import serve
-from ray.serve.context import _get_global_client
 from ray.serve.schema import ServeDeploySchema
 
 from rayinfer.deployments.app import server_application
@@ -16,6 +15,7 @@ from rayinfer.deployments.control import DEFAULT_GPU_WAIT_S, ModelControl, deplo
 from rayinfer.deployments.front_keeper import stop_fronts
 from rayinfer.deployments.grpc_service import SERVICER_FUNCTION
 from rayinfer.deployments.names import SERVER_APP, SERVER_DEPLOYMENT, SERVER_ROUTE_PREFIX, model_apps
+from rayinfer.deployments.serve_internals import shutdown_cached_handles
 from rayinfer.deployments.serve_state import serve_applications
 from rayinfer.protocol.limits import DEFAULT_HTTP_MAX_INPUT_SIZE
 from rayinfer.protocol.metrics import MetricsOptions
@@ -130,7 +130,7 @@ async def _wait_routed(models: list[str], timeout_s: float) -> None:
         # The handle's router runs on this loop, which closes after this call: shut it down (and
         # out of Serve's handle cache) here. Else serve.shutdown() at Ctrl-C fails on the closed
         # loop ("Event loop is closed") and rayinfer exits with a traceback and status 1.
-        await _get_global_client().shutdown_cached_handles_async()
+        await shutdown_cached_handles()
 
 
 def stop(models: list[str], *, whole_serve: bool, fronts: list[tuple[str, int]] | None = None) -> None:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from rayinfer.deployments.names import model_app_name, model_deployment_name
+from rayinfer.deployments.serve_internals import serve_client
 from rayinfer.repository.scanner import scan_repository
 from rayinfer.serving.model_control import ModelController
 
@@ -96,9 +97,7 @@ def serve_applications() -> dict[str, ApplicationState]:
     deployment's request router class again: about 60 ms of CPU per call for a handful of
     applications, against under 2 ms here (measured with the example repository).
     """
-    from ray.serve.context import _get_global_client
-
-    client = _get_global_client(raise_if_no_controller_running=False)
+    client = serve_client(required=False)
     if client is None:  # Serve has not started
         return {}
     apps = {}
@@ -120,9 +119,7 @@ def serve_applications() -> dict[str, ApplicationState]:
 
 def running_replicas() -> set[str]:
     """``<application>/<replica id>`` of every replica Serve reports RUNNING."""
-    from ray.serve.context import _get_global_client
-
-    client = _get_global_client()
+    client = serve_client()
     if client is None:
         raise RuntimeError("not connected to Serve")
     details = client.get_serve_details()

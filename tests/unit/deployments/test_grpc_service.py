@@ -142,3 +142,38 @@ def test_serves_grpc_ingress_answers_an_unrestricted_call():
     context = _Context([])
     assert asyncio.run(_Restricted().ServerLive(pb.ServerLiveRequest(), context)).live
     assert context.code is None
+
+
+def test_the_servicer_gets_a_marker_for_a_message_that_does_not_parse():
+    """add_servicer_to_server registers every RPC of the service on a real grpc server, with
+    request deserializers that turn a message that does not parse into an Unparsable marker."""
+    from concurrent import futures
+
+    import grpc
+    from tritonclient.grpc import service_pb2 as pb
+
+    from rayinfer.deployments.grpc_service import Unparsable, add_servicer_to_server
+
+    seen: list = []
+
+    class Servicer:
+        def __getattr__(self, name):
+            def method(request, context):
+                seen.append((name, request))
+                return pb.ServerLiveResponse(live=True) if name == "ServerLive" else pb.ModelInferResponse(id="x")
+            return method
+
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    add_servicer_to_server(Servicer(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            live = channel.unary_unary("/inference.GRPCInferenceService/ServerLive")
+            assert pb.ServerLiveResponse.FromString(live(b"")).live
+            infer = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
+            assert pb.ModelInferResponse.FromString(infer(b"\xff\xff\xff")).id == "x"
+    finally:
+        server.stop(None)
+    assert seen[0][0] == "ServerLive" and isinstance(seen[0][1], pb.ServerLiveRequest)
+    assert seen[1][0] == "ModelInfer" and isinstance(seen[1][1], Unparsable)

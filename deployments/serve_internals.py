@@ -1,5 +1,13 @@
-"""One Ray actor class per Serve replica name in Serve's controller, reused by every deployment.
+"""Every use rayinfer makes of Ray Serve's private API, in one place, for the one Ray version it
+is written against (:data:`RAY_VERSION`, pinned in pyproject.toml). :func:`ray_version_problem`
+is checked as the CLI starts and as the ``/v2`` application is built, and says what to do.
 
+- :func:`serve_client`: Serve's controller client (``ray.serve.context._get_global_client``), for
+  the controller's details (application and replica states) and its handle cache.
+- :func:`with_code_version`: a deployment's code version (``options(version=..., _internal=True)``).
+- :func:`reuse_replica_classes`: Serve's controller callback, below.
+
+One Ray actor class per Serve replica name in Serve's controller, reused by every deployment.
 Ray Serve's controller builds the Ray actor class of a deployment's replicas
 (``ServeReplica:<app>:<deployment>``, Serve's ``ReplicaActor`` under that name) each time it
 creates the deployment's info: every deploy, so every model load. Each class gets a new function
@@ -23,6 +31,37 @@ import logging
 from typing import Any
 
 logger = logging.getLogger(__name__)
+
+RAY_VERSION = "2.60.0"
+
+
+def ray_version_problem() -> str | None:
+    """What is wrong with the installed Ray for rayinfer, or None."""
+    import ray
+
+    if ray.__version__ == RAY_VERSION:
+        return None
+    return (f"rayinfer needs Ray {RAY_VERSION} (found {ray.__version__}): it uses Ray Serve internals "
+            f"(rayinfer.deployments.serve_internals) written for that version. Install it with "
+            f"pip install 'ray[serve]=={RAY_VERSION}' on every node.")
+
+
+def serve_client(required: bool = True) -> Any:
+    """Serve's controller client of this process; None when Serve has not started (and not ``required``)."""
+    from ray.serve.context import _get_global_client
+
+    return _get_global_client(raise_if_no_controller_running=required)
+
+
+async def shutdown_cached_handles() -> None:
+    """Shut down the deployment handles Serve cached in this process (their routers' loops)."""
+    await serve_client().shutdown_cached_handles_async()
+
+
+def with_code_version(deployment: Any, version: str) -> Any:
+    """``deployment`` with code ``version``: Serve reconfigures, not restarts, its replicas
+    when only their user_config changes (``version`` left Serve's public options)."""
+    return deployment.options(version=version, _internal=True)
 
 
 def reuse_replica_classes() -> None:

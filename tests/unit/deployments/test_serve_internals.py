@@ -1,4 +1,4 @@
-"""Serve's controller reuses one replica actor class per replica name (rayinfer.deployments.replica_classes)."""
+"""Serve's controller reuses one replica actor class per replica name (rayinfer.deployments.serve_internals)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import importlib
 import pytest
 
 from rayinfer.cluster.settings import RAY_ENVIRONMENT
-from rayinfer.deployments.replica_classes import reuse_replica_classes
+from rayinfer.deployments.serve_internals import reuse_replica_classes
 
 
 class Model:
@@ -57,3 +57,21 @@ def test_later_deployments_of_a_replica_name_reuse_its_class(deployment_info):
 def test_ray_environment_names_the_controller_callback():
     module_name, _, attr = RAY_ENVIRONMENT["RAY_SERVE_CONTROLLER_CALLBACK_IMPORT_PATH"].partition(":")
     assert getattr(importlib.import_module(module_name), attr) is reuse_replica_classes
+
+
+def test_another_ray_version_is_refused_with_what_to_install(monkeypatch, capsys):
+    import ray
+
+    from rayinfer.cluster.cli import main
+    from rayinfer.deployments.app import build_server_app
+    from rayinfer.deployments.serve_internals import RAY_VERSION, ray_version_problem
+
+    assert ray_version_problem() is None
+    monkeypatch.setattr(ray, "__version__", "2.99.0")
+    problem = ray_version_problem()
+    assert problem is not None and "found 2.99.0" in problem and f"pip install 'ray[serve]=={RAY_VERSION}'" in problem
+    with pytest.raises(SystemExit) as exited:
+        main(["config", "--model-repository", "."])
+    assert exited.value.code == 2 and "rayinfer needs Ray" in capsys.readouterr().err
+    with pytest.raises(RuntimeError, match="rayinfer needs Ray"):
+        build_server_app({"model_repository": "."})
