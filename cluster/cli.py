@@ -266,6 +266,9 @@ def serve(settings: ServerSettings) -> int:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
+    from rayinfer.deployments.serve_internals import stop_orphaned_serve_haproxy
+
+    stop_orphaned_serve_haproxy()  # a Ray cluster stopped with --force left them holding Serve's ports
     if address:
         ray.init(address=address)
     else:

@@ -123,6 +123,9 @@ class Front:
             (self._dir / "door").write_text("".join(f"{kind} {e[0]} {e[1]}\n" for kind, e in doors.items()))
         (self._dir / "owner").write_text(str(os.getpid()))
         (self._dir / "node").write_text(node)
+        raylet = raylet_pid()
+        if raylet is not None:  # the keeper stops with the Ray node (``ray stop``), at once
+            (self._dir / "raylet.pid").write_text(str(raylet))
         self._keeper = subprocess.Popen(
             [sys.executable, "-m", front_keeper.__name__, str(self._dir), get_haproxy_binary()],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
@@ -255,6 +258,21 @@ class Front:
         if owner != os.getpid():
             return
         front_keeper.stop_keeper(self._dir, self._keeper)
+
+
+def raylet_pid(pid: int | None = None) -> int | None:
+    """The raylet this process (a Ray worker) runs under: the nearest ancestor named ``raylet``."""
+    pid = pid or os.getpid()
+    for _ in range(16):
+        try:
+            if Path(f"/proc/{pid}/comm").read_text().strip() == "raylet":
+                return pid
+            pid = int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[1])
+        except (OSError, ValueError, IndexError):
+            return None
+        if pid <= 1:
+            return None
+    return None
 
 
 def _ray_node() -> str:

@@ -7,7 +7,9 @@ process dies (a crash, Ray's memory monitor), the keeper and HAProxy stay up, so
 calls keep reaching the model replicas while Serve starts a new ``/v2`` replica, which takes the
 front over by writing its own PID there. If no owner is alive for :data:`ORPHAN_GRACE_S` (60 s,
 or ``RAYINFER_FRONT_ORPHAN_GRACE_S``), the keeper stops HAProxy and exits: the server is gone.
-SIGTERM stops both at once.
+If the Ray node's raylet that the owner ran under (``<folder>/raylet.pid``) is gone (``ray
+stop``, the node crashed), no ``/v2`` replica can come back on this node: the keeper stops at
+once. SIGTERM stops both at once.
 
 With a door (``<folder>/door`` names the HTTP and gRPC addresses and ports it owns), the keeper
 owns those ports itself and passes each connection on (:mod:`front_door`): to a model replica,
@@ -47,6 +49,13 @@ def pid_alive(pid: int) -> bool:
     except (OSError, IndexError):
         return True
     return state != "Z"
+
+
+def _pid_in(path: Path) -> int | None:
+    try:
+        return int(path.read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def owner_alive(folder: Path) -> bool:
@@ -169,7 +178,10 @@ def main(folder: Path, binary: str) -> int:
         for their_end in theirs:
             their_end.close()
         orphaned_since: float | None = None
+        raylet = _pid_in(folder / "raylet.pid")
         while haproxy.poll() is None and not stopping:
+            if raylet is not None and not pid_alive(raylet):
+                break
             if owner_alive(folder):
                 orphaned_since = None
             elif orphaned_since is None:

@@ -5,6 +5,8 @@ is checked as the CLI starts and as the ``/v2`` application is built, and says w
 - :func:`serve_client`: Serve's controller client (``ray.serve.context._get_global_client``), for
   the controller's details (application and replica states) and its handle cache.
 - :func:`with_code_version`: a deployment's code version (``options(version=..., _internal=True)``).
+- :func:`stop_orphaned_serve_haproxy`: Serve's HAProxy processes left behind by a Ray node that
+  is gone (Serve starts them without tying them to its proxy's life).
 - :func:`reuse_replica_classes`: Serve's controller callback, below.
 
 One Ray actor class per Serve replica name in Serve's controller, reused by every deployment.
@@ -27,12 +29,17 @@ and no process loads the class again.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import signal
+import time
 from typing import Any
 
 logger = logging.getLogger(__name__)
 
 RAY_VERSION = "2.60.0"
+_SERVE_HAPROXY_CONFIG = "/tmp/haproxy-serve/haproxy.cfg"  # Serve's default RAY_SERVE_HAPROXY_CONFIG_FILE_LOC
 
 
 def ray_version_problem() -> str | None:
@@ -56,6 +63,68 @@ def serve_client(required: bool = True) -> Any:
 async def shutdown_cached_handles() -> None:
     """Shut down the deployment handles Serve cached in this process (their routers' loops)."""
     await serve_client().shutdown_cached_handles_async()
+
+
+def stop_orphaned_serve_haproxy(wait_s: float = 5.0) -> list[int]:
+    """Stop the HAProxy processes Serve's proxies started (``haproxy -f <Serve's HAProxy config
+    folder>/<node>/haproxy.cfg``) whose proxy is gone, in this network namespace; their PIDs.
+    After ``ray stop --force`` they keep Serve's ports (9000, 9001, 8404, ...), and the next
+    Serve on the machine cannot start. A HAProxy whose parent is a live Ray process is left alone."""
+    folder = os.path.dirname(os.environ.get("RAY_SERVE_HAPROXY_CONFIG_FILE_LOC", _SERVE_HAPROXY_CONFIG))
+    own_netns = _netns("self")
+    stopped = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        pid = int(entry)
+        argv = _cmdline(pid)
+        if not argv or not argv[0].endswith(b"haproxy") or b"-f" not in argv[:-1]:
+            continue
+        config = argv[argv.index(b"-f") + 1].decode(errors="replace")
+        if not config.startswith(folder + os.sep) or _netns(str(pid)) != own_netns:
+            continue
+        parent = _cmdline(_parent(pid))
+        if parent and parent[0].startswith(b"ray::"):
+            continue  # its proxy (a Ray actor) runs
+        logger.warning("stopping Serve's HAProxy (pid %d, %s) left by a Ray node that is gone", pid, config)
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGTERM)
+        stopped.append(pid)
+    deadline = time.monotonic() + wait_s
+    for pid in stopped:
+        while _cmdline(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if _cmdline(pid):
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+    return stopped
+
+
+def _cmdline(pid: int) -> list[bytes]:
+    """A live process's arguments ([] when it is gone or a zombie)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            if stat.read().rpartition(b")")[2].split()[0] == b"Z":
+                return []
+        with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+            return cmdline.read().split(b"\0")[:-1]
+    except (OSError, IndexError):
+        return []
+
+
+def _parent(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return int(stat.read().rpartition(b")")[2].split()[1])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _netns(pid: str) -> str:
+    try:
+        return os.readlink(f"/proc/{pid}/ns/net")
+    except OSError:
+        return ""
 
 
 def with_code_version(deployment: Any, version: str) -> Any:
