@@ -61,14 +61,14 @@ class RelayedStreams:
     _write: Callable[[bytes], None]  # to the client (H2Connection's)
     _ended: Callable[[Any], None]  # a call is over (H2Connection's)
     _release: Callable[[Any, int], None]  # bytes a call held are freed (H2Connection's)
+    give_window: Callable[[Any], None]  # a call's window given back (H2Connection's)
 
     def relay_sent(self, call: Any, size: int) -> None:
         """``size`` bytes of the client's went up: the client may send as many more."""
         self._release(call, size)
         call.unacked += size
         if call.unacked >= self._client_window // 2 and self._calls.get(call.id) is call:
-            self._write(window_update(call.id, call.unacked))
-            call.unacked = 0
+            self.give_window(call)
 
     def relay_headers(self, call: Any, block: bytes) -> None:
         if self._calls.get(call.id) is call:

@@ -9,7 +9,8 @@ A client's connection also keeps the listener's :class:`~rayinfer.protocol.limit
 
 - a request head not received whole within ``request_head_timeout_s`` (from its first byte, or
   for the first request from the connection's start) is answered 408 and the connection closed;
-- a connection idle between two requests for ``keepalive_timeout_s`` is closed;
+- a connection idle between two requests for ``keepalive_timeout_s`` is closed, and so is one
+  whose request body stops arriving for as long (a client gone without closing);
 - reading pauses while more than ``max_pipelined_requests`` requests wait behind the one being
   answered (the slice of a read being parsed then is parsed whole: httptools cannot stop within
   it), and while the client has not taken ``connection_buffer_bytes`` of its answers (writing
@@ -114,6 +115,7 @@ class ListenerConnection(asyncio.Protocol):
         # A client's connection: its limits' timer and flow control (see the module's docstring).
         self._timer: asyncio.TimerHandle | None = None
         self._sent_ns = 0  # when the last answer began to be written (perf_counter_ns)
+        self._body_read_ns = 0  # when the last bytes of a body being read arrived
         self._resumed_ns = 0  # when reading last resumed after a pause
         self._reading_paused = False  # by a full pipeline or by writing paused
         self._unparsed = b""  # read before reading paused, parsed when it resumes
@@ -168,6 +170,8 @@ class ListenerConnection(asyncio.Protocol):
             self._receive_in_slices(data)
             return
         in_head, self._began = self._in_head, False
+        if self._reading and not in_head:  # a body on its way: its silence is timed (_check_limits)
+            self._body_read_ns = time.perf_counter_ns()
         try:
             self._parser.feed_data(data)
             if in_head and self._in_head and not self._began and self._direct is not None and not self._refused:
@@ -286,6 +290,13 @@ class ListenerConnection(asyncio.Protocol):
                     transport.close()
                     return
                 due = min(due, idle_due)
+            else:  # a body on its way: a client that stops sending it (half-open) is dropped
+                if now >= (body_due := max(since, self._body_read_ns) + _ns(limits.keepalive_timeout_s)):
+                    logger.info("a client sent nothing of a request body for %g s (--http-keepalive-timeout): "
+                                "closed", limits.keepalive_timeout_s)
+                    transport.close()
+                    return
+                due = min(due, body_due)
         self._timer = asyncio.get_running_loop().call_later(max(due - now, _MIN_TIMER_NS) / 1e9, self._check_limits)
 
     @staticmethod

@@ -70,10 +70,10 @@ _RST_CODE = {REFUSED_STREAM: REFUSED_STREAM.to_bytes(4, "big"), FLOW_CONTROL_ERR
 class _Call:
     """One call (stream): its request as read, and its answer while it waits for send window."""
 
-    __slots__ = ("id", "headers", "body", "size", "held", "unacked", "deferred", "task", "received", "window",
-                 "left", "trailers", "relay", "out", "answering")
+    __slots__ = ("id", "headers", "body", "size", "held", "unacked", "deferred", "recv_window", "task", "received",
+                 "window", "left", "trailers", "relay", "out", "answering")
 
-    def __init__(self, stream: int, headers: list[tuple[bytes, bytes]], window: int) -> None:
+    def __init__(self, stream: int, headers: list[tuple[bytes, bytes]], window: int, recv_window: int) -> None:
         self.id = stream
         self.headers = headers
         self.body: list[bytes] = []
@@ -81,6 +81,7 @@ class _Call:
         self.held = 0  # the flow-controlled bytes this call holds (released when it ends)
         self.unacked = 0  # bytes whose stream window is not given back yet
         self.deferred = 0  # of those, bytes held back while the connection holds too much
+        self.recv_window = recv_window  # what the client may still send on the call
         self.task: asyncio.Task | None = None
         self.received = time.perf_counter_ns()
         self.window = window  # what the client lets this side send on the call
@@ -117,6 +118,8 @@ class H2Connection(RelayedStreams, asyncio.Protocol):
         self._initial_window = DEFAULT_WINDOW  # each call's send window at its start
         self._max_frame = DEFAULT_FRAME_SIZE
         self._unacked = 0  # received bytes released, their connection window not given back yet
+        # What the client may still send on the connection (its window, as this side gave it).
+        self._recv_window = DEFAULT_WINDOW + max(self._limits.connection_window_bytes - DEFAULT_WINDOW, 1)
         self._held = 0  # bytes the open calls hold
         self._turn_at = time.monotonic() + _TURN_S
         self._client_window = self._limits.stream_window_bytes
@@ -406,7 +409,7 @@ class H2Connection(RelayedStreams, asyncio.Protocol):
         if not path.startswith(SERVICE) or path[len(SERVICE):] in NOT_DIRECT_RPCS:
             self._not_taken(stream)
             return
-        call = self._calls[stream] = _Call(stream, headers, self._initial_window)
+        call = self._calls[stream] = _Call(stream, headers, self._initial_window, self._client_window)
         if ends:
             self._start(call)
 
@@ -421,11 +424,17 @@ class H2Connection(RelayedStreams, asyncio.Protocol):
     def _data(self, parsed: Any, length: int) -> None:
         stream, ends = parsed.stream_id, "END_STREAM" in parsed.flags
         call = self._calls.get(stream)
+        self._recv_window -= length
+        if self._recv_window < 0:
+            raise H2ProtocolError(FLOW_CONTROL_ERROR, "DATA past the connection's flow-control window")
         self._credit(length)
         if not length and not ends:
             self._spend(0, 1)
         if call is None or (call.task is not None and call.relay is None):
             return  # a call refused, reset or answered: its data is dropped
+        call.recv_window -= length
+        if call.recv_window < 0:
+            raise H2ProtocolError(FLOW_CONTROL_ERROR, f"DATA past stream {stream}'s flow-control window")
         self._hold(call, length)
         if call.relay is not None:
             call.relay.send(parsed.data, ends)
@@ -466,6 +475,7 @@ class H2Connection(RelayedStreams, asyncio.Protocol):
         self._unacked += size
         if self._unacked >= self._limits.connection_window_bytes // 2:
             self._write(window_update(0, self._unacked))
+            self._recv_window += self._unacked
             self._unacked = 0
 
     def _credit_stream(self, call: _Call, size: int) -> None:
@@ -482,8 +492,13 @@ class H2Connection(RelayedStreams, asyncio.Protocol):
             return
         call.deferred = 0
         if call.unacked >= self._client_window // 2 or (size == 0 and call.unacked):
-            self._write(window_update(call.id, call.unacked))
-            call.unacked = 0
+            self.give_window(call)
+
+    def give_window(self, call: _Call) -> None:
+        """Give a call's unacknowledged bytes back to its window (a WINDOW_UPDATE)."""
+        self._write(window_update(call.id, call.unacked))
+        call.recv_window += call.unacked
+        call.unacked = 0
 
     def _oldest_receiving(self) -> _Call | None:
         return next((call for call in self._calls.values() if call.task is None and call.relay is None), None)
@@ -548,6 +563,7 @@ class H2Connection(RelayedStreams, asyncio.Protocol):
         if self._calls.get(call.id) is not call or self._transport is None:
             return  # reset by the client meanwhile
         if not data:  # trailers only
+            self._release(call)
             self._write(frame(HEADERS, END_HEADERS | END_STREAM, call.id, RESPONSE_HEADERS + trailer_block))
             self._ended(call)
             return
@@ -570,6 +586,7 @@ class H2Connection(RelayedStreams, asyncio.Protocol):
         call.left = left
         if not left:
             out.append(frame(HEADERS, END_HEADERS | END_STREAM, call.id, call.trailers))
+            self._release(call)  # before the client can see its answer
         if out:
             self._write(b"".join(out))
         if not left:
@@ -589,7 +606,7 @@ class H2Connection(RelayedStreams, asyncio.Protocol):
     # relayed streams (the rest of their side here is :class:`RelayedStreams`)
 
     def _relay_stream(self, stream: int, headers: list[tuple[bytes, bytes]], ended: bool) -> None:
-        call = self._calls[stream] = _Call(stream, headers, self._initial_window)
+        call = self._calls[stream] = _Call(stream, headers, self._initial_window, self._client_window)
         call.relay = StreamRelay(self, call)
         if ended:
             call.relay.send(b"", True)

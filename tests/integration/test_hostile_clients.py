@@ -131,3 +131,34 @@ def test_pipelined_requests_never_read_do_not_slow_others(server):
         with contextlib.suppress(OSError):  # the server stops reading it: the send times out
             hostile.sendall(request * 20_000)
         _others_are_answered()
+
+
+def _big_identity_body(size: int) -> bytes:
+    return b'{"inputs":[{"name":"INPUT0","shape":[1,1],"datatype":"BYTES","data":["%b"]}]}' % (b"x" * size)
+
+
+def test_clients_that_leave_mid_answer_do_not_disturb_others(server):
+    """Clients ask for large answers (a 4 MB string through simple_identity, over HTTP and
+    gRPC) and close their connections without reading them."""
+    body = _big_identity_body(4 << 20)
+    request = (b"POST /v2/models/simple_identity/infer HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+               b"content-length: %d\r\n\r\n%b" % (len(body), body))
+    message = pb.ModelInferRequest(model_name="simple_identity", id="leaving")
+    message.inputs.add(name="INPUT0", datatype="BYTES", shape=[1, 1])
+    message.raw_input_contents.append((4 << 20).to_bytes(4, "little") + b"x" * (4 << 20))
+    payload = message.SerializeToString()
+    framed = b"\0" + len(payload).to_bytes(4, "big") + payload
+    for _ in range(3):
+        with socket.create_connection(("127.0.0.1", HTTP_PORT), timeout=30) as client:
+            client.sendall(request)
+            client.recv(1)  # the answer has begun: leave in the middle of it
+        encoder = hpack.Encoder()
+        block = encoder.encode([(":method", "POST"), (":scheme", "http"), (":authority", "x"),
+                                (":path", "/inference.GRPCInferenceService/ModelInfer"),
+                                ("content-type", "application/grpc"), ("te", "trailers")])
+        with socket.create_connection(("127.0.0.1", GRPC_PORT), timeout=30) as client:
+            client.sendall(PREFACE + settings({}) + frame(HEADERS, END_HEADERS, 1, block)
+                           + b"".join(frame(DATA, END_STREAM if at + 16_384 >= len(framed) else 0, 1, framed[at:at + 16_384])
+                                      for at in range(0, len(framed), 16_384)))
+            client.recv(1)
+    _others_are_answered()

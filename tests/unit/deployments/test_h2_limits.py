@@ -21,7 +21,7 @@ from tritonclient.grpc import service_pb2 as pb
 from front_stand_ins import Replica, free_port, infer, publish
 from rayinfer.deployments.front import Front
 from rayinfer.protocol.grpc_wire import (
-    CONTINUATION, DATA, END_HEADERS, END_STREAM, ENHANCE_YOUR_CALM, FRAME_SIZE_ERROR, GOAWAY, HEADERS, PING,
+    CONTINUATION, DATA, END_HEADERS, END_STREAM, ENHANCE_YOUR_CALM, FLOW_CONTROL_ERROR, FRAME_SIZE_ERROR, GOAWAY, HEADERS, PING,
     PREFACE, PROTOCOL_ERROR, REFUSED_STREAM, RST_STREAM, SETTINGS_MAX_FRAME_SIZE, WINDOW_UPDATE, frame, settings,
 )
 from rayinfer.protocol.limits import DEFAULT_CONNECTION_LIMITS
@@ -231,6 +231,54 @@ def test_a_call_whose_client_goes_silent_is_dropped(door, replica):
     _others_are_answered(port)
 
 
+_LARGE_WINDOWS = settings({0x4: (1 << 31) - 1}) + frame(WINDOW_UPDATE, 0, 0, ((1 << 31) - 1 - 65_535).to_bytes(4, "big"))
+
+
+class _WindowedSender:
+    """A raw client's DATA sent within the server's flow-control windows, as a client must: it
+    reads the server's WINDOW_UPDATEs (and records them by stream) whenever a window is spent."""
+
+    def __init__(self, client: socket.socket, stream_window: int) -> None:
+        self.client = client
+        self.connection_window = 65_535
+        self.stream_windows: dict[int, int] = {}
+        self.initial = stream_window
+        self.granted: dict[int, int] = {}
+        self._data = b""
+
+    def send(self, stream: int, data: bytes, end: bool = False) -> None:
+        for at in range(0, len(data), 16_384):
+            chunk = data[at:at + 16_384]
+            while min(self.connection_window, self.stream_windows.setdefault(stream, self.initial)) < len(chunk):
+                self.read(5.0)
+            last = end and at + 16_384 >= len(data)
+            self.client.sendall(frame(DATA, END_STREAM if last else 0, stream, chunk))
+            self.connection_window -= len(chunk)
+            self.stream_windows[stream] -= len(chunk)
+
+    def read(self, timeout_s: float) -> bool:
+        """Read what the server sent within ``timeout_s``; False if nothing came."""
+        self.client.settimeout(timeout_s)
+        try:
+            chunk = self.client.recv(1 << 16)
+        except TimeoutError:
+            return False
+        self._data += chunk
+        at, view = 0, memoryview(self._data)
+        while at + 9 <= len(self._data) and at + 9 + int.from_bytes(self._data[at:at + 3], "big") <= len(self._data):
+            parsed, length = Frame.parse_frame_header(view[at:at + 9])
+            parsed.parse_body(view[at + 9:at + 9 + length])
+            if parsed.type == WINDOW_UPDATE and not parsed.stream_id:
+                self.connection_window += parsed.window_increment
+            elif parsed.type == WINDOW_UPDATE:
+                self.stream_windows[parsed.stream_id] = self.stream_windows.get(parsed.stream_id, self.initial) \
+                    + parsed.window_increment
+                self.granted[parsed.stream_id] = self.granted.get(parsed.stream_id, 0) + parsed.window_increment
+            at += 9 + length
+        self._data = self._data[at:]
+        return bool(chunk)
+
+
 def test_calls_that_do_not_end_hold_at_most_their_windows(door, replica):
     """Past the connection's window, only the oldest call gets more window: the others stop at
     their stream window, and what the replica holds stays bounded."""
@@ -238,42 +286,51 @@ def test_calls_that_do_not_end_hold_at_most_their_windows(door, replica):
     stream_window, connection_window = 1 << 16, 1 << 18
     replica.listener.limits = replace(DEFAULT_CONNECTION_LIMITS, stream_window_bytes=stream_window,
                                       connection_window_bytes=connection_window)
-    client, encoder = _connect(port)
+    # The client takes answers without limit: the oldest call's answer must not wait for it.
+    client, encoder = _connect(port, _LARGE_WINDOWS)
+    sender = _WindowedSender(client, stream_window)
     block = _block(encoder)
     message = _message(8 * stream_window)  # a message larger than a stream's window
     streams = list(range(3, 3 + 2 * 20, 2))
     for stream in streams:  # each sends its first window, without ending
-        client.sendall(frame(HEADERS, END_HEADERS, stream, block)
-                       + b"".join(frame(DATA, 0, stream, message[at:at + 16_384])
-                                  for at in range(0, stream_window, 16_384)))
+        client.sendall(frame(HEADERS, END_HEADERS, stream, block))
+        sender.send(stream, message[:stream_window])
     bound = connection_window + len(streams) * stream_window
     wait_until(lambda: replica.listener.held_bytes >= len(streams) * stream_window, "the calls' bytes held", 5)
-    client.settimeout(0.5)
-    granted: dict[int, int] = {}
-    data = b""
-    try:
-        while True:
-            data += client.recv(1 << 16)
-    except TimeoutError:
-        pass
-    at, view = 0, memoryview(data)
-    while at + 9 <= len(data):
-        parsed, length = Frame.parse_frame_header(view[at:at + 9])
-        parsed.parse_body(view[at + 9:at + 9 + length])
-        if parsed.type == WINDOW_UPDATE and parsed.stream_id:
-            granted[parsed.stream_id] = granted.get(parsed.stream_id, 0) + parsed.window_increment
-        at += 9 + length
+    while sender.read(0.5):
+        continue
     # Held past the connection's window: the calls after it got no more window; the oldest did.
-    assert streams[0] in granted
-    assert not any(granted.get(stream) for stream in streams[-10:])
+    assert sender.granted.get(streams[0])
+    assert not any(sender.granted.get(stream) for stream in streams[-10:])
     assert replica.listener.held_bytes <= bound
     # The oldest call ends: it is answered, and its bytes are released.
-    rest = message[stream_window:]
-    client.sendall(b"".join(frame(DATA, END_STREAM if at + 16_384 >= len(rest) else 0, streams[0], rest[at:at + 16_384])
-                            for at in range(0, len(rest), 16_384)))
+    sender.send(streams[0], message[stream_window:], end=True)
     wait_until(lambda: replica.listener.held_bytes <= bound - stream_window, "the oldest call's bytes released", 5)
     client.close()
     wait_until(lambda: replica.listener.held_bytes == 0, "every call's bytes released", 5)
+    _others_are_answered(port)
+
+
+def test_data_past_a_held_back_window_closes_the_connection(door, replica):
+    """A call held back (the connection holds more than its window) that sends past its stream
+    window anyway: FLOW_CONTROL_ERROR, the connection closed and its bytes released."""
+    _, port = door
+    stream_window = 1 << 16
+    replica.listener.limits = replace(DEFAULT_CONNECTION_LIMITS, stream_window_bytes=stream_window,
+                                      connection_window_bytes=2 * stream_window)
+    client, encoder = _connect(port, _LARGE_WINDOWS)
+    sender = _WindowedSender(client, stream_window)
+    block = _block(encoder)
+    for stream in (3, 5, 7):  # 3 is the oldest; by 7's second half the connection holds over its window
+        client.sendall(frame(HEADERS, END_HEADERS, stream, block))
+        sender.send(stream, b"\0" * stream_window)
+    while sender.read(0.5):
+        continue
+    assert not sender.granted.get(7)
+    with contextlib.suppress(OSError):  # the server closes while it is sent
+        client.sendall(frame(DATA, 0, 7, b"\0" * 16_384))
+    assert _goaway_code(_frames_until_closed(client)) == FLOW_CONTROL_ERROR
+    wait_until(lambda: replica.listener.held_bytes == 0, "the calls' bytes released", 5)
     _others_are_answered(port)
 
 

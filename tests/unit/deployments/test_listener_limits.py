@@ -134,6 +134,22 @@ def test_an_idle_connection_is_closed_and_a_busy_one_is_not(loop, door):  # noqa
         busy.close()
 
 
+def test_a_request_body_that_stops_arriving_is_dropped(loop, door):  # noqa: F811
+    """A half-open client: its head whole, its body half sent, then nothing."""
+    front, port = door
+    _replica(loop, front, dataclasses.replace(DEFAULT_CONNECTION_LIMITS, keepalive_timeout_s=0.5))
+    silent = _connect(port)
+    try:
+        silent.sendall(b"POST /v2/models/m/infer HTTP/1.1\r\nhost: x\r\ncontent-length: 100\r\n\r\n" + b"x" * 50)
+        start = time.monotonic()
+        _assert_answered_at_once(port)
+        silent.settimeout(3)
+        assert silent.recv(1) == b""  # closed, no answer
+        assert 0.5 <= time.monotonic() - start < 2.5
+    finally:
+        silent.close()
+
+
 def test_a_pipelining_flood_that_is_not_read_is_bounded_and_closed(loop, door):  # noqa: F811
     """Behind a request the replica holds, the listener reads only a few pipelined requests
     ahead: the client soon cannot send more. Once the replica answers, the client reads none
