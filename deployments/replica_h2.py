@@ -39,7 +39,6 @@ from typing import Any
 
 import hpack
 from hyperframe.exceptions import HyperframeError, InvalidFrameError
-from hyperframe.frame import Frame
 
 from rayinfer.deployments.client_relay import relay_grpc
 from rayinfer.deployments.h2_stream_relay import RelayedStreams, StreamRelay
@@ -50,6 +49,7 @@ from rayinfer.protocol.grpc_wire import (
     PROTOCOL_ERROR, PUSH_PROMISE, REFUSED_STREAM, RESPONSE_HEADERS, ROUTED_RPCS, RST_STREAM, SERVICE,
     SETTINGS, SETTINGS_INITIAL_WINDOW_SIZE, SETTINGS_MAX_CONCURRENT_STREAMS, SETTINGS_MAX_FRAME_SIZE,
     SETTINGS_MAX_HEADER_LIST_SIZE, STREAM_RPC, WINDOW_UPDATE, H2ProtocolError, HeaderDecoder, check_settings, frame,
+    parse_frame,
     goaway, grpc_status, literal, name_and_version, settings, trailers, unframe, window_update,
 )
 from rayinfer.protocol.limits import GRPC_MAX_MESSAGE_SIZE, ConnectionLimits, inflight_limit_message, message_too_large
@@ -70,12 +70,14 @@ _RST_CODE = {REFUSED_STREAM: REFUSED_STREAM.to_bytes(4, "big"), FLOW_CONTROL_ERR
 class _Call:
     """One call (stream): its request as read, and its answer while it waits for send window."""
 
-    __slots__ = ("id", "headers", "body", "size", "held", "unacked", "deferred", "recv_window", "task", "received",
+    __slots__ = ("id", "headers", "path", "body", "size", "held", "unacked", "deferred", "recv_window", "task", "received",
                  "window", "left", "trailers", "relay", "out", "answering")
 
-    def __init__(self, stream: int, headers: list[tuple[bytes, bytes]], window: int, recv_window: int) -> None:
+    def __init__(self, stream: int, headers: list[tuple[bytes, bytes]], window: int, recv_window: int,
+                 path: str = "") -> None:
         self.id = stream
         self.headers = headers
+        self.path = path  # the call's :path
         self.body: list[bytes] = []
         self.size = 0  # the message's bytes so far
         self.held = 0  # the flow-controlled bytes this call holds (released when it ends)
@@ -108,6 +110,7 @@ class H2Connection(RelayedStreams, asyncio.Protocol):
         self._preface = False
         self._decoder = HeaderDecoder(self._limits.max_header_list_bytes)
         self._calls: dict[int, _Call] = {}  # open calls: read, or being answered
+        self._sending: dict[int, _Call] = {}  # of those, answers waiting for window, and relayed streams
         # A header block in CONTINUATIONs: (stream, flags of its HEADERS, fragments, bytes, started at).
         self._block: tuple[int, int, list[bytes], int, float] | None = None
         self._highest = 0  # the largest stream id the client opened
@@ -121,6 +124,7 @@ class H2Connection(RelayedStreams, asyncio.Protocol):
         # What the client may still send on the connection (its window, as this side gave it).
         self._recv_window = DEFAULT_WINDOW + max(self._limits.connection_window_bytes - DEFAULT_WINDOW, 1)
         self._held = 0  # bytes the open calls hold
+        self._deferred_calls = 0  # calls whose window is held back
         self._turn_at = time.monotonic() + _TURN_S
         self._client_window = self._limits.stream_window_bytes
         self._last_read = time.monotonic()
@@ -128,6 +132,7 @@ class H2Connection(RelayedStreams, asyncio.Protocol):
         self._budget_at = self._last_read + _BUDGET_S
         self._resets = self._glitches = 0
         self._timer: asyncio.TimerHandle | None = None
+        self._loop = asyncio.get_running_loop()
 
     # the listener's view (as of its HTTP/1.1 connections)
 
@@ -187,6 +192,7 @@ class H2Connection(RelayedStreams, asyncio.Protocol):
         self._listener.held_bytes -= self._held
         self._held = 0
         self._calls.clear()
+        self._sending.clear()
 
     def pause_writing(self) -> None:
         """The client does not read its answers: read no more from it until it does."""
@@ -290,12 +296,12 @@ class H2Connection(RelayedStreams, asyncio.Protocol):
             self._preface, at = True, len(PREFACE)
         view = memoryview(data)
         while len(data) - at >= 9 and self._transport is not None and not self._shut:
-            parsed, length = Frame.parse_frame_header(view[at:at + 9])
+            length = int.from_bytes(view[at:at + 3], "big")
             if length > DEFAULT_FRAME_SIZE:  # the largest this side allows (it never raises it)
                 raise H2ProtocolError(FRAME_SIZE_ERROR, f"a frame of {length} bytes (SETTINGS_MAX_FRAME_SIZE 16384)")
             if len(data) - at - 9 < length:
                 break
-            parsed.parse_body(view[at + 9:at + 9 + length])
+            parsed = parse_frame(view, at, length)
             at += 9 + length
             self._frame(parsed, length)
         self._buffer = data[at:] if at < len(data) else b""
@@ -305,13 +311,16 @@ class H2Connection(RelayedStreams, asyncio.Protocol):
         if self._block is not None and kind != CONTINUATION:
             raise H2ProtocolError(PROTOCOL_ERROR, "a header block without its CONTINUATION")
         if kind == DATA:
-            self._data(parsed, length)
+            self._data(parsed, length, "END_STREAM" in flags)
         elif kind == HEADERS:
+            ends = "END_STREAM" in flags
             if "END_HEADERS" in flags:
-                self._headers(stream, "END_STREAM" in flags, parsed.data)
+                self._headers(stream, ends, parsed.data)
             else:
-                self._block = (stream, "END_STREAM" in flags, [parsed.data], len(parsed.data), time.monotonic())
+                self._block = (stream, ends, [parsed.data], len(parsed.data), time.monotonic())
                 self._check_block()
+        elif kind == WINDOW_UPDATE:
+            self._window_update(stream, parsed.window_increment)
         elif kind == CONTINUATION:
             if self._block is None or self._block[0] != stream:
                 raise H2ProtocolError(PROTOCOL_ERROR, "a CONTINUATION of no header block")
@@ -333,8 +342,6 @@ class H2Connection(RelayedStreams, asyncio.Protocol):
                     self._last_goaway()
             else:
                 self._write(frame(PING, ACK, 0, parsed.opaque_data))
-        elif kind == WINDOW_UPDATE:
-            self._window_update(stream, parsed.window_increment)
         elif kind == RST_STREAM:
             self._spend(1, 0)
             call = self._calls.get(stream)
@@ -409,7 +416,7 @@ class H2Connection(RelayedStreams, asyncio.Protocol):
         if not path.startswith(SERVICE) or path[len(SERVICE):] in NOT_DIRECT_RPCS:
             self._not_taken(stream)
             return
-        call = self._calls[stream] = _Call(stream, headers, self._initial_window, self._client_window)
+        call = self._calls[stream] = _Call(stream, headers, self._initial_window, self._client_window, path)
         if ends:
             self._start(call)
 
@@ -421,8 +428,8 @@ class H2Connection(RelayedStreams, asyncio.Protocol):
         self._write(goaway(max(stream - 2, 0)))
         self._maybe_close()
 
-    def _data(self, parsed: Any, length: int) -> None:
-        stream, ends = parsed.stream_id, "END_STREAM" in parsed.flags
+    def _data(self, parsed: Any, length: int, ends: bool) -> None:
+        stream = parsed.stream_id
         call = self._calls.get(stream)
         self._recv_window -= length
         if self._recv_window < 0:
@@ -462,12 +469,16 @@ class H2Connection(RelayedStreams, asyncio.Protocol):
         windows."""
         held = call.held if size is None else min(size, call.held)
         call.held -= held
+        if size is None and call.deferred:  # the call ended while held back
+            self._deferred_calls -= 1
+            call.deferred = 0
         if held:
             self._held -= held
             self._listener.held_bytes -= held
-            for other in self._calls.values():
-                if other.deferred:
-                    self._credit_stream(other, 0)
+            if self._deferred_calls:
+                for other in list(self._calls.values()):
+                    if other.deferred:
+                        self._credit_stream(other, 0)
 
     def _credit(self, size: int) -> None:
         """Give ``size`` received bytes back to the connection's window (in steps of half of it);
@@ -488,9 +499,12 @@ class H2Connection(RelayedStreams, asyncio.Protocol):
         limits = self._limits
         if ((self._held > limits.connection_window_bytes or self._listener.held_bytes > limits.replica_buffer_bytes)
                 and call is not self._oldest_receiving()):
+            self._deferred_calls += not call.deferred
             call.deferred = call.unacked
             return
-        call.deferred = 0
+        if call.deferred:
+            self._deferred_calls -= 1
+            call.deferred = 0
         if call.unacked >= self._client_window // 2 or (size == 0 and call.unacked):
             self.give_window(call)
 
@@ -506,11 +520,12 @@ class H2Connection(RelayedStreams, asyncio.Protocol):
     # calls
 
     def _start(self, call: _Call) -> None:
-        call.task = asyncio.get_running_loop().create_task(self._answer(call))
+        call.task = self._loop.create_task(self._answer(call))
 
     def _drop(self, call: _Call) -> None:
         """The client reset a call: its work is cancelled, its bytes released."""
         self._calls.pop(call.id, None)
+        self._sending.pop(call.id, None)
         if call.task is not None:
             call.task.cancel()
         if call.relay is not None:
@@ -523,8 +538,8 @@ class H2Connection(RelayedStreams, asyncio.Protocol):
 
     async def _answer(self, call: _Call) -> None:
         received = time.perf_counter_ns()
-        path = next(value for name, value in call.headers if name == b":path")
-        method = path[len(SERVICE):].decode("latin-1")
+        path = call.path
+        method = path[len(SERVICE):]
         body = call.body[0] if len(call.body) == 1 else b"".join(call.body)
         try:
             message, own = b"", False
@@ -539,7 +554,7 @@ class H2Connection(RelayedStreams, asyncio.Protocol):
                 # A connection given for another call than this replica's (a client's first call
                 # asked for readiness) takes its turn soon: the door places it by its next call.
                 self._turn_at = min(self._turn_at, time.monotonic() + _RELAYED_TURN_S)
-                data, fields = await relay_grpc(self._relay, path, call.headers, body)
+                data, fields = await relay_grpc(self._relay, path.encode("latin-1"), call.headers, body)
                 self._send(call, data, b"".join(literal(name, value) for name, value in fields))
                 return
             stamps = ProtocolStamps(self._listener.model, True, call.received, received, call.headers)
@@ -584,7 +599,9 @@ class H2Connection(RelayedStreams, asyncio.Protocol):
             self._send_window -= size
             call.window -= size
         call.left = left
-        if not left:
+        if left:
+            self._sending[call.id] = call
+        else:
             out.append(frame(HEADERS, END_HEADERS | END_STREAM, call.id, call.trailers))
             self._release(call)  # before the client can see its answer
         if out:
@@ -593,9 +610,10 @@ class H2Connection(RelayedStreams, asyncio.Protocol):
             self._ended(call)
 
     def _flush(self) -> None:
-        if self._paused_at is not None or self._transport is None:
+        """Send what the windows now allow of the answers that wait for them."""
+        if not self._sending or self._paused_at is not None or self._transport is None:
             return
-        for call in [c for c in self._calls.values() if c.left is not None or c.relay is not None]:
+        for call in list(self._sending.values()):
             if self._send_window <= 0:
                 return
             if call.relay is not None:
@@ -608,12 +626,14 @@ class H2Connection(RelayedStreams, asyncio.Protocol):
     def _relay_stream(self, stream: int, headers: list[tuple[bytes, bytes]], ended: bool) -> None:
         call = self._calls[stream] = _Call(stream, headers, self._initial_window, self._client_window)
         call.relay = StreamRelay(self, call)
+        self._sending[stream] = call
         if ended:
             call.relay.send(b"", True)
         call.task = asyncio.get_running_loop().create_task(call.relay.open(self._relay))
 
     def _ended(self, call: _Call) -> None:
         self._calls.pop(call.id, None)
+        self._sending.pop(call.id, None)
         self._release(call)
         if not self._going and (self._listener.closing or time.monotonic() >= self._turn_at):
             self.leave()

@@ -165,6 +165,47 @@ def check_settings(values: dict[int, int]) -> None:
             raise H2ProtocolError(PROTOCOL_ERROR, f"SETTINGS_MAX_FRAME_SIZE = {value}: not in 16384..2^24-1")
 
 
+class HotFrame:
+    """A DATA, HEADERS or WINDOW_UPDATE frame in the form a unary call's frames take (no padding,
+    no priority fields): the attributes of hyperframe's frame classes that this side reads."""
+
+    __slots__ = ("type", "stream_id", "flags", "data", "window_increment")
+
+    def __init__(self, kind: int, stream: int, flags: frozenset[str], data: bytes, increment: int = 0) -> None:
+        self.type, self.stream_id, self.flags, self.data, self.window_increment = kind, stream, flags, data, increment
+
+
+# DATA's and HEADERS' flag bits by the names hyperframe gives them; a frame with PADDED (0x8) or
+# PRIORITY (0x20) goes to hyperframe.
+_FLAG_NAMES = {(kind, bits): frozenset(name for bit, name in ((END_STREAM, "END_STREAM"), (END_HEADERS, "END_HEADERS"))
+                                       if bits & bit and (kind == HEADERS or bit == END_STREAM))
+               for kind in (DATA, HEADERS) for bits in range(8)}
+_UNCOMMON_FLAGS = 0x8 | 0x20
+
+
+def parse_frame(view: memoryview, at: int, length: int) -> Any:
+    """The frame at ``at`` in ``view`` (its 9-byte header and ``length`` bytes of body there).
+
+    The frames every unary call brings (HEADERS, DATA, and the client's WINDOW_UPDATEs for the
+    answer) are read here when they take their plain form, by hyperframe's rules (a DATA or
+    HEADERS frame on stream 0, or a WINDOW_UPDATE whose body is not 4 bytes or whose increment is
+    not 1..2^31-1, goes to hyperframe, which refuses it); every other frame is hyperframe's own.
+    hyperframe builds an object with a flag set per frame, about 2.5 us, four times per call
+    (docs/architecture.md, "Client connections"); tests/unit/protocol/test_grpc_wire_frames.py
+    checks that both read every such frame alike."""
+    kind, bits = view[at + 3], view[at + 4]
+    stream = int.from_bytes(view[at + 5:at + 9], "big") & MAX_WINDOW
+    if stream and (kind == DATA or kind == HEADERS) and not bits & _UNCOMMON_FLAGS:
+        return HotFrame(kind, stream, _FLAG_NAMES[kind, bits & 0x7], bytes(view[at + 9:at + 9 + length]))
+    if kind == WINDOW_UPDATE and length == 4:
+        increment = int.from_bytes(view[at + 9:at + 13], "big")
+        if 1 <= increment <= MAX_WINDOW:
+            return HotFrame(kind, stream, frozenset(), b"", increment)
+    parsed, _ = Frame.parse_frame_header(view[at:at + 9])
+    parsed.parse_body(view[at + 9:at + 9 + length])
+    return parsed
+
+
 def window_update(stream: int, increment: int) -> bytes:
     return frame(WINDOW_UPDATE, 0, stream, increment.to_bytes(4, "big"))
 
