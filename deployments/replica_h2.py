@@ -19,17 +19,19 @@ way HTTP/2 closes a connection gracefully: a ``GOAWAY`` with the largest stream 
 a second ``GOAWAY`` names the last of them; once they are answered the replica sends FIN and
 reads on, dropping what arrives, until the client closes its end (:meth:`H2Connection._shut_down`).
 
-Frames are parsed by ``hyperframe`` and header blocks decoded by ``hpack`` (python-hyper's
-maintained parsers); this module keeps the connection's state and RFC 9113's rules with the
+Frames are parsed by ``hyperframe`` (plain DATA, HEADERS and WINDOW_UPDATE frames by
+:func:`~rayinfer.protocol.grpc_wire.parse_frame`, by hyperframe's rules) and header blocks
+decoded by ``hpack``; this module keeps the connection's state and RFC 9113's rules with the
 limits of :class:`~rayinfer.protocol.limits.ConnectionLimits`: SETTINGS values checked, header
 blocks (with their CONTINUATIONs) bounded, ``MAX_CONCURRENT_STREAMS`` advertised and enforced,
-flow-control windows given back as received bytes are released (a call answered, a relayed
-stream's bytes sent on), budgets for reset streams and control frames, and timeouts for a
-header block, an idle connection and a client that does not read. A connection that breaks one
-gets a ``GOAWAY`` with the RFC's error code and is closed; its calls are cancelled. The ``h2``
-library does all of this too, at about 90 us of CPU per unary call against 6 us here
-(docs/architecture.md, "Client connections").
+the client's receive windows enforced and a call's window held back while the connection holds
+more than its bound, budgets for reset streams and control frames, and timeouts for a header
+block, an idle connection and a client that does not read. A connection that breaks one gets a
+``GOAWAY`` with the RFC's error code and is closed; its calls are cancelled. The ``h2`` library
+would do all of this at about 90 us of CPU per unary call (docs/architecture.md, "Client
+connections").
 """
+
 from __future__ import annotations
 
 import asyncio
