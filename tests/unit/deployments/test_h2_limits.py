@@ -141,36 +141,34 @@ def test_a_frame_over_the_max_frame_size_closes_the_connection(door):
     _others_are_answered(port)
 
 
-def test_a_continuation_flood_is_bounded(door, replica):
+def _continuations(block: bytes):
+    yield frame(HEADERS, 0, 3, block)  # a header block that never ends
+    for _ in range(10_000):
+        yield frame(CONTINUATION, 0, 3, b"\x40\x01a\x01b" * 200)
+
+
+def _rapid_resets(block: bytes):
+    for stream in range(3, 20_000, 2):
+        yield frame(HEADERS, END_HEADERS, stream, block) + frame(RST_STREAM, 0, stream, b"\0\0\0\x08")
+
+
+def _pings(block: bytes):
+    for _ in range(20_000):
+        yield frame(PING, 0, 0, b"12345678")
+
+
+@pytest.mark.parametrize(("flood", "limits"), [
+    (_continuations, {}),  # bounded by --grpc-max-header-list-size
+    (_rapid_resets, {"max_reset_streams": 50}),
+    (_pings, {"max_control_frames": 100}),
+], ids=["continuation", "rapid-reset", "ping"])
+def test_a_flood_is_cut_off_with_enhance_your_calm(door, replica, flood, limits):
     _, port = door
+    replica.listener.limits = replace(DEFAULT_CONNECTION_LIMITS, **limits)
     client, encoder = _connect(port)
-    client.sendall(frame(HEADERS, 0, 3, _block(encoder)))
     with contextlib.suppress(OSError):  # the server closes while it is sent
-        for _ in range(10_000):
-            client.sendall(frame(CONTINUATION, 0, 3, b"\x40\x01a\x01b" * 200))
-    assert _goaway_code(_frames_until_closed(client)) == ENHANCE_YOUR_CALM
-    _others_are_answered(port)
-
-
-def test_rapid_resets_spend_the_budget_and_close_the_connection(door, replica):
-    _, port = door
-    replica.listener.limits = replace(DEFAULT_CONNECTION_LIMITS, max_reset_streams=50)
-    client, encoder = _connect(port)
-    block = _block(encoder)
-    with contextlib.suppress(OSError):  # the server closes while it is sent
-        for stream in range(3, 20_000, 2):
-            client.sendall(frame(HEADERS, END_HEADERS, stream, block) + frame(RST_STREAM, 0, stream, b"\0\0\0\x08"))
-    assert _goaway_code(_frames_until_closed(client)) == ENHANCE_YOUR_CALM
-    _others_are_answered(port)
-
-
-def test_a_ping_flood_spends_the_control_frame_budget(door, replica):
-    _, port = door
-    replica.listener.limits = replace(DEFAULT_CONNECTION_LIMITS, max_control_frames=100)
-    client, _ = _connect(port)
-    with contextlib.suppress(OSError):  # the server closes while it is sent
-        for _ in range(20_000):
-            client.sendall(frame(PING, 0, 0, b"12345678"))
+        for frames in flood(_block(encoder)):
+            client.sendall(frames)
     assert _goaway_code(_frames_until_closed(client)) == ENHANCE_YOUR_CALM
     _others_are_answered(port)
 
