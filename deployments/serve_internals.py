@@ -93,7 +93,7 @@ def stop_orphaned_serve_haproxy(wait_s: float = 5.0) -> list[int]:
     deadline = time.monotonic() + wait_s
     for pid in stopped:
         while _cmdline(pid) and time.monotonic() < deadline:
-            time.sleep(0.05)
+            time.sleep(0.05)  # not our child: no wait() to block on, so its exit is polled (once, at start)
         if _cmdline(pid):
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
-import time
+import signal
 import uuid
 from pathlib import Path
 
@@ -118,7 +118,7 @@ def test_another_users_process_cannot_give_the_door_connections(tmp_path: Path):
             squatter.bind(return_name(squatter_name))
             squatter.listen(1)
             os.write(ready_write, b"r")
-            time.sleep(30)
+            signal.pause()  # holds the name until the test kills it
             return True
 
         child = _as_nobody(squat)
