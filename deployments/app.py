@@ -12,6 +12,7 @@ from ray.serve import Application
 from ray.serve.schema import LoggingConfig
 
 from rayinfer.deployments.control import DEFAULT_GPU_WAIT_S, MIN_ONGOING_REQUESTS, ModelControl, model_application
+from rayinfer.deployments.control_channel import MAX_POLLING_REPLICAS
 from rayinfer.deployments.names import DEFAULT_REPLICA_NUM_CPUS, parse_bool
 from rayinfer.deployments.serve_internals import ray_version_problem, with_code_version
 from rayinfer.deployments.server import ServerDeployment
@@ -69,7 +70,7 @@ def server_application(
     control = control or ModelControl()
     deployment = ServerDeployment.options(
         num_replicas=1,
-        max_ongoing_requests=MIN_ONGOING_REQUESTS,
+        max_ongoing_requests=MIN_ONGOING_REQUESTS + MAX_POLLING_REPLICAS,  # a control_poll per model replica
         ray_actor_options={"num_cpus": num_cpus, **({"resources": {HEAD_NODE_RESOURCE: 0.001}} if front_on_head else {})},
         user_config={"load_errors": load_errors or {}, "startup_models": sorted(startup_models or ())},
         graceful_shutdown_timeout_s=10.0,

@@ -19,7 +19,6 @@ import re
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
-from urllib.parse import unquote
 from typing import Any
 
 import ray
@@ -31,20 +30,14 @@ from rayinfer.deployments import asgi
 from rayinfer.deployments.autoscaling import LISTENER_ONGOING
 from rayinfer.deployments.bls_client import ReplicaBlsClient
 from rayinfer.deployments.ensemble_members import EnsembleMembers, load_ensemble
-from rayinfer.deployments.names import (
-    SEQUENCE_SLOTS_PATH,
-    SERVER_APP,
-    SERVER_DEPLOYMENT,
-    SHM_FORGET_PATH,
-    TRACE_SETTINGS_PATH,
-)
-from rayinfer.deployments.internal_token import cluster_token
+from rayinfer.deployments.control_channel import SEQUENCE_SLOTS, SHM_FORGET, TRACE_SETTINGS, ControlMessage
+from rayinfer.deployments.names import SERVER_APP, SERVER_DEPLOYMENT
 from rayinfer.deployments.replica_listener import ReplicaListener
 from rayinfer.protocol import log_settings
 from rayinfer.protocol.errors import NotFoundError, ServingError, UnavailableError, UnsupportedError, as_serving_error
 from rayinfer.protocol.http_codec import parse_json_body
 from rayinfer.protocol.limits import DEFAULT_HTTP_MAX_INPUT_SIZE, connection_limits
-from rayinfer.protocol.listener_client import INTERNAL_HEADER, STREAM_HEADER, ListenerClient
+from rayinfer.protocol.listener_client import STREAM_HEADER, ListenerClient
 from rayinfer.protocol.shared_memory import Registration, SharedMemoryRegistry
 from rayinfer.protocol.types import InferRequest, InferResponse
 from rayinfer.protocol.restricted_api import inference_headers, parse_restrictions
@@ -126,7 +119,6 @@ class ModelDeployment:
                         parse_restrictions(restricted.get("grpc", []), "--grpc-restricted-protocol"))
         peer_headers = inference_headers(restrictions[0])
         self._restrictions = restrictions  # and at Serve's HTTP ingress (_asgi)
-        self._internal_token = cluster_token()  # the /v2 replica's calls to the internal routes
         repository = await asyncio.to_thread(local_repository, model_repository, [model_name])
         if is_ensemble(read_config(repository / model_name, override=config_override)):
             # An ensemble runs no model of its own: it calls its members' deployments (and reads
@@ -155,7 +147,9 @@ class ModelDeployment:
             self._sequences = SequenceRoutes(self._listener_address)
             self._sequence_client = ListenerClient(peer_headers)
             self._core.route_sequences(self._sequences.owner, self._send_sequence_on, self._stream_sequence_on)
-        self._report_task = asyncio.get_running_loop().create_task(self._report_forever())
+        loop = asyncio.get_running_loop()
+        self._report_task = loop.create_task(self._report_forever())
+        self._control_task = loop.create_task(self._poll_control_forever())
         # Everything loaded so far (framework modules, the model) lives as long as the replica:
         # keep it out of the collector's generations so a full collection stays short.
         gc.freeze()
@@ -212,19 +206,6 @@ class ModelDeployment:
         of the model's metadata, readiness, config or statistics."""
         route = parse_model_route(path, encoded=True)
         if route is None:
-            if headers.get(INTERNAL_HEADER) != self._internal_token:
-                raise NotFoundError(f"Not Found: {method} {path}")
-            if method == "POST" and path == SEQUENCE_SLOTS_PATH and self._sequences is not None:
-                self._sequences.update(json.loads(body))  # the /v2 replica: the slots moved
-                return 200, [], b""
-            if method == "POST" and path == TRACE_SETTINGS_PATH:  # the /v2 replica: new trace settings
-                self._trace_settings(json.loads(body))
-                return 200, [], b""
-            if method == "POST" and path.startswith(SHM_FORGET_PATH):
-                # The /v2 replica: a region was unregistered (all of its kind for an empty name).
-                kind, _, name = path[len(SHM_FORGET_PATH):].partition("/")
-                self._core.shm.unregister(unquote(name), kind)
-                return 200, [], b""
             raise NotFoundError(f"Not Found: {method} {path}")
         if STREAM_HEADER in headers and FORWARDED_HEADER in headers and self._core.decoupled \
                 and route.action == "infer" and method == "POST" and model_http.unknown_version(self._core, route) is None:
@@ -315,6 +296,34 @@ class ModelDeployment:
         settings = TraceSettings.from_dict(doc)
         self._core.tracer.configure(settings.of(self._core.name), settings.version, settings.opentelemetry)
 
+    def _take_control(self, message: ControlMessage) -> None:
+        """A change the ``/v2`` replica sent on the control channel."""
+        if message.kind == TRACE_SETTINGS:
+            self._trace_settings(message.body)
+        elif message.kind == SHM_FORGET:  # a region unregistered (every one of its kind for "")
+            self._core.shm.unregister(message.body["name"], message.body["kind"])
+        elif message.kind == SEQUENCE_SLOTS and self._sequences is not None:
+            self._sequences.update(message.body)
+
+    async def _poll_control_forever(self) -> None:
+        """Take the ``/v2`` replica's changes as they come (:mod:`control_channel`)."""
+        epoch, acked = None, 0
+        while True:
+            try:
+                answer_epoch, messages = await self._server_handle().control_poll.remote(self._replica_key, epoch, acked)
+            except Exception as exc:  # the server app may not be deployed (yet), or restarts
+                logger.debug("could not poll the control channel: %s", exc)
+                await asyncio.sleep(_LISTENER_REGISTER_INTERVAL_S)
+                continue
+            if answer_epoch != epoch:
+                epoch, acked = answer_epoch, 0
+            for seq, message in messages:
+                try:
+                    self._take_control(message)
+                except Exception:
+                    logger.exception("could not take the server's %s", message.kind)
+                acked = max(acked, seq)
+
     async def _shared_memory_region(self, name: str) -> Registration | None:
         """A shared memory region a request names that this replica has not mapped:
         its registration with the ``/v2`` replica (None if there is none)."""
@@ -382,9 +391,10 @@ class ModelDeployment:
 
     async def __del__(self) -> None:
         """Serve stops the replica: out of the front's routes first, then drain."""
-        task = getattr(self, "_report_task", None)
-        if task is not None:
-            task.cancel()
+        for name in ("_report_task", "_control_task"):
+            task = getattr(self, name, None)
+            if task is not None:
+                task.cancel()
         listener = getattr(self, "_listener", None)
         if listener is not None:
             try:

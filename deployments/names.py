@@ -9,15 +9,6 @@ SERVER_APP = "rayinfer"
 SERVER_DEPLOYMENT = "ServerDeployment"
 SERVER_ROUTE_PREFIX = "/v2"
 MODEL_DEPLOYMENT = "ModelDeployment"
-# The path on a model replica's listener by which the ``/v2`` replica tells it to forget a
-# shared memory region: ``system/`` or ``cuda/`` follows, then the region's name, percent-encoded
-# (none: every region of the kind).
-SHM_FORGET_PATH = "/rayinfer/sharedmemory/forget/"
-# The path on a model replica's listener by which the ``/v2`` replica gives it its sequence
-# model's new routing slots (serving/sequence_routing.py).
-SEQUENCE_SLOTS_PATH = "/rayinfer/sequences/slots"
-# The path on a model replica's listener by which the ``/v2`` replica gives it new trace settings.
-TRACE_SETTINGS_PATH = "/rayinfer/trace/settings"
 # CPU reserved by each model replica: small, so many models fit on a small machine.
 DEFAULT_REPLICA_NUM_CPUS = 0.1
 

@@ -12,17 +12,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 from collections.abc import AsyncIterator
 from collections.abc import Set as AbstractSet
 from typing import Any
 
+from rayinfer.deployments.control_channel import SEQUENCE_SLOTS, ControlChannel, ControlMessage
 from rayinfer.deployments.names import model_apps
-from rayinfer.deployments.names import SEQUENCE_SLOTS_PATH
 from rayinfer.deployments.serve_state import ServeState, running_replicas
-from rayinfer.protocol.listener_client import post_each
 from rayinfer.serving.sequence_routing import assign_slots, previous_owners
 
 logger = logging.getLogger(__name__)
@@ -36,13 +34,11 @@ _TELL_TIMEOUT_S = 1.0
 class RouteTable:
     """Registered listeners, and what of them the front (if any) routes to."""
 
-    def __init__(self, state: ServeState, front: Any = None,
-                 internal_headers: tuple[tuple[bytes, bytes], ...] = ()) -> None:
-        """``internal_headers``: what the calls to the replicas' internal routes carry
-        (:mod:`internal_token`)."""
+    def __init__(self, state: ServeState, front: Any = None) -> None:
         self._state = state
         self._front = front  # a rayinfer.deployments.front.Front, or None
-        self.internal_headers = internal_headers
+        # The registered replicas' control channel (their registration keys name them).
+        self.channel = ControlChannel()
         self._lock = asyncio.Lock()
         # replica -> (application, host, port, last registered)
         self._listeners: dict[str, tuple[str, str, int, float]] = {}
@@ -79,11 +75,12 @@ class RouteTable:
         """Give the replicas of each sequence model whose slots moved its new table, at once
         (before the front routes by it: a replica that still gets a call by the old table sends
         it on by the new one)."""
-        calls = [(address, json.dumps(table).encode()) for app, table in self._tables.items()
-                 if table != self._told.get(app) for address in self.listeners(app)]
-        for address, result in await post_each(calls, SEQUENCE_SLOTS_PATH, _TELL_TIMEOUT_S, self.internal_headers):
-            # It reads the table again when it next registers.
-            logger.warning("model replica at %s:%d did not take its new sequence slots: %s", *address, result)
+        changed = [(app, table) for app, table in self._tables.items() if table != self._told.get(app)]
+        late = await asyncio.gather(*(self.channel.send(self.replicas(app), ControlMessage(SEQUENCE_SLOTS, table),
+                                                        _TELL_TIMEOUT_S) for app, table in changed))
+        for replica in (replica for replicas in late for replica in replicas):
+            # It takes them when it next polls, and reads the table again when it next registers.
+            logger.warning("model replica %s did not take its new sequence slots in time", replica)
         self._told = dict(self._tables)
 
     async def withdraw(self, replica: str) -> None:
@@ -91,6 +88,7 @@ class RouteTable:
         when its model is being unloaded: the front routes none of its versions already, and
         that unload holds the table until Serve has stopped this very replica)."""
         entry = self._listeners.pop(replica, None)
+        self.channel.forget(replica)
         if entry is not None and not any(model_apps(model, [entry[0]]) for model in self._withdrawn):
             await self.publish()
 
@@ -150,16 +148,19 @@ class RouteTable:
         return sorted((host, port) for a, host, port, seen in self._listeners.values()
                       if a == app and now - seen < LISTENER_TTL_S)
 
-    def all_listeners(self) -> list[tuple[str, int]]:
-        """Every model replica's listener registered lately."""
+    def replicas(self, app: str | None = None) -> list[str]:
+        """The replicas (registration keys) of ``app``, or of every model, registered lately."""
         now = time.monotonic()
-        return sorted({(host, port) for _, host, port, seen in self._listeners.values() if now - seen < LISTENER_TTL_S})
+        return sorted(replica for replica, (a, _, _, seen) in self._listeners.items()
+                      if (app is None or a == app) and now - seen < LISTENER_TTL_S)
 
     def _routes(self, not_running: AbstractSet[str]) -> dict[str, list[tuple[str, int]]]:
         """``<model>/<version>`` -> the listeners of its replicas, less those in ``not_running``
         (versions none of whose replicas is routable are left to Serve)."""
         now = time.monotonic()
-        self._listeners = {k: v for k, v in self._listeners.items() if now - v[3] < LISTENER_TTL_S}
+        for replica in [k for k, v in self._listeners.items() if now - v[3] >= LISTENER_TTL_S]:
+            del self._listeners[replica]
+            self.channel.forget(replica)
         by_app: dict[str, list[tuple[str, int]]] = {}
         replicas: dict[str, list[str]] = {}
         for replica, (app, host, port, _) in self._listeners.items():

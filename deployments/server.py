@@ -22,7 +22,6 @@ from rayinfer.deployments import asgi
 from rayinfer.deployments.control import ModelControl, ServeDeployer
 from rayinfer.deployments.front_config import TlsSettings
 from rayinfer.deployments.grpc_service import ServerGrpcMethods, loopback_port, want_loopback_port
-from rayinfer.deployments.internal_token import cluster_token, internal_headers
 from rayinfer.deployments.metrics_endpoint import MetricsEndpoint
 from rayinfer.deployments.model_forwarder import ModelForwarder
 from rayinfer.deployments.names import SERVER_APP
@@ -108,7 +107,7 @@ class ServerDeployment(ServerGrpcMethods):
         self._max_input_size = control.max_input_size
         self._max_inflight = max_inflight or DEFAULT_MAX_INFLIGHT_REQUESTS
         self._connection_limits = dict(control.connection_limits)
-        self._api = V2Api(server_id, strict_readiness, self._controller, state, RouteTable(state, self._front, internal_headers(cluster_token())),
+        self._api = V2Api(server_id, strict_readiness, self._controller, state, RouteTable(state, self._front),
                           control.poll_secs,
                           settings_from_flags(list(control.trace_config)))
         # --log-verbose and the --log-* flags (a Serve config written before them: --log-verbose alone).
@@ -148,6 +147,10 @@ class ServerDeployment(ServerGrpcMethods):
         return {"log": self._api.log_settings, "trace": self._api.trace_settings.as_dict(),
                 "sequence_slots": routes.slot_table(app) if sequences else None, "max_inflight": self._max_inflight,
                 "connection_limits": self._connection_limits}
+
+    async def control_poll(self, replica_key: str, epoch: str | None, acked: int) -> tuple[str, list[Any]]:
+        """A model replica's long poll on the control channel (:mod:`control_channel`)."""
+        return await self._api.routes.channel.poll(replica_key, epoch, acked)
 
     async def trace_setting(self, model: str, doc: dict[str, Any] | None) -> dict[str, Any]:
         """A model's trace settings over HTTP, which Serve routes to the model's replica."""

@@ -10,16 +10,14 @@ runs model control (load, unload, polling) through the
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote
 
 import rayinfer
-from rayinfer.deployments.names import SHM_FORGET_PATH, TRACE_SETTINGS_PATH
+from rayinfer.deployments.control_channel import SHM_FORGET, TRACE_SETTINGS, ControlMessage
 from rayinfer.deployments.route_table import RouteTable
 from rayinfer.deployments.serve_state import ServeState, cluster_gpus
 from rayinfer.protocol.custom_metrics import CustomMetricsCollector
@@ -28,7 +26,6 @@ from rayinfer.protocol.host_figures import CpuFigures, GpuFigures
 from rayinfer.protocol.metrics import CacheFigures, ModelFigures, render
 from rayinfer.protocol.statistics import stats_to_json
 from rayinfer.protocol import log_settings
-from rayinfer.protocol.listener_client import post_each
 from rayinfer.protocol.shared_memory import SYSTEM, Registration, SharedMemoryRegistry
 from rayinfer.serving.model_control import ModelController
 from rayinfer.serving import response_cache
@@ -40,7 +37,7 @@ logger = logging.getLogger(__name__)
 
 # How long the /v2 replica waits for each model replica to take a change (a region forgotten,
 # trace settings).
-_LISTENER_PUSH_TIMEOUT_S = 5.0
+_REPLICA_PUSH_TIMEOUT_S = 5.0
 
 EXTENSIONS = [
     "classification",
@@ -138,7 +135,7 @@ class V2Api:
         replica: a request naming it afterwards gets Triton's NOT_FOUND error."""
         self.shm.unregister(name, kind)
         # A replica going away keeps nothing; one that stays keeps a stale mapping (logged).
-        await self._tell_replicas(SHM_FORGET_PATH + kind + "/" + quote(name, safe=""), b"",
+        await self._tell_replicas(ControlMessage(SHM_FORGET, {"kind": kind, "name": name}),
                                   f"forget {kind} shared memory region '{name or '(all)'}'")
 
     # ---- trace --------------------------------------------------------------------------------
@@ -166,16 +163,14 @@ class V2Api:
             await self._push_trace_settings()
 
     async def _push_trace_settings(self) -> None:
-        await self._tell_replicas(TRACE_SETTINGS_PATH, json.dumps(self.trace_settings.as_dict()).encode(),
+        await self._tell_replicas(ControlMessage(TRACE_SETTINGS, self.trace_settings.as_dict()),
                                   "take the new trace settings")
 
-    async def _tell_replicas(self, path: str, body: bytes, what: str) -> None:
-        """POST ``body`` to ``path`` on every registered model replica's listener, at once;
-        a replica that does not answer 200 is logged."""
-        failed = await post_each([(address, body) for address in self.routes.all_listeners()], path,
-                                 _LISTENER_PUSH_TIMEOUT_S, self.routes.internal_headers)
-        for address, result in failed:
-            logger.warning("model replica at %s:%d did not %s: %s", *address, what, result)
+    async def _tell_replicas(self, message: ControlMessage, what: str) -> None:
+        """Give ``message`` to every registered model replica over the control channel, at
+        once; a replica that has not taken it in time is logged (it takes it when it next polls)."""
+        for replica in await self.routes.channel.send(self.routes.replicas(), message, _REPLICA_PUSH_TIMEOUT_S):
+            logger.warning("model replica %s did not %s in time", replica, what)
 
     def server_metadata(self) -> dict[str, Any]:
         extensions = EXTENSIONS + [CUDA_EXTENSION] if self.cluster_has_gpus() else EXTENSIONS

@@ -29,10 +29,6 @@ from rayinfer.protocol.types import InferOutput, InferRequest, InferResponse
 STREAM_HEADER = b"x-rayinfer-stream"
 # The request header carrying a traced sender's trace link (InferRequest.trace_parent).
 TRACE_PARENT_HEADER = b"x-rayinfer-trace-parent"
-# The request header of the ``/v2`` replica's calls to a listener's internal routes (trace
-# settings, a shared-memory region forgotten, sequence slots): the cluster's token, which
-# clients do not have (deployments/internal_token.py).
-INTERNAL_HEADER = b"x-rayinfer-internal"
 _STATUS_CODES = {400: Code.INVALID_ARG, 404: Code.NOT_FOUND, 501: Code.UNSUPPORTED, 503: Code.UNAVAILABLE}
 # Idle connections kept per listener.
 _MAX_IDLE = 32
@@ -135,32 +131,6 @@ class ListenerClient:
     def close(self) -> None:
         for address in list(self._idle):
             self.forget(address)
-
-
-async def post(address: Address, path: str, timeout_s: float, body: bytes = b"",
-               headers: tuple[tuple[bytes, bytes], ...] = ()) -> int:
-    """POST ``body`` to ``path`` on a listener (a new connection) with ``headers``; the
-    response's status."""
-    extra = b"".join(b"%b: %b\r\n" % (name, value) for name, value in headers)
-    async def call() -> int:
-        reader, writer = await asyncio.open_connection(*address)
-        try:
-            writer.write(b"POST %b HTTP/1.1\r\nhost: %s:%d\r\ncontent-length: %d\r\n%bconnection: close\r\n\r\n%b"
-                         % (path.encode("latin-1"), address[0].encode(), address[1], len(body), extra, body))
-            status, _, _ = await _read_response(reader)
-            return status
-        finally:
-            writer.close()
-    return await asyncio.wait_for(call(), timeout_s)
-
-
-async def post_each(calls: list[tuple[Address, bytes]], path: str, timeout_s: float,
-                    headers: tuple[tuple[bytes, bytes], ...] = ()) -> list[tuple[Address, Any]]:
-    """POST each body to ``path`` on its listener, all at once, with ``headers``; (listener,
-    status or exception) of those that did not answer 200."""
-    results = await asyncio.gather(*(post(address, path, timeout_s, body, headers) for address, body in calls),
-                                   return_exceptions=True)
-    return [(address, result) for (address, _), result in zip(calls, results) if result != 200]
 
 
 def encode_request(request: InferRequest, address: Address,

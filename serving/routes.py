@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from urllib.parse import unquote
 
 from rayinfer.protocol import http_codec
-from rayinfer.protocol.listener_client import INTERNAL_HEADER, STREAM_HEADER, TRACE_PARENT_HEADER
+from rayinfer.protocol.listener_client import STREAM_HEADER, TRACE_PARENT_HEADER
 from rayinfer.serving.sequence_routing import FORWARDED_HEADER
 
 MODELS_PREFIX = "/v2/models/"
@@ -25,7 +25,7 @@ MODEL_ACTIONS = frozenset({"", "ready", "config", "stats", "infer"})
 HEADER_LENGTH = http_codec.HEADER_LENGTH.encode()
 # Request headers an infer request's answer depends on; every other header is dropped on entry.
 REQUEST_HEADERS = frozenset({b"content-encoding", b"accept-encoding", HEADER_LENGTH, FORWARDED_HEADER,
-                             STREAM_HEADER, TRACE_PARENT_HEADER, INTERNAL_HEADER})
+                             STREAM_HEADER, TRACE_PARENT_HEADER})
 
 
 @dataclass(frozen=True, slots=True)

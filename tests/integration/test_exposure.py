@@ -58,20 +58,21 @@ def test_tensor_data_stays_out_of_the_logs(server):
     assert not found, f"tensor data in {found}"
 
 
-def test_a_listeners_internal_routes_need_the_clusters_token(server):
-    """A model replica's listener listens on its node's network (other nodes' fronts reach it):
-    a client there gets 404 from the routes only the /v2 replica calls (new trace settings, a
-    shared-memory region forgotten, sequence slots), which carry the cluster's token."""
+def test_a_listener_has_no_internal_routes(server):
+    """A model replica's listener listens on its node's network (other nodes' fronts reach
+    it): it answers the model's routes only. The /v2 replica's changes (trace settings, a
+    shared-memory region forgotten, sequence slots) reach replicas over Ray's control channel,
+    so a client there finds no route to send them by, whatever headers it sends."""
     import urllib.error
     import urllib.request
 
     from conftest import front_folder, read_map
-    from rayinfer.deployments.names import SEQUENCE_SLOTS_PATH, SHM_FORGET_PATH, TRACE_SETTINGS_PATH
 
     listener = next(v for k, v in read_map(front_folder(server) / "listeners.map").items() if k.startswith("simple/"))
     host, port = listener.rsplit("|", 1)
-    for path, body in ((TRACE_SETTINGS_PATH, b'{"trace_level": ["TIMESTAMPS"]}'), (SHM_FORGET_PATH, b""),
-                       (SEQUENCE_SLOTS_PATH, b'{"listeners": [], "previous": []}')):
+    for path, body in (("/rayinfer/trace/settings", b'{"trace_level": ["TIMESTAMPS"]}'),
+                       ("/rayinfer/sharedmemory/forget/system/", b""),
+                       ("/rayinfer/sequences/slots", b'{"listeners": [], "previous": []}')):
         request = urllib.request.Request(f"http://{host}:{port}{path}", data=body, method="POST",
                                          headers={"x-rayinfer-internal": "guessed"})
         try:
@@ -81,6 +82,6 @@ def test_a_listeners_internal_routes_need_the_clusters_token(server):
             status, answer = exc.code, exc.read()
         assert status == 404, (path, status, answer)
         assert json.loads(answer) == {"error": f"Not Found: POST {path}"}
-    # The model still serves, and its trace settings (pushed by the /v2 replica) are unchanged.
+    # The model still serves.
     assert http("GET", "/v2/models/simple/ready")[0] == 200
     assert http("GET", "/v2/models/simple/trace/setting")[0] == 200

@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import zlib
 from collections import Counter
 
-from rayinfer.deployments.names import SEQUENCE_SLOTS_PATH
-from rayinfer.deployments.replica_listener import ReplicaListener
+from rayinfer.deployments.control_channel import SEQUENCE_SLOTS
 from rayinfer.deployments.route_table import RouteTable
 from rayinfer.serving.sequence_routing import SLOTS, SequenceRoutes, assign_slots, previous_owners, slot_of
 
@@ -97,30 +95,31 @@ class _Front:
 
 def test_the_route_table_publishes_a_listener_per_slot_and_tells_the_replicas():
     async def scenario() -> None:
-        told: list[dict] = []
+        told: dict[str, list[dict]] = {}
 
-        async def http(method: str, path: str, headers: dict, body: bytes):
-            assert (method, path) == ("POST", SEQUENCE_SLOTS_PATH)
-            told.append(json.loads(body))
-            return 200, [], b""
+        async def replica(table: RouteTable, key: str) -> None:
+            """A sequence model replica's long poll on the control channel."""
+            epoch, acked = None, 0
+            while True:
+                epoch, messages = await table.channel.poll(key, epoch, acked)
+                for seq, message in messages:
+                    assert message.kind == SEQUENCE_SLOTS
+                    told.setdefault(key, []).append(message.body)
+                    acked = seq
 
-        async def grpc(method: str, payload: bytes) -> bytes:
-            raise AssertionError("no gRPC here")
-
-        listener = ReplicaListener(grpc, http)
-        port = await listener.start("127.0.0.1")
         front = _Front()
         table = RouteTable(_State(), front)  # type: ignore[arg-type]  # stand-ins
+        pollers = [asyncio.create_task(replica(table, key)) for key in ("s/r1", "s/r2", "s/r3")]
         await table.register("s/r1", "s", "127.0.0.1", 1, sequences=True)
         await table.register("m/r1", "m", "127.0.0.1", 3)
         await table.register("m/r2", "m", "127.0.0.1", 4)
-        await table.register("s/r2", "s", "127.0.0.1", port, sequences=True)
+        await table.register("s/r2", "s", "127.0.0.1", 2, sequences=True)
         assert front.sequence_keys == {"s/1", "s/"}
         assert front.published["m/1"] == [("127.0.0.1", 3), ("127.0.0.1", 4)]
         slots = front.published["s/1"]
-        assert len(slots) == SLOTS and Counter(slots) == {("127.0.0.1", 1): 32, ("127.0.0.1", port): 32}
-        # The replicas heard of the new table before the front routed by it.
-        assert told and told[-1] == table.slot_table("s")
+        assert len(slots) == SLOTS and Counter(slots) == {("127.0.0.1", 1): 32, ("127.0.0.1", 2): 32}
+        # The replicas took the new table before the front routed by it.
+        assert told["s/r1"][-1] == told["s/r2"][-1] == table.slot_table("s")
         assert [tuple(a) for a in table.slot_table("s")["listeners"]] == slots and table.slot_table("m") is None
         await table.register("s/r3", "s", "127.0.0.1", 5, sequences=True)
         moved = [(before, after) for before, after in zip(slots, front.published["s/"]) if before != after]
@@ -133,7 +132,11 @@ def test_the_route_table_publishes_a_listener_per_slot_and_tells_the_replicas():
         assert ("127.0.0.1", 1) not in front.published["s/"]
         assert [tuple(a) for a in table.slot_table("s")["listeners"]] == front.published["s/"]
         assert ["127.0.0.1", 1] not in table.slot_table("s")["previous"]
-        assert told[-1] == table.slot_table("s")
-        await listener.close(1.0)
+        assert told["s/r2"][-1] == told["s/r3"][-1] == table.slot_table("s")
+        assert told["s/r1"][-1] != table.slot_table("s")  # withdrawn: told nothing more
+        # No model replica of "m" hears of sequence slots.
+        assert "m/r1" not in told and "m/r2" not in told
+        for poller in pollers:
+            poller.cancel()
 
     asyncio.run(scenario())
