@@ -8,7 +8,7 @@ from typing import Any
 from rayinfer.cluster.settings import (
     ServerSettings,
     auto_complete,
-    connection_limits,
+    connection_limit_values,
     grpc_front,
     http_front,
     metrics_endpoint,
@@ -65,7 +65,7 @@ def render_serve_config(
         "cache_size_bytes": response_cache_bytes(settings),
         "http_max_input_size": settings.http_max_input_size,
         "log_settings": startup_log_settings(settings),
-        "connection_limits": connection_limits(settings),
+        "connection_limits": connection_limit_values(settings),
         **({"gpu_fraction_per_model": settings.gpu_fraction_per_model} if settings.gpu_fraction_per_model != 1.0
            else {}),
         **({"replica_ray_metrics": True} if settings.replica_ray_metrics else {}),

@@ -445,7 +445,7 @@ def metrics_endpoint(settings: ServerSettings) -> MetricsOptions | None:
     )
 
 
-def connection_limits(settings: ServerSettings) -> dict[str, float]:
+def connection_limit_values(settings: ServerSettings) -> dict[str, float]:
     """The model replicas' :class:`~rayinfer.protocol.limits.ConnectionLimits`, from the flags."""
     return {
         "request_head_timeout_s": settings.http_request_timeout,

@@ -36,7 +36,7 @@ from rayinfer.deployments.replica_listener import ReplicaListener
 from rayinfer.protocol import log_settings
 from rayinfer.protocol.errors import NotFoundError, ServingError, UnavailableError, UnsupportedError, as_serving_error
 from rayinfer.protocol.http_codec import parse_json_body
-from rayinfer.protocol.limits import DEFAULT_HTTP_MAX_INPUT_SIZE, connection_limits
+from rayinfer.protocol.limits import DEFAULT_HTTP_MAX_INPUT_SIZE, ConnectionLimits
 from rayinfer.protocol.listener_client import STREAM_HEADER, ListenerClient
 from rayinfer.protocol.shared_memory import Registration, SharedMemoryRegistry
 from rayinfer.protocol.types import InferRequest, InferResponse
@@ -348,6 +348,7 @@ class ModelDeployment:
     async def _report_forever(self) -> None:
         """Register the listener every few seconds; push statistics when they changed."""
         registered_at = float("-inf")
+        limit_values: Any = None
         while True:
             if time.monotonic() - registered_at >= _LISTENER_REGISTER_INTERVAL_S:
                 try:
@@ -356,7 +357,9 @@ class ModelDeployment:
                     )
                     registered_at = time.monotonic()
                     self._listener.max_inflight = settings.get("max_inflight", self._listener.max_inflight)
-                    self._listener.limits = connection_limits(settings.get("connection_limits"))
+                    if settings.get("connection_limits") != limit_values:  # the flags, as at the last registration
+                        limit_values = settings.get("connection_limits")
+                        self._listener.limits = ConnectionLimits.from_values(limit_values)
                     if self._sequences is not None:
                         self._sequences.update(settings.get("sequence_slots"))
                     # The logging extension's (again: loggers created since get them too).

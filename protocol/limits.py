@@ -96,8 +96,13 @@ class ConnectionLimits:
     connection_window_bytes: int = 1 << 26  # --grpc-connection-window: held by a connection's calls, then only its oldest gets more
     replica_buffer_bytes: int = 1 << 28  # --grpc-replica-buffer: held by all of a replica's calls, the same way
 
-    def as_dict(self) -> dict[str, float]:
-        return dict(vars(self))
+    @classmethod
+    def from_values(cls, values: dict[str, float] | None) -> ConnectionLimits:
+        """The limits the server's flags set (``values``: the fields' values; the rest default)."""
+        if not values:
+            return DEFAULT_CONNECTION_LIMITS
+        return cls(**{name: type(getattr(DEFAULT_CONNECTION_LIMITS, name))(value)
+                      for name, value in values.items() if hasattr(DEFAULT_CONNECTION_LIMITS, name)})
 
 
 DEFAULT_CONNECTION_LIMITS = ConnectionLimits()
@@ -116,10 +121,3 @@ def request_timeout_answer(timeout_s: float) -> bytes:
     return (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
             b"connection: close\r\n\r\n%b" % (len(body), body))
 
-
-def connection_limits(values: dict[str, float] | None) -> ConnectionLimits:
-    """The limits the server's flags set (``values``: ConnectionLimits' fields; the rest default)."""
-    if not values:
-        return DEFAULT_CONNECTION_LIMITS
-    return ConnectionLimits(**{name: type(getattr(DEFAULT_CONNECTION_LIMITS, name))(value)
-                               for name, value in values.items() if hasattr(DEFAULT_CONNECTION_LIMITS, name)})
