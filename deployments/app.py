@@ -62,7 +62,7 @@ def server_application(
     --grpc-restricted-protocol (the front enforces them). ``front_on_head``: place the replica,
     and so the front's ports, on the Ray head node (Ray's ``node:__internal_head__`` resource),
     where a Kubernetes service or ``ray attach -p`` finds them. ``direct_connections``: HTTP
-    and gRPC connections go straight to a model's replica (--direct-connections, :mod:`front_door`).
+    and gRPC connections go straight to a model's replica (--direct-connections, :mod:`acceptor`).
     ``front_on_every_node``: the front's ports on every node with model replicas too
     (:mod:`node_fronts`). ``tls``: TLS on the front's ports by kind ("grpc", "http"; the
     fields of :class:`~rayinfer.deployments.front_config.TlsSettings`).

@@ -63,7 +63,7 @@ class ReplicaBlsClient:
         if self._is_self(route):
             return iter(list(self._here(request)))
         results: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._submit(self._pump(route, request, results))
+        self._submit(self._forward(route, request, results))
         return _drain(results)
 
     def load_model(self, name: str, parameters: dict[str, Any]) -> None:
@@ -92,7 +92,7 @@ class ReplicaBlsClient:
     async def _infer(self, route: tuple[str, str], request: InferRequest) -> InferResponse:
         return await self._handle(route).bls_infer.remote(request)
 
-    async def _pump(self, route: tuple[str, str], request: InferRequest, results: queue.SimpleQueue) -> None:
+    async def _forward(self, route: tuple[str, str], request: InferRequest, results: queue.SimpleQueue) -> None:
         try:
             async for result in self._handle(route).options(stream=True).bls_stream.remote(request):
                 if result is not None:  # None ends every stream (ModelDeployment.bls_stream)

@@ -1,13 +1,13 @@
-"""A request on a client's connection from the front's door that its replica does not answer:
+"""A request on a client's connection from the front's acceptor that its replica does not answer:
 relayed to the front's HAProxy, and its answer streamed back to the client.
 
-The door gives a connection to a replica by its first request (:mod:`front_door`); the client
+The acceptor gives a connection to a replica by its first request (:mod:`acceptor`); the client
 may then ask for anything on it (readiness, another model, the repository API). The replica's
 listener (:mod:`replica_listener`) sends such a request, unchanged but for its hop-by-hop
 headers, to HAProxy's Unix socket with ``connection: close``, and writes the answer back with
 the connection's own keep-alive. A request that stops the replica itself (unloading its model)
 is answered only once the replica is gone: a replica that stops while a relayed answer has not
-begun hands both connections to the door (:meth:`RelayedRequest.hand_over`), which copies the
+begun hands both connections to the acceptor (:meth:`RelayedRequest.hand_over`), which copies the
 answer to the client, then closes it.
 """
 
@@ -18,7 +18,7 @@ import os
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from rayinfer.deployments import front_door
+from rayinfer.deployments import acceptor
 
 # Headers of a client's request not copied when it is relayed.
 _HOP_HEADERS = {b"connection", b"keep-alive", b"content-length", b"transfer-encoding", b"expect", b"te", b"upgrade"}
@@ -127,7 +127,7 @@ class RelayedRequest:
         return keep_alive and not self.handed_over
 
     def hand_over(self, client_fd: int, folder_name: str) -> bool:
-        """The replica stops: give the client's connection and HAProxy's to the door, which
+        """The replica stops: give the client's connection and HAProxy's to the acceptor, which
         copies the answer to the client; False once the answer has begun (or nothing waits)."""
         upstream = self._upstream
         sock = upstream.transport.get_extra_info("socket") if upstream is not None and upstream.transport else None
@@ -136,7 +136,7 @@ class RelayedRequest:
         upstream.transport.pause_reading()
         fds = [os.dup(client_fd), os.dup(sock.fileno())]
         try:
-            given = front_door.give_back(folder_name, fds, front_door.PUMP + bytes(upstream.buffer))
+            given = acceptor.give_back(folder_name, fds, acceptor.SPLICE + bytes(upstream.buffer))
         finally:
             for fd in fds:
                 os.close(fd)

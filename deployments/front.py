@@ -24,7 +24,7 @@ ingress routes by path), so that a model still loading is answered "not ready" a
 a routed call before the model replica, and the maps are replaced through HAProxy's runtime API
 whenever the served versions or their replicas change.
 
-HAProxy runs under a small keeper process (:mod:`front_keeper`), not as the ``/v2`` replica's
+HAProxy runs under a small supervisor process (:mod:`front_supervisor`), not as the ``/v2`` replica's
 child: if that replica dies, the front keeps relaying inference calls to the model replicas, and
 the ``/v2`` replica Serve starts next takes the running front over (same settings) or replaces
 it (other settings).
@@ -43,9 +43,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from rayinfer.deployments import front_config, front_keeper
+from rayinfer.deployments import front_config, front_supervisor
 from rayinfer.deployments.front_config import LUA, Endpoint, TlsSettings
-from rayinfer.deployments.front_door import routes_on_disk
+from rayinfer.deployments.acceptor import routes_on_disk
 from rayinfer.protocol.limits import DEFAULT_HTTP_MAX_INPUT_SIZE, DEFAULT_MAX_INFLIGHT_REQUESTS
 from rayinfer.protocol.restricted_api import Restrictions
 
@@ -71,7 +71,7 @@ class Front:
                  max_inflight: int = DEFAULT_MAX_INFLIGHT_REQUESTS, direct: bool = False,
                  tls: dict[str, TlsSettings] | None = None) -> None:
         """``direct``: the connections whose first request (HTTP) or call (gRPC) is a model's go
-        straight to one of its replicas on this machine (:mod:`front_door`); not on a port with
+        straight to one of its replicas on this machine (:mod:`acceptor`); not on a port with
         restricted APIs, which HAProxy checks on every request, nor on one with TLS (``tls``, by
         port kind "http" or "grpc"), which HAProxy terminates."""
         tls = dict(tls or {})
@@ -82,7 +82,7 @@ class Front:
         threads = threads or min(4, max(1, (os.cpu_count() or 2) // 2))
         self.direct = direct and http is not None and not http_restricted and "http" not in tls
         self.grpc_direct = direct and grpc is not None and not grpc_restricted and "grpc" not in tls
-        doors = {kind: endpoint for kind, endpoint, on in (("http", http, self.direct), ("grpc", grpc, self.grpc_direct))
+        acceptors = {kind: endpoint for kind, endpoint, on in (("http", http, self.direct), ("grpc", grpc, self.grpc_direct))
                  if on}
 
         def render(folder: Path) -> str:
@@ -94,23 +94,23 @@ class Front:
         # After taking a running front over: until then, routes the new /v2 replica has not heard
         # of yet (its model replicas register again within a second or two) are kept.
         self._keep_routes_until = 0.0
-        self._keeper: subprocess.Popen | None = None
-        running = front_keeper.running_front(self._binds[0]) if self._binds else None
+        self._supervisor: subprocess.Popen | None = None
+        running = front_supervisor.running_front(self._binds[0]) if self._binds else None
         node = _ray_node()
         if running is not None and (running / "haproxy.cfg").read_text() == render(running) \
-                and front_keeper.read_text(running / "node") == node:
+                and front_supervisor.read_text(running / "node") == node:
             self._use_folder(running)
-            self._keeper_pid = int((running / "keeper.pid").read_text())
+            self._supervisor_pid = int((running / "supervisor.pid").read_text())
             self._published, self._sequence_keys = routes_on_disk(running)
             self._keep_routes_until = time.monotonic() + _TAKEOVER_GRACE_S
             (running / "owner").write_text(str(os.getpid()))
             logger.info("took over the running front in %s", running)
             return
         if running is not None:  # a front of another Ray node (an earlier server), or other settings
-            front_keeper.stop_keeper(running)
+            front_supervisor.stop_supervisor(running)
         for address, port in self._binds:
-            front_keeper.remove_stale_fronts(address, port)
-        self._use_folder(Path(tempfile.mkdtemp(prefix=front_keeper.DIR_PREFIX)))
+            front_supervisor.remove_stale_fronts(address, port)
+        self._use_folder(Path(tempfile.mkdtemp(prefix=front_supervisor.DIR_PREFIX)))
         for path in (self._counts_path, self._listeners_path, self._sequences_path):
             path.write_text("")
         (self._dir / LUA.name).write_text(LUA.read_text())
@@ -119,19 +119,19 @@ class Front:
             pem.touch(mode=0o600)
             pem.write_bytes(settings.pem())
         (self._dir / "haproxy.cfg").write_text(render(self._dir))
-        if doors:
-            (self._dir / "door").write_text("".join(f"{kind} {e[0]} {e[1]}\n" for kind, e in doors.items()))
+        if acceptors:
+            (self._dir / "acceptor").write_text("".join(f"{kind} {e[0]} {e[1]}\n" for kind, e in acceptors.items()))
         (self._dir / "owner").write_text(str(os.getpid()))
         (self._dir / "node").write_text(node)
         raylet = raylet_pid()
-        if raylet is not None:  # the keeper stops with the Ray node (``ray stop``), at once
+        if raylet is not None:  # the supervisor stops with the Ray node (``ray stop``), at once
             (self._dir / "raylet.pid").write_text(str(raylet))
-        self._keeper = subprocess.Popen(
-            [sys.executable, "-m", front_keeper.__name__, str(self._dir), get_haproxy_binary()],
+        self._supervisor = subprocess.Popen(
+            [sys.executable, "-m", front_supervisor.__name__, str(self._dir), get_haproxy_binary()],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
         )
-        self._keeper_pid = self._keeper.pid
-        (self._dir / "keeper.pid").write_text(str(self._keeper_pid))
+        self._supervisor_pid = self._supervisor.pid
+        (self._dir / "supervisor.pid").write_text(str(self._supervisor_pid))
         try:
             for address, port in self._binds:
                 self._wait_until_listening(address, port)
@@ -148,10 +148,10 @@ class Front:
 
     @property
     def running(self) -> bool:
-        """Whether the front's keeper (and so its HAProxy) still runs."""
-        if self._keeper is not None:
-            return self._keeper.poll() is None
-        return front_keeper.pid_alive(self._keeper_pid)
+        """Whether the front's supervisor (and so its HAProxy) still runs."""
+        if self._supervisor is not None:
+            return self._supervisor.poll() is None
+        return front_supervisor.pid_alive(self._supervisor_pid)
 
     def _wait_until_listening(self, address: str, port: int, timeout_s: float = 10.0) -> None:
         deadline = time.monotonic() + timeout_s
@@ -235,7 +235,7 @@ class Front:
         reply = await self._command(f"commit map @{version} {path}")
         if reply.strip():
             raise RuntimeError(f"HAProxy refused the route map: {reply.strip()}")
-        # Whole or not at all for the door, which reads it on its own (os.replace is atomic).
+        # Whole or not at all for the acceptor, which reads it on its own (os.replace is atomic).
         staged = path.with_name(path.name + ".new")
         staged.write_text("".join(f"{k} {v}\n" for k, v in sorted(entries.items())))
         os.replace(staged, path)
@@ -257,7 +257,7 @@ class Front:
             owner = os.getpid()
         if owner != os.getpid():
             return
-        front_keeper.stop_keeper(self._dir, self._keeper)
+        front_supervisor.stop_supervisor(self._dir, self._supervisor)
 
 
 def raylet_pid(pid: int | None = None) -> int | None:

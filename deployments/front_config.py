@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from rayinfer.deployments.front_door import DOOR_FD_VARIABLES, GRPC_RELAY_SOCKET, RELAY_SOCKET, REPLICA_RELAY_SOCKET
+from rayinfer.deployments.acceptor import HANDOFF_FD_VARIABLES, GRPC_RELAY_SOCKET, RELAY_SOCKET, REPLICA_RELAY_SOCKET
 from rayinfer.protocol.grpc_wire import ROUTED_RPCS, SERVICE
 from rayinfer.protocol.limits import (
     HEAD_TOO_LARGE,
@@ -208,7 +208,7 @@ V2_SERVER = "serve_grpc/v2"
 _HTTP = """\
 frontend triton_http
 {binds}\
-{log}    # A request head over the limits: Triton's 400 with a JSON error, as the door and the
+{log}    # A request head over the limits: Triton's 400 with a JSON error, as the acceptor and the
     # replicas' listeners answer it (the request line counts with the headers). A request a
     # replica relays was checked by the replica, before the relay added its two headers.
     acl relayed so_name replica
@@ -301,28 +301,28 @@ def _grpc_restrictions(restrictions: Restrictions) -> str:
     return "".join(lines)
 
 
-def _http_binds(folder: Path, address: str, port: int, door: bool, tls: TlsSettings | None = None) -> str:
-    if not door:
+def _http_binds(folder: Path, address: str, port: int, acceptor: bool, tls: TlsSettings | None = None) -> str:
+    if not acceptor:
         return f"    bind {address}:{port}{_ssl(folder, 'http', tls)}\n"
-    # The keeper's door (front_door.py) owns the port and passes HAProxy the connections it does
+    # The supervisor's acceptor (acceptor.py) owns the port and passes HAProxy the connections it does
     # not give a model replica (on the first socket); a replica relays a request of a connection
     # it holds that is not its own to the second.
-    return (f"    # door {address}:{port}\n    bind unix@{folder / RELAY_SOCKET} mode 600\n"
+    return (f"    # acceptor {address}:{port}\n    bind unix@{folder / RELAY_SOCKET} mode 600\n"
             f"    bind unix@{folder / REPLICA_RELAY_SOCKET} mode 600 name replica\n")
 
 
-def _grpc_binds(folder: Path, address: str, port: int, door: bool, tls: TlsSettings | None = None) -> str:
-    if not door:
+def _grpc_binds(folder: Path, address: str, port: int, acceptor: bool, tls: TlsSettings | None = None) -> str:
+    if not acceptor:
         return f"    bind {address}:{port} proto h2{_ssl(folder, 'grpc', tls)}\n"
-    # As for HTTP; a replica relays a call here as HTTP/1.1, a connection from the door speaks
+    # As for HTTP; a replica relays a call here as HTTP/1.1, a connection from the acceptor speaks
     # HTTP/2 (HAProxy tells them apart by the HTTP/2 preface).
-    return f"    # door {address}:{port}\n    bind unix@{folder / GRPC_RELAY_SOCKET} mode 600\n"
+    return f"    # acceptor {address}:{port}\n    bind unix@{folder / GRPC_RELAY_SOCKET} mode 600\n"
 
 
-# The connections the door passes to HAProxy. HAProxy cannot set the destination of a
+# The connections the acceptor passes to HAProxy. HAProxy cannot set the destination of a
 # connection it received over a socket pair (the pair's family has no addresses), which routing
 # to a listener needs: their bytes go on to the frontend's Unix socket.
-_DOOR = """\
+_ACCEPTOR = """\
 frontend {name}
     mode tcp
     bind "sockpair@${{{variable}}}"
@@ -336,11 +336,11 @@ backend {name}_relay
 
 def render(folder: Path, http: Endpoint | None, grpc: Endpoint | None, server_app: str, threads: int,
            max_input_size: int, http_restricted: Restrictions | None, grpc_restricted: Restrictions | None,
-           max_inflight: int, door: bool = False, grpc_door: bool = False,
+           max_inflight: int, acceptor: bool = False, grpc_acceptor: bool = False,
            tls: dict[str, TlsSettings] | None = None) -> str:
     """The configuration of a front whose files are in ``folder`` (see :class:`front.Front`);
-    ``door``, ``grpc_door``: HTTP, gRPC connections arrive through the keeper's door
-    (:mod:`front_door`); ``tls``: TLS by port kind ("http", "grpc"), on ports without a door."""
+    ``acceptor``, ``grpc_acceptor``: HTTP, gRPC connections arrive through the supervisor's acceptor
+    (:mod:`acceptor`); ``tls``: TLS by port kind ("http", "grpc"), on ports without an acceptor."""
     busy = inflight_limit_message(max_inflight)
     tls = tls or {}
     paths = {"counts": folder / "replicas.map", "listeners": folder / "listeners.map",
@@ -351,25 +351,25 @@ def render(folder: Path, http: Endpoint | None, grpc: Endpoint | None, server_ap
         pick = _PICK_REPLICA.format(**paths, sequence_fetch="rayinfer_http_sequence")
         parts.append(_HTTP.format(
             log=_LOG,
-            binds=_http_binds(folder, http[0], http[1], door, tls.get("http")), pick=pick, upstream_host=http[2], upstream_port=http[3],
+            binds=_http_binds(folder, http[0], http[1], acceptor, tls.get("http")), pick=pick, upstream_host=http[2], upstream_port=http[3],
             use_replica=_USE_REPLICA, unrouted=UNROUTED_PREFIX, max_input_size=max_input_size,
             too_large=body_limit_message(max_input_size), max_inflight=max_inflight, busy=busy,
             restricted=_http_restrictions(http_restricted or {}), max_head=MAX_REQUEST_HEAD_BYTES,
             max_headers=MAX_REQUEST_HEADERS, too_large_head=_json_string(malformed_head_message(HEAD_TOO_LARGE)),
             too_many_headers=_json_string(malformed_head_message(TOO_MANY_HEADERS)),
         ))
-        if door:
-            parts.append(_DOOR.format(name="door", variable=DOOR_FD_VARIABLES["http"], relay=folder / RELAY_SOCKET))
+        if acceptor:
+            parts.append(_ACCEPTOR.format(name="acceptor", variable=HANDOFF_FD_VARIABLES["http"], relay=folder / RELAY_SOCKET))
     if grpc is not None:
         pick = _PICK_REPLICA.format(**paths, sequence_fetch="rayinfer_grpc_sequence")
         parts.append(_GRPC.format(
             log=_LOG,
-            binds=_grpc_binds(folder, grpc[0], grpc[1], grpc_door, tls.get("grpc")), pick=pick, upstream_host=grpc[2], upstream_port=grpc[3],
+            binds=_grpc_binds(folder, grpc[0], grpc[1], grpc_acceptor, tls.get("grpc")), pick=pick, upstream_host=grpc[2], upstream_port=grpc[3],
             paths=" ".join(SERVICE + rpc for rpc in ROUTED_RPCS), server_app=server_app,
             use_replica=_USE_REPLICA, restricted=_grpc_restrictions(grpc_restricted or {}),
             max_inflight=max_inflight, busy=busy,
         ))
-        if grpc_door:
-            parts.append(_DOOR.format(name="grpc_door", variable=DOOR_FD_VARIABLES["grpc"],
+        if grpc_acceptor:
+            parts.append(_ACCEPTOR.format(name="grpc_acceptor", variable=HANDOFF_FD_VARIABLES["grpc"],
                                       relay=folder / GRPC_RELAY_SOCKET))
     return "\n".join(parts)

@@ -216,8 +216,8 @@ class ServerGrpcMethods:
         sequence (``sequence_id``) go to the model one after another, in stream order: in flight
         together, a later one could reach the model's sequence batcher first."""
         window: asyncio.Queue[asyncio.Queue | None] = asyncio.Queue(_STREAM_WINDOW)
-        pumps: set[asyncio.Task] = set()
-        # (model, sequence id) -> the pump of that sequence's latest request in this stream
+        forwarding: set[asyncio.Task] = set()
+        # (model, sequence id) -> the forwarding task of that sequence's latest request in this stream
         sequences: dict[tuple[str, str], asyncio.Task] = {}
         # A client's W3C trace context (the opentelemetry trace mode), from the stream's metadata.
         if restricted(self._restrictions, "ModelStreamInfer", grpc_context):
@@ -225,7 +225,7 @@ class ServerGrpcMethods:
         metadata = dict(grpc_context.invocation_metadata()) if grpc_context is not None else {}
         trace_context = metadata.get("traceparent")
 
-        async def pump(request: pb.ModelInferRequest, out: asyncio.Queue, after: asyncio.Task | None,
+        async def forward(request: pb.ModelInferRequest, out: asyncio.Queue, after: asyncio.Task | None,
                        read: tuple[int, int]) -> None:
             try:
                 if isinstance(request, Unparsable):
@@ -248,12 +248,12 @@ class ServerGrpcMethods:
                     read = (reading, time.perf_counter_ns())
                     out: asyncio.Queue = asyncio.Queue()
                     key = _sequence_key(request)
-                    task = asyncio.ensure_future(pump(request, out, sequences.get(key) if key else None, read))
+                    task = asyncio.ensure_future(forward(request, out, sequences.get(key) if key else None, read))
                     if key is not None:
                         sequences[key] = task
                         task.add_done_callback(lambda done, key=key: sequences.get(key) is done and sequences.pop(key))
-                    pumps.add(task)
-                    task.add_done_callback(pumps.discard)
+                    forwarding.add(task)
+                    task.add_done_callback(forwarding.discard)
                     await window.put(out)
                     reading = time.perf_counter_ns()
             finally:
@@ -274,7 +274,7 @@ class ServerGrpcMethods:
             await feeder
         finally:
             feeder.cancel()
-            for task in list(pumps):
+            for task in list(forwarding):
                 task.cancel()
 
     async def ModelStatistics(self, request: pb.ModelStatisticsRequest, grpc_context: Any = None) -> Any:

@@ -8,7 +8,7 @@ library send it again on a new connection, but grpc's C core (under tritonclient
 perf_analyzer) then drops a message now and then when some of the stream's messages went out
 before the ``GOAWAY`` came and some after: the stream waits forever for that answer. So the
 replica keeps the stream and copies it, frame by frame, over a connection of its own to
-HAProxy's gRPC socket (stream 1 there), which routes it as it routes a stream from the door.
+HAProxy's gRPC socket (stream 1 there), which routes it as it routes a stream from the acceptor.
 
 :class:`StreamRelay` is the HAProxy side of one relayed stream: the client's messages go up as
 HAProxy's flow-control window allows (the client's own window is given back only as they go, so

@@ -12,7 +12,7 @@ from ray.serve.schema import ServeDeploySchema
 
 from rayinfer.deployments.app import server_application
 from rayinfer.deployments.control import DEFAULT_GPU_WAIT_S, ModelControl, deploy_models
-from rayinfer.deployments.front_keeper import stop_fronts
+from rayinfer.deployments.front_supervisor import stop_fronts
 from rayinfer.deployments.grpc_service import SERVICER_FUNCTION
 from rayinfer.deployments.names import SERVER_APP, SERVER_DEPLOYMENT, SERVER_ROUTE_PREFIX, model_apps
 from rayinfer.deployments.serve_internals import shutdown_cached_handles
@@ -137,7 +137,7 @@ def stop(models: list[str], *, whole_serve: bool, fronts: list[tuple[str, int]] 
     """Shut Serve down (a cluster we started) or delete only rayinfer's applications (one we
     joined): those of the repository's ``models``, whichever versions are loaded now. Then stop
     the front on ``fronts`` (address, port) if it runs on this machine: the ``/v2`` replica may
-    have been stopped without stopping it (its keeper would otherwise stop it a minute later)."""
+    have been stopped without stopping it (its supervisor would otherwise stop it a minute later)."""
     try:
         if whole_serve:
             serve.shutdown()

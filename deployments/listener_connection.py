@@ -1,8 +1,8 @@
 """One HTTP/1.1 connection of a model replica's listener (:mod:`replica_listener`): from the
-front's HAProxy, or a client's own from the front's door. It parses requests with httptools,
+front's HAProxy, or a client's own from the front's acceptor. It parses requests with httptools,
 bounds a client's request head (:mod:`rayinfer.protocol.limits`) and a body while they arrive,
 answers its replica's requests in order, relays a client's other requests to the front's
-HAProxy, and gives a client's connection back to the door between two requests.
+HAProxy, and gives a client's connection back to the acceptor between two requests.
 
 A client's connection also keeps the listener's :class:`~rayinfer.protocol.limits.ConnectionLimits`
 (HAProxy keeps its own on the connections it relays):
@@ -36,7 +36,7 @@ from typing import Any
 
 import httptools
 
-from rayinfer.deployments import front_door
+from rayinfer.deployments import acceptor
 from rayinfer.deployments.client_relay import RelayedRequest
 from rayinfer.deployments.listener_responses import StreamedResponse, grpc_error, http_response
 from rayinfer.protocol.http_codec import error_response
@@ -67,10 +67,10 @@ _BAD_REQUEST = (b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\n
                 b"connection: close\r\n\r\n{\"error\":\"malformed request\"}")
 # Request headers kept while parsing: the serving core's, and the relay's own.
 _KEPT_HEADERS = REQUEST_HEADERS | {b"grpc-encoding", b"expect", TRACEPARENT}
-# A client's connection from the front's door is given back to the door after this long, between
-# two requests, which gives it to a replica again in turn: connections spread over replicas that
+# A client's connection from the front's acceptor is given back to the acceptor after this long, between
+# two requests, which gives it to a replica again (rebalancing): connections spread over replicas that
 # started since (a scale-up, a replacement).
-_TURN_S = 2.0
+_REBALANCE_S = 2.0
 # How long a connection whose request was refused for its size still reads (and drops) the rest
 # of the body after the answer, so that the front reads the answer before the connection closes.
 _DRAIN_S = 5.0
@@ -85,7 +85,7 @@ _MIN_TIMER_NS = 1_000_000
 
 class ListenerConnection(asyncio.Protocol):
     """One HTTP/1.1 connection from the front, or (``direct``: the relay socket of the front's
-    HAProxy and the route key it was given for) a client's from the front's door; requests are
+    HAProxy and the route key it was given for) a client's from the front's acceptor; requests are
     answered in the order received."""
 
     def __init__(self, listener: ReplicaListener, direct: tuple[str, str] | None = None) -> None:
@@ -110,7 +110,7 @@ class ListenerConnection(asyncio.Protocol):
         self._head_chunks_bytes = 0  # the chunks wholly in a client's request head so far
         self._began = False  # a request began in the chunk being parsed
         self._recv_start = 0
-        self._turn_at = time.monotonic() + _TURN_S
+        self._rebalance_at = time.monotonic() + _REBALANCE_S
         self._relayed: RelayedRequest | None = None  # a request of a client's being relayed
         # A client's connection: its limits' timer and flow control (see the module's docstring).
         self._timer: asyncio.TimerHandle | None = None
@@ -192,7 +192,7 @@ class ListenerConnection(asyncio.Protocol):
 
     @property
     def direct(self) -> bool:
-        """A client's connection from the front's door."""
+        """A client's connection from the front's acceptor."""
         return self._direct is not None
 
     @property
@@ -200,9 +200,9 @@ class ListenerConnection(asyncio.Protocol):
         """Between two requests: nothing of the next one read, no answer being written."""
         return self._transport is not None and not self._reading and not self._pending and self._task is None
 
-    def leave(self) -> bool:
-        """Give a client's connection that is between two requests back to the front's door
-        (the listener stops, or the connection's turn came); False if it stays here."""
+    def hand_back(self) -> bool:
+        """Give a client's connection that is between two requests back to the front's acceptor
+        (the listener stops, or the connection is due to be rebalanced); False if it stays here."""
         transport = self._transport
         sock = transport.get_extra_info("socket") if transport is not None else None
         if sock is None or self._direct is None or transport.get_write_buffer_size():
@@ -210,30 +210,30 @@ class ListenerConnection(asyncio.Protocol):
         transport.pause_reading()
         fd = os.dup(sock.fileno())
         try:
-            given = front_door.give_back(self._folder_name(), [fd],
-                                         front_door.returned(self._listener.door_name, self._listener.closing))
+            given = acceptor.give_back(self._folder_name(), [fd],
+                                         acceptor.returned(self._listener.handoff_name, self._listener.closing))
         finally:
             os.close(fd)
         if not given:
             transport.resume_reading()
-            self._turn_at = time.monotonic() + _TURN_S
+            self._rebalance_at = time.monotonic() + _REBALANCE_S
             return False
-        self._direct = None  # the door has it now: closing this descriptor leaves the client's open
+        self._direct = None  # the acceptor has it now: closing this descriptor leaves the client's open
         transport.close()
         return True
 
     def _folder_name(self) -> str:
-        """The folder name of the front whose door gave this connection."""
+        """The folder name of the front whose acceptor gave this connection."""
         return os.path.basename(os.path.dirname(self._direct[0])) if self._direct is not None else ""
 
     def hand_over_relay(self) -> bool:
         """The listener stops while this connection waits for the front's answer to a relayed
-        request: the door copies that answer to the client (:mod:`client_relay`)."""
+        request: the acceptor copies that answer to the client (:mod:`client_relay`)."""
         relayed, transport = self._relayed, self._transport
         sock = transport.get_extra_info("socket") if transport is not None else None
         if relayed is None or sock is None or not relayed.hand_over(sock.fileno(), self._folder_name()):
             return False
-        self._direct = None  # the door has it now: closing this descriptor leaves the client's open
+        self._direct = None  # the acceptor has it now: closing this descriptor leaves the client's open
         transport.close()
         return True
 
@@ -465,7 +465,7 @@ class ListenerConnection(asyncio.Protocol):
         path = self._url.partition(b"?")[0]
         method = self._parser.get_method()
         relay = None
-        if self._direct is not None and not self._listener.owns(method.decode("latin-1"), path.decode("latin-1"),
+        if self._direct is not None and not self._listener.serves(method.decode("latin-1"), path.decode("latin-1"),
                                                                 self._direct[1]):
             relay = (self._url, self._all_headers)
         self._pending.append((path, self._headers, body, self._parser.should_keep_alive(), method,
@@ -492,9 +492,9 @@ class ListenerConnection(asyncio.Protocol):
                         if self._transport is not None:
                             self._transport.close()
                         return
-                    # Not this replica's request: the door places the connection again by its
+                    # Not this replica's request: the acceptor places the connection again by its
                     # next one (a client that asked for readiness first, then infers).
-                    if not self._pending and not self._reading and self.leave():
+                    if not self._pending and not self._reading and self.hand_back():
                         return
                     continue
                 stamps = ProtocolStamps(self._listener.model, path.startswith(SERVICE_PATH), recv_start, recv_end,
@@ -521,7 +521,7 @@ class ListenerConnection(asyncio.Protocol):
                     self._transport.close()
                     return
                 if (self._direct is not None and not self._pending and not self._reading
-                        and (self._listener.closing or time.monotonic() >= self._turn_at) and self.leave()):
+                        and (self._listener.closing or time.monotonic() >= self._rebalance_at) and self.hand_back()):
                     return
         finally:
             self._task = None

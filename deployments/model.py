@@ -135,9 +135,9 @@ class ModelDeployment:
                                                 SharedMemoryRegistry(self._shared_memory_region), cache)
         self._max_input_size = max_input_size
         self._listener = ReplicaListener(self._listener_grpc, self._listener_http, max_input_size, self._core.name)
-        self._listener.owns = self._owns
+        self._listener.serves = self._serves
         self._listener.restrict(*restrictions)
-        self._listener.owns_grpc = self._owns_grpc
+        self._listener.serves_grpc = self._serves_grpc
         host = ray.util.get_node_ip_address()
         self._listener_address = (host, await self._listener.start(host))
         # A sequence model's replicas each hold their own sequences: a request of another
@@ -213,16 +213,16 @@ class ModelDeployment:
             return await model_http.stream_forwarded(self._core, headers, body, self._max_input_size)
         return await model_http.respond(self._core, method, route, headers, body, self._max_input_size)
 
-    def _owns(self, method: str, path: str, key: str) -> bool:
-        """Whether a request on a client's connection from the front's door (given to this
+    def _serves(self, method: str, path: str, key: str) -> bool:
+        """Whether a request on a client's connection from the front's acceptor (given to this
         replica for ``key``, "<model>/<version>") is this replica's: the front would route it
         here. Any other is relayed to the front."""
         route = front_routed(method, path)
-        return route is not None and self._owns_grpc(route.model, route.version, key)
+        return route is not None and self._serves_grpc(route.model, route.version, key)
 
-    def _owns_grpc(self, model: str, version: str, key: str) -> bool:
+    def _serves_grpc(self, model: str, version: str, key: str) -> bool:
         """Whether a model RPC (or request) naming ``model`` and ``version`` on a client's
-        connection the door gave this replica for ``key`` is this replica's."""
+        connection the acceptor gave this replica for ``key`` is this replica's."""
         if model != self._core.name:
             return False
         # The default version's requests only on a connection given for the default version.

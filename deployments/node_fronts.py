@@ -4,7 +4,7 @@ The ``/v2`` replica runs the front on its own node (:mod:`front`). With a front 
 also runs one, through a small Ray actor of no CPU (:class:`NodeFront`), on each other node
 whose model replicas registered a listener: the same ports and settings, and the same routes
 (every replica of the cluster), so that a client reaching any such node is answered, by a
-replica on that node through the door, or relayed to one on any node. What a node's front does
+replica on that node through the acceptor, or relayed to one on any node. What a node's front does
 not route goes to Serve's ingress on that node, which Serve runs on every node with a replica
 (``proxy_location: EveryNode``).
 
@@ -27,7 +27,7 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-# How long a node front has to start (HAProxy and its door), and to take new routes.
+# How long a node front has to start (HAProxy and its acceptor), and to take new routes.
 START_TIMEOUT_S = 30.0
 PUBLISH_TIMEOUT_S = 5.0
 # After a node front failed, how long before it is started again on that node.
@@ -239,7 +239,7 @@ class Fronts:
         if refs and ray.is_initialized():
             try:
                 ray.wait(refs, num_returns=len(refs), timeout=5.0)
-            except Exception:  # noqa: BLE001  # Ray is shutting down: their keepers stop on their own
+            except Exception:  # noqa: BLE001  # Ray is shutting down: their supervisors stop on their own
                 logger.debug("could not wait for the node fronts to stop", exc_info=True)
         self.local.stop()
 

@@ -1,6 +1,6 @@
-"""A client's gRPC connection (HTTP/2) that the front's door gave a model replica.
+"""A client's gRPC connection (HTTP/2) that the front's acceptor gave a model replica.
 
-The door (:mod:`front_door`) reads a new connection's first call and passes the connection to a
+The acceptor (:mod:`acceptor`) reads a new connection's first call and passes the connection to a
 replica of the model version it names; this protocol then answers, on the replica's event loop,
 the unary model calls for that version (``ModelInfer`` and the model's metadata, readiness,
 config and statistics) with no process in between. Any other unary call on the connection is
@@ -9,10 +9,10 @@ as it routes every call; a stream (``ModelStreamInfer``) is relayed to HAProxy o
 by frame (:mod:`h2_stream_relay`: refused, it could lose a message). A call of another service
 and a call that may stop this replica (a model load or unload) are not taken here: the
 connection is closed to new calls (``GOAWAY`` naming the last call taken) and the client's gRPC
-library sends that call again on a new connection, which the door gives HAProxy.
+library sends that call again on a new connection, which the acceptor gives HAProxy.
 
 An HTTP/2 connection cannot change hands once its header tables hold state, so a replica never
-gives one back to the door: it takes its turn (when a call ends :data:`_TURN_S` or more after
+gives one back to the acceptor: it is rebalanced (when a call ends :data:`_MAX_CONNECTION_AGE_S` or more after
 the connection came, so that clients spread over replicas that started since) and stops the
 way HTTP/2 closes a connection gracefully: a ``GOAWAY`` with the largest stream id and a
 ``PING``; once the ``PING`` is answered, every call the client sent before it has arrived, and
@@ -59,8 +59,8 @@ from rayinfer.serving.protocol_stamps import PROTOCOL_STAMPS, ProtocolStamps
 
 logger = logging.getLogger(__name__)
 
-_TURN_S = 10.0
-_RELAYED_TURN_S = 1.0  # the turn of a connection with a call relayed
+_MAX_CONNECTION_AGE_S = 10.0
+_RELAYED_MAX_AGE_S = 1.0  # the turn of a connection with a call relayed
 _GOING = b"rayinfer"  # the PING of a graceful close
 _PING_WAIT_S = 2.0  # a client that does not answer that PING: the second GOAWAY anyway
 _LINGER_S = 5.0  # after the last GOAWAY and answer: how long the client may take to close its end
@@ -98,7 +98,7 @@ class _Call:
 
 class H2Connection(RelayedStreams, asyncio.Protocol):
     """One client's HTTP/2 connection; ``direct``: the Unix socket of the front's HAProxy that
-    takes relayed calls, and the route key (``<model>/<version>``) the door gave it for. Past
+    takes relayed calls, and the route key (``<model>/<version>``) the acceptor gave it for. Past
     ``connection_window_bytes`` held by its calls, only its oldest call still being received
     gets more window: the others hold at most their stream window each."""
 
@@ -127,7 +127,7 @@ class H2Connection(RelayedStreams, asyncio.Protocol):
         self._recv_window = DEFAULT_WINDOW + max(self._limits.connection_window_bytes - DEFAULT_WINDOW, 1)
         self._held = 0  # bytes the open calls hold
         self._deferred_calls = 0  # calls whose window is held back
-        self._turn_at = time.monotonic() + _TURN_S
+        self._rebalance_at = time.monotonic() + _MAX_CONNECTION_AGE_S
         self._client_window = self._limits.stream_window_bytes
         self._last_read = time.monotonic()
         self._paused_at: float | None = None  # the client stopped reading (the write buffer is full)
@@ -149,7 +149,7 @@ class H2Connection(RelayedStreams, asyncio.Protocol):
     def hand_over_relay(self) -> bool:
         return False
 
-    def leave(self) -> bool:
+    def hand_back(self) -> bool:
         """Close gracefully: no new calls once the client has seen the GOAWAY; the open ones
         are answered."""
         if self._transport is not None and not self._going:
@@ -261,7 +261,7 @@ class H2Connection(RelayedStreams, asyncio.Protocol):
             return
         if now - self._last_read > limits.keepalive_timeout_s and self._paused_at is None:
             if not self._calls:
-                self.leave()
+                self.hand_back()
             elif any(call.task is None and call.relay is None for call in self._calls.values()):
                 logger.warning("closed a client's HTTP/2 connection: a call's request not sent on for %s s "
                                "(--http-keepalive-timeout)", limits.keepalive_timeout_s)
@@ -549,13 +549,13 @@ class H2Connection(RelayedStreams, asyncio.Protocol):
                 encoding = next((value for name, value in call.headers if name == b"grpc-encoding"), None)
                 message = unframe(body, encoding)
                 try:
-                    own = self._listener.owns_grpc(*name_and_version(message), self._key)
+                    own = self._listener.serves_grpc(*name_and_version(message), self._key)
                 except ValueError:  # not a message of its RPC: the core answers as Triton does
                     own = True
             if not own:
                 # A connection given for another call than this replica's (a client's first call
-                # asked for readiness) takes its turn soon: the door places it by its next call.
-                self._turn_at = min(self._turn_at, time.monotonic() + _RELAYED_TURN_S)
+                # asked for readiness) is rebalanced soon: the acceptor places it by its next call.
+                self._rebalance_at = min(self._rebalance_at, time.monotonic() + _RELAYED_MAX_AGE_S)
                 data, fields = await relay_grpc(self._relay, path.encode("latin-1"), call.headers, body)
                 self._send(call, data, b"".join(literal(name, value) for name, value in fields))
                 return
@@ -637,8 +637,8 @@ class H2Connection(RelayedStreams, asyncio.Protocol):
         self._calls.pop(call.id, None)
         self._sending.pop(call.id, None)
         self._release(call)
-        if not self._going and (self._listener.closing or time.monotonic() >= self._turn_at):
-            self.leave()
+        if not self._going and (self._listener.closing or time.monotonic() >= self._rebalance_at):
+            self.hand_back()
         self._maybe_close()
 
     def _last_goaway(self) -> None:

@@ -14,12 +14,12 @@ Parsing is httptools (the parser uvicorn uses; each connection: :mod:`listener_c
 is no HTTP/2, no ASGI and no gRPC library
 on the replica's side of the call.
 
-With the front's door (:mod:`front_door`), the listener also takes clients' HTTP connections
+With the front's acceptor (:mod:`acceptor`), the listener also takes clients' HTTP connections
 themselves, passed over a Unix socket: their requests for this replica's model version are
 answered here with no front in between; any other request on them is relayed to the front's
-HAProxy and its answer written back. A stopping replica gives such connections back to the door
+HAProxy and its answer written back. A stopping replica gives such connections back to the acceptor
 between two requests, so that their clients' next calls are served elsewhere. Clients' gRPC
-connections (HTTP/2) from the door are served by :mod:`replica_h2`.
+connections (HTTP/2) from the acceptor are served by :mod:`replica_h2`.
 """
 
 from __future__ import annotations
@@ -31,10 +31,10 @@ import os
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 
-from rayinfer.deployments import front_door
+from rayinfer.deployments import acceptor
 from rayinfer.deployments.listener_connection import SERVICE_PATH, ListenerConnection
 from rayinfer.deployments.listener_responses import StreamedResponse, grpc_error, grpc_response, http_response
-from rayinfer.deployments.replica_door import ReplicaDoor
+from rayinfer.deployments.replica_handoff import ReplicaHandoff
 from rayinfer.deployments.replica_h2 import H2Connection
 from rayinfer.protocol.errors import NotFoundError, UnavailableError
 from rayinfer.protocol.grpc_wire import SERVICE, unframe
@@ -56,12 +56,12 @@ GrpcHandler = Callable[[str, bytes], Awaitable[bytes]]
 # bytes, or chunks that stream as they come).
 HttpHandler = Callable[[str, str, dict[bytes, bytes], bytes],
                        Awaitable[tuple[int, list[tuple[bytes, bytes]], bytes | AsyncIterator[bytes]]]]
-# (method, path as sent, the route key the door gave the connection for) -> whether the request
+# (method, path as sent, the route key the acceptor gave the connection for) -> whether the request
 # is this replica's to answer on a client's connection.
-Owns = Callable[[str, str, str], bool]
+Serves = Callable[[str, str, str], bool]
 # (model, version, the route key of the connection) -> whether a model RPC naming them is this
 # replica's to answer on a client's gRPC connection.
-OwnsGrpc = Callable[[str, str, str], bool]
+ServesGrpc = Callable[[str, str, str], bool]
 
 
 class ReplicaListener:
@@ -78,20 +78,20 @@ class ReplicaListener:
         self._http_handler = http_handler
         self.max_input_size = max_input_size
         self._server: asyncio.AbstractServer | None = None
-        # HTTP/1.1 connections, and the door's HTTP/2 ones (replica_h2.H2Connection).
+        # HTTP/1.1 connections, and the acceptor's HTTP/2 ones (replica_h2.H2Connection).
         self._connections: set[ListenerConnection] = set()
         self.in_flight = 0
         self.port = 0
-        # Clients' connections from the front's door: which requests are this replica's, and
+        # Clients' connections from the front's acceptor: which requests are this replica's, and
         # how many may be in flight here before more are answered 503 (--max-inflight-requests).
-        self.owns: Owns = lambda method, path, key: False
-        self.owns_grpc: OwnsGrpc = lambda model, version, key: False
+        self.serves: Serves = lambda method, path, key: False
+        self.serves_grpc: ServesGrpc = lambda model, version, key: False
         self.max_inflight = DEFAULT_MAX_INFLIGHT_REQUESTS
         # What each client's connection may hold or take (the server's connection flags).
         self.limits: ConnectionLimits = DEFAULT_CONNECTION_LIMITS
         self.held_bytes = 0  # request bytes the clients' HTTP/2 calls hold here (replica_h2)
-        self._door: ReplicaDoor | None = None
-        self.door_name = ""
+        self._handoff: ReplicaHandoff | None = None
+        self.handoff_name = ""
         self.closing = False
         # --http-restricted-api and --grpc-restricted-protocol (:meth:`restrict`), and the
         # headers they name (kept from a request's headers for the check).
@@ -102,22 +102,22 @@ class ReplicaListener:
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(lambda: ListenerConnection(self), host, 0, reuse_address=True)
         self.port = self._server.sockets[0].getsockname()[1]
-        self.door_name = front_door.door_name(host, self.port)
-        self._door = ReplicaDoor(self.door_name, self._take_connection)
-        self._door.open()
+        self.handoff_name = acceptor.handoff_name(host, self.port)
+        self._handoff = ReplicaHandoff(self.handoff_name, self._take_connection)
+        self._handoff.open()
         return self.port
 
     def _take_connection(self, client: socket.socket, relay: str, key: str) -> None:
-        """A client's connection from the front's door (:mod:`replica_door`)."""
+        """A client's connection from the front's acceptor (:mod:`replica_handoff`)."""
         if self.closing:
-            front_door.give_back(os.path.basename(os.path.dirname(relay)), [client.fileno()],
-                                 front_door.returned(self.door_name, True))
+            acceptor.give_back(os.path.basename(os.path.dirname(relay)), [client.fileno()],
+                                 acceptor.returned(self.handoff_name, True))
             client.close()
             return
         client.setblocking(False)
         loop = asyncio.get_running_loop()
         # gRPC's connections (HTTP/2) relay to HAProxy's gRPC socket, HTTP/1.1's to its HTTP one.
-        if os.path.basename(relay) == front_door.GRPC_RELAY_SOCKET:
+        if os.path.basename(relay) == acceptor.GRPC_RELAY_SOCKET:
             connection: Callable[[], asyncio.Protocol] = lambda: H2Connection(self, (relay, key))
         else:
             connection = lambda: ListenerConnection(self, (relay, key))
@@ -174,25 +174,25 @@ class ReplicaListener:
 
     async def close(self, grace_s: float) -> None:
         """Stop accepting, let calls in flight finish (up to ``grace_s``), give clients' HTTP/1.1
-        connections that wait for their next request back to the front's door, close clients'
+        connections that wait for their next request back to the front's acceptor, close clients'
         HTTP/2 connections gracefully (GOAWAY), close the rest."""
         loop = asyncio.get_running_loop()
         self.closing = True
         if self._server is not None:
             self._server.close()
-        if self._door is not None:
-            self._door.stop_accepting()
+        if self._handoff is not None:
+            self._handoff.stop_accepting()
         deadline = loop.time() + grace_s
         while True:
-            # Clients' connections go back to the door between requests (the others once they
-            # are answered); one waiting for a relayed answer goes with that answer to the door.
+            # Clients' connections go back to the acceptor between requests (the others once they
+            # are answered); one waiting for a relayed answer goes with that answer to the acceptor.
             for connection in list(self._connections):
                 if connection.direct and not connection.hand_over_relay() and connection.idle:
-                    connection.leave()
+                    connection.hand_back()
             if not (self.in_flight or any(c.direct for c in self._connections)) or loop.time() >= deadline:
                 break
             await asyncio.sleep(0.01)
         for connection in list(self._connections):
             connection.close()
-        if self._door is not None:
-            self._door.close()
+        if self._handoff is not None:
+            self._handoff.close()

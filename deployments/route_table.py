@@ -49,7 +49,7 @@ class RouteTable:
         self._previous: dict[str, list[str | None]] = {}
         # The same as the replicas are told it (listeners), by application.
         self._tables: dict[str, dict[str, Any]] = {}
-        self._told: dict[str, dict[str, Any]] = {}  # the tables the replicas were last given
+        self._sent: dict[str, dict[str, Any]] = {}  # the tables the replicas were last given
         # Models being unloaded (``withdrawn``): the front routes none of their versions.
         self._withdrawn: set[str] = set()
 
@@ -75,13 +75,13 @@ class RouteTable:
         """Give the replicas of each sequence model whose slots moved its new table, at once
         (before the front routes by it: a replica that still gets a call by the old table sends
         it on by the new one)."""
-        changed = [(app, table) for app, table in self._tables.items() if table != self._told.get(app)]
+        changed = [(app, table) for app, table in self._tables.items() if table != self._sent.get(app)]
         late = await asyncio.gather(*(self.channel.send(self.replicas(app), ControlMessage(SEQUENCE_SLOTS, table),
                                                         _TELL_TIMEOUT_S) for app, table in changed))
         for replica in (replica for replicas in late for replica in replicas):
             # It takes them when it next polls, and reads the table again when it next registers.
             logger.warning("model replica %s did not take its new sequence slots in time", replica)
-        self._told = dict(self._tables)
+        self._sent = dict(self._tables)
 
     async def withdraw(self, replica: str) -> None:
         """A model replica is stopping: returns once the front no longer routes to it (at once

@@ -1,6 +1,6 @@
 """gRPC on the wire: a unary call's message framing and statuses, and as much of HTTP/2 (RFC
 9113, HPACK: RFC 7541) as a model replica needs to answer unary calls on a client's connection
-and the front's door to read a connection's first call.
+and the front's acceptor to read a connection's first call.
 
 What a peer sends is parsed by python-hyper's libraries: frames by ``hyperframe``, header
 blocks by ``hpack``; SETTINGS values are checked here (:func:`check_settings`). What this
@@ -45,7 +45,7 @@ MAX_FRAME_SIZE = (1 << 24) - 1
 MAX_WINDOW = (1 << 31) - 1
 # The model RPCs the front routes by the model name and version their message starts with.
 ROUTED_RPCS = ("ModelInfer", "ModelReady", "ModelMetadata", "ModelConfig", "ModelStatistics")
-# Calls a replica never answers itself (a stream, a call that may stop the replica): the door
+# Calls a replica never answers itself (a stream, a call that may stop the replica): the acceptor
 # gives a connection that starts with one to the front's HAProxy; on a connection a replica
 # holds, a stream is relayed by the replica and a model load or unload sent again elsewhere.
 STREAM_RPC = "ModelStreamInfer"
@@ -343,7 +343,7 @@ def first_call(data: bytes, max_header_list_size: int = 1 << 14) -> FirstCall | 
 def _first_message(method: str, body: bytes, ended: bool, flags: Any = ()) -> FirstCall:
     """The model and version at the start of a first call's message (``body``: its DATA so far)."""
     if len(body) >= 5:
-        if body[0]:  # compressed: the door cannot read it
+        if body[0]:  # compressed: the acceptor cannot read it
             return FirstCall(method)
         if flags and "PADDED" in flags:  # a padded frame not whole: its padding is not known yet
             return INCOMPLETE

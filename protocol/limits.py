@@ -6,7 +6,7 @@
 - gRPC messages: tritonserver's gRPC server takes messages up to ``INT32_MAX`` bytes and has no
   flag for it; gRPC's own message and status (RESOURCE_EXHAUSTED) answer a larger one.
 - HTTP request heads: at most 16 KB (request line and headers) and 100 headers, whoever reads
-  them (the front's door, HAProxy, a replica's listener on a client's connection); past either
+  them (the front's acceptor, HAProxy, a replica's listener on a client's connection); past either
   the client gets a 400 with a JSON error and the connection is closed.
 - Requests in flight: ``--max-inflight-requests`` (rayinfer's; Triton has no server-wide limit)
   caps the calls the front relays to model replicas at once, over both protocols together; one

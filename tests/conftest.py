@@ -120,7 +120,7 @@ def front_folder(server: dict) -> Path:
     ``replicas.map`` (``<model>/<version>`` -> replica count; the default version's key is
     ``<model>/``) and ``listeners.map`` (``<model>/<version>/<n>`` -> ``<host>|<port>``).
     Folders of earlier, stopped fronts are removed when a front starts."""
-    from rayinfer.deployments.front_keeper import serves
+    from rayinfer.deployments.front_supervisor import serves
 
     host, _, port = server["grpc_url"].rpartition(":")
     (front,) = [p.parent for p in Path(tempfile.gettempdir()).glob("rayinfer-front-*/haproxy.cfg")
@@ -129,11 +129,11 @@ def front_folder(server: dict) -> Path:
 
 
 def _in_this_network(folder: Path) -> bool:
-    """Whether a front's keeper runs in this network namespace (a test run beside this one may
+    """Whether a front's supervisor runs in this network namespace (a test run beside this one may
     use the same ports in another)."""
     try:
-        keeper = (folder / "keeper.pid").read_text()
-        return os.readlink(f"/proc/{keeper}/ns/net") == os.readlink("/proc/self/ns/net")
+        supervisor = (folder / "supervisor.pid").read_text()
+        return os.readlink(f"/proc/{supervisor}/ns/net") == os.readlink("/proc/self/ns/net")
     except OSError:
         return False
 

@@ -102,7 +102,7 @@ def test_the_server_serves_on_after_oversized_requests(server):
         exchange(b"POST %b HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n" % path.encode(),
                  chunks(LIMIT + (1 << 20)))
         # A head over 16 KB, one large header or many: refused with a JSON 400, by the model's
-        # replica as it reads the headers (5,000 are over 100 first) or by the front's door
+        # replica as it reads the headers (5,000 are over 100 first) or by the front's acceptor
         # (the head does not end within its 16 KB look; README, "Request limits").
         too_large, too_many = "request headers too large (over 16384 bytes)", "too many request headers (over 100)"
         for headers, reason in ((b"x-big: %b\r\n" % (b"a" * 40_000), too_large),
@@ -141,7 +141,7 @@ def test_the_head_limits_hold_for_every_request_of_a_kept_connection(server, fir
     """Heads up to 16 KB and 100 headers are served on any connection, a larger one or over 100
     headers gets a JSON 400, whoever reads it: a model's replica (its own request, or one it
     relays, which HAProxy then takes with the two headers the relay adds) or the front's HAProxy
-    (a connection the door gave it: no replica serves its first request)."""
+    (a connection the acceptor gave it: no replica serves its first request)."""
     def head(path: str, extra: bytes) -> bytes:
         return b"GET %b HTTP/1.1\r\nHost: x\r\n%b\r\n" % (path.encode(), extra)
 

@@ -163,17 +163,17 @@ def test_every_grpc_rpc_answers_through_each_nodes_front(server, ip: str):
 
 
 def front_folders(host: SecondHost) -> dict[str, Path]:
-    """The folder of each running front, by the node its keeper runs on."""
+    """The folder of each running front, by the node its supervisor runs on."""
     there = set(host.pids())
     folders: dict[str, Path] = {}
     for folder in Path("/tmp").glob("rayinfer-front-*"):
         try:
-            keeper = int((folder / "keeper.pid").read_text())
-            alive = b"front_keeper" in Path(f"/proc/{keeper}/cmdline").read_bytes()
+            supervisor = int((folder / "supervisor.pid").read_text())
+            alive = b"front_supervisor" in Path(f"/proc/{supervisor}/cmdline").read_bytes()
         except (OSError, ValueError):
             continue
         if alive:
-            node = THERE_IP if keeper in there else HERE_IP
+            node = THERE_IP if supervisor in there else HERE_IP
             assert node not in folders, f"two fronts on {node}"
             folders[node] = folder
     return folders
@@ -232,7 +232,7 @@ def pairs(words: list[str]) -> list[tuple[str, str]]:
 
 def test_a_node_front_that_dies_is_started_again(server):
     folder = front_folders(server)[THERE_IP]
-    os.kill(int((folder / "keeper.pid").read_text()), signal.SIGKILL)
+    os.kill(int((folder / "supervisor.pid").read_text()), signal.SIGKILL)
     wait_until(lambda: not ready(THERE_IP), "the second node's front to stop answering", timeout_s=30)
     # Started again on the next publication after RETRY_S (30 s).
     wait_until(lambda: ready(THERE_IP), "the second node's front to be started again", timeout_s=90)

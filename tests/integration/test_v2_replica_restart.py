@@ -1,5 +1,5 @@
 """The /v2 replica killed under load, on a server of its own: the front (HAProxy, kept by its
-keeper process) goes on relaying inference calls to the model replicas while Serve starts a new
+supervisor process) goes on relaying inference calls to the model replicas while Serve starts a new
 /v2 replica, which takes the running front over; no inference call fails meanwhile."""
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from cryptography.x509.oid import NameOID
 from tritonclient.utils import InferenceServerException
 
 from front_stand_ins import Replica, free_port, infer, publish
-from rayinfer.deployments import front_keeper
+from rayinfer.deployments import front_supervisor
 from rayinfer.deployments.front import Front
 from rayinfer.deployments.front_config import TlsSettings
 
@@ -62,7 +62,7 @@ def _front(loop, certificates, mutual: bool) -> tuple[Front, Replica, int, int]:
                       str(certificates["ca"]) if mutual else "", mutual)
     front = Front(("127.0.0.1", http_port, "127.0.0.1", free_port()), ("127.0.0.1", grpc_port, "127.0.0.1", free_port()),
                   "v2", direct=True, tls={"http": tls, "grpc": tls})
-    assert not front.direct and not front.grpc_direct  # HAProxy terminates TLS: no door on these ports
+    assert not front.direct and not front.grpc_direct  # HAProxy terminates TLS: no acceptor on these ports
     replica = Replica(loop, "one")
     publish(loop, front, {"m/": [("127.0.0.1", replica.port)]})
     return front, replica, http_port, grpc_port
@@ -108,7 +108,7 @@ def test_mutual_tls_needs_a_client_certificate(loop, certificates):
 def test_the_certificate_and_key_are_kept_for_this_user_only(loop, certificates):
     front, _, http_port, _ = _front(loop, certificates, mutual=False)
     try:
-        folder = front_keeper.running_front(("127.0.0.1", http_port))
+        folder = front_supervisor.running_front(("127.0.0.1", http_port))
         assert folder is not None
         pems = list(folder.glob("*-tls.pem"))
         assert sorted(p.name for p in pems) == ["grpc-tls.pem", "http-tls.pem"]

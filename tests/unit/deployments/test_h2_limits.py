@@ -1,8 +1,8 @@
-"""Hostile gRPC (HTTP/2) clients on connections the front's door gives a replica: each abuse is
+"""Hostile gRPC (HTTP/2) clients on connections the front's acceptor gives a replica: each abuse is
 sent on one raw connection while tritonclient.grpc, on a connection of its own, is answered
 within 2 s; the abusing connection is closed with RFC 9113's error, and what the replica holds
-stays within the limits (:class:`~rayinfer.protocol.limits.ConnectionLimits`). A real keeper,
-door and HAProxy; the listeners of tests/front_stand_ins.py as replicas."""
+stays within the limits (:class:`~rayinfer.protocol.limits.ConnectionLimits`). A real supervisor,
+acceptor and HAProxy; the listeners of tests/front_stand_ins.py as replicas."""
 
 from __future__ import annotations
 
@@ -31,19 +31,19 @@ _INFER = "/inference.GRPCInferenceService/ModelInfer"
 
 
 @pytest.fixture(scope="module")
-def door(loop):
+def acceptor(loop):
     port = free_port()
     front = Front(None, ("127.0.0.1", port, "127.0.0.1", free_port()), "v2", direct=True)
     replica = Replica(loop, "one")
-    replica.listener.owns_grpc = lambda model, version, key: model == "m"
+    replica.listener.serves_grpc = lambda model, version, key: model == "m"
     publish(loop, front, {"m/": [("127.0.0.1", replica.port)]})
     yield replica, port
     front.stop()
 
 
 @pytest.fixture
-def replica(door):
-    replica, _ = door
+def replica(acceptor):
+    replica, _ = acceptor
     yield replica
     replica.listener.limits = DEFAULT_CONNECTION_LIMITS
 
@@ -124,17 +124,17 @@ def _others_are_answered(port: int) -> None:
         client.close()
 
 
-def test_an_illegal_max_frame_size_closes_that_connection_only(door):
+def test_an_illegal_max_frame_size_closes_that_connection_only(acceptor):
     """The 40 bytes that hung a replica: SETTINGS_MAX_FRAME_SIZE = 0, then a call."""
-    replica, port = door
+    replica, port = acceptor
     client, _ = _connect(port, settings({SETTINGS_MAX_FRAME_SIZE: 0}))
     assert _goaway_code(_frames_until_closed(client)) == PROTOCOL_ERROR
     _others_are_answered(port)
     assert replica.listener.held_bytes == 0
 
 
-def test_a_frame_over_the_max_frame_size_closes_the_connection(door):
-    replica, port = door
+def test_a_frame_over_the_max_frame_size_closes_the_connection(acceptor):
+    replica, port = acceptor
     client, _ = _connect(port)
     client.sendall((20_000).to_bytes(3, "big") + bytes((DATA, 0)) + (3).to_bytes(4, "big") + b"\0" * 20_000)
     assert _goaway_code(_frames_until_closed(client)) == FRAME_SIZE_ERROR
@@ -162,8 +162,8 @@ def _pings(block: bytes):
     (_rapid_resets, {"max_reset_streams": 50}),
     (_pings, {"max_control_frames": 100}),
 ], ids=["continuation", "rapid-reset", "ping"])
-def test_a_flood_is_cut_off_with_enhance_your_calm(door, replica, flood, limits):
-    _, port = door
+def test_a_flood_is_cut_off_with_enhance_your_calm(acceptor, replica, flood, limits):
+    _, port = acceptor
     replica.listener.limits = replace(DEFAULT_CONNECTION_LIMITS, **limits)
     client, encoder = _connect(port)
     with contextlib.suppress(OSError):  # the server closes while it is sent
@@ -173,8 +173,8 @@ def test_a_flood_is_cut_off_with_enhance_your_calm(door, replica, flood, limits)
     _others_are_answered(port)
 
 
-def test_streams_past_max_concurrent_streams_are_refused(door, replica):
-    _, port = door
+def test_streams_past_max_concurrent_streams_are_refused(acceptor, replica):
+    _, port = acceptor
     replica.listener.limits = replace(DEFAULT_CONNECTION_LIMITS, max_concurrent_streams=5)
     client, encoder = _connect(port)
     _first_answer(client)
@@ -199,8 +199,8 @@ def test_streams_past_max_concurrent_streams_are_refused(door, replica):
     _others_are_answered(port)
 
 
-def test_a_header_block_that_does_not_end_times_out(door, replica):
-    _, port = door
+def test_a_header_block_that_does_not_end_times_out(acceptor, replica):
+    _, port = acceptor
     replica.listener.limits = replace(DEFAULT_CONNECTION_LIMITS, request_head_timeout_s=0.5)
     client, encoder = _connect(port)
     client.sendall(frame(HEADERS, 0, 3, _block(encoder)))  # no END_HEADERS, no CONTINUATION
@@ -210,17 +210,17 @@ def test_a_header_block_that_does_not_end_times_out(door, replica):
     _others_are_answered(port)
 
 
-def test_an_idle_connection_is_closed_gracefully(door, replica):
-    _, port = door
+def test_an_idle_connection_is_closed_gracefully(acceptor, replica):
+    _, port = acceptor
     replica.listener.limits = replace(DEFAULT_CONNECTION_LIMITS, keepalive_timeout_s=0.5)
     client, _ = _connect(port)  # it answers nothing (not the PING either): the close ends without it
     frames = _frames_until_closed(client)
     assert any(f.type == GOAWAY for f in frames) and _goaway_code(frames) is None
 
 
-def test_a_call_whose_client_goes_silent_is_dropped(door, replica):
+def test_a_call_whose_client_goes_silent_is_dropped(acceptor, replica):
     """A half-open call (its message never ends, the client sends nothing more)."""
-    _, port = door
+    _, port = acceptor
     replica.listener.limits = replace(DEFAULT_CONNECTION_LIMITS, keepalive_timeout_s=0.5)
     client, encoder = _connect(port)
     client.sendall(frame(HEADERS, END_HEADERS, 3, _block(encoder)) + frame(DATA, 0, 3, _message(1000)[:500]))
@@ -277,10 +277,10 @@ class _WindowedSender:
         return bool(chunk)
 
 
-def test_calls_that_do_not_end_hold_at_most_their_windows(door, replica):
+def test_calls_that_do_not_end_hold_at_most_their_windows(acceptor, replica):
     """Past the connection's window, only the oldest call gets more window: the others stop at
     their stream window, and what the replica holds stays bounded."""
-    _, port = door
+    _, port = acceptor
     stream_window, connection_window = 1 << 16, 1 << 18
     replica.listener.limits = replace(DEFAULT_CONNECTION_LIMITS, stream_window_bytes=stream_window,
                                       connection_window_bytes=connection_window)
@@ -309,10 +309,10 @@ def test_calls_that_do_not_end_hold_at_most_their_windows(door, replica):
     _others_are_answered(port)
 
 
-def test_data_past_a_held_back_window_closes_the_connection(door, replica):
+def test_data_past_a_held_back_window_closes_the_connection(acceptor, replica):
     """A call held back (the connection holds more than its window) that sends past its stream
     window anyway: FLOW_CONTROL_ERROR, the connection closed and its bytes released."""
-    _, port = door
+    _, port = acceptor
     stream_window = 1 << 16
     replica.listener.limits = replace(DEFAULT_CONNECTION_LIMITS, stream_window_bytes=stream_window,
                                       connection_window_bytes=2 * stream_window)
@@ -332,8 +332,8 @@ def test_data_past_a_held_back_window_closes_the_connection(door, replica):
     _others_are_answered(port)
 
 
-def test_a_client_that_does_not_read_its_answers_is_cut_off(door, replica):
-    _, port = door
+def test_a_client_that_does_not_read_its_answers_is_cut_off(acceptor, replica):
+    _, port = acceptor
     replica.listener.limits = replace(DEFAULT_CONNECTION_LIMITS, send_timeout_s=0.5, connection_buffer_bytes=1 << 16)
     client = socket.socket()
     client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 12)

@@ -1,5 +1,5 @@
 """A replica listener's limits on a client's own HTTP/1.1 connection (``ConnectionLimits``), over
-real sockets through the front's door: one connection misbehaves (a slow head, an idle one, a
+real sockets through the front's acceptor: one connection misbehaves (a slow head, an idle one, a
 pipelining flood, a client that does not read its answers) and is closed within its limit, while
 another connection to the same listener is answered at once."""
 
@@ -13,7 +13,7 @@ import time
 
 from front_stand_ins import Replica, publish
 from rayinfer.protocol.limits import DEFAULT_CONNECTION_LIMITS, ConnectionLimits
-from test_front_door import _Client, _owns_model, door  # noqa: F401  (door: the front's door, a fixture)
+from test_acceptor import _Client, _serves_model, acceptor  # noqa: F401  (acceptor: the front's acceptor, a fixture)
 from waiting import wait_until
 
 _INFER = b"POST /v2/models/m/infer HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n\r\n%b"
@@ -33,9 +33,9 @@ class _LargeAnswers(Replica):
 
 
 def _replica(loop, front, limits: ConnectionLimits, kind: type[Replica] = Replica) -> Replica:
-    """A replica of model "m" with ``limits``, the only one the door gives m's connections to."""
+    """A replica of model "m" with ``limits``, the only one the acceptor gives m's connections to."""
     replica = kind(loop, "one")
-    replica.listener.owns = _owns_model("m")
+    replica.listener.serves = _serves_model("m")
     replica.listener.limits = limits
     publish(loop, front, {"m/": [("127.0.0.1", replica.port)]})
     return replica
@@ -82,14 +82,14 @@ def _send_until_blocked(sock: socket.socket, data: bytes, blocked_s: float = 0.5
     return sent
 
 
-def test_a_slow_request_head_is_answered_408_and_closed(loop, door):  # noqa: F811
+def test_a_slow_request_head_is_answered_408_and_closed(loop, acceptor):  # noqa: F811
     """A client that sends its head a byte at a time gets a 408 naming the flag once the head
     timeout passes, and the connection ends."""
-    front, port = door
+    front, port = acceptor
     _replica(loop, front, dataclasses.replace(DEFAULT_CONNECTION_LIMITS, request_head_timeout_s=0.5))
     slow = _connect(port)
     try:
-        slow.sendall(b"POST /v2/models/m/infer HTTP/1.1\r\nhost: x\r\n")  # the door gives it at its request line
+        slow.sendall(b"POST /v2/models/m/infer HTTP/1.1\r\nhost: x\r\n")  # the acceptor gives it at its request line
         start = time.monotonic()
         slow.sendall(b"x")
         _assert_answered_at_once(port)
@@ -115,8 +115,8 @@ def test_a_slow_request_head_is_answered_408_and_closed(loop, door):  # noqa: F8
     assert 0.5 <= elapsed < 2.5, elapsed
 
 
-def test_an_idle_connection_is_closed_and_a_busy_one_is_not(loop, door):  # noqa: F811
-    front, port = door
+def test_an_idle_connection_is_closed_and_a_busy_one_is_not(loop, acceptor):  # noqa: F811
+    front, port = acceptor
     _replica(loop, front, dataclasses.replace(DEFAULT_CONNECTION_LIMITS, keepalive_timeout_s=0.5))
     idle, busy = _Client(port), _Client(port)
     try:
@@ -134,9 +134,9 @@ def test_an_idle_connection_is_closed_and_a_busy_one_is_not(loop, door):  # noqa
         busy.close()
 
 
-def test_a_request_body_that_stops_arriving_is_dropped(loop, door):  # noqa: F811
+def test_a_request_body_that_stops_arriving_is_dropped(loop, acceptor):  # noqa: F811
     """A half-open client: its head whole, its body half sent, then nothing."""
-    front, port = door
+    front, port = acceptor
     _replica(loop, front, dataclasses.replace(DEFAULT_CONNECTION_LIMITS, keepalive_timeout_s=0.5))
     silent = _connect(port)
     try:
@@ -150,11 +150,11 @@ def test_a_request_body_that_stops_arriving_is_dropped(loop, door):  # noqa: F81
         silent.close()
 
 
-def test_a_pipelining_flood_that_is_not_read_is_bounded_and_closed(loop, door):  # noqa: F811
+def test_a_pipelining_flood_that_is_not_read_is_bounded_and_closed(loop, acceptor):  # noqa: F811
     """Behind a request the replica holds, the listener reads only a few pipelined requests
     ahead: the client soon cannot send more. Once the replica answers, the client reads none
     of the answers: the listener stops answering, then disconnects it."""
-    front, port = door
+    front, port = acceptor
     limits = dataclasses.replace(DEFAULT_CONNECTION_LIMITS, max_pipelined_requests=4, send_timeout_s=0.5,
                                  connection_buffer_bytes=65536)
     replica = _replica(loop, front, limits, _LargeAnswers)
@@ -175,10 +175,10 @@ def test_a_pipelining_flood_that_is_not_read_is_bounded_and_closed(loop, door): 
         flood.close()
 
 
-def test_a_client_that_does_not_read_large_answers_is_disconnected(loop, door):  # noqa: F811
+def test_a_client_that_does_not_read_large_answers_is_disconnected(loop, acceptor):  # noqa: F811
     """The listener stops answering a client that does not take its answers, and disconnects it
     after the send timeout; what it holds for it stays bounded."""
-    front, port = door
+    front, port = acceptor
     limits = dataclasses.replace(DEFAULT_CONNECTION_LIMITS, send_timeout_s=0.5, connection_buffer_bytes=1 << 18)
     replica = _replica(loop, front, limits, _LargeAnswers)
     reader = _connect(port, rcvbuf=16384)

@@ -1,6 +1,6 @@
-"""Nothing of the server outlives it: the front's keeper and HAProxy stop at once with the Ray
+"""Nothing of the server outlives it: the front's supervisor and HAProxy stop at once with the Ray
 node they ran under, and Serve's HAProxy processes left by a Ray node that is gone (``ray stop
---force``) are stopped before a new server starts. Real processes: the front's keeper and
+--force``) are stopped before a new server starts. Real processes: the front's supervisor and
 HAProxy, stand-ins for the raylet and Serve's proxy."""
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def test_the_front_stops_at_once_when_its_raylet_is_gone(monkeypatch):
         assert not refuses_connections(port)
         raylet.kill()
         raylet.wait()
-        # Its owner (this process) still runs: only the raylet's end stops the keeper, well
+        # Its owner (this process) still runs: only the raylet's end stops the supervisor, well
         # before the orphan grace period (60 s).
         wait_until(lambda: refuses_connections(port), "the front's port freed", 5)
     finally:

@@ -1,8 +1,8 @@
-"""The front's door: accepts HTTP and gRPC connections and gives each to the process that will
+"""The front's acceptor: accepts HTTP and gRPC connections and gives each to the process that will
 read it.
 
 HAProxy (:mod:`front`) reads every request and writes every answer a second time, which costs a
-model call about a quarter of the server's CPU on small machines (docs/benchmarks.md). The door
+model call about a quarter of the server's CPU on small machines (docs/benchmarks.md). The acceptor
 takes that hop out of the steady state. It owns the HTTP port, peeks at the request line of a new
 connection (``MSG_PEEK``: nothing is consumed), and when that request is a model call or a
 model GET whose version has a replica on this machine, it passes the connection itself
@@ -16,18 +16,18 @@ line that has not arrived within :data:`_PEEK_WAIT_S`) is passed to HAProxy over
 it reads connections from (``bind sockpair@``), where it is served as before. A replica that
 cannot take a connection (gone, or not reading) gets none: HAProxy does. Replicas give their
 connections back between two requests every few seconds and when they stop (:func:`give_back`);
-the door passes each on again by its next request, so connections spread over replicas that
+the acceptor passes each on again by its next request, so connections spread over replicas that
 started since and outlive the replica that held them.
 
 gRPC connections (HTTP/2) are placed the same way by their first call, read from its headers
-and the start of its message (:func:`grpc_route_key`; the door first sends the server's preface,
+and the start of its message (:func:`grpc_route_key`; the acceptor first sends the server's preface,
 which a gRPC client waits for); a replica answers its version's model calls on them
-(:mod:`replica_h2`) and never gives one back: it closes it gracefully when its turn comes, and
-the client's gRPC library opens a new one, which the door places again.
+(:mod:`replica_h2`) and never gives one back: it closes it gracefully when it is due to be rebalanced, and
+the client's gRPC library opens a new one, which the acceptor places again.
 
-The door runs in the front's keeper (:mod:`front_keeper`), and reads the
+The acceptor runs in the front's supervisor (:mod:`front_supervisor`), and reads the
 front's route maps from disk (written after each change by :meth:`front.Front.publish`).
-A replica's door socket is an abstract Unix socket named after its listener's address, so it is
+A replica's handoff socket is an abstract Unix socket named after its listener's address, so it is
 private to the network namespace, like the listener.
 """
 
@@ -58,24 +58,24 @@ _PEEK_WAIT_S = 0.5
 # A connection a replica gave back waits this long for its client's next request (an idle
 # keep-alive client may send it much later) before it goes to HAProxy.
 _RETURNED_WAIT_S = 30.0
-# The most of a connection's first bytes the door looks at: an HTTP request line, or a gRPC
+# The most of a connection's first bytes the acceptor looks at: an HTTP request line, or a gRPC
 # call's headers and the start of its message.
 _PEEK_BYTES = MAX_REQUEST_HEAD_BYTES
 _SERVER_PREFACE = settings({})
 # A gRPC connection whose first call has not all arrived is looked at again this much later.
 _PEEK_AGAIN_S = 0.002
-# A replica whose door refused a connection is not tried again for this long.
+# A replica whose acceptor refused a connection is not tried again for this long.
 _REFUSED_FOR_S = 2.0
 # A replica that gave its connections back because it stops gets none for this long (its route
 # goes within about 2 s).
 _STOPPING_S = 30.0
 # A replica that stops while it relays a request hands the client's connection and HAProxy's to
-# the door with this message, then what HAProxy answered so far: the door copies the rest.
-PUMP = b"pump\n"
+# the acceptor with this message, then what HAProxy answered so far: the acceptor copies the rest.
+SPLICE = b"splice\n"
 # The Unix sockets (in the front's folder) of HAProxy's HTTP and gRPC frontends: the
-# connections the door passes HAProxy arrive on the first (HAProxy's socket pair is relayed to
+# connections the acceptor passes HAProxy arrive on the first (HAProxy's socket pair is relayed to
 # it), the requests replicas relay on the others (:data:`RELAY_SOCKETS`). A replica has read
-# and checked the head of each request it relays (as the door checks a connection's first), so
+# and checked the head of each request it relays (as the acceptor checks a connection's first), so
 # HAProxy does not count the two headers a relay adds against the client's limits.
 RELAY_SOCKET = "relay.sock"
 REPLICA_RELAY_SOCKET = "replica-relay.sock"
@@ -84,17 +84,17 @@ RELAY_SOCKETS = {"http": REPLICA_RELAY_SOCKET, "grpc": GRPC_RELAY_SOCKET}
 # An HTTP/1.x request line, as leniently as HAProxy reads one (a token, a target, the version).
 _REQUEST_LINE = re.compile(rb"[-!#$%&'*+.^_`|~0-9A-Za-z]+ +[^ ]+ +HTTP/1\.\d *")
 # HAProxy's environment variables holding the descriptors of its ends of the socket pairs.
-DOOR_FD_VARIABLES = {"http": "RAYINFER_DOOR_FD", "grpc": "RAYINFER_GRPC_DOOR_FD"}
+HANDOFF_FD_VARIABLES = {"http": "RAYINFER_ACCEPTOR_FD", "grpc": "RAYINFER_GRPC_ACCEPTOR_FD"}
 
 
-def door_name(host: str, port: int) -> str:
+def handoff_name(host: str, port: int) -> str:
     """The abstract Unix socket a replica whose listener is ``host``:``port`` takes connections on."""
-    return f"\0rayinfer-door-{host}-{port}"
+    return f"\0rayinfer-acceptor-{host}-{port}"
 
 
 def same_user(channel: socket.socket) -> bool:
     """Whether the process at the other end of a Unix socket runs as this one's user
-    (``SO_PEERCRED``): the door's abstract sockets take connections and messages only from the
+    (``SO_PEERCRED``): the acceptor's abstract sockets take connections and messages only from the
     server's own processes, as a filesystem socket with mode 0600 would."""
     try:
         _, uid, _ = struct.unpack("3i", channel.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
@@ -104,9 +104,9 @@ def same_user(channel: socket.socket) -> bool:
 
 
 def return_name(folder_name: str) -> str:
-    """The abstract Unix socket the door of the front whose folder is named ``folder_name``
+    """The abstract Unix socket the acceptor of the front whose folder is named ``folder_name``
     takes connections back on."""
-    return f"\0rayinfer-door-back-{folder_name}"
+    return f"\0rayinfer-acceptor-back-{folder_name}"
 
 
 class _RequestTarget:
@@ -193,9 +193,9 @@ class _Routes:
             return
 
 
-class Door:
+class Acceptor:
     """Accepts on ``listening`` (protocol, "http" or "grpc" -> its non-blocking listening socket)
-    and passes each connection to a model replica or, over ``haproxy`` (protocol -> the door's
+    and passes each connection to a model replica or, over ``haproxy`` (protocol -> the acceptor's
     end of HAProxy's socket pair), to HAProxy. A replica sends a request that is not its own to
     the protocol's Unix socket of HAProxy in ``folder`` (:data:`RELAY_SOCKETS`)."""
 
@@ -214,8 +214,8 @@ class Door:
         self._waiting: dict[socket.socket, float] = {}  # connection -> when it goes to HAProxy
         self._kinds: dict[socket.socket, str] = {}  # connection -> the port it came to
         self._again: dict[socket.socket, float] = {}  # connection -> when to look at it again
-        self._doors: dict[str, socket.socket] = {}  # door name -> a connected channel
-        self._refused: dict[str, float] = {}  # door name -> when it may be tried again
+        self._handoffs: dict[str, socket.socket] = {}  # acceptor name -> a connected channel
+        self._refused: dict[str, float] = {}  # acceptor name -> when it may be tried again
         self._next: dict[str, int] = {}  # route key -> the replica the next connection goes to
 
     def serve(self, seconds: float) -> None:
@@ -237,7 +237,7 @@ class Door:
         for connection in list(self._waiting):
             self._stop_waiting(connection)
             connection.close()
-        for channel in self._doors.values():
+        for channel in self._handoffs.values():
             channel.close()
         self._selector.close()
         self._returns.close()
@@ -320,11 +320,11 @@ class Door:
         # front reads from each request: a connection only where one replica holds every slot.
         if not listeners or (key in self._routes.sequences and len(listeners) > 1):
             return False
-        # The replicas in turn. One on another machine (no door here), or one that cannot take
+        # The replicas in turn. One on another machine (no acceptor here), or one that cannot take
         # the connection, leaves it to HAProxy, which balances its requests over all replicas.
         n = self._next.get(key, 0) % len(listeners)
         self._next[key] = n + 1
-        name = door_name(*listeners[n])
+        name = handoff_name(*listeners[n])
         now = time.monotonic()
         if self._refused.get(name, 0.0) > now:
             return False
@@ -335,22 +335,22 @@ class Door:
         return True
 
     def _send(self, name: str, connection: socket.socket, key: str, relay: bytes) -> bool:
-        """Pass ``connection`` to the replica door ``name``: False if it is not there or full."""
+        """Pass ``connection`` to the replica handoff socket ``name``: False if it is not there or full."""
         message = b"%b\n%b" % (relay, key.encode())
         for attempt in range(2):  # a kept channel may have closed (the replica restarted)
-            channel = self._doors.get(name)
+            channel = self._handoffs.get(name)
             try:
                 if channel is None:
                     channel = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
                     channel.setblocking(False)
-                    self._doors[name] = channel
+                    self._handoffs[name] = channel
                     channel.connect(name)
                     if not same_user(channel):  # another user's process holds the replica's name
                         raise OSError(f"{name[1:]!r} is not the server's")
                 socket.send_fds(channel, [message], [connection.fileno()])
                 return True
             except OSError:
-                self._doors.pop(name, None)
+                self._handoffs.pop(name, None)
                 if channel is not None:
                     channel.close()
                 if attempt:
@@ -361,7 +361,7 @@ class Door:
         try:
             socket.send_fds(self._haproxy[kind], [b"c"], [connection.fileno()])
         except (OSError, KeyError):
-            pass  # HAProxy is gone: the keeper stops; the client sees its connection close
+            pass  # HAProxy is gone: the supervisor stops; the client sees its connection close
         connection.close()
 
     def _accept_return(self, returns: socket.socket) -> None:
@@ -370,7 +370,7 @@ class Door:
         except OSError:
             return
         if not same_user(channel):
-            logger.warning("refused a connection to the door's return socket from another user's process")
+            logger.warning("refused a connection to the acceptor's return socket from another user's process")
             channel.close()
             return
         channel.setblocking(False)
@@ -378,7 +378,7 @@ class Door:
 
     def _take_back(self, channel: socket.socket) -> None:
         """Connections a replica gives back between two requests (it stops, or its connections
-        take their turn again: see :func:`give_back`): each goes where its next request says."""
+        are rebalanced: see :func:`give_back`): each goes where its next request says."""
         try:
             message, fds, _, _ = socket.recv_fds(channel, 1 << 17, 16)
         except (BlockingIOError, InterruptedError):
@@ -389,9 +389,9 @@ class Door:
             self._selector.unregister(channel)
             channel.close()
             return
-        if message.startswith(PUMP) and len(fds) == 2:
+        if message.startswith(SPLICE) and len(fds) == 2:
             client, upstream = (socket.socket(fileno=fd) for fd in fds)
-            threading.Thread(target=_pump, args=(client, upstream, message[len(PUMP):]), daemon=True).start()
+            threading.Thread(target=_splice, args=(client, upstream, message[len(SPLICE):]), daemon=True).start()
             return
         stopping, _, name = message.decode("utf-8", "replace").partition(" ")
         if stopping == "stopping":  # no more connections for it, even before its route goes
@@ -401,7 +401,7 @@ class Door:
 
 
 def bad_request_head(head: bytes) -> str | None:
-    """Why the request head ``head`` starts (the most the door peeks) is refused, or None: a
+    """Why the request head ``head`` starts (the most the acceptor peeks) is refused, or None: a
     request line that is not HTTP/1.x (HAProxy's parser would answer it with an HTML page), a
     line or head longer than the peek, more headers than the limit (:mod:`limits`). A head not
     all arrived yet is judged by what has."""
@@ -439,7 +439,7 @@ def _speaks(head: bytes) -> str:
     return "grpc" if head and head[:len(PREFACE)] == PREFACE[:len(head)] else "http"
 
 
-def _pump(client: socket.socket, upstream: socket.socket, first: bytes) -> None:
+def _splice(client: socket.socket, upstream: socket.socket, first: bytes) -> None:
     """Copy HAProxy's answer to a relayed request to the client, then close both (the answer
     says ``connection: close``)."""
     with client, upstream:
@@ -454,22 +454,22 @@ def _pump(client: socket.socket, upstream: socket.socket, first: bytes) -> None:
 
 
 def returned(replica: str, stopping: bool) -> bytes:
-    """The message with connections a replica (its door name) gives back; ``stopping``: it
+    """The message with connections a replica (its acceptor name) gives back; ``stopping``: it
     takes no more."""
     return f"{'stopping' if stopping else 'turn'} {replica}".encode()
 
 
 def give_back(folder_name: str, connections: list[int], message: bytes) -> bool:
-    """Give connections (descriptors of this process, not closed here) back to the door of the
+    """Give connections (descriptors of this process, not closed here) back to the acceptor of the
     front whose folder is named ``folder_name``, with ``message`` (:func:`returned`, or
-    :data:`PUMP` with the client's connection and HAProxy's)."""
+    :data:`SPLICE` with the client's connection and HAProxy's)."""
     if not connections:
         return True
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as channel:
             channel.settimeout(1.0)
             channel.connect(return_name(folder_name))
-            if not same_user(channel):  # another user's process holds the name: not the door
+            if not same_user(channel):  # another user's process holds the name: not the acceptor
                 return False
             for start in range(0, len(connections), 16):
                 socket.send_fds(channel, [message], connections[start:start + 16])

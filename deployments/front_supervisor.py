@@ -1,18 +1,18 @@
 """Keeps the front's HAProxy running for as long as a ``/v2`` replica owns it, and a while after.
 
-Run as ``python -m rayinfer.deployments.front_keeper <folder> <haproxy binary>`` (in a session
+Run as ``python -m rayinfer.deployments.front_supervisor <folder> <haproxy binary>`` (in a session
 of its own). It starts HAProxy on ``<folder>/haproxy.cfg`` as its child, which dies with
 it. The ``/v2`` replica that owns the front writes its PID to ``<folder>/owner``. If that
-process dies (a crash, Ray's memory monitor), the keeper and HAProxy stay up, so that inference
+process dies (a crash, Ray's memory monitor), the supervisor and HAProxy stay up, so that inference
 calls keep reaching the model replicas while Serve starts a new ``/v2`` replica, which takes the
 front over by writing its own PID there. If no owner is alive for :data:`ORPHAN_GRACE_S` (60 s,
-or ``RAYINFER_FRONT_ORPHAN_GRACE_S``), the keeper stops HAProxy and exits: the server is gone.
+or ``RAYINFER_FRONT_ORPHAN_GRACE_S``), the supervisor stops HAProxy and exits: the server is gone.
 If the Ray node's raylet that the owner ran under (``<folder>/raylet.pid``) is gone (``ray
-stop``, the node crashed), no ``/v2`` replica can come back on this node: the keeper stops at
+stop``, the node crashed), no ``/v2`` replica can come back on this node: the supervisor stops at
 once. SIGTERM stops both at once.
 
-With a door (``<folder>/door`` names the HTTP and gRPC addresses and ports it owns), the keeper
-owns those ports itself and passes each connection on (:mod:`front_door`): to a model replica,
+With an acceptor (``<folder>/acceptor`` names the HTTP and gRPC addresses and ports it owns), the supervisor
+owns those ports itself and passes each connection on (:mod:`acceptor`): to a model replica,
 or to HAProxy over a socket pair (one per port) whose end HAProxy inherits.
 """
 
@@ -29,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from rayinfer.deployments import front_door
+from rayinfer.deployments.acceptor import HANDOFF_FD_VARIABLES, Acceptor, listening_socket
 
 DIR_PREFIX = "rayinfer-front-"
 ORPHAN_GRACE_S = float(os.environ.get("RAYINFER_FRONT_ORPHAN_GRACE_S", "60"))
@@ -66,9 +66,9 @@ def owner_alive(folder: Path) -> bool:
 
 
 def serves(config_text: str, bind: tuple[str, int]) -> bool:
-    """Whether a front's configuration serves ``bind``: HAProxy binds it, or its door does."""
+    """Whether a front's configuration serves ``bind``: HAProxy binds it, or its acceptor does."""
     address = f"{bind[0]}:{bind[1]}"
-    return any(line.split()[:2] == ["bind", address] or line.split()[:3] == ["#", "door", address]
+    return any(line.split()[:2] == ["bind", address] or line.split()[:3] == ["#", "acceptor", address]
                for line in config_text.splitlines())
 
 
@@ -78,7 +78,7 @@ def stop_fronts(binds: list[tuple[str, int]]) -> None:
     for bind in binds:
         folder = running_front(bind)
         if folder is not None:
-            stop_keeper(folder)
+            stop_supervisor(folder)
 
 
 def read_text(path: Path) -> str:
@@ -89,15 +89,15 @@ def read_text(path: Path) -> str:
 
 
 def running_front(bind: tuple[str, int]) -> Path | None:
-    """The folder of a front whose keeper and HAProxy run in this network namespace (a server
+    """The folder of a front whose supervisor and HAProxy run in this network namespace (a server
     in another one may use the same port) and which binds ``bind``."""
     for config in Path(tempfile.gettempdir()).glob(f"{DIR_PREFIX}*/haproxy.cfg"):
         folder = config.parent
         try:
             if not serves(config.read_text(), bind):
                 continue
-            keeper = int((folder / "keeper.pid").read_text())
-            if os.readlink(f"/proc/{keeper}/ns/net") != os.readlink("/proc/self/ns/net"):
+            supervisor = int((folder / "supervisor.pid").read_text())
+            if os.readlink(f"/proc/{supervisor}/ns/net") != os.readlink("/proc/self/ns/net"):
                 continue
             with socket.socket(socket.AF_UNIX) as admin:
                 admin.connect(str(folder / "admin.sock"))
@@ -107,19 +107,19 @@ def running_front(bind: tuple[str, int]) -> Path | None:
     return None
 
 
-def stop_keeper(folder: Path, keeper: subprocess.Popen | None = None) -> None:
-    """SIGTERM to a front's keeper (which stops its HAProxy), then remove its folder."""
+def stop_supervisor(folder: Path, supervisor: subprocess.Popen | None = None) -> None:
+    """SIGTERM to a front's supervisor (which stops its HAProxy), then remove its folder."""
     try:
-        pid = keeper.pid if keeper is not None else int((folder / "keeper.pid").read_text())
+        pid = supervisor.pid if supervisor is not None else int((folder / "supervisor.pid").read_text())
         os.kill(pid, signal.SIGTERM)
     except (OSError, ValueError):
         pid = None
-    if keeper is not None:
+    if supervisor is not None:
         try:
-            keeper.wait(10)
+            supervisor.wait(10)
         except subprocess.TimeoutExpired:
-            keeper.kill()
-            keeper.wait()
+            supervisor.kill()
+            supervisor.wait()
     elif pid is not None:
         deadline = time.monotonic() + 10
         while pid_alive(pid) and time.monotonic() < deadline:  # not our child: no wait() to call
@@ -141,7 +141,7 @@ def remove_stale_fronts(address: str, port: int) -> None:
 
 
 def _die_with_parent() -> None:
-    """In the child before exec: HAProxy gets SIGTERM when the keeper dies."""
+    """In the child before exec: HAProxy gets SIGTERM when the supervisor dies."""
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
@@ -155,23 +155,23 @@ def main(folder: Path, binary: str) -> int:
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
-    door, env, fds = None, dict(os.environ), []
+    acceptor, env, fds = None, dict(os.environ), []
     with (folder / "haproxy.log").open("wb") as log:
         listening, ours, theirs = {}, {}, []
-        # <folder>/door: a line "<protocol> <address> <port>" per port the door owns.
-        for line in read_text(folder / "door").splitlines():
+        # <folder>/acceptor: a line "<protocol> <address> <port>" per port the acceptor owns.
+        for line in read_text(folder / "acceptor").splitlines():
             kind, address, port = line.split()
             try:
-                listening[kind] = front_door.listening_socket(address, int(port))
+                listening[kind] = listening_socket(address, int(port))
             except OSError as exc:
-                log.write(f"the front's door cannot listen on {address}:{port}: {exc}\n".encode())
+                log.write(f"the front's acceptor cannot listen on {address}:{port}: {exc}\n".encode())
                 return 1
             ours[kind], their_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-            env[front_door.DOOR_FD_VARIABLES[kind]] = str(their_end.fileno())
+            env[HANDOFF_FD_VARIABLES[kind]] = str(their_end.fileno())
             theirs.append(their_end)
             fds.append(their_end.fileno())
         if listening:
-            door = front_door.Door(listening, ours, folder)
+            acceptor = Acceptor(listening, ours, folder)
         haproxy = subprocess.Popen([binary, "-f", str(folder / "haproxy.cfg"), "-db"], stdout=log, env=env,
                                    pass_fds=fds, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                    preexec_fn=_die_with_parent)
@@ -190,12 +190,12 @@ def main(folder: Path, binary: str) -> int:
                 break
             # Polled: the owner is a process of another parent (nothing to wait on), and a quarter
             # of a second is nothing against the grace period.
-            if door is not None:
-                door.serve(0.25)
+            if acceptor is not None:
+                acceptor.serve(0.25)
             else:
                 time.sleep(0.25)
-        if door is not None:
-            door.close()
+        if acceptor is not None:
+            acceptor.close()
         if haproxy.poll() is None:
             haproxy.terminate()
             try:

@@ -1,4 +1,4 @@
-"""The front's door (a real keeper and HAProxy) giving gRPC connections (HTTP/2) to replica
+"""The front's acceptor (a real supervisor and HAProxy) giving gRPC connections (HTTP/2) to replica
 listeners, which answer their model's calls and relay the others to HAProxy; tritonclient.grpc
 as the client, the listeners of tests/front_stand_ins.py as replicas, and a grpcio server as
 Serve's gRPC ingress behind the front."""
@@ -22,7 +22,7 @@ from tritonclient.utils import InferenceServerException
 from front_stand_ins import UNICODE_ERROR, Replica, free_port, infer, publish
 from rayinfer.deployments import replica_h2
 from rayinfer.deployments.front import Front
-from rayinfer.deployments.front_door import grpc_route_key
+from rayinfer.deployments.acceptor import grpc_route_key
 from rayinfer.deployments.replica_h2 import H2Connection
 from rayinfer.protocol.grpc_wire import DATA, END_HEADERS, END_STREAM, HEADERS, INCOMPLETE, PREFACE, frame, goaway, settings
 from waiting import wait_until
@@ -68,7 +68,7 @@ def _serve_ingress() -> tuple[grpc.Server, int]:
 
 
 @pytest.fixture(scope="module")
-def door(loop):
+def acceptor(loop):
     ingress, ingress_port = _serve_ingress()
     port = free_port()
     front = Front(None, ("127.0.0.1", port, "127.0.0.1", ingress_port), "v2", direct=True)
@@ -82,7 +82,7 @@ def _h2_connections(replica: Replica) -> int:
     return sum(1 for connection in list(replica.listener._connections) if isinstance(connection, H2Connection))
 
 
-def _owns_model(model: str):
+def _serves_model(model: str):
     return lambda name, version, key: name == model
 
 
@@ -90,7 +90,7 @@ def _replicas_of_m(loop, front: Front, *names: str, routed: int | None = None) -
     """Replicas of the model "m" named ``names``; the front routes m to the first ``routed``."""
     replicas = [Replica(loop, name) for name in names]
     for replica in replicas:
-        replica.listener.owns_grpc = _owns_model("m")
+        replica.listener.serves_grpc = _serves_model("m")
     publish(loop, front, {"m/": [("127.0.0.1", replica.port) for replica in replicas[:routed]]})
     return replicas
 
@@ -121,11 +121,11 @@ def test_route_keys_of_first_calls():
     assert grpc_route_key(b"POST /v2/models/m/infer HTTP/1.1\r\n") is None
 
 
-def test_a_models_connection_is_the_replicas_and_its_other_calls_are_relayed(loop, door, monkeypatch):
-    front, port = door
-    monkeypatch.setattr(replica_h2, "_RELAYED_TURN_S", 60.0)  # no turn during the test
+def test_a_models_connection_is_the_replicas_and_its_other_calls_are_relayed(loop, acceptor, monkeypatch):
+    front, port = acceptor
+    monkeypatch.setattr(replica_h2, "_RELAYED_MAX_AGE_S", 60.0)  # no turn during the test
     one, two = Replica(loop, "one"), Replica(loop, "two")
-    one.listener.owns_grpc = _owns_model("m")
+    one.listener.serves_grpc = _serves_model("m")
     publish(loop, front, {"m/": [("127.0.0.1", one.port)], "n/": [("127.0.0.1", two.port)]})
     client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
     data = np.arange(6, dtype=np.float32).reshape(2, 3)
@@ -150,19 +150,19 @@ def test_a_models_connection_is_the_replicas_and_its_other_calls_are_relayed(loo
     wait_until(lambda: _h2_connections(one) == 0, "the replica sees the client close", 5)
 
 
-def test_a_connection_opened_with_a_server_call_is_placed_by_a_later_one(loop, door, monkeypatch):
-    front, port = door
-    monkeypatch.setattr(replica_h2, "_RELAYED_TURN_S", 0.05)
+def test_a_connection_opened_with_a_server_call_is_placed_by_a_later_one(loop, acceptor, monkeypatch):
+    front, port = acceptor
+    monkeypatch.setattr(replica_h2, "_RELAYED_MAX_AGE_S", 0.05)
     one, two = Replica(loop, "one"), Replica(loop, "two")
-    one.listener.owns_grpc = _owns_model("m")
-    two.listener.owns_grpc = _owns_model("n")
+    one.listener.serves_grpc = _serves_model("m")
+    two.listener.serves_grpc = _serves_model("n")
     publish(loop, front, {"n/": [("127.0.0.1", two.port)], "m/": [("127.0.0.1", one.port)]})
     client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
     data = np.zeros((1, 2), np.float32)
     try:
         assert client.is_server_live()  # relayed by a replica here
         assert _h2_connections(one) + _h2_connections(two) == 1
-        # Its turn comes after the relayed call; the door gives the new connection to m's replica.
+        # It is rebalanced after the relayed call; the acceptor gives the new connection to m's replica.
         wait_until(lambda: infer(client, "m", data).model_name == "one" and _h2_connections(one) == 1
                    and _h2_connections(two) == 0, "m's calls on a connection of m's replica", 5)
     finally:
@@ -170,9 +170,9 @@ def test_a_connection_opened_with_a_server_call_is_placed_by_a_later_one(loop, d
 
 
 @contextlib.contextmanager
-def _replicas_connection(loop, door):
-    """(replica, client, data): a client whose connection the door gave m's one replica."""
-    front, port = door
+def _replicas_connection(loop, acceptor):
+    """(replica, client, data): a client whose connection the acceptor gave m's one replica."""
+    front, port = acceptor
     (one,) = _replicas_of_m(loop, front, "one")
     client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
     data = np.zeros((1, 2), np.float32)
@@ -208,8 +208,8 @@ def _stream(client, *requests: tuple[str, np.ndarray], timeout_s: float = 10.0) 
         client.stop_stream()
 
 
-def test_a_replica_relays_a_stream_and_refuses_an_unload(loop, door):
-    with _replicas_connection(loop, door) as (one, client, data):
+def test_a_replica_relays_a_stream_and_refuses_an_unload(loop, acceptor):
+    with _replicas_connection(loop, acceptor) as (one, client, data):
         # The replica relays the stream to HAProxy (which gives it to Serve's ingress) on the
         # client's connection, which stays the replica's: three messages of 3 MB each way
         # (gRPC's default limit is 4 MB), beyond every flow-control window, then an error
@@ -225,16 +225,16 @@ def test_a_replica_relays_a_stream_and_refuses_an_unload(loop, door):
         assert _h2_connections(one) == 1
         assert infer(client, "m", data).model_name == "one"
         # An unload is not: the replica closes its connection to it; the client's library sends
-        # it again on a new connection, which the door gives HAProxy.
+        # it again on a new connection, which the acceptor gives HAProxy.
         client.unload_model("m")
         wait_until(lambda: _h2_connections(one) == 0, "the replica's connection closes", 5)
         assert infer(client, "m", data).model_name == "one"
 
 
-def test_a_relayed_stream_the_client_cancels_is_cancelled_upstream(loop, door):
+def test_a_relayed_stream_the_client_cancels_is_cancelled_upstream(loop, acceptor):
     """A client that ends its stream while answers are still coming: the replica resets its
     side of the relay, and its connection goes on serving."""
-    with _replicas_connection(loop, door) as (one, client, data):
+    with _replicas_connection(loop, acceptor) as (one, client, data):
         results: queue.Queue = queue.Queue()
         client.start_stream(callback=lambda result, error: results.put((result, error)))
         client.async_stream_infer("m", [_tensor(data)], request_id="c1")
@@ -246,7 +246,7 @@ def test_a_relayed_stream_the_client_cancels_is_cancelled_upstream(loop, door):
         assert infer(client, "m", data).model_name == "one" and _h2_connections(one) == 1
 
 
-def test_a_stream_the_front_does_not_take_ends_with_unavailable(loop, door, monkeypatch, tmp_path):
+def test_a_stream_the_front_does_not_take_ends_with_unavailable(loop, acceptor, monkeypatch, tmp_path):
     relay_stream = H2Connection._relay_stream
 
     def to_nowhere(connection: H2Connection, *args) -> None:  # HAProxy's socket gone
@@ -254,7 +254,7 @@ def test_a_stream_the_front_does_not_take_ends_with_unavailable(loop, door, monk
         relay_stream(connection, *args)
 
     monkeypatch.setattr(H2Connection, "_relay_stream", to_nowhere)
-    with _replicas_connection(loop, door) as (one, client, data):
+    with _replicas_connection(loop, acceptor) as (one, client, data):
         results: queue.Queue = queue.Queue()
         client.start_stream(callback=lambda result, error: results.put((result, error)))
         # The stream may have ended already (then this raises): its error comes through the callback.
@@ -267,21 +267,21 @@ def test_a_stream_the_front_does_not_take_ends_with_unavailable(loop, door, monk
         assert infer(client, "m", data).model_name == "one" and _h2_connections(one) == 1
 
 
-def test_a_refused_call_finds_the_connection_open_until_the_client_closes_it(loop, door):
+def test_a_refused_call_finds_the_connection_open_until_the_client_closes_it(loop, acceptor):
     """A replica that refuses a call (GOAWAY: an unload) ends the connection with FIN and reads
     on: the frames the client sent meanwhile (the call's message) are dropped, not answered with
     a reset, so the client reads the GOAWAY and sends the call again elsewhere (grpc failed it
     with "Stream removed (sendmsg: Broken pipe)" when its next write met a closed socket)."""
     import socket
 
-    front, port = door
+    front, port = acceptor
     _replicas_of_m(loop, front, "one")
     request = pb.ModelInferRequest(model_name="m", id="r1").SerializeToString()
     unload = pb.RepositoryModelUnloadRequest(model_name="m").SerializeToString()
     with socket.create_connection(("127.0.0.1", port), 5) as sock:
         sock.sendall(_first_call(f"/{_SERVICE}/ModelInfer", request))
         received = b""
-        while b"one" not in received:  # the replica's answer (the door's preface and its own come first)
+        while b"one" not in received:  # the replica's answer (the acceptor's preface and its own come first)
             chunk = sock.recv(65536)
             assert chunk, f"the connection closed before the replica answered: {received!r}"
             received += chunk
@@ -303,8 +303,8 @@ def test_a_refused_call_finds_the_connection_open_until_the_client_closes_it(loo
     assert received.endswith(goaway(1)) and received.index(goaway(1)) > received.index(b"one")
 
 
-def test_a_stopping_replica_closes_its_connections_gracefully(loop, door):
-    front, port = door
+def test_a_stopping_replica_closes_its_connections_gracefully(loop, acceptor):
+    front, port = acceptor
     one, two = _replicas_of_m(loop, front, "one", "two", routed=1)
     client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
     data = np.zeros((1, 2), np.float32)
@@ -320,9 +320,9 @@ def test_a_stopping_replica_closes_its_connections_gracefully(loop, door):
         client.close()
 
 
-def test_connections_take_turns_over_the_replicas(loop, door, monkeypatch):
-    front, port = door
-    monkeypatch.setattr(replica_h2, "_TURN_S", 0.05)
+def test_connections_take_turns_over_the_replicas(loop, acceptor, monkeypatch):
+    front, port = acceptor
+    monkeypatch.setattr(replica_h2, "_MAX_CONNECTION_AGE_S", 0.05)
     one, two = _replicas_of_m(loop, front, "one", "two")
     client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
     data = np.zeros((1, 2), np.float32)
@@ -333,19 +333,19 @@ def test_connections_take_turns_over_the_replicas(loop, door, monkeypatch):
             served.add(infer(client, "m", data).model_name)
             return served == {"one", "two"}
 
-        wait_until(both_served, "a connection to take its turn to the other replica", 10)
+        wait_until(both_served, "a connection to be rebalanced to the other replica", 10)
     finally:
         client.close()
 
 
-def test_a_stream_started_on_a_replicas_connection_gets_every_message_answered(loop, door, monkeypatch):
+def test_a_stream_started_on_a_replicas_connection_gets_every_message_answered(loop, acceptor, monkeypatch):
     """A stream started on a connection a replica holds, its messages sent a millisecond or so
     apart: every one is answered, in order. (Refused with GOAWAY, grpc's C core sends such a
     stream again on a new connection, and drops a message now and then when some were sent
     before the GOAWAY came and some after: the stream then waits forever for its answer.)"""
     import random
 
-    front, port = door
+    front, port = acceptor
     (one,) = _replicas_of_m(loop, front, "one")
     data = np.zeros((1, 2), np.float32)
     tensor = _tensor(data)

@@ -1,6 +1,6 @@
-"""The door's abstract Unix sockets take channels only from the server's own user
+"""The acceptor's abstract Unix sockets take channels only from the server's own user
 (``SO_PEERCRED``): a process of another user can neither pass a replica connections nor give
-the door connections back. The other user's process is real (``subprocess`` with ``user=``)."""
+the acceptor connections back. The other user's process is real (``subprocess`` with ``user=``)."""
 
 from __future__ import annotations
 
@@ -13,9 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from rayinfer.deployments import front_door
-from rayinfer.deployments.front_door import Door, give_back, return_name, same_user
-from rayinfer.deployments.replica_door import ReplicaDoor
+from rayinfer.deployments.acceptor import Acceptor, give_back, return_name, returned, same_user
+from rayinfer.deployments.replica_handoff import ReplicaHandoff
 from waiting import wait_until
 
 pytestmark = pytest.mark.skipif(os.getuid() != 0, reason="needs root to start a process as another user")
@@ -71,40 +70,40 @@ def test_peer_credentials_name_the_user():
 
 def test_another_users_process_cannot_pass_connections_to_a_replica(loop):
     taken: list[str] = []
-    door = ReplicaDoor(f"\0rayinfer-test-{uuid.uuid4().hex}", lambda client, relay, key: taken.append(key))
+    handoff = ReplicaHandoff(f"\0rayinfer-test-{uuid.uuid4().hex}", lambda client, relay, key: taken.append(key))
 
-    async def open_door() -> bool:
-        return door.open()
+    async def open_handoff() -> bool:
+        return handoff.open()
 
-    assert asyncio.run_coroutine_threadsafe(open_door(), loop).result(5)
+    assert asyncio.run_coroutine_threadsafe(open_handoff(), loop).result(5)
     try:
-        assert _outcome(_as_nobody(_pass_a_connection(door.name, b"/relay\nm/")))
+        assert _outcome(_as_nobody(_pass_a_connection(handoff.name, b"/relay\nm/")))
         assert taken == []
-        # The server's own user (the front's door) still can.
+        # The server's own user (the front's acceptor) still can.
         channel = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        channel.connect(door.name)
+        channel.connect(handoff.name)
         mine, theirs = socket.socketpair()
         with channel, mine, theirs:
             socket.send_fds(channel, [b"/relay\nm/"], [mine.fileno()])
             wait_until(lambda: taken == ["m/"], "the connection taken", 5)
     finally:
-        async def close_door() -> None:
-            door.close()
+        async def close_handoff() -> None:
+            handoff.close()
 
-        asyncio.run_coroutine_threadsafe(close_door(), loop).result(5)
+        asyncio.run_coroutine_threadsafe(close_handoff(), loop).result(5)
 
 
-def test_another_users_process_cannot_give_the_door_connections(tmp_path: Path):
+def test_another_users_process_cannot_give_the_acceptor_connections(tmp_path: Path):
     folder = tmp_path / f"front-{uuid.uuid4().hex[:8]}"
     folder.mkdir()
-    door = Door({}, {}, folder)
+    acceptor = Acceptor({}, {}, folder)
     try:
-        # The door accepts the channel, checks its peer and closes it.
-        child = _as_nobody(_pass_a_connection(return_name(folder.name), front_door.returned("x", False)))
-        assert _outcome(child, lambda: door.serve(0.1))
+        # The acceptor accepts the channel, checks its peer and closes it.
+        child = _as_nobody(_pass_a_connection(return_name(folder.name), returned("x", False)))
+        assert _outcome(child, lambda: acceptor.serve(0.1))
         client = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         client.connect(return_name(folder.name))
-        door.serve(0.2)
+        acceptor.serve(0.2)
         with client:  # a channel of the server's own user stays open
             client.setblocking(False)
             with pytest.raises(BlockingIOError):
@@ -126,11 +125,11 @@ def test_another_users_process_cannot_give_the_door_connections(tmp_path: Path):
             assert os.read(ready_read, 1) == b"r"
             mine, _ = socket.socketpair()
             with mine:
-                assert not give_back(squatter_name, [mine.fileno()], front_door.returned("x", False))
+                assert not give_back(squatter_name, [mine.fileno()], returned("x", False))
         finally:
             os.kill(child, 9)
             os.waitpid(child, 0)
             os.close(ready_read)
             os.close(ready_write)
     finally:
-        door.close()
+        acceptor.close()

@@ -1,4 +1,4 @@
-"""The front's door (a real keeper and HAProxy) giving HTTP connections to replica listeners,
+"""The front's acceptor (a real supervisor and HAProxy) giving HTTP connections to replica listeners,
 which answer their own requests and relay the others to HAProxy; raw sockets as clients, the
 listeners of tests/front_stand_ins.py as replicas and as Serve's ingress behind the front."""
 
@@ -12,12 +12,12 @@ import pytest
 
 from front_stand_ins import Replica, free_port, publish
 from rayinfer.deployments.front import Front
-from rayinfer.deployments.front_door import listening_socket, route_key
+from rayinfer.deployments.acceptor import listening_socket, route_key
 from waiting import wait_until
 
 
 @pytest.fixture(scope="module")
-def door(loop):
+def acceptor(loop):
     serve = Replica(loop, "serve")  # what HAProxy relays when no replica's route matches
     http_port = free_port()
     front = Front(("127.0.0.1", http_port, "127.0.0.1", serve.port), None, "v2", direct=True)
@@ -26,7 +26,7 @@ def door(loop):
     front.stop()
 
 
-def _owns_model(model: str):
+def _serves_model(model: str):
     return lambda method, path, key: path.startswith(f"/v2/models/{model}/")
 
 
@@ -81,10 +81,10 @@ def test_route_keys_of_request_lines():
         assert route_key(line + b"\r\n") is None, line  # not HTTP/1.x
 
 
-def test_a_models_connection_is_the_replicas_and_its_other_requests_are_relayed(loop, door):
-    front, port = door
+def test_a_models_connection_is_the_replicas_and_its_other_requests_are_relayed(loop, acceptor):
+    front, port = acceptor
     one = Replica(loop, "one")
-    one.listener.owns = _owns_model("m")
+    one.listener.serves = _serves_model("m")
     publish(loop, front, {"m/": [("127.0.0.1", one.port)], "n/": [("127.0.0.1", one.port)]})
     client = _Client(port)
     try:
@@ -103,13 +103,13 @@ def test_a_models_connection_is_the_replicas_and_its_other_requests_are_relayed(
         client.close()
 
 
-def test_a_connection_opened_with_another_request_is_placed_by_its_next_one(loop, door):
+def test_a_connection_opened_with_another_request_is_placed_by_its_next_one(loop, acceptor):
     """A replica relays the first request (not a model's) and gives the connection back; the
-    door gives it to the replica of the model its next request names."""
-    front, port = door
+    acceptor gives it to the replica of the model its next request names."""
+    front, port = acceptor
     one, two = Replica(loop, "one"), Replica(loop, "two")
-    one.listener.owns = _owns_model("m")
-    two.listener.owns = _owns_model("n")
+    one.listener.serves = _serves_model("m")
+    two.listener.serves = _serves_model("n")
     publish(loop, front, {"m/": [("127.0.0.1", one.port)], "n/": [("127.0.0.1", two.port)]})
     client = _Client(port)
     try:
@@ -129,11 +129,11 @@ def test_a_connection_opened_with_another_request_is_placed_by_its_next_one(loop
         client.close()
 
 
-def test_a_sequence_models_connections_go_to_haproxy_unless_one_replica_holds_every_slot(loop, door):
+def test_a_sequence_models_connections_go_to_haproxy_unless_one_replica_holds_every_slot(loop, acceptor):
     """Its calls are routed one by one by correlation id (HAProxy reads it from each request)."""
-    front, port = door
+    front, port = acceptor
     one, two = Replica(loop, "one"), Replica(loop, "two")
-    one.listener.owns = two.listener.owns = _owns_model("s")
+    one.listener.serves = two.listener.serves = _serves_model("s")
     for replicas, direct in (([one], 1), ([one, two], 0)):
         routes = {"s/": [("127.0.0.1", r.port) for r in replicas]}
         asyncio.run_coroutine_threadsafe(front.publish(routes, frozenset({"s/"})), loop).result(10)
@@ -146,11 +146,11 @@ def test_a_sequence_models_connections_go_to_haproxy_unless_one_replica_holds_ev
         wait_until(lambda: _direct_connections(one) == 0, "the connection to close")
 
 
-def test_a_stopping_replica_gives_its_waiting_connections_back(loop, door):
+def test_a_stopping_replica_gives_its_waiting_connections_back(loop, acceptor):
     """The client's next request on the same connection is served through HAProxy."""
-    front, port = door
+    front, port = acceptor
     one, two = Replica(loop, "one"), Replica(loop, "two")
-    one.listener.owns = _owns_model("m")
+    one.listener.serves = _serves_model("m")
     publish(loop, front, {"m/": [("127.0.0.1", one.port)]})
     client = _Client(port)
     try:
@@ -166,12 +166,12 @@ def test_a_stopping_replica_gives_its_waiting_connections_back(loop, door):
 
 def test_a_replica_stopping_while_it_relays_leaves_the_answer_to_the_door(loop):
     """A request that stops the replica it was relayed by (as unloading its own model does) is
-    answered after the replica stopped: the door copies the answer to the client."""
+    answered after the replica stopped: the acceptor copies the answer to the client."""
     serve = Replica(loop, "serve")
     port = free_port()
     front = Front(("127.0.0.1", port, "127.0.0.1", serve.port), None, "v2", direct=True)
     one = Replica(loop, "one")
-    one.listener.owns = _owns_model("m")
+    one.listener.serves = _serves_model("m")
     publish(loop, front, {"m/": [("127.0.0.1", one.port)]})
     client = _Client(port)
     try:
@@ -187,11 +187,11 @@ def test_a_replica_stopping_while_it_relays_leaves_the_answer_to_the_door(loop):
         front.stop()
 
 
-def test_connections_spread_over_replicas_and_a_busy_replica_answers_503(loop, door):
-    front, port = door
+def test_connections_spread_over_replicas_and_a_busy_replica_answers_503(loop, acceptor):
+    front, port = acceptor
     one, two = Replica(loop, "one"), Replica(loop, "two")
     for replica in (one, two):
-        replica.listener.owns = _owns_model("m")
+        replica.listener.serves = _serves_model("m")
     publish(loop, front, {"m/": [("127.0.0.1", one.port), ("127.0.0.1", two.port)]})
     clients = [_Client(port) for _ in range(4)]
     try:
@@ -208,8 +208,8 @@ def test_connections_spread_over_replicas_and_a_busy_replica_answers_503(loop, d
             client.close()
 
 
-def test_a_replica_that_is_gone_gets_no_connections(loop, door):
-    front, port = door
+def test_a_replica_that_is_gone_gets_no_connections(loop, acceptor):
+    front, port = acceptor
     one = Replica(loop, "one")
     publish(loop, front, {"m/": [("127.0.0.1", one.port), ("127.0.0.1", free_port())]})
     for _ in range(4):  # the second listener does not exist: HAProxy takes those connections
@@ -221,21 +221,21 @@ def test_a_replica_that_is_gone_gets_no_connections(loop, door):
             client.close()
 
 
-def test_connections_take_turns_over_the_replicas(loop, door, monkeypatch):
-    """A replica gives its connection back to the door between two requests once its turn is
-    over: one keep-alive client reaches both replicas (one started later, as after a scale-up)."""
+def test_connections_are_rebalanced_over_the_replicas(loop, acceptor, monkeypatch):
+    """A replica gives its connection back to the acceptor between two requests once it is due to be
+    rebalanced: one keep-alive client reaches both replicas (one started later, as after a scale-up)."""
     from rayinfer.deployments import listener_connection
 
-    monkeypatch.setattr(listener_connection, "_TURN_S", 0.0)
-    front, port = door
+    monkeypatch.setattr(listener_connection, "_REBALANCE_S", 0.0)
+    front, port = acceptor
     one = Replica(loop, "one")
-    one.listener.owns = _owns_model("m")
+    one.listener.serves = _serves_model("m")
     publish(loop, front, {"m/": [("127.0.0.1", one.port)]})
     client = _Client(port)
     try:
         assert client.request("POST", "/v2/models/m/infer")[2].split()[0] == b"one"
         two = Replica(loop, "two")
-        two.listener.owns = _owns_model("m")
+        two.listener.serves = _serves_model("m")
         publish(loop, front, {"m/": [("127.0.0.1", one.port), ("127.0.0.1", two.port)]})
         answered = [client.request("POST", "/v2/models/m/infer")[2].split()[0] for _ in range(6)]
         assert set(answered) == {b"one", b"two"}, answered
@@ -284,15 +284,15 @@ def _raw(port: int, data: bytes) -> tuple[int, dict]:
     (b"GET /v2/health/live HTTP/1.1\r\nhost: x\r\n" + b"".join(b"x-h%d: v\r\n" % i for i in range(100)) + b"\r\n",
      "too many request headers (over 100)"),
 ])
-def test_a_request_head_haproxy_would_refuse_gets_a_json_400(door, data: bytes, reason: str) -> None:
+def test_a_request_head_haproxy_would_refuse_gets_a_json_400(acceptor, data: bytes, reason: str) -> None:
     """HAProxy answers these with an HTML page (HAProxy 2.8 ignores errorfile 400 for parse
-    errors): the door answers them itself, as Triton's errors look."""
-    _, port = door
+    errors): the acceptor answers them itself, as Triton's errors look."""
+    _, port = acceptor
     assert _raw(port, data) == (400, {"error": f"malformed HTTP request: {reason}"})
 
 
-def test_a_request_head_at_haproxys_header_count_passes(door) -> None:
-    _, port = door
+def test_a_request_head_at_haproxys_header_count_passes(acceptor) -> None:
+    _, port = acceptor
     client = _Client(port)
     headers = b"".join(b"x-h%d: v\r\n" % i for i in range(98))  # with host and content-length: 100
     client.sock.sendall(b"GET /v2/health/live HTTP/1.1\r\nhost: x\r\n" + headers + b"content-length: 0\r\n\r\n")
@@ -307,12 +307,12 @@ _OVER_LIMITS = [
 
 
 @pytest.mark.parametrize("extra, reason", _OVER_LIMITS, ids=["large", "many"])
-def test_a_replica_refuses_a_clients_head_over_the_limits(loop, door, extra: bytes, reason: str) -> None:
-    """The door gives a model's request to its replica at its request line; the replica's
+def test_a_replica_refuses_a_clients_head_over_the_limits(loop, acceptor, extra: bytes, reason: str) -> None:
+    """The acceptor gives a model's request to its replica at its request line; the replica's
     listener bounds the rest of the head (httptools would keep a header's value whole)."""
-    front, port = door
+    front, port = acceptor
     one = Replica(loop, "one")
-    one.listener.owns = _owns_model("m")
+    one.listener.serves = _serves_model("m")
     publish(loop, front, {"m/": [("127.0.0.1", one.port)]})
     assert _raw(port, b"POST /v2/models/m/infer HTTP/1.1\r\nhost: x\r\n" + extra + b"\r\n") == (
         400, {"error": f"malformed HTTP request: {reason}"})
@@ -326,10 +326,10 @@ def test_a_replica_refuses_a_clients_head_over_the_limits(loop, door, extra: byt
 
 
 @pytest.mark.parametrize("extra, reason", _OVER_LIMITS, ids=["large", "many"])
-def test_haproxy_refuses_a_later_head_over_the_limits_with_json(door, extra: bytes, reason: str) -> None:
-    """A connection the door gave HAProxy (its first request is no replica's): a later request's
+def test_haproxy_refuses_a_later_head_over_the_limits_with_json(acceptor, extra: bytes, reason: str) -> None:
+    """A connection the acceptor gave HAProxy (its first request is no replica's): a later request's
     head over the limits gets the same JSON 400 from HAProxy, one just under them is served."""
-    _, port = door
+    _, port = acceptor
     client = _Client(port)
     try:
         assert client.request("GET", "/v2/health/live")[0] == 200
@@ -344,12 +344,12 @@ def test_haproxy_refuses_a_later_head_over_the_limits_with_json(door, extra: byt
         client.close()
 
 
-def test_a_refused_head_is_answered_once_and_pipelined_requests_are_not_refused(loop, door) -> None:
+def test_a_refused_head_is_answered_once_and_pipelined_requests_are_not_refused(loop, acceptor) -> None:
     """A head over the header count with a Content-Length over the body limit gets one 400 (the
     head's); requests sent back to back in one write, a large body between them, are served."""
-    front, port = door
+    front, port = acceptor
     one = Replica(loop, "one")
-    one.listener.owns = _owns_model("m")
+    one.listener.serves = _serves_model("m")
     publish(loop, front, {"m/": [("127.0.0.1", one.port)]})
     many = b"".join(b"x-h%d: v\r\n" % i for i in range(101))
     assert _raw(port, b"POST /v2/models/m/infer HTTP/1.1\r\nhost: x\r\n" + many
@@ -372,7 +372,7 @@ def test_a_refused_head_is_answered_once_and_pipelined_requests_are_not_refused(
 
 
 def test_the_doors_connections_send_small_writes_at_once():
-    """The door's connections carry TCP_NODELAY to whoever takes them: HAProxy does not set it on
+    """The acceptor's connections carry TCP_NODELAY to whoever takes them: HAProxy does not set it on
     a connection it is given, and a gRPC answer's frames then waited for the client's delayed
     acknowledgement (about 40 ms a call)."""
     listening = listening_socket("127.0.0.1", 0)

@@ -1,10 +1,10 @@
-"""A model replica's end of the front's door (:mod:`front_door`): the abstract Unix socket, named
-after the replica's listener, over which the door passes clients' HTTP connections. Only a
+"""A model replica's end of the front's acceptor (:mod:`acceptor`): the abstract Unix socket, named
+after the replica's listener, over which the acceptor passes clients' HTTP connections. Only a
 process of the server's own user may open a channel to it (``SO_PEERCRED``).
 
-The door keeps one channel open to each replica it passes connections to; each message carries
+The acceptor keeps one channel open to each replica it passes connections to; each message carries
 one connection (``SCM_RIGHTS``) and says which socket of the front's HAProxy takes the requests
-the replica does not answer, and the route key the door gave it for.
+the replica does not answer, and the route key the acceptor gave it for.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import logging
 import socket
 from collections.abc import Callable
 
-from rayinfer.deployments.front_door import same_user
+from rayinfer.deployments.acceptor import same_user
 
 logger = logging.getLogger(__name__)
 
@@ -22,8 +22,8 @@ logger = logging.getLogger(__name__)
 TakeConnection = Callable[[socket.socket, str, str], None]
 
 
-class ReplicaDoor:
-    """Takes the connections the door passes to ``name`` (:func:`front_door.door_name`) and hands
+class ReplicaHandoff:
+    """Takes the connections the acceptor passes to ``name`` (:func:`acceptor.handoff_name`) and hands
     each to ``take`` on the running event loop."""
 
     def __init__(self, name: str, take: TakeConnection) -> None:
@@ -33,17 +33,17 @@ class ReplicaDoor:
         self._channels: set[socket.socket] = set()
 
     def open(self) -> bool:
-        door = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        acceptor = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
-            door.bind(self.name)
-            door.listen(16)
-        except OSError as exc:  # no door then: the front relays every request, as without one
-            logger.warning("the listener takes no connections from the front's door: %s", exc)
-            door.close()
+            acceptor.bind(self.name)
+            acceptor.listen(16)
+        except OSError as exc:  # no acceptor then: the front relays every request, as without one
+            logger.warning("the listener takes no connections from the front's acceptor: %s", exc)
+            acceptor.close()
             return False
-        door.setblocking(False)
-        self._socket = door
-        asyncio.get_running_loop().add_reader(door, self._accept_channel)
+        acceptor.setblocking(False)
+        self._socket = acceptor
+        asyncio.get_running_loop().add_reader(acceptor, self._accept_channel)
         return True
 
     def stop_accepting(self) -> None:
@@ -66,8 +66,8 @@ class ReplicaDoor:
             channel, _ = self._socket.accept()  # type: ignore[union-attr]
         except OSError:
             return
-        if not same_user(channel):  # only the server's own door passes connections
-            logger.warning("refused a channel to the replica's door from another user's process")
+        if not same_user(channel):  # only the server's own acceptor passes connections
+            logger.warning("refused a channel to the replica's handoff socket from another user's process")
             channel.close()
             return
         channel.setblocking(False)
@@ -81,7 +81,7 @@ class ReplicaDoor:
             return
         except OSError:
             message, fds = b"", []
-        if not message and not fds:  # the door closed the channel
+        if not message and not fds:  # the acceptor closed the channel
             asyncio.get_running_loop().remove_reader(channel)
             self._channels.discard(channel)
             channel.close()
