@@ -10,7 +10,8 @@ not route goes to Serve's ingress on that node, which Serve runs on every node w
 
 :class:`Fronts` is what the route table publishes to: the local front first, then each node's
 front that routes (a node front that does not answer within a few seconds, or whose HAProxy has
-exited, is stopped and started again after :data:`RETRY_S`). Which nodes need a front is looked
+exited, is stopped and started again after a back-off: :data:`RETRY_FIRST_S`, doubled on each
+failure in a row up to :data:`RETRY_MAX_S`). Which nodes need a front is looked
 at in the background after each publication; a new node front is given the routes published
 while it started until it has the latest, and is published to with the others from then on. A node is found by its address: the host of
 the listeners its replicas registered (Ray's node IP address). Nodes sharing one address (Ray
@@ -30,8 +31,10 @@ logger = logging.getLogger(__name__)
 # How long a node front has to start (HAProxy and its acceptor), and to take new routes.
 START_TIMEOUT_S = 30.0
 PUBLISH_TIMEOUT_S = 5.0
-# After a node front failed, how long before it is started again on that node.
-RETRY_S = 30.0
+# After a node front failed, how long before it is started again on that node: the first time,
+# then doubled for each failure in a row (a front that routes again starts the count afresh).
+RETRY_FIRST_S = 2.0
+RETRY_MAX_S = 60.0
 # How often the cluster's nodes are read again (sooner when a replica's address is new).
 _NODES_REFRESH_S = 10.0
 
@@ -97,6 +100,7 @@ class Fronts:
         self._ready: set[str] = set()  # nodes whose front started and took its first routes
         self._starting: dict[str, asyncio.Task] = {}
         self._failed_at: dict[str, float] = {}
+        self._failures: dict[str, int] = {}  # failures in a row, by node
         self._nodes: dict[str, list[str]] = {}
         self._nodes_read_at = float("-inf")
         self._placing: asyncio.Task | None = None
@@ -144,12 +148,13 @@ class Fronts:
             self._stop_node(node, "it runs no model replica now")
         now = time.monotonic()
         for node, ip in wanted.items():
-            if node not in self._actors and now - self._failed_at.get(node, float("-inf")) >= RETRY_S:
+            if node not in self._actors and now - self._failed_at.get(node, float("-inf")) >= self.retry_delay(node):
                 try:
                     self._start_node(node, ip)
-                except Exception:  # noqa: BLE001  # tried again after RETRY_S
+                except Exception:  # noqa: BLE001  # tried again after the back-off
                     logger.exception("could not start the front on node %s (%s)", node, ip)
                     self._failed_at[node] = now
+                    self._failures[node] = self._failures.get(node, 0) + 1
 
     async def _publish_to(self, node: str, routes: dict[str, list[tuple[str, int]]],
                           sequence_keys: frozenset[str], timeout_s: float = PUBLISH_TIMEOUT_S) -> str | None:
@@ -183,6 +188,7 @@ class Fronts:
                     return
             self._starting.pop(node, None)
             self._ready.add(node)
+            self._failures.pop(node, None)
             logger.info("the front on node %s (%s) routes", node, ip)
 
         self._starting[node] = asyncio.get_running_loop().create_task(first_routes())
@@ -190,9 +196,16 @@ class Fronts:
     def _fail(self, node: str, error: str) -> None:
         if node not in self._actors:
             return
-        logger.warning("the front on node %s failed (%s); starting it again in %.0f s", node, error, RETRY_S)
+        self._failures[node] = self._failures.get(node, 0) + 1
+        logger.warning("the front on node %s failed (%s); starting it again in %.0f s", node, error,
+                       self.retry_delay(node))
         self._failed_at[node] = time.monotonic()
         self._stop_node(node, None)
+
+    def retry_delay(self, node: str) -> float:
+        """How long after its last failure ``node``'s front is started again."""
+        failures = self._failures.get(node, 0)
+        return 0.0 if not failures else min(RETRY_FIRST_S * 2 ** (failures - 1), RETRY_MAX_S)
 
     def _stop_node(self, node: str, why: str | None) -> None:
         if why is not None:

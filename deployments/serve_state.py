@@ -16,7 +16,7 @@ from typing import Any
 
 from rayinfer.deployments.names import model_app_name, model_deployment_name
 from rayinfer.deployments.serve_internals import serve_client
-from rayinfer.repository.scanner import scan_repository
+from rayinfer.repository.scanner import RepositoryScan
 from rayinfer.serving.model_control import ModelController
 
 _CACHE_S = 0.5
@@ -137,6 +137,7 @@ class ServeState:
 
     def __init__(self, repository: Path, controller: ModelController) -> None:
         self._repository = Path(repository)
+        self._scan = RepositoryScan(self._repository)
         self._controller = controller
         self._lock = asyncio.Lock()
         self._read_at = 0.0
@@ -181,7 +182,7 @@ class ServeState:
         running: dict[str, int] = {}
         routed_before = {app for app, _ in self.routes.values()}
         deployed = set()
-        for scanned in scan_repository(self._repository):
+        for scanned in self._scan.entries():
             entry = self._controller.entry(scanned.name, scanned)
             if entry.error is not None:
                 rows.append({"name": entry.name, "state": "UNAVAILABLE", "reason": entry.error})

@@ -52,6 +52,43 @@ def scan_repository(repository: Path) -> list[ModelEntry]:
     return entries
 
 
+class RepositoryScan:
+    """:func:`scan_repository` for a caller that reads the repository again and again (the
+    ``/v2`` replica: every 2 s, and on each index request): a model's entry is parsed again only
+    when its folder changed (the modification times of the folder, its config file and its
+    version folders, which a file added to or removed from any of them changes)."""
+
+    def __init__(self, repository: Path) -> None:
+        self.repository = Path(repository)
+        self._entries: dict[str, tuple[tuple, ModelEntry]] = {}
+
+    def entries(self) -> list[ModelEntry]:
+        if not self.repository.is_dir():
+            raise ModelConfigError(f"model repository '{self.repository}' is not a directory")
+        entries = {}
+        for model_dir in sorted(p for p in self.repository.iterdir() if p.is_dir() and not p.name.startswith(".")):
+            try:
+                key = _folder_key(model_dir)
+            except OSError:  # removed meanwhile, or unreadable: scan_model says why
+                key = None
+            cached = self._entries.get(model_dir.name)
+            entry = cached[1] if cached is not None and key is not None and cached[0] == key else scan_model(model_dir)
+            entries[model_dir.name] = (key, entry)
+        self._entries = {name: value for name, value in entries.items() if value[0] is not None}
+        return [entry for _, entry in entries.values()]
+
+
+def _folder_key(model_dir: Path) -> tuple:
+    config = model_dir / CONFIG_FILENAME
+    try:
+        config_stat = config.stat()
+        config_key: tuple = (config_stat.st_mtime_ns, config_stat.st_size, config_stat.st_ino)
+    except FileNotFoundError:
+        config_key = ()
+    versions = tuple(sorted((p.name, p.stat().st_mtime_ns) for p in model_dir.iterdir() if p.is_dir()))
+    return model_dir.stat().st_mtime_ns, config_key, versions
+
+
 def scan_model(model_dir: Path, config_override: str | None = None) -> ModelEntry:
     """Parse one model folder; errors are recorded on the entry, never raised.
 

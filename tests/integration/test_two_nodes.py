@@ -234,7 +234,7 @@ def test_a_node_front_that_dies_is_started_again(server):
     folder = front_folders(server)[THERE_IP]
     os.kill(int((folder / "supervisor.pid").read_text()), signal.SIGKILL)
     wait_until(lambda: not ready(THERE_IP), "the second node's front to stop answering", timeout_s=30)
-    # Started again on the next publication after RETRY_S (30 s).
+    # Started again on the next publication after the first back-off (RETRY_FIRST_S, 2 s).
     wait_until(lambda: ready(THERE_IP), "the second node's front to be started again", timeout_s=90)
     client = httpclient.InferenceServerClient(f"{THERE_IP}:{PORT}")
     np.testing.assert_array_equal(client.infer("simple", add_sub_inputs(A, A)).as_numpy("OUTPUT0"), 2 * A)

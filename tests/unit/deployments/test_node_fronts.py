@@ -117,7 +117,7 @@ def test_a_node_front_routes_only_once_it_has_the_latest_routes(monkeypatch: pyt
     asyncio.run(scenario())
 
 
-def test_a_node_front_that_fails_is_started_again_after_a_while(monkeypatch: pytest.MonkeyPatch):
+def test_a_node_front_that_fails_is_started_again_after_a_back_off(monkeypatch: pytest.MonkeyPatch):
     async def scenario() -> None:
         fronts, actors = _fronts(monkeypatch, {OWN: ["head"], "10.0.0.2": [NODE]})
         routes = {"m/1": [("10.0.0.2", 1)]}
@@ -134,12 +134,26 @@ def test_a_node_front_that_fails_is_started_again_after_a_while(monkeypatch: pyt
         assert actors[0].stopped and NODE not in fronts._actors
         await fronts.publish(routes)
         await asyncio.sleep(0)
-        assert len(actors) == 1  # not before RETRY_S
-        fronts._failed_at[NODE] -= node_fronts.RETRY_S
+        assert len(actors) == 1  # not before the back-off
+        assert fronts.retry_delay(NODE) == node_fronts.RETRY_FIRST_S
+        fronts._failed_at[NODE] -= node_fronts.RETRY_FIRST_S
         await fronts.publish(routes)
         await asyncio.sleep(0)
         assert len(actors) == 2 and NODE in fronts._starting
+        # It fails again before it routes: the back-off doubles, up to RETRY_MAX_S.
+        actors[1].publish = SimpleNamespace(remote=dead)
+        await fronts._starting[NODE]
+        assert NODE not in fronts._actors and fronts.retry_delay(NODE) == 2 * node_fronts.RETRY_FIRST_S
+        fronts._failures[NODE] = 30
+        assert fronts.retry_delay(NODE) == node_fronts.RETRY_MAX_S
+        fronts._failures[NODE] = 1
+        fronts._failed_at[NODE] -= node_fronts.RETRY_FIRST_S
+        await fronts.publish(routes)
+        await asyncio.sleep(0)
+        actors[2].started.set()
+        await fronts._starting[NODE]
+        assert fronts._ready == {NODE} and fronts.retry_delay(NODE) == 0.0  # routing again: the count starts afresh
         fronts.stop()
-        assert actors[1].stopped and fronts.local.running is False
+        assert actors[2].stopped and fronts.local.running is False
 
     asyncio.run(scenario())

@@ -9,7 +9,7 @@ from onnx import TensorProto
 
 from rayinfer.cluster.example_repository import SIMPLE_CONFIG, add_sub_model, write_model
 from rayinfer.protocol.errors import ModelConfigError
-from rayinfer.repository.scanner import scan_model, scan_repository
+from rayinfer.repository.scanner import RepositoryScan, scan_model, scan_repository
 
 
 @pytest.fixture
@@ -84,3 +84,33 @@ def test_gpu_instance_groups_are_servable(tmp_path: Path) -> None:
     write_model(tmp_path, "gpu_model", config, add_sub_model(TensorProto.INT32))
     (entry,) = scan_repository(tmp_path)
     assert entry.error is None and entry.versions == [1]
+
+
+def test_a_repeated_scan_parses_a_model_again_only_when_its_folder_changed(tmp_path: Path, monkeypatch):
+    from rayinfer.repository import scanner
+
+    write_model(tmp_path, "simple", SIMPLE_CONFIG, add_sub_model(TensorProto.INT32))
+    write_model(tmp_path, "other", SIMPLE_CONFIG.replace('name: "simple"', 'name: "other"'),
+                add_sub_model(TensorProto.INT32))
+    parsed: list[str] = []
+    real_scan_model = scanner.scan_model
+    monkeypatch.setattr(scanner, "scan_model", lambda model_dir: parsed.append(model_dir.name) or real_scan_model(model_dir))
+    scan = RepositoryScan(tmp_path)
+    assert [e.name for e in scan.entries()] == ["other", "simple"] and sorted(parsed) == ["other", "simple"]
+    parsed.clear()
+    assert [e.versions for e in scan.entries()] == [[1], [1]] and parsed == []  # nothing changed: nothing parsed
+    # A new version folder, an edited config, a removed model: each read again (or gone).
+    (tmp_path / "simple" / "2").mkdir()
+    (tmp_path / "simple" / "2" / "model.onnx").write_bytes((tmp_path / "simple" / "1" / "model.onnx").read_bytes())
+    config = tmp_path / "other" / "config.pbtxt"
+    config.write_text(config.read_text() + "\nversion_policy: { all { }}\n")
+    entries = {e.name: e for e in scan.entries()}
+    assert sorted(parsed) == ["other", "simple"] and entries["simple"].versions == [2]
+    parsed.clear()
+    (tmp_path / "simple" / "1" / "model.onnx").unlink()  # inside a version folder: that folder's time
+    scan.entries()
+    assert parsed == ["simple"]
+    import shutil
+
+    shutil.rmtree(tmp_path / "other")
+    assert [e.name for e in scan.entries()] == ["simple"]
