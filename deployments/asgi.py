@@ -1,7 +1,8 @@
 """Minimal ASGI plumbing for the v2 endpoints: body reading and JSON/binary responses.
 
-The deployments speak ASGI directly instead of through a web framework: the infer path is the
-hot path, and one dict lookup beats a router.
+A model replica's Serve ingress speaks ASGI directly (its routes are the model's, parsed by
+:func:`~rayinfer.serving.routes.parse_model_route`); the ``/v2`` replica's go through a
+Starlette router (:mod:`v2_http`). Both answer with these helpers.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ The replica wires the ``/v2`` jobs together and supervises what runs beside them
 control and readiness (:mod:`v2_api`, :class:`~rayinfer.serving.model_control.ModelController`),
 Serve's state (:mod:`serve_state`), the front's route table (:mod:`route_table`), the
 statistics store, and the processes and loops it starts (the front, the metrics port, the
-repository poller, route publishing). Its HTTP routes are below, its gRPC methods in
+repository poller, route publishing). Its HTTP routes are in :mod:`v2_http`, its gRPC methods in
 :mod:`grpc_service`.
 """
 
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 from typing import Any
 
 from ray import serve
@@ -28,24 +27,20 @@ from rayinfer.deployments.names import SERVER_APP
 from rayinfer.deployments.route_table import RouteTable
 from rayinfer.deployments.serve_state import ServeState
 from rayinfer.deployments.v2_api import V2Api
+from rayinfer.deployments.v2_http import v2_router
 from rayinfer.protocol import log_settings
-from rayinfer.protocol.errors import InvalidArgError, NotFoundError, ServingError, as_serving_error
+from rayinfer.protocol.errors import ServingError, as_serving_error
 from rayinfer.protocol.restricted_api import parse_restrictions
-from rayinfer.protocol.http_codec import parse_json_body
 from rayinfer.protocol.metrics import MetricsOptions
 from rayinfer.protocol.limits import DEFAULT_MAX_INFLIGHT_REQUESTS
-from rayinfer.protocol.shared_memory import CUDA, Registration, cuda_registration_from_json, registration_from_json
+from rayinfer.protocol.shared_memory import Registration
 from rayinfer.repository.model_config import config_to_json
 from rayinfer.repository.object_store import local_repository
 from rayinfer.serving import response_cache
 from rayinfer.serving.model_control import ModelController
 from rayinfer.serving.trace import parse_update, settings_from_flags
-from rayinfer.serving.routes import UNROUTED_PREFIX, ModelRoute, parse_model_route, parse_repository_route
+from rayinfer.serving.routes import ModelRoute
 
-# The shared memory extensions' routes: (system|cuda, region name or None, action).
-_SHM_ROUTE = re.compile(r"/v2/(system|cuda)sharedmemory(?:/region/([^/]+))?/(status|register|unregister)")
-# The trace extension's routes: the server's settings, or a model's.
-_TRACE_ROUTE = re.compile(r"/v2(?:/models/([^/]+))?/trace/setting")
 # How often the front's routes are compared with the served versions and their replicas.
 _ROUTES_REFRESH_S = 2.0
 
@@ -212,79 +207,9 @@ class ServerDeployment(ServerGrpcMethods):
     # ---- HTTP ---------------------------------------------------------------------------------
 
     def __serve_build_asgi_app__(self) -> Any:
-        return asgi.asgi3(self._asgi)
+        return v2_router(self)  # deployments/v2_http.py
 
-    async def _asgi(self, scope: asgi.Scope, receive: asgi.Receive, send: asgi.Send) -> None:
-        if scope["type"] == "lifespan":
-            await asgi.handle_lifespan(receive, send)
-            return
-        path = scope["path"].rstrip("/")
-        method = scope["method"]
-        api = self._api
-        if path.startswith(UNROUTED_PREFIX + "/"):
-            path = path[len(UNROUTED_PREFIX):]
-        if await asgi.refuse_restricted(send, self._restrictions, path, scope["headers"]):
-            return
-        try:
-            if path == "/v2" and method == "GET":
-                await asgi.send_json(send, 200, api.server_metadata())
-            elif path == "/v2/health/live" and method == "GET":
-                await asgi.send_empty(send, 200)
-            elif path == "/v2/health/ready" and method == "GET":
-                await asgi.send_empty(send, 200 if await api.ready() else 400)
-            elif path == "/v2/repository/index" and method == "POST":
-                options = parse_json_body(await asgi.read_body(receive, self._max_input_size) or b"{}", "repository index")
-                await asgi.send_json(send, 200, await api.index(bool(options.get("ready", False))))
-            elif path == "/v2/logging" and method in ("GET", "POST"):
-                if method == "POST":
-                    doc = parse_json_body(await asgi.read_body(receive, self._max_input_size), "logging")
-                    api.set_log_settings(log_settings.update_from_http(api.log_settings, doc))
-                await asgi.send_json(send, 200, api.log_settings)
-            elif (shm := _SHM_ROUTE.fullmatch(path)) is not None:
-                await self._shared_memory(shm[1], shm[2] or "", shm[3], method, receive, send)
-            elif (trace := _TRACE_ROUTE.fullmatch(path)) is not None and method in ("GET", "POST"):
-                update = parse_update(parse_json_body(await asgi.read_body(receive, self._max_input_size), "trace setting")) \
-                    if method == "POST" else None
-                await asgi.send_json(send, 200, await api.trace_setting(trace[1] or "", update))
-            elif path == "/v2/models/stats" and method == "GET":
-                await asgi.send_json(send, 200, {"model_stats": await api.model_stats("", "")})
-            elif (control := parse_repository_route(path)) is not None and method == "POST":
-                body = await asgi.read_body(receive, self._max_input_size)
-                parameters = (parse_json_body(body, "repository") if body else {}).get("parameters") or {}
-                if not isinstance(parameters, dict):
-                    raise InvalidArgError("'parameters' of a repository request must be a JSON object")
-                await api.change_model(control[1], control[0], parameters)
-                await asgi.send_empty(send, 200)
-            elif (route := parse_model_route(path)) is not None:
-                await self._unrouted_model(route, method, send)
-            else:
-                raise NotFoundError(f"Not Found: {method} {scope['path']}")
-        except Exception as exc:  # every failure answers with Triton's JSON error body
-            await asgi.send_error(send, as_serving_error(exc))
-
-    async def _shared_memory(self, kind: str, name: str, action: str, method: str, receive: asgi.Receive,
-                             send: asgi.Send) -> None:
-        """The system and CUDA shared memory extensions' routes."""
-        if method != ("GET" if action == "status" else "POST"):
-            raise NotFoundError(f"Not Found: {method} /v2/{kind}sharedmemory")
-        if action == "status":
-            await asgi.send_json(send, 200, self._api.shm.status(name, kind))
-        elif action == "register":
-            if not name:
-                raise InvalidArgError(f"'region name' is necessary to register {kind} shared memory region")
-            if kind == CUDA:
-                self._api.require_gpus(name)
-            doc = parse_json_body(await asgi.read_body(receive, self._max_input_size), "register")
-            if kind == CUDA:
-                self._api.shm_register_cuda(name, *cuda_registration_from_json(doc))
-            else:
-                self._api.shm_register(name, *registration_from_json(doc))
-            await asgi.send_empty(send, 200)
-        else:
-            await self._api.shm_unregister(name, kind)
-            await asgi.send_empty(send, 200)
-
-    async def _unrouted_model(self, route: ModelRoute, method: str, send: asgi.Send) -> None:
+    async def unrouted_model(self, route: ModelRoute, method: str, send: asgi.Send) -> None:
         """A model route the front had no replica for: the model is unknown, unavailable or still
         loading (Triton's "not ready" at once), or its replicas run but are not registered with
         the front yet (answered through a deployment handle, as over gRPC)."""

@@ -18,7 +18,6 @@ MODELS_PREFIX = "/v2/models/"
 # The front puts this before the path of a model GET it has no replica for, which sends it to
 # the ``/v2`` application (Serve would send it to the model's application while that exists).
 UNROUTED_PREFIX = "/v2/unrouted"
-REPOSITORY_PREFIX = "/v2/repository/models/"
 # Actions under a model route ("" is the model's metadata).
 MODEL_ACTIONS = frozenset({"", "ready", "config", "stats", "infer"})
 
@@ -68,17 +67,6 @@ def front_routed(method: str, path: str) -> ModelRoute | None:
     if route is None or (method == "POST") != (route.action == "infer"):
         return None
     return route
-
-
-def parse_repository_route(path: str) -> tuple[str, str] | None:
-    """(model, "load" or "unload") of ``/v2/repository/models/<model>/{load,unload}`` (a decoded
-    path), else None."""
-    if not path.startswith(REPOSITORY_PREFIX):
-        return None
-    model, _, action = path[len(REPOSITORY_PREFIX):].rstrip("/").rpartition("/")
-    if not model or "/" in model or action not in ("load", "unload"):
-        return None
-    return model, action
 
 
 def keep_request_headers(headers: list[tuple[bytes, bytes]]) -> dict[bytes, bytes]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rayinfer.serving.routes import ModelRoute, keep_request_headers, parse_model_route, parse_repository_route
+from rayinfer.serving.routes import ModelRoute, keep_request_headers, parse_model_route
 
 
 @pytest.mark.parametrize("path, route", [
@@ -37,14 +37,6 @@ def test_model_names_are_decoded_only_in_paths_as_sent() -> None:
 ])
 def test_paths_that_are_not_model_routes(path: str) -> None:
     assert parse_model_route(path) is None
-
-
-def test_repository_routes() -> None:
-    assert parse_repository_route("/v2/repository/models/simple/load") == ("simple", "load")
-    assert parse_repository_route("/v2/repository/models/simple/unload/") == ("simple", "unload")
-    assert parse_repository_route("/v2/repository/models/simple/delete") is None
-    assert parse_repository_route("/v2/repository/models/a/b/load") is None
-    assert parse_repository_route("/v2/repository/models/load") is None
 
 
 def test_only_the_headers_the_core_reads_are_kept() -> None:
