@@ -3,7 +3,7 @@
 Serve runs a gRPC server in every ingress replica (registered through :data:`SERVICER_FUNCTION`)
 and calls the replica's method named after the RPC. The front (:mod:`front`) relays the model
 RPCs it can route straight to a replica of the model version (its own listener, not Serve's gRPC
-server); everything else reaches the ``/v2`` application, whose :class:`ServerGrpcMethods` are
+server); everything else reaches the ``/v2`` application, whose :class:`GrpcInferenceService` is
 below: server RPCs answered by :class:`~rayinfer.deployments.v2_api.V2Api`, model RPCs the front
 could not route forwarded to the model's replicas by
 :class:`~rayinfer.deployments.model_forwarder.ModelForwarder`.
@@ -161,19 +161,53 @@ async def answer(grpc_context: Any, call: Awaitable[Any], empty: type) -> Any:
         return empty()
 
 
-class ServerGrpcMethods:
-    """The RPCs of the ``/v2`` application (a base of ServerDeployment, which sets ``_api`` and
-    ``_forwarder``).
+# The RPCs of GRPCInferenceService, by name.
+RPC_NAMES = frozenset(m.name for m in pb.DESCRIPTOR.services_by_name[_SERVICE_NAME.rpartition(".")[2]].methods)
+
+
+class GrpcInferenceService:
+    """The RPCs of the ``/v2`` application: ServerDeployment holds one and hands Serve its
+    checked RPCs (:meth:`rpc`) by name.
 
     Model RPCs arrive here only when the front could not route them to a replica of the model
     (unknown or unavailable model, a compressed message, a stream, no running replica registered
     yet): they are answered with Triton's error or forwarded by deployment handle.
     """
 
-    _api: V2Api
-    _forwarder: ModelForwarder
-    # --http-restricted-api and --grpc-restricted-protocol, checked again on every call
-    _restrictions: tuple[Restrictions, Restrictions] | None = None
+    def __init__(self, api: V2Api, forwarder: ModelForwarder,
+                 restrictions: tuple[Restrictions, Restrictions] | None = None) -> None:
+        """``restrictions``: --http-restricted-api and --grpc-restricted-protocol, checked again
+        on every call."""
+        self._api = api
+        self._forwarder = forwarder
+        self._restrictions = restrictions
+        self._rpcs = {name: self._checked(name) for name in RPC_NAMES}
+
+    def rpc(self, name: str) -> Callable[..., Any]:
+        """The RPC ``name`` as Serve calls it: a unary RPC first refuses a restricted call
+        without its header (UNAVAILABLE) and a request that did not parse (Triton's INTERNAL
+        "Unable to parse request"); ModelStreamInfer checks each message itself."""
+        return self._rpcs[name]
+
+    def _checked(self, name: str) -> Callable[..., Any]:
+        method = getattr(self, name)
+        descriptor = pb.DESCRIPTOR.services_by_name[_SERVICE_NAME.rpartition(".")[2]].methods_by_name[name]
+        if descriptor.client_streaming:
+            return method
+        takes_context = "grpc_context" in inspect.signature(method).parameters
+        empty = getattr(pb, descriptor.output_type.name)
+
+        async def checked(request: Any, grpc_context: Any = None) -> Any:
+            if restricted(self._restrictions, name, grpc_context):
+                return empty()
+            if isinstance(request, Unparsable):
+                set_error(grpc_context, InternalError(UNPARSABLE_REQUEST))
+                return empty()
+            return await (method(request, grpc_context) if takes_context else method(request))
+
+        checked.__name__ = checked.__qualname__ = name
+        checked.__doc__ = method.__doc__
+        return checked
 
     # ---- server ---------------------------------------------------------------------------
 
@@ -373,34 +407,6 @@ class ServerGrpcMethods:
             kind = {bool: "bool_param", int: "uint32_param", str: "string_param"}[type(value)]
             setattr(response.settings[key], kind, value)
         return response
-
-
-def _refusing_unparsable(cls: type) -> type:
-    """Every unary RPC of ``cls`` answers an :class:`Unparsable` request with Triton's INTERNAL
-    "Unable to parse request" (ModelStreamInfer answers each such message in the stream)."""
-    for method in pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].methods:
-        rpc = cls.__dict__.get(method.name)
-        if rpc is None or method.client_streaming:
-            continue
-        takes_context = "grpc_context" in inspect.signature(rpc).parameters
-        empty = getattr(pb, method.output_type.name)
-
-        async def checked(self: Any, request: Any, grpc_context: Any = None, *, _rpc: Any = rpc,
-                          _takes_context: bool = takes_context, _empty: type = empty) -> Any:
-            if restricted(self._restrictions, _rpc.__name__, grpc_context):
-                return _empty()
-            if isinstance(request, Unparsable):
-                set_error(grpc_context, InternalError(UNPARSABLE_REQUEST))
-                return _empty()
-            return await (_rpc(self, request, grpc_context) if _takes_context else _rpc(self, request))
-
-        checked.__name__ = checked.__qualname__ = method.name
-        checked.__doc__ = rpc.__doc__
-        setattr(cls, method.name, checked)
-    return cls
-
-
-ServerGrpcMethods = _refusing_unparsable(ServerGrpcMethods)
 
 
 async def _map(call: Awaitable[Any], convert: Callable[[Any], Any]) -> Any:

@@ -20,7 +20,7 @@ from tritonclient.grpc import service_pb2 as pb
 from rayinfer.deployments import asgi
 from rayinfer.deployments.control import ModelControl, ServeDeployer
 from rayinfer.deployments.front_config import TlsSettings
-from rayinfer.deployments.grpc_service import ServerGrpcMethods, loopback_port, want_loopback_port
+from rayinfer.deployments.grpc_service import RPC_NAMES, GrpcInferenceService, loopback_port, want_loopback_port
 from rayinfer.deployments.metrics_endpoint import MetricsEndpoint
 from rayinfer.deployments.model_forwarder import ModelForwarder
 from rayinfer.deployments.names import SERVER_APP
@@ -49,7 +49,7 @@ logger = logging.getLogger(__name__)
 
 @serve.deployment(name="ServerDeployment")
 @serve.ingress()
-class ServerDeployment(ServerGrpcMethods):
+class ServerDeployment:
     """Serves the server-wide v2 endpoints (HTTP and gRPC); holds the statistics reported by
     model replicas; runs the metrics port, the front and the repository poller when asked to."""
 
@@ -112,6 +112,7 @@ class ServerDeployment(ServerGrpcMethods):
             response_cache.clear(response_cache.default_root())
             self._api.cache_size_bytes = control.cache_size_bytes
         self._forwarder = ModelForwarder(self._api)
+        self._grpc = GrpcInferenceService(self._api, self._forwarder, self._restrictions)
         self._api.on_unload.append(self._forwarder.forget)
         loop = asyncio.get_running_loop()
         self._tasks: list[asyncio.Task] = []
@@ -123,6 +124,13 @@ class ServerDeployment(ServerGrpcMethods):
         if metrics is not None:
             self._metrics = MetricsEndpoint(self._api.render_metrics, metrics)
             self._metrics.start()
+
+    def __getattr__(self, name: str) -> Any:
+        """Serve's gRPC ingress calls the deployment's method named after the RPC: the
+        service's (:class:`~rayinfer.deployments.grpc_service.GrpcInferenceService`)."""
+        if name in RPC_NAMES and "_grpc" in self.__dict__:
+            return self._grpc.rpc(name)
+        raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
 
     def reconfigure(self, user_config: dict[str, Any]) -> None:
         """``load_errors``: models whose start-up load failed, with the reason (set by the CLI)."""
@@ -216,7 +224,7 @@ class ServerDeployment(ServerGrpcMethods):
         name, version = route.model, route.version
         routed = method == "GET" and route.action != "infer" and await self._forwarder.route(name, version) is not None
         if route.action == "ready" and method == "GET":
-            answer = await self.ModelReady(pb.ModelReadyRequest(name=name, version=version)) if routed else None
+            answer = await self._grpc.ModelReady(pb.ModelReadyRequest(name=name, version=version)) if routed else None
             await asgi.send_empty(send, 200 if answer is not None and answer.ready else 400)
         elif not routed:
             raise await self._api.unavailable_model(name, version or None)

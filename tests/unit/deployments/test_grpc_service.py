@@ -108,21 +108,20 @@ class _Context:
         self.details = details
 
 
-class _Restricted(grpc_service.ServerGrpcMethods):
+def _restricted() -> grpc_service.GrpcInferenceService:
     """The /v2 replica's RPCs with statistics and inference restricted over gRPC."""
+    from rayinfer.protocol.restricted_api import parse_restrictions
 
-    def __init__(self) -> None:
-        from rayinfer.protocol.restricted_api import parse_restrictions
-
-        self._restrictions = ({}, parse_restrictions(["statistics,inference:key=v"], "--grpc-restricted-protocol"))
+    return grpc_service.GrpcInferenceService(
+        None, None, ({}, parse_restrictions(["statistics,inference:key=v"], "--grpc-restricted-protocol")))  # type: ignore[arg-type]
 
 
 def test_serves_grpc_ingress_refuses_a_restricted_call_without_its_header():
     """Calls that reach the /v2 replica through Serve's gRPC ingress, not the front, are
     checked as the front checks them: UNAVAILABLE and Triton's message, the call not run."""
-    server = _Restricted()
+    service = _restricted()
     context = _Context([("application", "rayinfer")])
-    answer = asyncio.run(server.ModelStatistics(pb.ModelStatisticsRequest(name="simple"), context))
+    answer = asyncio.run(service.rpc("ModelStatistics")(pb.ModelStatisticsRequest(name="simple"), context))
     assert answer == pb.ModelStatisticsResponse()
     assert context.code == grpc.StatusCode.UNAVAILABLE
     assert context.details == "This protocol is restricted, expecting header 'triton-grpc-protocol-key'"
@@ -132,7 +131,7 @@ def test_serves_grpc_ingress_refuses_a_restricted_call_without_its_header():
             yield pb.ModelInferRequest(model_name="simple")
 
         context = _Context([("triton-grpc-protocol-key", "wrong")])
-        responses = [r async for r in server.ModelStreamInfer(requests(), context)]
+        responses = [r async for r in service.rpc("ModelStreamInfer")(requests(), context)]
         return [responses, context.code]
 
     assert asyncio.run(stream()) == [[], grpc.StatusCode.UNAVAILABLE]
@@ -140,8 +139,24 @@ def test_serves_grpc_ingress_refuses_a_restricted_call_without_its_header():
 
 def test_serves_grpc_ingress_answers_an_unrestricted_call():
     context = _Context([])
-    assert asyncio.run(_Restricted().ServerLive(pb.ServerLiveRequest(), context)).live
+    assert asyncio.run(_restricted().rpc("ServerLive")(pb.ServerLiveRequest(), context)).live
     assert context.code is None
+
+
+def test_every_rpc_is_handed_to_serve_by_name_with_the_context_it_takes():
+    """Serve calls the deployment's method named after the RPC and passes ``grpc_context`` when
+    the method's signature names it: every RPC of the service is there, and a unary one answers a
+    message that did not parse with Triton's INTERNAL."""
+    import inspect
+
+    service = _restricted()
+    assert grpc_service.RPC_NAMES == {m.name for m in pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].methods}
+    for name in grpc_service.RPC_NAMES:
+        rpc = service.rpc(name)
+        assert rpc.__name__ == name and "grpc_context" in inspect.signature(rpc).parameters
+    context = _Context([])
+    assert asyncio.run(service.rpc("ServerMetadata")(grpc_service.Unparsable(), context)) == pb.ServerMetadataResponse()
+    assert (context.code, context.details) == (grpc.StatusCode.INTERNAL, "Unable to parse request")
 
 
 def test_the_servicer_gets_a_marker_for_a_message_that_does_not_parse():
