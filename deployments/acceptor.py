@@ -35,11 +35,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import re
 import selectors
 import socket
-import struct
 import threading
 import time
 from pathlib import Path
@@ -48,6 +46,7 @@ import httptools
 
 from rayinfer.protocol.grpc_wire import INCOMPLETE, NOT_DIRECT_RPCS, PREFACE, ROUTED_RPCS, first_call, settings
 from rayinfer.protocol.limits import HEAD_TOO_LARGE, MAX_REQUEST_HEAD_BYTES, MAX_REQUEST_HEADERS, TOO_MANY_HEADERS, bad_head_answer
+from rayinfer.serving.handoff import RELAY_SOCKETS, SPLICE, handoff_name, return_name, same_user
 from rayinfer.serving.routes import front_routed
 
 logger = logging.getLogger(__name__)
@@ -69,44 +68,10 @@ _REFUSED_FOR_S = 2.0
 # A replica that gave its connections back because it stops gets none for this long (its route
 # goes within about 2 s).
 _STOPPING_S = 30.0
-# A replica that stops while it relays a request hands the client's connection and HAProxy's to
-# the acceptor with this message, then what HAProxy answered so far: the acceptor copies the rest.
-SPLICE = b"splice\n"
-# The Unix sockets (in the front's folder) of HAProxy's HTTP and gRPC frontends: the
-# connections the acceptor passes HAProxy arrive on the first (HAProxy's socket pair is relayed to
-# it), the requests replicas relay on the others (:data:`RELAY_SOCKETS`). A replica has read
-# and checked the head of each request it relays (as the acceptor checks a connection's first), so
-# HAProxy does not count the two headers a relay adds against the client's limits.
-RELAY_SOCKET = "relay.sock"
-REPLICA_RELAY_SOCKET = "replica-relay.sock"
-GRPC_RELAY_SOCKET = "grpc-relay.sock"
-RELAY_SOCKETS = {"http": REPLICA_RELAY_SOCKET, "grpc": GRPC_RELAY_SOCKET}
 # An HTTP/1.x request line, as leniently as HAProxy reads one (a token, a target, the version).
 _REQUEST_LINE = re.compile(rb"[-!#$%&'*+.^_`|~0-9A-Za-z]+ +[^ ]+ +HTTP/1\.\d *")
 # HAProxy's environment variables holding the descriptors of its ends of the socket pairs.
 HANDOFF_FD_VARIABLES = {"http": "RAYINFER_ACCEPTOR_FD", "grpc": "RAYINFER_GRPC_ACCEPTOR_FD"}
-
-
-def handoff_name(host: str, port: int) -> str:
-    """The abstract Unix socket a replica whose listener is ``host``:``port`` takes connections on."""
-    return f"\0rayinfer-acceptor-{host}-{port}"
-
-
-def same_user(channel: socket.socket) -> bool:
-    """Whether the process at the other end of a Unix socket runs as this one's user
-    (``SO_PEERCRED``): the acceptor's abstract sockets take connections and messages only from the
-    server's own processes, as a filesystem socket with mode 0600 would."""
-    try:
-        _, uid, _ = struct.unpack("3i", channel.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
-    except OSError:
-        return False
-    return uid == os.getuid()
-
-
-def return_name(folder_name: str) -> str:
-    """The abstract Unix socket the acceptor of the front whose folder is named ``folder_name``
-    takes connections back on."""
-    return f"\0rayinfer-acceptor-back-{folder_name}"
 
 
 class _RequestTarget:
@@ -451,31 +416,6 @@ def _splice(client: socket.socket, upstream: socket.socket, first: bytes) -> Non
                 client.sendall(data)
         except OSError:
             pass  # the client or HAProxy went away: both connections close
-
-
-def returned(replica: str, stopping: bool) -> bytes:
-    """The message with connections a replica (its acceptor name) gives back; ``stopping``: it
-    takes no more."""
-    return f"{'stopping' if stopping else 'turn'} {replica}".encode()
-
-
-def give_back(folder_name: str, connections: list[int], message: bytes) -> bool:
-    """Give connections (descriptors of this process, not closed here) back to the acceptor of the
-    front whose folder is named ``folder_name``, with ``message`` (:func:`returned`, or
-    :data:`SPLICE` with the client's connection and HAProxy's)."""
-    if not connections:
-        return True
-    try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as channel:
-            channel.settimeout(1.0)
-            channel.connect(return_name(folder_name))
-            if not same_user(channel):  # another user's process holds the name: not the acceptor
-                return False
-            for start in range(0, len(connections), 16):
-                socket.send_fds(channel, [message], connections[start:start + 16])
-        return True
-    except OSError:
-        return False
 
 
 def listening_socket(address: str, port: int) -> socket.socket:

@@ -32,7 +32,7 @@ from rayinfer.deployments.bls_client import ReplicaBlsClient
 from rayinfer.deployments.ensemble_members import EnsembleMembers, load_ensemble
 from rayinfer.deployments.control_channel import SEQUENCE_SLOTS, SHM_FORGET, TRACE_SETTINGS, ControlMessage
 from rayinfer.deployments.names import SERVER_APP, SERVER_DEPLOYMENT
-from rayinfer.deployments.replica_listener import ReplicaListener
+from rayinfer.serving.replica_listener import ReplicaListener
 from rayinfer.protocol import log_settings
 from rayinfer.protocol.errors import NotFoundError, ServingError, UnavailableError, UnsupportedError, as_serving_error
 from rayinfer.protocol.http_codec import parse_json_body

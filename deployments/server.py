@@ -215,7 +215,7 @@ class ServerDeployment:
     # ---- HTTP ---------------------------------------------------------------------------------
 
     def __serve_build_asgi_app__(self) -> Any:
-        return v2_router(self)  # deployments/v2_http.py
+        return v2_router(self._api, self._max_input_size, self._restrictions, self.unrouted_model)  # deployments/v2_http.py
 
     async def unrouted_model(self, route: ModelRoute, method: str, send: asgi.Send) -> None:
         """A model route the front had no replica for: the model is unknown, unavailable or still

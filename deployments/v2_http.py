@@ -28,7 +28,9 @@ from rayinfer.serving.routes import UNROUTED_PREFIX, parse_model_route
 from rayinfer.serving.trace import parse_update
 
 if TYPE_CHECKING:
-    from rayinfer.deployments.server import ServerDeployment
+    from rayinfer.deployments.v2_api import V2Api
+    from rayinfer.protocol.restricted_api import Restrictions
+    from rayinfer.serving.routes import ModelRoute
 
 Handler = Callable[[asgi.Scope, asgi.Receive, asgi.Send], Awaitable[None]]
 # The scope key keeping the path as the client sent it (for the 404 message).
@@ -56,10 +58,12 @@ class _Endpoint:
             await asgi.send_error(send, as_serving_error(exc))
 
 
-def v2_router(server: ServerDeployment) -> Callable[[asgi.Scope, asgi.Receive, asgi.Send], Awaitable[None]]:
-    """The ASGI app of the ``/v2`` replica's HTTP routes."""
-    api = server._api
-    limit = server._max_input_size
+def v2_router(api: V2Api, limit: int, restrictions: tuple[Restrictions, Restrictions] | None,
+              unrouted_model: Callable[[ModelRoute, str, asgi.Send], Awaitable[None]],
+              ) -> Callable[[asgi.Scope, asgi.Receive, asgi.Send], Awaitable[None]]:
+    """The ASGI app of the ``/v2`` replica's HTTP routes: ``api``'s operations, request bodies up
+    to ``limit`` bytes, ``restrictions`` (--http-restricted-api, --grpc-restricted-protocol),
+    and ``unrouted_model`` answering a model route the front had no replica for."""
 
     async def body(receive: asgi.Receive, what: str, empty: bytes = b"") -> dict[str, Any]:
         return parse_json_body(await asgi.read_body(receive, limit) or empty, what)
@@ -104,7 +108,7 @@ def v2_router(server: ServerDeployment) -> Callable[[asgi.Scope, asgi.Receive, a
         route = parse_model_route(scope["path"])
         if route is None:
             raise _not_found(scope)
-        await server.unrouted_model(route, scope["method"], send)
+        await unrouted_model(route, scope["method"], send)
 
     def shared_memory(kind: str, action: str) -> _Endpoint:
         async def handle(scope, receive, send) -> None:
@@ -165,7 +169,7 @@ def v2_router(server: ServerDeployment) -> Callable[[asgi.Scope, asgi.Receive, a
         path = scope["path"].rstrip("/")
         if path.startswith(UNROUTED_PREFIX + "/"):  # the front's way to this app for a model route
             path = path[len(UNROUTED_PREFIX):]
-        if await asgi.refuse_restricted(send, server._restrictions, path, scope["headers"]):
+        if await asgi.refuse_restricted(send, restrictions, path, scope["headers"]):
             return
         # The path as routed here, from the root (Serve's route prefix is not taken off).
         await router({**scope, "path": path, "root_path": "", _SENT_PATH: scope["path"]}, receive, send)

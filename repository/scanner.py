@@ -65,16 +65,16 @@ class RepositoryScan:
     def entries(self) -> list[ModelEntry]:
         if not self.repository.is_dir():
             raise ModelConfigError(f"model repository '{self.repository}' is not a directory")
-        entries = {}
+        entries: dict[str, tuple[tuple | None, ModelEntry]] = {}
         for model_dir in sorted(p for p in self.repository.iterdir() if p.is_dir() and not p.name.startswith(".")):
             try:
-                key = _folder_key(model_dir)
+                key: tuple | None = _folder_key(model_dir)
             except OSError:  # removed meanwhile, or unreadable: scan_model says why
                 key = None
             cached = self._entries.get(model_dir.name)
             entry = cached[1] if cached is not None and key is not None and cached[0] == key else scan_model(model_dir)
             entries[model_dir.name] = (key, entry)
-        self._entries = {name: value for name, value in entries.items() if value[0] is not None}
+        self._entries = {name: (key, entry) for name, (key, entry) in entries.items() if key is not None}
         return [entry for _, entry in entries.values()]
 
 

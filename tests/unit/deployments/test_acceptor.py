@@ -224,7 +224,7 @@ def test_a_replica_that_is_gone_gets_no_connections(loop, acceptor):
 def test_connections_are_rebalanced_over_the_replicas(loop, acceptor, monkeypatch):
     """A replica gives its connection back to the acceptor between two requests once it is due to be
     rebalanced: one keep-alive client reaches both replicas (one started later, as after a scale-up)."""
-    from rayinfer.deployments import listener_connection
+    from rayinfer.serving import listener_connection
 
     monkeypatch.setattr(listener_connection, "_REBALANCE_S", 0.0)
     front, port = acceptor
@@ -244,7 +244,7 @@ def test_connections_are_rebalanced_over_the_replicas(loop, acceptor, monkeypatc
 
 
 def test_a_relay_the_front_does_not_answer_is_a_502(loop, tmp_path):
-    from rayinfer.deployments.client_relay import RelayedRequest
+    from rayinfer.serving.client_relay import RelayedRequest
 
     class Sink:  # what the relay writes to the client's connection
         written = b""

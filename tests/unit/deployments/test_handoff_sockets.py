@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from rayinfer.deployments.acceptor import Acceptor, give_back, return_name, returned, same_user
-from rayinfer.deployments.replica_handoff import ReplicaHandoff
+from rayinfer.deployments.acceptor import Acceptor
+from rayinfer.serving.handoff import ReplicaHandoff, give_back, return_name, returned, same_user
 from waiting import wait_until
 
 pytestmark = pytest.mark.skipif(os.getuid() != 0, reason="needs root to start a process as another user")

@@ -79,7 +79,7 @@ def _call(app, method: str, path: str, body: bytes = b"") -> tuple[int, bytes]:
 @pytest.fixture
 def served() -> tuple[Any, _Server]:
     server = _Server()
-    return v2_router(server), server  # type: ignore[arg-type]  # the router reads these attributes
+    return v2_router(server._api, server._max_input_size, None, server.unrouted_model), server  # type: ignore[arg-type]
 
 
 def test_each_route_reaches_its_operation(served):

@@ -12,7 +12,7 @@ from onnx import TensorProto
 
 from rayinfer.adapters.loader import load_runner
 from rayinfer.cluster.example_repository import SIMPLE_CONFIG, SIMPLE_STRING_CONFIG, add_sub_model, write_model
-from rayinfer.deployments.replica_listener import ReplicaListener
+from rayinfer.serving.replica_listener import ReplicaListener
 from rayinfer.protocol.errors import Code, ServingError, UnavailableError
 from rayinfer.protocol.listener_client import ListenerClient
 from rayinfer.protocol.types import InferInput, InferRequest, RequestedOutput

@@ -18,7 +18,7 @@ import os
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from rayinfer.deployments import acceptor
+from rayinfer.serving import handoff
 
 # Headers of a client's request not copied when it is relayed.
 _HOP_HEADERS = {b"connection", b"keep-alive", b"content-length", b"transfer-encoding", b"expect", b"te", b"upgrade"}
@@ -136,7 +136,7 @@ class RelayedRequest:
         upstream.transport.pause_reading()
         fds = [os.dup(client_fd), os.dup(sock.fileno())]
         try:
-            given = acceptor.give_back(folder_name, fds, acceptor.SPLICE + bytes(upstream.buffer))
+            given = handoff.give_back(folder_name, fds, handoff.SPLICE + bytes(upstream.buffer))
         finally:
             for fd in fds:
                 os.close(fd)

@@ -36,9 +36,9 @@ from typing import Any
 
 import httptools
 
-from rayinfer.deployments import acceptor
-from rayinfer.deployments.client_relay import RelayedRequest
-from rayinfer.deployments.listener_responses import StreamedResponse, grpc_error, http_response
+from rayinfer.serving import handoff
+from rayinfer.serving.client_relay import RelayedRequest
+from rayinfer.serving.listener_responses import StreamedResponse, grpc_error, http_response
 from rayinfer.protocol.http_codec import error_response
 from rayinfer.protocol.limits import (
     GRPC_MAX_MESSAGE_SIZE,
@@ -210,8 +210,8 @@ class ListenerConnection(asyncio.Protocol):
         transport.pause_reading()
         fd = os.dup(sock.fileno())
         try:
-            given = acceptor.give_back(self._folder_name(), [fd],
-                                         acceptor.returned(self._listener.handoff_name, self._listener.closing))
+            given = handoff.give_back(self._folder_name(), [fd],
+                                         handoff.returned(self._listener.handoff_name, self._listener.closing))
         finally:
             os.close(fd)
         if not given:

@@ -14,7 +14,7 @@ HAProxy's gRPC socket (stream 1 there), which routes it as it routes a stream fr
 HAProxy's flow-control window allows (the client's own window is given back only as they go, so
 a stream never holds more than its window here), and HAProxy's answers come down to the client's
 connection (:class:`RelayedStreams`, the part of
-:class:`~rayinfer.deployments.replica_h2.H2Connection` that sends them), whose windows pace them
+:class:`~rayinfer.serving.replica_h2.H2Connection` that sends them), whose windows pace them
 (HAProxy's window is given back as they reach the client). Header blocks are decoded on one side
 and sent on as literals on the other. A stream HAProxy refuses, resets or whose connection ends
 before its status ends for the client with UNAVAILABLE and a message saying so.
@@ -63,15 +63,19 @@ class RelayedStreams:
     _release: Callable[[Any, int], None]  # bytes a call held are freed (H2Connection's)
     give_window: Callable[[Any], None]  # a call's window given back (H2Connection's)
 
+    def _current(self, call: Any) -> bool:
+        """Whether ``call`` is still the connection's call of its stream."""
+        return self._calls.get(call.id) is call
+
     def relay_sent(self, call: Any, size: int) -> None:
         """``size`` bytes of the client's went up: the client may send as many more."""
         self._release(call, size)
         call.unacked += size
-        if call.unacked >= self._client_window // 2 and self._calls.get(call.id) is call:
+        if call.unacked >= self._client_window // 2 and self._current(call):
             self.give_window(call)
 
     def relay_headers(self, call: Any, block: bytes) -> None:
-        if self._calls.get(call.id) is call:
+        if self._current(call):
             call.answering = True
             self._write(header_frames(call.id, block, False, self._max_frame))
 
@@ -89,7 +93,7 @@ class RelayedStreams:
 
     def _flush_relayed(self, call: Any) -> None:
         """Send what the windows allow of a relayed stream's answers (its trailers after them)."""
-        if self._calls.get(call.id) is not call or self._transport is None:
+        if not self._current(call) or self._transport is None:
             return
         out, sent = [], 0
         while call.out and min(self._send_window, call.window) > 0:

@@ -31,11 +31,11 @@ import os
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 
-from rayinfer.deployments import acceptor
-from rayinfer.deployments.listener_connection import SERVICE_PATH, ListenerConnection
-from rayinfer.deployments.listener_responses import StreamedResponse, grpc_error, grpc_response, http_response
-from rayinfer.deployments.replica_handoff import ReplicaHandoff
-from rayinfer.deployments.replica_h2 import H2Connection
+from rayinfer.serving import handoff
+from rayinfer.serving.listener_connection import SERVICE_PATH, ListenerConnection
+from rayinfer.serving.listener_responses import StreamedResponse, grpc_error, grpc_response, http_response
+from rayinfer.serving.handoff import ReplicaHandoff
+from rayinfer.serving.replica_h2 import H2Connection
 from rayinfer.protocol.errors import NotFoundError, UnavailableError
 from rayinfer.protocol.grpc_wire import SERVICE, unframe
 from rayinfer.protocol.http_codec import error_response
@@ -102,7 +102,7 @@ class ReplicaListener:
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(lambda: ListenerConnection(self), host, 0, reuse_address=True)
         self.port = self._server.sockets[0].getsockname()[1]
-        self.handoff_name = acceptor.handoff_name(host, self.port)
+        self.handoff_name = handoff.handoff_name(host, self.port)
         self._handoff = ReplicaHandoff(self.handoff_name, self._take_connection)
         self._handoff.open()
         return self.port
@@ -110,14 +110,14 @@ class ReplicaListener:
     def _take_connection(self, client: socket.socket, relay: str, key: str) -> None:
         """A client's connection from the front's acceptor (:mod:`replica_handoff`)."""
         if self.closing:
-            acceptor.give_back(os.path.basename(os.path.dirname(relay)), [client.fileno()],
-                                 acceptor.returned(self.handoff_name, True))
+            handoff.give_back(os.path.basename(os.path.dirname(relay)), [client.fileno()],
+                                 handoff.returned(self.handoff_name, True))
             client.close()
             return
         client.setblocking(False)
         loop = asyncio.get_running_loop()
         # gRPC's connections (HTTP/2) relay to HAProxy's gRPC socket, HTTP/1.1's to its HTTP one.
-        if os.path.basename(relay) == acceptor.GRPC_RELAY_SOCKET:
+        if os.path.basename(relay) == handoff.GRPC_RELAY_SOCKET:
             connection: Callable[[], asyncio.Protocol] = lambda: H2Connection(self, (relay, key))
         else:
             connection = lambda: ListenerConnection(self, (relay, key))

@@ -42,8 +42,8 @@ from typing import Any
 import hpack
 from hyperframe.exceptions import HyperframeError, InvalidFrameError
 
-from rayinfer.deployments.client_relay import relay_grpc
-from rayinfer.deployments.h2_stream_relay import RelayedStreams, StreamRelay
+from rayinfer.serving.client_relay import relay_grpc
+from rayinfer.serving.h2_stream_relay import RelayedStreams, StreamRelay
 from rayinfer.protocol.errors import UnavailableError
 from rayinfer.protocol.grpc_wire import (
     ACK, CONTINUATION, DATA, DEFAULT_FRAME_SIZE, DEFAULT_WINDOW, END_HEADERS, END_STREAM, ENHANCE_YOUR_CALM,
@@ -103,7 +103,7 @@ class H2Connection(RelayedStreams, asyncio.Protocol):
     gets more window: the others hold at most their stream window each."""
 
     def __init__(self, listener: Any, direct: tuple[str, str]) -> None:
-        """``listener``: the replica's :class:`~rayinfer.deployments.replica_listener.ReplicaListener`."""
+        """``listener``: the replica's :class:`~rayinfer.serving.replica_listener.ReplicaListener`."""
         self._listener = listener
         self._limits: ConnectionLimits = listener.limits
         self._relay, self._key = direct
@@ -114,7 +114,7 @@ class H2Connection(RelayedStreams, asyncio.Protocol):
         self._calls: dict[int, _Call] = {}  # open calls: read, or being answered
         self._sending: dict[int, _Call] = {}  # of those, answers waiting for window, and relayed streams
         # A header block in CONTINUATIONs: (stream, flags of its HEADERS, fragments, bytes, started at).
-        self._block: tuple[int, int, list[bytes], int, float] | None = None
+        self._block: tuple[int, bool, list[bytes], int, float] | None = None
         self._highest = 0  # the largest stream id the client opened
         self._last_taken = MAX_WINDOW  # calls above this id are not taken (a GOAWAY named it)
         self._going = 0  # 0 serving, 1 first GOAWAY and PING sent, 2 last GOAWAY sent

@@ -1,0 +1,157 @@
+"""The handoff of client connections between the front's acceptor and model replicas.
+
+The acceptor (:mod:`rayinfer.deployments.acceptor`) passes a client's connection to the replica
+whose listener will read it (``SCM_RIGHTS`` over an abstract Unix socket named after the
+listener: :func:`handoff_name`, :class:`ReplicaHandoff`); a replica gives connections back to the
+acceptor between two requests and when it stops (:func:`give_back` to :func:`return_name`).
+Every channel is checked to come from the server's own user (``SO_PEERCRED``: :func:`same_user`),
+as a filesystem socket with mode 0600 would be.
+
+A replica's end: the acceptor keeps one channel open to each replica it passes connections to;
+each message carries one connection and says which socket of the front's HAProxy takes the
+requests the replica does not answer, and the route key the acceptor gave it for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import struct
+from collections.abc import Callable
+
+logger = logging.getLogger(__name__)
+
+# A replica that stops while it relays a request hands the client's connection and HAProxy's to
+# the acceptor with this message, then what HAProxy answered so far: the acceptor copies the rest.
+SPLICE = b"splice\n"
+# The Unix sockets (in the front's folder) of HAProxy's HTTP and gRPC frontends: the
+# connections the acceptor passes HAProxy arrive on the first (HAProxy's socket pair is relayed to
+# it), the requests replicas relay on the others (:data:`RELAY_SOCKETS`). A replica has read
+# and checked the head of each request it relays (as the acceptor checks a connection's first), so
+# HAProxy does not count the two headers a relay adds against the client's limits.
+RELAY_SOCKET = "relay.sock"
+REPLICA_RELAY_SOCKET = "replica-relay.sock"
+GRPC_RELAY_SOCKET = "grpc-relay.sock"
+RELAY_SOCKETS = {"http": REPLICA_RELAY_SOCKET, "grpc": GRPC_RELAY_SOCKET}
+
+
+def handoff_name(host: str, port: int) -> str:
+    """The abstract Unix socket a replica whose listener is ``host``:``port`` takes connections on."""
+    return f"\0rayinfer-acceptor-{host}-{port}"
+
+
+def same_user(channel: socket.socket) -> bool:
+    """Whether the process at the other end of a Unix socket runs as this one's user
+    (``SO_PEERCRED``): the acceptor's abstract sockets take connections and messages only from the
+    server's own processes, as a filesystem socket with mode 0600 would."""
+    try:
+        _, uid, _ = struct.unpack("3i", channel.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    except OSError:
+        return False
+    return uid == os.getuid()
+
+
+def return_name(folder_name: str) -> str:
+    """The abstract Unix socket the acceptor of the front whose folder is named ``folder_name``
+    takes connections back on."""
+    return f"\0rayinfer-acceptor-back-{folder_name}"
+
+
+def returned(replica: str, stopping: bool) -> bytes:
+    """The message with connections a replica (its acceptor name) gives back; ``stopping``: it
+    takes no more."""
+    return f"{'stopping' if stopping else 'turn'} {replica}".encode()
+
+
+def give_back(folder_name: str, connections: list[int], message: bytes) -> bool:
+    """Give connections (descriptors of this process, not closed here) back to the acceptor of the
+    front whose folder is named ``folder_name``, with ``message`` (:func:`returned`, or
+    :data:`SPLICE` with the client's connection and HAProxy's)."""
+    if not connections:
+        return True
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as channel:
+            channel.settimeout(1.0)
+            channel.connect(return_name(folder_name))
+            if not same_user(channel):  # another user's process holds the name: not the acceptor
+                return False
+            for start in range(0, len(connections), 16):
+                socket.send_fds(channel, [message], connections[start:start + 16])
+        return True
+    except OSError:
+        return False
+
+
+# (the client's connection, HAProxy's Unix socket for relayed requests, the route key)
+TakeConnection = Callable[[socket.socket, str, str], None]
+
+
+class ReplicaHandoff:
+    """Takes the connections the acceptor passes to ``name`` (:func:`handoff_name`) and hands
+    each to ``take`` on the running event loop."""
+
+    def __init__(self, name: str, take: TakeConnection) -> None:
+        self.name = name
+        self._take = take
+        self._socket: socket.socket | None = None
+        self._channels: set[socket.socket] = set()
+
+    def open(self) -> bool:
+        listening = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            listening.bind(self.name)
+            listening.listen(16)
+        except OSError as exc:  # no handoff then: the front relays every request, as without one
+            logger.warning("the listener takes no connections from the front's acceptor: %s", exc)
+            listening.close()
+            return False
+        listening.setblocking(False)
+        self._socket = listening
+        asyncio.get_running_loop().add_reader(listening, self._accept_channel)
+        return True
+
+    def stop_accepting(self) -> None:
+        """No new channels (the replica stops); those open still deliver."""
+        if self._socket is not None:
+            asyncio.get_running_loop().remove_reader(self._socket)
+            self._socket.close()
+            self._socket = None
+
+    def close(self) -> None:
+        self.stop_accepting()
+        loop = asyncio.get_running_loop()
+        for channel in self._channels:
+            loop.remove_reader(channel)
+            channel.close()
+        self._channels.clear()
+
+    def _accept_channel(self) -> None:
+        try:
+            channel, _ = self._socket.accept()  # type: ignore[union-attr]
+        except OSError:
+            return
+        if not same_user(channel):  # only the server's own listening passes connections
+            logger.warning("refused a channel to the replica's handoff socket from another user's process")
+            channel.close()
+            return
+        channel.setblocking(False)
+        self._channels.add(channel)
+        asyncio.get_running_loop().add_reader(channel, self._receive, channel)
+
+    def _receive(self, channel: socket.socket) -> None:
+        try:
+            message, fds, _, _ = socket.recv_fds(channel, 4096, 4)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            message, fds = b"", []
+        if not message and not fds:  # the listening closed the channel
+            asyncio.get_running_loop().remove_reader(channel)
+            self._channels.discard(channel)
+            channel.close()
+            return
+        relay, _, key = message.decode("utf-8", "replace").partition("\n")
+        for fd in fds:
+            self._take(socket.socket(fileno=fd), relay, key)
