@@ -132,7 +132,7 @@ class ReplicaHandoff:
             channel, _ = self._socket.accept()  # type: ignore[union-attr]
         except OSError:
             return
-        if not same_user(channel):  # only the server's own listening passes connections
+        if not same_user(channel):  # only the server's own acceptor passes connections
             logger.warning("refused a channel to the replica's handoff socket from another user's process")
             channel.close()
             return
