@@ -147,7 +147,7 @@ class ReplicaHandoff:
             return
         except OSError:
             message, fds = b"", []
-        if not message and not fds:  # the listening closed the channel
+        if not message and not fds:  # the acceptor closed the channel
             asyncio.get_running_loop().remove_reader(channel)
             self._channels.discard(channel)
             channel.close()
