@@ -12,6 +12,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -258,14 +259,34 @@ class ReadinessWatch(threading.Thread):
 
 
 def stop_server(proc: subprocess.Popen) -> None:
-    """SIGINT (rayinfer stops Serve and its embedded Ray), SIGKILL to the group if that hangs."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=90)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    """SIGINT (rayinfer stops Serve and its embedded Ray), SIGKILL to the group if that hangs.
+    Nothing the server started may outlive it: every process under it is gone within 10 s of its
+    exit (else they are killed and this fails, naming them)."""
+    from rayinfer.cluster.cli import _alive, descendants
+
+    if proc.poll() is not None:
+        return
+    tree = descendants(proc.pid)
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=90)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        return
+    deadline = time.monotonic() + 10
+    while (left := [p for p in tree if _alive(p)]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if left:
+        names = []
+        for pid, _ in left:
+            try:
+                command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+                names.append(f"{pid} {command[:80]}")
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        pytest.fail(f"processes of the server outlived it: {names}")
 
 
 # The session server's process, so that a test needing a Ray cluster of its own can stop it
