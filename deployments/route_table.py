@@ -99,7 +99,8 @@ class RouteTable:
         async with self._lock:
             await self._state.refresh()
             try:
-                routes = self._routes(await self._not_running())
+                routes = {key: listeners for key, listeners in self._routes(await self._not_running()).items()
+                          if key.split("/", 1)[0] not in self._withdrawn}  # models being unloaded
                 await self._tell_slots()
                 await self._front.publish(routes, frozenset(
                     key for key, (app, _) in self._state.routes.items() if key in routes and app in self._slots))
@@ -109,8 +110,9 @@ class RouteTable:
     @contextlib.asynccontextmanager
     async def withdrawn(self, model: str) -> AsyncIterator[None]:
         """Stop routing every version of ``model`` for the duration of the block (its unload):
-        no publication runs meanwhile, so none can route it again while Serve still reports it
-        running; Serve is read afresh afterwards."""
+        publications meanwhile leave it out, so none routes it again while Serve still reports it
+        running (other models' publications, and other unloads, go on); Serve is read afresh
+        afterwards."""
         async with self._lock:
             self._withdrawn.add(model)
             self._state.forget_routes(model)
@@ -120,11 +122,11 @@ class RouteTable:
                     await self._front.publish(routes, self._front.sequence_keys)
                 except Exception:  # the /v2 app answers what the front still routes to a removed app
                     logger.exception("could not withdraw '%s' from the front's routes", model)
-            try:
-                yield
-            finally:
-                self._withdrawn.discard(model)
-                self._state.invalidate()
+        try:
+            yield
+        finally:
+            self._withdrawn.discard(model)
+            self._state.invalidate()
 
     async def wait_routed(self, *models: str, timeout_s: float = 15.0) -> None:
         """Wait (a little) until the front routes every served version of ``models``."""

@@ -10,9 +10,10 @@ runs model control (load, unload, polling) through the
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +59,41 @@ CUDA_EXTENSION = "cuda_shared_memory"
 _GPU_COUNT_TTL_S = 10.0
 
 
+class ModelControlLock:
+    """Model control's exclusion: a load (or a poll's changes) runs alone; unloads of different
+    models run together (each waits for its Serve applications to go, seconds each), one at a
+    time per model."""
+
+    def __init__(self) -> None:
+        self._changed = asyncio.Condition()
+        self._loading = False
+        self._unloading: set[str] = set()
+
+    @contextlib.asynccontextmanager
+    async def loading(self) -> AsyncIterator[None]:
+        async with self._changed:
+            await self._changed.wait_for(lambda: not self._loading and not self._unloading)
+            self._loading = True
+        try:
+            yield
+        finally:
+            async with self._changed:
+                self._loading = False
+                self._changed.notify_all()
+
+    @contextlib.asynccontextmanager
+    async def unloading(self, model: str) -> AsyncIterator[None]:
+        async with self._changed:
+            await self._changed.wait_for(lambda: not self._loading and model not in self._unloading)
+            self._unloading.add(model)
+        try:
+            yield
+        finally:
+            async with self._changed:
+                self._unloading.discard(model)
+                self._changed.notify_all()
+
+
 class V2Api:
     """What the ``/v2`` endpoints answer, over Serve's state, model control, the front's route
     table and the statistics store."""
@@ -72,7 +108,7 @@ class V2Api:
         self.routes = routes
         self.statistics = StatisticsStore()
         self._poll_secs = poll_secs
-        self._control_lock = asyncio.Lock()
+        self._control = ModelControlLock()
         # Called with a model's name once it is unloaded (to drop what was kept for it).
         self.on_unload: list[Callable[[str], None]] = []
         # The logging extension's settings; model replicas take them when they register.
@@ -260,22 +296,23 @@ class V2Api:
         load, when the front routes it."""
         if not self.controller.explicit:
             raise UnavailableError("explicit model load / unload is not allowed if polling is enabled")
-        async with self._control_lock:
-            if action == "load":
+        if action == "load":
+            async with self._control.loading():
                 try:
                     await asyncio.to_thread(self.controller.load, model, parameters)
                 finally:
                     self.state.invalidate()
                 await self.routes.wait_routed(model)
-            else:
-                self.startup_pending.discard(model)  # unloaded before it was ever served
-                await self._unload(model)
-                if _truthy(parameters.get("unload_dependents")):  # an ensemble's members too
-                    self.state.invalidate()
-                    await self.state.refresh()
-                    served = sorted(self.state.deployed)
-                    for member in await asyncio.to_thread(self.controller.dependents_to_unload, model, served):
-                        await self._unload(member)
+            return
+        async with self._control.unloading(model):
+            self.startup_pending.discard(model)  # unloaded before it was ever served
+            await self._unload(model)
+            if _truthy(parameters.get("unload_dependents")):  # an ensemble's members too
+                self.state.invalidate()
+                await self.state.refresh()
+                served = sorted(self.state.deployed)
+                for member in await asyncio.to_thread(self.controller.dependents_to_unload, model, served):
+                    await self._unload(member)
 
     async def _unload(self, model: str) -> None:
         """Take the model out of the front's routes, then remove its applications."""
@@ -298,7 +335,7 @@ class V2Api:
                     plan = PollPlan(current)
                     continue
                 to_load, to_unload = plan.step(current)
-                async with self._control_lock:
+                async with self._control.loading():  # the poll's unloads and loads, as one
                     for model in to_unload:
                         logger.info("poll: model '%s' was removed; unloading it", model)
                         await self._unload(model)

@@ -22,11 +22,16 @@ from waiting import wait_until
 
 @pytest.fixture(scope="module", autouse=True)
 def ensembles(server):
-    """The ensembles and their members, unloaded when this module ends."""
+    """The ensembles and their members, unloaded when this module ends (all at once: the server
+    runs unloads of different models together)."""
     yield
-    client = httpclient.InferenceServerClient(server["url"], network_timeout=600.0)
-    for model in ENSEMBLE_MODELS:
-        client.unload_model(model)
+
+    def unload(model: str) -> None:
+        with httpclient.InferenceServerClient(server["url"], network_timeout=600.0) as client:
+            client.unload_model(model)
+
+    with concurrent.futures.ThreadPoolExecutor(len(ENSEMBLE_MODELS)) as pool:
+        list(pool.map(unload, ENSEMBLE_MODELS))
 
 
 def ints(module, **arrays: np.ndarray) -> list:
