@@ -311,8 +311,8 @@ class V2Api:
                 self.state.invalidate()
                 await self.state.refresh()
                 served = sorted(self.state.deployed)
-                for member in await asyncio.to_thread(self.controller.dependents_to_unload, model, served):
-                    await self._unload(member)
+                members = await asyncio.to_thread(self.controller.dependents_to_unload, model, served)
+                await asyncio.gather(*(self._unload(member) for member in members))  # together
 
     async def _unload(self, model: str) -> None:
         """Take the model out of the front's routes, then remove its applications."""
