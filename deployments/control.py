@@ -211,9 +211,8 @@ def deploy_models(
     """Deploy (or update) one application per model version and wait for them; returns
     {model: reason} for models that failed, whose applications are removed again.
 
-    Ensembles are deployed with their members, all at once: an ensemble's replica waits for its
-    members as it loads (it checks its steps against their configs as served), so their starts
-    overlap. An ensemble whose member failed fails with that reason (and is removed)."""
+    Ensembles are deployed after their members (an ensemble checks its steps against its
+    members' configs as it loads); one whose member failed is not deployed."""
     overrides = config_overrides or {}
     models = list(dict.fromkeys(v[0] for v in versions))
     folder = local_repository(model_repository, models)  # an s3:// repository: these models' copies
@@ -223,17 +222,14 @@ def deploy_models(
         members[model] = member_names(config) if config is not None else []
     waves, cycle = dependency_waves(members)
     failures = {m: f"ensemble '{m}' depends on itself through its steps' models ({', '.join(cycle)})" for m in cycle}
-    wanted = [v for v in versions if v[0] not in failures]
-    failures.update(_deploy_wave(model_repository, folder, wanted, control, overrides))
-    for wave in waves:  # members first: a nested ensemble's reason names the member that failed
+    for wave in waves:
         for model in wave:
             failed = [n for n in members[model] if n in failures]
             if failed:
-                if model not in failures:  # loaded before its member failed: removed as a failed load is
-                    for name in model_apps(model, serve_applications()):
-                        serve.delete(name, _blocking=True)
                 failures[model] = (f"ensemble '{model}' depends on '{failed[0]}', which failed to load: "
                                    f"{failures[failed[0]]}")
+        wanted = [v for v in versions if v[0] in wave and v[0] not in failures]
+        failures.update(_deploy_wave(model_repository, folder, wanted, control, overrides))
     return failures
 
 

@@ -36,10 +36,9 @@ from rayinfer.serving.ensemble import EnsembleExecutor
 logger = logging.getLogger(__name__)
 
 _ROUTE_TTL_S = 1.0
-# How long a loading ensemble waits for a member that is still loading (a Serve config, and
-# ``rayinfer serve`` at start, deploy every application at once): as long as a start may take
-# (--startup-timeout-s' default). A member that fails ends the wait at once, with its error.
-MEMBER_WAIT_S = 600.0
+# How long a loading ensemble waits for a member that is still loading (a Serve config deploys
+# all applications at once; ``rayinfer serve`` deploys members first).
+MEMBER_WAIT_S = 120.0
 
 
 class EnsembleMembers:
