@@ -62,7 +62,7 @@ def return_name(folder_name: str) -> str:
 def returned(replica: str, stopping: bool) -> bytes:
     """The message with connections a replica (its acceptor name) gives back; ``stopping``: it
     takes no more."""
-    return f"{'stopping' if stopping else 'turn'} {replica}".encode()
+    return f"{'stopping' if stopping else 'rebalance'} {replica}".encode()
 
 
 def give_back(folder_name: str, connections: list[int], message: bytes) -> bool:
