@@ -33,6 +33,7 @@ from rayinfer.cluster.settings import (
     repository_source,
     response_cache_bytes,
 )
+from rayinfer.cluster.processes import descendants, stop_processes
 from rayinfer.cluster.tritonserver_flags import OneLineErrorParser, add_unsupported_flags
 from rayinfer.deployments.names import parse_bool
 from rayinfer.protocol import log_settings
@@ -352,57 +353,6 @@ def serve(settings: ServerSettings) -> int:
             ray.shutdown()
             stop_processes(ours)
     return 0
-
-
-def descendants(pid: int) -> list[tuple[int, str]]:
-    """(PID, start time) of every process under ``pid``, read from /proc."""
-    children: dict[int, list[tuple[int, str]]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as stat:
-                fields = stat.read().rpartition(")")[2].split()
-        except OSError:  # gone meanwhile
-            continue
-        children.setdefault(int(fields[1]), []).append((int(entry), fields[19]))
-    found, parents = [], [pid]
-    while parents:
-        for child in children.get(parents.pop(), []):
-            found.append(child)
-            parents.append(child[0])
-    return found
-
-
-def _alive(process: tuple[int, str]) -> bool:
-    """Whether the process still runs (the same one: its start time, not a reused PID)."""
-    try:
-        with open(f"/proc/{process[0]}/stat") as stat:
-            fields = stat.read().rpartition(")")[2].split()
-    except OSError:
-        return False
-    return fields[19] == process[1] and fields[0] != "Z"
-
-
-def stop_processes(processes: list[tuple[int, str]], grace_s: float = 3.0) -> None:
-    """SIGTERM to those of ``processes`` still running (Ray's dashboard and runtime-env agents
-    outlive their raylet by a while after ``ray.shutdown()``), SIGKILL to any left after
-    ``grace_s``."""
-    import time
-
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        left = [p for p in processes if _alive(p)]
-        for pid, _ in left:
-            try:
-                os.kill(pid, sig)
-            except OSError:
-                pass
-        deadline = time.monotonic() + grace_s
-        while left and time.monotonic() < deadline:
-            time.sleep(0.05)  # polled: they are not this process's children once reparented
-            left = [p for p in left if _alive(p)]
-        if not left:
-            return
 
 
 def startup_entries(settings: ServerSettings, entries: list[ModelEntry]) -> list[ModelEntry]:

@@ -115,7 +115,7 @@ class ControlChannel:
             box.arrived.clear()
             try:
                 await asyncio.wait_for(box.arrived.wait(), wait_s)
-            except asyncio.TimeoutError:
+            except asyncio.TimeoutError:  # none came: the replica polls again
                 pass
         return self.epoch, list(box.pending)
 
@@ -141,6 +141,3 @@ class ControlChannel:
         box = self._boxes.pop(replica, None)
         if box is not None:
             box.close()
-
-    def replicas(self) -> list[str]:
-        return sorted(self._boxes)

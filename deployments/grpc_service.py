@@ -46,6 +46,7 @@ logger = logging.getLogger(__name__)
 
 SERVICER_FUNCTION = "rayinfer.deployments.grpc_service.add_servicer_to_server"
 _SERVICE_NAME = "inference.GRPCInferenceService"
+_SERVICE_DESCRIPTOR = pb.DESCRIPTOR.services_by_name[_SERVICE_NAME.rpartition(".")[2]]
 # Responses of a stream computed ahead of the one being sent (they are still sent in order).
 _STREAM_WINDOW = 64
 # The front's own way to the ``/v2`` replica's gRPC server (:func:`want_loopback_port`): asked
@@ -121,7 +122,7 @@ def _method_handlers(servicer: Any) -> dict[str, grpc.RpcMethodHandler]:
     the service's descriptor) with :func:`_lenient` request deserializers: Serve's gRPC server
     keeps a handler's deserializer when it takes the call over."""
     handlers = {}
-    for method in pb.DESCRIPTOR.services_by_name[_SERVICE_NAME.rpartition(".")[2]].methods:
+    for method in _SERVICE_DESCRIPTOR.methods:
         request, response = getattr(pb, method.input_type.name), getattr(pb, method.output_type.name)
         kind = _HANDLER_KINDS[(method.client_streaming, method.server_streaming)]
         handlers[method.name] = kind(getattr(servicer, method.name), request_deserializer=_lenient(request.FromString),
@@ -162,7 +163,7 @@ async def answer(grpc_context: Any, call: Awaitable[Any], empty: type) -> Any:
 
 
 # The RPCs of GRPCInferenceService, by name.
-RPC_NAMES = frozenset(m.name for m in pb.DESCRIPTOR.services_by_name[_SERVICE_NAME.rpartition(".")[2]].methods)
+RPC_NAMES = frozenset(_SERVICE_DESCRIPTOR.methods_by_name)
 
 
 class GrpcInferenceService:
@@ -191,7 +192,7 @@ class GrpcInferenceService:
 
     def _checked(self, name: str) -> Callable[..., Any]:
         method = getattr(self, name)
-        descriptor = pb.DESCRIPTOR.services_by_name[_SERVICE_NAME.rpartition(".")[2]].methods_by_name[name]
+        descriptor = _SERVICE_DESCRIPTOR.methods_by_name[name]
         if descriptor.client_streaming:
             return method
         takes_context = "grpc_context" in inspect.signature(method).parameters

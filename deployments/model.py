@@ -313,6 +313,7 @@ class ModelDeployment:
                 answer_epoch, messages = await self._server_handle().control_poll.remote(self._replica_key, epoch, acked)
             except Exception as exc:  # the server app may not be deployed (yet), or restarts
                 logger.debug("could not poll the control channel: %s", exc)
+                # Tried again as registration is: what was missed meanwhile comes with it.
                 await asyncio.sleep(_LISTENER_REGISTER_INTERVAL_S)
                 continue
             if answer_epoch != epoch:

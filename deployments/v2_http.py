@@ -111,7 +111,11 @@ def v2_router(api: V2Api, limit: int, restrictions: tuple[Restrictions, Restrict
         await unrouted_model(route, scope["method"], send)
 
     def shared_memory(kind: str, action: str) -> _Endpoint:
+        method = "GET" if action == "status" else "POST"
+
         async def handle(scope, receive, send) -> None:
+            if scope["method"] != method:  # Triton's message names the extension, not the path
+                raise NotFoundError(f"Not Found: {scope['method']} /v2/{kind}sharedmemory")
             name = scope["path_params"].get("name", "")
             if action == "status":
                 await asgi.send_json(send, 200, api.shm.status(name, kind))
@@ -130,15 +134,7 @@ def v2_router(api: V2Api, limit: int, restrictions: tuple[Restrictions, Restrict
                 await api.shm_unregister(name, kind)
                 await asgi.send_empty(send, 200)
 
-        async def refuse(scope, receive, send) -> None:  # Triton's message names the extension
-            raise NotFoundError(f"Not Found: {scope['method']} /v2/{kind}sharedmemory")
-
-        method = "GET" if action == "status" else "POST"
-
-        async def checked(scope, receive, send) -> None:
-            await (handle if scope["method"] == method else refuse)(scope, receive, send)
-
-        return _Endpoint(checked)
+        return _Endpoint(handle)
 
     routes = [
         Route("/v2", _Endpoint(metadata, ("GET",))),

@@ -43,13 +43,7 @@ class ModelEntry:
 
 def scan_repository(repository: Path) -> list[ModelEntry]:
     """Read every ``<repository>/<model>/`` folder; raises only if the repository itself is missing."""
-    repository = Path(repository)
-    if not repository.is_dir():
-        raise ModelConfigError(f"model repository '{repository}' is not a directory")
-    entries = []
-    for model_dir in sorted(p for p in repository.iterdir() if p.is_dir() and not p.name.startswith(".")):
-        entries.append(scan_model(model_dir))
-    return entries
+    return RepositoryScan(repository).entries()
 
 
 class RepositoryScan:

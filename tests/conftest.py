@@ -12,7 +12,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -262,7 +261,7 @@ def stop_server(proc: subprocess.Popen) -> None:
     """SIGINT (rayinfer stops Serve and its embedded Ray), SIGKILL to the group if that hangs.
     Nothing the server started may outlive it: every process under it is gone within 10 s of its
     exit (else they are killed and this fails, naming them)."""
-    from rayinfer.cluster.cli import _alive, descendants
+    from rayinfer.cluster.processes import alive, descendants
 
     if proc.poll() is not None:
         return
@@ -274,9 +273,11 @@ def stop_server(proc: subprocess.Popen) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
         return
-    deadline = time.monotonic() + 10
-    while (left := [p for p in tree if _alive(p)]) and time.monotonic() < deadline:
-        time.sleep(0.1)
+    try:
+        wait_until(lambda: not any(alive(p) for p in tree), "the server's processes to exit", timeout_s=10)
+        return
+    except WaitTimeout:
+        left = [p for p in tree if alive(p)]
     if left:
         names = []
         for pid, _ in left:

@@ -8,7 +8,7 @@ import signal
 import subprocess
 import sys
 
-from rayinfer.cluster.cli import _alive, descendants, stop_processes
+from rayinfer.cluster.processes import alive, descendants, stop_processes
 
 
 def test_descendants_are_found_and_stopped_even_one_that_ignores_sigterm():
@@ -23,10 +23,10 @@ def test_descendants_are_found_and_stopped_even_one_that_ignores_sigterm():
         mine = descendants(os.getpid())  # (this test session's other children are left alone)
         assert child.pid in {pid for pid, _ in mine}
         tree = [p for p in mine if p[0] == child.pid] + descendants(child.pid)
-        assert len(tree) == 2 and all(_alive(p) for p in tree)
+        assert len(tree) == 2 and all(alive(p) for p in tree)
         stop_processes(tree, grace_s=0.5)
         child.wait(timeout=5)
-        assert not [p for p in tree if p[0] != child.pid and _alive(p)]
+        assert not [p for p in tree if p[0] != child.pid and alive(p)]
     finally:
         if child.poll() is None:
             child.send_signal(signal.SIGKILL)
@@ -34,4 +34,4 @@ def test_descendants_are_found_and_stopped_even_one_that_ignores_sigterm():
 
 
 def test_a_reused_pid_is_not_a_survivor():
-    assert not _alive((os.getpid(), "0"))  # another start time: not the process recorded
+    assert not alive((os.getpid(), "0"))  # another start time: not the process recorded

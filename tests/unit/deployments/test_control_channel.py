@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 
 from rayinfer.deployments import control_channel
+from waiting import wait_until_async
 from rayinfer.deployments.control_channel import (
     SHM_FORGET,
     TRACE_SETTINGS,
@@ -45,8 +46,7 @@ def test_a_send_returns_once_every_polling_replica_took_it_and_names_the_others(
         # It takes the message when it polls at last.
         c: list[ControlMessage] = []
         pollers.append(asyncio.create_task(_replica(channel, "c", c)))
-        await asyncio.sleep(0.05)
-        assert c == [message]
+        await wait_until_async(lambda: c == [message], "the late replica to take the message")
         for poller in pollers:
             poller.cancel()
 

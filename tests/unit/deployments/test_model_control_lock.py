@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 
 from rayinfer.deployments.v2_api import ModelControlLock
+from waiting import wait_until_async
 
 
 def test_unloads_run_together_and_a_load_waits_for_them():
@@ -20,7 +21,7 @@ def test_unloads_run_together_and_a_load_waits_for_them():
             async with lock.unloading(model):
                 running.add(model)
                 most = max(most, len(running))
-                await asyncio.sleep(0.05)
+                await asyncio.sleep(0.05)  # the unload's work, long enough for the others to start
                 running.discard(model)
                 order.append(f"unloaded {model}")
 
@@ -30,7 +31,7 @@ def test_unloads_run_together_and_a_load_waits_for_them():
                 order.append(f"loaded {model}")
 
         unloads = [asyncio.create_task(unload(m)) for m in ("a", "b", "c")]
-        await asyncio.sleep(0.01)
+        await wait_until_async(lambda: len(running) == 3, "the three unloads to run together")
         await asyncio.gather(load("d"), *unloads)
         assert most == 3 and order[-1] == "loaded d"
         # The same model twice: one after the other.
