@@ -6,7 +6,8 @@
 
 Installs the Triton anchor (../shared/anchors/triton/setup) if missing, builds the anchor's MLP
 weights, then alternates the two servers on loopback inside a private network namespace,
-running NVIDIA's perf_analyzer over HTTP and gRPC at each concurrency (batch 1 per request),
+running NVIDIA's perf_analyzer over HTTP and gRPC at each concurrency (batch 1 per request; with
+``--protocols grpc-stream``, gRPC with every client's requests on one stream),
 with dynamic batching on (the anchor's ``mlp_onnx``, unmodified) and off (``mlp_onnx_nobatch``:
 the same model and config without ``dynamic_batching``), and on the anchor's Python model
 ``identity_fp32``, the same model.py in both servers (``--batching python``). Triton serves the anchor's python-backend
@@ -168,9 +169,10 @@ def without_batching(config: str, name: str) -> str:
     return changed
 
 
-# Both servers: HTTP on the port base, gRPC on base + 1, metrics on base + 2.
-PROTOCOL_PORT_OFFSET = {"http": 0, "grpc": 1}
-PROTOCOL_NAMES = {"http": "HTTP", "grpc": "gRPC"}
+# Both servers: HTTP on the port base, gRPC on base + 1, metrics on base + 2. "grpc-stream":
+# perf_analyzer's --streaming (every request of a client on one ModelStreamInfer stream).
+PROTOCOL_PORT_OFFSET = {"http": 0, "grpc": 1, "grpc-stream": 1}
+PROTOCOL_NAMES = {"http": "HTTP", "grpc": "gRPC", "grpc-stream": "gRPC stream"}
 
 
 def execution_counts(base_port: int, model: str) -> tuple[int, int]:
@@ -184,7 +186,8 @@ def perf_analyzer_command(base_port: int, model: str, protocol: str, concurrency
                           stability_percentage: int = 25, max_trials: int = 10) -> list[str]:
     port = base_port + PROTOCOL_PORT_OFFSET[protocol]
     return [
-        str(ANCHORS / "triton" / "perf_analyzer"), "-m", model, "-u", f"127.0.0.1:{port}", "-i", protocol,
+        str(ANCHORS / "triton" / "perf_analyzer"), "-m", model, "-u", f"127.0.0.1:{port}",
+        "-i", protocol.partition("-")[0], *(["--streaming"] if protocol == "grpc-stream" else []),
         "--concurrency-range", f"{concurrency}:{concurrency}", "--measurement-interval", str(interval_ms),
         "--stability-percentage", str(stability_percentage), "--max-trials", str(max_trials),
     ]
@@ -378,7 +381,7 @@ def write_doc(section: str, path: Path, marks: tuple[str, str] = (MARK_BEGIN, MA
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--concurrency", default="1,2,4,8,16,32")
-    parser.add_argument("--protocols", default="http,grpc")
+    parser.add_argument("--protocols", default="http,grpc", help="http, grpc, grpc-stream")
     parser.add_argument("--batching", default="on,off,python",
                         help="on, off (the MLP with and without dynamic batching), python (identity_fp32)")
     parser.add_argument("--rounds", type=int, default=3)

@@ -44,7 +44,7 @@ from pathlib import Path
 
 import httptools
 
-from rayinfer.protocol.grpc_wire import INCOMPLETE, NOT_DIRECT_RPCS, PREFACE, ROUTED_RPCS, first_call, settings
+from rayinfer.protocol.grpc_wire import INCOMPLETE, NOT_DIRECT_RPCS, PREFACE, ROUTED_RPCS, STREAM_RPC, first_call, settings
 from rayinfer.protocol.limits import HEAD_TOO_LARGE, MAX_REQUEST_HEAD_BYTES, MAX_REQUEST_HEADERS, TOO_MANY_HEADERS, bad_head_answer
 from rayinfer.serving.handoff import RELAY_SOCKETS, SPLICE, handoff_name, return_name, same_user
 from rayinfer.serving.routes import front_routed
@@ -108,14 +108,17 @@ def route_key(request: bytes) -> str | None:
 
 def grpc_route_key(head: bytes) -> str | None:
     """``<model>/<version>`` of a gRPC connection's first call (its first bytes ``head``) that is
-    a model RPC, "" for another unary call of the service a replica relays, None for a connection
-    HAProxy takes (a stream, a model load or unload, another service, a compressed message, not
-    HTTP/2); :data:`INCOMPLETE` when more bytes are needed."""
+    a model RPC or a stream, "" for another unary call of the service a replica relays (or a stream
+    whose first message is not there yet), None for a connection HAProxy takes (a model load or
+    unload, another service, a compressed message, not HTTP/2); :data:`INCOMPLETE` when more bytes
+    are needed."""
     call = first_call(head)
     if call is INCOMPLETE:
         return INCOMPLETE  # type: ignore[return-value]
     if call is None or not call.method or "/" in call.method or call.method in NOT_DIRECT_RPCS:
         return None
+    if call.method == STREAM_RPC:
+        return f"{call.model}/{call.version}" if call.model else ""
     if call.method not in ROUTED_RPCS:
         return ""
     return f"{call.model}/{call.version}" if call.model else None

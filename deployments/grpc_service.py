@@ -11,11 +11,9 @@ could not route forwarded to the model's replicas by
 
 from __future__ import annotations
 
-import asyncio
 import inspect
 import logging
 import sys
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -36,6 +34,7 @@ from rayinfer.protocol.grpc_wire import SERVICE
 from rayinfer.protocol.restricted_api import Restrictions, grpc_message, missing_header
 from rayinfer.protocol.grpc_codec import index_to_grpc, parameters_from_grpc, statistics_to_grpc
 from rayinfer.protocol.shared_memory import CUDA, SYSTEM
+from rayinfer.serving.stream_infer import Unparsable, answer_stream
 from rayinfer.serving.trace import parse_update
 
 if TYPE_CHECKING:
@@ -47,8 +46,6 @@ logger = logging.getLogger(__name__)
 SERVICER_FUNCTION = "rayinfer.deployments.grpc_service.add_servicer_to_server"
 _SERVICE_NAME = "inference.GRPCInferenceService"
 _SERVICE_DESCRIPTOR = pb.DESCRIPTOR.services_by_name[_SERVICE_NAME.rpartition(".")[2]]
-# Responses of a stream computed ahead of the one being sent (they are still sent in order).
-_STREAM_WINDOW = 64
 # The front's own way to the ``/v2`` replica's gRPC server (:func:`want_loopback_port`): asked
 # for by the replica before Serve starts that server, the port known once it has.
 _LOOPBACK = {"wanted": False, "port": None}
@@ -88,12 +85,6 @@ def add_servicer_to_server(servicer: Any, server: Any) -> None:
             _LOOPBACK["port"] = server.add_insecure_port("127.0.0.1:0") or None
         except RuntimeError as exc:  # the front goes on through Serve's ingress
             logger.warning("the /v2 replica's gRPC server cannot listen on 127.0.0.1 for the front: %s", exc)
-
-
-class Unparsable:
-    """What a request that does not parse is deserialized to: the RPC answers it with Triton's
-    INTERNAL "Unable to parse request" (gRPC's server would answer UNKNOWN with protobuf's
-    message, from the deserializer)."""
 
 
 def _lenient(deserialize: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
@@ -245,72 +236,19 @@ class GrpcInferenceService:
     async def ModelStreamInfer(
         self, requests: AsyncIterator[pb.ModelInferRequest], grpc_context: Any = None
     ) -> AsyncIterator[pb.ModelStreamInferResponse]:
-        """Each request goes to its model, whose responses (zero to many for a decoupled model)
-        stream back as they come; requests are answered in order, several in flight at once, and
-        an error is a response's ``error_message`` (the stream stays open). The requests of one
-        sequence (``sequence_id``) go to the model one after another, in stream order: in flight
-        together, a later one could reach the model's sequence batcher first."""
-        window: asyncio.Queue[asyncio.Queue | None] = asyncio.Queue(_STREAM_WINDOW)
-        forwarding: set[asyncio.Task] = set()
-        # (model, sequence id) -> the forwarding task of that sequence's latest request in this stream
-        sequences: dict[tuple[str, str], asyncio.Task] = {}
-        # A client's W3C trace context (the opentelemetry trace mode), from the stream's metadata.
+        """Each request goes to its model by handle, whose responses (zero to many for a
+        decoupled model) stream back as they come (:func:`~rayinfer.serving.stream_infer.answer_stream`)."""
         if restricted(self._restrictions, "ModelStreamInfer", grpc_context):
             return
+        # A client's W3C trace context (the opentelemetry trace mode), from the stream's metadata.
         metadata = dict(grpc_context.invocation_metadata()) if grpc_context is not None else {}
         trace_context = metadata.get("traceparent")
 
-        async def forward(request: pb.ModelInferRequest, out: asyncio.Queue, after: asyncio.Task | None,
-                       read: tuple[int, int]) -> None:
-            try:
-                if isinstance(request, Unparsable):
-                    raise InternalError(UNPARSABLE_REQUEST)
-                if after is not None:
-                    await asyncio.wait([after])
-                async for response in self._forwarder.stream(request, trace_context, read):
-                    await out.put(response)
-            except Exception as exc:
-                await out.put(pb.ModelStreamInferResponse(error_message=as_serving_error(exc).message))
-            finally:
-                await out.put(None)
+        def forward(request: pb.ModelInferRequest, read: tuple[int, int]) -> AsyncIterator[Any]:
+            return self._forwarder.stream(request, trace_context, read)
 
-        async def submit() -> None:
-            try:
-                # When each request's read began (the previous one's was done) and ended: its
-                # trace's GRPC_WAITREAD_START and _END, as Triton stamps a stream's requests.
-                reading = time.perf_counter_ns()
-                async for request in requests:
-                    read = (reading, time.perf_counter_ns())
-                    out: asyncio.Queue = asyncio.Queue()
-                    key = _sequence_key(request)
-                    task = asyncio.ensure_future(forward(request, out, sequences.get(key) if key else None, read))
-                    if key is not None:
-                        sequences[key] = task
-                        task.add_done_callback(lambda done, key=key: sequences.get(key) is done and sequences.pop(key))
-                    forwarding.add(task)
-                    task.add_done_callback(forwarding.discard)
-                    await window.put(out)
-                    reading = time.perf_counter_ns()
-            finally:
-                await window.put(None)
-
-        feeder = asyncio.ensure_future(submit())
-        try:
-            while (out := await window.get()) is not None:
-                sends: list[tuple[str, int]] = []  # its responses' GRPC_SEND_START and _END
-                while (response := await out.get()) is not None:
-                    if isinstance(response, tuple):  # the request was traced: (token, replica clock offset)
-                        token, offset = response
-                        self._api.traces.sent(token, [(name, ns + offset) for name, ns in sends])
-                        continue
-                    send_start = time.perf_counter_ns()
-                    yield response
-                    sends += (("GRPC_SEND_START", send_start), ("GRPC_SEND_END", time.perf_counter_ns()))
-            await feeder
-        finally:
-            feeder.cancel()
-            for task in list(forwarding):
-                task.cancel()
+        async for response in answer_stream(requests, forward, _error_response, self._api.traces.sent):
+            yield response
 
     async def ModelStatistics(self, request: pb.ModelStatisticsRequest, grpc_context: Any = None) -> Any:
         """Answered from the statistics model replicas report here (the front relays calls that
@@ -419,12 +357,5 @@ async def _then(call: Awaitable[Any], response: type) -> Any:
     return response()
 
 
-def _sequence_key(request: pb.ModelInferRequest) -> tuple[str, str] | None:
-    """(model, sequence id) of a stream request that belongs to a sequence, else None."""
-    if isinstance(request, Unparsable):
-        return None
-    if "sequence_id" not in request.parameters:
-        return None
-    parameter = request.parameters["sequence_id"]
-    value = str(getattr(parameter, parameter.WhichOneof("parameter_choice") or "string_param"))
-    return None if value in ("", "0") else (request.model_name, value)
+def _error_response(message: str) -> pb.ModelStreamInferResponse:
+    return pb.ModelStreamInferResponse(error_message=message)

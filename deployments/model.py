@@ -32,6 +32,7 @@ from rayinfer.deployments.bls_client import ReplicaBlsClient
 from rayinfer.deployments.ensemble_members import EnsembleMembers, load_ensemble
 from rayinfer.deployments.control_channel import SEQUENCE_SLOTS, SHM_FORGET, TRACE_SETTINGS, ControlMessage
 from rayinfer.deployments.names import SERVER_APP, SERVER_DEPLOYMENT
+from rayinfer.deployments.replica_streams import ReplicaStreams
 from rayinfer.serving.replica_listener import ReplicaListener
 from rayinfer.protocol import log_settings
 from rayinfer.protocol.errors import NotFoundError, ServingError, UnavailableError, UnsupportedError, as_serving_error
@@ -138,6 +139,8 @@ class ModelDeployment:
         self._listener.serves = self._serves
         self._listener.restrict(*restrictions)
         self._listener.serves_grpc = self._serves_grpc
+        self._listener.stream_grpc = ReplicaStreams(self._core, context.deployment, self._server_handle,
+                                                    self._listener).answer
         host = ray.util.get_node_ip_address()
         self._listener_address = (host, await self._listener.start(host))
         # A sequence model's replicas each hold their own sequences: a request of another

@@ -16,6 +16,7 @@ from tritonclient.grpc import service_pb2 as pb
 from rayinfer.protocol.errors import InvalidArgError
 from rayinfer.serving.model_grpc import MODEL_RPCS
 from rayinfer.serving.protocol_stamps import StreamTrace, wall_clock_offset_ns
+from rayinfer.serving.stream_infer import Traced
 
 if TYPE_CHECKING:
     from rayinfer.deployments.v2_api import V2Api
@@ -29,7 +30,6 @@ class ModelForwarder:
     def __init__(self, api: V2Api) -> None:
         self._api = api
         self._handles: dict[tuple[str, str], Any] = {}
-        self._node_id: str | None = None
 
     async def route(self, name: str, version: str) -> tuple[str, str] | None:
         """(application, deployment) serving ``name`` at ``version``; Serve is read again when
@@ -64,15 +64,9 @@ class ModelForwarder:
         return MODEL_RPCS[method][1].FromString(answer_bytes)
 
     async def stream(self, request: pb.ModelInferRequest, trace_context: str | None = None,
-                     read: tuple[int, int] | None = None
-                     ) -> AsyncIterator[pb.ModelStreamInferResponse | tuple[str, int]]:
+                     read: tuple[int, int] | None = None) -> AsyncIterator[pb.ModelStreamInferResponse | Traced]:
         """The responses of one stream request, from a replica of its model by streaming handle
-        (``trace_context``: the client's traceparent; ``read``: when the request's read began and
-        ended, on this process's monotonic clock, sent as wall-clock times: the replica may be on
-        another node, whose monotonic clock is another). When the request was traced (Triton's
-        trace file), ``(token, offset)`` follows its responses: its trace's token, and how far the
-        replica's clock is ahead of this process's (0 on the same node), for the send stamps
-        taken here."""
+        (:func:`stream_by_handle`)."""
         name, version = request.model_name, request.model_version
         if not name:
             raise InvalidArgError("the request does not name a model")
@@ -80,19 +74,8 @@ class ModelForwarder:
         if route is None:
             raise await self._api.unavailable_model(name, version or None)
         handle = self._handles.get(route) or self._new_handle(route)
-        to_wall = wall_clock_offset_ns()
-        walls = (read[0] + to_wall, read[1] + to_wall) if read is not None else None
-        async for payload in handle.options(stream=True).grpc_stream.remote(request.SerializeToString(), trace_context,
-                                                                             walls):
-            if isinstance(payload, StreamTrace):
-                yield payload.token, payload.clock_offset(self._node(), wall_clock_offset_ns())
-            elif payload:  # an empty one ends every stream (ModelDeployment.grpc_stream)
-                yield pb.ModelStreamInferResponse.FromString(payload)
-
-    def _node(self) -> str:
-        if self._node_id is None:
-            self._node_id = ray.get_runtime_context().get_node_id()
-        return self._node_id
+        async for item in stream_by_handle(handle, request.SerializeToString(), trace_context, read):
+            yield item if isinstance(item, Traced) else pb.ModelStreamInferResponse.FromString(item)
 
     def forget(self, model: str) -> None:
         """Drop the handles to the applications of an unloaded model."""
@@ -102,3 +85,20 @@ class ModelForwarder:
         """A deployment handle to ``route`` (application, deployment), kept for later calls."""
         handle = self._handles[route] = serve.get_deployment_handle(route[1], route[0])
         return handle
+
+
+async def stream_by_handle(handle: Any, payload: bytes, trace_context: str | None,
+                           read: tuple[int, int] | None) -> AsyncIterator[bytes | Traced]:
+    """One stream request's serialized responses from ``handle``'s model by streaming handle call
+    (``ModelDeployment.grpc_stream``). ``trace_context``: the client's traceparent; ``read``: when
+    the request's read began and ended, on this process's monotonic clock, sent as wall-clock
+    times (the replica may be on another node, whose monotonic clock is another). A traced request
+    (Triton's trace file) ends with its :class:`Traced`."""
+    to_wall = wall_clock_offset_ns()
+    walls = (read[0] + to_wall, read[1] + to_wall) if read is not None else None
+    async for answer in handle.options(stream=True).grpc_stream.remote(payload, trace_context, walls):
+        if isinstance(answer, StreamTrace):
+            yield Traced(answer.token, answer.clock_offset(ray.get_runtime_context().get_node_id(),
+                                                           wall_clock_offset_ns()))
+        elif answer:  # an empty one ends every stream (ModelDeployment.grpc_stream)
+            yield answer

@@ -163,6 +163,11 @@ class ServerDeployment:
         """Traces a model replica took (the trace extension)."""
         await self._api.report_traces(model, traces)
 
+    async def trace_sent(self, token: str, stamps: list[tuple[str, int]]) -> None:
+        """When the responses of a traced stream request were written by the model replica that
+        holds the stream's connection (its trace's GRPC_SEND_START and _END)."""
+        self._api.traces.sent(token, stamps)
+
     async def shared_memory_region(self, name: str) -> Registration | None:
         """A model replica's request names a region it has not mapped: its registration, if any."""
         return self._api.shm_registration(name)
@@ -176,7 +181,7 @@ class ServerDeployment:
 
     async def model_route(self, name: str, version: str, strict: bool = True) -> tuple[str, str] | None:
         """(application, deployment) serving ``name`` at ``version`` ("" for the default) for a
-        model's BLS call; Triton's error (or None when not ``strict``) if it is not served."""
+        model's BLS call or a stream's request; Triton's error (or None when not ``strict``) if it is not served."""
         route = await self._forwarder.route(name, version)
         if route is None and strict:
             raise await self._api.unavailable_model(name, version or None)

@@ -45,11 +45,13 @@ MAX_FRAME_SIZE = (1 << 24) - 1
 MAX_WINDOW = (1 << 31) - 1
 # The model RPCs the front routes by the model name and version their message starts with.
 ROUTED_RPCS = ("ModelInfer", "ModelReady", "ModelMetadata", "ModelConfig", "ModelStatistics")
-# Calls a replica never answers itself (a stream, a call that may stop the replica): the acceptor
-# gives a connection that starts with one to the front's HAProxy; on a connection a replica
-# holds, a stream is relayed by the replica and a model load or unload sent again elsewhere.
+# A stream: the acceptor gives a connection that starts with one to a replica of the model its
+# first message names (any replica of its machine when that message is not there yet).
 STREAM_RPC = "ModelStreamInfer"
-NOT_DIRECT_RPCS = frozenset({STREAM_RPC, "RepositoryModelLoad", "RepositoryModelUnload"})
+# Calls a replica never answers itself (a call that may stop the replica): the acceptor gives a
+# connection that starts with one to the front's HAProxy; on a connection a replica holds, they
+# are sent again elsewhere.
+NOT_DIRECT_RPCS = frozenset({"RepositoryModelLoad", "RepositoryModelUnload"})
 
 
 def grpc_message_header(message: str) -> bytes:
@@ -333,11 +335,12 @@ def first_call(data: bytes, max_header_list_size: int = 1 << 14) -> FirstCall | 
             headers = dict(decoder.decode(block, raw=True))
             path = bytes(headers.get(b":path", b"")).decode("latin-1")
             method = path[len(SERVICE):] if path.startswith(SERVICE) else path
-            if method not in ROUTED_RPCS:
+            if method not in ROUTED_RPCS and method != STREAM_RPC:
                 return FirstCall(method)
     except (HyperframeError, hpack.HPACKError, ValueError):
         return None
-    return INCOMPLETE
+    # A stream whose client has not sent its first message yet: no model to read.
+    return FirstCall(method) if method == STREAM_RPC and not body else INCOMPLETE
 
 
 def _first_message(method: str, body: bytes, ended: bool, flags: Any = ()) -> FirstCall:

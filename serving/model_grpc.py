@@ -89,15 +89,16 @@ async def call_serialized(core: ModelCore, method: str, payload: bytes) -> bytes
     return (await call(core, method, request)).SerializeToString()
 
 
-async def stream_serialized(core: ModelCore, payload: bytes, trace_context: str | None = None,
+async def stream_serialized(core: ModelCore, payload: bytes | pb.ModelInferRequest, trace_context: str | None = None,
                             read_walls: tuple[int, int] | None = None) -> AsyncIterator[bytes | StreamTrace]:
-    """One request of a ModelStreamInfer stream: its responses (zero to many for a decoupled
-    model, else one) as serialized ``ModelStreamInferResponse`` messages; an error is a message
-    with ``error_message`` (the stream stays open). ``trace_context``: the client's traceparent;
-    ``read_walls``: when (wall-clock ns) the ``/v2`` replica, which reads the stream, began and
-    ended reading this request (its trace's GRPC_WAITREAD_START and _END). The ``/v2`` replica writes
-    the responses: when the request was traced (Triton's trace file, timestamps), a
-    :class:`StreamTrace` after them names the trace, for the send stamps it takes there."""
+    """One request of a ModelStreamInfer stream (serialized, or parsed): its responses (zero to
+    many for a decoupled model, else one) as serialized ``ModelStreamInferResponse`` messages; an
+    error is a message with ``error_message`` (the stream stays open). ``trace_context``: the
+    client's traceparent; ``read_walls``: when (wall-clock ns) the process that reads the stream
+    (the replica holding the client's connection, or the ``/v2`` replica) began and ended reading
+    this request (its trace's GRPC_WAITREAD_START and _END). That process writes the responses:
+    when the request was traced (Triton's trace file, timestamps), a :class:`StreamTrace` after
+    them names the trace, for the send stamps it takes there."""
     stamps = stamp_stream_request(core.name, trace_context, read_walls) if trace_context or read_walls else None
     try:
         async for message in _stream_serialized(core, payload):
@@ -109,10 +110,10 @@ async def stream_serialized(core: ModelCore, payload: bytes, trace_context: str 
         yield StreamTrace(stamps.token, wall_clock_offset_ns())
 
 
-async def _stream_serialized(core: ModelCore, payload: bytes) -> AsyncIterator[bytes]:
+async def _stream_serialized(core: ModelCore, payload: bytes | pb.ModelInferRequest) -> AsyncIterator[bytes]:
     try:
         try:
-            request = pb.ModelInferRequest.FromString(payload)
+            request = pb.ModelInferRequest.FromString(payload) if isinstance(payload, bytes) else payload
         except DecodeError:
             raise InternalError(UNPARSABLE_REQUEST) from None
         if request.model_version and request.model_version != core.version:

@@ -5,8 +5,8 @@ replica of the model version it names; this protocol then answers, on the replic
 the unary model calls for that version (``ModelInfer`` and the model's metadata, readiness,
 config and statistics) with no process in between. Any other unary call on the connection is
 relayed to the front's HAProxy as HTTP/1.1 (:func:`client_relay.relay_grpc`), which routes it
-as it routes every call; a stream (``ModelStreamInfer``) is relayed to HAProxy over HTTP/2, frame
-by frame (:mod:`h2_stream_relay`: refused, it could lose a message). A call of another service
+as it routes every call; a stream (``ModelStreamInfer``) is answered here (:mod:`h2_stream`: this
+model's requests in the replica, another model's by deployment handle). A call of another service
 and a call that may stop this replica (a model load or unload) are not taken here: the
 connection is closed to new calls (``GOAWAY`` naming the last call taken) and the client's gRPC
 library sends that call again on a new connection, which the acceptor gives HAProxy.
@@ -43,7 +43,7 @@ import hpack
 from hyperframe.exceptions import HyperframeError, InvalidFrameError
 
 from rayinfer.serving.client_relay import relay_grpc
-from rayinfer.serving.h2_stream_relay import RelayedStreams, StreamRelay
+from rayinfer.serving.h2_stream import ServedStream, StreamAnswers
 from rayinfer.protocol.errors import UnavailableError
 from rayinfer.protocol.grpc_wire import (
     ACK, CONTINUATION, DATA, DEFAULT_FRAME_SIZE, DEFAULT_WINDOW, END_HEADERS, END_STREAM, ENHANCE_YOUR_CALM,
@@ -73,7 +73,7 @@ class _Call:
     """One call (stream): its request as read, and its answer while it waits for send window."""
 
     __slots__ = ("id", "headers", "path", "body", "size", "held", "unacked", "deferred", "recv_window", "task", "received",
-                 "window", "left", "trailers", "relay", "out", "answering")
+                 "window", "left", "trailers", "stream", "out", "answering")
 
     def __init__(self, stream: int, headers: list[tuple[bytes, bytes]], window: int, recv_window: int,
                  path: str = "") -> None:
@@ -91,12 +91,12 @@ class _Call:
         self.window = window  # what the client lets this side send on the call
         self.left: memoryview | None = None  # the answer's messages not sent yet
         self.trailers = b""
-        self.relay: StreamRelay | None = None  # a stream relayed to HAProxy
-        self.out = bytearray()  # a relayed stream's answers not sent yet
-        self.answering = False  # a relayed stream's response headers are sent
+        self.stream: ServedStream | None = None  # a stream (ModelStreamInfer)
+        self.out = bytearray()  # a stream's answers not sent yet
+        self.answering = False  # a stream's response headers are sent
 
 
-class H2Connection(RelayedStreams, asyncio.Protocol):
+class H2Connection(StreamAnswers, asyncio.Protocol):
     """One client's HTTP/2 connection; ``direct``: the Unix socket of the front's HAProxy that
     takes relayed calls, and the route key (``<model>/<version>``) the acceptor gave it for. Past
     ``connection_window_bytes`` held by its calls, only its oldest call still being received
@@ -112,7 +112,7 @@ class H2Connection(RelayedStreams, asyncio.Protocol):
         self._preface = False
         self._decoder = HeaderDecoder(self._limits.max_header_list_bytes)
         self._calls: dict[int, _Call] = {}  # open calls: read, or being answered
-        self._sending: dict[int, _Call] = {}  # of those, answers waiting for window, and relayed streams
+        self._sending: dict[int, _Call] = {}  # of those, answers waiting for window, and streams
         # A header block in CONTINUATIONs: (stream, flags of its HEADERS, fragments, bytes, started at).
         self._block: tuple[int, bool, list[bytes], int, float] | None = None
         self._highest = 0  # the largest stream id the client opened
@@ -189,8 +189,6 @@ class H2Connection(RelayedStreams, asyncio.Protocol):
         for call in self._calls.values():  # the client went away: its calls are cancelled
             if call.task is not None:
                 call.task.cancel()
-            if call.relay is not None:
-                call.relay.cancel()
         self._listener.held_bytes -= self._held
         self._held = 0
         self._calls.clear()
@@ -262,7 +260,7 @@ class H2Connection(RelayedStreams, asyncio.Protocol):
         if now - self._last_read > limits.keepalive_timeout_s and self._paused_at is None:
             if not self._calls:
                 self.hand_back()
-            elif any(call.task is None and call.relay is None for call in self._calls.values()):
+            elif any(call.task is None for call in self._calls.values()):
                 logger.warning("closed a client's HTTP/2 connection: a call's request not sent on for %s s "
                                "(--http-keepalive-timeout)", limits.keepalive_timeout_s)
                 self._fail(ENHANCE_YOUR_CALM)
@@ -394,8 +392,8 @@ class H2Connection(RelayedStreams, asyncio.Protocol):
         headers = self._decoder.decode(block)  # always: the decoder's table follows every block
         call = self._calls.get(stream)
         if call is not None:  # a call's trailers
-            if ends and call.relay is not None:
-                call.relay.send(b"", True)
+            if ends and call.stream is not None:
+                call.stream.feed(b"", True)
             elif ends and call.task is None:
                 self._start(call)
             return
@@ -413,7 +411,7 @@ class H2Connection(RelayedStreams, asyncio.Protocol):
             return
         path = next((value for name, value in headers if name == b":path"), b"").decode("latin-1")
         if path == SERVICE + STREAM_RPC:
-            self._relay_stream(stream, headers, ends)
+            self._start_stream(stream, headers, ends)
             return
         if not path.startswith(SERVICE) or path[len(SERVICE):] in NOT_DIRECT_RPCS:
             self._not_taken(stream)
@@ -439,14 +437,16 @@ class H2Connection(RelayedStreams, asyncio.Protocol):
         self._credit(length)
         if not length and not ends:
             self._spend(0, 1)
-        if call is None or (call.task is not None and call.relay is None):
+        if call is None or (call.task is not None and call.stream is None):
             return  # a call refused, reset or answered: its data is dropped
         call.recv_window -= length
         if call.recv_window < 0:
             raise H2ProtocolError(FLOW_CONTROL_ERROR, f"DATA past stream {stream}'s flow-control window")
         self._hold(call, length)
-        if call.relay is not None:
-            call.relay.send(parsed.data, ends)
+        if call.stream is not None:  # its window comes back as its requests are taken
+            if length > len(parsed.data):  # padding
+                self.stream_taken(call, length - len(parsed.data))
+            call.stream.feed(parsed.data, ends)
             return
         call.size += len(parsed.data)
         if call.size > GRPC_MAX_MESSAGE_SIZE + 5:
@@ -517,7 +517,7 @@ class H2Connection(RelayedStreams, asyncio.Protocol):
         call.unacked = 0
 
     def _oldest_receiving(self) -> _Call | None:
-        return next((call for call in self._calls.values() if call.task is None and call.relay is None), None)
+        return next((call for call in self._calls.values() if call.task is None), None)
 
     # calls
 
@@ -530,8 +530,6 @@ class H2Connection(RelayedStreams, asyncio.Protocol):
         self._sending.pop(call.id, None)
         if call.task is not None:
             call.task.cancel()
-        if call.relay is not None:
-            call.relay.cancel()
         self._release(call)
 
     def _reset(self, call: _Call, code: int) -> None:
@@ -618,20 +616,20 @@ class H2Connection(RelayedStreams, asyncio.Protocol):
         for call in list(self._sending.values()):
             if self._send_window <= 0:
                 return
-            if call.relay is not None:
-                self._flush_relayed(call)
+            if call.stream is not None:
+                self._flush_stream(call)
             else:
                 self._flush_call(call, [])
 
-    # relayed streams (the rest of their side here is :class:`RelayedStreams`)
+    # streams (the rest of their side here is :class:`StreamAnswers`)
 
-    def _relay_stream(self, stream: int, headers: list[tuple[bytes, bytes]], ended: bool) -> None:
+    def _start_stream(self, stream: int, headers: list[tuple[bytes, bytes]], ended: bool) -> None:
         call = self._calls[stream] = _Call(stream, headers, self._initial_window, self._client_window)
-        call.relay = StreamRelay(self, call)
+        call.stream = ServedStream(self, call, self._listener.stream_grpc)
         self._sending[stream] = call
         if ended:
-            call.relay.send(b"", True)
-        call.task = asyncio.get_running_loop().create_task(call.relay.open(self._relay))
+            call.stream.feed(b"", True)
+        call.task = self._loop.create_task(call.stream.answer())
 
     def _ended(self, call: _Call) -> None:
         self._calls.pop(call.id, None)

@@ -30,13 +30,15 @@ import logging
 import os
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 from rayinfer.serving import handoff
 from rayinfer.serving.listener_connection import SERVICE_PATH, ListenerConnection
 from rayinfer.serving.listener_responses import StreamedResponse, grpc_error, grpc_response, http_response
+from rayinfer.serving.h2_stream import StreamHandler
 from rayinfer.serving.handoff import ReplicaHandoff
 from rayinfer.serving.replica_h2 import H2Connection
-from rayinfer.protocol.errors import NotFoundError, UnavailableError
+from rayinfer.protocol.errors import NotFoundError, UnavailableError, UnsupportedError
 from rayinfer.protocol.grpc_wire import SERVICE, unframe
 from rayinfer.protocol.http_codec import error_response
 from rayinfer.protocol.limits import (
@@ -86,6 +88,8 @@ class ReplicaListener:
         # how many may be in flight here before more are answered 503 (--max-inflight-requests).
         self.serves: Serves = lambda method, path, key: False
         self.serves_grpc: ServesGrpc = lambda model, version, key: False
+        # A gRPC stream on a client's connection: its requests -> its answers (:mod:`h2_stream`).
+        self.stream_grpc: StreamHandler = _no_streams
         self.max_inflight = DEFAULT_MAX_INFLIGHT_REQUESTS
         # What each client's connection may hold or take (the server's connection flags).
         self.limits: ConnectionLimits = DEFAULT_CONNECTION_LIMITS
@@ -196,3 +200,9 @@ class ReplicaListener:
             connection.close()
         if self._handoff is not None:
             self._handoff.close()
+
+
+async def _no_streams(requests: AsyncIterator[Any], headers: list[tuple[bytes, bytes]]) -> AsyncIterator[bytes]:
+    """A listener with no stream handler: its streams end UNIMPLEMENTED."""
+    raise UnsupportedError("this listener does not answer ModelStreamInfer")
+    yield b""  # an async generator

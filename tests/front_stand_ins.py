@@ -28,7 +28,9 @@ class Replica:
     """A listener whose handler echoes ModelInfer inputs and names itself in the response.
 
     A call for the model "slow" is held in flight: ``slow_arrived`` is set when it reaches the
-    handler, which answers once the test calls ``release_slow()``.
+    handler, which answers once the test calls ``release_slow()``. Its streams echo each request
+    as ``<name>-stream``; a request with id "fail" ends the stream with NOT_FOUND, one with id
+    "hold" waits for ``release_slow()`` before the stream takes its next request.
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop, name: str) -> None:
@@ -37,7 +39,9 @@ class Replica:
         self.slow_arrived = threading.Event()
         self.slow_calls = 0
         self._release = asyncio.Event()
+        self.streams_open = 0
         self.listener = ReplicaListener(self.handle, self.handle_http)
+        self.listener.stream_grpc = self.stream
         self.port = asyncio.run_coroutine_threadsafe(self.listener.start("127.0.0.1"), loop).result(5)
 
     def release_slow(self) -> None:
@@ -56,6 +60,21 @@ class Replica:
         if method == "ModelReady":
             raise NotFoundError(UNICODE_ERROR)
         raise RuntimeError(f"no {method} here")
+
+    async def stream(self, requests, headers):
+        self.streams_open += 1
+        try:
+            async for request in requests:
+                if request.id == "fail":
+                    raise NotFoundError("Request for unknown model: 'fail' is not found")
+                if request.id == "hold":
+                    self.slow_arrived.set()
+                    await self._release.wait()
+                response = pb.ModelInferResponse(model_name=f"{self.name}-stream", id=request.id)
+                response.raw_output_contents.extend(request.raw_input_contents)
+                yield pb.ModelStreamInferResponse(infer_response=response).SerializeToString()
+        finally:
+            self.streams_open -= 1
 
     async def handle_http(self, method: str, path: str, headers: dict[bytes, bytes], body: bytes):
         if path.endswith("/slow"):  # held like a "slow" model call

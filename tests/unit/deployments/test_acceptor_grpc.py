@@ -115,9 +115,12 @@ def test_route_keys_of_first_calls():
     ready = pb.ModelReadyRequest(name="m").SerializeToString()
     assert grpc_route_key(_first_call("/inference.GRPCInferenceService/ModelReady", ready)) == "m/"
     assert grpc_route_key(_first_call("/inference.GRPCInferenceService/ServerLive", None)) == ""
-    for path in ("/inference.GRPCInferenceService/ModelStreamInfer", "/inference.GRPCInferenceService/RepositoryModelUnload",
-                 "/grpc.health.v1.Health/Check"):
+    for path in ("/inference.GRPCInferenceService/RepositoryModelUnload", "/grpc.health.v1.Health/Check"):
         assert grpc_route_key(_first_call(path, None)) is None, path
+    # A stream: placed by its first message's model, on any replica while that is not there yet.
+    stream = "/inference.GRPCInferenceService/ModelStreamInfer"
+    assert grpc_route_key(_first_call(stream, infer_request)) == "m\u00fc/3"
+    assert grpc_route_key(_first_call(stream, None)) == ""
     assert grpc_route_key(b"POST /v2/models/m/infer HTTP/1.1\r\n") is None
 
 
@@ -208,16 +211,15 @@ def _stream(client, *requests: tuple[str, np.ndarray], timeout_s: float = 10.0) 
         client.stop_stream()
 
 
-def test_a_replica_relays_a_stream_and_refuses_an_unload(loop, acceptor):
+def test_a_replica_answers_a_stream_and_refuses_an_unload(loop, acceptor):
     with _replicas_connection(loop, acceptor) as (one, client, data):
-        # The replica relays the stream to HAProxy (which gives it to Serve's ingress) on the
-        # client's connection, which stays the replica's: three messages of 3 MB each way
-        # (gRPC's default limit is 4 MB), beyond every flow-control window, then an error
-        # status that ends the stream.
+        # The replica answers the stream on the client's connection, which stays the replica's:
+        # three messages of 3 MB each way (gRPC's default limit is 4 MB), beyond every
+        # flow-control window, then an error status that ends the stream.
         big = np.random.default_rng(0).standard_normal((1, 3 << 18)).astype(np.float32)
         answers = _stream(client, ("s1", data), *((f"big{k}", big) for k in range(3)), ("fail", data), ("s2", data))
         assert [(response.model_name, response.id) for response, _ in answers[:4]] == [
-            ("serve-stream", "s1"), ("serve-stream", "big0"), ("serve-stream", "big1"), ("serve-stream", "big2")]
+            ("one-stream", "s1"), ("one-stream", "big0"), ("one-stream", "big1"), ("one-stream", "big2")]
         assert all(response.raw_output_contents[0] == big.tobytes() for response, _ in answers[1:4])
         error = answers[4][1]
         assert len(answers) == 5 and answers[4][0] is None and error.status() == "StatusCode.NOT_FOUND"
@@ -231,40 +233,43 @@ def test_a_replica_relays_a_stream_and_refuses_an_unload(loop, acceptor):
         assert infer(client, "m", data).model_name == "one"
 
 
-def test_a_relayed_stream_the_client_cancels_is_cancelled_upstream(loop, acceptor):
-    """A client that ends its stream while answers are still coming: the replica resets its
-    side of the relay, and its connection goes on serving."""
+def test_a_stream_the_client_cancels_is_cancelled(loop, acceptor):
+    """A client that ends its stream while it is open: the replica cancels its handler, and its
+    connection goes on serving."""
     with _replicas_connection(loop, acceptor) as (one, client, data):
         results: queue.Queue = queue.Queue()
         client.start_stream(callback=lambda result, error: results.put((result, error)))
         client.async_stream_infer("m", [_tensor(data)], request_id="c1")
-        assert results.get(timeout=10)[1] is None
+        assert results.get(timeout=10)[1] is None and one.streams_open == 1
         client.stop_stream(cancel_requests=True)
-        wait_until(lambda: not any(call.relay for connection in list(one.listener._connections)
-                                   if isinstance(connection, H2Connection) for call in connection._calls.values()),
-                   "the replica to drop the relayed stream", 5)
+        wait_until(lambda: one.streams_open == 0, "the replica to cancel the stream", 5)
         assert infer(client, "m", data).model_name == "one" and _h2_connections(one) == 1
 
 
-def test_a_stream_the_front_does_not_take_ends_with_unavailable(loop, acceptor, monkeypatch, tmp_path):
-    relay_stream = H2Connection._relay_stream
-
-    def to_nowhere(connection: H2Connection, *args) -> None:  # HAProxy's socket gone
-        connection._relay = str(tmp_path / "gone.sock")
-        relay_stream(connection, *args)
-
-    monkeypatch.setattr(H2Connection, "_relay_stream", to_nowhere)
+def test_a_stream_holds_at_most_its_window_of_requests_not_taken(loop, acceptor):
+    """A stream whose requests are not taken (its handler busy) gets no more window: the
+    replica holds at most the stream's window of them (--grpc-stream-window) beside the one
+    message that arrived whole, and answers all once the handler goes on."""
     with _replicas_connection(loop, acceptor) as (one, client, data):
+        window = one.listener.limits.stream_window_bytes
+        big = np.zeros((1, 1 << 18), np.float32)  # 1 MiB a message
         results: queue.Queue = queue.Queue()
         client.start_stream(callback=lambda result, error: results.put((result, error)))
-        # The stream may have ended already (then this raises): its error comes through the callback.
-        with contextlib.suppress(InferenceServerException):
-            client.async_stream_infer("m", [_tensor(data)])
-        response, error = results.get(timeout=10)
-        client.stop_stream()
-        assert response is None and error.status() == "StatusCode.UNAVAILABLE"
-        assert error.message() == "the front did not take a relayed stream"
-        assert infer(client, "m", data).model_name == "one" and _h2_connections(one) == 1
+        try:
+            client.async_stream_infer("m", [_tensor(data)], request_id="hold")
+            for k in range(8):
+                client.async_stream_infer("m", [_tensor(big)], request_id=f"big{k}")
+            assert one.slow_arrived.wait(10)
+            wait_until(lambda: one.listener.held_bytes >= window // 2, "the stream's window to fill", 10)
+            time.sleep(0.3)  # what the client would send on if it were let
+            assert one.listener.held_bytes <= window + big.nbytes + 1024  # the window, and one message taken in whole
+            one.release_slow()
+            answers = [results.get(timeout=10) for _ in range(9)]
+            assert [error for _, error in answers] == [None] * 9
+            assert [result.get_response().id for result, _ in answers] == ["hold"] + [f"big{k}" for k in range(8)]
+        finally:
+            client.stop_stream()
+        wait_until(lambda: one.listener.held_bytes == 0, "the stream's bytes released", 5)
 
 
 def test_a_refused_call_finds_the_connection_open_until_the_client_closes_it(loop, acceptor):

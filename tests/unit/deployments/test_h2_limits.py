@@ -350,3 +350,34 @@ def test_a_client_that_does_not_read_its_answers_is_cut_off(acceptor, replica):
     client.close()
     wait_until(lambda: replica.listener.held_bytes == 0, "the calls' bytes released", 10)
     _others_are_answered(port)
+
+
+def test_a_stream_message_over_the_limit_ends_that_stream_only(acceptor, replica):
+    """A stream's message whose length prefix says 4 GiB (past gRPC's maximum message): that
+    stream ends with RESOURCE_EXHAUSTED and is reset, nothing of it is kept, and the connection
+    goes on serving."""
+    _, port = acceptor
+    client, encoder = _connect(port)
+    client.sendall(frame(HEADERS, END_HEADERS, 3, _block(encoder, "/inference.GRPCInferenceService/ModelStreamInfer"))
+                   + frame(DATA, 0, 3, b"\0\xff\xff\xff\xff" + b"\1" * 1000)
+                   + frame(HEADERS, END_HEADERS, 5, _block(encoder)) + frame(DATA, END_STREAM, 5, _message()))
+    decoder, data, at, ended, status = hpack.Decoder(), b"", 0, set(), {}
+    client.settimeout(10)
+    while not {3, 5} <= ended:
+        chunk = client.recv(1 << 16)
+        assert chunk, "the server closed the connection"
+        data += chunk
+        view = memoryview(data)
+        while at + 9 <= len(data) and at + 9 + int.from_bytes(data[at:at + 3], "big") <= len(data):
+            parsed, length = Frame.parse_frame_header(view[at:at + 9])
+            parsed.parse_body(view[at + 9:at + 9 + length])
+            at += 9 + length
+            if parsed.type == HEADERS:
+                fields = dict(decoder.decode(parsed.data))
+                status[parsed.stream_id] = fields.get("grpc-status", status.get(parsed.stream_id))
+                if "END_STREAM" in parsed.flags:
+                    ended.add(parsed.stream_id)
+    assert status == {1: "0", 3: "8", 5: "0"}
+    client.close()
+    wait_until(lambda: replica.listener.held_bytes == 0, "the stream's bytes released", 5)
+    _others_are_answered(port)

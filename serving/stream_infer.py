@@ -1,0 +1,131 @@
+"""One gRPC stream (``ModelStreamInfer``): each of its requests sent to its model, the answers
+written back in request order.
+
+Two servers answer streams with this: a model replica, for a stream on a client's connection it
+holds (:mod:`replica_h2`: its own model's requests in the replica, another model's by deployment
+handle), and the ``/v2`` replica's gRPC service, for a stream the front sends there. What differs
+between them is how one request reaches its model (``forward``); the rest is Triton's stream:
+requests answered in order, several in flight at once, an error a response's ``error_message``
+(the stream stays open), the requests of one sequence (``sequence_id``) sent to the model one
+after another (in flight together, a later one could reach the sequence batcher first).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any, NamedTuple
+
+from google.protobuf.message import DecodeError
+from tritonclient.grpc import service_pb2 as pb
+
+from rayinfer.protocol.errors import UNPARSABLE_REQUEST, InternalError, as_serving_error
+
+# Requests of a stream in flight ahead of the one being answered (answered in order all the same).
+STREAM_WINDOW = 64
+
+
+class Unparsable:
+    """What a request that does not parse is read as: it is answered with Triton's INTERNAL
+    "Unable to parse request" (gRPC's server would answer UNKNOWN with protobuf's message)."""
+
+
+class Traced(NamedTuple):
+    """After a traced request's responses (Triton's trace file): its trace's ``token``, and how
+    far the clock of the replica that traced it is ahead of this process's (0 on one node), for
+    the send stamps taken where the responses are written."""
+
+    token: str
+    offset: int
+
+
+# One request of the stream and when its read began and ended (perf_counter ns) -> its responses
+# (a decoupled model's: zero to many), then a Traced when it was traced.
+Forward = Callable[[pb.ModelInferRequest, tuple[int, int]], AsyncIterator[Any]]
+# A response carrying an error message, as ``forward`` yields responses.
+ErrorResponse = Callable[[str], Any]
+# A traced request's send stamps (GRPC_SEND_START and _END of each response, on its replica's clock).
+SendStamps = Callable[[str, list[tuple[str, int]]], None]
+
+
+def parse_request(payload: bytes) -> pb.ModelInferRequest | Unparsable:
+    try:
+        return pb.ModelInferRequest.FromString(payload)
+    except DecodeError:
+        return Unparsable()
+
+
+async def answer_stream(requests: AsyncIterator[pb.ModelInferRequest | Unparsable], forward: Forward,
+                        error: ErrorResponse, sent: SendStamps) -> AsyncIterator[Any]:
+    """The responses to a stream's ``requests``, in request order."""
+    window: asyncio.Queue[asyncio.Queue | None] = asyncio.Queue(STREAM_WINDOW)
+    forwarding: set[asyncio.Task] = set()
+    # (model, sequence id) -> the task of that sequence's latest request in this stream
+    sequences: dict[tuple[str, str], asyncio.Task] = {}
+
+    async def send_on(request: Any, out: asyncio.Queue, after: asyncio.Task | None, read: tuple[int, int]) -> None:
+        try:
+            if isinstance(request, Unparsable):
+                raise InternalError(UNPARSABLE_REQUEST)
+            if after is not None:
+                await asyncio.wait([after])
+            async for response in forward(request, read):
+                await out.put(response)
+        except Exception as exc:
+            await out.put(error(as_serving_error(exc).message))
+        finally:
+            await out.put(None)
+
+    async def submit() -> None:
+        try:
+            # When each request's read began (the previous one's was done) and ended: its
+            # trace's GRPC_WAITREAD_START and _END, as Triton stamps a stream's requests.
+            reading = time.perf_counter_ns()
+            async for request in requests:
+                read = (reading, time.perf_counter_ns())
+                out: asyncio.Queue = asyncio.Queue()
+                key = sequence_key(request)
+                task = asyncio.ensure_future(send_on(request, out, sequences.get(key) if key else None, read))
+                if key is not None:
+                    sequences[key] = task
+                    task.add_done_callback(functools.partial(_forget, sequences, key))
+                forwarding.add(task)
+                task.add_done_callback(forwarding.discard)
+                await window.put(out)
+                reading = time.perf_counter_ns()
+        finally:
+            await window.put(None)
+
+    feeder = asyncio.ensure_future(submit())
+    try:
+        while (out := await window.get()) is not None:
+            sends: list[tuple[str, int]] = []  # its responses' GRPC_SEND_START and _END
+            while (response := await out.get()) is not None:
+                if isinstance(response, Traced):
+                    sent(response.token, [(name, ns + response.offset) for name, ns in sends])
+                    continue
+                send_start = time.perf_counter_ns()
+                yield response
+                sends += (("GRPC_SEND_START", send_start), ("GRPC_SEND_END", time.perf_counter_ns()))
+        await feeder
+    finally:
+        feeder.cancel()
+        for task in list(forwarding):
+            task.cancel()
+
+
+def _forget(sequences: dict[tuple[str, str], asyncio.Task], key: tuple[str, str], done: asyncio.Task) -> None:
+    """A sequence's request is answered: unless a later one of that sequence came, none waits."""
+    if sequences.get(key) is done:
+        del sequences[key]
+
+
+def sequence_key(request: pb.ModelInferRequest | Unparsable) -> tuple[str, str] | None:
+    """(model, sequence id) of a stream request that belongs to a sequence, else None."""
+    if isinstance(request, Unparsable) or "sequence_id" not in request.parameters:
+        return None
+    parameter = request.parameters["sequence_id"]
+    value = str(getattr(parameter, parameter.WhichOneof("parameter_choice") or "string_param"))
+    return None if value in ("", "0") else (request.model_name, value)
