@@ -43,9 +43,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from rayinfer.deployments import front_config, front_supervisor
-from rayinfer.deployments.front_config import LUA, Endpoint, TlsSettings
-from rayinfer.deployments.acceptor import routes_on_disk
+from rayinfer.serving import front_config, front_supervisor
+from rayinfer.serving.front_config import LUA, Endpoint, TlsSettings
+from rayinfer.serving.acceptor import routes_on_disk
 from rayinfer.protocol.limits import DEFAULT_HTTP_MAX_INPUT_SIZE, DEFAULT_MAX_INFLIGHT_REQUESTS
 from rayinfer.protocol.restricted_api import Restrictions
 

@@ -12,7 +12,7 @@ from ray.serve.schema import ServeDeploySchema
 
 from rayinfer.deployments.app import server_application
 from rayinfer.deployments.control import DEFAULT_GPU_WAIT_S, ModelControl, deploy_models
-from rayinfer.deployments.front_supervisor import stop_fronts
+from rayinfer.serving.front_supervisor import stop_fronts
 from rayinfer.deployments.grpc_service import SERVICER_FUNCTION
 from rayinfer.deployments.names import SERVER_APP, SERVER_DEPLOYMENT, SERVER_ROUTE_PREFIX, model_apps
 from rayinfer.deployments.serve_internals import shutdown_cached_handles

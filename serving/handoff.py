@@ -1,6 +1,6 @@
 """The handoff of client connections between the front's acceptor and model replicas.
 
-The acceptor (:mod:`rayinfer.deployments.acceptor`) passes a client's connection to the replica
+The acceptor (:mod:`rayinfer.serving.acceptor`) passes a client's connection to the replica
 whose listener will read it (``SCM_RIGHTS`` over an abstract Unix socket named after the
 listener: :func:`handoff_name`, :class:`ReplicaHandoff`); a replica gives connections back to the
 acceptor between two requests and when it stops (:func:`give_back` to :func:`return_name`).

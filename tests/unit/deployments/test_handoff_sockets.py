@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from rayinfer.deployments.acceptor import Acceptor
+from rayinfer.serving.acceptor import Acceptor
 from rayinfer.serving.handoff import ReplicaHandoff, give_back, return_name, returned, same_user
 from waiting import wait_until
 

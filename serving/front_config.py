@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from rayinfer.deployments.acceptor import HANDOFF_FD_VARIABLES
+from rayinfer.serving.acceptor import HANDOFF_FD_VARIABLES
 from rayinfer.serving.handoff import GRPC_RELAY_SOCKET, RELAY_SOCKET, REPLICA_RELAY_SOCKET
 from rayinfer.protocol.grpc_wire import ROUTED_RPCS, SERVICE
 from rayinfer.protocol.limits import (

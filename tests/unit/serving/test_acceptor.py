@@ -12,7 +12,7 @@ import pytest
 
 from front_stand_ins import Replica, free_port, publish
 from rayinfer.deployments.front import Front
-from rayinfer.deployments.acceptor import listening_socket, route_key
+from rayinfer.serving.acceptor import listening_socket, route_key
 from waiting import wait_until
 
 

@@ -1,6 +1,6 @@
 """Keeps the front's HAProxy running for as long as a ``/v2`` replica owns it, and a while after.
 
-Run as ``python -m rayinfer.deployments.front_supervisor <folder> <haproxy binary>`` (in a session
+Run as ``python -m rayinfer.serving.front_supervisor <folder> <haproxy binary>`` (in a session
 of its own). It starts HAProxy on ``<folder>/haproxy.cfg`` as its child, which dies with
 it. The ``/v2`` replica that owns the front writes its PID to ``<folder>/owner``. If that
 process dies (a crash, Ray's memory monitor), the supervisor and HAProxy stay up, so that inference
@@ -29,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from rayinfer.deployments.acceptor import HANDOFF_FD_VARIABLES, Acceptor, listening_socket
+from rayinfer.serving.acceptor import HANDOFF_FD_VARIABLES, Acceptor, listening_socket
 
 DIR_PREFIX = "rayinfer-front-"
 ORPHAN_GRACE_S = float(os.environ.get("RAYINFER_FRONT_ORPHAN_GRACE_S", "60"))
