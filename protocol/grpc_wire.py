@@ -294,11 +294,13 @@ class FirstCall(NamedTuple):
 INCOMPLETE = FirstCall("")
 
 
-def first_call(data: bytes, max_header_list_size: int = 1 << 14) -> FirstCall | None:
+def first_call(data: bytes, max_header_list_size: int = 1 << 14, stream_message: bool = True) -> FirstCall | None:
     """The first call of a connection whose first bytes are ``data``; :data:`INCOMPLETE` (test
     with ``is``) when more bytes are needed to tell; None when they are not HTTP/2 with prior
     knowledge, or not valid. Frames are parsed by ``hyperframe``, the header block decoded by
-    ``hpack`` (at most ``max_header_list_size`` bytes, before and after decoding)."""
+    ``hpack`` (at most ``max_header_list_size`` bytes, before and after decoding). A stream is
+    :data:`INCOMPLETE` until its first message is there, unless ``stream_message`` is False
+    (then a stream whose message has not come is a call naming no model)."""
     if not PREFACE.startswith(data[:len(PREFACE)]):
         return None
     view, at, stream, block, method, body = memoryview(data), len(PREFACE), 0, b"", "", b""
@@ -339,8 +341,9 @@ def first_call(data: bytes, max_header_list_size: int = 1 << 14) -> FirstCall | 
                 return FirstCall(method)
     except (HyperframeError, hpack.HPACKError, ValueError):
         return None
-    # A stream whose client has not sent its first message yet: no model to read.
-    return FirstCall(method) if method == STREAM_RPC and not body else INCOMPLETE
+    if method == STREAM_RPC and not body and not stream_message:
+        return FirstCall(method)  # its client has not sent its first message: no model to read
+    return INCOMPLETE
 
 
 def _first_message(method: str, body: bytes, ended: bool, flags: Any = ()) -> FirstCall:

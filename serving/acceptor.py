@@ -106,13 +106,13 @@ def route_key(request: bytes) -> str | None:
     return "" if route is None else f"{route.model}/{route.version}"
 
 
-def grpc_route_key(head: bytes) -> str | None:
+def grpc_route_key(head: bytes, stream_message: bool = True) -> str | None:
     """``<model>/<version>`` of a gRPC connection's first call (its first bytes ``head``) that is
-    a model RPC or a stream, "" for another unary call of the service a replica relays (or a stream
-    whose first message is not there yet), None for a connection HAProxy takes (a model load or
-    unload, another service, a compressed message, not HTTP/2); :data:`INCOMPLETE` when more bytes
-    are needed."""
-    call = first_call(head)
+    a model RPC or a stream, "" for another unary call of the service a replica relays, None for a
+    connection HAProxy takes (a model load or unload, another service, a compressed message, not
+    HTTP/2); :data:`INCOMPLETE` when more bytes are needed (a stream's first message, unless
+    ``stream_message`` is False: then "" for a stream without it)."""
+    call = first_call(head, stream_message=stream_message)
     if call is INCOMPLETE:
         return INCOMPLETE  # type: ignore[return-value]
     if call is None or not call.method or "/" in call.method or call.method in NOT_DIRECT_RPCS:
@@ -199,7 +199,7 @@ class Acceptor:
                 self._selector.register(connection, selectors.EVENT_READ, self._peek)
             for connection in [c for c, until in self._waiting.items() if until <= now]:
                 kind = self._stop_waiting(connection)
-                self._to_haproxy(connection, kind)
+                self._place_late(connection, kind)
 
     def close(self) -> None:
         for connection in list(self._waiting):
@@ -262,6 +262,19 @@ class Acceptor:
                 return
         if key is None or not self._to_replica(connection, key, kind):
             self._to_haproxy(connection, kind)
+
+    def _place_late(self, connection: socket.socket, kind: str) -> None:
+        """A connection whose first request did not arrive within :data:`_PEEK_WAIT_S`: a gRPC
+        stream whose client has not sent its first message (it may wait for its user) goes to
+        any replica here, which answers it; anything else to HAProxy."""
+        if kind == "grpc":
+            try:
+                head = connection.recv(_PEEK_BYTES, socket.MSG_PEEK)
+            except OSError:
+                head = b""
+            if head and grpc_route_key(head, stream_message=False) == "" and self._to_replica(connection, "", kind):
+                return
+        self._to_haproxy(connection, kind)
 
     def _stop_waiting(self, connection: socket.socket) -> str:
         """Stop waiting for ``connection``'s request; the protocol it speaks."""

@@ -117,10 +117,11 @@ def test_route_keys_of_first_calls():
     assert grpc_route_key(_first_call("/inference.GRPCInferenceService/ServerLive", None)) == ""
     for path in ("/inference.GRPCInferenceService/RepositoryModelUnload", "/grpc.health.v1.Health/Check"):
         assert grpc_route_key(_first_call(path, None)) is None, path
-    # A stream: placed by its first message's model, on any replica while that is not there yet.
+    # A stream: placed by its first message's model; when that does not come in time, on any replica.
     stream = "/inference.GRPCInferenceService/ModelStreamInfer"
     assert grpc_route_key(_first_call(stream, infer_request)) == "m\u00fc/3"
-    assert grpc_route_key(_first_call(stream, None)) == ""
+    assert grpc_route_key(_first_call(stream, None)) is INCOMPLETE
+    assert grpc_route_key(_first_call(stream, None), stream_message=False) == ""
     assert grpc_route_key(b"POST /v2/models/m/infer HTTP/1.1\r\n") is None
 
 
@@ -385,3 +386,25 @@ def test_a_stream_started_on_a_replicas_connection_gets_every_message_answered(l
             client.close()
         assert [error for _, error in answers] == [None] * len(answers)
         assert [result.get_response().id for result, _ in answers] == [f"{round_}.{k}" for k in range(6)]
+
+
+@pytest.mark.parametrize("first_message_after_s", [0.0, 0.8], ids=["at-once", "after-the-peek-wait"])
+def test_a_connection_that_starts_with_a_stream_goes_to_a_replica(loop, acceptor, first_message_after_s):
+    """A new connection whose first call is a stream goes to a replica of the model its first
+    message names; one whose first message comes after the acceptor's peek wait (0.5 s) to any
+    replica here: either way the replica answers it, not HAProxy's way to the /v2 replica."""
+    front, port = acceptor
+    (one,) = _replicas_of_m(loop, front, "one")
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
+    results: queue.Queue = queue.Queue()
+    try:
+        client.start_stream(callback=lambda result, error: results.put((result, error)))
+        time.sleep(first_message_after_s)  # a client waiting for its user before the first request
+        for k in range(2):
+            client.async_stream_infer("m", [_tensor(np.zeros((1, 2), np.float32))], request_id=f"r{k}")
+        answers = [results.get(timeout=10) for _ in range(2)]
+        assert [(result.get_response().model_name, error) for result, error in answers] == [("one-stream", None)] * 2
+        assert _h2_connections(one) == 1
+        client.stop_stream()
+    finally:
+        client.close()
