@@ -66,8 +66,12 @@ RAY_ENVIRONMENT = {
     # rayinfer.protocol.limits); its default 16 KB buffer takes heads up to 15 KB only, and
     # answers a larger one with an HTML page.
     "RAY_SERVE_HAPROXY_TUNE_BUFSIZE": "32768",
-    # HAProxy drops a stopping replica within a second here; Ray's default waits 30 s.
-    "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2",
+    # How long a stopping replica keeps taking requests from Serve's HAProxy before it refuses
+    # new connections (which HAProxy then sends to another replica: retry-on conn-failure); Ray's
+    # default waits 30 s. Every unload and every server stop waits it out (Serve stops an ensemble
+    # before its members, so a stop waits it two or three times). The front's routes do not depend
+    # on it: a stopping replica withdraws its listener before it closes it.
+    "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0.5",
     # Ports of the replicas' own HTTP and gRPC servers, below Linux's ephemeral range
     # (32768-60999). Ray's default gRPC range, 40000-41000, lies inside it, which every socket
     # bound to port 0 draws from (each replica's inter-deployment gRPC server; in the embedded
