@@ -10,7 +10,7 @@ SIGKILL, a fresh server for each case:
 
 - ``model replica (1 of 2)``: ``simple`` with ``instance_group count: 2``, one replica killed;
 - ``model replica (the only one)``: ``count: 1``, its replica killed;
-- ``/v2 replica``: the ``/v2`` application's replica (the front stays up, see README);
+- ``/v2 replica``: the ``/v2`` application's replica (the front stays up, see docs/architecture.md);
 - ``a worker node``: a Ray cluster of two nodes on this machine (``ray start``, one CPU each),
   ``simple`` with ``count: 2`` and replicas of 0.5 CPU, so one runs on each node and the ``/v2``
   replica (and the front) on the head; the second node's raylet and every process under it

@@ -19,7 +19,7 @@ for name in $(env | sed -n 's/^\(RAYINFER_[A-Za-z0-9_]*\)=.*/\1/p'); do unset "$
 #   rayinfer config --model-repository examples/model_repository --relative-paths
 # model_repository is relative to the project root; replicas resolve it from their working
 # directory. For your own repository: rayinfer config --model-repository DIR > serve.yaml
-# (absolute paths). Start Ray with the environment in README.md (rayinfer ray-env) first.
+# (absolute paths). Start Ray with the environment in docs/cluster.md (rayinfer ray-env) first.
 HEADER
     "$rayinfer" config --model-repository examples/model_repository --relative-paths
 } > ray-configs/serve-example.yaml.new

@@ -2,7 +2,7 @@
 ingress behind them listen on loopback only, no dashboard runs, tensor data sent to it never
 reaches its logs at the default (INFO) level, and its model replicas' listeners answer their
 internal routes only to the /v2 replica. (Ray's own gRPC ports and Serve's HAProxy stats
-port listen on every interface whatever rayinfer asks: README says to firewall them.)"""
+port listen on every interface whatever rayinfer asks: docs/operations.md says to firewall them.)"""
 
 from __future__ import annotations
 
