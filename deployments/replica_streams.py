@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
 from ray import serve
@@ -43,7 +43,7 @@ class ReplicaStreams:
         self._handles: dict[tuple[str, str], Any] = {}
         self._reports: set[asyncio.Task] = set()
 
-    async def answer(self, requests: AsyncIterator[Any], headers: list[tuple[bytes, bytes]]) -> AsyncIterator[bytes]:
+    async def answer(self, requests: AsyncIterator[Any], headers: list[tuple[bytes, bytes]]) -> AsyncGenerator[bytes, None]:
         """The serialized responses to one stream's ``requests`` (``headers``: the call's)."""
         trace_context = next((value.decode("latin-1") for name, value in headers if name == TRACEPARENT), None)
 

@@ -19,10 +19,12 @@ writes a stream's answers; :class:`ServedStream` reads its requests and runs the
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
+from rayinfer.protocol.errors import InternalError
 from rayinfer.protocol.grpc_wire import (
     DATA, OK_TRAILERS, RESPONSE_HEADERS, RST_STREAM, frame, grpc_status, header_frames, trailers, unframe,
 )
@@ -32,7 +34,7 @@ from rayinfer.serving.stream_infer import parse_request
 Fields = list[tuple[bytes, bytes]]
 # The replica's stream handler: (the stream's requests, the call's headers) -> its serialized
 # ModelStreamInferResponse messages.
-StreamHandler = Callable[[AsyncIterator[Any], Fields], AsyncIterator[bytes]]
+StreamHandler = Callable[[AsyncIterator[Any], Fields], AsyncGenerator[bytes, None]]
 
 
 class StreamAnswers:
@@ -101,9 +103,12 @@ class ServedStream:
 
     def feed(self, data: bytes, end: bool) -> None:
         """The client's DATA for the stream (``end``: its last)."""
+        self.client_ended = self.client_ended or end
+        self._arrived.set()
+        if self._too_large:
+            return  # the stream ends for a message over the limit: what follows is dropped
         self._pending += data
         self._owed += len(data)
-        self.client_ended = self.client_ended or end
         while len(self._pending) >= 5 and not self._too_large:
             size = 5 + int.from_bytes(self._pending[1:5], "big")
             if size > GRPC_MAX_MESSAGE_SIZE + 5:
@@ -113,9 +118,8 @@ class ServedStream:
                 del self._pending[:size]
             else:
                 break
-        if not self._messages:  # the handler waits for a message: it may arrive, however large
+        if not self._messages and not self._too_large:  # the handler waits for a message: it may arrive, however large
             self._give(self._owed)
-        self._arrived.set()
 
     def _give(self, size: int) -> None:
         size = min(size, self._owed)
@@ -129,6 +133,8 @@ class ServedStream:
                 if self._too_large:
                     raise message_too_large(self._too_large, GRPC_MAX_MESSAGE_SIZE)
                 if self.client_ended:
+                    if self._pending:
+                        raise InternalError("malformed gRPC request: the stream ended within a message")
                     return
                 self._arrived.clear()
                 await self._arrived.wait()
@@ -140,15 +146,16 @@ class ServedStream:
         """Answer the stream's requests until the client has ended its side and all are answered."""
         call, connection = self._call, self._connection
         try:
-            async for response in self._handler(self._requests(), call.headers):
-                if not call.answering:
-                    call.answering = True
-                    connection._write(header_frames(call.id, RESPONSE_HEADERS, False, connection._max_frame))
-                call.out += b"\0" + len(response).to_bytes(4, "big") + response
-                connection._flush_stream(call)
-                if len(call.out) > connection._client_window:
-                    self.sent.clear()
-                    await self.sent.wait()
+            async with contextlib.aclosing(self._handler(self._requests(), call.headers)) as responses:
+                async for response in responses:
+                    if not call.answering:
+                        call.answering = True
+                        connection._write(header_frames(call.id, RESPONSE_HEADERS, False, connection._max_frame))
+                    call.out += b"\0" + len(response).to_bytes(4, "big") + response
+                    connection._flush_stream(call)
+                    if len(call.out) > connection._client_window:
+                        self.sent.clear()
+                        await self.sent.wait()
             block = OK_TRAILERS
         except asyncio.CancelledError:
             raise

@@ -29,7 +29,7 @@ import json
 import logging
 import os
 import socket
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from rayinfer.serving import handoff
@@ -202,7 +202,7 @@ class ReplicaListener:
             self._handoff.close()
 
 
-async def _no_streams(requests: AsyncIterator[Any], headers: list[tuple[bytes, bytes]]) -> AsyncIterator[bytes]:
+async def _no_streams(requests: AsyncIterator[Any], headers: list[tuple[bytes, bytes]]) -> AsyncGenerator[bytes, None]:
     """A listener with no stream handler: its streams end UNIMPLEMENTED."""
     raise UnsupportedError("this listener does not answer ModelStreamInfer")
     yield b""  # an async generator

@@ -355,15 +355,17 @@ def test_a_client_that_does_not_read_its_answers_is_cut_off(acceptor, replica):
 def test_a_stream_message_over_the_limit_ends_that_stream_only(acceptor, replica):
     """A stream's message whose length prefix says 4 GiB (past gRPC's maximum message): that
     stream ends with RESOURCE_EXHAUSTED and is reset, nothing of it is kept, and the connection
-    goes on serving."""
+    goes on serving. A stream that ends within a message ends with INTERNAL."""
     _, port = acceptor
     client, encoder = _connect(port)
     client.sendall(frame(HEADERS, END_HEADERS, 3, _block(encoder, "/inference.GRPCInferenceService/ModelStreamInfer"))
                    + frame(DATA, 0, 3, b"\0\xff\xff\xff\xff" + b"\1" * 1000)
-                   + frame(HEADERS, END_HEADERS, 5, _block(encoder)) + frame(DATA, END_STREAM, 5, _message()))
+                   + frame(HEADERS, END_HEADERS, 5, _block(encoder)) + frame(DATA, END_STREAM, 5, _message())
+                   + frame(HEADERS, END_HEADERS, 7, _block(encoder, "/inference.GRPCInferenceService/ModelStreamInfer"))
+                   + frame(DATA, END_STREAM, 7, b"\0\0\0\0\x10abc"))
     decoder, data, at, ended, status = hpack.Decoder(), b"", 0, set(), {}
     client.settimeout(10)
-    while not {3, 5} <= ended:
+    while not {3, 5, 7} <= ended:
         chunk = client.recv(1 << 16)
         assert chunk, "the server closed the connection"
         data += chunk
@@ -377,7 +379,7 @@ def test_a_stream_message_over_the_limit_ends_that_stream_only(acceptor, replica
                 status[parsed.stream_id] = fields.get("grpc-status", status.get(parsed.stream_id))
                 if "END_STREAM" in parsed.flags:
                     ended.add(parsed.stream_id)
-    assert status == {1: "0", 3: "8", 5: "0"}
+    assert status == {1: "0", 3: "8", 5: "0", 7: "13"}
     client.close()
     wait_until(lambda: replica.listener.held_bytes == 0, "the stream's bytes released", 5)
     _others_are_answered(port)
