@@ -68,9 +68,9 @@ RAY_ENVIRONMENT = {
     "RAY_SERVE_HAPROXY_TUNE_BUFSIZE": "32768",
     # How long a stopping replica keeps taking requests from Serve's HAProxy before it refuses
     # new connections (which HAProxy then sends to another replica: retry-on conn-failure); Ray's
-    # default waits 30 s. Every unload and every server stop waits it out (Serve stops an ensemble
-    # before its members, so a stop waits it two or three times). The front's routes do not depend
-    # on it: a stopping replica withdraws its listener before it closes it.
+    # default waits 30 s. Every unload and every server stop waits it out (a stop of the example
+    # repository waited it three times: Serve stopped its replicas in three waves). The front's
+    # routes do not depend on it: a stopping replica withdraws its listener before it closes it.
     "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0.5",
     # Ports of the replicas' own HTTP and gRPC servers, below Linux's ephemeral range
     # (32768-60999). Ray's default gRPC range, 40000-41000, lies inside it, which every socket

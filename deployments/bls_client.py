@@ -3,9 +3,10 @@
 A request goes to a replica of the target model version (``ModelDeployment.bls_infer`` /
 ``bls_stream``), where it takes the same path as a client's request: validation, the model's
 batcher, its statistics. The ``/v2`` replica names the application serving a model version
-(routes are kept for a second). A call from a model to itself executes in the calling replica,
-on the calling thread (:meth:`ModelCore.execute_here`): sent to its own batcher it would wait
-for the execution that is making it.
+(:class:`~rayinfer.deployments.model_forwarder.ModelRoutes`: kept for a second). A call from
+a model to itself executes in the calling replica, on the calling thread
+(:meth:`ModelCore.execute_here`): sent to its own batcher it would wait for the execution that
+is making it.
 
 The calls run on an event loop of the client's own, with handles of its own (a handle routes
 on the loop it was first used on), so a model may call from its ``execute`` wherever that runs
@@ -18,18 +19,16 @@ import asyncio
 import concurrent.futures
 import queue
 import threading
-import time
 from collections.abc import Iterator
 from typing import Any
 
 from ray.serve.handle import DeploymentHandle
 
+from rayinfer.deployments.model_forwarder import ModelRoutes
 from rayinfer.deployments.names import SERVER_APP, SERVER_DEPLOYMENT
 from rayinfer.protocol.errors import ServingError, as_serving_error
 from rayinfer.protocol.types import InferRequest, InferResponse
 from rayinfer.serving.model_core import ModelCore
-
-_ROUTE_TTL_S = 1.0
 
 
 class ReplicaBlsClient:
@@ -38,7 +37,7 @@ class ReplicaBlsClient:
     def __init__(self, own_deployment: str) -> None:
         self._own_deployment = own_deployment
         self.core: ModelCore | None = None  # set once the model is loaded
-        self._routes: dict[tuple[str, str], tuple[float, tuple[str, str]]] = {}
+        self._routes = ModelRoutes(lambda: self._handle((SERVER_APP, SERVER_DEPLOYMENT)))
         self._handles: dict[tuple[str, str], Any] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._lock = threading.Lock()
@@ -78,13 +77,7 @@ class ReplicaBlsClient:
     # ---- calls ----------------------------------------------------------------------------------
 
     async def _route(self, request: InferRequest) -> tuple[str, str]:
-        key = (request.model_name, request.model_version)
-        cached = self._routes.get(key)
-        if cached is not None and time.monotonic() - cached[0] < _ROUTE_TTL_S:
-            return cached[1]
-        route = await self._server("model_route", *key)
-        self._routes[key] = (time.monotonic(), route)
-        return route
+        return await self._routes.route(request.model_name, request.model_version)
 
     async def _server(self, method: str, *args: Any) -> Any:
         return await getattr(self._handle((SERVER_APP, SERVER_DEPLOYMENT)), method).remote(*args)

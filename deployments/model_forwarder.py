@@ -5,7 +5,8 @@ version, by deployment handle."""
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -102,3 +103,25 @@ async def stream_by_handle(handle: Any, payload: bytes, trace_context: str | Non
                                                            wall_clock_offset_ns()))
         elif answer:  # an empty one ends every stream (ModelDeployment.grpc_stream)
             yield answer
+
+
+class ModelRoutes:
+    """(application, deployment) serving a model version, as the ``/v2`` replica says
+    (``ServerDeployment.model_route``: Triton's error when the version is not served), each kept
+    for :attr:`TTL_S`: a model replica's BLS calls and stream requests look their model up here.
+    ``server``: a handle to the ``/v2`` deployment (the caller's, for the loop it routes on)."""
+
+    TTL_S = 1.0
+
+    def __init__(self, server: Callable[[], Any]) -> None:
+        self._server = server
+        self._routes: dict[tuple[str, str], tuple[float, tuple[str, str]]] = {}
+
+    async def route(self, name: str, version: str) -> tuple[str, str]:
+        key = (name, version)
+        cached = self._routes.get(key)
+        if cached is not None and time.monotonic() - cached[0] < self.TTL_S:
+            return cached[1]
+        app, deployment = await self._server().model_route.remote(name, version)
+        self._routes[key] = (time.monotonic(), (app, deployment))
+        return app, deployment

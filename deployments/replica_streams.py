@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
 from ray import serve
 from tritonclient.grpc import service_pb2 as pb
 
-from rayinfer.deployments.model_forwarder import stream_by_handle
+from rayinfer.deployments.model_forwarder import ModelRoutes, stream_by_handle
 from rayinfer.protocol.errors import InvalidArgError
 from rayinfer.serving import model_grpc
 from rayinfer.serving.model_core import ModelCore
@@ -30,8 +29,6 @@ from rayinfer.serving.stream_infer import Traced, answer_stream
 
 logger = logging.getLogger(__name__)
 
-_ROUTE_TTL_S = 1.0
-
 
 class ReplicaStreams:
     """Answers the streams on a replica's connections; ``own``: the replica's deployment name,
@@ -39,7 +36,7 @@ class ReplicaStreams:
 
     def __init__(self, core: ModelCore, own: str, server: Callable[[], Any], listener: ReplicaListener) -> None:
         self._core, self._own, self._server, self._listener = core, own, server, listener
-        self._routes: dict[tuple[str, str], tuple[float, tuple[str, str]]] = {}
+        self._routes = ModelRoutes(server)
         self._handles: dict[tuple[str, str], Any] = {}
         self._reports: set[asyncio.Task] = set()
 
@@ -57,7 +54,7 @@ class ReplicaStreams:
                        read: tuple[int, int]) -> AsyncIterator[bytes | Traced]:
         if not request.model_name:
             raise InvalidArgError("the request does not name a model")
-        route = await self._route(request.model_name, request.model_version)
+        route = await self._routes.route(request.model_name, request.model_version)
         if route[1] != self._own:
             async for item in stream_by_handle(self._handle(route), request.SerializeToString(), trace_context, read):
                 yield item
@@ -70,16 +67,6 @@ class ReplicaStreams:
                 yield Traced(message.token, 0) if isinstance(message, StreamTrace) else message
         finally:
             self._listener.in_flight -= 1
-
-    async def _route(self, name: str, version: str) -> tuple[str, str]:
-        """(application, deployment) serving ``name`` at ``version``; Triton's error if none."""
-        key = (name, version)
-        cached = self._routes.get(key)
-        if cached is not None and time.monotonic() - cached[0] < _ROUTE_TTL_S:
-            return cached[1]
-        route = tuple(await self._server().model_route.remote(name, version))
-        self._routes[key] = (time.monotonic(), route)  # type: ignore[assignment]
-        return route  # type: ignore[return-value]
 
     def _handle(self, route: tuple[str, str]) -> Any:
         handle = self._handles.get(route)

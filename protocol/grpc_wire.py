@@ -68,6 +68,16 @@ def grpc_status(exc: BaseException) -> tuple[int, bytes]:
     return status, grpc_message_header(error.message)
 
 
+def message_frame(message: bytes) -> bytes:
+    """One uncompressed message in gRPC's length-prefixed framing (what :func:`unframe` reads)."""
+    return b"\0" + len(message).to_bytes(4, "big") + message
+
+
+def reset_stream(stream: int, code: int = 0) -> bytes:
+    """An RST_STREAM frame (``code``: RFC 9113's error code; 0 is NO_ERROR)."""
+    return frame(RST_STREAM, 0, stream, code.to_bytes(4, "big"))
+
+
 def unframe(body: bytes, encoding: bytes | None) -> bytes:
     """The one message of a unary call's body (gRPC length-prefixed framing)."""
     if len(body) < 5:

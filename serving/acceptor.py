@@ -22,8 +22,10 @@ started since and outlive the replica that held them.
 gRPC connections (HTTP/2) are placed the same way by their first call, read from its headers
 and the start of its message (:func:`grpc_route_key`; the acceptor first sends the server's preface,
 which a gRPC client waits for); a replica answers its version's model calls on them
-(:mod:`replica_h2`) and never gives one back: it closes it gracefully when it is due to be rebalanced, and
-the client's gRPC library opens a new one, which the acceptor places again.
+(:mod:`replica_h2`), and its streams (by the model their first message names; any replica here
+for a stream whose first message has not come within :data:`_PEEK_WAIT_S`), and never gives one
+back: it closes it gracefully when it is due to be rebalanced, and the client's gRPC library opens
+a new one, which the acceptor places again.
 
 The acceptor runs in the front's supervisor (:mod:`front_supervisor`), and reads the
 front's route maps from disk (written after each change by :meth:`front.Front.publish`).

@@ -26,7 +26,8 @@ from typing import Any
 
 from rayinfer.protocol.errors import InternalError
 from rayinfer.protocol.grpc_wire import (
-    DATA, OK_TRAILERS, RESPONSE_HEADERS, RST_STREAM, frame, grpc_status, header_frames, trailers, unframe,
+    DATA, OK_TRAILERS, RESPONSE_HEADERS, frame, grpc_status, header_frames, message_frame, reset_stream, trailers,
+    unframe,
 )
 from rayinfer.protocol.limits import GRPC_MAX_MESSAGE_SIZE, message_too_large
 from rayinfer.serving.stream_infer import parse_request
@@ -78,7 +79,7 @@ class StreamAnswers:
         if ended:
             out.append(header_frames(call.id, call.trailers, True, self._max_frame))
             if not call.stream.client_ended:  # ended early (an error): the client's side is closed too
-                out.append(frame(RST_STREAM, 0, call.id, b"\0\0\0\0"))
+                out.append(reset_stream(call.id))
         if out:
             self._write(b"".join(out))
         if ended:
@@ -151,7 +152,7 @@ class ServedStream:
                     if not call.answering:
                         call.answering = True
                         connection._write(header_frames(call.id, RESPONSE_HEADERS, False, connection._max_frame))
-                    call.out += b"\0" + len(response).to_bytes(4, "big") + response
+                    call.out += message_frame(response)
                     connection._flush_stream(call)
                     if len(call.out) > connection._client_window:
                         self.sent.clear()

@@ -52,7 +52,8 @@ from rayinfer.protocol.grpc_wire import (
     SETTINGS, SETTINGS_INITIAL_WINDOW_SIZE, SETTINGS_MAX_CONCURRENT_STREAMS, SETTINGS_MAX_FRAME_SIZE,
     SETTINGS_MAX_HEADER_LIST_SIZE, STREAM_RPC, WINDOW_UPDATE, H2ProtocolError, HeaderDecoder, check_settings, frame,
     parse_frame,
-    goaway, grpc_status, literal, name_and_version, settings, trailers, unframe, window_update,
+    goaway, grpc_status, literal, message_frame, name_and_version, reset_stream, settings, trailers, unframe,
+    window_update,
 )
 from rayinfer.protocol.limits import GRPC_MAX_MESSAGE_SIZE, ConnectionLimits, inflight_limit_message, message_too_large
 from rayinfer.serving.protocol_stamps import PROTOCOL_STAMPS, ProtocolStamps
@@ -66,7 +67,6 @@ _PING_WAIT_S = 2.0  # a client that does not answer that PING: the second GOAWAY
 _LINGER_S = 5.0  # after the last GOAWAY and answer: how long the client may take to close its end
 _FAIL_LINGER_S = 1.0  # a connection closed for an error: how long what the client sends is dropped
 _BUDGET_S = 10.0  # the period of the reset-stream and control-frame budgets
-_RST_CODE = {REFUSED_STREAM: REFUSED_STREAM.to_bytes(4, "big"), FLOW_CONTROL_ERROR: FLOW_CONTROL_ERROR.to_bytes(4, "big")}
 
 
 class _Call:
@@ -407,7 +407,7 @@ class H2Connection(StreamAnswers, asyncio.Protocol):
             return  # after the GOAWAY: the client sends it again elsewhere
         if len(self._calls) >= self._limits.max_concurrent_streams:
             self._spend(1, 0)
-            self._write(frame(RST_STREAM, 0, stream, _RST_CODE[REFUSED_STREAM]))
+            self._write(reset_stream(stream, REFUSED_STREAM))
             return
         path = next((value for name, value in headers if name == b":path"), b"").decode("latin-1")
         if path == SERVICE + STREAM_RPC:
@@ -451,7 +451,7 @@ class H2Connection(StreamAnswers, asyncio.Protocol):
         call.size += len(parsed.data)
         if call.size > GRPC_MAX_MESSAGE_SIZE + 5:
             self._send(call, b"", trailers(*grpc_status(message_too_large(call.size, GRPC_MAX_MESSAGE_SIZE))))
-            self._write(frame(RST_STREAM, 0, call.id, b"\0\0\0\0"))
+            self._write(reset_stream(call.id))
             return
         call.body.append(parsed.data)
         if ends:
@@ -533,7 +533,7 @@ class H2Connection(StreamAnswers, asyncio.Protocol):
         self._release(call)
 
     def _reset(self, call: _Call, code: int) -> None:
-        self._write(frame(RST_STREAM, 0, call.id, _RST_CODE[code]))
+        self._write(reset_stream(call.id, code))
         self._drop(call)
 
     async def _answer(self, call: _Call) -> None:
@@ -563,7 +563,7 @@ class H2Connection(StreamAnswers, asyncio.Protocol):
                 raise UnavailableError(inflight_limit_message(self._listener.max_inflight))
             reply = await self._listener.call_grpc(method, message)
             send_start = time.perf_counter_ns()
-            self._send(call, b"\0" + len(reply).to_bytes(4, "big") + reply, OK_TRAILERS)
+            self._send(call, message_frame(reply), OK_TRAILERS)
             if stamps.finish is not None:  # a traced request: its trace ends here
                 stamps.finish(send_start, time.perf_counter_ns())
         except asyncio.CancelledError:

@@ -16,12 +16,14 @@ def test_unloads_run_together_and_a_load_waits_for_them():
         most = 0
         order: list[str] = []
 
+        release = asyncio.Event()  # the unloads' work ends when the test sets it
+
         async def unload(model: str) -> None:
             nonlocal most
             async with lock.unloading(model):
                 running.add(model)
                 most = max(most, len(running))
-                await asyncio.sleep(0.05)  # the unload's work, long enough for the others to start
+                await asyncio.wait_for(release.wait(), 10)
                 running.discard(model)
                 order.append(f"unloaded {model}")
 
@@ -32,11 +34,20 @@ def test_unloads_run_together_and_a_load_waits_for_them():
 
         unloads = [asyncio.create_task(unload(m)) for m in ("a", "b", "c")]
         await wait_until_async(lambda: len(running) == 3, "the three unloads to run together")
-        await asyncio.gather(load("d"), *unloads)
+        loading = asyncio.create_task(load("d"))
+        await asyncio.sleep(0)  # the load reaches the lock, held by the unloads
+        assert "loaded d" not in order
+        release.set()
+        await asyncio.gather(loading, *unloads)
         assert most == 3 and order[-1] == "loaded d"
         # The same model twice: one after the other.
-        most = 0
-        await asyncio.gather(unload("a"), unload("a"))
+        most, release = 0, asyncio.Event()
+        twice = [asyncio.create_task(unload("a")) for _ in range(2)]
+        await wait_until_async(lambda: len(running) == 1, "the first unload of 'a' to run")
+        await asyncio.sleep(0)  # the second reaches the lock
+        assert most == 1
+        release.set()
+        await asyncio.gather(*twice)
         assert most == 1
 
     asyncio.run(scenario())

@@ -261,8 +261,8 @@ def test_a_stream_holds_at_most_its_window_of_requests_not_taken(loop, acceptor)
             for k in range(8):
                 client.async_stream_infer("m", [_tensor(big)], request_id=f"big{k}")
             assert one.slow_arrived.wait(10)
-            wait_until(lambda: one.listener.held_bytes >= window // 2, "the stream's window to fill", 10)
-            time.sleep(0.3)  # what the client would send on if it were let
+            # The client sends until the stream's window is used up.
+            wait_until(lambda: _stream_windows_left(one) == [0], "the client to use up the stream's window", 10)
             assert one.listener.held_bytes <= window + big.nbytes + 1024  # the window, and one message taken in whole
             one.release_slow()
             answers = [results.get(timeout=10) for _ in range(9)]
@@ -388,8 +388,14 @@ def test_a_stream_started_on_a_replicas_connection_gets_every_message_answered(l
         assert [result.get_response().id for result, _ in answers] == [f"{round_}.{k}" for k in range(6)]
 
 
-@pytest.mark.parametrize("first_message_after_s", [0.0, 0.8], ids=["at-once", "after-the-peek-wait"])
-def test_a_connection_that_starts_with_a_stream_goes_to_a_replica(loop, acceptor, first_message_after_s):
+def _stream_windows_left(replica: Replica) -> list[int]:
+    """What the client may still send on each stream the replica's connections hold."""
+    return [call.recv_window for connection in list(replica.listener._connections)
+            if isinstance(connection, H2Connection) for call in list(connection._calls.values()) if call.stream]
+
+
+@pytest.mark.parametrize("message_late", [False, True], ids=["at-once", "after-the-peek-wait"])
+def test_a_connection_that_starts_with_a_stream_goes_to_a_replica(loop, acceptor, message_late):
     """A new connection whose first call is a stream goes to a replica of the model its first
     message names; one whose first message comes after the acceptor's peek wait (0.5 s) to any
     replica here: either way the replica answers it, not HAProxy's way to the /v2 replica."""
@@ -399,7 +405,8 @@ def test_a_connection_that_starts_with_a_stream_goes_to_a_replica(loop, acceptor
     results: queue.Queue = queue.Queue()
     try:
         client.start_stream(callback=lambda result, error: results.put((result, error)))
-        time.sleep(first_message_after_s)  # a client waiting for its user before the first request
+        if message_late:  # a client waiting for its user: the acceptor places the stream without its message
+            wait_until(lambda: _h2_connections(one) == 1, "the acceptor to give the stream's connection a replica", 5)
         for k in range(2):
             client.async_stream_infer("m", [_tensor(np.zeros((1, 2), np.float32))], request_id=f"r{k}")
         answers = [results.get(timeout=10) for _ in range(2)]
