@@ -7,6 +7,8 @@ merges compatible requests into one model execution, and splits the results back
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -52,6 +54,29 @@ class PreparedRequest:
     trace_link: str | None = None
 
 
+class LateAnswer:
+    """A request's result that comes after its execution returned (a Python model answering
+    through its response sender from another thread): set once, from any thread; the serving
+    core awaits it in the request's place."""
+
+    __slots__ = ("_future",)
+
+    def __init__(self) -> None:
+        self._future: concurrent.futures.Future = concurrent.futures.Future()
+
+    def set(self, result: Any) -> None:
+        try:
+            self._future.set_result(result)
+        except concurrent.futures.InvalidStateError:  # the client gave up on the request
+            pass
+
+    async def wait(self) -> Any:
+        return await asyncio.wrap_future(self._future)
+
+    def wait_blocking(self) -> Any:
+        return self._future.result()
+
+
 def trace_compute(batch: Sequence[PreparedRequest], infer_start: int, infer_end: int) -> None:
     """Note where the model's own part of an execution began and ended, in traced requests."""
     for p in batch:
@@ -78,7 +103,7 @@ NOT_ITERATIVE_MESSAGE = ("Request is released with TRITONSERVER_REQUEST_RELEASE_
 # Request parameters that shape how a request travels or is encoded, not what the model computes:
 # requests differing only in these may share one execution.
 TRANSPORT_PARAMETERS = frozenset({"binary_data_output", "priority", "timeout", "sequence_id", "sequence_start",
-                                  "sequence_end"})
+                                  "sequence_end", "triton_enable_empty_final_response"})
 
 
 def parameters_key(parameters: dict[str, Any]) -> tuple:
@@ -126,8 +151,11 @@ class ModelRunner:
                     f"unexpected inference input '{tensor.name}' for model '{spec.name}'"
                 )
         if missing or len(set(given)) != len(given):
+            count = len(self._required)
+            expected = f"{count}" if count == len(self._inputs) else f"number of inputs between {count} and " \
+                f"{len(self._inputs)}"
             raise InvalidArgError(
-                f"expected {len(self._required)} inputs but got {len(given)} inputs for model "
+                f"expected {expected} inputs but got {len(given)} inputs for model "
                 f"'{spec.name}'. Got input(s) {given}, but missing required input(s) {missing}. "
                 "Please provide all required input(s)."
             )

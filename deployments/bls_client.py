@@ -62,8 +62,7 @@ class ReplicaBlsClient:
         if self._is_self(route):
             return iter(list(self._here(request)))
         results: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._submit(self._forward(route, request, results))
-        return _drain(results)
+        return _Stream(results, self._submit(self._forward(route, request, results)))
 
     def load_model(self, name: str, parameters: dict[str, Any]) -> None:
         self._run(self._server("change_model", "load", name, parameters))
@@ -86,10 +85,13 @@ class ReplicaBlsClient:
         return await self._handle(route).bls_infer.remote(request)
 
     async def _forward(self, route: tuple[str, str], request: InferRequest, results: queue.SimpleQueue) -> None:
+        responses = self._handle(route).options(stream=True).bls_stream.remote(request)
         try:
-            async for result in self._handle(route).options(stream=True).bls_stream.remote(request):
+            async for result in responses:
                 if result is not None:  # None ends every stream (ModelDeployment.bls_stream)
                     results.put(result)
+        except asyncio.CancelledError:  # the caller cancelled the request: so does its model's replica
+            responses.cancel()
         except Exception as exc:
             results.put(as_serving_error(exc))
         finally:
@@ -137,9 +139,26 @@ class ReplicaBlsClient:
 _END = object()
 
 
-def _drain(results: queue.SimpleQueue) -> Iterator[Any]:
-    while (result := results.get()) is not _END:
-        yield result
+class _Stream:
+    """The responses of one streamed request as they arrive; ``cancel()`` cancels the request."""
+
+    def __init__(self, results: queue.SimpleQueue, call: concurrent.futures.Future) -> None:
+        self._results = results
+        self._call = call
+
+    def __iter__(self) -> _Stream:
+        return self
+
+    def __next__(self) -> Any:
+        result = self._results.get()
+        if result is _END:
+            self._results.put(_END)  # a later call ends too
+            raise StopIteration
+        return result
+
+    def cancel(self) -> None:
+        self._call.cancel()
+        self._results.put(_END)  # the call may be cancelled before it began, and so never end the queue
 
 
 def _single(results: Iterator[InferResponse | ServingError]) -> InferResponse:

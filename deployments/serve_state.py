@@ -182,8 +182,7 @@ class ServeState:
         running: dict[str, int] = {}
         routed_before = {app for app, _ in self.routes.values()}
         deployed = set()
-        for scanned in self._scan.entries():
-            entry = self._controller.entry(scanned.name, scanned)
+        for entry in self._controller.entries(self._scan.entries()):
             if entry.error is not None:
                 rows.append({"name": entry.name, "state": "UNAVAILABLE", "reason": entry.error})
                 continue

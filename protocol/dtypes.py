@@ -5,9 +5,10 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 
+import ml_dtypes
 import numpy as np
 
-from rayinfer.protocol.errors import InvalidArgError, UnsupportedError
+from rayinfer.protocol.errors import InvalidArgError
 
 # Wire datatype -> numpy dtype. BYTES tensors are numpy object arrays of ``bytes``.
 _WIRE_TO_NUMPY: dict[str, np.dtype] = {
@@ -24,15 +25,18 @@ _WIRE_TO_NUMPY: dict[str, np.dtype] = {
     "FP32": np.dtype(np.float32),
     "FP64": np.dtype(np.float64),
     "BYTES": np.dtype(object),
+    # numpy has no bfloat16 of its own: ml_dtypes' (the one JAX and ONNX use) holds the same 2 bytes.
+    "BF16": np.dtype(ml_dtypes.bfloat16),
 }
 
 _NUMPY_TO_WIRE: dict[np.dtype, str] = {v: k for k, v in _WIRE_TO_NUMPY.items()}
 
-WIRE_DATATYPES = frozenset(_WIRE_TO_NUMPY) | {"BF16"}
+WIRE_DATATYPES = frozenset(_WIRE_TO_NUMPY)
+BF16 = _WIRE_TO_NUMPY["BF16"]
 
 
 def numpy_dtype(datatype: str) -> np.dtype:
-    """numpy dtype for a wire datatype; raises for BF16 and unknown names."""
+    """numpy dtype for a wire datatype (BF16: ml_dtypes' bfloat16); raises for unknown names."""
     try:
         return _WIRE_TO_NUMPY[datatype]
     except KeyError:
@@ -65,13 +69,17 @@ def wire_to_config(datatype: str) -> str:
 _MAX_COUNT = 2**63 - 1
 
 
-def element_count(shape: Sequence[int], subject: str) -> int:
-    """The number of elements of ``shape``; INVALID_ARG naming ``subject`` when it (or its size
-    in bytes, up to 16 per element) does not fit a 64-bit signed integer."""
+def element_count(shape: Sequence[int], name: str, datatype: str) -> int:
+    """The number of elements of input ``name``'s ``shape``; INVALID_ARG with Triton's message
+    when it, or its size in bytes, does not fit a 64-bit signed integer."""
     count = math.prod(shape)
-    if count * 16 > _MAX_COUNT:
-        raise InvalidArgError(f"{subject} has shape {list(shape)}, whose element count {count} is too large to "
-                              "represent as a 64-bit integer byte size")
+    if count > _MAX_COUNT:
+        raise InvalidArgError(f"invalid shape for input '{name}': shape [{','.join(map(str, shape))}] causes total "
+                              f"element count to exceed maximum size of {_MAX_COUNT}")
+    size = element_size_bytes(datatype)
+    if count * size > _MAX_COUNT:
+        raise InvalidArgError(f"byte size overflow for input '{name}': element count ({count}) * data type size "
+                              f"({size}) exceeds maximum allowed size ({_MAX_COUNT})")
     return count
 
 
@@ -79,8 +87,6 @@ def element_size_bytes(datatype: str) -> int:
     """Size of one element in the binary encoding; 0 for BYTES (variable length)."""
     if datatype == "BYTES":
         return 0
-    if datatype == "BF16":
-        return 2
     return numpy_dtype(datatype).itemsize
 
 
@@ -129,8 +135,6 @@ def array_from_buffer(
     count = math.prod(shape)
     if datatype == "BYTES":
         return deserialize_bytes_tensor(buffer, count, name).reshape(shape)
-    if datatype == "BF16":
-        raise UnsupportedError(f"{subject}: BF16 tensors are not supported")
     expected = count * element_size_bytes(datatype)
     if len(buffer) != expected:
         raise InvalidArgError(size_mismatch(len(buffer), expected))

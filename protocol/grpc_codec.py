@@ -91,8 +91,6 @@ def request_from_grpc(message: pb.ModelInferRequest, shm: SharedMemoryRegistry |
             f"expected {len(message.inputs) - sum(in_shm)} raw_input_contents (one per input not in shared "
             f"memory) for model '{model}', got {len(raw)}"
         )
-    if not message.inputs:
-        raise InvalidArgError(f"request for model '{model}' must contain at least one input")
     inputs = []
     position = 0
     for tensor, shared in zip(message.inputs, in_shm):
@@ -102,7 +100,7 @@ def request_from_grpc(message: pb.ModelInferRequest, shm: SharedMemoryRegistry |
         shape = tuple(tensor.shape)
         if any(d < 0 for d in shape):
             raise InvalidArgError(f"input '{name}' has invalid shape {list(shape)} for model '{model}'")
-        count = element_count(shape, f"input '{name}' for model '{model}'")
+        count = element_count(shape, name, datatype)
         parameters = parameters_from_grpc(tensor.parameters)
         if not shared and parameters and any(key in parameters for key in TENSOR_PARAMETERS):
             tensor_location(parameters, f"input '{name}'")  # Triton's error: a size or offset needs a region

@@ -22,7 +22,7 @@ from rayinfer.protocol.dtypes import (
     numpy_dtype,
     serialize_bytes_tensor,
 )
-from rayinfer.protocol.errors import Code, InvalidArgError, ServingError, UnsupportedError, as_serving_error, http_status
+from rayinfer.protocol.errors import Code, InvalidArgError, ServingError, as_serving_error, http_status
 from rayinfer.protocol.shared_memory import (
     BYTE_SIZE,
     REGION,
@@ -70,8 +70,9 @@ def request_from_http(
         header, binary = bytes(view[:header_length]), view[header_length:]
     doc = parse_json_body(header)
     raw_inputs = doc.get("inputs")
-    if not isinstance(raw_inputs, list) or not raw_inputs:
-        raise InvalidArgError("request must contain a non-empty 'inputs' array")
+    if not isinstance(raw_inputs, list):  # Triton's words; an empty array is for the model to judge
+        raise ServingError("Unable to parse 'inputs': " + ("attempt to access non-existing object member 'inputs'"
+                           if raw_inputs is None else "attempt to access JSON non-array as array"), Code.INTERNAL)
     offset = 0
     inputs = []
     for raw in raw_inputs:
@@ -172,13 +173,16 @@ def _input_from_json(raw: Any, binary: memoryview, offset: int, shm: SharedMemor
     if not isinstance(datatype, str) or datatype not in WIRE_DATATYPES:
         raise InvalidArgError(f"input '{name}' has invalid datatype '{datatype}'")
     shape = raw.get("shape")
-    if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+    if not isinstance(shape, list):
         raise InvalidArgError(f"input '{name}' has invalid shape {shape!r}")
+    if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):  # Triton's words
+        raise ServingError("Unable to parse 'shape': attempt to access JSON non-unsigned-integer as unsigned-integer",
+                           Code.INTERNAL)
     params = raw.get("parameters") or {}
     if not isinstance(params, dict):
         raise InvalidArgError(f"input '{name}': 'parameters' must be a JSON object")
     _check_content(name, "data" in raw, "binary_data_size" in params, REGION in params)
-    count = element_count(shape, f"input '{name}'")
+    count = element_count(shape, name, datatype)
     shared = read_input(shm, params, f"input '{name}'")
     if shared is not None:
         data = array_from_buffer(
@@ -218,43 +222,62 @@ def _check_content(name: str, has_data: bool, has_binary: bool, has_shm: bool) -
         + f" for input '{name}'")
 
 
-def _check_depth(name: str, shape: list[int], depth: int) -> None:
-    """'data' is flat or nested as deep as the shape has dimensions, no deeper."""
-    if depth > max(1, len(shape)):
-        raise InvalidArgError(f"input '{name}': 'data' is nested {'more than 64' if depth > 64 else depth} levels "
-                              f"deep, deeper than its shape {shape} allows")
+# Triton's HTTP_MAX_JSON_NESTING_DEPTH: how deeply a tensor's 'data' may nest its arrays.
+MAX_JSON_DATA_DEPTH = 100
+
+
+def _flat_data(name: str, datatype: str, data: Any) -> list[Any]:
+    """'data' as a flat list, as Triton reads it: arrays nested to any depth (whatever the
+    shape) are flattened in order, up to :data:`MAX_JSON_DATA_DEPTH`; INVALID_ARG beyond."""
+    if not isinstance(data, list):
+        return [data]
+    values: list[Any] = []
+    stack = [iter(data)]  # an item of stack[-1] lies len(stack) arrays deep
+    while stack:
+        for item in stack[-1]:
+            if len(stack) >= MAX_JSON_DATA_DEPTH:
+                message = f"JSON nesting depth exceeds maximum allowed limit ({MAX_JSON_DATA_DEPTH})"
+                raise InvalidArgError(message if datatype == "BYTES" else f"Unable to parse 'data': {message}")
+            if isinstance(item, list):
+                stack.append(iter(item))
+                break
+            values.append(item)
+        else:
+            stack.pop()
+    return values
 
 
 def _array_from_json(name: str, datatype: str, shape: list[int], count: int, data: Any) -> np.ndarray:
-    if datatype == "BF16":
-        raise UnsupportedError(f"input '{name}': BF16 tensors are not supported")
+    if datatype == "BF16":  # Triton's words: BF16 travels as binary data only
+        raise InvalidArgError("receiving BF16 data via JSON is not supported. Please use the binary data format "
+                              "for input")
     try:
-        if datatype == "BYTES":
-            flat = np.asarray(data, dtype=object)
-            _check_depth(name, shape, flat.ndim)
-            flat = flat.reshape(-1)
-            array = np.empty(flat.size, dtype=object)
-            # Only strings: bytes(n) of a JSON number would be n zero bytes (n may be huge).
-            if not all(isinstance(item, str) for item in flat):
-                raise ValueError("expected JSON strings")
-            array[:] = [item.encode("utf-8") for item in flat]
-        elif datatype == "BOOL":
-            flat = np.asarray(data, dtype=object)
-            _check_depth(name, shape, flat.ndim)
-            flat = flat.reshape(-1)
-            if not all(isinstance(v, bool) for v in flat):
-                raise ValueError("expected true or false")
-            array = flat.astype(np.bool_)
+        if datatype in ("BYTES", "BOOL"):
+            flat = _flat_data(name, datatype, data)
+            if datatype == "BYTES":
+                # Only strings: bytes(n) of a JSON number would be n zero bytes (n may be huge).
+                if not all(isinstance(item, str) for item in flat):
+                    raise ValueError("expected JSON strings")
+                array = np.empty(len(flat), dtype=object)
+                array[:] = [item.encode("utf-8") for item in flat]
+            else:
+                if not all(isinstance(v, bool) for v in flat):
+                    raise ValueError("expected true or false")
+                array = np.array(flat, dtype=np.bool_)
         else:
-            raw = np.asarray(data)
-            _check_depth(name, shape, raw.ndim)
+            source = data
+            try:  # numpy reads evenly nested data at C speed
+                raw = np.asarray(data)
+                if raw.dtype == object:
+                    raise ValueError("unevenly nested")
+            except ValueError:  # unevenly nested, or deeper than numpy's 64 dimensions
+                source = _flat_data(name, datatype, data)
+                raw = np.asarray(source)
             allowed = "iuf" if datatype.startswith("FP") else "iu"
             if raw.size and raw.dtype.kind not in allowed:
                 raise ValueError(f"expected JSON numbers of type {datatype}")
-            array = np.asarray(data, dtype=numpy_dtype(datatype)).reshape(-1)
+            array = np.asarray(source, dtype=numpy_dtype(datatype)).reshape(-1)
     except ValueError as exc:
-        if "maximum number of dimension" in str(exc):  # numpy's limit (64): nested far too deeply
-            _check_depth(name, shape, 10**6)
         raise InvalidArgError(f"input '{name}': data is not valid {datatype}: {exc}") from None
     except (TypeError, OverflowError) as exc:
         raise InvalidArgError(f"input '{name}': data is not valid {datatype}: {exc}") from None
@@ -332,6 +355,9 @@ def response_to_http(response: InferResponse, request: InferRequest,
 
 
 def _json_data(datatype: str, data: np.ndarray) -> list[Any]:
+    if datatype == "BF16":
+        raise InvalidArgError("sending BF16 data via JSON is not supported. Please use the binary data format "
+                              "for output")
     flat = data.reshape(-1)
     if datatype == "BYTES":
         return [

@@ -214,8 +214,8 @@ def spec_from_config(config: ModelConfig, path: Path) -> ModelSpec:
     inputs = tuple(_tensor(t, path, "input") for t in config.input)
     outputs = tuple(_with_labels(_tensor(t, path, "output"), t.label_filename, config.name, path)
                     for t in config.output)
-    if not inputs or not outputs:
-        raise ModelConfigError(f"{path}: model must declare at least one input and one output")
+    if not outputs:  # a model may take no inputs (Triton loads it; its requests carry none)
+        raise ModelConfigError(f"{path}: model must declare at least one output")
     batching = None
     if config.HasField("dynamic_batching"):
         db = config.dynamic_batching

@@ -79,11 +79,13 @@ class ResponseSender(_Sender):
     that created the sender, in the order sent, and the stream ends after ``final``.
     """
 
-    __slots__ = ("_loop", "_queue")
+    __slots__ = ("_loop", "_queue", "final_yielded")
 
     def __init__(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue[tuple[Result | None, bool]] = asyncio.Queue()
+        # Whether the response :meth:`responses` yielded last came with the final flag.
+        self.final_yielded = False
         super().__init__(lambda item: self._loop.call_soon_threadsafe(self._queue.put_nowait, item))
 
     async def responses(self) -> Any:
@@ -91,6 +93,7 @@ class ResponseSender(_Sender):
         while True:
             response, final = await self._queue.get()
             if response is not None:
+                self.final_yielded = final
                 yield response
             if final:
                 return

@@ -42,6 +42,16 @@ class Deployer(Protocol):
         """Remove every version of ``model``; return once they are gone."""
 
 
+def check_model_name(model: str) -> None:
+    """Triton's checks of a model name a load request gives (INVALID_ARG, its messages)."""
+    if not model:
+        raise InvalidArgError("model name must not be empty")
+    if not model.strip():
+        raise InvalidArgError("model name must not contain only whitespace characters")
+    if ".." in model or "/" in model or "\\" in model:
+        raise InvalidArgError(f"invalid model name '{model}', model name must not contain path traversal characters")
+
+
 class ModelController:
     """Loads and unloads models of one repository through a deployer (one call at a time)."""
 
@@ -74,6 +84,14 @@ class ModelController:
         source = self.sources.get(name)
         return scanned if source is None else scan_model(source[0] / name, source[1])
 
+    def entries(self, scanned: list[ModelEntry]) -> list[ModelEntry]:
+        """The repository's entries as served, then the models a load request's files brought
+        under names the repository does not have."""
+        names = {entry.name for entry in scanned}
+        return [self.entry(entry.name, entry) for entry in scanned] + [
+            scan_model(root / name, override) for name, (root, override) in sorted(self.sources.items())
+            if name not in names]
+
     def load(self, model: str, parameters: dict[str, Any], loading: frozenset[str] = frozenset()) -> None:
         """Deploy every version the model's policy selects; remove versions no longer selected.
         An ensemble's members that are not served are loaded first (``loading``: the ensembles
@@ -86,12 +104,14 @@ class ModelController:
         """
         if not loading:  # an s3:// repository's objects may have changed since the last load
             self.refresh()
-        if not model or model.startswith(".") or "/" in model or not (self.repository / model).is_dir():
-            raise InternalError(f"failed to load '{model}', failed to poll from model repository")
+        check_model_name(model)
         override = parameters.get("config")
         if override is not None and not isinstance(override, str):
             raise InvalidArgError(f"failed to load '{model}': parameter 'config' must be a JSON string")
         files = file_parameters(model, parameters)
+        # With files, the model is served from them, whether or not the repository has it (as in Triton).
+        if not files and (model.startswith(".") or not (self.repository / model).is_dir()):
+            raise InternalError(f"failed to load '{model}', failed to poll from model repository")
         if files and override is None:
             raise InvalidArgError(f"failed to load '{model}': 'file:' parameters need the 'config' parameter")
         root = write_model_directory(model, files) if files else self.repository

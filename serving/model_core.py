@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequen
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from rayinfer.adapters.model_runner import LateAnswer
 from rayinfer.protocol.errors import InternalError, ServingError, UnavailableError, as_serving_error
 from rayinfer.protocol.shared_memory import SharedMemoryRegistry
 from rayinfer.protocol.types import InferRequest, InferResponse
@@ -274,7 +275,8 @@ class ModelCore:
         sender = prepared.sender = BlockingSender() if self.decoupled else None
         results = self.executor.execute([prepared])
         if sender is None or results is not None:  # an answer, or a decoupled execution that failed
-            yield results[0] if results else InternalError(f"model '{self.name}' gave no response")
+            result = results[0] if results else InternalError(f"model '{self.name}' gave no response")
+            yield result.wait_blocking() if isinstance(result, LateAnswer) else result
             return
         yield from sender.responses()
 
@@ -300,6 +302,11 @@ class ModelCore:
         return result
 
     async def _schedule_model(self, prepared: Any) -> Any:
+        result = await self._scheduled(prepared)
+        # A Python model may answer through the request's response sender after execute returned.
+        return await result.wait() if isinstance(result, LateAnswer) else result
+
+    async def _scheduled(self, prepared: Any) -> Any:
         if self._sequencer is not None:
             return await self._sequencer.submit(prepared)
         if self._batcher is not None:
@@ -316,7 +323,8 @@ class ModelCore:
 
     async def _execute_now(self, prepared: Any) -> Any:
         """One request's result, executed at once (a batch already: past the batcher)."""
-        return (await self._execute([prepared]))[0]
+        result = (await self._execute([prepared]))[0]
+        return await result.wait() if isinstance(result, LateAnswer) else result
 
     async def _execute(self, batch: list[Any]) -> list[Any]:
         """Execute on the loop when executions are known to be short, else on the model thread;

@@ -123,12 +123,32 @@ async def _stream_serialized(core: ModelCore, payload: bytes | pb.ModelInferRequ
     except Exception as exc:  # rejected before the model (DecodeError included)
         yield pb.ModelStreamInferResponse(error_message=as_serving_error(exc).message).SerializeToString()
         return
+    # tritonclient's enable_empty_final_response: every response says whether it is the request's
+    # last (triton_final_response); a final flag sent alone is an empty response saying so.
+    marks_final = _bool_parameter(request, EMPTY_FINAL_RESPONSE)
+    final = False
     async for result in core.stream(prepared):
         if isinstance(result, ServingError):
-            yield pb.ModelStreamInferResponse(error_message=result.message).SerializeToString()
+            message = pb.ModelStreamInferResponse(error_message=result.message)
         else:
             try:
                 message = pb.ModelStreamInferResponse(infer_response=response_to_grpc(result, decoded, core.shm))
             except Exception as exc:  # an output that does not fit its shared memory
                 message = pb.ModelStreamInferResponse(error_message=as_serving_error(exc).message)
-            yield message.SerializeToString()
+        if marks_final:
+            final = not core.decoupled or prepared.sender.final_yielded
+            message.infer_response.parameters[FINAL_RESPONSE].bool_param = final
+        yield message.SerializeToString()
+    if marks_final and not final:
+        empty = pb.ModelInferResponse(model_name=core.name, model_version=core.version, id=request.id)
+        empty.parameters[FINAL_RESPONSE].bool_param = True
+        yield pb.ModelStreamInferResponse(infer_response=empty).SerializeToString()
+
+
+# The request parameter asking for it, and the response parameter (Triton's names).
+EMPTY_FINAL_RESPONSE = "triton_enable_empty_final_response"
+FINAL_RESPONSE = "triton_final_response"
+
+
+def _bool_parameter(request: pb.ModelInferRequest, name: str) -> bool:
+    return name in request.parameters and request.parameters[name].bool_param

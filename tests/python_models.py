@@ -14,6 +14,7 @@ import zipfile
 from pathlib import Path
 
 from python_bls_models import BLS_MODELS
+from python_rules_models import RULES_MODELS
 
 ANCHOR_MODELS = Path(__file__).resolve().parents[2] / "shared" / "anchors" / "models"
 # Loaded by tests through the repository API, not at start.
@@ -335,6 +336,7 @@ class TritonPythonModel:
 ''')
 
 MODELS.update(BLS_MODELS)
+MODELS.update(RULES_MODELS)
 
 HELPERS = {
     ("py_add_sub", "1/arithmetic.py"): "def add_and_subtract(a, b):\n    return a + b, a - b\n",

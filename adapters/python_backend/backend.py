@@ -12,6 +12,8 @@ a loop of the backend's own.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import functools
 import importlib.util
 import inspect
 import json
@@ -19,6 +21,7 @@ import logging
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -37,6 +40,8 @@ from rayinfer.adapters.model_runner import (
     trace_compute,
 )
 from rayinfer.adapters.python_backend import environment
+from rayinfer.adapters.python_backend.readiness import ReadinessCheck
+from rayinfer.adapters.python_backend.sender_answer import SenderAnswer
 from rayinfer.adapters.python_backend.requirements import activate_requirements
 from rayinfer.adapters.python_backend.errors import SERVING_CODES
 from rayinfer.adapters.python_backend import triton_python_backend_utils as pb_utils
@@ -61,6 +66,7 @@ class PythonBackendAdapter:
         self.model_dir = ""
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread: threading.Thread | None = None
+        self._loop_lock = threading.Lock()
 
     @property
     def runner_class(self) -> type[ModelRunner]:
@@ -112,25 +118,38 @@ class PythonBackendAdapter:
             except Exception as exc:
                 raise InternalError(f"Failed to initialize model '{config.name}': {type(exc).__name__}: {exc}") from None
 
-    def execute_requests(self, requests: list[pb_utils.InferenceRequest]) -> Any:
-        """The model's ``execute`` on one batch (awaited on the backend's loop when async)."""
-        return self.call(self.model.execute, requests)
+    def execute_requests(self, requests: list[pb_utils.InferenceRequest], background: bool = False) -> Any:
+        """The model's ``execute`` on one batch, awaited on the backend's loop when async. With
+        ``background`` (a decoupled model) an async execute is left running on that loop and its
+        future returned: the next batch starts while it awaits, as in Triton."""
+        result = self.model.execute(requests)
+        if not inspect.isawaitable(result):
+            return result
+        if background and threading.current_thread() is not self._loop_thread:
+            return asyncio.run_coroutine_threadsafe(_awaited(result), self._event_loop())
+        return self._wait(result)
 
     def call(self, method: Any, *args: Any) -> Any:
         """Call one of the model's methods; a coroutine is run on the backend's loop."""
         result = method(*args)
-        if not inspect.isawaitable(result):
-            return result
+        return self._wait(result) if inspect.isawaitable(result) else result
+
+    def _wait(self, awaitable: Any) -> Any:
         if threading.current_thread() is self._loop_thread:
             # An async execute calling its own model with a blocking exec(): its loop is busy
             # with the caller, so this execution gets a loop of its own.
             with ThreadPoolExecutor(1) as pool:
-                return pool.submit(asyncio.run, _awaited(result)).result()
-        if self._loop is None:
-            self._loop = asyncio.new_event_loop()
-            self._loop_thread = threading.Thread(target=self._loop.run_forever, name="python-model-loop", daemon=True)
-            self._loop_thread.start()
-        return asyncio.run_coroutine_threadsafe(_awaited(result), self._loop).result()
+                return pool.submit(asyncio.run, _awaited(awaitable)).result()
+        return asyncio.run_coroutine_threadsafe(_awaited(awaitable), self._event_loop()).result()
+
+    def _event_loop(self) -> asyncio.AbstractEventLoop:
+        with self._loop_lock:
+            if self._loop is None:
+                self._loop = asyncio.new_event_loop()
+                self._loop_thread = threading.Thread(target=self._loop.run_forever, name="python-model-loop",
+                                                     daemon=True)
+                self._loop_thread.start()
+            return self._loop
 
     def unload(self) -> None:
         if self.model is not None and hasattr(self.model, "finalize"):
@@ -168,39 +187,75 @@ class PythonModelRunner(ModelRunner):
         self.decoupled = bool(spec.config.model_transaction_policy.decoupled)
         # Requests the model reschedules run again (sequence_batching { iterative_sequence: true }).
         self.iterative = bool(spec.sequence_batching is not None and spec.sequence_batching.iterative)
+        self._readiness = ReadinessCheck(spec.name)
 
     def execute(self, batch: Sequence[PreparedRequest]) -> list[InferResponse | ServingError] | None:
         start = time.perf_counter_ns()
         requests = [self._request(p) for p in batch]
         infer_start = time.perf_counter_ns()
         try:
-            responses = self.adapter.execute_requests(requests)
-        except Exception as exc:  # the requests fail; the model keeps serving
-            error = InternalError(
-                f"Failed to process the request(s) for model '{self.spec.name}', message: "
-                f"{type(exc).__name__}: {exc}"
-            )
-            return self._failed(batch, error)
+            # A decoupled async execute runs on in the background (unless its requests may be
+            # rescheduled, which is known only once it returned).
+            responses = self.adapter.execute_requests(requests, self.decoupled and not self.iterative)
+        except Exception as exc:  # the requests fail (those already answered keep their answer)
+            error = self._execute_error(exc)
+            return self._failed(batch, error, [] if self.decoupled else [q._answer for q in requests])
         infer_end = time.perf_counter_ns()
         trace_compute(batch, infer_start, infer_end)
         if self.decoupled:
-            if responses is not None:
+            if isinstance(responses, concurrent.futures.Future):  # an async execute, still running
+                responses.add_done_callback(functools.partial(self._async_done, batch))
+                self._record(batch, start, infer_start, infer_end)
+                return None
+            if responses is not None:  # Triton's message
                 return self._failed(batch, InternalError(
-                    f"decoupled model '{self.spec.name}' must return None from execute, got {type(responses).__name__}"
-                ))
+                    f"Failed to process the request(s) for model '{self.spec.name}', message: Python model "
+                    f"'{self.spec.name}' is using the decoupled mode and the execute function must return None."))
             marks = self._rescheduled_decoupled(batch, requests)
             self._record(batch, start, infer_start, infer_end, marks)
             return marks
+        if responses is None and all(q._sender_taken for q in requests):  # answered through their senders
+            responses = [None] * len(batch)
         if not isinstance(responses, list) or len(responses) != len(batch):
             count = len(responses) if isinstance(responses, list) else type(responses).__name__
             return self._failed(batch, InternalError(
                 f"model '{self.spec.name}' returned {count} responses for {len(batch)} requests; "
                 "execute must return one InferenceResponse per request"
             ))
-        results = [self._rescheduled(r) if _rescheduling(q) else self._answer(p, r)
+        results = [self._rescheduled(r) if _rescheduling(q) else self._result(p, q, r)
                    for p, q, r in zip(batch, requests, responses)]
         self._record(batch, start, infer_start, infer_end, results)
         return results
+
+    def _execute_error(self, exc: BaseException) -> ServingError:
+        return InternalError(f"Failed to process the request(s) for model '{self.spec.name}', message: "
+                             f"{type(exc).__name__}: {exc}")
+
+    def _result(self, prepared: PreparedRequest, request: pb_utils.InferenceRequest, response: Any) -> Any:
+        """A non-decoupled request's result: what ``execute`` returned for it, or what the model
+        sent through its response sender (before returning, or later: a LateAnswer)."""
+        answer = request._answer
+        if not request._sender_taken or answer is None:
+            return self._answer(prepared, response)
+        if response is not None:  # returned: the sender is closed (an answer it sent comes first)
+            request._sender.close()
+            return answer.result if answer.result is not None else self._answer(prepared, response)
+        return answer.after_return()
+
+    def _async_done(self, batch: Sequence[PreparedRequest], done: concurrent.futures.Future) -> None:
+        """A decoupled model's async execute ended: an exception goes to the log with its
+        traceback, and ends the streams of its requests that are still open."""
+        exc = None if done.cancelled() else done.exception()
+        if exc is None:
+            return
+        logger.error("%s", "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).rstrip())
+        error = self._execute_error(exc)
+        for p in batch:
+            if p.sender is not None and not p.sender.closed:
+                try:
+                    p.sender.send(error, final=True)
+                except ServingError:  # its final response came meanwhile
+                    pass
 
     def _rescheduled(self, response: Any) -> Any:
         """The result of a request the model rescheduled, returning ``response`` for it."""
@@ -227,15 +282,9 @@ class PythonModelRunner(ModelRunner):
         return None
 
     def is_ready(self) -> bool:
-        """The model's own ``is_ready()`` when it has one (an exception counts as not ready)."""
+        """The model's own ``is_ready()`` when it has one, by Triton's rules (:class:`ReadinessCheck`)."""
         check = getattr(self.adapter.model, "is_ready", None)
-        if check is None:
-            return True
-        try:
-            return bool(self.adapter.call(check))
-        except Exception as exc:
-            logger.warning("model '%s': is_ready raised %s: %s", self.spec.name, type(exc).__name__, exc)
-            return False
+        return True if check is None else self._readiness.ask(lambda: self.adapter.call(check))
 
     def custom_metrics(self) -> tuple[int, list[dict[str, Any]]]:
         """The model's own metric families (``pb_utils.MetricFamily``) and their update count."""
@@ -253,10 +302,10 @@ class PythonModelRunner(ModelRunner):
             (pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_END if end else 0)
         pb_request = pb_utils.InferenceRequest(
             inputs=inputs, requested_output_names=list(prepared.output_names), request_id=request.id or "",
-            correlation_id=correlation_id, flags=flags,
-            parameters=parameters, timeout=timeout if isinstance(timeout, int) else 0,
+            correlation_id=correlation_id, flags=flags, timeout=timeout if isinstance(timeout, int) else 0,
             model_name=self.spec.name, model_version=int(self.version),
         )
+        pb_request._parameters = parameters  # a client's may hold doubles too, which Triton passes on
         pb_request._cancelled = cancelled = lambda: prepared.cancelled
         if prepared.trace_link is not None:  # traced: BLS requests given request.trace() are its children
             pb_request._trace = pb_utils.InferenceTrace(prepared.trace_link)
@@ -267,6 +316,12 @@ class PythonModelRunner(ModelRunner):
                                                     final),
                 cancelled,
             )
+        else:  # a non-decoupled model may answer through the sender too: one response
+            answer = pb_request._answer = SenderAnswer()
+            pb_request._sender = pb_utils.InferenceResponseSender(
+                lambda response, final: None if response is None else answer.sent(self._answer(prepared, response)),
+                cancelled, decoupled=False,
+            )
         return pb_request
 
     def _answer(self, prepared: PreparedRequest, response: Any) -> InferResponse | ServingError:
@@ -276,14 +331,14 @@ class PythonModelRunner(ModelRunner):
         if response.has_error():
             error = response.error()
             return ServingError(error.message(), SERVING_CODES.get(error.code(), Code.INTERNAL))
-        by_name = {t.name(): t.as_numpy() for t in response.output_tensors()}
+        by_name = {t.name(): t._data for t in response.output_tensors()}  # BF16 too (as_numpy refuses it)
         if self._state_outputs:  # a sequence model's implicit state, for the sequence's next request
             keep_state([prepared], [by_name], self._state_outputs, self.spec.max_batch_size > 0)
         outputs = []
         for name in prepared.output_names:
             array = by_name.get(name)
-            if array is None:
-                return InternalError(f"model '{self.spec.name}' gave no output '{name}' in its response")
+            if array is None:  # as in Triton, the response carries the outputs the model gave
+                continue
             try:
                 datatype = wire_datatype(array.dtype)
             except ServingError as exc:
@@ -311,12 +366,20 @@ class PythonModelRunner(ModelRunner):
             else:
                 self.stats.record_success(end - p.arrival_ns, start - p.arrival_ns)
 
-    def _failed(self, batch: Sequence[PreparedRequest], error: ServingError) -> list[InferResponse | ServingError]:
+    def _failed(self, batch: Sequence[PreparedRequest], error: ServingError,
+                answers: Sequence[SenderAnswer | None] = ()) -> list[Any]:
+        """``error`` for every request of ``batch``, but those whose sender already answered them."""
         now = time.perf_counter_ns()
-        for p in batch:
+        results: list[Any] = []
+        for index, p in enumerate(batch):
+            answer = answers[index] if index < len(answers) else None
+            if answer is not None and answer.result is not None:
+                results.append(answer.result)
+                continue
             if not p.padding:
                 self.stats.record_failure(now - p.arrival_ns)
-        return [as_serving_error(error)] * len(batch)
+            results.append(as_serving_error(error))
+        return results
 
 
 def _rescheduling(request: pb_utils.InferenceRequest) -> bool:

@@ -11,7 +11,7 @@ through that model's own batcher, and the answer comes back as a ``pb_utils.Infe
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, Protocol
 
 from rayinfer.adapters.python_backend.errors import TRITON_CODES, TritonError, TritonModelException
@@ -64,7 +64,7 @@ def to_infer_request(request: InferenceRequest) -> InferRequest:
         raise TritonModelException("a BLS request needs 'model_name'")
     inputs = []
     for tensor in request.inputs():
-        array = tensor.as_numpy()
+        array = tensor._data  # as it is: BF16 too (as_numpy refuses it)
         inputs.append(InferInput(tensor.name(), wire_datatype(array.dtype), tuple(array.shape), array))
     outputs = [RequestedOutput(name) for name in request.requested_output_names()] or None
     version = "" if int(request.model_version) < 0 else str(request.model_version)
@@ -106,15 +106,52 @@ async def execute_async(request: InferenceRequest) -> InferenceResponse:
         return to_inference_response(exc)
 
 
-def execute_decoupled(request: InferenceRequest) -> Iterator[InferenceResponse]:
+class ResponseIterator:
+    """The responses of a decoupled BLS request (``request.exec(decoupled=True)``), as Triton's
+    iterator gives them: each as it comes, then an empty final one. ``cancel()`` cancels the
+    request (its model sees ``request.is_cancelled()``) and ends the iteration; after the last
+    response, or a second time, it does nothing."""
+
+    def __init__(self, responses: Iterator[InferenceResponse], cancel: Callable[[], None] | None = None) -> None:
+        self._responses = responses
+        self._cancel = cancel
+        self._finished = False
+
+    def __iter__(self) -> ResponseIterator:
+        return self
+
+    def __next__(self) -> InferenceResponse:
+        try:
+            return next(self._responses)
+        except StopIteration:
+            self._finished = True
+            raise
+
+    def __aiter__(self) -> ResponseIterator:
+        return self
+
+    async def __anext__(self) -> InferenceResponse:
+        response = await asyncio.to_thread(next, self._responses, None)
+        if response is None:
+            self._finished = True
+            raise StopAsyncIteration
+        return response
+
+    def cancel(self) -> None:
+        cancel, self._cancel = self._cancel, None
+        if cancel is not None and not self._finished:
+            cancel()
+
+
+def execute_decoupled(request: InferenceRequest) -> ResponseIterator:
     """``request.exec(decoupled=True)``: sends the request, then iterates the model's responses
     as they come, and an empty final one (as Triton's iterator gives when the model sends the
     final flag on its own)."""
     try:
         results = client().stream(to_infer_request(request))
     except Exception as exc:
-        return iter([to_inference_response(exc)])
-    return _responses(results)
+        return ResponseIterator(iter([to_inference_response(exc)]))
+    return ResponseIterator(_responses(results), getattr(results, "cancel", None))
 
 
 def _responses(results: Iterator[InferResponse | ServingError]) -> Iterator[InferenceResponse]:
@@ -129,7 +166,7 @@ def _responses(results: Iterator[InferResponse | ServingError]) -> Iterator[Infe
     yield to_inference_response(None)
 
 
-async def execute_decoupled_async(request: InferenceRequest) -> Iterator[InferenceResponse]:
+async def execute_decoupled_async(request: InferenceRequest) -> ResponseIterator:
     """``await request.async_exec(decoupled=True)``: the request is sent off the caller's loop;
     iterating the answer waits for each response, as Triton's iterator does."""
     return await asyncio.to_thread(execute_decoupled, request)

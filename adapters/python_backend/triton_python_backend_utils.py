@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -24,6 +25,7 @@ from rayinfer.adapters.python_backend.model_metrics import Metric as Metric
 from rayinfer.adapters.python_backend.model_metrics import MetricFamily as MetricFamily
 from rayinfer.adapters.python_backend.model_metrics import metrics_snapshot as metrics_snapshot
 from rayinfer.protocol.dtypes import (
+    BF16 as _BF16,
     numpy_dtype as _numpy_dtype,
     serialize_bytes_tensor as _serialize,
     wire_datatype as _wire_datatype,
@@ -67,6 +69,9 @@ class Tensor:
         return self._name
 
     def as_numpy(self) -> np.ndarray:
+        if self._data.dtype == _BF16:  # numpy has no bfloat16: Triton's models use DLPack for it
+            raise TritonModelException("Tensor dtype is BF16 and cannot be converted to NumPy. Use to_dlpack() and "
+                                       "from_dlpack() instead.")
         return self._data
 
     def shape(self) -> list[int]:
@@ -81,12 +86,25 @@ class Tensor:
     def to_dlpack(self) -> Any:
         if self._data.dtype == object:
             raise TritonModelException(f"tensor '{self._name}': BYTES tensors have no DLPack form")
+        if self._data.dtype == _BF16:  # numpy cannot export bfloat16 through DLPack; torch can
+            torch = _torch_for_bf16(self._name)
+            return torch.utils.dlpack.to_dlpack(torch.from_numpy(self._data.view(np.int16)).view(torch.bfloat16))
         return self._data.__dlpack__()
 
     @classmethod
     def from_dlpack(cls, name: str, capsule: Any) -> Tensor:
-        """A tensor from an object with ``__dlpack__`` (numpy, torch CPU tensors, ...)."""
-        return cls(name, np.from_dlpack(capsule))
+        """A tensor from a DLPack capsule or an object with ``__dlpack__`` (numpy, torch CPU
+        tensors, ...); a bfloat16 one becomes a BF16 tensor."""
+        if str(getattr(capsule, "dtype", "")) == "torch.bfloat16":
+            return cls(name, capsule.detach().cpu().contiguous().view(_torch_for_bf16(name).int16).numpy().view(_BF16))
+        try:
+            return cls(name, np.from_dlpack(capsule))
+        except (BufferError, TypeError, AttributeError):
+            torch = _torch_for_bf16(name)  # a capsule numpy cannot read: bfloat16 among them
+            tensor = torch.utils.dlpack.from_dlpack(capsule)
+            if tensor.dtype != torch.bfloat16:
+                return cls(name, tensor.cpu().numpy())
+            return cls(name, tensor.cpu().contiguous().view(torch.int16).numpy().view(_BF16))
 
     def __repr__(self) -> str:
         return f"Tensor({self._name!r}, shape={self.shape()}, dtype={self._data.dtype})"
@@ -96,6 +114,33 @@ def _to_bytes(value: Any) -> bytes:
     return value if isinstance(value, bytes) else str(value).encode("utf-8")
 
 
+def _torch_for_bf16(name: str) -> Any:
+    """torch, which carries BF16 tensors through DLPack (numpy cannot)."""
+    try:
+        import torch
+    except ImportError:
+        raise TritonModelException(f"tensor '{name}': BF16 tensors go through DLPack with torch, which is not "
+                                   "installed in this environment") from None
+    return torch
+
+
+def _checked_parameters(parameters: dict[str, Any] | str | None) -> dict[str, Any]:
+    """A request's or response's parameters as Triton's Python API takes them: a dict (or its
+    JSON text) with str keys and bool, int or str values; anything else raises Triton's message."""
+    if parameters is None:
+        return {}
+    if isinstance(parameters, str):
+        parameters = json.loads(parameters)
+    if not isinstance(parameters, dict):
+        raise TritonModelException(f"Expect dict, got {type(parameters)}")
+    for key, value in parameters.items():
+        if not isinstance(key, str):
+            raise TritonModelException(f"Expect parameters keys to have type str, found type {type(key)}")
+        if not isinstance(value, (bool, int, str)):
+            raise TritonModelException(f"Expect parameters values to have type bool/int/str, found type {type(value)}")
+    return dict(parameters)
+
+
 class InferenceResponse:
     """A model's answer to one request: output tensors, or an error."""
 
@@ -103,7 +148,7 @@ class InferenceResponse:
                  parameters: dict[str, Any] | str | None = None) -> None:
         self._outputs = list(output_tensors or [])
         self._error = error
-        self._parameters = json.loads(parameters) if isinstance(parameters, str) else dict(parameters or {})
+        self._parameters = _checked_parameters(parameters)
 
     def output_tensors(self) -> list[Tensor]:
         return self._outputs
@@ -119,14 +164,42 @@ class InferenceResponse:
 
 
 class InferenceResponseSender:
-    """Sends a decoupled model's responses to one request (``request.get_response_sender()``)."""
+    """Sends the responses to one request (``request.get_response_sender()``): any number
+    before the final flag from a decoupled model; exactly one from a non-decoupled model (the
+    final flag with it or after it). Triton's rules and messages; nothing after the final flag."""
 
-    def __init__(self, send: Any, cancelled: Any = None) -> None:
+    def __init__(self, send: Any, cancelled: Any = None, decoupled: bool = True) -> None:
         self._send = send
         self._cancelled = cancelled
+        self._decoupled = decoupled
+        self._sent = 0
+        self._closed = False
+        self._lock = threading.Lock()
 
     def send(self, response: InferenceResponse | None = None, flags: int = 0) -> None:
-        self._send(response, bool(flags & TRITONSERVER_RESPONSE_COMPLETE_FINAL))
+        if flags not in (0, TRITONSERVER_RESPONSE_COMPLETE_FINAL):
+            raise TritonModelException("Unable to send response. Unsupported flag provided.")
+        if flags == 0 and response is None:
+            raise TritonModelException("Inference Response object must be provided when the response flags is set "
+                                       "to zero.")
+        with self._lock:
+            if not self._decoupled:
+                if response is not None and self._sent:
+                    raise TritonModelException("Unable to send response. Non-decoupled model cannot send more than "
+                                               "one response.")
+                if response is None and self._sent == 0:
+                    raise TritonModelException("Unable to send response. Non-decoupled model cannot send complete "
+                                               "final before sending a response.")
+            if self._closed:
+                raise TritonModelException("Unable to send response. Response sender has been closed.")
+            self._sent += response is not None
+            self._closed = bool(flags)
+            self._send(response, self._closed)
+
+    def close(self) -> None:
+        """The request has its answer otherwise (``execute`` returned it): nothing more may be sent."""
+        with self._lock:
+            self._closed = True
 
     def is_cancelled(self) -> bool:
         """Whether the client cancelled the request (as ``request.is_cancelled()``)."""
@@ -160,10 +233,12 @@ class InferenceRequest:
         self._correlation_id = correlation_id
         self._flags = flags
         self._timeout = timeout
-        self._parameters = json.loads(parameters) if isinstance(parameters, str) else dict(parameters or {})
+        self._parameters = _checked_parameters(parameters)
         self.model_name = model_name
         self.model_version = model_version
         self._sender: InferenceResponseSender | None = None
+        self._sender_taken = False  # the model asked for the sender (it may answer through it)
+        self._answer: Any = None  # a non-decoupled request's answer through the sender (the backend's)
         self._cancelled: Any = None  # set by the backend: says whether the client cancelled
         self._release_flags = TRITONSERVER_REQUEST_RELEASE_ALL
         self._trace = trace
@@ -203,7 +278,8 @@ class InferenceRequest:
 
     def get_response_sender(self) -> InferenceResponseSender:
         if self._sender is None:
-            raise TritonModelException("the response sender is only available to decoupled models")
+            raise TritonModelException("a response sender is given only to the requests the server passes to execute")
+        self._sender_taken = True
         return self._sender
 
     def exec(self, decoupled: bool = False) -> Any:
@@ -224,6 +300,12 @@ class Logger:
         WARNING = 1
         ERROR = 2
         VERBOSE = 3
+
+    # As Triton's binding exports them: ``Logger.INFO`` is ``Logger.LogLevel.INFO``.
+    INFO = LogLevel.INFO
+    WARNING = LogLevel.WARNING
+    ERROR = LogLevel.ERROR
+    VERBOSE = LogLevel.VERBOSE
 
     _LEVELS = {0: logging.INFO, 1: logging.WARNING, 2: logging.ERROR, 3: logging.DEBUG}
 

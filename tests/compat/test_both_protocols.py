@@ -68,10 +68,13 @@ def bf16_inputs(module) -> list:
      "unexpected shape for input 'INPUT0' for model 'simple'"),
     (lambda m, c: c.infer("simple", inputs(m, np.zeros((9, 16), np.int32), np.zeros((9, 16), np.int32))),
      Code.INVALID_ARG, "inference request batch-size must be <= 8 for 'simple'"),
-    (lambda m, c: c.infer("simple", bf16_inputs(m)), Code.UNSUPPORTED, "BF16 tensors are not supported"),
+    (lambda m, c: c.infer("simple", bf16_inputs(m)), Code.INVALID_ARG,
+     "inference input 'INPUT0' data-type is 'BF16', but model 'simple' expects 'INT32'"),
+    (lambda m, c: c.infer("py_repeat", [tensor(m, "IN", np.array([1], np.int32), "INT32")]), Code.UNSUPPORTED,
+     "doesn't support models with decoupled transaction policy"),
     (lambda m, c: c.load_model("no_such_model"), Code.INTERNAL,
      "failed to load 'no_such_model', failed to poll from model repository"),
-], ids=["unknown-model", "shape", "batch", "bf16", "load-unknown-model"])
+], ids=["unknown-model", "shape", "batch", "bf16", "decoupled-unary", "load-unknown-model"])
 def test_errors_name_the_problem(proto, call, code, message):
     module, client = proto
     with pytest.raises(InferenceServerException) as info:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import http.client as http_client
 import json
 
 import numpy as np
@@ -47,17 +48,28 @@ ERRORS = [
      "unexpected inference output 'NOPE' for model 'simple'"),
     ("malformed-json", "/v2/models/simple/infer", b'{"inputs": [', 400, "failed to parse the request JSON"),
     ("empty-body", "/v2/models/simple/infer", b"", 400, "failed to parse the request JSON"),
-    ("no-inputs", "/v2/models/simple/infer", {"inputs": []}, 400, "non-empty 'inputs'"),
+    ("no-inputs", "/v2/models/simple/infer", {"inputs": []}, 400,
+     "expected 2 inputs but got 0 inputs for model 'simple'. Got input(s) [], but missing required input(s) "
+     "['INPUT0', 'INPUT1']"),
+    ("inputs-missing", "/v2/models/simple/infer", {}, 500,
+     "Unable to parse 'inputs': attempt to access non-existing object member 'inputs'"),
     ("duplicate-output", "/v2/models/simple/infer", {**GOOD, "outputs": [{"name": "OUTPUT0"}, {"name": "OUTPUT0"}]},
      400, "inference output 'OUTPUT0' is requested more than once for model 'simple'"),
     ("data-nested-too-deep", "/v2/models/simple/infer",
-     {"inputs": [tensor("INPUT0", data=[[[ONES]]]), tensor("INPUT1")]}, 400,
-     "input 'INPUT0': 'data' is nested 4 levels deep, deeper than its shape [1, 16] allows"),
+     {"inputs": [tensor("INPUT0", data=json.loads("[" * 99 + json.dumps(ONES) + "]" * 99)), tensor("INPUT1")]}, 400,
+     "Unable to parse 'data': JSON nesting depth exceeds maximum allowed limit (100)"),
+    ("negative-dimension", "/v2/models/simple/infer", {"inputs": [tensor("INPUT0", shape=(-1, 16)), tensor("INPUT1")]},
+     500, "Unable to parse 'shape': attempt to access JSON non-unsigned-integer as unsigned-integer"),
     ("json-nested-too-deep", "/v2/models/simple/infer", b'{"inputs": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
      400, "failed to parse the request JSON buffer: the document is nested too deeply"),
     ("element-count-overflow", "/v2/models/simple/infer",
      {"inputs": [tensor("INPUT0", shape=(4294967296, 4294967296)), tensor("INPUT1")]}, 400,
-     "input 'INPUT0' has shape [4294967296, 4294967296], whose element count 18446744073709551616 is too large"),
+     "invalid shape for input 'INPUT0': shape [4294967296,4294967296] causes total element count to exceed maximum "
+     "size of 9223372036854775807"),
+    ("byte-size-overflow", "/v2/models/simple/infer",
+     {"inputs": [tensor("INPUT0", shape=(4, 2**60 + 2)), tensor("INPUT1")]}, 400,
+     "byte size overflow for input 'INPUT0': element count (4611686018427387912) * data type size (4) exceeds "
+     "maximum allowed size (9223372036854775807)"),
 ]
 
 
@@ -67,6 +79,30 @@ def test_error_table(server, path, body, status, fragment):
     assert got_status == status
     assert set(doc) == {"error"}
     assert fragment in doc["error"]
+
+
+def test_data_nested_deeper_than_its_shape_is_flattened_as_triton_does(server):
+    status, doc = http_json("POST", "/v2/models/simple/infer", {"inputs": [
+        tensor("INPUT0", data=[[[[1] * 8], [[1] * 8]]]), tensor("INPUT1", data=[[1] * 4, [[1] * 4, [1] * 8]])]})
+    assert status == 200 and doc["outputs"][0]["data"] == [2] * 16
+
+
+def test_a_raw_binary_request_may_come_chunked(server):
+    """Inference-Header-Content-Length: 0 with Transfer-Encoding: chunked: the whole de-chunked
+    body is the model's one input, as Triton reads it."""
+    host, port = server["url"].split(":")
+    connection = http_client.HTTPConnection(host, int(port), timeout=30)
+    try:
+        connection.request("POST", "/v2/models/py_ready/infer", body=iter([b"\x07\x00", b"\x00\x00"]),
+                           headers={"Inference-Header-Content-Length": "0"}, encode_chunked=True)
+        response = connection.getresponse()
+        body = response.read()
+    finally:
+        connection.close()
+    assert response.status == 200
+    length = int(response.getheader("Inference-Header-Content-Length"))
+    assert json.loads(body[:length])["outputs"][0]["parameters"] == {"binary_data_size": 4}
+    assert np.frombuffer(body[length:], np.int32).tolist() == [7]
 
 
 def _binary_request(header_doc: dict, binary: bytes, header_length: int | None = None) -> tuple[int, dict]:

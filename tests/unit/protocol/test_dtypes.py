@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from rayinfer.protocol.dtypes import (
+    array_from_buffer,
     WIRE_DATATYPES,
     config_to_wire,
     deserialize_bytes_tensor,
@@ -50,10 +51,19 @@ def test_string_like_numpy_dtypes_are_bytes(dtype: object) -> None:
     assert wire_datatype(np.dtype(dtype)) == "BYTES"
 
 
-@pytest.mark.parametrize("name", ["BF16", "FP8", "float32"])
+@pytest.mark.parametrize("name", ["FP8", "float32"])
 def test_numpy_dtype_rejects_unsupported_names(name: str) -> None:
     with pytest.raises(InvalidArgError, match=name):
         numpy_dtype(name)
+
+
+def test_bf16_is_ml_dtypes_bfloat16_both_ways() -> None:
+    import ml_dtypes
+
+    assert numpy_dtype("BF16") == np.dtype(ml_dtypes.bfloat16) and wire_datatype(np.dtype(ml_dtypes.bfloat16)) == "BF16"
+    data = np.array([1.5, -2.0], dtype=ml_dtypes.bfloat16)
+    back = array_from_buffer(data.tobytes(), "BF16", [2], "X", "input 'X'", lambda got, expected: "size")
+    assert back.dtype == data.dtype and back.astype(np.float32).tolist() == [1.5, -2.0]
 
 
 def test_wire_datatype_rejects_complex() -> None:

@@ -38,21 +38,37 @@ def test_inflate_takes_gzip_members_in_a_row_and_refuses_truncated_data():
         decompress_body(zlib.compress(b"xyz") + b"junk", "deflate")
 
 
-def test_element_counts_past_64_bits_are_refused_by_name():
-    assert element_count([3, 4], "input 'x'") == 12
-    with pytest.raises(InvalidArgError, match=r"input 'x' has shape \[4294967296, 4294967296\], whose element count "
-                                              "18446744073709551616 is too large"):
-        element_count([4294967296, 4294967296], "input 'x'")
+def test_element_counts_and_byte_sizes_past_64_bits_are_refused_with_tritons_messages():
+    assert element_count([3, 4], "x", "FP32") == 12
+    with pytest.raises(InvalidArgError) as info:
+        element_count([4294967296, 4294967296], "x", "INT8")
+    assert info.value.message == ("invalid shape for input 'x': shape [4294967296,4294967296] causes total element "
+                                  "count to exceed maximum size of 9223372036854775807")
+    with pytest.raises(InvalidArgError) as info:
+        element_count([4, 2**60 + 2], "x", "FP32")
+    assert info.value.message == ("byte size overflow for input 'x': element count (4611686018427387912) * data type "
+                                  "size (4) exceeds maximum allowed size (9223372036854775807)")
 
 
-@pytest.mark.parametrize("data,ok", [([1, 2, 3, 4], True), ([[1, 2], [3, 4]], True), ([[[1, 2], [3, 4]]], False)])
-def test_data_may_be_flat_or_nested_as_the_shape_but_no_deeper(data, ok):
+@pytest.mark.parametrize("data", [[1, 2, 3, 4], [[1, 2], [3, 4]], [[[1, 2], [3, 4]]], [[1], [2, [3, 4]]]])
+def test_data_nested_any_way_is_flattened_as_triton_reads_it(data):
     body = json.dumps({"inputs": [{"name": "x", "datatype": "INT32", "shape": [2, 2], "data": data}]}).encode()
-    if ok:
-        assert request_from_http(body, None, "m").inputs[0].data.tolist() == [[1, 2], [3, 4]]
-    else:
-        with pytest.raises(InvalidArgError, match=r"input 'x': 'data' is nested 3 levels deep, deeper than its shape"):
-            request_from_http(body, None, "m")
+    assert request_from_http(body, None, "m").inputs[0].data.tolist() == [[1, 2], [3, 4]]
+
+
+@pytest.mark.parametrize("datatype, value, prefix", [("INT32", 1, "Unable to parse 'data': "), ("BYTES", "a", "")])
+def test_data_nested_100_arrays_deep_is_refused_with_tritons_message(datatype, value, prefix):
+    def nested(depth):
+        data = [value]
+        for _ in range(depth - 1):
+            data = [data]
+        return json.dumps({"inputs": [{"name": "x", "datatype": datatype, "shape": [1], "data": data}]}).encode()
+
+    assert request_from_http(nested(99), None, "m").inputs[0].data.reshape(-1).tolist() == [
+        value if datatype == "INT32" else value.encode()]
+    with pytest.raises(InvalidArgError) as info:
+        request_from_http(nested(100), None, "m")
+    assert info.value.message == prefix + "JSON nesting depth exceeds maximum allowed limit (100)"
 
 
 def test_raw_binary_requests_take_name_type_and_shape_from_the_config():

@@ -250,7 +250,8 @@ def test_spec_reshape_and_parameters() -> None:
 @pytest.mark.parametrize(
     "text, message",
     [
-        ("", "at least one input and one output"),
+        ("", "at least one output"),
+        ('input [ { name: "I" data_type: TYPE_FP32 dims: [ 1 ] } ]', "at least one output"),
         ('input [ { name: "I" data_type: TYPE_FP32 dims: [ 0 ] } ] output [ { name: "O" data_type: TYPE_FP32 dims: [ 1 ] } ]',
          "input 'I' has invalid dims [0]"),
         ('input [ { name: "I" dims: [ 1 ] } ] output [ { name: "O" data_type: TYPE_FP32 dims: [ 1 ] } ]',

@@ -10,6 +10,7 @@ from onnx import TensorProto
 
 from rayinfer.cluster.example_repository import SIMPLE_CONFIG, add_sub_model, write_model
 from rayinfer.protocol.errors import InternalError, InvalidArgError
+from rayinfer.repository.scanner import scan_repository
 from rayinfer.serving.model_control import ModelController
 
 
@@ -91,7 +92,12 @@ def test_a_failed_deploy_is_the_models_load_error(control) -> None:
 
 @pytest.mark.parametrize("model, parameters, error, message", [
     ("nope", {}, InternalError, "failed to load 'nope', failed to poll from model repository"),
-    ("../simple", {}, InternalError, "failed to poll"),
+    ("../simple", {}, InvalidArgError,
+     "invalid model name '../simple', model name must not contain path traversal characters"),
+    ("a/b", {}, InvalidArgError, "invalid model name 'a/b', model name must not contain path traversal characters"),
+    ("", {}, InvalidArgError, "model name must not be empty"),
+    ("  ", {}, InvalidArgError, "model name must not contain only whitespace characters"),
+    ("nope", {"config": "{}"}, InternalError, "failed to load 'nope', failed to poll from model repository"),
     ("simple", {"config": 3}, InvalidArgError, "parameter 'config' must be a JSON string"),
     ("simple", {"file:1/model.onnx": "AAAA"}, InvalidArgError, "'file:' parameters need the 'config' parameter"),
     ("simple", {"config": "{oops"}, InvalidArgError, "failed to load 'simple'"),
@@ -115,6 +121,18 @@ def test_files_are_served_from_a_temporary_directory_removed_on_unload(control, 
     controller.unload("simple")
     assert not root.exists() and "simple" not in deployer.served
     controller.unload("simple")  # unloading what is not loaded is not an error, as in Triton
+
+
+def test_files_load_a_model_the_repository_does_not_have(control, repository: Path) -> None:
+    controller, deployer = control
+    model = base64.b64encode((repository / "simple" / "1" / "model.onnx").read_bytes()).decode()
+    controller.load("brand_new", {"config": '{"backend": "onnxruntime", "max_batch_size": 2}', "file:1/model.onnx": model})
+    assert deployer.served["brand_new"] == [("brand_new", 1, True)]
+    # Listed after the repository's own models, read from its files.
+    entries = controller.entries(scan_repository(repository))
+    assert [e.name for e in entries] == ["simple", "brand_new"] and entries[1].versions == [1]
+    controller.unload("brand_new")
+    assert [e.name for e in controller.entries([])] == []
 
 
 def test_a_load_from_the_repository_again_removes_the_old_files(control, repository: Path) -> None:
