@@ -34,7 +34,7 @@ from rayinfer.protocol.grpc_wire import SERVICE
 from rayinfer.protocol.restricted_api import Restrictions, grpc_message, missing_header
 from rayinfer.protocol.grpc_codec import index_to_grpc, parameters_from_grpc, statistics_to_grpc
 from rayinfer.protocol.shared_memory import CUDA, SYSTEM
-from rayinfer.serving.stream_infer import Unparsable, answer_stream
+from rayinfer.serving.stream_infer import Unparsable, answer_stream, ends_on_error
 from rayinfer.serving.trace import parse_update
 
 if TYPE_CHECKING:
@@ -247,8 +247,12 @@ class GrpcInferenceService:
         def forward(request: pb.ModelInferRequest, read: tuple[int, int]) -> AsyncIterator[Any]:
             return self._forwarder.stream(request, trace_context, read)
 
-        async for response in answer_stream(requests, forward, _error_response, self._api.traces.sent):
-            yield response
+        try:
+            async for response in answer_stream(requests, forward, _error_response, self._api.traces.sent,
+                                                ends_on_error(metadata.items())):
+                yield response
+        except ServingError as exc:  # the client asked that an error end the stream (triton_grpc_error)
+            set_error(grpc_context, exc)
 
     async def ModelStatistics(self, request: pb.ModelStatisticsRequest, grpc_context: Any = None) -> Any:
         """Answered from the statistics model replicas report here (the front relays calls that

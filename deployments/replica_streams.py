@@ -25,7 +25,7 @@ from rayinfer.serving import model_grpc
 from rayinfer.serving.model_core import ModelCore
 from rayinfer.serving.protocol_stamps import TRACEPARENT, StreamTrace, wall_clock_offset_ns
 from rayinfer.serving.replica_listener import ReplicaListener
-from rayinfer.serving.stream_infer import Traced, answer_stream
+from rayinfer.serving.stream_infer import Traced, answer_stream, ends_on_error
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ class ReplicaStreams:
         def forward(request: pb.ModelInferRequest, read: tuple[int, int]) -> AsyncIterator[Any]:
             return self._forward(request, trace_context, read)
 
-        async for response in answer_stream(requests, forward, _error_response, self._sent):
+        async for response in answer_stream(requests, forward, _error_response, self._sent, ends_on_error(headers)):
             yield response
 
     async def _forward(self, request: pb.ModelInferRequest, trace_context: str | None,

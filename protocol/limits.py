@@ -40,7 +40,7 @@ class MessageTooLarge(InvalidArgError):
     grpc_status = "RESOURCE_EXHAUSTED"
 
 
-def body_too_large(limit: int, size: int | None = None, what: str = "Request body") -> BodyTooLarge:
+def body_too_large(limit: int, size: int | None = None, what: str = "Request JSON") -> BodyTooLarge:
     """Triton's rejection of a body over the limit; ``size`` when it is known (a Content-Length)."""
     of = f" of {size} bytes" if size is not None else ""
     return BodyTooLarge(f"{what} size{of} exceeds the maximum allowed value of {limit} bytes. {_INCREASE}")

@@ -22,6 +22,8 @@ from rayinfer.protocol.errors import InvalidArgError
 FILE_PREFIX = "file:"
 _NAME_MAX_BYTES = 255
 MAX_FILES = 1024
+# Triton's limit on one file's decoded bytes.
+_INT_MAX = 2**31 - 1
 
 
 def file_parameters(model: str, parameters: dict[str, Any]) -> dict[str, bytes]:
@@ -35,6 +37,9 @@ def file_parameters(model: str, parameters: dict[str, Any]) -> dict[str, bytes]:
     for key, value in parameters.items():
         if not key.startswith(FILE_PREFIX):
             continue
+        encoded_max = _INT_MAX if isinstance(value, bytes) else _INT_MAX // 3 * 4 + 4  # base64: 4 chars per 3 bytes
+        if isinstance(value, (str, bytes)) and len(value) > encoded_max:  # Triton's limit, its words
+            raise InvalidArgError(f"'{key}' exceeds the maximum allowed data size limit INT_MAX")
         if isinstance(value, str):
             try:
                 value = base64.b64decode(value, validate=True)

@@ -226,7 +226,7 @@ frontend triton_http
     acl length_read req.hdr_val(content-length) -m found
     acl too_large req.hdr_val(content-length) gt {max_input_size}
     acl too_large req.hdr_val(content-length) lt 0
-    http-request return status 400 content-type application/json lf-string "{{\\"error\\":\\"Request body size of %[req.hdr(content-length)] bytes {too_large}\\"}}" if too_large || length_given !length_read
+    http-request return status 400 content-type application/json lf-string "{{\\"error\\":\\"Request JSON size of %[req.hdr(content-length)] bytes {too_large}\\"}}" if too_large || length_given !length_read
     acl post method POST
     acl get method GET
     acl infer_path path_reg ^/v2/models/[^/]+(/versions/[^/]*)?/infer$

@@ -90,10 +90,11 @@ async def call_serialized(core: ModelCore, method: str, payload: bytes) -> bytes
 
 
 async def stream_serialized(core: ModelCore, payload: bytes | pb.ModelInferRequest, trace_context: str | None = None,
-                            read_walls: tuple[int, int] | None = None) -> AsyncIterator[bytes | StreamTrace]:
+                            read_walls: tuple[int, int] | None = None) -> AsyncIterator[bytes | ServingError | StreamTrace]:
     """One request of a ModelStreamInfer stream (serialized, or parsed): its responses (zero to
     many for a decoupled model, else one) as serialized ``ModelStreamInferResponse`` messages; an
-    error is a message with ``error_message`` (the stream stays open). ``trace_context``: the
+    error is its ServingError (:func:`~rayinfer.serving.stream_infer.answer_stream` writes it as
+    the stream's rules say). ``trace_context``: the
     client's traceparent; ``read_walls``: when (wall-clock ns) the process that reads the stream
     (the replica holding the client's connection, or the ``/v2`` replica) began and ended reading
     this request (its trace's GRPC_WAITREAD_START and _END). That process writes the responses:
@@ -110,7 +111,7 @@ async def stream_serialized(core: ModelCore, payload: bytes | pb.ModelInferReque
         yield StreamTrace(stamps.token, wall_clock_offset_ns())
 
 
-async def _stream_serialized(core: ModelCore, payload: bytes | pb.ModelInferRequest) -> AsyncIterator[bytes]:
+async def _stream_serialized(core: ModelCore, payload: bytes | pb.ModelInferRequest) -> AsyncIterator[bytes | ServingError]:
     try:
         try:
             request = pb.ModelInferRequest.FromString(payload) if isinstance(payload, bytes) else payload
@@ -121,22 +122,24 @@ async def _stream_serialized(core: ModelCore, payload: bytes | pb.ModelInferRequ
         decoded = await _decoded(core, request)
         prepared = core.prepare(decoded)
     except Exception as exc:  # rejected before the model (DecodeError included)
-        yield pb.ModelStreamInferResponse(error_message=as_serving_error(exc).message).SerializeToString()
+        yield as_serving_error(exc)
         return
     # tritonclient's enable_empty_final_response: every response says whether it is the request's
     # last (triton_final_response); a final flag sent alone is an empty response saying so.
     marks_final = _bool_parameter(request, EMPTY_FINAL_RESPONSE)
     final = False
     async for result in core.stream(prepared):
-        if isinstance(result, ServingError):
-            message = pb.ModelStreamInferResponse(error_message=result.message)
-        else:
-            try:
-                message = pb.ModelStreamInferResponse(infer_response=response_to_grpc(result, decoded, core.shm))
-            except Exception as exc:  # an output that does not fit its shared memory
-                message = pb.ModelStreamInferResponse(error_message=as_serving_error(exc).message)
         if marks_final:
             final = not core.decoupled or prepared.sender.final_yielded
+        if isinstance(result, ServingError):
+            yield result
+            continue
+        try:
+            message = pb.ModelStreamInferResponse(infer_response=response_to_grpc(result, decoded, core.shm))
+        except Exception as exc:  # an output that does not fit its shared memory
+            yield as_serving_error(exc)
+            continue
+        if marks_final:
             message.infer_response.parameters[FINAL_RESPONSE].bool_param = final
         yield message.SerializeToString()
     if marks_final and not final:

@@ -7,7 +7,9 @@ handle), and the ``/v2`` replica's gRPC service, for a stream the front sends th
 between them is how one request reaches its model (``forward``); the rest is Triton's stream:
 requests answered in order, several in flight at once, an error a response's ``error_message``
 (the stream stays open), the requests of one sequence (``sequence_id``) sent to the model one
-after another (in flight together, a later one could reach the sequence batcher first).
+after another (in flight together, a later one could reach the sequence batcher first). A
+client that sends the ``triton_grpc_error: true`` header asks for Triton's other rule: the
+first error ends the stream with its gRPC status.
 """
 
 from __future__ import annotations
@@ -21,10 +23,22 @@ from typing import Any, NamedTuple
 from google.protobuf.message import DecodeError
 from tritonclient.grpc import service_pb2 as pb
 
-from rayinfer.protocol.errors import UNPARSABLE_REQUEST, InternalError, as_serving_error
+from rayinfer.protocol.errors import UNPARSABLE_REQUEST, InternalError, ServingError, as_serving_error
 
 # Requests of a stream in flight ahead of the one being answered (answered in order all the same).
 STREAM_WINDOW = 64
+# The call header with which a client asks that an error end the stream (Triton's name).
+GRPC_ERROR_HEADER = "triton_grpc_error"
+
+
+def ends_on_error(headers: Any) -> bool:
+    """Whether a stream's call headers (name-value pairs, bytes or str) carry ``triton_grpc_error: true``."""
+    for name, value in headers:
+        name = name.decode("latin-1") if isinstance(name, bytes) else name
+        if name.lower() == GRPC_ERROR_HEADER:
+            value = value.decode("latin-1") if isinstance(value, bytes) else str(value)
+            return value.strip().lower() == "true"
+    return False
 
 
 class Unparsable:
@@ -58,8 +72,10 @@ def parse_request(payload: bytes) -> pb.ModelInferRequest | Unparsable:
 
 
 async def answer_stream(requests: AsyncIterator[pb.ModelInferRequest | Unparsable], forward: Forward,
-                        error: ErrorResponse, sent: SendStamps) -> AsyncIterator[Any]:
-    """The responses to a stream's ``requests``, in request order."""
+                        error: ErrorResponse, sent: SendStamps, end_on_error: bool = False) -> AsyncIterator[Any]:
+    """The responses to a stream's ``requests``, in request order; an error (a ServingError
+    ``forward`` yields or raises) is a response made by ``error``, or, with ``end_on_error``,
+    raised: the stream ends with its status, the requests after it unanswered."""
     window: asyncio.Queue[asyncio.Queue | None] = asyncio.Queue(STREAM_WINDOW)
     forwarding: set[asyncio.Task] = set()
     # (model, sequence id) -> the task of that sequence's latest request in this stream
@@ -74,7 +90,7 @@ async def answer_stream(requests: AsyncIterator[pb.ModelInferRequest | Unparsabl
             async for response in forward(request, read):
                 await out.put(response)
         except Exception as exc:
-            await out.put(error(as_serving_error(exc).message))
+            await out.put(as_serving_error(exc))
         finally:
             await out.put(None)
 
@@ -106,6 +122,10 @@ async def answer_stream(requests: AsyncIterator[pb.ModelInferRequest | Unparsabl
                 if isinstance(response, Traced):
                     sent(response.token, [(name, ns + response.offset) for name, ns in sends])
                     continue
+                if isinstance(response, ServingError):
+                    if end_on_error:
+                        raise response
+                    response = error(response.message)
                 send_start = time.perf_counter_ns()
                 yield response
                 sends += (("GRPC_SEND_START", send_start), ("GRPC_SEND_END", time.perf_counter_ns()))

@@ -11,6 +11,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
+from conftest import tensor
 from rayinfer.protocol.errors import Code, grpc_status_name, http_status
 
 A = np.arange(16, dtype=np.int32).reshape(1, 16)

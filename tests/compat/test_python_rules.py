@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import queue
+import threading
 
 import ml_dtypes
 import numpy as np
@@ -42,7 +43,7 @@ def _stream(server: dict, requests: list[tuple[list, dict]], count: int, model: 
     finally:
         client.stop_stream()
         client.close()
-    assert received.empty()
+    assert received.empty(), f"more than the {count} answers {answers}: {received.get()}"
     return answers
 
 
@@ -173,13 +174,13 @@ def test_a_decoupled_models_async_executions_overlap(server):
 
 def test_an_async_executes_exception_ends_its_stream_and_reaches_the_log(server):
     ((result, error),) = _stream(server, [([], {"mode": "raise"})], 1)
-    assert result is None
+    assert result is None and error is not None, (result, error)
     assert "Failed to process the request(s) for model 'py_rules_decoupled', message: RuntimeError: async execute " \
-        "failed on purpose" in error.message()
+        "failed on purpose" in error.message(), error.message()
     log = server["log"]
-    wait_until(lambda: "RuntimeError: async execute failed on purpose" in log.read_text(),
-               "the traceback in the server's log", timeout_s=30)
-    assert "Traceback (most recent call last)" in log.read_text()
+    wait_until(lambda: all(line in log.read_text() for line in (
+        "Traceback (most recent call last)", "RuntimeError: async execute failed on purpose")),
+        "the traceback in the server's log", timeout_s=30)
 
 
 def test_a_decoupled_execute_that_returns_a_value_fails_with_tritons_message(server):
@@ -256,3 +257,41 @@ def test_a_model_the_repository_does_not_have_loads_from_the_requests_files(prot
         with pytest.raises(InferenceServerException) as info:
             client.load_model(bad, config=config, files={"file:1/model.py": code})
         assert message in info.value.message()
+
+
+def test_with_triton_grpc_error_an_error_ends_the_stream_with_its_status(server):
+    """The triton_grpc_error header: the first error ends the stream with its gRPC status (the
+    requests after it unanswered), and the client's stop_stream returns at once."""
+    client = grpcclient.InferenceServerClient(server["grpc_url"])
+    received: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: received.put((result, error)),
+                        headers={"triton_grpc_error": "true"})
+    try:
+        for model in ("py_rules_decoupled", "no_such_model", "py_rules_decoupled"):
+            client.async_stream_infer(model, [])
+        first, second = received.get(timeout=60), received.get(timeout=60)
+    finally:
+        stopping = threading.Thread(target=client.stop_stream)
+        stopping.start()
+        stopping.join(30)
+        client.close()
+    assert not stopping.is_alive()
+    assert first[1] is None and _words(first[0]) == ["inputs", "0"]
+    assert second[0] is None and second[1].status() == "StatusCode.NOT_FOUND"
+    assert "Request for unknown model: 'no_such_model' is not found" in second[1].message()
+    assert received.empty()
+
+
+def test_a_stream_the_client_half_closes_ends_once_its_requests_are_answered(server):
+    client = grpcclient.InferenceServerClient(server["grpc_url"])
+    received: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: received.put((result, error)))
+    for model in ("py_rules_decoupled", "no_such_model", "py_rules_decoupled"):
+        client.async_stream_infer(model, [])
+    stopping = threading.Thread(target=client.stop_stream)  # half-closes, then waits for the stream's end
+    stopping.start()
+    stopping.join(60)
+    client.close()
+    assert not stopping.is_alive()
+    answers = [received.get_nowait() for _ in range(3)]
+    assert [e is None for _, e in answers] == [True, False, True]

@@ -77,7 +77,7 @@ def test_a_content_length_over_the_limit_is_refused_before_the_body(server, path
     status, doc = exchange(head, [b"{" * 1024], timeout_s=10)
     assert status == 400
     if length < 2**63:
-        assert doc == {"error": f"Request body size of {length} bytes {TOO_LARGE}"}
+        assert doc == {"error": f"Request JSON size of {length} bytes {TOO_LARGE}"}
     # else a length no 64-bit integer holds: the front's HTTP parser refuses the header itself
     # (with HAProxy's own HTML page)
 
@@ -87,7 +87,7 @@ def test_a_chunked_body_over_the_limit_is_refused_while_it_arrives(server, path)
     head = b"POST %b HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n" % path.encode()
     status, doc = exchange(head, chunks(LIMIT + (4 << 20)))
     assert status == 400
-    assert doc == {"error": f"Request body size {TOO_LARGE}"}
+    assert doc == {"error": f"Request JSON size {TOO_LARGE}"}
 
 
 def test_a_compressed_body_is_limited_once_inflated(server):

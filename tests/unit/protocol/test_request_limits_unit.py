@@ -109,7 +109,7 @@ def test_the_listener_refuses_a_body_over_its_limit_while_it_arrives():
         for answer, size in ((announced, " of 1001 bytes"), (chunked, "")):
             head, _, body = answer.partition(b"\r\n\r\n")
             assert head.startswith(b"HTTP/1.1 400 ") and b"connection: close" in head
-            assert json.loads(body) == {"error": f"Request body size{size} exceeds the maximum allowed value of 1000 "
+            assert json.loads(body) == {"error": f"Request JSON size{size} exceeds the maximum allowed value of 1000 "
                                                  "bytes. Use --http-max-input-size to increase the limit."}
         await listener.close(1.0)
 

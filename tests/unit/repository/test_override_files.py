@@ -7,6 +7,7 @@ import base64
 import pytest
 
 from rayinfer.protocol.errors import InvalidArgError
+from rayinfer.repository import override_files
 from rayinfer.repository.override_files import MAX_FILES, checked_relative_path, file_parameters, write_model_directory
 
 
@@ -59,3 +60,10 @@ def test_a_file_and_a_folder_of_the_same_name_are_invalid(tmp_path, monkeypatch)
     with pytest.raises(InvalidArgError, match="cannot write 'file:1/a/b'"):
         write_model_directory("m", {"1/a": b"x", "1/a/b": b"y"})
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_file_over_int_max_is_refused_with_tritons_message(monkeypatch) -> None:
+    monkeypatch.setattr(override_files, "_INT_MAX", 8)
+    with pytest.raises(InvalidArgError, match="^'file:1/model.onnx' exceeds the maximum allowed data size limit INT_MAX$"):
+        file_parameters("m", {"file:1/model.onnx": b"123456789"})
+    assert file_parameters("m", {"file:1/model.onnx": b"12345678"}) == {"1/model.onnx": b"12345678"}
