@@ -14,7 +14,7 @@ import ray
 from ray import serve
 from tritonclient.grpc import service_pb2 as pb
 
-from rayinfer.protocol.errors import InvalidArgError
+from rayinfer.protocol.errors import InvalidArgError, ServingError
 from rayinfer.serving.model_grpc import MODEL_RPCS
 from rayinfer.serving.protocol_stamps import StreamTrace, wall_clock_offset_ns
 from rayinfer.serving.stream_infer import Traced
@@ -65,7 +65,7 @@ class ModelForwarder:
         return MODEL_RPCS[method][1].FromString(answer_bytes)
 
     async def stream(self, request: pb.ModelInferRequest, trace_context: str | None = None,
-                     read: tuple[int, int] | None = None) -> AsyncIterator[pb.ModelStreamInferResponse | Traced]:
+                     read: tuple[int, int] | None = None) -> AsyncIterator[pb.ModelStreamInferResponse | Traced | ServingError]:
         """The responses of one stream request, from a replica of its model by streaming handle
         (:func:`stream_by_handle`)."""
         name, version = request.model_name, request.model_version
@@ -76,7 +76,8 @@ class ModelForwarder:
             raise await self._api.unavailable_model(name, version or None)
         handle = self._handles.get(route) or self._new_handle(route)
         async for item in stream_by_handle(handle, request.SerializeToString(), trace_context, read):
-            yield item if isinstance(item, Traced) else pb.ModelStreamInferResponse.FromString(item)
+            # An error travels as its ServingError (answer_stream writes it by the stream's rule).
+            yield item if isinstance(item, (Traced, ServingError)) else pb.ModelStreamInferResponse.FromString(item)
 
     def forget(self, model: str) -> None:
         """Drop the handles to the applications of an unloaded model."""
@@ -89,7 +90,7 @@ class ModelForwarder:
 
 
 async def stream_by_handle(handle: Any, payload: bytes, trace_context: str | None,
-                           read: tuple[int, int] | None) -> AsyncIterator[bytes | Traced]:
+                           read: tuple[int, int] | None) -> AsyncIterator[bytes | Traced | ServingError]:
     """One stream request's serialized responses from ``handle``'s model by streaming handle call
     (``ModelDeployment.grpc_stream``). ``trace_context``: the client's traceparent; ``read``: when
     the request's read began and ended, on this process's monotonic clock, sent as wall-clock
