@@ -316,13 +316,18 @@ class PythonModelRunner(ModelRunner):
                                                     final),
                 cancelled,
             )
-        else:  # a non-decoupled model may answer through the sender too: one response
-            answer = pb_request._answer = SenderAnswer()
-            pb_request._sender = pb_utils.InferenceResponseSender(
-                lambda response, final: None if response is None else answer.sent(self._answer(prepared, response)),
-                cancelled, decoupled=False,
-            )
+        else:  # a non-decoupled model may answer through the sender too (made only when asked for)
+            pb_request._sender_factory = functools.partial(self._answer_sender, prepared, pb_request)
         return pb_request
+
+    def _answer_sender(self, prepared: PreparedRequest,
+                       pb_request: pb_utils.InferenceRequest) -> pb_utils.InferenceResponseSender:
+        """A non-decoupled request's response sender: its one response is the request's answer."""
+        answer = pb_request._answer = SenderAnswer()
+        return pb_utils.InferenceResponseSender(
+            lambda response, final: None if response is None else answer.sent(self._answer(prepared, response)),
+            pb_request._cancelled, decoupled=False,
+        )
 
     def _answer(self, prepared: PreparedRequest, response: Any) -> InferResponse | ServingError:
         """A model's InferenceResponse as the request's answer (only the outputs it asked for)."""
