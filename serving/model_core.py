@@ -302,24 +302,22 @@ class ModelCore:
         return result
 
     async def _schedule_model(self, prepared: Any) -> Any:
-        result = await self._scheduled(prepared)
-        # A Python model may answer through the request's response sender after execute returned.
-        return await result.wait() if isinstance(result, LateAnswer) else result
-
-    async def _scheduled(self, prepared: Any) -> Any:
         if self._sequencer is not None:
-            return await self._sequencer.submit(prepared)
-        if self._batcher is not None:
+            result = await self._sequencer.submit(prepared)
+        elif self._batcher is not None:
             # The schedule-policy parameters (checked by the codecs: non-negative integers).
             parameters = prepared.request.parameters
             try:
-                return await self._batcher.submit(prepared, prepared.rows, parameters.get("priority", 0),
-                                                  parameters.get("timeout", 0))
+                result = await self._batcher.submit(prepared, prepared.rows, parameters.get("priority", 0),
+                                                    parameters.get("timeout", 0))
             except QueueFullError as exc:  # Triton's message names the request
                 raise UnavailableError(f"[request id: {prepared.request.id or '<id_unknown>'}] {exc}") from None
-        if self._execute_async is not None:  # an ensemble: each request runs its own steps
+        elif self._execute_async is not None:  # an ensemble: each request runs its own steps
             return await self._execute_async(prepared)
-        return (await self._execute([prepared]))[0]
+        else:
+            result = (await self._execute([prepared]))[0]
+        # A Python model may answer through the request's response sender after execute returned.
+        return await result.wait() if isinstance(result, LateAnswer) else result
 
     async def _execute_now(self, prepared: Any) -> Any:
         """One request's result, executed at once (a batch already: past the batcher)."""
