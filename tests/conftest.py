@@ -27,6 +27,9 @@ RAY_METRICS_PORT = HTTP_PORT + 5  # the embedded Ray's own metrics
 # Ray Serve's own gRPC and HTTP ingress, behind the front on GRPC_PORT and HTTP_PORT.
 SERVE_GRPC_PORT = HTTP_PORT + 11
 SERVE_HTTP_PORT = HTTP_PORT + 10
+# How long an HTTP client waits for a model's load (tritonclient's default, 60 s, is shorter than
+# starting replica processes has taken on a busy 2-core machine).
+LOAD_TIMEOUT_S = 300.0
 
 
 def http(method: str, path: str, body: bytes | None = None, headers: dict | None = None,
@@ -325,7 +328,10 @@ def proto(request, server):
     import tritonclient.http as httpclient
 
     module = httpclient if request.param == "http" else grpcclient
-    client = module.InferenceServerClient(server["url"] if request.param == "http" else server["grpc_url"])
+    if module is httpclient:
+        client = httpclient.InferenceServerClient(server["url"], network_timeout=LOAD_TIMEOUT_S)
+    else:
+        client = grpcclient.InferenceServerClient(server["grpc_url"])
     yield module, client
     client.close()
 

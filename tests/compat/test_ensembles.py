@@ -13,7 +13,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from conftest import tensor
+from conftest import LOAD_TIMEOUT_S, tensor
 from ensemble_models import ENSEMBLE_MODELS
 from stream_answers import stream_answers
 from trace_files import ORDER, trace_files, trace_settings, traces_by_id
@@ -217,7 +217,7 @@ def test_metadata_config_readiness_and_statistics(proto):
     ("ensbad_unused", "input 'C' is not read by any step"),
 ])
 def test_a_broken_ensemble_fails_to_load_naming_the_step(server, model, message):
-    client = httpclient.InferenceServerClient(server["url"])
+    client = httpclient.InferenceServerClient(server["url"], network_timeout=LOAD_TIMEOUT_S)
     try:
         with pytest.raises(InferenceServerException, match=f"failed to load '{model}'") as raised:
             client.load_model(model)
@@ -259,7 +259,7 @@ def test_a_decoupled_member_streams_through_the_ensemble(server):
 def test_loading_an_ensemble_loads_its_members_and_unload_dependents_removes_them(server):
     """Explicit mode: the ensemble's load loads its member; with the member unloaded the
     ensemble is not ready and says which step failed; unload_dependents takes the member along."""
-    client = httpclient.InferenceServerClient(server["url"])
+    client = httpclient.InferenceServerClient(server["url"], network_timeout=LOAD_TIMEOUT_S)
     a = np.arange(16, dtype=np.int32).reshape(1, 16)
     assert not client.is_model_ready("ens_on_demand_member")
     client.load_model("ens_on_demand")
@@ -351,7 +351,7 @@ def test_a_step_in_place_that_fails_names_the_step(proto):
 def test_steps_in_place_follow_their_member_unloaded_and_loaded_again(server):
     """With the member unloaded, the step fails as a remote step would (no stale instance
     answers); loaded again, the ensemble runs a new instance of it in place."""
-    client = httpclient.InferenceServerClient(server["url"])
+    client = httpclient.InferenceServerClient(server["url"], network_timeout=LOAD_TIMEOUT_S)
     a, b = pair(540)
     in_place_pid = int(in_place_call(httpclient, client, a, b).as_numpy("PID")[0, 0])
     client.unload_model("ens_pid_double")

@@ -10,14 +10,14 @@ import pytest
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from conftest import add_sub_inputs, front_folder, http, http_json, pids_titled, ray_actor_classes, read_map
+from conftest import LOAD_TIMEOUT_S, add_sub_inputs, front_folder, http, http_json, pids_titled, ray_actor_classes, read_map
 from model_factory import on_demand
 from waiting import wait_until
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    c = httpclient.InferenceServerClient(server["url"], network_timeout=300.0)
+    c = httpclient.InferenceServerClient(server["url"], network_timeout=LOAD_TIMEOUT_S)
     yield c
     c.close()
 
@@ -168,7 +168,8 @@ def test_reloading_a_changed_model_under_traffic_fails_no_request(server, client
                            timeout_s=60)
                 before = outcomes.count("ok")
                 # geventhttpclient's clients must stay on the thread that made them.
-                reload = pool.submit(lambda: httpclient.InferenceServerClient(server["url"]).load_model(model))
+                reload = pool.submit(lambda: httpclient.InferenceServerClient(
+                    server["url"], network_timeout=LOAD_TIMEOUT_S).load_model(model))
                 states: set[str] = set()
                 wait_until(lambda: reloaded(reload, states), f"the reload of '{model}' to answer", timeout_s=240)
                 reload.result()

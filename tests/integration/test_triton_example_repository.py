@@ -25,7 +25,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from conftest import HTTP_PORT, ReadinessWatch, start_server, stop_server, stop_shared_server, tensor
+from conftest import HTTP_PORT, LOAD_TIMEOUT_S, ReadinessWatch, start_server, stop_server, stop_shared_server, tensor
 from otlp_receiver import OtlpReceiver
 from rayinfer.cluster.example_repository import write_example_repository
 from waiting import wait_until
@@ -185,8 +185,10 @@ def test_ready_with_models_it_was_not_asked_to_load(example_server):
 
 @pytest.mark.parametrize("module", [httpclient, grpcclient], ids=["http", "grpc"])
 def test_tritons_model_control_example(example_server, module):
-    url = f"127.0.0.1:{PORT + (1 if module is grpcclient else 0)}"
-    client = module.InferenceServerClient(url)
+    if module is grpcclient:
+        client = grpcclient.InferenceServerClient(f"127.0.0.1:{PORT + 1}")
+    else:
+        client = httpclient.InferenceServerClient(f"127.0.0.1:{PORT}", network_timeout=LOAD_TIMEOUT_S)
     assert client.is_server_live() and client.is_server_ready()
     client.load_model("simple")
     assert client.is_model_ready("simple")
