@@ -8,18 +8,22 @@ Loads one model of the Triton anchor's repository (``../shared/anchors/models``)
 loader and core as a model replica, puts :class:`ReplicaListener` on a loopback port (it answers
 the model's infer and GET routes; ``GET /v2`` is answered here for perf_analyzer), runs
 perf_analyzer against it and prints perf_analyzer's throughput and the listener process's CPU
-per request over ``--seconds`` of that load, from /proc. The upper bound of one replica's
-throughput on one core, and what a change to the request path saves, without the rest.
+per request over ``--seconds`` of that load, from /proc, and how many times Python's garbage
+collector ran in that window (per generation; requests that leave no reference cycles make it
+run not at all). The upper bound of one replica's throughput on one core, and what a change to
+the request path saves, without the rest.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -58,6 +62,9 @@ def serve(model: str, port_file: Path) -> None:
             return await model_grpc.call_serialized(core, method, payload)
 
         listener = ReplicaListener(grpc, http)
+        gc_file = port_file.with_suffix(".gc")  # SIGUSR1: the collector's runs so far, per generation
+        asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, lambda: gc_file.write_text(
+            json.dumps([generation["collections"] for generation in gc.get_stats()])))
         port_file.write_text(str(await listener.start("127.0.0.1")))
         await asyncio.Event().wait()
 
@@ -67,6 +74,19 @@ def serve(model: str, port_file: Path) -> None:
 def cpu_ticks(pid: int) -> tuple[int, int]:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return int(fields[11]), int(fields[12])  # utime, stime
+
+
+def gc_collections(pid: int, port_file: Path) -> list[int]:
+    """The listener process's garbage collector runs so far, per generation."""
+    gc_file = port_file.with_suffix(".gc")
+    gc_file.unlink(missing_ok=True)
+    os.kill(pid, signal.SIGUSR1)
+    deadline = time.monotonic() + 10
+    while not gc_file.exists() or not gc_file.read_text():
+        if time.monotonic() > deadline:
+            raise SystemExit("the listener did not report its garbage collector's runs")
+        time.sleep(0.01)
+    return json.loads(gc_file.read_text())
 
 
 def main() -> int:
@@ -97,8 +117,10 @@ def main() -> int:
         )
         time.sleep(2.0)  # past perf_analyzer's warm-up
         user0, system0 = cpu_ticks(child.pid)
+        gc0 = gc_collections(child.pid, port_file)
         time.sleep(args.seconds)
         user1, system1 = cpu_ticks(child.pid)
+        gc1 = gc_collections(child.pid, port_file)
         output = load.communicate(timeout=600)[0]
         found = re.findall(r"Throughput: ([\d.]+) infer/sec", output)
         if not found:
@@ -110,7 +132,8 @@ def main() -> int:
         user_us, system_us = (user1 - user0) * per_tick_us / requests, (system1 - system0) * per_tick_us / requests
         print(f"{args.model}, HTTP, concurrency {args.concurrency}: {throughput:,.0f} infer/s; the listener's "
               f"process used {user_us + system_us:.0f} us of CPU per request ({user_us:.0f} user, "
-              f"{system_us:.0f} system) over {args.seconds:g} s")
+              f"{system_us:.0f} system) over {args.seconds:g} s; the garbage collector ran "
+              f"{'/'.join(str(b - a) for a, b in zip(gc0, gc1))} times (generations 0/1/2)")
         return 0
     finally:
         child.terminate()

@@ -82,11 +82,16 @@ class ResponseSender(_Sender):
     __slots__ = ("_loop", "_queue", "final_yielded")
 
     def __init__(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._queue: asyncio.Queue[tuple[Result | None, bool]] = asyncio.Queue()
+        loop = self._loop = asyncio.get_running_loop()
+        responses: asyncio.Queue[tuple[Result | None, bool]] = asyncio.Queue()
+        self._queue = responses
         # Whether the response :meth:`responses` yielded last came with the final flag.
         self.final_yielded = False
-        super().__init__(lambda item: self._loop.call_soon_threadsafe(self._queue.put_nowait, item))
+
+        def put(item: tuple[Result | None, bool]) -> None:  # not over self: no reference cycle per stream
+            loop.call_soon_threadsafe(responses.put_nowait, item)
+
+        super().__init__(put)
 
     async def responses(self) -> Any:
         """The responses sent, in order, until the final flag."""

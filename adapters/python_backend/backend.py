@@ -316,8 +316,10 @@ class PythonModelRunner(ModelRunner):
                                                     final),
                 cancelled,
             )
-        else:  # a non-decoupled model may answer through the sender too (made only when asked for)
-            pb_request._sender_factory = functools.partial(self._answer_sender, prepared, pb_request)
+        else:  # a non-decoupled model may answer through the sender too (made only when asked for;
+            # the factory is given the request then: holding it here would make a reference cycle,
+            # which only the garbage collector frees, and its runs cost every request)
+            pb_request._sender_factory = functools.partial(self._answer_sender, prepared)
         return pb_request
 
     def _answer_sender(self, prepared: PreparedRequest,

@@ -238,7 +238,7 @@ class InferenceRequest:
         self.model_version = model_version
         self._sender: InferenceResponseSender | None = None
         self._sender_taken = False  # the model asked for the sender (it may answer through it)
-        self._sender_factory: Any = None  # makes a non-decoupled request's sender (the backend's)
+        self._sender_factory: Any = None  # makes a non-decoupled request's sender from it (the backend's)
         self._answer: Any = None  # a non-decoupled request's answer through the sender (the backend's)
         self._cancelled: Any = None  # set by the backend: says whether the client cancelled
         self._release_flags = TRITONSERVER_REQUEST_RELEASE_ALL
@@ -282,7 +282,7 @@ class InferenceRequest:
             if self._sender_factory is None:
                 raise TritonModelException("a response sender is given only to the requests the server passes to "
                                            "execute")
-            self._sender = self._sender_factory()
+            self._sender = self._sender_factory(self)
         self._sender_taken = True
         return self._sender
 
