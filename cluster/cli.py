@@ -32,6 +32,7 @@ from rayinfer.cluster.settings import (
     repository_folder,
     repository_source,
     response_cache_bytes,
+    setting_help,
 )
 from rayinfer.cluster.processes import descendants, stop_processes
 from rayinfer.cluster.tritonserver_flags import OneLineErrorParser, add_unsupported_flags
@@ -62,93 +63,83 @@ def _log_verbose(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected an integer or true/false, got '{text}'") from None
 
 
+def describe_settings_flags(parser: argparse.ArgumentParser) -> None:
+    """Give every flag of a :class:`ServerSettings` field that field's description, default and
+    variable as its ``--help`` text: one text, which docs/command-line.md lists too."""
+    for action in parser._actions:
+        if action.dest in ServerSettings.model_fields:
+            action.help = setting_help(action.dest).replace("%", "%%")  # argparse formats help with %
+            if action.type is _bool:
+                action.metavar = "true|false"
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``rayinfer`` parser; errors are one line, exit status 2 (see ``tritonserver_flags``)."""
     parser = OneLineErrorParser(prog="rayinfer", description="Triton-compatible inference on Ray Serve")
     commands = parser.add_subparsers(dest="command", required=True)
     for name in ("serve", "config"):
-        sub = commands.add_parser(name, help="start the server" if name == "serve" else "print the Serve config")
-        sub.add_argument("--model-repository", "--model-store", required=True)
-        sub.add_argument("--http-address", default=None)
-        sub.add_argument("--http-port", type=int, default=None)
-        sub.add_argument("--grpc-port", type=int, default=None)
-        sub.add_argument("--grpc-address", default=None)
-        sub.add_argument("--allow-grpc", type=_bool, nargs="?", const=True, default=None)
-        sub.add_argument("--serve-grpc-port", type=int, default=None, help="Ray Serve's own gRPC port")
-        sub.add_argument("--serve-http-port", type=int, default=None, help="Ray Serve's own HTTP port")
-        sub.add_argument("--metrics-port", type=int, default=None)
-        sub.add_argument("--metrics-address", default=None)
-        sub.add_argument("--allow-metrics", type=_bool, nargs="?", const=True, default=None)
-        sub.add_argument("--allow-cpu-metrics", type=_bool, nargs="?", const=True, default=None)
-        sub.add_argument("--allow-gpu-metrics", type=_bool, nargs="?", const=True, default=None)
-        sub.add_argument("--metrics-interval-ms", type=int, default=None)
-        sub.add_argument("--model-control-mode", choices=["none", "poll", "explicit"], default=None)
-        sub.add_argument("--load-model", action="append", default=None)
-        sub.add_argument("--repository-poll-secs", type=float, default=None)
-        sub.add_argument("--id", default=None)
-        sub.add_argument("--strict-readiness", type=_bool, nargs="?", const=True, default=None)
+        sub = commands.add_parser(name, help="start the server" if name == "serve" else "print the Serve config",
+                                  usage=f"rayinfer {name} --model-repository DIR [flags]")
+        sub.add_argument("--model-repository", "--model-store", required=True, metavar="DIR")
+        sub.add_argument("--http-address")
+        sub.add_argument("--http-port", type=int)
+        sub.add_argument("--grpc-port", type=int)
+        sub.add_argument("--grpc-address")
+        sub.add_argument("--allow-grpc", type=_bool, nargs="?", const=True)
+        sub.add_argument("--serve-grpc-port", type=int)
+        sub.add_argument("--serve-http-port", type=int)
+        sub.add_argument("--metrics-port", type=int)
+        sub.add_argument("--metrics-address")
+        sub.add_argument("--allow-metrics", type=_bool, nargs="?", const=True)
+        sub.add_argument("--allow-cpu-metrics", type=_bool, nargs="?", const=True)
+        sub.add_argument("--allow-gpu-metrics", type=_bool, nargs="?", const=True)
+        sub.add_argument("--metrics-interval-ms", type=int)
+        sub.add_argument("--model-control-mode", choices=["none", "poll", "explicit"])
+        sub.add_argument("--load-model", action="append")
+        sub.add_argument("--repository-poll-secs", type=float)
+        sub.add_argument("--id")
+        sub.add_argument("--strict-readiness", type=_bool, nargs="?", const=True)
         sub.add_argument("--disable-auto-complete-config", action="store_true", default=None)
-        sub.add_argument("--strict-model-config", type=_bool, nargs="?", const=True, default=None,
-                         help="tritonserver's older flag: true is --disable-auto-complete-config")
-        sub.add_argument("--exit-on-error", type=_bool, nargs="?", const=True, default=None,
-                         help="exit if a model fails to load at start (default false)")
-        sub.add_argument("--http-thread-count", type=int, default=None, help="threads of the HTTP/gRPC front")
-        sub.add_argument("--backend-directory", default=None, help="accepted and ignored: backends are built in")
-        sub.add_argument("--log-verbose", type=_log_verbose, default=None)
-        sub.add_argument("--log-info", type=_bool, nargs="?", const=True, default=None)
-        sub.add_argument("--log-warning", type=_bool, nargs="?", const=True, default=None)
-        sub.add_argument("--log-error", type=_bool, nargs="?", const=True, default=None)
-        sub.add_argument("--log-format", choices=("default", "ISO8601"), default=None)
-        sub.add_argument("--log-file", default=None, help="append rayinfer's and the models' log lines here")
-        sub.add_argument("--ray-address", default=None)
-        sub.add_argument("--num-cpus", type=int, default=None, help="CPUs of the embedded local Ray")
-        sub.add_argument("--num-gpus", type=float, default=None,
-                         help="GPUs of the embedded local Ray (logical ones on a machine without GPUs)")
-        sub.add_argument("--gpu-fallback", choices=("none", "cpu"), default=None,
-                         help="cpu: run KIND_GPU instance groups on CPU replicas")
-        sub.add_argument("--replica-ray-metrics", type=_bool, nargs="?", const=True, default=None,
-                         help="model replicas report Ray's own metrics too (default false: Ray keeps a "
-                              "replica's series after it is gone)")
-        sub.add_argument("--gpu-fraction-per-model", type=float, default=None,
-                         help="share of a GPU a model version's GPU instances reserve together (default 1; "
-                         "0.25: four models share a GPU)")
-        sub.add_argument("--cache-config", action="append", default=None,
-                         help="local,size=<bytes>: the response cache (models with response_cache enabled)")
-        sub.add_argument("--trace-config", action="append", default=None,
-                         help="rate=N, level=L, count=N, triton,file=PATH, triton,log-frequency=N: tracing")
-        sub.add_argument("--http-restricted-api", action="append", default=None,
-                         help="<group>[,<group>...]:<header>=<value>: HTTP endpoints needing that header")
-        sub.add_argument("--grpc-restricted-protocol", action="append", default=None,
-                         help="<group>[,<group>...]:<header>=<value>: gRPC methods needing that header")
-        sub.add_argument("--http-max-input-size", type=int, default=None,
-                         help="the largest HTTP request body in bytes (default 64 MiB)")
-        sub.add_argument("--max-inflight-requests", type=int, default=None,
-                         help="inference calls the front relays to model replicas at once; more answer "
-                              "503 / UNAVAILABLE (default 1024)")
+        sub.add_argument("--strict-model-config", type=_bool, nargs="?", const=True)
+        sub.add_argument("--exit-on-error", type=_bool, nargs="?", const=True)
+        sub.add_argument("--http-thread-count", type=int)
+        sub.add_argument("--backend-directory",
+                         help="tritonserver's backend folder: accepted and ignored (rayinfer's backends are built in).")
+        sub.add_argument("--log-verbose", type=_log_verbose)
+        sub.add_argument("--log-info", type=_bool, nargs="?", const=True)
+        sub.add_argument("--log-warning", type=_bool, nargs="?", const=True)
+        sub.add_argument("--log-error", type=_bool, nargs="?", const=True)
+        sub.add_argument("--log-format", choices=("default", "ISO8601"))
+        sub.add_argument("--log-file")
+        sub.add_argument("--ray-address")
+        sub.add_argument("--num-cpus", type=int)
+        sub.add_argument("--num-gpus", type=float)
+        sub.add_argument("--gpu-fallback", choices=("none", "cpu"))
+        sub.add_argument("--replica-ray-metrics", type=_bool, nargs="?", const=True)
+        sub.add_argument("--gpu-fraction-per-model", type=float)
+        sub.add_argument("--cache-config", action="append")
+        sub.add_argument("--trace-config", action="append")
+        sub.add_argument("--http-restricted-api", action="append")
+        sub.add_argument("--grpc-restricted-protocol", action="append")
+        sub.add_argument("--http-max-input-size", type=int)
+        sub.add_argument("--max-inflight-requests", type=int)
         for kind in ("grpc", "http"):
-            what = "gRPC" if kind == "grpc" else "HTTP"
-            sub.add_argument(f"--{kind}-use-ssl", type=_bool, nargs="?", const=True, default=None,
-                             help=f"TLS on the {what} port (needs --{kind}-server-cert and --{kind}-server-key)")
-            sub.add_argument(f"--{kind}-use-ssl-mutual", type=_bool, nargs="?", const=True, default=None,
-                             help=f"TLS on the {what} port with client certificates signed by --{kind}-root-cert")
-            sub.add_argument(f"--{kind}-server-cert", default=None, help=f"PEM certificate of the {what} port")
-            sub.add_argument(f"--{kind}-server-key", default=None, help=f"PEM private key of the {what} port")
-            sub.add_argument(f"--{kind}-root-cert", default=None, help=f"PEM root certificate for {what} clients (mutual TLS)")
-        for flag, kind, what in _CONNECTION_FLAGS:
-            sub.add_argument(flag, type=kind, default=None, help=what)
-        sub.add_argument("--direct-connections", type=_bool, nargs="?", const=True, default=None,
-                         help="HTTP and gRPC connections straight to a replica of their first request's "
-                              "model (default true; false: the front relays every request)")
-        sub.add_argument("--front-on-head", type=_bool, nargs="?", const=True, default=None,
-                         help="run the front (HTTP, gRPC and metrics ports) on the Ray head node")
-        sub.add_argument("--front-on-every-node", type=_bool, nargs="?", const=True, default=None,
-                         help="run the front's HTTP and gRPC ports on every node with model replicas too")
-        sub.add_argument("--gpu-wait-secs", type=float, default=None,
-                         help="how long a model waits for missing GPUs before it is UNAVAILABLE (default 180)")
-        sub.add_argument("--ray-metrics-port", type=int, default=None, help="embedded Ray's metrics port")
-        sub.add_argument("--dashboard-port", type=int, default=None, help="start the embedded Ray's dashboard here")
-        sub.add_argument("--replica-num-cpus", type=float, default=None)
-        sub.add_argument("--startup-timeout-s", type=float, default=None)
+            sub.add_argument(f"--{kind}-use-ssl", type=_bool, nargs="?", const=True)
+            sub.add_argument(f"--{kind}-use-ssl-mutual", type=_bool, nargs="?", const=True)
+            sub.add_argument(f"--{kind}-server-cert")
+            sub.add_argument(f"--{kind}-server-key")
+            sub.add_argument(f"--{kind}-root-cert")
+        for flag, value_type in _CONNECTION_FLAGS:
+            sub.add_argument(flag, type=value_type)
+        sub.add_argument("--direct-connections", type=_bool, nargs="?", const=True)
+        sub.add_argument("--front-on-head", type=_bool, nargs="?", const=True)
+        sub.add_argument("--front-on-every-node", type=_bool, nargs="?", const=True)
+        sub.add_argument("--gpu-wait-secs", type=float)
+        sub.add_argument("--ray-metrics-port", type=int)
+        sub.add_argument("--dashboard-port", type=int)
+        sub.add_argument("--replica-num-cpus", type=float)
+        sub.add_argument("--startup-timeout-s", type=float)
+        describe_settings_flags(sub)
         if name == "config":
             sub.add_argument("--relative-paths", action="store_true",
                              help="write the model repository relative to the current directory")
@@ -161,18 +152,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 # Limits on clients' connections to model replicas (ServerSettings has each one's description).
 _CONNECTION_FLAGS = (
-    ("--http-request-timeout", float, "seconds for a request head / gRPC header block (default 30)"),
-    ("--http-keepalive-timeout", float, "seconds a client connection may stay idle (default 60)"),
-    ("--client-send-timeout", float, "seconds a client may leave its answers unread (default 60)"),
-    ("--connection-buffer-bytes", int, "answer bytes buffered per client connection (default 4 MiB)"),
-    ("--http-max-pipelined-requests", int, "HTTP/1.1 requests read ahead of their answers (default 16)"),
-    ("--grpc-max-concurrent-streams", int, "HTTP/2 streams per gRPC connection (default 100)"),
-    ("--grpc-max-header-list-size", int, "bytes of a gRPC call's header block (default 16384)"),
-    ("--grpc-max-reset-streams", int, "streams a client may reset in 10 s (default 200)"),
-    ("--grpc-max-control-frames", int, "PING, SETTINGS and other control frames in 10 s (default 1000)"),
-    ("--grpc-stream-window", int, "HTTP/2 stream window in bytes (default 1 MiB)"),
-    ("--grpc-connection-window", int, "bytes a gRPC connection's calls may hold (default 64 MiB)"),
-    ("--grpc-replica-buffer", int, "bytes all gRPC calls may hold in a replica (default 256 MiB)"),
+    ("--http-request-timeout", float),
+    ("--http-keepalive-timeout", float),
+    ("--client-send-timeout", float),
+    ("--connection-buffer-bytes", int),
+    ("--http-max-pipelined-requests", int),
+    ("--grpc-max-concurrent-streams", int),
+    ("--grpc-max-header-list-size", int),
+    ("--grpc-max-reset-streams", int),
+    ("--grpc-max-control-frames", int),
+    ("--grpc-stream-window", int),
+    ("--grpc-connection-window", int),
+    ("--grpc-replica-buffer", int),
 )
 
 
