@@ -230,8 +230,10 @@ class ServerSettings(BaseSettings):
     )
     max_inflight_requests: int = Field(
         DEFAULT_MAX_INFLIGHT_REQUESTS, gt=0, le=2**31 - 1,
-        description="Inference calls (HTTP and gRPC together) the front relays to model replicas at once; "
-        "one more is answered at once with 503 / UNAVAILABLE. Bounds what the replicas queue and hold.",
+        description="Inference calls (HTTP and gRPC together) in progress at once: the front relays at most this "
+        "many to model replicas, and a model replica takes at most this many on the connections given straight to it "
+        "(--direct-connections); one more is answered at once with 503 / UNAVAILABLE. Bounds what the replicas "
+        "queue and hold.",
     )
     http_request_timeout: float = Field(
         30.0, gt=0, description="Seconds a client's connection to a model replica may take to send a request head "

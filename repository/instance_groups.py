@@ -5,9 +5,9 @@ GPU of the machine when none is listed). A Ray replica cannot choose a device: i
 share of a GPU and Ray picks one, then sets ``CUDA_VISIBLE_DEVICES`` so that the process sees
 only that GPU. So here:
 
-- ``KIND_GPU`` with ``count: N``: N replicas, each reserving ``1/N`` of a GPU (N instances share
-  one GPU, as N instances on one GPU do in Triton); with ``gpus: [a, b, ...]``, N replicas per
-  listed GPU, so ``N * len(gpus)`` in all. Which physical GPU each lands on is Ray's choice; the
+- ``KIND_GPU`` with ``count: N``: N replicas, each reserving ``1/N`` of a GPU, so the N share one
+  GPU (Triton, without ``gpus``, puts N on every GPU of the machine); with ``gpus: [a, b, ...]``,
+  N replicas per listed GPU, so ``N * len(gpus)`` in all. Which physical GPU each lands on is Ray's choice; the
   ids only count GPUs.
 - ``KIND_CPU``: ``count`` replicas, no GPU. ``KIND_MODEL``: the same (the model places itself).
 - ``KIND_AUTO`` (and a config with no ``instance_group``, Triton's default): GPU replicas when
