@@ -42,7 +42,7 @@ RAY_ENVIRONMENT = {
     "RAY_USAGE_STATS_ENABLED": "0",
     # Serve's controller wakes every 0.5 s instead of 0.1 s: its periodic work stays out of the
     # latency tail on small machines, and each step of a deployment is noticed up to 0.4 s
-    # later (docs/benchmarks.md has what each costs).
+    # later (docs/dev/benchmark-log.md has what each costs).
     "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",
     # Replicas of autoscaled models (and only those) report their requests in flight to Serve's
     # controller every second instead of every 10 s, so that a rise in load is seen in time.
@@ -56,7 +56,7 @@ RAY_ENVIRONMENT = {
     # Serve's replicas and request routers export their cached request metrics every second
     # instead of every 100 ms. Every model replica and every router (the proxy holds one per
     # application) wakes up on that timer while idle (with the health checks above: 12% of a core
-    # on an idle server with 30 models, docs/benchmarks.md). Prometheus scrapes every 10 s or more.
+    # on an idle server with 30 models, docs/dev/benchmark-log.md). Prometheus scrapes every 10 s or more.
     "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000",
     # Ray's description: the old process's idle connections are closed over this window after
     # a reload, so they move to the new process and its routes instead of staying until the

@@ -6,7 +6,7 @@ adds one that marks v2 requests the way Triton treats them:
 
 - ``x-request-disconnect-disabled: ?1``: Triton finishes an inference whose client has gone away.
   Without the mark Serve watches every request for a disconnect with a task of its own and
-  waits on both (docs/benchmarks.md has what that costs per request).
+  waits on both (docs/dev/benchmark-log.md has what that costs per request).
 - ``x-request-id``: when the client sent none, a cheap process-unique id instead of Serve's
   random UUID.
 

@@ -17,7 +17,7 @@ id, and Ray keeps every class a process has seen for the life of the process: th
 keeps the class it built and its method metadata, and each process that takes a handle to one of
 its replicas (Serve's proxy, the controller again when it stops one) loads the class from GCS
 and keeps that copy too. A model unloaded and loaded 40 times left 40 classes in each, about
-0.25 MiB per load with GCS's copies (docs/benchmarks.md, "Reload churn").
+0.25 MiB per load with GCS's copies (docs/dev/benchmark-log.md, "Reload churn").
 
 Serve calls :func:`reuse_replica_classes` in its controller as it starts, being named by
 ``RAY_SERVE_CONTROLLER_CALLBACK_IMPORT_PATH`` (rayinfer's Ray environment). From then on the

@@ -2,7 +2,7 @@
 
 A step sent to a member's replica costs a process hop each way: the request's encoding, a
 socket write and read, the member's parse, a wake-up on each side; on small machines that is
-more CPU than a small model's execution (docs/benchmarks.md, "Ensembles"). With
+more CPU than a small model's execution (docs/dev/benchmark-log.md, "Ensembles"). With
 ``steps_in_place: "true"`` in the ensemble's ``parameters``, the ensemble's replica loads its own
 instance of each member that can run there, from the config the member's replicas serve, with
 that member's own dynamic batcher (so the steps of many ensemble requests still batch), and

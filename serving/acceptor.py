@@ -2,7 +2,7 @@
 read it.
 
 HAProxy (:mod:`front`) reads every request and writes every answer a second time, which costs a
-model call about a quarter of the server's CPU on small machines (docs/benchmarks.md). The acceptor
+model call about a quarter of the server's CPU on small machines (docs/dev/benchmark-log.md). The acceptor
 takes that hop out of the steady state. It owns the HTTP port, peeks at the request line of a new
 connection (``MSG_PEEK``: nothing is consumed), and when that request is a model call or a
 model GET whose version has a replica on this machine, it passes the connection itself

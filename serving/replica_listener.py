@@ -2,7 +2,7 @@
 
 Ray Serve answers a request in a replica through uvicorn or grpcio's Python server plus its own
 per-request wrapper; on small machines that costs more CPU than the model (see
-docs/benchmarks.md). The front (HAProxy, :mod:`front`) instead hands the calls it routes to
+docs/dev/benchmark-log.md). The front (HAProxy, :mod:`front`) instead hands the calls it routes to
 this listener as HTTP/1.1:
 
 - KServe v2 ``POST .../infer`` requests, as the client sent them;
