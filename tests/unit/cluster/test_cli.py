@@ -11,7 +11,7 @@ from rayinfer.cluster import cli
 from rayinfer.cluster.cli import build_parser, fatal_startup_failures, main, settings_from_args
 from rayinfer.cluster.serve_config import render_serve_config
 from rayinfer.cluster.settings import ServerSettings, auto_complete, replica_log_level
-from rayinfer.cluster.tritonserver_flags import UNSUPPORTED_FLAGS
+from rayinfer.cluster.tritonserver_flags import REFUSED_FLAGS, TRITONSERVER_FLAGS, UNSUPPORTED_FLAGS
 from rayinfer.repository.scanner import ModelEntry
 
 SIMPLE_CONFIG = """name: "simple"
@@ -220,7 +220,7 @@ def exit_line(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
 def test_unsupported_tritonserver_flags_answer_in_one_line(
     repository: Path, capsys: pytest.CaptureFixture[str], flag: str
 ) -> None:
-    expected = f"rayinfer: error: tritonserver flag --{flag} is not supported by rayinfer serve"
+    expected = f"rayinfer: error: tritonserver flag --{flag} is not supported by rayinfer serve: {REFUSED_FLAGS[flag]}"
     assert exit_line(capsys, ["serve", "--model-repository", str(repository), f"--{flag}=1"]) == expected
     assert exit_line(capsys, ["serve", f"--{flag}", "1", "--model-repository", str(repository)]) == expected
 
@@ -235,9 +235,21 @@ def test_the_common_tritonserver_flags_are_known() -> None:
         assert flag in UNSUPPORTED_FLAGS
 
 
+def test_every_tritonserver_flag_is_taken_or_refused_with_what_to_use_instead() -> None:
+    serve = next(a for a in build_parser()._actions if a.dest == "command").choices["serve"]
+    taken = {option[2:] for action in serve._actions for option in action.option_strings
+             if option[2:] not in REFUSED_FLAGS}
+    assert len(TRITONSERVER_FLAGS) == 87
+    for flag in TRITONSERVER_FLAGS:
+        assert flag in taken or flag in REFUSED_FLAGS, flag
+        assert not (flag in taken and flag in REFUSED_FLAGS), flag
+    assert all(len(reason.split()) >= 2 for reason in REFUSED_FLAGS.values())
+
+
 def test_unsupported_flag_on_config_names_the_command(repository: Path, capsys: pytest.CaptureFixture[str]) -> None:
     line = exit_line(capsys, ["config", "--model-repository", str(repository), "--exit-timeout-secs", "30"])
-    assert line == "rayinfer: error: tritonserver flag --exit-timeout-secs is not supported by rayinfer config"
+    assert line == ("rayinfer: error: tritonserver flag --exit-timeout-secs is not supported by rayinfer config: no "
+                    "counterpart: on SIGINT or SIGTERM rayinfer stops once Serve has stopped the replicas")
 
 
 @pytest.mark.parametrize(("argv", "message"), [

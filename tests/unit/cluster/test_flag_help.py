@@ -7,7 +7,15 @@ import subprocess
 import sys
 from pathlib import Path
 
-from rayinfer.cluster.flags_reference import BEGIN, END, _serve_parser, reference_markdown
+from rayinfer.cluster.flags_reference import (
+    BEGIN,
+    END,
+    TRITON_BEGIN,
+    TRITON_END,
+    _serve_parser,
+    reference_markdown,
+    tritonserver_markdown,
+)
 
 PAGE = Path(__file__).resolve().parents[3] / "docs" / "command-line.md"
 
@@ -35,3 +43,14 @@ def test_the_command_line_page_lists_the_flags_as_generated() -> None:
         "docs/command-line.md")
     assert "| `--startup-timeout-s` | `600.0` | `RAYINFER_STARTUP_TIMEOUT_S` |" in table
     assert "`--pinned-memory-pool-byte-size`" in table  # refused tritonserver flags are named too
+
+
+def test_the_migrating_page_lists_every_tritonserver_flag_as_generated() -> None:
+    page = (PAGE.parent / "migrating.md").read_text()
+    table = page.split(TRITON_BEGIN, 1)[1].split(TRITON_END, 1)[0]
+    assert table.strip() == tritonserver_markdown().strip(), (
+        "docs/migrating.md is out of date: run .venv/bin/python -m rayinfer.cluster.flags_reference "
+        "docs/command-line.md docs/migrating.md")
+    assert "| `--rate-limit` | refused | the rate limiter is not implemented" in table
+    assert "| `--http-port` | taken | default `8000` |" in table
+    assert "| `--backend-directory` | accepted, ignored |" in table
