@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import inspect
+import json
 import re
 import urllib.request
+from pathlib import Path
 
 import numpy as np
 import pytest
 import tritonclient.http as httpclient
 
 from conftest import add_sub_inputs
+from rayinfer.protocol import metrics
 from waiting import wait_until
 
 SAMPLE = re.compile(r'^(\w+)(?:\{(.*)\})? (\S+)$')
@@ -128,3 +132,32 @@ def test_model_replicas_report_none_of_rays_own_metrics(server):
         return apps if "rayinfer" in apps else None  # Ray exports every 10 s
 
     assert wait_until(replicas_reporting, "the /v2 replica's Ray metrics", timeout_s=60, interval_s=2.0) == {"rayinfer"}
+
+
+DASHBOARD = Path(__file__).resolve().parents[2] / "ray-configs" / "grafana" / "rayinfer.json"
+# Families only a machine with NVIDIA GPUs (and NVML) reports.
+GPU_FAMILIES = ("nv_gpu_", "nv_energy_")
+
+
+def test_the_grafana_dashboard_queries_only_metrics_the_server_exports(server):
+    """Every metric a query of ray-configs/grafana/rayinfer.json names is on the metrics port or
+    among Ray's own metrics of this server (GPU families: among those rayinfer reports on a GPU)."""
+    dashboard = json.loads(DASHBOARD.read_text())
+    queries = [target["expr"] for panel in dashboard["panels"] for target in panel["targets"]]
+    queries.append(dashboard["templating"]["list"][1]["query"]["query"])
+    named = {name for query in queries for name in re.findall(r"\b((?:nv|ray)_[a-z_]+)\b", query)}
+    assert len(named) >= 15
+
+    def exported() -> set[str] | None:
+        names = {name for name, _ in scrape(server["metrics_url"])[1]}
+        with urllib.request.urlopen(server["ray_metrics_url"], timeout=30) as response:
+            names |= {line.split("{", 1)[0].split(" ", 1)[0] for line in response.read().decode().splitlines()
+                      if line and not line.startswith("#")}
+        # Ray exports every 10 s; its latency histogram appears once the /v2 replica has answered.
+        return names if "ray_serve_deployment_processing_latency_ms_bucket" in names else None
+
+    urllib.request.urlopen(f"http://{server['url']}/v2", timeout=10).read()  # a request the /v2 replica answers
+    names = wait_until(exported, "Ray's metrics of the /v2 replica", timeout_s=60, interval_s=2.0)
+    gpu_source = inspect.getsource(metrics)
+    missing = sorted(n for n in named - names if not (n.startswith(GPU_FAMILIES) and f'"{n}"' in gpu_source))
+    assert not missing, f"the dashboard queries metrics this server does not export: {missing}"
