@@ -198,11 +198,9 @@ class ModelRunner:
                     raise InvalidArgError(
                         f"unexpected inference output '{out.name}' for model '{spec.name}'"
                     )
+            # An output requested twice is answered once, as Triton 2.51 does (the last entry's
+            # parameters, binary_data and shared memory, are the ones the codecs use).
             output_names = tuple(dict.fromkeys(o.name for o in request.outputs))
-            if len(output_names) != len(request.outputs):
-                duplicate = next(n for n in output_names if sum(o.name == n for o in request.outputs) > 1)
-                raise InvalidArgError(f"inference output '{duplicate}' is requested more than once for model "
-                                      f"'{spec.name}'")
             classes = self._classes(request)
         else:
             output_names = tuple(self._outputs)

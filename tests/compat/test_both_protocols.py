@@ -47,6 +47,17 @@ def test_infer_every_version(proto):
         np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), expected)
 
 
+def test_an_output_requested_twice_is_answered_once(proto):
+    """As Triton 2.51 does: the response carries the output once."""
+    module, client = proto
+    outputs = [module.InferRequestedOutput("OUTPUT0"), module.InferRequestedOutput("OUTPUT0")]
+    result = client.infer("simple", inputs(module, A, B), outputs=outputs)
+    response = result.get_response()
+    names = [o["name"] for o in response["outputs"]] if module is httpclient else [o.name for o in response.outputs]
+    assert names == ["OUTPUT0"]
+    np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), A + B)
+
+
 def bf16_inputs(module) -> list:
     try:  # tritonclient takes BF16 arrays as ml_dtypes.bfloat16 (older releases: FP32, truncated)
         from ml_dtypes import bfloat16 as dtype

@@ -53,8 +53,6 @@ ERRORS = [
      "['INPUT0', 'INPUT1']"),
     ("inputs-missing", "/v2/models/simple/infer", {}, 500,
      "Unable to parse 'inputs': attempt to access non-existing object member 'inputs'"),
-    ("duplicate-output", "/v2/models/simple/infer", {**GOOD, "outputs": [{"name": "OUTPUT0"}, {"name": "OUTPUT0"}]},
-     400, "inference output 'OUTPUT0' is requested more than once for model 'simple'"),
     ("data-nested-too-deep", "/v2/models/simple/infer",
      {"inputs": [tensor("INPUT0", data=json.loads("[" * 99 + json.dumps(ONES) + "]" * 99)), tensor("INPUT1")]}, 400,
      "Unable to parse 'data': JSON nesting depth exceeds maximum allowed limit (100)"),
