@@ -22,7 +22,7 @@ from starlette.routing import Route, Router
 from rayinfer.deployments import asgi
 from rayinfer.protocol import log_settings
 from rayinfer.protocol.errors import InvalidArgError, NotFoundError, as_serving_error
-from rayinfer.protocol.http_codec import parse_json_body
+from rayinfer.protocol.http_codec import parse_json_body, repository_index_ready
 from rayinfer.protocol.shared_memory import CUDA, cuda_registration_from_json, registration_from_json
 from rayinfer.serving.routes import UNROUTED_PREFIX, parse_model_route
 from rayinfer.serving.trace import parse_update
@@ -65,8 +65,8 @@ def v2_router(api: V2Api, limit: int, restrictions: tuple[Restrictions, Restrict
     to ``limit`` bytes, ``restrictions`` (--http-restricted-api, --grpc-restricted-protocol),
     and ``unrouted_model`` answering a model route the front had no replica for."""
 
-    async def body(receive: asgi.Receive, what: str, empty: bytes = b"") -> dict[str, Any]:
-        return parse_json_body(await asgi.read_body(receive, limit) or empty, what)
+    async def body(receive: asgi.Receive, what: str) -> dict[str, Any]:
+        return parse_json_body(await asgi.read_body(receive, limit), what)
 
     async def metadata(scope, receive, send) -> None:
         await asgi.send_json(send, 200, api.server_metadata())
@@ -78,8 +78,8 @@ def v2_router(api: V2Api, limit: int, restrictions: tuple[Restrictions, Restrict
         await asgi.send_empty(send, 200 if await api.ready() else 400)
 
     async def index(scope, receive, send) -> None:
-        options = await body(receive, "repository index", b"{}")
-        await asgi.send_json(send, 200, await api.index(bool(options.get("ready", False))))
+        ready = repository_index_ready(await asgi.read_body(receive, limit))
+        await asgi.send_json(send, 200, await api.index(ready))
 
     async def logging(scope, receive, send) -> None:
         if scope["method"] == "POST":

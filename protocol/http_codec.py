@@ -52,6 +52,26 @@ def parse_json_body(body: bytes, what: str = "request") -> dict[str, Any]:
     return doc
 
 
+def repository_index_ready(body: bytes) -> bool:
+    """The ``ready`` flag of a repository index request's body, read as Triton 2.51 reads it: an
+    empty body, or one that is not a JSON object, asks for every model; ``ready`` must be a
+    boolean; a body that does not parse is Triton's 500 "failed to parse the request JSON buffer"."""
+    if not body.strip():
+        return False
+    try:
+        doc = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ServingError(f"failed to parse the request JSON buffer: {exc}", Code.INTERNAL) from None
+    except RecursionError:  # Triton's parser takes any depth; Python's stops near 1,000 levels
+        raise ServingError("failed to parse the request JSON buffer: the document is nested too deeply",
+                           Code.INTERNAL) from None
+    if not isinstance(doc, dict) or "ready" not in doc:
+        return False
+    if not isinstance(doc["ready"], bool):
+        raise ServingError("attempt to access JSON non-boolean as boolean", Code.INTERNAL)
+    return doc["ready"]
+
+
 def request_from_http(
     body: bytes, header_length: int | None, model_name: str, model_version: str = "",
     shm: SharedMemoryRegistry | None = None,

@@ -158,10 +158,22 @@ def test_the_head_limits_hold_for_every_request_of_a_kept_connection(server, fir
             assert answers[1] == (400, {"error": f"malformed HTTP request: {reason}"}), (path, reason)
 
 
-def test_a_deeply_nested_body_to_the_repository_index_gets_a_json_error(server):
-    status, doc = http_json("POST", "/v2/repository/index", b"[" * 100_000 + b"]" * 100_000)
-    assert status == 400
-    assert doc == {"error": "failed to parse the repository index JSON buffer: the document is nested too deeply"}
+@pytest.mark.parametrize("body, status, error", [
+    (b'{"ready": 1}', 500, "attempt to access JSON non-boolean as boolean"),
+    (b'{"ready":', 500, "failed to parse the request JSON buffer: Expecting value: line 1 column 10 (char 9)"),
+    (b"[" * 100_000 + b"]" * 100_000, 500, "failed to parse the request JSON buffer: the document is nested too deeply"),
+    (b'"str"', 200, None), (b"null", 200, None), (b"[]", 200, None), (b'{"ready": false, "x": 1}', 200, None),
+])
+def test_the_repository_index_reads_its_body_as_triton_does(server, body, status, error):
+    """Triton 2.51's answers (seen on the anchor): a body that is not an object asks for every
+    model; 'ready' must be a boolean; a body that does not parse is a 500. Triton parses any
+    depth; here a document nested past Python's parser gets that 500 too."""
+    got, doc = http_json("POST", "/v2/repository/index", body)
+    assert got == status
+    if error is None:
+        assert any(row["name"] == "simple" for row in doc)
+    else:
+        assert doc == {"error": error}
 
 
 # ---- raw binary requests (Inference-Header-Content-Length: 0) ---------------------------------

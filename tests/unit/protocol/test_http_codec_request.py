@@ -10,7 +10,7 @@ import pytest
 
 from rayinfer.protocol.dtypes import serialize_bytes_tensor
 from rayinfer.protocol.errors import Code, InvalidArgError, ServingError
-from rayinfer.protocol.http_codec import request_from_http
+from rayinfer.protocol.http_codec import repository_index_ready, request_from_http
 
 
 def _json_body(doc: dict[str, Any]) -> bytes:
@@ -276,3 +276,21 @@ def test_classification_must_be_an_unsigned_integer(value: Any) -> None:
         request_from_http(_json_body(doc), None, "m")
     assert (info.value.code, info.value.message) == (
         Code.INTERNAL, "Unable to set 'classification': attempt to access JSON non-unsigned-integer as unsigned-integer")
+
+
+@pytest.mark.parametrize("body, ready", [(b"", False), (b"  ", False), (b"null", False), (b"[]", False), (b"5", False),
+                                         (b'{"ready": true}', True), (b'{"ready": false}', False), (b'{"x": 1}', False)])
+def test_the_repository_index_body_as_triton_reads_it(body: bytes, ready: bool) -> None:
+    assert repository_index_ready(body) is ready
+
+
+@pytest.mark.parametrize("body, message", [
+    (b'{"ready": "yes"}', "attempt to access JSON non-boolean as boolean"),
+    (b'{"ready":', "failed to parse the request JSON buffer: Expecting value"),
+    (b'{"a":' + b"[" * 100_000 + b"]" * 100_000 + b"}", "failed to parse the request JSON buffer: the document is nested too "
+                                                          "deeply"),
+])
+def test_a_repository_index_body_triton_refuses_is_its_500(body: bytes, message: str) -> None:
+    with pytest.raises(ServingError) as raised:
+        repository_index_ready(body)
+    assert raised.value.code == Code.INTERNAL and raised.value.message.startswith(message)
