@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from collections import OrderedDict
 from typing import Any
@@ -136,8 +137,13 @@ def _with_sends(trace: dict[str, Any], stamps: list[tuple[str, int]]) -> dict[st
 
 
 def _write(path: str, entries: list[dict[str, Any]]) -> None:
+    """Write ``path`` whole or not at all: a reader never sees it empty or half written (the
+    entries go to a hidden file beside it, which then takes its name)."""
+    folder, name = os.path.split(path)
+    partial = os.path.join(folder, f".{name}.{os.getpid()}.partial")
     try:
-        with open(path, "w") as file:
+        with open(partial, "w") as file:
             json.dump(entries, file)
+        os.replace(partial, path)
     except OSError as exc:  # the traces are lost; the server keeps serving
         logger.error("could not write the trace file %s: %s", path, exc)

@@ -11,11 +11,13 @@ import tritonclient.http as httpclient
 
 import tritonclient.grpc as grpcclient
 
-from conftest import pids_titled, tensor
+from conftest import LOAD_TIMEOUT_S, pids_titled, tensor
 from waiting import wait_until
 
 MODEL = "py_autoscaled"
 TO_ZERO = "py_scale_to_zero"
+# A new replica is a new process: on a busy 2-core machine its start has taken over 90 s.
+SCALE_TIMEOUT_S = 240
 
 
 def pid_of(client, model: str = MODEL) -> int:
@@ -25,14 +27,14 @@ def pid_of(client, model: str = MODEL) -> int:
 
 
 def test_a_model_scales_up_under_load_through_the_front_and_down_after_it(server):
-    control = httpclient.InferenceServerClient(server["url"], network_timeout=120.0)
+    control = httpclient.InferenceServerClient(server["url"], network_timeout=LOAD_TIMEOUT_S)
     control.load_model(MODEL)
     seen: set[int] = set()
     done = threading.Event()
 
     def load() -> None:  # one of 4 clients calling back to back (0.1 s a call: 4 in flight)
         client = httpclient.InferenceServerClient(server["url"])
-        deadline = time.monotonic() + 90
+        deadline = time.monotonic() + SCALE_TIMEOUT_S
         while not done.is_set() and time.monotonic() < deadline:
             seen.add(pid_of(client))
         client.close()
@@ -41,13 +43,13 @@ def test_a_model_scales_up_under_load_through_the_front_and_down_after_it(server
     try:
         for client in clients:
             client.start()
-        wait_until(lambda: len(seen) == 2, "a second replica to answer under load", timeout_s=90)
+        wait_until(lambda: len(seen) == 2, "a second replica to answer under load", timeout_s=SCALE_TIMEOUT_S)
         done.set()
         for client in clients:
             client.join()
         # One call at a time, 1 in flight: back to one replica after the 1 s downscale delay.
         wait_until(lambda: len({pid_of(control) for _ in range(16)}) == 1, "the model to scale back to one replica",
-                   timeout_s=90, interval_s=1.0)
+                   timeout_s=SCALE_TIMEOUT_S, interval_s=1.0)
     finally:
         done.set()
         for client in clients:
@@ -59,7 +61,7 @@ def test_a_model_scales_up_under_load_through_the_front_and_down_after_it(server
 def test_an_idle_model_scales_to_zero_and_its_next_request_waits_for_a_replica(server):
     """Beyond Triton: ``autoscaling_min_replicas`` 0. The model stays loaded and ready with no
     replica; a request over either protocol then waits for a new one instead of failing."""
-    http = httpclient.InferenceServerClient(server["url"], network_timeout=120.0)
+    http = httpclient.InferenceServerClient(server["url"], network_timeout=LOAD_TIMEOUT_S)
     grpc = grpcclient.InferenceServerClient(server["grpc_url"])
     http.load_model(TO_ZERO)
     replicas = f"ray::ServeReplica:{TO_ZERO}:"

@@ -223,3 +223,15 @@ def test_a_stream_traces_clock_offset_is_zero_on_one_node_and_taken_from_wall_cl
     # Read twice on one machine, the clocks' offset comes to (nearly) nothing.
     here = wall_clock_offset_ns()
     assert abs(StreamTrace("t-2", wall_clock_offset_ns(), "node-a").clock_offset("node-b", here)) < 1_000_000
+
+def test_a_trace_file_appears_whole(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A reader polling the folder sees the file complete or not at all (the entries go to a
+    hidden file that then takes the name); a folder it cannot write is logged, not raised."""
+    from rayinfer.serving.trace_writer import _write
+
+    path = tmp_path / "trace.json.1"
+    _write(str(path), [{"id": 1, "model_name": "m"}])
+    assert json.loads(path.read_text()) == [{"id": 1, "model_name": "m"}]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["trace.json.1"]
+    _write(str(tmp_path / "missing" / "trace.json.2"), [])
+    assert "could not write the trace file" in caplog.text
