@@ -63,8 +63,13 @@ def serve(model: str, port_file: Path) -> None:
 
         listener = ReplicaListener(grpc, http)
         gc_file = port_file.with_suffix(".gc")  # SIGUSR1: the collector's runs so far, per generation
-        asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, lambda: gc_file.write_text(
-            json.dumps([generation["collections"] for generation in gc.get_stats()])))
+
+        def report_gc() -> None:  # written whole, then renamed: the parent never reads half a file
+            partial = gc_file.with_suffix(".partial")
+            partial.write_text(json.dumps([generation["collections"] for generation in gc.get_stats()]))
+            partial.replace(gc_file)
+
+        asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, report_gc)
         port_file.write_text(str(await listener.start("127.0.0.1")))
         await asyncio.Event().wait()
 
@@ -82,7 +87,7 @@ def gc_collections(pid: int, port_file: Path) -> list[int]:
     gc_file.unlink(missing_ok=True)
     os.kill(pid, signal.SIGUSR1)
     deadline = time.monotonic() + 10
-    while not gc_file.exists() or not gc_file.read_text():
+    while not gc_file.exists():  # polled until the deadline: the child answers within milliseconds
         if time.monotonic() > deadline:
             raise SystemExit("the listener did not report its garbage collector's runs")
         time.sleep(0.01)

@@ -32,8 +32,8 @@ from rayinfer.cluster.settings import (
     repository_folder,
     repository_source,
     response_cache_bytes,
-    setting_help,
 )
+from rayinfer.cluster.setting_texts import setting_help
 from rayinfer.cluster.processes import descendants, stop_processes
 from rayinfer.cluster.tritonserver_flags import OneLineErrorParser, add_unsupported_flags
 from rayinfer.deployments.names import parse_bool

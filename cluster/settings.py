@@ -387,34 +387,6 @@ class ServerSettings(BaseSettings):
         return self
 
 
-def setting_default(name: str) -> str | None:
-    """A setting's default as a flag's value reads (true, 8000, 127.0.0.1); None when it has none
-    to show (required, a list, or unset)."""
-    field = ServerSettings.model_fields[name]
-    if field.default_factory is not None or field.is_required() or field.default is None:
-        return None
-    if isinstance(field.default, bool):
-        return "true" if field.default else "false"
-    return str(field.default)
-
-
-def setting_help(name: str) -> str:
-    """The ``--help`` text of the flag of setting ``name``: its description, then its default
-    and environment variable (the same text docs/command-line.md lists)."""
-    field = ServerSettings.model_fields[name]
-    text = (field.description or "").rstrip()
-    default = setting_default(name)
-    notes = []
-    if field.is_required():
-        notes.append("required")
-    elif default is not None and "default" not in text.lower():
-        notes.append(f"default {default}")
-    if field.default_factory is not None:
-        notes.append("repeatable")
-    notes.append(f"env RAYINFER_{name.upper()}")
-    return f"{text} ({'; '.join(notes)})"
-
-
 def repository_source(settings: ServerSettings) -> str:
     """The repository as replicas are given it: an s3:// URL, or the folder's absolute path."""
     repository = settings.model_repository

@@ -12,7 +12,7 @@ from rayinfer.cluster.flags_reference import (
     END,
     TRITON_BEGIN,
     TRITON_END,
-    _serve_parser,
+    serve_parser,
     reference_markdown,
     tritonserver_markdown,
 )
@@ -21,7 +21,7 @@ PAGE = Path(__file__).resolve().parents[3] / "docs" / "command-line.md"
 
 
 def test_every_flag_has_a_sentence_its_default_and_its_variable() -> None:
-    parser = _serve_parser()
+    parser = serve_parser()
     for action in parser._actions:
         if not action.option_strings or action.dest in ("help",) or action.help == "==SUPPRESS==":
             continue
