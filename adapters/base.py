@@ -37,9 +37,12 @@ class ModelAdapter(Protocol):
 
 # Triton backend name -> "module:Class", imported only when a model needs it.
 _REGISTRY = {
+    "fil": "rayinfer.adapters.fil.adapter:FilAdapter",
     "onnxruntime": "rayinfer.adapters.onnxruntime.adapter:OnnxRuntimeAdapter",
+    "openvino": "rayinfer.adapters.openvino.adapter:OpenVinoAdapter",
     "python": "rayinfer.adapters.python_backend.backend:PythonBackendAdapter",
     "pytorch": "rayinfer.adapters.torchscript.adapter:TorchScriptAdapter",
+    "tensorflow": "rayinfer.adapters.tensorflow.adapter:TensorFlowAdapter",
     "tensorrt": "rayinfer.adapters.tensorrt.adapter:TensorRTAdapter",
 }
 
@@ -48,7 +51,8 @@ def backend_uses_gpus(backend: str, package_dir: Callable[[str], Path | None] | 
     """Whether ``backend``, as installed here, can run a model on a GPU: what Triton asks of a
     KIND_AUTO group (and of a config without instance groups) before it makes GPU instances.
     onnxruntime: a build with the CUDA provider (onnxruntime-gpu, the gpu extra); pytorch: a
-    CUDA or ROCm build of torch; python and tensorrt: yes. Read from the installed files, without
+    CUDA or ROCm build of torch; python and tensorrt: yes; fil, openvino and tensorflow: no (their
+    KIND_AUTO instances run on the CPU, KIND_GPU asks for the GPU). Read from the installed files, without
     importing the framework (the ``/v2`` replica asks). ``package_dir``: where an installed
     package's folder is (default: this interpreter's)."""
     if backend in ("python", "tensorrt"):

@@ -186,10 +186,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "example-repository":
+        from rayinfer.cluster.example_backends import write_backend_examples
         from rayinfer.cluster.example_repository import write_example_repository
 
         for path in write_example_repository(args.directory):
             print(path)
+        written, skipped = write_backend_examples(args.directory)
+        for path in written:
+            print(path)
+        for reason in skipped:
+            print(f"skipped {reason}", file=sys.stderr)
         return 0
     if args.command == "ray-env":
         print("export " + " ".join(f"{key}={value}" for key, value in RAY_ENVIRONMENT.items()))

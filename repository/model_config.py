@@ -32,14 +32,31 @@ _PLATFORM_TO_BACKEND = {
     "onnxruntime_onnx": "onnxruntime",
     "pytorch_libtorch": "pytorch",
     "tensorrt_plan": "tensorrt",
+    "tensorflow_savedmodel": "tensorflow",
+    "tensorflow_graphdef": "tensorflow",
     "ensemble": "",
 }
-_BACKEND_TO_PLATFORM = {b: p for p, b in _PLATFORM_TO_BACKEND.items() if b}
+# A backend's one platform (tensorflow has two: told apart by the model file).
+_BACKEND_TO_PLATFORM = {b: p for p, b in _PLATFORM_TO_BACKEND.items() if b and b != "tensorflow"}
 DEFAULT_MODEL_FILENAMES = {
     "onnxruntime": "model.onnx",
     "pytorch": "model.pt",
     "tensorrt": "model.plan",
     "python": "model.py",
+    "openvino": "model.xml",
+}
+# Where a platform's default file differs from its backend's.
+_PLATFORM_MODEL_FILENAMES = {
+    "tensorflow_savedmodel": "model.savedmodel",
+    "tensorflow_graphdef": "model.graphdef",
+}
+# FIL's default file depends on its model_type parameter (Triton's names).
+FIL_MODEL_FILES = {
+    "xgboost": "xgboost.model",
+    "xgboost_json": "xgboost.json",
+    "xgboost_ubj": "xgboost.ubj",
+    "lightgbm": "model.txt",
+    "treelite_checkpoint": "checkpoint.tl",
 }
 
 
@@ -166,18 +183,38 @@ def resolve_backend(config: ModelConfig, model_dir: Path) -> None:
             raise ModelConfigError(
                 f"{path}: platform '{config.platform}' does not match backend '{config.backend}'"
             )
+    if config.backend == "tensorflow" and not config.platform:
+        graphdef = _has_version_file(model_dir, _PLATFORM_MODEL_FILENAMES["tensorflow_graphdef"])
+        config.platform = "tensorflow_graphdef" if graphdef else "tensorflow_savedmodel"
     if not config.backend and config.platform != "ensemble":
-        for backend, filename in DEFAULT_MODEL_FILENAMES.items():
-            if any((v / filename).exists() for v in model_dir.iterdir() if v.is_dir()):
+        # Triton's platform detection from the model files (OpenVINO and FIL need a backend).
+        candidates = [(b, _BACKEND_TO_PLATFORM.get(b, ""), f) for b, f in DEFAULT_MODEL_FILENAMES.items()
+                      if b != "openvino"] + [("tensorflow", p, f) for p, f in _PLATFORM_MODEL_FILENAMES.items()]
+        for backend, platform, filename in candidates:
+            if _has_version_file(model_dir, filename):
                 config.backend = backend
-                config.platform = _BACKEND_TO_PLATFORM.get(backend, "")
+                config.platform = platform
                 break
         else:
             raise ModelConfigError(
                 f"{path}: no 'platform' or 'backend' given and no model file found to infer it"
             )
-    if not config.default_model_filename and config.backend in DEFAULT_MODEL_FILENAMES:
-        config.default_model_filename = DEFAULT_MODEL_FILENAMES[config.backend]
+    if not config.default_model_filename:
+        config.default_model_filename = default_model_filename(config)
+
+
+def default_model_filename(config: ModelConfig) -> str:
+    """Triton's default model file name for the config's platform or backend ('' if none)."""
+    if config.platform in _PLATFORM_MODEL_FILENAMES:
+        return _PLATFORM_MODEL_FILENAMES[config.platform]
+    if config.backend == "fil":
+        model_type = config.parameters["model_type"].string_value.strip() if "model_type" in config.parameters else ""
+        return FIL_MODEL_FILES.get(model_type or "xgboost", "")
+    return DEFAULT_MODEL_FILENAMES.get(config.backend, "")
+
+
+def _has_version_file(model_dir: Path, filename: str) -> bool:
+    return any((v / filename).exists() for v in model_dir.iterdir() if v.is_dir())
 
 
 def fill_defaults(config: ModelConfig) -> None:

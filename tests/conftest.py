@@ -344,9 +344,10 @@ def server(model_repository: Path, tmp_path_factory: pytest.TempPathFactory):
     from model_factory import ON_DEMAND_MODELS
     from ensemble_models import ENSEMBLE_NOT_LOADED_AT_START
     from python_models import NOT_LOADED_AT_START
+    from backend_models import BACKEND_NOT_LOADED_AT_START
 
     # Explicit model control: every model but the on-demand ones loads at start (--load-model each).
-    later = ON_DEMAND_MODELS + NOT_LOADED_AT_START + ENSEMBLE_NOT_LOADED_AT_START
+    later = ON_DEMAND_MODELS + NOT_LOADED_AT_START + ENSEMBLE_NOT_LOADED_AT_START + BACKEND_NOT_LOADED_AT_START
     load = [arg for p in sorted(model_repository.iterdir()) if p.is_dir() and p.name not in later
             for arg in ("--load-model", p.name)]
     proc = start_server(model_repository, log_path, [

@@ -6,11 +6,13 @@ from pathlib import Path
 
 from onnx import TensorProto, helper
 
+from backend_models import write_backend_test_models
 from ensemble_models import write_ensemble_models
 from python_models import write_python_models
 from schedule_models import write_schedule_models
 from sequence_models import write_sequence_test_models
 from torchscript_models import write_torchscript_models
+from rayinfer.cluster.example_backends import write_backend_examples
 from rayinfer.cluster.example_repository import add_sub_model, finish_onnx, write_example_repository, write_model
 
 ADD_SUB_IO = """input [
@@ -136,4 +138,6 @@ def build_test_repository(root: Path) -> Path:
     write_ensemble_models(root)
     write_schedule_models(root)
     write_sequence_test_models(root)
+    write_backend_examples(root)
+    write_backend_test_models(root)
     return root

@@ -69,3 +69,18 @@ def test_perf_analyzer_with_the_tuning_flags_of_the_design_documents(server, tmp
     # (perf_analyzer prints the rate as "40" or, in some runs, "40.00")
     rates = re.findall(r"Request Rate: (\d+(?:\.\d+)?), throughput: ([0-9.]+) infer/sec", result.stdout)
     assert [float(rate) for rate, _ in rates] == [40, 80] and all(float(t) > 0 for _, t in rates), result.stdout[-2000:]
+
+
+@pytest.mark.parametrize("model, protocol", [("fil_forest", "grpc"), ("mlp_openvino", "http"), ("tf_mlp", "grpc")])
+def test_perf_analyzer_runs_against_each_cpu_backend(server, model, protocol):
+    pytest.importorskip({"fil_forest": "xgboost", "mlp_openvino": "openvino", "tf_mlp": "tensorflow"}[model],
+                        reason="needs the model's extra")
+    url = server["url"] if protocol == "http" else server["grpc_url"]
+    result = subprocess.run(
+        [str(PERF_ANALYZER), "-m", model, "-u", url, "-i", protocol, "--concurrency-range", "4:4",
+         "--measurement-interval", "1000", "--max-trials", "10", "--stability-percentage", "1000"],
+        capture_output=True, text=True, timeout=180,
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    match = re.search(r"Concurrency: 4, throughput: ([0-9.]+) infer/sec", result.stdout)
+    assert match and float(match.group(1)) > 0, result.stdout[-2000:]

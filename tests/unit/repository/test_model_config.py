@@ -82,6 +82,12 @@ def test_read_config_parse_error_names_the_file(tmp_path: Path, text: str) -> No
         ('platform: "tensorrt_plan"', "tensorrt_plan", "tensorrt", "model.plan"),
         ('backend: "python"', "", "python", "model.py"),
         ('platform: "onnxruntime_onnx" default_model_filename: "x.onnx"', "onnxruntime_onnx", "onnxruntime", "x.onnx"),
+        ('platform: "tensorflow_savedmodel"', "tensorflow_savedmodel", "tensorflow", "model.savedmodel"),
+        ('platform: "tensorflow_graphdef"', "tensorflow_graphdef", "tensorflow", "model.graphdef"),
+        ('backend: "openvino"', "", "openvino", "model.xml"),
+        ('backend: "fil"', "", "fil", "xgboost.model"),
+        ('backend: "fil" parameters { key: "model_type" value: { string_value: "lightgbm" } }', "", "fil", "model.txt"),
+        ('backend: "fil" parameters { key: "model_type" value: { string_value: "xgboost_ubj" } }', "", "fil", "xgboost.ubj"),
     ],
 )
 def test_resolve_backend_from_each_other(tmp_path: Path, text: str, platform: str, backend: str, filename: str) -> None:
@@ -96,6 +102,16 @@ def test_resolve_backend_inferred_from_model_file(tmp_path: Path) -> None:
     resolve_backend(config, model_dir)
     assert (config.platform, config.backend) == ("onnxruntime_onnx", "onnxruntime")
     assert config.default_model_filename == "model.onnx"
+
+
+def test_resolve_backend_tells_tensorflow_platforms_from_the_files(tmp_path: Path) -> None:
+    for files, platform in ((("1/model.savedmodel/saved_model.pb",), "tensorflow_savedmodel"),
+                            (("1/model.graphdef",), "tensorflow_graphdef")):
+        model_dir = _model_dir(tmp_path, name=platform, files=files)
+        for text in ("", 'backend: "tensorflow"'):
+            config = _config(text)
+            resolve_backend(config, model_dir)
+            assert (config.platform, config.backend) == (platform, "tensorflow")
 
 
 def test_resolve_backend_without_any_hint(tmp_path: Path) -> None:

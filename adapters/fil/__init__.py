@@ -1,0 +1,1 @@
+"""Triton's FIL backend (``backend: "fil"``): XGBoost, LightGBM and Treelite forests on the CPU."""

@@ -1,0 +1,1 @@
+"""Triton's OpenVINO backend (``backend: "openvino"``): OpenVINO IR (and ONNX) models on the CPU."""

@@ -1,0 +1,1 @@
+"""TensorFlow models (``platform: "tensorflow_savedmodel"`` and ``"tensorflow_graphdef"``)."""
