@@ -11,8 +11,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from rayinfer.protocol.dtypes import wire_to_config
 from rayinfer.protocol.errors import ModelConfigError, UnsupportedError
-from rayinfer.repository.model_config import ModelConfig
+from rayinfer.repository.model_config import ModelConfig, mc
 
 
 class ModelAdapter(Protocol):
@@ -83,6 +84,27 @@ def create_adapter(backend: str) -> ModelAdapter:
         )
     module_name, _, class_name = target.partition(":")
     return getattr(importlib.import_module(module_name), class_name)()
+
+
+def check_declared_tensors(config: ModelConfig, what: str, declared: Any,
+                           found: dict[str, tuple[str, str | None]], path: Path) -> None:
+    """The config's tensors of one kind (``what``: ``input`` or ``output``) exist in the model
+    file with the same datatype, else a load error naming the model, the tensor and the file.
+    ``found``: the model's tensors, name -> (its type as the framework writes it, the wire
+    datatype that type is, or None when Triton has none)."""
+    for tensor in declared:
+        if tensor.name not in found:
+            raise ModelConfigError(
+                f"model '{config.name}': unexpected inference {what} '{tensor.name}', "
+                f"allowed {what}s are: {', '.join(found)} ({path})"
+            )
+        shown, wire = found[tensor.name]
+        expected = mc.DataType.Name(tensor.data_type)
+        if wire is None or wire_to_config(wire) != expected:
+            raise ModelConfigError(
+                f"model '{config.name}': {what} '{tensor.name}' is {shown} in the model "
+                f"but {expected} in the config ({path})"
+            )
 
 
 def model_file(model_dir: Path, version: int, config: ModelConfig) -> Path:

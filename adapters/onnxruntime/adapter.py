@@ -8,11 +8,10 @@ from typing import Any
 
 import numpy as np
 
-from rayinfer.adapters.base import model_file
-from rayinfer.protocol.dtypes import wire_to_config
+from rayinfer.adapters.base import check_declared_tensors, model_file
 from rayinfer.protocol.errors import InternalError, InvalidArgError, ModelConfigError
 from rayinfer.repository.instance_groups import runs_on_gpu
-from rayinfer.repository.model_config import ModelConfig, ModelTensor, auto_complete_io, mc
+from rayinfer.repository.model_config import ModelConfig, ModelTensor, auto_complete_io
 
 logger = logging.getLogger(__name__)
 
@@ -122,21 +121,8 @@ class OnnxRuntimeAdapter:
             ("input", config.input, self._session.get_inputs()),
             ("output", config.output, self._session.get_outputs()),
         ):
-            by_name = {io.name: io for io in model_io}
-            for tensor in declared:
-                io = by_name.get(tensor.name)
-                if io is None:
-                    raise ModelConfigError(
-                        f"model '{config.name}': unexpected inference {what} '{tensor.name}', "
-                        f"allowed {what}s are: {', '.join(by_name)} ({path})"
-                    )
-                wire = _ORT_TO_WIRE.get(io.type)
-                expected = mc.DataType.Name(tensor.data_type)
-                if wire is None or wire_to_config(wire) != expected:
-                    raise ModelConfigError(
-                        f"model '{config.name}': {what} '{tensor.name}' is {io.type} in the model "
-                        f"but {expected} in the config ({path})"
-                    )
+            check_declared_tensors(config, what, declared,
+                                   {io.name: (io.type, _ORT_TO_WIRE.get(io.type)) for io in model_io}, path)
 
     def execute(
         self, inputs: dict[str, np.ndarray], output_names: list[str], parameters: dict[str, Any]

@@ -28,10 +28,11 @@ from typing import Any
 import numpy as np
 
 from rayinfer.adapters import parameters as params
-from rayinfer.protocol.dtypes import wire_datatype, wire_to_config
+from rayinfer.adapters.base import check_declared_tensors
+from rayinfer.protocol.dtypes import wire_datatype
 from rayinfer.protocol.errors import InternalError, InvalidArgError, ModelConfigError
 from rayinfer.repository.instance_groups import runs_on_gpu
-from rayinfer.repository.model_config import ModelConfig, ModelTensor, auto_complete_io, mc
+from rayinfer.repository.model_config import ModelConfig, ModelTensor, auto_complete_io
 
 # Triton's default max_batch_size for auto-completed models that can batch.
 DEFAULT_MAX_BATCH_SIZE = 4
@@ -132,21 +133,11 @@ class OpenVinoAdapter:
     def _check_against_model(self, config: ModelConfig, model: Any, path: Path) -> None:
         """Config tensors must exist in the model, with the same datatype."""
         for what, declared, ports in (("input", config.input, model.inputs), ("output", config.output, model.outputs)):
-            by_name = {name: p for p in ports for name in p.get_names()}
-            for tensor in declared:
-                port = by_name.get(tensor.name)
-                if port is None:
-                    raise ModelConfigError(
-                        f"model '{config.name}': unexpected inference {what} '{tensor.name}', allowed {what}s "
-                        f"are: {', '.join(p.get_any_name() for p in ports)} ({path})"
-                    )
+            found = {}
+            for port in ports:
                 wire = wire_datatype(port.get_element_type().to_dtype())
-                expected = mc.DataType.Name(tensor.data_type)
-                if wire_to_config(wire) != expected:
-                    raise ModelConfigError(
-                        f"model '{config.name}': {what} '{tensor.name}' is {wire} in the model but "
-                        f"{expected} in the config ({path})"
-                    )
+                found.update({name: (wire, wire) for name in port.get_names()})
+            check_declared_tensors(config, what, declared, found, path)
 
     def _reshape(self, ov: Any, config: ModelConfig, model: Any, path: Path) -> None:
         """The input shapes the compiled model takes: the config's dims with RESHAPE_IO_LAYERS,

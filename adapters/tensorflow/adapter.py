@@ -20,10 +20,11 @@ from typing import Any
 import numpy as np
 
 from rayinfer.adapters import parameters as params
-from rayinfer.protocol.dtypes import wire_datatype, wire_to_config
+from rayinfer.adapters.base import check_declared_tensors
+from rayinfer.protocol.dtypes import wire_datatype
 from rayinfer.protocol.errors import InternalError, InvalidArgError, ModelConfigError
 from rayinfer.repository.instance_groups import runs_on_gpu
-from rayinfer.repository.model_config import ModelConfig, ModelTensor, auto_complete_io, mc
+from rayinfer.repository.model_config import ModelConfig, ModelTensor, auto_complete_io
 
 logger = logging.getLogger(__name__)
 
@@ -139,11 +140,10 @@ class TensorFlowAdapter:
 
         self._graph_inputs = {t.name: tensor("input", t.name) for t in config.input}
         self._graph_outputs = {t.name: tensor("output", t.name) for t in config.output}
-        for what, declared, found in (("input", config.input, self._graph_inputs),
-                                      ("output", config.output, self._graph_outputs)):
-            for t in declared:
-                wire = wire_datatype(np.dtype(found[t.name].dtype.as_numpy_dtype)) if found[t.name].dtype != tf.string else "BYTES"
-                _same_type(config, what, t, wire, path)
+        for what, declared, tensors in (("input", config.input, self._graph_inputs),
+                                        ("output", config.output, self._graph_outputs)):
+            check_declared_tensors(config, what, declared,
+                                   {n: (_wire(t.dtype), _wire(t.dtype)) for n, t in tensors.items()}, path)
         self._session = tf.compat.v1.Session(graph=graph)
 
     def execute(
@@ -180,21 +180,8 @@ def _wire(dtype: Any) -> str:
 
 def _check(config: ModelConfig, what: str, specs: dict[str, Any], path: Path) -> None:
     """Config tensors must be keys of the signature, with the same datatype."""
-    for t in (config.input if what == "input" else config.output):
-        if t.name not in specs:
-            raise ModelConfigError(
-                f"model '{config.name}': unexpected inference {what} '{t.name}', allowed {what}s are: "
-                f"{', '.join(specs)} ({path})"
-            )
-        _same_type(config, what, t, _wire(specs[t.name].dtype), path)
-
-
-def _same_type(config: ModelConfig, what: str, tensor: Any, wire: str, path: Path) -> None:
-    expected = mc.DataType.Name(tensor.data_type)
-    if wire_to_config(wire) != expected:
-        raise ModelConfigError(
-            f"model '{config.name}': {what} '{tensor.name}' is {wire} in the model but {expected} in the config ({path})"
-        )
+    declared = config.input if what == "input" else config.output
+    check_declared_tensors(config, what, declared, {n: (_wire(s.dtype), _wire(s.dtype)) for n, s in specs.items()}, path)
 
 
 def _numpy(value: Any) -> np.ndarray:
