@@ -204,7 +204,9 @@ def test_tritons_model_control_example(example_server, module):
 
 def test_a_model_asked_for_that_cannot_load_makes_the_server_unready(example_server):
     client = httpclient.InferenceServerClient(f"127.0.0.1:{PORT}")
-    with pytest.raises(InferenceServerException, match="failed to load .simple_sequence.: .*config.pbtxt"):
+    # (a TensorFlow GraphDef whose file is not one: the error names the file)
+    with pytest.raises(InferenceServerException,
+                       match="failed to load .simple_sequence.: failed to load GraphDef .*simple_sequence/1/model.graphdef"):
         client.load_model("simple_sequence")
     assert not client.is_server_ready()
     client.unload_model("simple_sequence")
