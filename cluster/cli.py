@@ -118,6 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("--replica-ray-metrics", type=_bool, nargs="?", const=True)
         sub.add_argument("--gpu-fraction-per-model", type=float)
         sub.add_argument("--cache-config", action="append")
+        sub.add_argument("--metrics-config", action="append")
         sub.add_argument("--trace-config", action="append")
         sub.add_argument("--http-restricted-api", action="append")
         sub.add_argument("--grpc-restricted-protocol", action="append")
@@ -147,6 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
     commands.add_parser("ray-env", help="print the Ray settings rayinfer needs, as shell exports")
     example = commands.add_parser("example-repository", help="write the example model repository")
     example.add_argument("directory", type=Path)
+    example.add_argument("--no-extras", action="store_true",
+                         help="only the models that need no extra (not the FIL, OpenVINO and TensorFlow ones)")
     return parser
 
 
@@ -191,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
 
         for path in write_example_repository(args.directory):
             print(path)
-        written, skipped = write_backend_examples(args.directory)
+        written, skipped = ([], []) if args.no_extras else write_backend_examples(args.directory)
         for path in written:
             print(path)
         for reason in skipped:

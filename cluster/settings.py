@@ -11,7 +11,7 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from rayinfer.deployments.names import DEFAULT_REPLICA_NUM_CPUS
-from rayinfer.protocol.metrics import MetricsOptions
+from rayinfer.protocol.metrics import MetricsOptions, parse_metrics_config
 from rayinfer.protocol.limits import DEFAULT_HTTP_MAX_INPUT_SIZE, DEFAULT_MAX_INFLIGHT_REQUESTS
 from rayinfer.protocol.errors import ModelConfigError
 from rayinfer.protocol.restricted_api import parse_restrictions
@@ -124,6 +124,13 @@ class ServerSettings(BaseSettings):
     allow_gpu_metrics: bool = Field(True, description="Report nv_gpu_* and nv_energy_* figures on the metrics port.")
     metrics_interval_ms: int = Field(
         2000, gt=0, description="How often CPU and GPU figures are sampled, in milliseconds."
+    )
+    metrics_config: list[str] = Field(
+        default_factory=list,
+        description="tritonserver's --metrics-config SETTING=VALUE, repeatable: summary_latencies=true adds the "
+        "nv_inference_*_summary_us latency summaries (quantiles over the last minute), summary_quantiles="
+        "Q:E,... picks their quantiles (default 0.5, 0.9, 0.95, 0.99, 0.999), counter_latencies=false drops the "
+        "nv_inference_*_duration_us counters.",
     )
     model_control_mode: Literal["none", "poll", "explicit"] = Field(
         "none",
@@ -357,6 +364,12 @@ class ServerSettings(BaseSettings):
         parse_restrictions(values, "--" + str(info.field_name).replace("_", "-"))  # ValueError naming the value
         return values
 
+    @field_validator("metrics_config")
+    @classmethod
+    def _parse_metrics_config(cls, values: list[str]) -> list[str]:
+        parse_metrics_config(values)  # ValueError naming the value
+        return values
+
     @field_validator("trace_config")
     @classmethod
     def _parse_trace_config(cls, values: list[str]) -> list[str]:
@@ -445,9 +458,10 @@ def metrics_endpoint(settings: ServerSettings) -> MetricsOptions | None:
     """The metrics port and what it samples, or None when metrics are off (port 0 as well)."""
     if not settings.allow_metrics or not settings.metrics_port:
         return None
+    summary_quantiles, counter_latencies = parse_metrics_config(settings.metrics_config)
     return MetricsOptions(
         settings.metrics_address or settings.http_address, settings.metrics_port, settings.metrics_interval_ms,
-        settings.allow_cpu_metrics, settings.allow_gpu_metrics,
+        settings.allow_cpu_metrics, settings.allow_gpu_metrics, summary_quantiles, counter_latencies,
     )
 
 

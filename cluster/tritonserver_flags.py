@@ -57,8 +57,6 @@ REFUSED_FLAGS: dict[str, str] = {
     "vertex-ai-thread-count": "the Vertex AI endpoint is not implemented",
     "vertex-ai-default-model": "the Vertex AI endpoint is not implemented",
     # Metrics and tracing
-    "metrics-config": "not implemented (no latency summaries or histograms): Ray Serve's latency histogram "
-                      "is reported with --replica-ray-metrics",
     "trace-file": _OLD_TRACE + " triton,file=PATH",
     "trace-level": _OLD_TRACE + " level=LEVEL",
     "trace-rate": _OLD_TRACE + " rate=N",

@@ -11,6 +11,7 @@ repository poller, route publishing). Its HTTP routes are in :mod:`v2_http`, its
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from typing import Any
 
@@ -122,7 +123,9 @@ class ServerDeployment:
             self._tasks.append(loop.create_task(self._publish_routes_forever()))
         self._metrics: MetricsEndpoint | None = None
         if metrics is not None:
-            self._metrics = MetricsEndpoint(self._api.render_metrics, metrics)
+            self._metrics = MetricsEndpoint(
+                functools.partial(self._api.render_metrics, summary_quantiles=metrics.summary_quantiles,
+                                  counter_latencies=metrics.counter_latencies), metrics)
             self._metrics.start()
 
     def __getattr__(self, name: str) -> Any:

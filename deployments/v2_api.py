@@ -269,9 +269,11 @@ class V2Api:
                 raise await self.unavailable_model(name, version or None)
         return [stats_to_json(r["name"], r["version"], self.statistics.merged(r["name"], r["version"])) for r in rows]
 
-    async def render_metrics(self, cpu: CpuFigures | None, gpus: tuple[GpuFigures, ...]) -> str:
+    async def render_metrics(self, cpu: CpuFigures | None, gpus: tuple[GpuFigures, ...],
+                             summary_quantiles: tuple[float, ...] = (), counter_latencies: bool = True) -> str:
         """Triton's Prometheus text for every READY model version (rendered off the event loop:
-        a few milliseconds for tens of models)."""
+        a few milliseconds for tens of models); ``summary_quantiles`` and ``counter_latencies``
+        as --metrics-config sets them."""
         figures = [
             ModelFigures(r["name"], r["version"], self.statistics.merged(r["name"], r["version"]),
                          self.statistics.pending(r["name"], r["version"]))
@@ -285,7 +287,8 @@ class V2Api:
                 used, entries = response_cache.usage(response_cache.default_root())
                 evictions = sum(f.snapshot.get("cache_evictions", 0) for f in figures)
                 cache = CacheFigures(self.cache_size_bytes, used, entries, evictions)
-            return render(figures, cpu, gpus, extra=[custom], cache=cache)
+            return render(figures, cpu, gpus, extra=[custom], cache=cache, summary_quantiles=summary_quantiles,
+                          counter_latencies=counter_latencies)
 
         return await asyncio.to_thread(rendered)
 

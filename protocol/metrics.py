@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import math
 import re
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +24,7 @@ from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from rayinfer.protocol.host_figures import CpuFigures, GpuFigures
+from rayinfer.protocol.latency_summary import quantiles
 
 
 _COUNTERS = (
@@ -74,16 +76,71 @@ _DURATION_OF = {
 }
 
 
+# Triton's latency summaries (--metrics-config summary_latencies=true): (family, help, summary).
+# The help texts are Triton 2.51's, word for word.
+_SUMMARIES = (
+    ("nv_inference_request_summary_us",
+     "Summary of inference request duration in microseconds (includes cached requests)", "request"),
+    ("nv_inference_queue_summary_us",
+     "Summary of inference queuing duration in microseconds (includes cached requests)", "queue"),
+    ("nv_inference_compute_input_summary_us",
+     "Cumulative compute input duration in microseconds (does not include cached requests)", "compute_input"),
+    ("nv_inference_compute_infer_summary_us",
+     "Cumulative compute inference duration in microseconds (does not include cached requests)", "compute_infer"),
+    ("nv_inference_compute_output_summary_us",
+     "Cumulative inference compute output duration in microseconds (does not include cached requests)",
+     "compute_output"),
+)
+# Triton 2.51's quantiles when summary_quantiles is not given.
+DEFAULT_QUANTILES = (0.5, 0.9, 0.95, 0.99, 0.999)
+
+
+def parse_metrics_config(values: Iterable[str]) -> tuple[tuple[float, ...], bool]:
+    """tritonserver's ``--metrics-config SETTING=VALUE`` values: (the summaries' quantiles, empty
+    when summary_latencies is off; whether the latency counters are reported). ValueError names a
+    value that is not understood."""
+    summaries, counters = False, True
+    wanted: tuple[float, ...] = DEFAULT_QUANTILES
+    for value in values:
+        key, sep, setting = value.partition("=")
+        if not sep:
+            raise ValueError(f"--metrics-config takes SETTING=VALUE, got '{value}'")
+        key, setting = key.strip(), setting.strip().lower()
+        if key in ("summary_latencies", "counter_latencies"):
+            if setting not in ("true", "false"):
+                raise ValueError(f"--metrics-config {key} must be true or false, got '{setting}'")
+            if key == "summary_latencies":
+                summaries = setting == "true"
+            else:
+                counters = setting == "true"
+        elif key == "summary_quantiles":
+            # Triton's form: QUANTILE:ERROR pairs, comma-separated (the error bound is met here
+            # by the buckets' 1% precision).
+            try:
+                wanted = tuple(sorted({float(pair.split(":")[0]) for pair in setting.split(",") if pair}))
+            except ValueError:
+                raise ValueError(f"--metrics-config summary_quantiles takes QUANTILE:ERROR,..., got '{setting}'") from None
+            if not wanted or not all(0.0 <= q <= 1.0 for q in wanted):
+                raise ValueError(f"--metrics-config summary_quantiles must lie between 0 and 1, got '{setting}'")
+        else:
+            raise ValueError(f"--metrics-config setting '{key}' is not supported (summary_latencies, "
+                             "summary_quantiles, counter_latencies are)")
+    return (wanted if summaries else ()), counters
+
+
 @dataclass(frozen=True)
 class MetricsOptions:
-    """Where Triton's metrics port listens and what it samples (tritonserver's ``--metrics-*``,
-    ``--allow-cpu-metrics`` and ``--allow-gpu-metrics``)."""
+    """Where Triton's metrics port listens and what it samples and reports (tritonserver's
+    ``--metrics-*``, ``--allow-cpu-metrics`` and ``--allow-gpu-metrics``)."""
 
     address: str
     port: int
     interval_ms: int = 2000
     cpu: bool = True
     gpu: bool = True
+    # --metrics-config: the latency summaries' quantiles (empty: no summaries), the latency counters.
+    summary_quantiles: tuple[float, ...] = ()
+    counter_latencies: bool = True
 
     def __post_init__(self) -> None:
         if self.interval_ms <= 0:
@@ -146,11 +203,15 @@ class TritonCollector:
     """
 
     def __init__(self, models: Sequence[ModelFigures], cpu: CpuFigures | None, gpus: Sequence[GpuFigures] = (),
-                 cache: CacheFigures | None = None) -> None:
+                 cache: CacheFigures | None = None, summary_quantiles: tuple[float, ...] = (),
+                 counter_latencies: bool = True, now_s: float | None = None) -> None:
         self._models = models
         self._cpu = cpu
         self._gpus = gpus
         self._cache = cache
+        self._quantiles = summary_quantiles
+        self._counter_latencies = counter_latencies
+        self._now_s = now_s
 
     def describe(self) -> Iterator[Metric]:
         """The families ``collect`` yields, so a registry refuses an extra collector that clashes with them."""
@@ -164,6 +225,8 @@ class TritonCollector:
 
     def _model_families(self) -> Iterator[Metric]:
         for metric, help_text in _COUNTERS:
+            if metric in _DURATION_OF and not self._counter_latencies:
+                continue
             family = Metric(metric, help_text, "counter")
             for m in self._models:
                 if metric == "nv_inference_request_failure":
@@ -176,6 +239,7 @@ class TritonCollector:
                     continue
                 family.add_sample(metric, {"model": m.name, "version": m.version}, _counter_value(metric, m.snapshot))
             yield family
+        yield from self._summary_families()
         pending = GaugeMetricFamily(*_PENDING, labels=("model", "version"))
         for m in self._models:
             pending.add_metric((m.name, m.version), m.pending)
@@ -186,6 +250,26 @@ class TritonCollector:
             for m in cached:
                 count, ns = m.snapshot["durations"].get(key, (0, 0))
                 family.add_sample(metric, {"model": m.name, "version": m.version}, ns // 1000 if field else count)
+            yield family
+
+    def _summary_families(self) -> Iterator[Metric]:
+        """Triton's latency summaries: cumulative count and sum, and quantiles over the last
+        minute (:mod:`rayinfer.protocol.latency_summary`), per model version."""
+        if not self._quantiles:
+            return
+        now = time.time() if self._now_s is None else self._now_s
+        for metric, help_text, key in _SUMMARIES:
+            family = Metric(metric, help_text, "summary")
+            for m in self._models:
+                summary = m.snapshot.get("summaries", {}).get(key)
+                if summary is None:
+                    continue
+                labels = {"model": m.name, "version": m.version}
+                family.add_sample(metric + "_count", labels, summary["count"])
+                family.add_sample(metric + "_sum", labels, round(summary["sum_us"]))
+                for q, value in quantiles(summary, self._quantiles, now).items():
+                    family.add_sample(metric, {**labels, "quantile": _number(q)},
+                                      value if math.isnan(value) else round(value))
             yield family
 
     def _cache_families(self) -> Iterator[Metric]:
@@ -230,6 +314,8 @@ def render(
     *,
     extra: Iterable[Collector] = (),
     cache: CacheFigures | None = None,
+    summary_quantiles: tuple[float, ...] = (),
+    counter_latencies: bool = True,
 ) -> str:
     """The Prometheus text exposition Triton serves on its metrics port, followed by the families
     of ``extra`` prometheus_client collectors (a Python backend's custom metrics, for instance).
@@ -238,7 +324,7 @@ def render(
     describes itself and clashes with Triton's names raises ``ValueError``.
     """
     registry = CollectorRegistry()
-    registry.register(TritonCollector(models, cpu, gpus, cache))
+    registry.register(TritonCollector(models, cpu, gpus, cache, summary_quantiles, counter_latencies))
     for collector in extra:
         registry.register(collector)
     return _classic_text(registry.collect())
@@ -296,7 +382,9 @@ def _classic_text(families: Iterable[Metric]) -> str:
         for sample in family.samples:
             line = names[sample.name]
             if sample.labels:
-                line += f"{{{','.join([labels[label] for label in sorted(sample.labels.items())])}}}"
+                # Label names sorted (Triton's order), a summary's quantile last, as Triton writes it.
+                ordered = sorted(sample.labels.items(), key=lambda label: (label[0] == "quantile", label[0]))
+                line += f"{{{','.join([labels[label] for label in ordered])}}}"
             line = f"{line} {_number(sample.value)}"
             if sample.timestamp is not None:
                 line += f" {int(float(sample.timestamp) * 1000):d}"

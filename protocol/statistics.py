@@ -6,9 +6,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from rayinfer.protocol.latency_summary import LatencySummary, merge_summaries
+
 _DURATIONS = ("success", "fail", "queue", "compute_input", "compute_infer", "compute_output", "cache_hit",
               "cache_miss")
 _BATCH_DURATIONS = ("compute_input", "compute_infer", "compute_output")
+# The durations kept as latency summaries too (Triton's nv_inference_*_summary_us), per request.
+SUMMARIES = ("request", "queue", "compute_input", "compute_infer", "compute_output")
 
 
 @dataclass
@@ -25,11 +29,16 @@ class ModelStatistics:
     batch_stats: dict[int, dict[str, list[int]]] = field(default_factory=dict)
     # Failures other than the model's own (Triton's REJECTED, CANCELED, OTHER), by reason.
     failure_reasons: dict[str, int] = field(default_factory=dict)
+    # Each successful request's durations, for quantiles (cached requests count in request and queue).
+    summaries: dict[str, LatencySummary] = field(default_factory=lambda: {k: LatencySummary() for k in SUMMARIES})
 
     def record_success(self, request_ns: int, queue_ns: int) -> None:
         self._add("success", request_ns)
         self._add("queue", queue_ns)
-        self.last_inference_ms = int(time.time() * 1000)
+        now = time.time()
+        self.last_inference_ms = int(now * 1000)
+        self.summaries["request"].record(request_ns / 1000, now)
+        self.summaries["queue"].record(queue_ns / 1000, now)
 
     def record_failure(self, request_ns: int, reason: str = "BACKEND") -> None:
         """A failed request; ``reason`` as the failure metric labels it (BACKEND: the model's)."""
@@ -45,6 +54,7 @@ class ModelStatistics:
         self.execution_count += 1
         self.inference_count += rows
         per_batch = self.batch_stats.setdefault(rows, {k: [0, 0] for k in _BATCH_DURATIONS})
+        now = time.time()
         for key, ns in (("compute_input", input_ns), ("compute_infer", infer_ns), ("compute_output", output_ns)):
             # Each request in the execution is charged the execution's time, as Triton does.
             pair = self.durations[key]
@@ -52,6 +62,7 @@ class ModelStatistics:
             pair[1] += ns * requests
             per_batch[key][0] += 1
             per_batch[key][1] += ns
+            self.summaries[key].record(ns / 1000, now, requests)
 
     def record_cache_hit(self, request_ns: int, lookup_ns: int) -> None:
         """A request answered from the response cache: a success with no execution."""
@@ -76,6 +87,7 @@ class ModelStatistics:
             "durations": {k: list(v) for k, v in self.durations.items()},
             "batch_stats": {b: {k: list(v) for k, v in d.items()} for b, d in self.batch_stats.items()},
             "failure_reasons": dict(self.failure_reasons),
+            "summaries": {k: v.snapshot() for k, v in self.summaries.items()},
         }
 
 
@@ -99,6 +111,9 @@ def merge_snapshots(snapshots: list[dict[str, Any]]) -> dict[str, Any]:
             for key, (count, ns) in per.items():
                 dest[key][0] += count
                 dest[key][1] += ns
+    for key in SUMMARIES:
+        total["summaries"][key] = merge_summaries(
+            [total["summaries"][key], *(snap["summaries"][key] for snap in snapshots if "summaries" in snap)])
     return total
 
 

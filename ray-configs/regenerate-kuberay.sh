@@ -11,7 +11,7 @@ rayinfer=${RAYINFER:-.venv/bin/rayinfer}
 for name in $(env | sed -n 's/^\(RAYINFER_[A-Za-z0-9_]*\)=.*/\1/p'); do unset "$name"; done
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-"$rayinfer" example-repository "$work/models" > /dev/null
+"$rayinfer" example-repository --no-extras "$work/models" > /dev/null
 manifest=ray-configs/kuberay-rayservice.yaml
 {
     sed '/^  serveConfigV2: |$/q' "$manifest"

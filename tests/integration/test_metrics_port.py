@@ -119,6 +119,23 @@ def test_metrics_agree_with_the_statistics_extension(server, client):
     assert model_value(samples, "nv_inference_queue_duration_us", "nobatch") == stats["inference_stats"]["queue"]["ns"] // 1000
 
 
+def test_latency_summaries_follow_the_requests(server, client):
+    """The session server runs with --metrics-config summary_latencies=true: Triton's summaries,
+    their count equal to the successes and their quantiles in the range of the request times."""
+    for _ in range(5):
+        add_sub(client, "nobatch", 0)
+    stats = client.get_inference_statistics("nobatch", "1")["model_stats"][0]["inference_stats"]
+    successes = stats["success"]["count"]
+    samples = wait_for(server["metrics_url"], "nobatch", "nv_inference_request_summary_us_count", successes)
+    assert model_value(samples, "nv_inference_request_summary_us_count", "nobatch") == successes
+    median = model_value(samples, "nv_inference_request_summary_us", "nobatch", quantile="0.5")
+    slowest = model_value(samples, "nv_inference_request_summary_us", "nobatch", quantile="0.999")
+    assert 0 < median <= slowest
+    assert model_value(samples, "nv_inference_compute_infer_summary_us_count", "nobatch") >= 5
+    for quantile in ("0.5", "0.9", "0.95", "0.99", "0.999"):
+        assert model_value(samples, "nv_inference_queue_summary_us", "nobatch", quantile=quantile) >= 0
+
+
 def test_model_replicas_report_none_of_rays_own_metrics(server):
     """Ray keeps the metric series of a process after it exits, so every reload would leave a
     model replica's (about 80) in Ray's processes: model replicas run with Ray's metrics off
