@@ -107,6 +107,16 @@ def check_declared_tensors(config: ModelConfig, what: str, declared: Any,
             )
 
 
+def error_line(exc: BaseException, skip: tuple[str, ...] = ()) -> str:
+    """The line of a framework's error that says what went wrong: its first non-empty line that
+    does not start with one of ``skip`` (a source location some frameworks put first)."""
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    for line in lines:
+        if not line.startswith(skip):
+            return line
+    return lines[-1] if lines else type(exc).__name__
+
+
 def model_file(model_dir: Path, version: int, config: ModelConfig) -> Path:
     """Path of the version's model file, raising an error that names the missing file."""
     path = model_dir / str(version) / config.default_model_filename

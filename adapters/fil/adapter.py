@@ -14,9 +14,10 @@ values (XGBoost and LightGBM forests). The config's ``parameters``:
 - ``threshold`` (default 0.5): a binary classifier's cut-off for class 1.
 - ``cpu_nthread`` (default: the replica's OpenMP limit, which Ray sets from its CPUs, else every
   core): threads per prediction.
+- ``xgboost_allow_unknown_field`` (default false): an XGBoost JSON file's unknown keys are ignored.
 - ``storage_type``, ``algo``, ``threads_per_tree``, ``blocks_per_sm``, ``transfer_threshold``,
-  ``use_experimental_optimizations``, ``xgboost_allow_unknown_field``, ``layout``,
-  ``chunk_size``: RAPIDS FIL's tuning, which changes no answer; checked and accepted.
+  ``use_experimental_optimizations``, ``layout``, ``chunk_size``: RAPIDS FIL's tuning, which
+  changes no answer; checked and accepted.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from rayinfer.adapters import parameters as params
+from rayinfer.adapters.base import model_file
 from rayinfer.adapters.fil.forest import Forest, load_forest
 from rayinfer.protocol.errors import InternalError, ModelConfigError
 from rayinfer.repository.instance_groups import runs_on_gpu
@@ -47,7 +49,7 @@ _TUNING = {
     "layout": ("depth_first", "breadth_first", "layered"),
 }
 _TUNING_COUNTS = ("threads_per_tree", "blocks_per_sm", "transfer_threshold", "chunk_size")
-_TUNING_FLAGS = ("use_experimental_optimizations", "xgboost_allow_unknown_field")
+_TUNING_FLAGS = ("use_experimental_optimizations",)
 
 
 class FilAdapter:
@@ -73,9 +75,7 @@ class FilAdapter:
             params.integer(config, key, 0)
         for key in _TUNING_FLAGS:
             params.flag(config, key, False)
-        path = model_dir / str(version) / (config.default_model_filename or FIL_MODEL_FILES[model_type])
-        if not path.is_file():
-            raise ModelConfigError(f"model file not found: {path}")
+        path = model_file(model_dir, version, config)  # named by model_type when the config names none
         self._forest = load_forest(path, model_type, threads, runs_on_gpu(config), config.name,
                                    params.flag(config, "xgboost_allow_unknown_field", False))
         probe = self._forest.predict(np.zeros((1, self._forest.num_features), dtype=np.float32))

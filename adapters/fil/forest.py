@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from rayinfer.adapters.base import error_line
 from rayinfer.protocol.errors import ModelConfigError
 
 logger = logging.getLogger(__name__)
@@ -41,8 +42,8 @@ class Forest:
     library: str = ""
 
     def predict(self, x: np.ndarray) -> np.ndarray:
-        small = self.predict_small is not None and x.shape[0] < SMALL_BATCH_ROWS
-        out = (self.predict_small if small and self.predict_small is not None else self.predict_large)(x)
+        small = self.predict_small if x.shape[0] < SMALL_BATCH_ROWS else None
+        out = (small or self.predict_large)(x)
         out = np.asarray(out, dtype=np.float32).reshape(x.shape[0], -1)
         return out[:, 0] if out.shape[1] == 1 else out
 
@@ -67,12 +68,7 @@ def load_forest(path: Path, model_type: str, threads: int, on_gpu: bool, model: 
     except ModelConfigError:
         raise
     except Exception as exc:  # the frameworks raise their own untyped errors
-        raise ModelConfigError(f"failed to load {model_type} model {path}: {_reason(exc)}") from None
-
-
-def _reason(exc: BaseException) -> str:
-    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
-    return lines[0] if lines else type(exc).__name__
+        raise ModelConfigError(f"failed to load {model_type} model {path}: {error_line(exc)}") from None
 
 
 def _optional(name: str) -> Any:
@@ -122,8 +118,8 @@ def _xgboost(path: Path, model_type: str, threads: int, on_gpu: bool, model: str
     if on_gpu:
         if not xgb.build_info().get("USE_CUDA"):
             raise ModelConfigError(
-                f"model '{model}' has GPU instances, but this xgboost has no CUDA support: "
-                "install rayinfer with the gpu extra (pip install 'rayinfer[gpu]')"
+                f"model '{model}' has GPU instances, but this xgboost has no CUDA support: install the "
+                "xgboost package (its CUDA build) in place of xgboost-cpu"
             )
         booster.set_param({"device": "cuda"})
 

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from rayinfer.adapters import parameters as params
-from rayinfer.adapters.base import check_declared_tensors
+from rayinfer.adapters.base import check_declared_tensors, error_line, model_file
 from rayinfer.protocol.dtypes import wire_datatype
 from rayinfer.protocol.errors import InternalError, InvalidArgError, ModelConfigError
 from rayinfer.repository.instance_groups import runs_on_gpu
@@ -89,9 +89,7 @@ class OpenVinoAdapter:
     def load(self, model_dir: Path, version: int, config: ModelConfig, auto_complete: bool) -> None:
         ov = _import_openvino(config.name)
         self._model = config.name
-        path = model_dir / str(version) / config.default_model_filename
-        if not path.exists():
-            raise ModelConfigError(f"model file not found: {path}")
+        path = model_file(model_dir, version, config)
         core = ov.Core()
         extension = params.text(config, "CPU_EXTENSION_PATH")
         try:
@@ -202,8 +200,5 @@ class OpenVinoAdapter:
 
 
 def _reason(exc: BaseException) -> str:
-    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
-    for line in lines:  # OpenVINO's messages start with the source location of the check
-        if not line.startswith(("Exception from", "Check '")):
-            return line
-    return lines[-1] if lines else type(exc).__name__
+    """OpenVINO's message without the source location of the check it starts with."""
+    return error_line(exc, skip=("Exception from", "Check '"))

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from rayinfer.adapters import parameters as params
-from rayinfer.adapters.base import check_declared_tensors
+from rayinfer.adapters.base import check_declared_tensors, error_line, model_file
 from rayinfer.protocol.dtypes import wire_datatype
 from rayinfer.protocol.errors import InternalError, InvalidArgError, ModelConfigError
 from rayinfer.repository.instance_groups import runs_on_gpu
@@ -44,11 +44,6 @@ def _import_tensorflow(model: str) -> Any:
     return tf
 
 
-def _reason(exc: BaseException) -> str:
-    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
-    return lines[0] if lines else type(exc).__name__
-
-
 class TensorFlowAdapter:
     """Runs a SavedModel signature (eagerly, as a concrete function) or a frozen GraphDef (in a
     ``tf.compat.v1.Session``)."""
@@ -64,9 +59,7 @@ class TensorFlowAdapter:
 
     def load(self, model_dir: Path, version: int, config: ModelConfig, auto_complete: bool) -> None:
         tf = self._tf = _import_tensorflow(config.name)
-        path = model_dir / str(version) / config.default_model_filename
-        if not path.exists():
-            raise ModelConfigError(f"model file not found: {path}")
+        path = model_file(model_dir, version, config)
         self._threads(tf, config)
         if runs_on_gpu(config):
             if not tf.config.list_physical_devices("GPU"):
@@ -88,8 +81,9 @@ class TensorFlowAdapter:
                 tf.config.threading.set_intra_op_parallelism_threads(intra)
             if inter:
                 tf.config.threading.set_inter_op_parallelism_threads(inter)
-        except RuntimeError:  # already set in this process (a reload): the first setting stays
-            pass
+        except RuntimeError:  # TensorFlow allows it once per process, before its first op
+            logger.info("model '%s': TensorFlow's thread pools were set in this process already; "
+                        "TF_NUM_INTRA_THREADS / TF_NUM_INTER_THREADS keep their first values", config.name)
 
     def _load_savedmodel(self, tf: Any, path: Path, config: ModelConfig, auto_complete: bool) -> None:
         tag = params.text(config, "TF_GRAPH_TAG", "serve")
@@ -97,7 +91,7 @@ class TensorFlowAdapter:
         try:
             self._saved = tf.saved_model.load(str(path), tags=[tag])
         except Exception as exc:  # TensorFlow raises its own untyped errors
-            raise ModelConfigError(f"failed to load SavedModel {path} (tag '{tag}'): {_reason(exc)}") from None
+            raise ModelConfigError(f"failed to load SavedModel {path} (tag '{tag}'): {error_line(exc)}") from None
         signatures = dict(self._saved.signatures)
         if key not in signatures:
             raise ModelConfigError(
@@ -123,7 +117,7 @@ class TensorFlowAdapter:
             with graph.as_default():
                 tf.compat.v1.import_graph_def(graph_def, name="")
         except Exception as exc:
-            raise ModelConfigError(f"failed to load GraphDef {path}: {_reason(exc)}") from None
+            raise ModelConfigError(f"failed to load GraphDef {path}: {error_line(exc)}") from None
         if not config.input or not config.output:
             raise ModelConfigError(
                 f"model '{config.name}': a GraphDef model's config must declare its inputs and outputs ({path})"
@@ -159,9 +153,9 @@ class TensorFlowAdapter:
                 results = self._signature(**{n: tf.constant(a) for n, a in inputs.items()})
             return {n: _numpy(results[n].numpy()) for n in output_names}
         except (tf.errors.InvalidArgumentError, ValueError, TypeError) as exc:
-            raise InvalidArgError(f"TensorFlow rejected the request: {_reason(exc)}") from None
+            raise InvalidArgError(f"TensorFlow rejected the request: {error_line(exc)}") from None
         except Exception as exc:
-            raise InternalError(f"TensorFlow execution failed: {_reason(exc)}") from None
+            raise InternalError(f"TensorFlow execution failed: {error_line(exc)}") from None
 
     def unload(self) -> None:
         if self._session is not None:
