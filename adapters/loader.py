@@ -19,19 +19,20 @@ logger = logging.getLogger(__name__)
 
 def load_runner(
     repository: Path, model_name: str, version: int, auto_complete: bool = True,
-    config_override: str | None = None, on_gpu: bool = False,
+    config_override: str | None = None, on_gpu: bool = False, any_version: bool = False,
 ) -> tuple[ModelRunner, ModelEntry]:
     """Read the model's config, load ``version`` with its backend and return the runner.
 
     ``on_gpu``: the replica has a GPU; its KIND_AUTO / KIND_GPU instance groups become GPU
     instances (else CPU ones) before the backend loads. Raises :class:`ModelConfigError` (naming
-    the file) if the config or model file is broken.
+    the file) if the config or model file is broken. ``any_version``: ``version`` may be one the
+    version policy does not select (a rollout's stable version, kept beside the new one).
     """
     model_dir = Path(repository) / model_name
     entry = scan_model(model_dir, config_override)
     if entry.error is not None or entry.config is None:
         raise ModelConfigError(entry.error or f"{model_dir}: cannot be read")
-    if version not in entry.versions:
+    if version not in entry.versions and not (any_version and (model_dir / str(version)).is_dir()):
         raise ModelConfigError(
             f"{model_dir}: version {version} is not served by the version policy "
             f"(serving {entry.versions})"

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from rayinfer.cluster.rollout_cli import add_rollout_parser, run_rollout
 from rayinfer.cluster.settings import (
     RAY_ENVIRONMENT,
     ServerSettings,
@@ -146,6 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
                              help="write the model repository relative to the current directory")
         add_unsupported_flags(sub)
     commands.add_parser("ray-env", help="print the Ray settings rayinfer needs, as shell exports")
+    add_rollout_parser(commands)
     example = commands.add_parser("example-repository", help="write the example model repository")
     example.add_argument("directory", type=Path)
     example.add_argument("--no-extras", action="store_true",
@@ -200,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
         for reason in skipped:
             print(f"skipped {reason}", file=sys.stderr)
         return 0
+    if args.command == "rollout":
+        return run_rollout(args)
     if args.command == "ray-env":
         print("export " + " ".join(f"{key}={value}" for key, value in RAY_ENVIRONMENT.items()))
         return 0

@@ -197,9 +197,11 @@ def model_application(
         # A per-request access log line costs more than the request's own decoding.
         logging_config=LoggingConfig(enable_access_log=False, log_level=log_level),
     )
+    # A version the policy does not select is served only while a rollout keeps it.
+    any_version = int(version) not in entry.versions
     return deployment.bind(str(model_repository), model, int(version), auto_complete, config_override,
                            cache_size_bytes, max_input_size, log_settings or None,
-                           {"http": list(http_restricted or ()), "grpc": list(grpc_restricted or ())})
+                           {"http": list(http_restricted or ()), "grpc": list(grpc_restricted or ())}, any_version)
 
 
 def deploy_models(
@@ -283,7 +285,7 @@ def trial_load(model_repository: str, versions: list[tuple[str, int, bool]], con
 
     def load(repository: str, model: str, version: int) -> None:
         runner, _ = load_runner(local_repository(repository, [model]), model, version, control.auto_complete,
-                                config_override)
+                                config_override, any_version=True)
         runner.adapter.unload()
 
     # On this node: a load request's files are in a temporary directory here.
@@ -357,6 +359,9 @@ class ServeDeployer:
             if name not in wanted:
                 serve.delete(name, _blocking=False)
         return failures.get(model)
+
+    def remove_version(self, model: str, version: int) -> None:
+        serve.delete(model_app_name(model, version, False), _blocking=False)
 
     def remove(self, model: str) -> None:
         names = model_apps(model, serve_applications())

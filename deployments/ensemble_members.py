@@ -32,6 +32,7 @@ from rayinfer.repository.ensemble import check_members, decoupled_members, parse
 from rayinfer.repository.model_config import CONFIG_FILENAME, ModelConfig, ModelSpec, spec_from_config
 from rayinfer.repository.scanner import scan_model
 from rayinfer.serving.ensemble import EnsembleExecutor
+from rayinfer.serving.version_split import VersionSplit, pick_version
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +51,8 @@ class EnsembleMembers:
         # (model, version) -> (when read, (application, deployment), its replicas' listeners)
         self._targets: dict[tuple[str, str], tuple[float, tuple[str, str], list[tuple[str, int]]]] = {}
         self._handles: dict[tuple[str, str], Any] = {}
+        # model -> (when read, its rollout's split of version-less steps, or None)
+        self._splits: dict[str, tuple[float, VersionSplit | None]] = {}
         self._server: Any = None
         self._client = ListenerClient(headers)
         # The members this replica runs itself (parameter steps_in_place), when it does.
@@ -58,7 +61,7 @@ class EnsembleMembers:
     async def call(self, request: InferRequest) -> InferResponse:
         """One step: the member's response, or its error (raised). It goes to a replica's listener
         (one hop, as a client's request from the front), or by handle when none is registered."""
-        key = (request.model_name, request.model_version)
+        key = (request.model_name, request.model_version or await self._split_version(request.model_name))
         target = self._targets.get(key)
         if target is None or time.monotonic() - target[0] >= _ROUTE_TTL_S:
             app, deployment, listeners = await self._server_handle().member_listeners.remote(*key)
@@ -78,6 +81,15 @@ class EnsembleMembers:
                 self._client.forget(address)
                 self._targets.pop(key, None)
         return await self._handle(target[1]).bls_infer.remote(request)
+
+    async def _split_version(self, model: str) -> str:
+        """The version a version-less step to ``model`` goes to: one picked by its rollout's
+        split, or "" (the model's default)."""
+        cached = self._splits.get(model)
+        if cached is None or time.monotonic() - cached[0] >= _ROUTE_TTL_S:
+            _, split = await self._server_handle().model_routes.remote(model, "")
+            cached = self._splits[model] = (time.monotonic(), split[0] if split is not None else None)
+        return pick_version(cached[1]) if cached[1] is not None else ""
 
     async def stream(self, request: InferRequest) -> AsyncIterator[InferResponse]:
         """A step to a decoupled member, by streaming handle: its responses as they come."""

@@ -45,7 +45,7 @@ from pathlib import Path
 
 from rayinfer.serving import front_config, front_supervisor
 from rayinfer.serving.front_config import LUA, Endpoint, TlsSettings
-from rayinfer.serving.acceptor import routes_on_disk
+from rayinfer.serving.acceptor import routes_on_disk, splits_on_disk
 from rayinfer.protocol.limits import DEFAULT_HTTP_MAX_INPUT_SIZE, DEFAULT_MAX_INFLIGHT_REQUESTS
 from rayinfer.protocol.restricted_api import Restrictions
 
@@ -91,6 +91,8 @@ class Front:
 
         self._published: dict[str, list[tuple[str, int]]] = {}
         self._sequence_keys: frozenset[str] = frozenset()
+        # The rollouts' splits: model -> (the candidate's weight, its version, the sticky header).
+        self._splits: dict[str, tuple[int, str, str]] = {}
         # After taking a running front over: until then, routes the new /v2 replica has not heard
         # of yet (its model replicas register again within a second or two) are kept.
         self._keep_routes_until = 0.0
@@ -102,6 +104,7 @@ class Front:
             self._use_folder(running)
             self._supervisor_pid = int((running / "supervisor.pid").read_text())
             self._published, self._sequence_keys = routes_on_disk(running)
+            self._splits = splits_on_disk(running)
             self._keep_routes_until = time.monotonic() + _TAKEOVER_GRACE_S
             (running / "owner").write_text(str(os.getpid()))
             logger.info("took over the running front in %s", running)
@@ -111,7 +114,7 @@ class Front:
         for address, port in self._binds:
             front_supervisor.remove_stale_fronts(address, port)
         self._use_folder(Path(tempfile.mkdtemp(prefix=front_supervisor.DIR_PREFIX)))
-        for path in (self._counts_path, self._listeners_path, self._sequences_path):
+        for path in (self._counts_path, self._listeners_path, self._sequences_path, *self._split_paths.values()):
             path.write_text("")
         (self._dir / LUA.name).write_text(LUA.read_text())
         for kind, settings in tls.items():  # the certificate and its key, readable by this user only
@@ -145,6 +148,7 @@ class Front:
         self._counts_path = folder / "replicas.map"
         self._listeners_path = folder / "listeners.map"
         self._sequences_path = folder / "sequences.map"
+        self._split_paths = {name: folder / f"{name}.map" for name in front_config.SPLIT_MAPS}
 
     @property
     def running(self) -> bool:
@@ -176,10 +180,17 @@ class Front:
         """The published versions routed by sequence slot."""
         return self._sequence_keys
 
+    @property
+    def splits(self) -> dict[str, tuple[int, str, str]]:
+        """The published splits: model -> (the candidate's weight, its version, the sticky header)."""
+        return dict(self._splits)
+
     async def publish(self, routes: dict[str, list[tuple[str, int]]],
-                      sequence_keys: frozenset[str] = frozenset()) -> None:
+                      sequence_keys: frozenset[str] = frozenset(),
+                      splits: dict[str, tuple[int, str, str]] | None = None) -> None:
         """Make ``routes`` (``<model>/<version>`` -> its replicas' listeners, or for the keys in
-        ``sequence_keys`` a listener per routing slot, in slot order) the front's routes.
+        ``sequence_keys`` a listener per routing slot, in slot order) the front's routes, and
+        ``splits`` (None: those published before) its rollouts' splits (only of routed versions).
 
         The listeners' map is replaced before the counts' map, so a call routed between the two
         commits never picks a listener that was just removed: it finds a listener that is still
@@ -190,8 +201,13 @@ class Front:
         if time.monotonic() < self._keep_routes_until:
             sequence_keys |= self._sequence_keys - set(routes)
             routes = {**self._published, **routes}
-        if routes == self._published and sequence_keys == self._sequence_keys:
+        splits = self._splits if splits is None else {
+            model: split for model, split in splits.items()
+            if route_key_is_safe(model) and route_key_is_safe(split[2] or "-") and f"{model}/{split[1]}" in routes}
+        if routes == self._published and sequence_keys == self._sequence_keys and splits == self._splits:
             return
+        if splits != self._splits:  # the weights go first when a split ends, last when one starts
+            await self._publish_splits(splits)
         # Listeners are "<host>|<port>" in the map: an IPv6 host has colons.
         listeners = {
             f"{key}/{n}": f"{host}|{port}"
@@ -205,6 +221,21 @@ class Front:
         self._published = routes
         self._sequence_keys = sequence_keys
         logger.debug("front routes: %s", routes)
+
+    async def _publish_splits(self, splits: dict[str, tuple[int, str, str]]) -> None:
+        """Replace the split maps. A call routed between two commits finds a model's old weight
+        with its old version and header, its new weight with its new ones, or no weight (the
+        stable version): the weights of models whose candidate or header change go first, and
+        come back last."""
+        weights = {model: str(weight) for model, (weight, _, _) in splits.items()}
+        unchanged = {model for model, (_, version, header) in splits.items()
+                     if self._splits.get(model, (0, None, None))[1:] == (version, header)}
+        await self._replace_map(self._split_paths["splits"], {m: w for m, w in weights.items() if m in unchanged})
+        await self._replace_map(self._split_paths["split_versions"], {m: v for m, (_, v, _) in splits.items()})
+        await self._replace_map(self._split_paths["split_headers"], {m: h for m, (_, _, h) in splits.items() if h})
+        await self._replace_map(self._split_paths["splits"], weights)
+        self._splits = splits
+        logger.info("front splits: %s", splits)
 
     async def use_v2_port(self, port: int) -> None:
         """Send the gRPC calls that are the ``/v2`` application's (streams, the repository API,

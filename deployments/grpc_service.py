@@ -245,7 +245,7 @@ class GrpcInferenceService:
         trace_context = metadata.get("traceparent")
 
         def forward(request: pb.ModelInferRequest, read: tuple[int, int]) -> AsyncIterator[Any]:
-            return self._forwarder.stream(request, trace_context, read)
+            return self._forwarder.stream(request, trace_context, read, metadata)
 
         try:
             async for response in answer_stream(requests, forward, _error_response, self._api.traces.sent,

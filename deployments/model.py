@@ -29,6 +29,7 @@ from rayinfer.adapters.python_backend import bls
 from rayinfer.deployments import asgi
 from rayinfer.deployments.autoscaling import LISTENER_ONGOING
 from rayinfer.deployments.bls_client import ReplicaBlsClient
+from rayinfer.deployments.shadow_sender import ShadowSender
 from rayinfer.deployments.ensemble_members import EnsembleMembers, load_ensemble
 from rayinfer.deployments.control_channel import SEQUENCE_SLOTS, SHM_FORGET, TRACE_SETTINGS, ControlMessage
 from rayinfer.deployments.names import SERVER_APP, SERVER_DEPLOYMENT
@@ -91,6 +92,7 @@ class ModelDeployment:
         max_input_size: int = DEFAULT_HTTP_MAX_INPUT_SIZE,
         start_log_settings: dict[str, Any] | None = None,
         restricted: dict[str, list[str]] | None = None,
+        any_version: bool = False,
     ):
         # rayinfer's and the model's lines: Triton's format, to this worker's stderr (or --log-file),
         # following the settings at start (--log-*) until the /v2 replica's current ones arrive.
@@ -102,6 +104,12 @@ class ModelDeployment:
         self._app_name = context.app_name
         # The statistics last pushed, by the key they were reported under (_reported_cores).
         self._pushed: dict[str, tuple[int, ...]] = {}
+        # Whether the version-less requests on connections given for the default version are this
+        # replica's (false while a rollout splits them, or routes them to another version).
+        self._version_less = True
+        # A rollout's shadow traffic, when this replica's version is its stable one.
+        self._shadow = ShadowSender()
+        self._shadow_reported: dict[str, int] = {}
         # An ensemble's members, as its steps reach them (None for any other model).
         self._members: EnsembleMembers | None = None
         self._server: Any = None
@@ -129,7 +137,7 @@ class ModelDeployment:
             runner, entry = await load_ensemble(repository, model_name, int(version), config_override, self._members)
         else:
             runner, entry = await asyncio.to_thread(
-                load_runner, repository, model_name, int(version), auto_complete, config_override, on_gpu
+                load_runner, repository, model_name, int(version), auto_complete, config_override, on_gpu, any_version
             )
         cache = _response_cache(repository / model_name, runner, cache_size_bytes)
         self._core = self._bls.core = ModelCore(runner, entry.versions, self._merged_statistics,
@@ -228,8 +236,9 @@ class ModelDeployment:
         connection the acceptor gave this replica for ``key`` is this replica's."""
         if model != self._core.name:
             return False
-        # The default version's requests only on a connection given for the default version.
-        return version == self._core.version if version else key.endswith("/")
+        # The default version's requests only on a connection given for the default version, and
+        # not while the model's rollout splits them (the front does, each).
+        return version == self._core.version if version else key.endswith("/") and self._version_less
 
     async def _listener_grpc(self, method: str, payload: bytes) -> bytes:
         """A model RPC the front relayed to this replica's listener."""
@@ -361,6 +370,9 @@ class ModelDeployment:
                     )
                     registered_at = time.monotonic()
                     self._listener.max_inflight = settings.get("max_inflight", self._listener.max_inflight)
+                    self._version_less = settings.get("version_less", True)
+                    shadowing = self._shadow.configure(settings.get("shadow"))
+                    self._core.on_answer = self._shadow.offer if shadowing and not self._core.decoupled else None
                     if settings.get("connection_limits") != limit_values:  # the flags, as at the last registration
                         limit_values = settings.get("connection_limits")
                         self._listener.limits = ConnectionLimits.from_values(limit_values)
@@ -372,6 +384,7 @@ class ModelDeployment:
                 except Exception as exc:  # the server app may not be deployed (yet)
                     logger.debug("could not register the listener: %s", exc)
             await asyncio.sleep(_STATS_PUSH_INTERVAL_S)
+            await self._report_shadow()
             for key, core in self._reported_cores():
                 traces = core.tracer.collect()  # an in-place member's: its steps' child traces
                 if traces:
@@ -387,6 +400,17 @@ class ModelDeployment:
                     self._pushed[key] = _change_key(snapshot)
                 except Exception as exc:  # the server app may not be deployed (yet)
                     logger.debug("could not publish statistics: %s", exc)
+
+    async def _report_shadow(self) -> None:
+        """The shadow counts, when they changed."""
+        target, counts = self._shadow.target, self._shadow.counts.as_dict()
+        if target is None or counts == self._shadow_reported:
+            return
+        try:
+            await self._server_handle().report_shadow.remote(self._replica_key, self._core.name, target["candidate"], counts)
+            self._shadow_reported = counts
+        except Exception as exc:  # the server app may be gone: the counts go with the next report
+            logger.debug("could not report shadow counts: %s", exc)
 
     def _reported_cores(self) -> list[tuple[str, ModelCore]]:
         """(key, core) of the model served here and of an ensemble's members running here,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -18,6 +18,7 @@ from rayinfer.protocol.errors import InvalidArgError, ServingError
 from rayinfer.serving.model_grpc import MODEL_RPCS
 from rayinfer.serving.protocol_stamps import StreamTrace, wall_clock_offset_ns
 from rayinfer.serving.stream_infer import Traced
+from rayinfer.serving.version_split import pick_version, sticky_value
 
 if TYPE_CHECKING:
     from rayinfer.deployments.v2_api import V2Api
@@ -32,14 +33,17 @@ class ModelForwarder:
         self._api = api
         self._handles: dict[tuple[str, str], Any] = {}
 
-    async def route(self, name: str, version: str) -> tuple[str, str] | None:
-        """(application, deployment) serving ``name`` at ``version``; Serve is read again when
-        the version is not routed yet (it may have become ready since the last read)."""
+    async def route(self, name: str, version: str, headers: dict[str, Any] | None = None) -> tuple[str, str] | None:
+        """(application, deployment) serving ``name`` at ``version`` (for a model in a rollout
+        with a sticky header, ``headers``: the call's metadata); Serve is read again when the
+        version is not routed yet (it may have become ready since the last read)."""
         state = self._api.state
-        route = state.route(name, version)
+        split = None if version else state.splits.get(name)
+        sticky = sticky_value(split, (headers or {}).items()) if split is not None else None
+        route = state.route(name, version, sticky)
         if route is None:
             await state.refresh()
-            route = state.route(name, version)
+            route = state.route(name, version, sticky)
         return route
 
     async def forward(self, method: str, name: str, version: str, request: Any) -> Any:
@@ -65,13 +69,14 @@ class ModelForwarder:
         return MODEL_RPCS[method][1].FromString(answer_bytes)
 
     async def stream(self, request: pb.ModelInferRequest, trace_context: str | None = None,
-                     read: tuple[int, int] | None = None) -> AsyncIterator[pb.ModelStreamInferResponse | Traced | ServingError]:
+                     read: tuple[int, int] | None = None, headers: dict[str, Any] | None = None,
+                     ) -> AsyncIterator[pb.ModelStreamInferResponse | Traced | ServingError]:
         """The responses of one stream request, from a replica of its model by streaming handle
-        (:func:`stream_by_handle`)."""
+        (:func:`stream_by_handle`); ``headers``: the stream's metadata."""
         name, version = request.model_name, request.model_version
         if not name:
             raise InvalidArgError("the request does not name a model")
-        route = await self.route(name, version)
+        route = await self.route(name, version, headers)
         if route is None:
             raise await self._api.unavailable_model(name, version or None)
         handle = self._handles.get(route) or self._new_handle(route)
@@ -108,21 +113,26 @@ async def stream_by_handle(handle: Any, payload: bytes, trace_context: str | Non
 
 class ModelRoutes:
     """(application, deployment) serving a model version, as the ``/v2`` replica says
-    (``ServerDeployment.model_route``: Triton's error when the version is not served), each kept
+    (``ServerDeployment.model_routes``: Triton's error when the version is not served), each kept
     for :attr:`TTL_S`: a model replica's BLS calls and stream requests look their model up here.
-    ``server``: a handle to the ``/v2`` deployment (the caller's, for the loop it routes on)."""
+    A model in a rollout's version-less requests are split here, each by itself
+    (:func:`~rayinfer.serving.version_split.pick_version`; ``headers``: the request's, for a
+    sticky split). ``server``: a handle to the ``/v2`` deployment (the caller's, for the loop it
+    routes on)."""
 
     TTL_S = 1.0
 
     def __init__(self, server: Callable[[], Any]) -> None:
         self._server = server
-        self._routes: dict[tuple[str, str], tuple[float, tuple[str, str]]] = {}
+        self._routes: dict[tuple[str, str], tuple[float, tuple[str, str], Any]] = {}
 
-    async def route(self, name: str, version: str) -> tuple[str, str]:
+    async def route(self, name: str, version: str, headers: Iterable[tuple[Any, Any]] = ()) -> tuple[str, str]:
         key = (name, version)
         cached = self._routes.get(key)
-        if cached is not None and time.monotonic() - cached[0] < self.TTL_S:
-            return cached[1]
-        app, deployment = await self._server().model_route.remote(name, version)
-        self._routes[key] = (time.monotonic(), (app, deployment))
-        return app, deployment
+        if cached is None or time.monotonic() - cached[0] >= self.TTL_S:
+            route, split = await self._server().model_routes.remote(name, version)
+            cached = self._routes[key] = (time.monotonic(), tuple(route), split)
+        _, route, split = cached
+        if split is not None and pick_version(split[0], sticky_value(split[0], headers)) == split[0].candidate:
+            return tuple(split[1])  # type: ignore[return-value]
+        return route  # type: ignore[return-value]

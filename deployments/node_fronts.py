@@ -71,9 +71,10 @@ class NodeFront:
         node_ip = ray.util.get_node_ip_address()
         self._front = Front(node_endpoint(http, own_ip, node_ip), node_endpoint(grpc, own_ip, node_ip), **options)
 
-    async def publish(self, routes: dict[str, list[tuple[str, int]]], sequence_keys: frozenset[str]) -> bool:
-        """Take ``routes``; answers whether this node's front still runs."""
-        await self._front.publish(routes, sequence_keys)
+    async def publish(self, routes: dict[str, list[tuple[str, int]]], sequence_keys: frozenset[str],
+                      splits: dict[str, tuple[int, str, str]] | None = None) -> bool:
+        """Take ``routes`` and ``splits``; answers whether this node's front still runs."""
+        await self._front.publish(routes, sequence_keys, splits)
         return self._front.running
 
     def stop(self) -> None:
@@ -121,15 +122,20 @@ class Fronts:
         """The local front only: the ``/v2`` replica's loopback port is on its machine."""
         await self.local.use_v2_port(port)
 
+    @property
+    def splits(self) -> dict[str, tuple[int, str, str]]:
+        return self.local.splits
+
     async def publish(self, routes: dict[str, list[tuple[str, int]]],
-                      sequence_keys: frozenset[str] = frozenset()) -> None:
+                      sequence_keys: frozenset[str] = frozenset(),
+                      splits: dict[str, tuple[int, str, str]] | None = None) -> None:
         """The local front's routes first, then every routing node front's (each within
         :data:`PUBLISH_TIMEOUT_S`); which nodes need a front is looked at in the background
         (Ray's node list is not read under the route table's lock)."""
-        await self.local.publish(routes, sequence_keys)
-        routes, sequence_keys = self.local.published, self.local.sequence_keys
+        await self.local.publish(routes, sequence_keys, splits)
+        routes, sequence_keys, splits = self.local.published, self.local.sequence_keys, self.local.splits
         ready = list(self._ready)
-        results = await asyncio.gather(*(self._publish_to(node, routes, sequence_keys) for node in ready))
+        results = await asyncio.gather(*(self._publish_to(node, routes, sequence_keys, splits) for node in ready))
         for node, error in zip(ready, results):
             if error is not None:
                 self._fail(node, error)
@@ -156,11 +162,11 @@ class Fronts:
                     self._failed_at[node] = now
                     self._failures[node] = self._failures.get(node, 0) + 1
 
-    async def _publish_to(self, node: str, routes: dict[str, list[tuple[str, int]]],
-                          sequence_keys: frozenset[str], timeout_s: float = PUBLISH_TIMEOUT_S) -> str | None:
+    async def _publish_to(self, node: str, routes: dict[str, list[tuple[str, int]]], sequence_keys: frozenset[str],
+                          splits: dict[str, tuple[int, str, str]], timeout_s: float = PUBLISH_TIMEOUT_S) -> str | None:
         """None once ``node``'s front took the routes, else why it did not."""
         try:
-            running = await asyncio.wait_for(self._actors[node].publish.remote(routes, sequence_keys), timeout_s)
+            running = await asyncio.wait_for(self._actors[node].publish.remote(routes, sequence_keys, splits), timeout_s)
         except Exception as exc:  # noqa: BLE001  # the actor died, its node left, or it hangs
             return f"{type(exc).__name__}: {exc}"
         return None if running else "its HAProxy has exited"
@@ -176,9 +182,9 @@ class Fronts:
         async def first_routes() -> None:
             # The routes published while it started, until it has the latest: it routes (is
             # published to with the others) only from then on.
-            sent: tuple[dict[str, list[tuple[str, int]]], frozenset[str]] | None = None
-            while (self.local.published, self.local.sequence_keys) != sent:
-                sent = (self.local.published, self.local.sequence_keys)
+            sent: tuple[dict[str, list[tuple[str, int]]], frozenset[str], dict[str, tuple[int, str, str]]] | None = None
+            while (self.local.published, self.local.sequence_keys, self.local.splits) != sent:
+                sent = (self.local.published, self.local.sequence_keys, self.local.splits)
                 error = await self._publish_to(node, *sent, timeout_s=START_TIMEOUT_S)  # the start too
                 if node not in self._starting:
                     return  # stopped meanwhile

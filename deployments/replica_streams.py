@@ -45,16 +45,16 @@ class ReplicaStreams:
         trace_context = next((value.decode("latin-1") for name, value in headers if name == TRACEPARENT), None)
 
         def forward(request: pb.ModelInferRequest, read: tuple[int, int]) -> AsyncIterator[Any]:
-            return self._forward(request, trace_context, read)
+            return self._forward(request, trace_context, read, headers)
 
         async for response in answer_stream(requests, forward, _error_response, self._sent, ends_on_error(headers)):
             yield response
 
     async def _forward(self, request: pb.ModelInferRequest, trace_context: str | None,
-                       read: tuple[int, int]) -> AsyncIterator[bytes | Traced]:
+                       read: tuple[int, int], headers: list[tuple[bytes, bytes]]) -> AsyncIterator[bytes | Traced]:
         if not request.model_name:
             raise InvalidArgError("the request does not name a model")
-        route = await self._routes.route(request.model_name, request.model_version)
+        route = await self._routes.route(request.model_name, request.model_version, headers)
         if route[1] != self._own:
             async for item in stream_by_handle(self._handle(route), request.SerializeToString(), trace_context, read):
                 yield item

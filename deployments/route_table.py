@@ -103,7 +103,8 @@ class RouteTable:
                           if key.split("/", 1)[0] not in self._withdrawn}  # models being unloaded
                 await self._tell_slots()
                 await self._front.publish(routes, frozenset(
-                    key for key, (app, _) in self._state.routes.items() if key in routes and app in self._slots))
+                    key for key, (app, _) in self._state.routes.items() if key in routes and app in self._slots),
+                    {model: split.front_entry() for model, split in self._state.splits.items()})
             except Exception:  # the front keeps its previous routes; the /v2 app forwards the rest
                 logger.exception("could not update the front's routes")
 

@@ -14,10 +14,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rayinfer.deployments.names import model_app_name, model_deployment_name
+from rayinfer.deployments.names import deployment_version, model_app_name, model_apps, model_deployment_name
 from rayinfer.deployments.serve_internals import serve_client
 from rayinfer.repository.scanner import RepositoryScan
 from rayinfer.serving.model_control import ModelController
+from rayinfer.serving.version_split import VersionSplit, pick_version
 
 _CACHE_S = 0.5
 _SERVE_STATE = {
@@ -117,6 +118,16 @@ def serve_applications() -> dict[str, ApplicationState]:
     return apps
 
 
+def deployed_versions(model: str) -> list[int]:
+    """The versions of ``model`` Serve runs now (by its deployments' names, whatever the
+    repository on disk says since), highest last."""
+    versions: set[int] = set()
+    for name, app in serve_applications().items():
+        if model_apps(model, [name]) and status_name(app.status) in ("RUNNING", "DEPLOYING"):
+            versions.update(deployment_version(d) for d in app.deployments)
+    return sorted(versions)
+
+
 def running_replicas() -> set[str]:
     """``<application>/<replica id>`` of every replica Serve reports RUNNING."""
     client = serve_client()
@@ -148,6 +159,11 @@ class ServeState:
         self.running: dict[str, int] = {}
         # Models with at least one application (served, loading or failed).
         self.deployed: set[str] = set()
+        # Set by the rollouts (deployments/rollouts.py): model -> the version its version-less
+        # requests go to instead of the highest (while routed), and the models whose
+        # version-less requests are split between two versions.
+        self.default_versions: dict[str, str] = {}
+        self.splits: dict[str, VersionSplit] = {}
 
     def invalidate(self) -> None:
         """Read Serve again on the next :meth:`refresh` (after a load, an unload, a reconfigure)."""
@@ -165,8 +181,28 @@ class ServeState:
         """Stop routing ``model`` until Serve is read again (it is being unloaded)."""
         self.routes = {k: v for k, v in self.routes.items() if not k.startswith(f"{model}/")}
 
-    def route(self, name: str, version: str) -> tuple[str, str] | None:
-        """(application, deployment) serving ``name`` at ``version`` ("" for the default)."""
+    def apply_defaults(self, models: set[str]) -> None:
+        """Point the version-less routes of ``models`` at their :attr:`default_versions` (or their
+        highest routed version) at once, without reading Serve again."""
+        routes = dict(self.routes)
+        for model in models:
+            versions = [k.split("/", 1)[1] for k in routes if k.startswith(f"{model}/") and not k.endswith("/")]
+            if not versions:
+                continue
+            wanted = self.default_versions.get(model)
+            version = wanted if wanted in versions else max(versions, key=int)
+            routes[f"{model}/"] = routes[f"{model}/{version}"]
+        self.routes = routes
+
+    def route(self, name: str, version: str, sticky: bytes | str | None = None) -> tuple[str, str] | None:
+        """(application, deployment) serving ``name`` at ``version`` ("" for the default, or for
+        a model in a rollout the version picked by its split, ``sticky``: the request's value of
+        the split's header)."""
+        split = None if version else self.splits.get(name)
+        if split is not None:
+            picked = self.routes.get(f"{name}/{pick_version(split, sticky)}")
+            if picked is not None:
+                return picked
         return self.routes.get(f"{name}/{version}")
 
     def served_versions(self, name: str) -> list[str]:
@@ -187,6 +223,8 @@ class ServeState:
                 rows.append({"name": entry.name, "state": "UNAVAILABLE", "reason": entry.error})
                 continue
             latest = max(entry.versions)
+            default = self.default_versions.get(entry.name)
+            default_version = int(default) if default is not None and int(default) in entry.versions else latest
             for version in entry.versions:
                 app_name = model_app_name(entry.name, version, version == latest)
                 app = apps.get(app_name)
@@ -220,7 +258,7 @@ class ServeState:
                         routes[f"{entry.name}/{version}"] = route
                         running[app_name] = replicas
                         row.update(state="READY", reason="")
-                        if version == latest:
+                        if version == default_version or (version == latest and f"{entry.name}/" not in routes):
                             routes[f"{entry.name}/"] = route
                 rows.append(row)
         self.rows, self.routes, self.running, self.deployed = rows, routes, running, deployed

@@ -25,6 +25,7 @@ from rayinfer.deployments.grpc_service import RPC_NAMES, GrpcInferenceService, l
 from rayinfer.deployments.metrics_endpoint import MetricsEndpoint
 from rayinfer.deployments.model_forwarder import ModelForwarder
 from rayinfer.deployments.names import SERVER_APP
+from rayinfer.deployments.rollouts import Rollouts
 from rayinfer.deployments.route_table import RouteTable
 from rayinfer.deployments.serve_state import ServeState
 from rayinfer.deployments.v2_api import V2Api
@@ -112,6 +113,8 @@ class ServerDeployment:
         if control.cache_size_bytes:  # a new server: its models may differ from the last one's
             response_cache.clear(response_cache.default_root())
             self._api.cache_size_bytes = control.cache_size_bytes
+        self._api.rollouts = Rollouts(self._api, server_id)
+        self._api.on_unload.append(self._api.rollouts.forget)
         self._forwarder = ModelForwarder(self._api)
         self._grpc = GrpcInferenceService(self._api, self._forwarder, self._restrictions)
         self._api.on_unload.append(self._forwarder.forget)
@@ -121,6 +124,7 @@ class ServerDeployment:
             self._tasks.append(loop.create_task(self._api.poll_forever(repository)))
         if self._front is not None:
             self._tasks.append(loop.create_task(self._publish_routes_forever()))
+        self._tasks.append(loop.create_task(self._api.rollouts.run_forever()))
         self._metrics: MetricsEndpoint | None = None
         if metrics is not None:
             self._metrics = MetricsEndpoint(
@@ -150,7 +154,13 @@ class ServerDeployment:
         slots' listeners."""
         routes = self._api.routes
         await routes.register(replica_key, app, host, port, sequences)
+        model = app.split("@v", 1)[0]
+        version = next((key.split("/", 1)[1] for key, (a, _) in self._api.state.routes.items()
+                        if a == app and not key.endswith("/")), "")
+        assert self._api.rollouts is not None
         return {"log": self._api.log_settings, "trace": self._api.trace_settings.as_dict(),
+                "version_less": self._api.rollouts.routes_version_less(model, version),
+                "shadow": self._api.rollouts.shadow_target(model, version),
                 "sequence_slots": routes.slot_table(app) if sequences else None, "max_inflight": self._max_inflight,
                 "connection_limits": self._connection_limits}
 
@@ -189,6 +199,24 @@ class ServerDeployment:
         if route is None and strict:
             raise await self._api.unavailable_model(name, version or None)
         return route
+
+    async def report_shadow(self, replica_key: str, model: str, candidate: str, counts: dict[str, int]) -> None:
+        """A stable version's replica's shadow counts (deployments/shadow_sender.py)."""
+        assert self._api.rollouts is not None
+        self._api.rollouts.report_shadow(replica_key, model, candidate, counts)
+
+    async def model_routes(self, name: str, version: str) -> tuple[tuple[str, str], Any]:
+        """As :meth:`model_route`, with a model in a rollout's split for version-less requests:
+        (route, None) or (the stable version's route, (split, the candidate's route))."""
+        split = None if version else self._api.state.splits.get(name)
+        if split is not None:
+            stable = await self._forwarder.route(name, split.stable)
+            candidate = await self._forwarder.route(name, split.candidate)
+            if stable is not None and candidate is not None:
+                return stable, (split, candidate)
+        route = await self.model_route(name, version)
+        assert route is not None
+        return route, None
 
     async def wait_routed(self, models: list[str]) -> None:
         """``rayinfer serve`` at start: return once the front routes the models it deployed

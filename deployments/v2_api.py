@@ -124,6 +124,9 @@ class V2Api:
         self.cache_size_bytes = 0
         # Models loaded at start that have not been deployed (or failed) yet: not ready meanwhile.
         self.startup_pending: set[str] = set()
+        # The rollouts (a rayinfer.deployments.rollouts.Rollouts, set by the /v2 replica): loads
+        # go through them.
+        self.rollouts: Any = None
 
     def set_log_settings(self, settings: dict[str, Any]) -> dict[str, Any]:
         """New log settings: applied here at once, in model replicas when they next register
@@ -280,6 +283,7 @@ class V2Api:
             for r in await self.state.refresh() if r["state"] == "READY"
         ]
         custom = CustomMetricsCollector(self.statistics.custom_metrics())
+        extra: list[Any] = [custom] if self.rollouts is None else [custom, self.rollouts]
 
         def rendered() -> str:
             cache = None
@@ -287,7 +291,7 @@ class V2Api:
                 used, entries = response_cache.usage(response_cache.default_root())
                 evictions = sum(f.snapshot.get("cache_evictions", 0) for f in figures)
                 cache = CacheFigures(self.cache_size_bytes, used, entries, evictions)
-            return render(figures, cpu, gpus, extra=[custom], cache=cache, summary_quantiles=summary_quantiles,
+            return render(figures, cpu, gpus, extra=extra, cache=cache, summary_quantiles=summary_quantiles,
                           counter_latencies=counter_latencies)
 
         return await asyncio.to_thread(rendered)
@@ -302,7 +306,7 @@ class V2Api:
         if action == "load":
             async with self._control.loading():
                 try:
-                    await asyncio.to_thread(self.controller.load, model, parameters)
+                    await self._load(model, parameters)
                 finally:
                     self.state.invalidate()
                 await self.routes.wait_routed(model)
@@ -316,6 +320,13 @@ class V2Api:
                 served = sorted(self.state.deployed)
                 members = await asyncio.to_thread(self.controller.dependents_to_unload, model, served)
                 await asyncio.gather(*(self._unload(member) for member in members))  # together
+
+    async def _load(self, model: str, parameters: dict[str, Any]) -> None:
+        """Load ``model`` (through the rollouts, which may start one for a new version)."""
+        if self.rollouts is not None:
+            await self.rollouts.load(model, parameters)
+        else:
+            await asyncio.to_thread(self.controller.load, model, parameters)
 
     async def _unload(self, model: str) -> None:
         """Take the model out of the front's routes, then remove its applications."""
@@ -345,7 +356,7 @@ class V2Api:
                     for model in to_load:
                         logger.info("poll: model '%s' is new or changed; loading it", model)
                         try:
-                            await asyncio.to_thread(self.controller.load, model, {})
+                            await self._load(model, {})
                         except ServingError as exc:
                             logger.error("poll: %s", exc.message)
                     if to_load or to_unload:

@@ -27,6 +27,8 @@ from rayinfer.protocol.shared_memory import CUDA, cuda_registration_from_json, r
 from rayinfer.serving.routes import UNROUTED_PREFIX, parse_model_route
 from rayinfer.serving.trace import parse_update
 
+from rayinfer.deployments.rollouts import ROLLOUT_ACTIONS
+
 if TYPE_CHECKING:
     from rayinfer.deployments.v2_api import V2Api
     from rayinfer.protocol.restricted_api import Restrictions
@@ -104,6 +106,24 @@ def v2_router(api: V2Api, limit: int, restrictions: tuple[Restrictions, Restrict
         await api.change_model(action, model, parameters)
         await asgi.send_empty(send, 200)
 
+    async def rollouts(scope, receive, send) -> None:
+        assert api.rollouts is not None
+        await asgi.send_json(send, 200, {"rollouts": api.rollouts.all()})
+
+    async def rollout(scope, receive, send) -> None:
+        assert api.rollouts is not None
+        model, action = scope["path_params"]["model"], scope["path_params"].get("action", "")
+        if not action:
+            if scope["method"] != "GET":
+                raise _not_found(scope)
+            await asgi.send_json(send, 200, api.rollouts.status(model))
+            return
+        if scope["method"] != "POST" or action not in ROLLOUT_ACTIONS:
+            raise _not_found(scope)
+        raw = await asgi.read_body(receive, limit)
+        doc = parse_json_body(raw, "rollout") if raw else {}
+        await asgi.send_json(send, 200, await api.rollouts.act(model, action, doc))
+
     async def model(scope, receive, send) -> None:
         route = parse_model_route(scope["path"])
         if route is None:
@@ -141,6 +161,9 @@ def v2_router(api: V2Api, limit: int, restrictions: tuple[Restrictions, Restrict
         Route("/v2/health/live", _Endpoint(live, ("GET",))),
         Route("/v2/health/ready", _Endpoint(ready, ("GET",))),
         Route("/v2/repository/index", _Endpoint(index, ("POST",))),
+        Route("/v2/repository/rollouts", _Endpoint(rollouts, ("GET",))),
+        Route("/v2/repository/models/{model}/rollout", _Endpoint(rollout, ("GET",))),
+        Route("/v2/repository/models/{model}/rollout/{action}", _Endpoint(rollout, ("POST",))),
         Route("/v2/repository/models/{model}/{action}", _Endpoint(repository_model, ("POST",))),
         Route("/v2/logging", _Endpoint(logging, ("GET", "POST"))),
         Route("/v2/trace/setting", _Endpoint(trace_setting, ("GET", "POST"))),

@@ -142,22 +142,39 @@ def routes_on_disk(folder: Path) -> tuple[dict[str, list[tuple[str, int]]], froz
     return routes, sequences
 
 
+def splits_on_disk(folder: Path) -> dict[str, tuple[int, str, str]]:
+    """The rollouts' splits the front in ``folder`` was last given: model -> (the candidate's
+    weight, its version, the sticky header or "")."""
+    def read(name: str) -> dict[str, str]:
+        path = folder / f"{name}.map"
+        lines = path.read_text().splitlines() if path.exists() else []
+        return dict(line.partition(" ")[::2] for line in lines if line)
+
+    weights, versions, headers = read("splits"), read("split_versions"), read("split_headers")
+    return {model: (int(weight), versions[model], headers.get(model, ""))
+            for model, weight in weights.items() if model in versions}
+
+
 class _Routes:
     """The front's route maps as last written to disk."""
 
     def __init__(self, folder: Path) -> None:
         self._folder = folder
-        self._paths = [folder / "replicas.map", folder / "listeners.map", folder / "sequences.map"]
+        self._paths = [folder / "replicas.map", folder / "listeners.map", folder / "sequences.map",
+                       folder / "splits.map"]
         self._stamps: list[int] = []
         self.listeners: dict[str, list[tuple[str, int]]] = {}
         self.sequences: frozenset[str] = frozenset()
+        # Models in a rollout: their version-less requests are split by the front's HAProxy.
+        self.split_models: frozenset[str] = frozenset()
 
     def refresh(self) -> None:
         """Read the maps again if they changed (three stat calls per new connection)."""
         try:
-            stamps = [path.stat().st_mtime_ns for path in self._paths]
+            stamps = [path.stat().st_mtime_ns if path.exists() else 0 for path in self._paths]
             if stamps != self._stamps:
                 self.listeners, self.sequences = routes_on_disk(self._folder)
+                self.split_models = frozenset(splits_on_disk(self._folder))
                 self._stamps = stamps
         except (OSError, ValueError):  # a map being written: the last one read stays
             return
@@ -300,8 +317,10 @@ class Acceptor:
             key = next(iter(self._routes.listeners), "")
         listeners = self._routes.listeners.get(key)
         # A sequence model's calls go to the replica of their correlation id's slot, which the
-        # front reads from each request: a connection only where one replica holds every slot.
-        if not listeners or (key in self._routes.sequences and len(listeners) > 1):
+        # front reads from each request: a connection only where one replica holds every slot. A
+        # model in a rollout's version-less calls are split between versions by the front, each.
+        if not listeners or (key in self._routes.sequences and len(listeners) > 1) \
+                or (key.endswith("/") and key[:-1] in self._routes.split_models):
             return False
         # The replicas in turn. One on another machine (no acceptor here), or one that cannot take
         # the connection, leaves it to HAProxy, which balances its requests over all replicas.

@@ -37,6 +37,8 @@ from rayinfer.serving.routes import UNROUTED_PREFIX
 
 # HAProxy's Lua fetches reading a sequence request's correlation id (copied to the front's folder).
 LUA = Path(__file__).with_name("front_sequences.lua")
+# The maps of the rollouts' splits (serving/version_split.py), each "<model> <value>".
+SPLIT_MAPS = ("splits", "split_versions", "split_headers")
 # (address, port) a front port binds to, and (host, port) of Serve's ingress behind it.
 Endpoint = tuple[str, int, str, int]
 
@@ -169,6 +171,22 @@ _PICK_REPLICA = """\
 """
 _USE_REPLICA = "    use_backend replica if { var(txn.listener) -m found }\n"
 
+# A model in a rollout (map "splits": "<model>" -> the candidate's weight in percent,
+# "split_versions": -> the candidate's version, "split_headers": -> the header whose value picks
+# the version): a {what} naming no version goes to the candidate when its bucket (CRC-32 of that
+# header's value, or chance, modulo 100) is below the weight, else on to "<model>/", the stable
+# version (serving/version_split.py picks alike for the Python paths).
+_SPLIT = """\
+    http-request set-var(txn.weight) var(txn.model),map_str_int({splits},0) if {condition}
+    http-request set-var(txn.split_header) var(txn.model),map({split_headers}) if {{ var(txn.weight) -m int gt 0 }}
+    http-request set-var(txn.split_key) lua.rayinfer_split_key if {{ var(txn.split_header) -m found }}
+    http-request set-var(txn.bucket) var(txn.split_key),crc32,mod(100) if {{ var(txn.split_key) -m len gt 0 }}
+    http-request set-var(txn.bucket) rand(100) if {{ var(txn.weight) -m int gt 0 }} !{{ var(txn.bucket) -m found }}
+    http-request set-var(txn.split_version) var(txn.model),map({split_versions}) if {{ var(txn.bucket),sub(txn.weight) -m int lt 0 }}
+    http-request set-var(txn.key) var(txn.model),concat(/,txn.split_version) if {{ var(txn.split_version) -m found }}
+"""
+
+
 _GRPC = """\
 frontend triton_grpc
 {binds}\
@@ -180,7 +198,7 @@ frontend triton_grpc
     http-request set-var(txn.model) req.body,bytes(5),protobuf(1) if model_rpc
     http-request set-var(txn.version) req.body,bytes(5),protobuf(2) if model_rpc
     http-request set-var(txn.key) var(txn.model),concat(/,txn.version) if model_rpc
-{pick}\
+{split}{pick}\
     # Over --max-inflight-requests (calls relayed to replicas, both ports): UNAVAILABLE at once.
     http-request return status 200 content-type application/grpc hdr grpc-status 14 hdr grpc-message "{busy}" if {{ var(txn.listener) -m found }} {{ be_conn(replica) ge {max_inflight} }}
 {use_replica}\
@@ -235,7 +253,7 @@ frontend triton_http
     http-request set-var(txn.model) path,field(4,/),url_dec if post infer_path || get model_get
     http-request set-var(txn.version) path,field(6,/) if post infer_path versioned || get model_get versioned
     http-request set-var(txn.key) var(txn.model),concat(/,txn.version) if post infer_path || get model_get
-{pick}\
+{split}{pick}\
     # A model GET with no replica registered goes to the /v2 application, which answers from the
     # model's state: Serve's ingress would send it to the model's application while that exists,
     # where it waits for a replica (a model still loading).
@@ -346,12 +364,14 @@ def render(folder: Path, http: Endpoint | None, grpc: Endpoint | None, server_ap
     tls = tls or {}
     paths = {"counts": folder / "replicas.map", "listeners": folder / "listeners.map",
              "sequences": folder / "sequences.map"}
+    split_maps = {name: folder / f"{name}.map" for name in SPLIT_MAPS}
     parts = [_GLOBAL.format(ring=EVENTS_RING, admin=folder / "admin.sock", threads=threads, http_errors=_http_errors(),
                             lua=folder / LUA.name)]
     if http is not None:
         pick = _PICK_REPLICA.format(**paths, sequence_fetch="rayinfer_http_sequence")
+        split = _SPLIT.format(**split_maps, condition="post infer_path !versioned")
         parts.append(_HTTP.format(
-            log=_LOG,
+            log=_LOG, split=split,
             binds=_http_binds(folder, http[0], http[1], acceptor, tls.get("http")), pick=pick, upstream_host=http[2], upstream_port=http[3],
             use_replica=_USE_REPLICA, unrouted=UNROUTED_PREFIX, max_input_size=max_input_size,
             too_large=body_limit_message(max_input_size), max_inflight=max_inflight, busy=busy,
@@ -363,8 +383,9 @@ def render(folder: Path, http: Endpoint | None, grpc: Endpoint | None, server_ap
             parts.append(_ACCEPTOR.format(name="acceptor", variable=HANDOFF_FD_VARIABLES["http"], relay=folder / RELAY_SOCKET))
     if grpc is not None:
         pick = _PICK_REPLICA.format(**paths, sequence_fetch="rayinfer_grpc_sequence")
+        split = _SPLIT.format(**split_maps, condition=f"{{ path {SERVICE}ModelInfer }} !{{ var(txn.version) -m len gt 0 }}")
         parts.append(_GRPC.format(
-            log=_LOG,
+            log=_LOG, split=split,
             binds=_grpc_binds(folder, grpc[0], grpc[1], grpc_acceptor, tls.get("grpc")), pick=pick, upstream_host=grpc[2], upstream_port=grpc[3],
             paths=" ".join(SERVICE + rpc for rpc in ROUTED_RPCS), server_app=server_app,
             use_replica=_USE_REPLICA, restricted=_grpc_restrictions(grpc_restricted or {}),

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -37,6 +38,9 @@ class Deployer(Protocol):
 
     def deploy(self, root: str, model: str, versions: list[Version], override: str | None) -> str | None:
         """Serve exactly ``versions`` of ``model`` (removing others); the failure reason, or None."""
+
+    def remove_version(self, model: str, version: int) -> None:
+        """Remove the application of one (non-default) version of ``model``."""
 
     def remove(self, model: str) -> None:
         """Remove every version of ``model``; return once they are gone."""
@@ -65,6 +69,9 @@ class ModelController:
         self.load_errors: dict[str, str] = {}
         # Models loaded with a config override or files: model -> (repository root, override).
         self.sources: dict[str, tuple[Path, str | None]] = {}
+        # model -> a version served beyond its version policy: a rollout's stable version, kept
+        # while its candidate (the new highest version) is rolled out beside it.
+        self.kept: dict[str, int] = {}
 
     @property
     def explicit(self) -> bool:
@@ -80,9 +87,17 @@ class ModelController:
         return self.source if root == self.repository else str(root)
 
     def entry(self, name: str, scanned: ModelEntry) -> ModelEntry:
-        """A repository entry as served: read again from its own source when it has one."""
+        """A repository entry as served: read again from its own source when it has one, with
+        its kept version."""
         source = self.sources.get(name)
-        return scanned if source is None else scan_model(source[0] / name, source[1])
+        return self._with_kept(scanned if source is None else scan_model(source[0] / name, source[1]))
+
+    def _with_kept(self, entry: ModelEntry) -> ModelEntry:
+        """``entry`` with the version kept for its rollout, while that version's folder is there."""
+        kept = self.kept.get(entry.name)
+        if kept is None or entry.error is not None or kept in entry.versions or not (entry.path / str(kept)).is_dir():
+            return entry
+        return replace(entry, versions=sorted([*entry.versions, kept]))
 
     def entries(self, scanned: list[ModelEntry]) -> list[ModelEntry]:
         """The repository's entries as served, then the models a load request's files brought
@@ -174,8 +189,9 @@ class ModelController:
         return [m for m in closure if m not in keep]
 
     def _versions_to_deploy(self, root: Path, model: str, override: str | None) -> list[Version]:
-        """The versions to deploy; a serving model's new versions are loaded on trial first."""
-        entry = scan_model(root / model, override)
+        """The versions to deploy (the policy's, and a kept one); a serving model's new versions
+        are loaded on trial first."""
+        entry = self._with_kept(scan_model(root / model, override))
         serving = self._deployer.serving(model)
         if entry.error is not None:
             if not serving:  # a serving version keeps serving
@@ -190,6 +206,19 @@ class ModelController:
                 raise InvalidArgError(f"failed to load '{model}': {as_serving_error(exc).message}") from None
         return versions
 
+    def release_kept(self, model: str) -> int | None:
+        """Keep ``model``'s kept version no longer (its rollout's candidate was promoted);
+        returns it once removed when the version policy does not select it."""
+        kept = self.kept.pop(model, None)
+        if kept is None:
+            return None
+        source = self.sources.get(model)
+        entry = scan_model((source[0] if source else self.repository) / model, source[1] if source else None)
+        if entry.error is not None or kept in entry.versions:
+            return None
+        self._deployer.remove_version(model, kept)
+        return kept
+
     def unload(self, model: str) -> None:
         """Remove every version (an unknown or unloaded model: nothing to do, as in Triton)."""
         self._deployer.remove(model)
@@ -197,6 +226,7 @@ class ModelController:
         if source is not None and source[0] != self.repository:
             shutil.rmtree(source[0], ignore_errors=True)
         self.load_errors.pop(model, None)
+        self.kept.pop(model, None)
 
     def close(self) -> None:
         """Remove the temporary model directories."""

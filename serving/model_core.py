@@ -58,6 +58,8 @@ class ModelCore:
         self.decoupled = bool(getattr(executor, "decoupled", False))
         self.metadata = _metadata(spec, [str(v) for v in versions])
         self.config_json = config_to_json(spec.config)
+        # Told of each answered request that is not a sequence's (a rollout's shadow traffic).
+        self.on_answer: Callable[[InferRequest, InferResponse], None] | None = None
         # The trace extension's sampling of this model's requests (off until configured).
         self.tracer = Tracer(self.name, self.version)
         # A sequence model with several replicas (set by the replica: :meth:`route_sequences`).
@@ -139,6 +141,8 @@ class ModelCore:
             raise
         if isinstance(result, ServingError):
             raise result
+        if self.on_answer is not None and self._sequencer is None:
+            self.on_answer(prepared.request, result)
         return result
 
     async def stream(self, prepared: Any) -> AsyncIterator[Result]:

@@ -33,10 +33,11 @@ LOAD_TIMEOUT_S = 300.0
 
 
 def http(method: str, path: str, body: bytes | None = None, headers: dict | None = None,
-         timeout: float = 30.0) -> tuple[int, dict, bytes]:
-    """One HTTP request to the test server; returns (status, headers, body) for any status."""
+         timeout: float = 30.0, port: int | None = None) -> tuple[int, dict, bytes]:
+    """One HTTP request to the test server (or the one on ``port``); returns (status, headers,
+    body) for any status."""
     request = urllib.request.Request(
-        f"http://127.0.0.1:{HTTP_PORT}{path}", data=body, method=method, headers=headers or {}
+        f"http://127.0.0.1:{port or HTTP_PORT}{path}", data=body, method=method, headers=headers or {}
     )
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
@@ -45,9 +46,9 @@ def http(method: str, path: str, body: bytes | None = None, headers: dict | None
         return exc.code, dict(exc.headers), exc.read()
 
 
-def http_json(method: str, path: str, doc: object | None = None) -> tuple[int, object]:
+def http_json(method: str, path: str, doc: object | None = None, port: int | None = None) -> tuple[int, object]:
     body = None if doc is None else (doc if isinstance(doc, bytes) else json.dumps(doc).encode())
-    status, _, raw = http(method, path, body)
+    status, _, raw = http(method, path, body, port=port)
     return status, (json.loads(raw) if raw else None)
 
 
@@ -345,9 +346,11 @@ def server(model_repository: Path, tmp_path_factory: pytest.TempPathFactory):
     from ensemble_models import ENSEMBLE_NOT_LOADED_AT_START
     from python_models import NOT_LOADED_AT_START
     from backend_models import BACKEND_NOT_LOADED_AT_START
+    from rollout_models import ROLLOUT_NOT_LOADED_AT_START
 
     # Explicit model control: every model but the on-demand ones loads at start (--load-model each).
-    later = ON_DEMAND_MODELS + NOT_LOADED_AT_START + ENSEMBLE_NOT_LOADED_AT_START + BACKEND_NOT_LOADED_AT_START
+    later = (ON_DEMAND_MODELS + NOT_LOADED_AT_START + ENSEMBLE_NOT_LOADED_AT_START + BACKEND_NOT_LOADED_AT_START
+             + ROLLOUT_NOT_LOADED_AT_START)
     load = [arg for p in sorted(model_repository.iterdir()) if p.is_dir() and p.name not in later
             for arg in ("--load-model", p.name)]
     proc = start_server(model_repository, log_path, [

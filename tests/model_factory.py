@@ -9,6 +9,7 @@ from onnx import TensorProto, helper
 from backend_models import write_backend_test_models
 from ensemble_models import write_ensemble_models
 from python_models import write_python_models
+from rollout_models import write_rollout_models
 from schedule_models import write_schedule_models
 from sequence_models import write_sequence_test_models
 from torchscript_models import write_torchscript_models
@@ -134,6 +135,7 @@ def build_test_repository(root: Path) -> Path:
     (root / "missing_file" / "1").mkdir(parents=True)
     (root / "missing_file" / "config.pbtxt").write_text(CONFIGS["missing_file"])
     write_python_models(root)
+    write_rollout_models(root)
     write_torchscript_models(root)
     write_ensemble_models(root)
     write_schedule_models(root)

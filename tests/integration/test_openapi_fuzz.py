@@ -31,14 +31,16 @@ SERVED = ["batched", "simple", "nobatch", "no_such_model", "on_demand_never_load
 
 def fuzz_document() -> dict:
     """docs/openapi.yaml with the shared server protected from the fuzzer: model names are
-    served ones or unknown ones; the load and unload calls name only models the repository lacks
-    (never a served one); setting updates cannot move the server's log or trace files."""
+    served ones or unknown ones; the load and unload calls, and the rollout actions, name only
+    models the repository lacks (never a served one); setting updates cannot move the server's log or trace files."""
     doc = copy.deepcopy(yaml.safe_load(SPEC.read_text()))
     doc["components"]["parameters"]["ModelName"]["schema"] = {"type": "string", "enum": SERVED}
     absent = {"name": "model_name", "in": "path", "required": True,
               "schema": {"type": "string", "pattern": "^fuzz_[a-z0-9]{1,12}$"}}
     for action in ("load", "unload"):
         doc["paths"][f"/v2/repository/models/{{model_name}}/{action}"]["post"]["parameters"] = [absent]
+    rollout_action = doc["paths"]["/v2/repository/models/{model_name}/rollout/{action}"]["post"]
+    rollout_action["parameters"] = [absent, rollout_action["parameters"][1]]  # never a served model's rollout
     logging_body = doc["paths"]["/v2/logging"]["post"]["requestBody"]["content"]["application/json"]["schema"]
     del logging_body["properties"]["log_file"]
     logging_body["additionalProperties"] = False

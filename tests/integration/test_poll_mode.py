@@ -11,8 +11,9 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from conftest import HTTP_PORT, add_sub_inputs, start_server, stop_server, stop_shared_server
+from conftest import HTTP_PORT, add_sub_inputs, http_json, start_server, stop_server, stop_shared_server
 from model_factory import on_demand
+from rollout_models import ROLLOUT_MODEL
 from rayinfer.protocol.errors import Code, grpc_status_name, http_status
 from waiting import wait_until
 
@@ -76,3 +77,42 @@ def test_the_load_api_is_refused_in_poll_mode(poll_server):
         with pytest.raises(InferenceServerException, match="explicit model load / unload is not allowed") as info:
             client.load_model("simple")
         assert info.value.status() == status
+
+
+def test_a_new_version_folder_starts_its_own_rollout_and_is_promoted(poll_server, model_repository):
+    """A model whose config asks for rollouts: its new version folder is rolled out beside the
+    version before it, judged, promoted, and the version policy (latest 1) then unloads the old."""
+    repo, http, _ = poll_server
+    model = repo / "rolled"
+    shutil.copytree(model_repository / ROLLOUT_MODEL, model)
+    shutil.rmtree(model / "2")
+    config = model / "config.pbtxt"
+    config.write_text(config.read_text().replace(f'name: "{ROLLOUT_MODEL}"', 'name: "rolled"').replace(
+        "num_versions: 2", "num_versions: 1") + "".join(
+        f'parameters {{ key: "{key}" value: {{ string_value: "{value}" }} }}\n' for key, value in
+        (("rollout_steps", "50,100"), ("rollout_step_seconds", "1"), ("rollout_step_requests", "10"),
+         ("rollout_max_latency_ratio", "10"), ("rollout_latency_slack_ms", "50"))))
+    wait_until(lambda: http.is_model_ready("rolled"), "the poll to load 'rolled'")
+    tensor = httpclient.InferInput("INPUT0", [1, 1], "FP32")
+    tensor.set_data_from_numpy(np.ones((1, 1), np.float32))
+    assert http.infer("rolled", [tensor]).get_response()["model_version"] == "1"
+    shutil.copytree(model_repository / ROLLOUT_MODEL / "2", model / "2")
+
+    def rollout() -> dict | None:
+        status, doc = http_json("GET", "/v2/repository/models/rolled/rollout", port=PORT)
+        return doc if status == 200 else None
+
+    started = wait_until(rollout, "the poll to start a rollout of version 2")
+    assert (started["stable_version"], started["candidate_version"]) == ("1", "2"), started
+    answered: set[str] = set()
+
+    def promoted() -> bool:
+        for _ in range(10):
+            answered.add(http.infer("rolled", [tensor]).get_response()["model_version"])
+        return rollout()["state"] == "PROMOTED"
+
+    wait_until(promoted, "the rollout to promote version 2", timeout_s=120)
+    assert answered == {"1", "2"}
+    wait_until(lambda: not http.is_model_ready("rolled", "1"), "version 1 to be unloaded (latest 1)")
+    assert http.infer("rolled", [tensor]).get_response()["model_version"] == "2"
+    shutil.rmtree(model)

@@ -4,8 +4,10 @@ supervisor process) goes on relaying inference calls to the model replicas while
 
 from __future__ import annotations
 
+import json
 import os
 import queue
+import shutil
 import signal
 import threading
 import time
@@ -30,6 +32,12 @@ def server(tmp_path_factory):
     stop_shared_server()  # one Ray cluster at a time on a small machine
     repo = tmp_path_factory.mktemp("restart_repo")
     write_example_repository(repo)
+    # "simple" twice over, as versions 1 and 2 of "rolled" (for a rollout that outlives the replica).
+    shutil.copytree(repo / "simple", repo / "rolled")
+    shutil.copytree(repo / "rolled" / "1", repo / "rolled" / "2")
+    config = repo / "rolled" / "config.pbtxt"
+    config.write_text(config.read_text().replace('name: "simple"', 'name: "rolled"')
+                      + "version_policy: { latest: { num_versions: 2 } }\n")
     log = tmp_path_factory.mktemp("restart_server") / "rayinfer.log"
     proc = start_server(repo, log, [
         "--model-control-mode", "explicit", "--load-model", "simple", "--http-port", str(PORT),
@@ -126,3 +134,34 @@ def test_inference_goes_on_while_the_v2_replica_restarts(server):
     client.close()
     assert front_stat(front, "serve_grpc")["serve"]["stot"] == through_serve
     print(f"/v2 replica back after {restart_s:.1f} s; {load.ok} calls answered, none failed")
+
+
+def _rollout(method: str, action: str = "", doc: dict | None = None) -> dict:
+    path = f"http://127.0.0.1:{PORT}/v2/repository/models/rolled/rollout" + (f"/{action}" if action else "")
+    data = None if doc is None else json.dumps(doc).encode()
+    with urllib.request.urlopen(urllib.request.Request(path, data=data, method=method), timeout=120) as answer:
+        return json.loads(answer.read())
+
+
+def test_a_rollout_outlives_the_v2_replica(server):
+    """A rollout is kept in Ray's key-value store: the new /v2 replica takes it up as it was and
+    the front goes on splitting by it."""
+    client = httpclient.InferenceServerClient(f"127.0.0.1:{PORT}", network_timeout=300)
+    client.load_model("rolled")
+    _rollout("POST", "start", {"parameters": {"rollout_steps": "30,100", "rollout_automatic": "false"}})
+    (before,) = pids_titled(V2_REPLICA)
+    os.kill(before, signal.SIGKILL)
+    wait_until(lambda: pids_titled(V2_REPLICA) - {before} and answers_200("/v2/repository/models/rolled/rollout"),
+               "a new /v2 replica to answer for the rollout", timeout_s=120, interval_s=0.2)
+    doc = _rollout("GET")
+    assert (doc["state"], doc["weight"], doc["stable_version"], doc["candidate_version"]) == ("PROGRESSING", 30, "1", "2")
+    a = np.arange(16, dtype=np.int32).reshape(1, 16)
+    inputs = []
+    for name in ("INPUT0", "INPUT1"):
+        tensor = httpclient.InferInput(name, [1, 16], "INT32")
+        tensor.set_data_from_numpy(a)
+        inputs.append(tensor)
+    served = [client.infer("rolled", inputs).get_response()["model_version"] for _ in range(300)]
+    assert 0.18 <= served.count("2") / 300 <= 0.42, served.count("2")
+    client.unload_model("rolled")
+    client.close()

@@ -47,10 +47,12 @@ class _LocalFront:
     def __init__(self) -> None:
         self.published: dict = {}
         self.sequence_keys: frozenset = frozenset()
+        self.splits: dict = {}
         self.running = True
 
-    async def publish(self, routes: dict, sequence_keys: frozenset = frozenset()) -> None:
+    async def publish(self, routes: dict, sequence_keys: frozenset = frozenset(), splits: dict | None = None) -> None:
         self.published, self.sequence_keys = dict(routes), frozenset(sequence_keys)
+        self.splits = self.splits if splits is None else dict(splits)
 
     def stop(self) -> None:
         self.running = False
@@ -62,15 +64,17 @@ class _NodeActor:
     def __init__(self) -> None:
         self.started = asyncio.Event()
         self.routes: list[dict] = []
+        self.splits: list[dict] = []
         self.calls = 0
         self.stopped = False
         self.publish = SimpleNamespace(remote=self._publish)
         self.stop = SimpleNamespace(remote=self._stop)
 
-    async def _publish(self, routes: dict, sequence_keys: frozenset) -> bool:
+    async def _publish(self, routes: dict, sequence_keys: frozenset, splits: dict) -> bool:
         self.calls += 1
         await self.started.wait()
         self.routes.append(dict(routes))
+        self.splits.append(dict(splits))
         return True
 
     def _stop(self) -> None:
@@ -110,6 +114,9 @@ def test_a_node_front_routes_only_once_it_has_the_latest_routes(monkeypatch: pyt
         await fronts._starting[NODE]
         assert fronts._ready == {NODE}
         assert actors[0].routes == [both, {"n/1": both["n/1"]}]
+        # A rollout's split reaches the node's front as it reaches the local one.
+        await fronts.publish(both, frozenset(), {"m": (30, "2", "x-user")})
+        assert actors[0].splits[-1] == fronts.local.splits == {"m": (30, "2", "x-user")}
         await fronts.publish({})  # a node with no replica left loses its front
         await asyncio.sleep(0)
         assert actors[0].stopped and not fronts._actors
@@ -126,7 +133,7 @@ def test_a_node_front_that_fails_is_started_again_after_a_back_off(monkeypatch: 
         actors[0].started.set()
         await fronts._starting[NODE]
 
-        async def dead(routes: dict, sequence_keys: frozenset) -> bool:
+        async def dead(routes: dict, sequence_keys: frozenset, splits: dict) -> bool:
             raise RuntimeError("the actor died")
 
         actors[0].publish = SimpleNamespace(remote=dead)

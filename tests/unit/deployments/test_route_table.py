@@ -12,6 +12,7 @@ class _State:
 
     def __init__(self) -> None:
         self.routes = {"m/1": ("m", "m_v1"), "m/": ("m", "m_v1"), "other/1": ("other", "other_v1")}
+        self.splits: dict = {}
         self.running = {"m": 1, "other": 1}
 
     async def refresh(self) -> list[dict]:
@@ -30,7 +31,8 @@ class _Front:
         self.sequence_keys: frozenset[str] = frozenset()
         self.publications = 0
 
-    async def publish(self, routes: dict[str, list[tuple[str, int]]], sequence_keys: frozenset[str] = frozenset()) -> None:
+    async def publish(self, routes: dict[str, list[tuple[str, int]]], sequence_keys: frozenset[str] = frozenset(),
+                      splits: dict | None = None) -> None:
         self.published = dict(routes)
         self.sequence_keys = sequence_keys
         self.publications += 1

@@ -79,6 +79,7 @@ class _State:
     def __init__(self) -> None:
         self.routes = {"s/1": ("s", "s_v1"), "s/": ("s", "s_v1"), "m/1": ("m", "m_v1")}
         self.running = {"s": 3, "m": 2}
+        self.splits: dict = {}
 
     async def refresh(self) -> list[dict]:
         return []
@@ -89,7 +90,7 @@ class _Front:
         self.published: dict[str, list[tuple[str, int]]] = {}
         self.sequence_keys: frozenset[str] = frozenset()
 
-    async def publish(self, routes, sequence_keys=frozenset()) -> None:
+    async def publish(self, routes, sequence_keys=frozenset(), splits=None) -> None:
         self.published, self.sequence_keys = dict(routes), sequence_keys
 
 
