@@ -40,10 +40,10 @@ class ModelForwarder:
         state = self._api.state
         split = None if version else state.splits.get(name)
         sticky = sticky_value(split, (headers or {}).items()) if split is not None else None
-        route = state.route(name, version, sticky)
+        route = state.route(name, version, sticky) if sticky is not None else state.route(name, version)
         if route is None:
             await state.refresh()
-            route = state.route(name, version, sticky)
+            route = state.route(name, version, sticky) if sticky is not None else state.route(name, version)
         return route
 
     async def forward(self, method: str, name: str, version: str, request: Any) -> Any:

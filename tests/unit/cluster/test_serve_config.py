@@ -141,7 +141,7 @@ def test_log_flags_become_the_logging_extensions_settings_at_start(example_repos
 
     model_args = render_serve_config(settings)["applications"][1]["args"]
     assert model_args["log_settings"] == expected
-    assert build_model_app(model_args)._bound_deployment.init_args[-2] == expected
+    assert build_model_app(model_args)._bound_deployment.init_args[-3] == expected
     with pytest.raises(SystemExit):
         build_parser().parse_args(["config", "--model-repository", str(example_repository), "--log-format", "json"])
 
@@ -326,7 +326,7 @@ def test_restricted_groups_reach_every_model_replica(example_repository: Path) -
     model_args = config["applications"][1]["args"]
     assert (model_args["http_restricted_api"], model_args["grpc_restricted_protocol"]) == (
         ["inference:key=v"], ["inference,health:key=v"])
-    assert build_model_app(model_args)._bound_deployment.init_args[-1] == {
+    assert build_model_app(model_args)._bound_deployment.init_args[-2] == {
         "http": ["inference:key=v"], "grpc": ["inference,health:key=v"]}
     server_args = config["applications"][0]["args"]
     control = next(a for a in build_server_app(server_args)._bound_deployment.init_args if isinstance(a, ModelControl))
