@@ -114,7 +114,9 @@ def split_cost(port: int, protocols: list[str], levels: list[int], rounds: int, 
                 for model, weight in VARIANTS:
                     if weight is not None:
                         api(port, "POST", f"/v2/repository/models/{model}/rollout/weight", {"weight": weight})
-                        time.sleep(2.5)  # the replicas take the split at their next registration (2 s)
+                        # The replicas take the split at their next registration (every 2 s), which
+                        # nothing outside them shows: a measurement starting earlier mixes paths.
+                        time.sleep(2.5)
                     result = perf_analyzer(port, model, protocol, concurrency, interval_ms, work / "perf.csv")
                     name = model if weight is None else f"{model} at {weight}%"
                     results.setdefault((protocol, concurrency, name), []).append(result)
@@ -130,6 +132,7 @@ def rollback_timeline(port: int) -> list[dict[str, float]]:
     import tritonclient.http as httpclient
 
     stop = threading.Event()
+    failed: list[int] = []
 
     def traffic() -> None:
         with httpclient.InferenceServerClient(f"127.0.0.1:{port}") as client:
@@ -138,8 +141,8 @@ def rollback_timeline(port: int) -> list[dict[str, float]]:
             while not stop.is_set():
                 try:
                     client.infer("degrading", [tensor])
-                except Exception:  # noqa: BLE001  # the candidate's failures are the point
-                    pass
+                except Exception:  # noqa: BLE001  # the candidate's failures are the point: counted
+                    failed.append(1)
 
     threads = [threading.Thread(target=traffic, daemon=True) for _ in range(4)]
     for thread in threads:
@@ -156,10 +159,11 @@ def rollback_timeline(port: int) -> list[dict[str, float]]:
                         "stable_p99_ms": (figures.get("stable") or {}).get("p99_ms"), "state": doc["state"]})
         if doc["state"] != "PROGRESSING":
             break
-        time.sleep(0.25)
+        time.sleep(0.25)  # the plot's sampling period, not a wait for something
     stop.set()
     for thread in threads:
         thread.join(30)
+    print(f"  {len(failed)} client requests failed (the candidate's own failures)", flush=True)
     for decision in doc["decisions"]:
         print(f"  {decision['action']} at {decision['weight']}%: {decision['reason']}", flush=True)
     return samples
