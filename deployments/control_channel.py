@@ -28,10 +28,12 @@ logger = logging.getLogger(__name__)
 
 # The kinds of message: the server's trace settings (TraceSettings.as_dict()), a shared-memory
 # region forgotten ({"kind", "name"}; every region of the kind for an empty name), a sequence
-# model's slot table ({"listeners", "previous"}, as RouteTable.slot_table gives it).
+# model's slot table ({"listeners", "previous"}, as RouteTable.slot_table gives it), a model's
+# rollout split ({"model", "split", "version_less"}, as Rollouts.split_message gives it).
 TRACE_SETTINGS = "trace_settings"
 SHM_FORGET = "shm_forget"
 SEQUENCE_SLOTS = "sequence_slots"
+ROLLOUT_SPLIT = "rollout_split"
 _FULL_STATE = frozenset({TRACE_SETTINGS, SEQUENCE_SLOTS})
 # How long a poll waits for a message before it answers none (the replica polls again at once).
 POLL_WAIT_S = 20.0

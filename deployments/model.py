@@ -31,7 +31,13 @@ from rayinfer.deployments.autoscaling import LISTENER_ONGOING
 from rayinfer.deployments.bls_client import ReplicaBlsClient
 from rayinfer.deployments.shadow_sender import ShadowSender
 from rayinfer.deployments.ensemble_members import EnsembleMembers, load_ensemble
-from rayinfer.deployments.control_channel import SEQUENCE_SLOTS, SHM_FORGET, TRACE_SETTINGS, ControlMessage
+from rayinfer.deployments.control_channel import (
+    ROLLOUT_SPLIT,
+    SEQUENCE_SLOTS,
+    SHM_FORGET,
+    TRACE_SETTINGS,
+    ControlMessage,
+)
 from rayinfer.deployments.names import SERVER_APP, SERVER_DEPLOYMENT
 from rayinfer.deployments.replica_streams import ReplicaStreams
 from rayinfer.serving.replica_listener import ReplicaListener
@@ -53,7 +59,8 @@ from rayinfer.serving.response_cache import ResponseCache, model_fingerprint
 from rayinfer.serving.sequence_routing import FORWARDED_HEADER, SequenceRoutes
 from rayinfer.serving.protocol_stamps import StreamTrace, stamp_http_request
 from rayinfer.serving.trace import TraceSettings
-from rayinfer.serving.routes import front_routed, keep_request_headers, parse_model_route
+from rayinfer.serving.routes import keep_request_headers, parse_model_route
+from rayinfer.serving.replica_routes import ReplicaRoutes
 
 logger = logging.getLogger(__name__)
 
@@ -104,9 +111,6 @@ class ModelDeployment:
         self._app_name = context.app_name
         # The statistics last pushed, by the key they were reported under (_reported_cores).
         self._pushed: dict[str, tuple[int, ...]] = {}
-        # Whether the version-less requests on connections given for the default version are this
-        # replica's (false while a rollout splits them, or routes them to another version).
-        self._version_less = True
         # A rollout's shadow traffic, when this replica's version is its stable one.
         self._shadow = ShadowSender()
         self._shadow_reported: dict[str, int] = {}
@@ -144,9 +148,11 @@ class ModelDeployment:
                                                 SharedMemoryRegistry(self._shared_memory_region), cache)
         self._max_input_size = max_input_size
         self._listener = ReplicaListener(self._listener_grpc, self._listener_http, max_input_size, self._core.name)
-        self._listener.serves = self._serves
+        # Which requests on the clients' connections this replica holds are its own.
+        self._routes = ReplicaRoutes(self._core.name, self._core.version)
+        self._listener.serves, self._listener.serves_grpc = self._routes.serves, self._routes.serves_grpc
+        self._listener.split_target = self._routes.split_target
         self._listener.restrict(*restrictions)
-        self._listener.serves_grpc = self._serves_grpc
         self._listener.stream_grpc = ReplicaStreams(self._core, context.deployment, self._server_handle,
                                                     self._listener).answer
         host = ray.util.get_node_ip_address()
@@ -224,22 +230,6 @@ class ModelDeployment:
             return await model_http.stream_forwarded(self._core, headers, body, self._max_input_size)
         return await model_http.respond(self._core, method, route, headers, body, self._max_input_size)
 
-    def _serves(self, method: str, path: str, key: str) -> bool:
-        """Whether a request on a client's connection from the front's acceptor (given to this
-        replica for ``key``, "<model>/<version>") is this replica's: the front would route it
-        here. Any other is relayed to the front."""
-        route = front_routed(method, path)
-        return route is not None and self._serves_grpc(route.model, route.version, key)
-
-    def _serves_grpc(self, model: str, version: str, key: str) -> bool:
-        """Whether a model RPC (or request) naming ``model`` and ``version`` on a client's
-        connection the acceptor gave this replica for ``key`` is this replica's."""
-        if model != self._core.name:
-            return False
-        # The default version's requests only on a connection given for the default version, and
-        # not while the model's rollout splits them (the front does, each).
-        return version == self._core.version if version else key.endswith("/") and self._version_less
-
     async def _listener_grpc(self, method: str, payload: bytes) -> bytes:
         """A model RPC the front relayed to this replica's listener."""
         return await model_grpc.call_serialized(self._core, method, payload)
@@ -316,6 +306,11 @@ class ModelDeployment:
             self._core.shm.unregister(message.body["name"], message.body["kind"])
         elif message.kind == SEQUENCE_SLOTS and self._sequences is not None:
             self._sequences.update(message.body)
+        elif message.kind == ROLLOUT_SPLIT and message.body["model"] == self._core.name:
+            # A rollout of this model changed (Rollouts.split_message): its stable and candidate
+            # versions' parts in it.
+            if self._core.version in message.body["version_less"]:
+                self._routes.take_split(message.body["version_less"][self._core.version], message.body["split"])
 
     async def _poll_control_forever(self) -> None:
         """Take the ``/v2`` replica's changes as they come (:mod:`control_channel`)."""
@@ -370,7 +365,7 @@ class ModelDeployment:
                     )
                     registered_at = time.monotonic()
                     self._listener.max_inflight = settings.get("max_inflight", self._listener.max_inflight)
-                    self._version_less = settings.get("version_less", True)
+                    self._routes.take_split(settings.get("version_less", True), settings.get("split"))
                     shadowing = self._shadow.configure(settings.get("shadow"))
                     self._core.on_answer = self._shadow.offer if shadowing and not self._core.decoupled else None
                     if settings.get("connection_limits") != limit_values:  # the flags, as at the last registration

@@ -26,11 +26,12 @@ import logging
 import math
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client.core import GaugeMetricFamily
 
+from rayinfer.deployments.control_channel import ROLLOUT_SPLIT, ControlMessage
 from rayinfer.protocol.errors import InvalidArgError, NotFoundError
 from rayinfer.repository.rollout_config import RolloutSettings, rollout_settings, settings_from
 from rayinfer.deployments.serve_state import deployed_versions
@@ -108,6 +109,10 @@ def _counts(figures: VersionFigures) -> dict[str, int]:
 
 def _from_counts(counts: dict[str, int]) -> VersionFigures:
     return VersionFigures(counts.get("successes", 0), counts.get("failures", 0), counts.get("queue_ns", 0))
+
+
+# How long telling the model replicas of a new split may take (one that is late takes it later).
+_TELL_TIMEOUT_S = 1.0
 
 
 class Rollouts:
@@ -382,10 +387,26 @@ class Rollouts:
         state.apply_defaults(changed)  # at once: a rollback must not wait for a read of Serve
 
     async def _publish(self) -> None:
-        """Route by the rollouts as they are now, on every front; save them."""
+        """Route by the rollouts as they are now, on every front and in the model replicas that
+        hold clients' connections (told at once, as the fronts are); save them."""
         self._apply()
         self._save()
-        await self._api.routes.publish()
+        await asyncio.gather(self._api.routes.publish(), *(self._tell_split(model) for model in list(self._rollouts)))
+
+    def split_message(self, model: str) -> dict[str, Any]:
+        """What the replicas of ``model``'s stable and candidate versions follow on the
+        connections they hold: the split, and whether each answers version-less requests."""
+        rollout = self._rollouts[model]
+        return {"model": model, "split": self.split_of(model, rollout.stable),
+                "version_less": {v: self.routes_version_less(model, v) for v in (rollout.stable, rollout.candidate)}}
+
+    async def _tell_split(self, model: str) -> None:
+        routes = self._api.routes
+        replicas = [r for r in routes.replicas() if r.rpartition("/")[0].split("@v", 1)[0] == model]
+        late = await routes.channel.send(replicas, ControlMessage(ROLLOUT_SPLIT, self.split_message(model)),
+                                         _TELL_TIMEOUT_S)
+        for replica in late:  # it takes the split when it next polls, or registers
+            logger.warning("model replica %s did not take the rollout's split of %s in time", replica, model)
 
     def shadow_target(self, model: str, version: str) -> dict[str, Any] | None:
         """Where a replica of ``model`` at ``version`` sends its shadow requests: the candidate,
@@ -425,6 +446,13 @@ class Rollouts:
         if rollout.state == PROMOTED:  # the highest version's, as without a rollout
             return version != rollout.stable
         return rollout.split() is None and rollout.default_version() == version
+
+    def split_of(self, model: str, version: str) -> dict[str, Any] | None:
+        """The split a replica of ``model`` at ``version`` takes part in (the fields of its
+        :class:`VersionSplit`), or None: it answers the version-less requests the acceptor places
+        on it by their turns (:class:`~rayinfer.serving.version_split.ConnectionTurn`)."""
+        split = self.split_for(model)
+        return asdict(split) if split is not None and version in (split.stable, split.candidate) else None
 
     def _saved(self) -> list[dict[str, Any]]:
         kv = _kv()

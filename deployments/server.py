@@ -160,6 +160,7 @@ class ServerDeployment:
         assert self._api.rollouts is not None
         return {"log": self._api.log_settings, "trace": self._api.trace_settings.as_dict(),
                 "version_less": self._api.rollouts.routes_version_less(model, version),
+                "split": self._api.rollouts.split_of(model, version),
                 "shadow": self._api.rollouts.shadow_target(model, version),
                 "sequence_slots": routes.slot_table(app) if sequences else None, "max_inflight": self._max_inflight,
                 "connection_limits": self._connection_limits}

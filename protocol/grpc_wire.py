@@ -291,6 +291,16 @@ def name_and_version(message: bytes, complete: bool = True) -> tuple[str, str] |
     return name.decode("utf-8", "replace"), version.decode("utf-8", "replace")
 
 
+def with_version(message: bytes, version: str) -> bytes:
+    """A model RPC's ``message`` that names no version, naming ``version`` (field 2, written
+    first: the fields a message starts with are what :func:`name_and_version` and the front's
+    HAProxy read)."""
+    value = version.encode()
+    if len(value) > 0x7F:
+        raise ValueError("version too long")
+    return b"\x12" + bytes([len(value)]) + value + message
+
+
 class FirstCall(NamedTuple):
     """The first call on a client's connection: its method (the part of the path after the
     service's name; the whole path for another service's), and for a model RPC the model and

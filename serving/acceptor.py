@@ -50,6 +50,7 @@ from rayinfer.protocol.grpc_wire import INCOMPLETE, NOT_DIRECT_RPCS, PREFACE, RO
 from rayinfer.protocol.limits import HEAD_TOO_LARGE, MAX_REQUEST_HEAD_BYTES, MAX_REQUEST_HEADERS, TOO_MANY_HEADERS, bad_head_answer
 from rayinfer.serving.handoff import RELAY_SOCKETS, SPLICE, handoff_name, return_name, same_user
 from rayinfer.serving.routes import front_routed
+from rayinfer.serving.version_split import VersionSplit, pick_version, sticky_value
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +107,29 @@ def route_key(request: bytes) -> str | None:
         return None
     route = front_routed(parser.get_method().decode("latin-1"), target.url.partition(b"?")[0].decode("latin-1"))
     return "" if route is None else f"{route.model}/{route.version}"
+
+
+class _HeadFields:
+    """The header fields httptools reads from a request head."""
+
+    def __init__(self) -> None:
+        self.fields: list[tuple[bytes, bytes]] = []
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.fields.append((name, value))
+
+
+def _head_fields(head: bytes) -> list[tuple[bytes, bytes]]:
+    """The header fields of the request head ``head`` starts (as many as have arrived whole)."""
+    fields = _HeadFields()
+    end = head.find(b"\r\n\r\n")
+    if end < 0:
+        end = head.rfind(b"\r\n")  # a head still arriving: its whole lines
+    try:
+        httptools.HttpRequestParser(fields).feed_data(head[:end] + b"\r\n\r\n")
+    except httptools.HttpParserError:
+        pass  # what was read before the error stays
+    return fields.fields
 
 
 def grpc_route_key(head: bytes, stream_message: bool = True) -> str | None:
@@ -165,8 +189,8 @@ class _Routes:
         self._stamps: list[int] = []
         self.listeners: dict[str, list[tuple[str, int]]] = {}
         self.sequences: frozenset[str] = frozenset()
-        # Models in a rollout: their version-less requests are split by the front's HAProxy.
-        self.split_models: frozenset[str] = frozenset()
+        # Models in a rollout: their version-less requests are split between two versions.
+        self.splits: dict[str, VersionSplit] = {}
 
     def refresh(self) -> None:
         """Read the maps again if they changed (three stat calls per new connection)."""
@@ -174,7 +198,8 @@ class _Routes:
             stamps = [path.stat().st_mtime_ns if path.exists() else 0 for path in self._paths]
             if stamps != self._stamps:
                 self.listeners, self.sequences = routes_on_disk(self._folder)
-                self.split_models = frozenset(splits_on_disk(self._folder))
+                self.splits = {model: VersionSplit("", candidate, weight, header)
+                               for model, (weight, candidate, header) in splits_on_disk(self._folder).items()}
                 self._stamps = stamps
         except (OSError, ValueError):  # a map being written: the last one read stays
             return
@@ -204,6 +229,7 @@ class Acceptor:
         self._handoffs: dict[str, socket.socket] = {}  # acceptor name -> a connected channel
         self._refused: dict[str, float] = {}  # acceptor name -> when it may be tried again
         self._next: dict[str, int] = {}  # route key -> the replica the next connection goes to
+        self._directed: dict[socket.socket, str] = {}  # connection -> the route key of its next run
 
     def serve(self, seconds: float) -> None:
         """Serve for about ``seconds``."""
@@ -270,6 +296,7 @@ class Acceptor:
             key = None if key is INCOMPLETE else key
         else:
             key = route_key(head) if b"\r\n" in head else None
+        directed = self._directed.get(connection, "")
         self._stop_waiting(connection)
         if not head:  # closed before it sent anything
             connection.close()
@@ -279,7 +306,7 @@ class Acceptor:
             if refusal is not None:
                 _refuse(connection, refusal)
                 return
-        if key is None or not self._to_replica(connection, key, kind):
+        if key is None or not self._to_replica(connection, key, kind, head, directed):
             self._to_haproxy(connection, kind)
 
     def _place_late(self, connection: socket.socket, kind: str) -> None:
@@ -298,6 +325,7 @@ class Acceptor:
     def _stop_waiting(self, connection: socket.socket) -> str:
         """Stop waiting for ``connection``'s request; the protocol it speaks."""
         self._waiting.pop(connection, None)
+        self._directed.pop(connection, None)
         if self._again.pop(connection, None) is None:
             self._selector.unregister(connection)
         kind = self._kinds.pop(connection, "")
@@ -308,8 +336,29 @@ class Acceptor:
                 kind = "http"
         return kind
 
-    def _to_replica(self, connection: socket.socket, key: str, kind: str) -> bool:
+    def _to_replica(self, connection: socket.socket, key: str, kind: str, head: bytes = b"",
+                    directed: str = "") -> bool:
+        """Pass ``connection`` (its first request ``head``, for ``key``) to a replica of this
+        machine (``directed``: where a run at a rollout's split goes on); False: HAProxy takes it."""
         self._routes.refresh()
+        given_for = key  # the route key the replica is told
+        split = self._routes.splits.get(key[:-1]) if key.endswith("/") else None
+        if split is not None:
+            # A rollout's version-less request: HTTP/1.1 connections go to the version it picks
+            # (or the one the last run's replica named), whose replica answers a run of them
+            # (version_split.py). gRPC's calls share a connection: it goes to the version with
+            # the larger weight, whose replica relays the other's calls, picked one by one.
+            sticky = sticky_value(split, _head_fields(head)) if split.sticky_header and kind == "http" else None
+            directed, _, left = directed.partition(" ")
+            if kind != "http":
+                key = f"{key}{split.candidate}" if split.weight > 50 else key
+            elif not head.startswith(b"POST "):
+                pass  # a model GET: the stable version's, the default one
+            elif not sticky and directed.startswith(key) and self._routes.listeners.get(directed):
+                key = directed
+                given_for += f"\n{left}" if left.isdigit() else ""
+            elif pick_version(split, sticky) == split.candidate:
+                key = f"{key}{split.candidate}"
         if not key:
             # Not a model's request (health, metadata, the repository API): a replica of this
             # machine relays it to HAProxy, then gives the connection back, which its next
@@ -317,10 +366,8 @@ class Acceptor:
             key = next(iter(self._routes.listeners), "")
         listeners = self._routes.listeners.get(key)
         # A sequence model's calls go to the replica of their correlation id's slot, which the
-        # front reads from each request: a connection only where one replica holds every slot. A
-        # model in a rollout's version-less calls are split between versions by the front, each.
-        if not listeners or (key in self._routes.sequences and len(listeners) > 1) \
-                or (key.endswith("/") and key[:-1] in self._routes.split_models):
+        # front reads from each request: a connection only where one replica holds every slot.
+        if not listeners or (key in self._routes.sequences and len(listeners) > 1):
             return False
         # The replicas in turn. One on another machine (no acceptor here), or one that cannot take
         # the connection, leaves it to HAProxy, which balances its requests over all replicas.
@@ -330,7 +377,7 @@ class Acceptor:
         now = time.monotonic()
         if self._refused.get(name, 0.0) > now:
             return False
-        if not self._send(name, connection, key, self._relays[kind]):
+        if not self._send(name, connection, given_for, self._relays[kind]):
             self._refused[name] = now + _REFUSED_FOR_S
             return False
         connection.close()  # the replica holds its own descriptor of it now
@@ -396,10 +443,14 @@ class Acceptor:
             threading.Thread(target=_splice, args=(client, upstream, message[len(SPLICE):]), daemon=True).start()
             return
         stopping, _, name = message.decode("utf-8", "replace").partition(" ")
+        name, _, move_to = name.partition(" ")
         if stopping == "stopping":  # no more connections for it, even before its route goes
             self._refused[name] = time.monotonic() + _STOPPING_S
         for fd in fds:
-            self._wait_for_request(socket.socket(fileno=fd), _RETURNED_WAIT_S)
+            connection = socket.socket(fileno=fd)
+            self._wait_for_request(connection, _RETURNED_WAIT_S)
+            if move_to:  # a run at a rollout's split: the other version's turn, or the rest of it
+                self._directed[connection] = move_to
 
 
 def bad_request_head(head: bytes) -> str | None:

@@ -59,10 +59,35 @@ def return_name(folder_name: str) -> str:
     return f"\0rayinfer-acceptor-back-{folder_name}"
 
 
-def returned(replica: str, stopping: bool) -> bytes:
+def returned(replica: str, stopping: bool, move_to: str = "") -> bytes:
     """The message with connections a replica (its acceptor name) gives back; ``stopping``: it
-    takes no more."""
-    return f"{'stopping' if stopping else 'rebalance'} {replica}".encode()
+    takes no more; ``move_to``: the route key (``<model>/<version>``) their next version-less
+    request of the model goes to, with the requests left of its run there (``" <n>"``) when it
+    continues one (a rollout's split: :mod:`version_split`)."""
+    return f"{'stopping' if stopping else 'rebalance'} {replica}{' ' + move_to if move_to else ''}".encode()
+
+
+# The channel to each front's acceptor (by its folder's name) a process gave connections back
+# on: kept open, as the acceptor keeps its channels to replicas (a rollout's split moves
+# connections between replicas every few requests).
+_RETURN_CHANNELS: dict[str, socket.socket] = {}
+
+
+def _return_channel(folder_name: str) -> socket.socket | None:
+    channel = _RETURN_CHANNELS.get(folder_name)
+    if channel is None:
+        channel = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        channel.settimeout(1.0)
+        try:
+            channel.connect(return_name(folder_name))
+        except OSError:
+            channel.close()
+            raise
+        if not same_user(channel):  # another user's process holds the name: not the acceptor
+            channel.close()
+            return None
+        _RETURN_CHANNELS[folder_name] = channel
+    return channel
 
 
 def give_back(folder_name: str, connections: list[int], message: bytes) -> bool:
@@ -71,17 +96,23 @@ def give_back(folder_name: str, connections: list[int], message: bytes) -> bool:
     :data:`SPLICE` with the client's connection and HAProxy's)."""
     if not connections:
         return True
-    try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as channel:
-            channel.settimeout(1.0)
-            channel.connect(return_name(folder_name))
-            if not same_user(channel):  # another user's process holds the name: not the acceptor
+    sent = 0
+    for attempt in range(2):  # a kept channel may have closed (the front restarted)
+        try:
+            channel = _return_channel(folder_name)
+            if channel is None:
                 return False
-            for start in range(0, len(connections), 16):
-                socket.send_fds(channel, [message], connections[start:start + 16])
-        return True
-    except OSError:
-        return False
+            while sent < len(connections):
+                socket.send_fds(channel, [message], connections[sent:sent + 16])
+                sent += 16
+            return True
+        except OSError:
+            stale = _RETURN_CHANNELS.pop(folder_name, None)
+            if stale is not None:
+                stale.close()
+            if attempt or stale is None:
+                return False
+    return False
 
 
 # (the client's connection, HAProxy's Unix socket for relayed requests, the route key)

@@ -55,6 +55,7 @@ from rayinfer.protocol.limits import (
 from rayinfer.protocol.grpc_wire import SERVICE
 from rayinfer.serving.protocol_stamps import PROTOCOL_STAMPS, TRACEPARENT, ProtocolStamps
 from rayinfer.serving.routes import REQUEST_HEADERS
+from rayinfer.serving.version_split import ConnectionTurn
 
 # The replica's ReplicaListener (replica_listener imports this module, so its type is not named here).
 ReplicaListener = Any
@@ -88,7 +89,7 @@ class ListenerConnection(asyncio.Protocol):
     HAProxy and the route key it was given for) a client's from the front's acceptor; requests are
     answered in the order received."""
 
-    def __init__(self, listener: ReplicaListener, direct: tuple[str, str] | None = None) -> None:
+    def __init__(self, listener: ReplicaListener, direct: tuple[str, str] | None = None, run_left: int = 0) -> None:
         self._listener = listener
         self._direct = direct
         self._parser = httptools.HttpRequestParser(self)
@@ -111,6 +112,7 @@ class ListenerConnection(asyncio.Protocol):
         self._began = False  # a request began in the chunk being parsed
         self._recv_start = 0
         self._rebalance_at = time.monotonic() + _REBALANCE_S
+        self._turn = ConnectionTurn(run_left)  # a client's, at a rollout's split (:mod:`version_split`)
         self._relayed: RelayedRequest | None = None  # a request of a client's being relayed
         # A client's connection: its limits' timer and flow control (see the module's docstring).
         self._timer: asyncio.TimerHandle | None = None
@@ -209,9 +211,13 @@ class ListenerConnection(asyncio.Protocol):
             return False
         transport.pause_reading()
         fd = os.dup(sock.fileno())
+        # At a rollout's split: where the acceptor places the connection's next version-less
+        # request of the model (the other version once its run here ended, else the rest of it).
+        place = self._turn.next_place()
+        move_to = f"{self._direct[1]}{place}" if place else ""
         try:
             given = handoff.give_back(self._folder_name(), [fd],
-                                         handoff.returned(self._listener.handoff_name, self._listener.closing))
+                                         handoff.returned(self._listener.handoff_name, self._listener.closing, move_to))
         finally:
             os.close(fd)
         if not given:
@@ -466,7 +472,7 @@ class ListenerConnection(asyncio.Protocol):
         method = self._parser.get_method()
         relay = None
         if self._direct is not None and not self._listener.serves(method.decode("latin-1"), path.decode("latin-1"),
-                                                                self._direct[1]):
+                                                                self._direct[1], self._turn, self._all_headers):
             relay = (self._url, self._all_headers)
         self._pending.append((path, self._headers, body, self._parser.should_keep_alive(), method,
                               self._recv_start, time.perf_counter_ns(), relay))
@@ -521,7 +527,8 @@ class ListenerConnection(asyncio.Protocol):
                     self._transport.close()
                     return
                 if (self._direct is not None and not self._pending and not self._reading
-                        and (self._listener.closing or time.monotonic() >= self._rebalance_at) and self.hand_back()):
+                        and (self._listener.closing or self._turn.move_to or time.monotonic() >= self._rebalance_at)
+                        and self.hand_back()):
                     return
         finally:
             self._task = None

@@ -53,7 +53,7 @@ from rayinfer.protocol.grpc_wire import (
     SETTINGS_MAX_HEADER_LIST_SIZE, STREAM_RPC, WINDOW_UPDATE, H2ProtocolError, HeaderDecoder, check_settings, frame,
     parse_frame,
     goaway, grpc_status, literal, message_frame, name_and_version, reset_stream, settings, trailers, unframe,
-    window_update,
+    window_update, with_version,
 )
 from rayinfer.protocol.limits import GRPC_MAX_MESSAGE_SIZE, ConnectionLimits, inflight_limit_message, message_too_large
 from rayinfer.serving.protocol_stamps import PROTOCOL_STAMPS, ProtocolStamps
@@ -542,19 +542,28 @@ class H2Connection(StreamAnswers, asyncio.Protocol):
         method = path[len(SERVICE):]
         body = call.body[0] if len(call.body) == 1 else b"".join(call.body)
         try:
-            message, own = b"", False
+            message, own, target = b"", False, ""
             if method in ROUTED_RPCS:
                 encoding = next((value for name, value in call.headers if name == b"grpc-encoding"), None)
                 message = unframe(body, encoding)
                 try:
-                    own = self._listener.serves_grpc(*name_and_version(message), self._key)
+                    model, version = name_and_version(message)
+                    own = self._listener.serves_grpc(model, version, self._key, call.headers)
+                    target = "" if own or version else self._listener.split_target(model, self._key)
                 except ValueError:  # not a message of its RPC: the core answers as Triton does
                     own = True
-            if not own:
+            headers = call.headers
+            if target:
+                # A rollout's call picked for the other version: relayed naming that version,
+                # which the front routes without splitting it again. The connection stays here.
+                body = message_frame(with_version(message, target))
+                headers = [field for field in headers if field[0] != b"grpc-encoding"]
+            elif not own:
                 # A connection given for another call than this replica's (a client's first call
                 # asked for readiness) is rebalanced soon: the acceptor places it by its next call.
                 self._rebalance_at = min(self._rebalance_at, time.monotonic() + _RELAYED_MAX_AGE_S)
-                data, fields = await relay_grpc(self._relay, path.encode("latin-1"), call.headers, body)
+            if not own:
+                data, fields = await relay_grpc(self._relay, path.encode("latin-1"), headers, body)
                 self._send(call, data, b"".join(literal(name, value) for name, value in fields))
                 return
             stamps = ProtocolStamps(self._listener.model, True, call.received, received, call.headers)

@@ -38,6 +38,7 @@ from rayinfer.serving.listener_responses import StreamedResponse, grpc_error, gr
 from rayinfer.serving.h2_stream import StreamHandler
 from rayinfer.serving.handoff import ReplicaHandoff
 from rayinfer.serving.replica_h2 import H2Connection
+from rayinfer.serving.version_split import ConnectionTurn
 from rayinfer.protocol.errors import NotFoundError, UnavailableError, UnsupportedError
 from rayinfer.protocol.grpc_wire import SERVICE, unframe
 from rayinfer.protocol.http_codec import error_response
@@ -58,12 +59,16 @@ GrpcHandler = Callable[[str, bytes], Awaitable[bytes]]
 # bytes, or chunks that stream as they come).
 HttpHandler = Callable[[str, str, dict[bytes, bytes], bytes],
                        Awaitable[tuple[int, list[tuple[bytes, bytes]], bytes | AsyncIterator[bytes]]]]
-# (method, path as sent, the route key the acceptor gave the connection for) -> whether the request
-# is this replica's to answer on a client's connection.
-Serves = Callable[[str, str, str], bool]
-# (model, version, the route key of the connection) -> whether a model RPC naming them is this
-# replica's to answer on a client's gRPC connection.
-ServesGrpc = Callable[[str, str, str], bool]
+# (method, path as sent, the route key the acceptor gave the connection for, the connection's
+# turn at a rollout's split, the request's headers) -> whether the request is this replica's to
+# answer on a client's connection.
+Serves = Callable[[str, str, str, ConnectionTurn, list[tuple[bytes, bytes]]], bool]
+# (model, version, the route key of the connection, the call's headers) -> whether a model RPC
+# naming them is this replica's to answer on a client's gRPC connection.
+ServesGrpc = Callable[[str, str, str, list[tuple[bytes, bytes]]], bool]
+# (model, the route key of the connection) -> the version a version-less model RPC that is not
+# this replica's goes to at a rollout's split ("": none, the front routes it).
+SplitTarget = Callable[[str, str], str]
 
 
 class ReplicaListener:
@@ -86,8 +91,9 @@ class ReplicaListener:
         self.port = 0
         # Clients' connections from the front's acceptor: which requests are this replica's, and
         # how many may be in flight here before more are answered 503 (--max-inflight-requests).
-        self.serves: Serves = lambda method, path, key: False
-        self.serves_grpc: ServesGrpc = lambda model, version, key: False
+        self.serves: Serves = lambda method, path, key, turn, headers: False
+        self.serves_grpc: ServesGrpc = lambda model, version, key, headers: False
+        self.split_target: SplitTarget = lambda model, key: ""
         # A gRPC stream on a client's connection: its requests -> its answers (:mod:`h2_stream`).
         self.stream_grpc: StreamHandler = _no_streams
         self.max_inflight = DEFAULT_MAX_INFLIGHT_REQUESTS
@@ -120,11 +126,14 @@ class ReplicaListener:
             return
         client.setblocking(False)
         loop = asyncio.get_running_loop()
+        # "<key>\n<n>": the connection's run at a rollout's split goes on here for n requests.
+        key, _, left = key.partition("\n")
+        run_left = int(left) if left.isdigit() else 0
         # gRPC's connections (HTTP/2) relay to HAProxy's gRPC socket, HTTP/1.1's to its HTTP one.
         if os.path.basename(relay) == handoff.GRPC_RELAY_SOCKET:
             connection: Callable[[], asyncio.Protocol] = lambda: H2Connection(self, (relay, key))
         else:
-            connection = lambda: ListenerConnection(self, (relay, key))
+            connection = lambda: ListenerConnection(self, (relay, key), run_left)
         loop.create_task(loop.connect_accepted_socket(connection, client))
 
     def restrict(self, http: Restrictions, grpc: Restrictions) -> None:

@@ -7,16 +7,32 @@ always reaches the same version: sticky assignment), else chance. The front's HA
 the same bucket with its ``crc32`` converter (zlib's CRC-32) for the requests it routes
 (:mod:`rayinfer.serving.front_config`); the Python paths (gRPC streams, BLS calls, ensemble
 steps, requests the ``/v2`` application forwards) use :func:`pick_version`.
+
+A client's HTTP/1.1 connection that the front's acceptor hands to a model replica
+(:mod:`rayinfer.serving.acceptor`) is not proxied request by request: the acceptor places it on
+one version by the same pick, and the replica answers a *run* of its version-less requests
+there (:class:`ConnectionTurn`, :func:`run_length`), then gives it back to the acceptor, which
+places it on the other version for the next run. The minority version's runs are
+:data:`RUN_REQUESTS` long, the majority's as much longer as its weight is larger, so that each
+version answers its weight's share of a connection's requests. A request with a sticky value
+goes by its bucket wherever it arrives (one on the other version's replica is relayed to the
+front, and the connection placed again by its next request). A gRPC connection's calls share
+it: it goes to the replica of the version with the larger weight, which picks each call with
+:func:`pick_version` and relays the other version's naming that version
+(:mod:`rayinfer.serving.replica_routes`).
 """
 
 from __future__ import annotations
 
 import random
+import sys
 import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 BUCKETS = 100
+# The version-less requests a connection sends in a row to the version with the smaller weight.
+RUN_REQUESTS = 32
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,3 +75,59 @@ def sticky_value(split: VersionSplit, headers: Iterable[tuple[bytes | str, bytes
         if text.lower() == split.sticky_header:
             found = value
     return found
+
+
+def run_length(split: VersionSplit, version: str) -> int:
+    """How many version-less requests a connection placed on ``version`` answers there in a row
+    (0: none, the version has no weight; chance rounds a fractional mean)."""
+    share = split.weight if version == split.candidate else BUCKETS - split.weight
+    minority = min(split.weight, BUCKETS - split.weight)
+    if share <= 0:
+        return 0
+    if minority <= 0:
+        return sys.maxsize
+    mean = RUN_REQUESTS * share / minority
+    whole = int(mean)
+    return whole + (random.random() < mean - whole)
+
+
+class ConnectionTurn:
+    """A client connection's turn at a replica of one version of a split model: ``left``, the
+    version-less requests it still answers here in its run (``weight``: the split's weight when
+    the run began); ``move_to``: the version the connection goes to once its run ended."""
+
+    __slots__ = ("left", "move_to", "version", "weight")
+
+    def __init__(self, left: int = 0) -> None:
+        self.left = left  # a run carried over from another replica of this version, or none
+        self.move_to = ""
+        self.version = ""
+        self.weight = -1
+
+    def serves(self, split: VersionSplit, version: str, sticky: bytes | str | None) -> bool:
+        """Whether a version-less request (``sticky``: its sticky value) is answered here, at
+        ``version``: one with a sticky value by its bucket, another while the run lasts (a new
+        run begins when the last one ended with the connection still here; a new weight cuts a
+        run to the new weight's length)."""
+        if sticky:
+            return pick_version(split, sticky) == version
+        if split.weight != self.weight:
+            length = run_length(split, version)
+            self.left, self.weight, self.move_to = min(self.left, length) if self.left else length, split.weight, ""
+        elif not self.left:
+            self.left, self.move_to = run_length(split, version), ""
+        if not self.left:
+            return False
+        self.version = version
+        self.left -= 1
+        if not self.left:
+            self.move_to = split.stable if version == split.candidate else split.candidate
+        return True
+
+    def next_place(self) -> str:
+        """Where the connection's next version-less request goes once it is given back: the
+        other version (its run ended), the rest of its run at this version (``"<version>
+        <left>"``: it is rebalanced, or its replica stops), or "" (it has no run)."""
+        if self.move_to:
+            return self.move_to
+        return f"{self.version} {self.left}" if self.left and self.version else ""

@@ -109,9 +109,14 @@ class _Traffic:
         return self.outcomes
 
 
+# The slack leaves the tests of routing to their routing: no latency check ends their rollouts
+# on a busy machine (the failures check still applies).
+_NOT_ON_LATENCY = {"latency_slack_ms": 1000}
+
+
 def test_a_weight_splits_version_less_requests_and_changes_at_run_time(server, two_versions):
     h, g = two_versions
-    doc = _start(steps="10,100", automatic="false")
+    doc = _start(steps="10,100", automatic="false", **_NOT_ON_LATENCY)
     assert (doc["state"], doc["weight"], doc["stable_version"], doc["candidate_version"]) == ("PROGRESSING", 10, "1", "2")
     served = Counter(_version(h, httpclient) for _ in range(2000))
     assert 0.07 <= served["2"] / 2000 <= 0.13, served
@@ -142,7 +147,7 @@ def test_a_weight_splits_version_less_requests_and_changes_at_run_time(server, t
 
 def test_a_sticky_header_always_reaches_the_same_version(two_versions):
     h, g = two_versions
-    _start(steps="50,100", automatic="false", sticky_header="x-user-id")
+    _start(steps="50,100", automatic="false", sticky_header="x-user-id", **_NOT_ON_LATENCY)
     seen = Counter()
     for n in range(30):
         headers = {"x-user-id": f"user-{n}"}
@@ -223,7 +228,9 @@ def test_a_slow_candidate_is_rolled_back_on_latency(server, loaded):
     h, _ = loaded
     doc, outcomes = _rolled_back(server, h, "slow", delay_ms=10.0, max_latency_ratio=1.5)
     assert doc["state"] == "ROLLED_BACK", doc
-    assert "p99 latency" in doc["decisions"][-1]["reason"], doc["decisions"][-1]
+    # On its p99, or first on the queue its slow answers build (the same slowness, seen sooner).
+    reason = doc["decisions"][-1]["reason"]
+    assert "p99 latency" in reason or "mean queue time" in reason, doc["decisions"][-1]
     assert set(outcomes) <= {"1", "2"}, Counter(outcomes)
 
 

@@ -35,7 +35,7 @@ def acceptor(loop):
     port = free_port()
     front = Front(None, ("127.0.0.1", port, "127.0.0.1", free_port()), "v2", direct=True)
     replica = Replica(loop, "one")
-    replica.listener.serves_grpc = lambda model, version, key: model == "m"
+    replica.listener.serves_grpc = lambda model, version, key, *_: model == "m"
     publish(loop, front, {"m/": [("127.0.0.1", replica.port)]})
     yield replica, port
     front.stop()

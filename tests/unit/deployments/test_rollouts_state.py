@@ -9,6 +9,8 @@ import asyncio
 from pathlib import Path
 from types import SimpleNamespace
 
+from rayinfer.deployments import rollouts as rollouts_module
+from rayinfer.deployments.control_channel import ROLLOUT_SPLIT, ControlChannel
 from rayinfer.deployments.rollouts import Rollout, Rollouts
 from rayinfer.deployments.serve_state import ServeState
 from rayinfer.protocol.statistics import ModelStatistics
@@ -17,11 +19,18 @@ from rayinfer.serving.statistics_store import StatisticsStore
 
 
 class _Routes:
-    def __init__(self) -> None:
+    """The route table's part rollouts use: publications counted, a real control channel."""
+
+    def __init__(self, replicas: tuple[str, ...] = ()) -> None:
         self.published = 0
+        self.channel = ControlChannel()
+        self._replicas = list(replicas)
 
     async def publish(self) -> None:
         self.published += 1
+
+    def replicas(self) -> list[str]:
+        return self._replicas
 
 
 def _api(tmp_path: Path) -> SimpleNamespace:
@@ -62,6 +71,29 @@ def test_a_rollout_splits_then_rolls_back_a_failing_candidate(tmp_path):
     assert "failure rate 33.3%" in doc["decisions"][-1]["reason"]
     assert "m" not in api.state.splits and api.state.routes["m/"] == ("m@v1", "m_v1")
     assert rollouts.routes_version_less("m", "1") and not rollouts.routes_version_less("m", "2")
+
+
+def test_the_model_replicas_are_told_each_split_at_once(tmp_path, monkeypatch):
+    monkeypatch.setattr(rollouts_module, "_TELL_TIMEOUT_S", 0.01)  # nobody polls here
+    api = _api(tmp_path)
+    api.routes = _Routes(("m@v1/r1", "m/r2", "n/r3"))
+    rollouts = Rollouts(api, "test")  # type: ignore[arg-type]
+
+    async def told(replica: str) -> list[dict]:
+        _, messages = await api.routes.channel.poll(replica, None, 0, wait_s=0)
+        return [m.body for _, m in messages if m.kind == ROLLOUT_SPLIT]
+
+    async def scenario() -> None:
+        await rollouts.start("m", "1", "2", RolloutSettings(steps=(30, 100), sticky_header="x-user"), "a test")
+        expected = {"model": "m", "version_less": {"1": False, "2": False},
+                    "split": {"stable": "1", "candidate": "2", "weight": 30, "sticky_header": "x-user"}}
+        assert await told("m@v1/r1") == [expected] and await told("m/r2") == [expected]
+        assert await told("n/r3") == []  # another model's replica
+        await rollouts.abort("m")
+        ended = (await told("m/r2"))[-1]
+        assert ended["split"] is None and ended["version_less"] == {"1": True, "2": False}
+
+    asyncio.run(scenario())
 
 
 def test_a_good_candidate_steps_up_and_is_promoted(tmp_path):

@@ -27,7 +27,7 @@ def acceptor(loop):
 
 
 def _serves_model(model: str):
-    return lambda method, path, key: path.startswith(f"/v2/models/{model}/")
+    return lambda method, path, key, *_: path.startswith(f"/v2/models/{model}/")
 
 
 class _Client:

@@ -83,7 +83,7 @@ def _h2_connections(replica: Replica) -> int:
 
 
 def _serves_model(model: str):
-    return lambda name, version, key: name == model
+    return lambda name, version, key, *_: name == model
 
 
 def _replicas_of_m(loop, front: Front, *names: str, routed: int | None = None) -> list[Replica]:

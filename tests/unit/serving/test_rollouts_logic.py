@@ -16,7 +16,15 @@ from rayinfer.repository.rollout_config import RolloutSettings, rollout_settings
 from rayinfer.serving.rollout_analysis import VersionFigures, figures_since, judge, shadow_verdict, version_figures
 from rayinfer.protocol.types import InferOutput, InferResponse
 from rayinfer.serving.shadow import ShadowCounts, answers_agree, labels_agree
-from rayinfer.serving.version_split import VersionSplit, bucket_of, pick_version, sticky_value
+from rayinfer.serving.version_split import (
+    RUN_REQUESTS,
+    ConnectionTurn,
+    VersionSplit,
+    bucket_of,
+    pick_version,
+    run_length,
+    sticky_value,
+)
 
 
 def test_settings_come_from_rollout_parameters_with_defaults():
@@ -62,6 +70,47 @@ def _stats(successes: int, failures: int, latency_us: float, queue_us: float = 1
     for _ in range(failures):
         stats.record_failure(1000)
     return merge_snapshots([stats.snapshot()])
+
+
+def test_a_connections_runs_give_each_version_its_weights_share():
+    for weight in (1, 10, 30, 50, 75):
+        split = VersionSplit("1", "2", weight)
+        minority = "2" if weight <= 50 else "1"
+        assert run_length(split, minority) == RUN_REQUESTS
+        mean = sum(run_length(split, "1") + run_length(split, "2") for _ in range(2000)) / 2000
+        candidate = sum(run_length(split, "2") for _ in range(2000)) / 2000
+        assert candidate / mean == pytest.approx(weight / 100, rel=0.05), weight
+    assert run_length(VersionSplit("1", "2", 100), "1") == 0
+    # One connection alternating: runs at each version, each ending with a move to the other.
+    split, turn, served = VersionSplit("1", "2", 20), ConnectionTurn(), Counter()
+    version = "1"
+    for _ in range(10 * 5 * RUN_REQUESTS):
+        assert turn.serves(split, version, None)
+        served[version] += 1
+        if turn.move_to:
+            version, turn = turn.move_to, ConnectionTurn()
+    assert served["2"] / sum(served.values()) == pytest.approx(0.2, abs=RUN_REQUESTS / 500)
+
+
+def test_a_turn_carries_its_rest_cuts_it_on_a_new_weight_and_leaves_sticky_values_alone():
+    split = VersionSplit("1", "2", 10, "x-user")
+    turn = ConnectionTurn()
+    assert turn.serves(split, "2", None) and turn.next_place() == f"2 {RUN_REQUESTS - 1}"
+    carried = ConnectionTurn(RUN_REQUESTS - 1)  # placed again at another replica of version 2
+    for _ in range(RUN_REQUESTS - 1):
+        assert carried.serves(split, "2", None)
+    assert carried.next_place() == "1"
+    # A sticky value goes by its bucket, whatever the run.
+    user = next(f"u{n}" for n in range(100) if pick_version(split, f"u{n}") == "1")
+    assert not ConnectionTurn().serves(split, "2", user) and ConnectionTurn().serves(split, "1", user)
+    # The weight goes from 1% to 50%: the stable version's long run is cut to the new length.
+    long = ConnectionTurn()
+    long.serves(VersionSplit("1", "2", 1), "1", None)
+    assert long.left > 50 * RUN_REQUESTS
+    long.serves(VersionSplit("1", "2", 50), "1", None)
+    assert long.left == RUN_REQUESTS - 1
+    # A version with no weight answers none.
+    assert not ConnectionTurn().serves(VersionSplit("1", "2", 0), "2", None)
 
 
 def test_figures_come_from_the_statistics_and_count_from_a_start():

@@ -1,0 +1,79 @@
+"""Which requests on the clients' connections a model replica holds are its own.
+
+The front's acceptor hands a client's connection to a replica of the model version its first
+request names (:mod:`rayinfer.serving.acceptor`); the replica answers the requests on it that the
+front would have routed to it and relays the others to the front (:mod:`listener_connection`,
+:mod:`replica_h2`). A version-less request is the default version's, on a connection given for
+it ("<model>/"), unless a rollout splits the model's version-less requests between two versions
+(:mod:`rayinfer.serving.version_split`): then an HTTP/1.1 connection's are this version's by the
+connection's turn, and a gRPC call is picked by itself, the other version's relayed naming it.
+
+The ``/v2`` replica says which applies when the replica registers, and at once when a rollout
+changes (:meth:`ReplicaRoutes.take_split`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rayinfer.serving.routes import front_routed
+from rayinfer.serving.version_split import ConnectionTurn, VersionSplit, pick_version, sticky_value
+
+Headers = list[tuple[bytes, bytes]]
+
+
+class ReplicaRoutes:
+    """The routing of a replica of ``model`` at ``version``, for the connections it holds."""
+
+    def __init__(self, model: str, version: str) -> None:
+        self.model = model
+        self.version = version
+        # Whether the version-less requests on connections given for the default version are this
+        # replica's (false while a rollout splits them, or routes them to another version).
+        self.version_less = True
+        # The rollout's split this replica's version takes part in.
+        self.split: VersionSplit | None = None
+
+    def take_split(self, version_less: bool, split: dict[str, Any] | None) -> None:
+        """What the ``/v2`` replica said: whether this version answers version-less requests, and
+        the split of the model's rollout (the fields of a :class:`VersionSplit`, or None)."""
+        self.version_less = version_less
+        self.split = VersionSplit(**split) if split and self.version in (split["stable"], split["candidate"]) else None
+
+    def serves(self, method: str, path: str, key: str, turn: ConnectionTurn, headers: Headers) -> bool:
+        """Whether an HTTP request on a client's connection (given to this replica for ``key``,
+        "<model>/<version>"; ``turn``: the connection's, ``headers``: the request's) is this
+        replica's: the front would route it here. A rollout's version-less inferences are this
+        version's by the connection's turn; its version-less GETs are the stable version's."""
+        route = front_routed(method, path)
+        if route is None:
+            return False
+        split = self.split
+        if split is None or route.version or route.model != self.model or not key.endswith("/"):
+            return self.serves_grpc(route.model, route.version, key)
+        if route.action != "infer":
+            return self.version == split.stable
+        return turn.serves(split, self.version, sticky_value(split, headers))
+
+    def serves_grpc(self, model: str, version: str, key: str, headers: Headers | None = None) -> bool:
+        """Whether a model RPC (or request) naming ``model`` and ``version`` on a client's
+        connection given for ``key`` (``headers``: the call's) is this replica's. A rollout's
+        version-less calls are picked one by one (gRPC's share a connection)."""
+        if model != self.model:
+            return False
+        if version:
+            return version == self.version
+        if not key.endswith("/"):  # the default version's calls only on its connections
+            return False
+        split = self.split
+        if split is not None:
+            return pick_version(split, sticky_value(split, headers or [])) == self.version
+        return self.version_less
+
+    def split_target(self, model: str, key: str) -> str:
+        """The version a version-less call of ``model`` that is not this replica's goes to: the
+        rollout's other version ("" without a split: the front routes it)."""
+        split = self.split
+        if split is None or model != self.model or not key.endswith("/"):
+            return ""
+        return split.candidate if self.version == split.stable else split.stable
