@@ -2,10 +2,12 @@
 network namespace of its own: tests/second_host.py), the front on every node
 (``--front-on-every-node``): every RPC of both protocols answers through each node's front,
 each front routes to the replicas of both nodes, a gRPC stream's trace gets its send stamps from
-the other node, and a node's front that dies is started again."""
+the other node, both nodes' fronts apply a rollout's weights, and a node's front that dies is
+started again."""
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import secrets
@@ -14,6 +16,7 @@ import subprocess
 import sys
 import urllib.error
 import urllib.request
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -24,9 +27,11 @@ from onnx import TensorProto
 from tritonclient.utils import InferenceServerException
 
 from conftest import HTTP_PORT, add_sub_inputs, start_server, stop_server, stop_shared_server
+from rollout_models import ROLLOUT_MODEL, rollout_config, write_rollout_models
 from trace_files import ORDER, trace_files, traces_by_id
 from rayinfer.cluster.example_repository import SIMPLE_CONFIG, add_sub_model, write_model
 from rayinfer.cluster.settings import RAY_ENVIRONMENT
+from rayinfer.serving.acceptor import splits_on_disk
 from second_host import HERE_IP, THERE_IP, SecondHost
 from waiting import wait_until
 
@@ -70,8 +75,9 @@ def ready(ip: str) -> bool:
 @pytest.fixture(scope="module")
 def server(two_nodes, tmp_path_factory):
     """``simple`` with a replica on each node (the head holds the /v2 replica and one of 0.9
-    CPU); ``spare`` to load and unload (on the second node: the head has no room left); trace
-    files (no request is traced until a test asks)."""
+    CPU); ``spare`` to load and unload (on the second node: the head has no room left); the
+    rollout tests' two-version model, not loaded; trace files (no request is traced until a
+    test asks)."""
     host, env = two_nodes
     repo = tmp_path_factory.mktemp("two_nodes_repo")
     trace_file = tmp_path_factory.mktemp("two_nodes_traces") / "trace.json"
@@ -79,6 +85,7 @@ def server(two_nodes, tmp_path_factory):
                 add_sub_model(TensorProto.INT32))
     write_model(repo, "spare", SIMPLE_CONFIG.replace('name: "simple"', 'name: "spare"'),
                 add_sub_model(TensorProto.INT32))
+    write_rollout_models(repo)
     with pytest.MonkeyPatch.context() as patch:
         for key, value in env.items():
             patch.setenv(key, value)
@@ -117,7 +124,7 @@ def test_every_http_endpoint_answers_through_each_nodes_front(server, ip: str):
     # The replicas report their statistics every second or two.
     wait_until(lambda: client.get_inference_statistics("simple")["model_stats"][0]["inference_stats"]["success"]
                ["count"] >= 4, "the statistics to count the inferences", timeout_s=30)
-    assert {m["name"] for m in client.get_model_repository_index()} == {"simple", "spare"}
+    assert {m["name"] for m in client.get_model_repository_index()} == {"simple", "spare", ROLLOUT_MODEL}
     assert "trace_level" in client.get_trace_settings()
     assert "log_verbose_level" in client.get_log_settings()
     assert client.get_system_shared_memory_status() == []
@@ -141,7 +148,7 @@ def test_every_grpc_rpc_answers_through_each_nodes_front(server, ip: str):
         np.testing.assert_array_equal(client.infer("simple", grpc_inputs()).as_numpy("OUTPUT0"), 2 * A)
     wait_until(lambda: client.get_inference_statistics("simple").model_stats[0].inference_stats.success.count >= 4,
                "the statistics to count the inferences", timeout_s=30)
-    assert {m.name for m in client.get_model_repository_index().models} == {"simple", "spare"}
+    assert {m.name for m in client.get_model_repository_index().models} == {"simple", "spare", ROLLOUT_MODEL}
     assert client.get_trace_settings().settings
     assert client.get_log_settings().settings
     assert list(client.get_system_shared_memory_status().regions) == []
@@ -228,6 +235,72 @@ def test_a_stream_traced_across_nodes_gets_its_send_stamps(server, ip: str):
 def pairs(words: list[str]) -> list[tuple[str, str]]:
     """A listeners.map's (route, address) pairs."""
     return list(zip(words[::2], words[1::2]))
+
+
+def _rollout(ip: str, action: str, body: dict) -> dict:
+    request = urllib.request.Request(f"http://{ip}:{PORT}/v2/repository/models/{ROLLOUT_MODEL}/rollout/{action}",
+                                     json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as answer:
+        return json.loads(answer.read())
+
+
+def _versions(ip: str, count: int) -> tuple[Counter, Counter]:
+    """The versions that answered ``count`` version-less requests through ``ip``'s front, over
+    HTTP (one connection) and over gRPC (one connection)."""
+    h = httpclient.InferenceServerClient(f"{ip}:{PORT}", network_timeout=60.0)
+    g = grpcclient.InferenceServerClient(f"{ip}:{PORT + 1}")
+    seen = (Counter(), Counter())
+    try:
+        for client, module, counter in ((h, httpclient, seen[0]), (g, grpcclient, seen[1])):
+            tensor = module.InferInput("INPUT0", [1, 1], "FP32")
+            tensor.set_data_from_numpy(np.ones((1, 1), np.float32))
+            for _ in range(count):
+                result = client.infer(ROLLOUT_MODEL, [tensor])
+                response = result.get_response()
+                version = response["model_version"] if isinstance(response, dict) else response.model_version
+                assert float(result.as_numpy("OUTPUT0")[0, 0]) == float(version)
+                counter[version] += 1
+    finally:
+        h.close()
+        g.close()
+    return seen
+
+
+def _fronts_split(server) -> dict[str, tuple | None]:
+    """Each node's front's split of the rollout model, as its maps hold it."""
+    return {node: splits_on_disk(folder).get(ROLLOUT_MODEL) for node, folder in front_folders(server).items()}
+
+
+def test_both_nodes_fronts_apply_a_rollouts_weights(server):
+    """``simple`` makes room (unloaded, loaded again after): the rollout model's two versions,
+    a replica of 0.9 CPU each (the head has room for one). A rollout at 30%, then at 80%: each
+    node's front splits version-less requests by the same weight, over HTTP and gRPC, whichever
+    node the version's replica is on (a connection's runs at a replica of its node, HAProxy's
+    pick request by request for one on the other node)."""
+    head = httpclient.InferenceServerClient(f"{HERE_IP}:{PORT}", network_timeout=300.0)
+    head.unload_model("simple")
+    try:
+        head.load_model(ROLLOUT_MODEL, config=rollout_config())
+        settings = {"rollout_steps": "30,80,100", "rollout_automatic": "false", "rollout_latency_slack_ms": "1000"}
+        doc = _rollout(HERE_IP, "start", {"stable_version": "1", "candidate_version": "2", "parameters": settings})
+        assert (doc["state"], doc["weight"]) == ("PROGRESSING", 30)
+        for weight in (30, 80):
+            if weight != 30:
+                assert _rollout(THERE_IP, "weight", {"weight": weight})["weight"] == weight
+            wait_until(lambda: _fronts_split(server) == {HERE_IP: (weight, "2", ""), THERE_IP: (weight, "2", "")}
+                       and ready(THERE_IP), f"both fronts to split at {weight}%", timeout_s=30)
+            for ip in (HERE_IP, THERE_IP):
+                http_seen, grpc_seen = _versions(ip, 1000)
+                assert abs(http_seen["2"] / 1000 - weight / 100) <= 0.1, (ip, weight, http_seen)
+                assert abs(grpc_seen["2"] / 1000 - weight / 100) <= 0.1, (ip, weight, grpc_seen)
+        assert _rollout(HERE_IP, "abort", {})["state"] == "ABORTED"
+    finally:
+        head.unload_model(ROLLOUT_MODEL)
+        head.load_model("simple")
+        head.close()
+        # A node's front stops while the node runs no model replica, and starts with its next one.
+        wait_until(lambda: ready(THERE_IP) and THERE_IP in front_folders(server), "the second node's front to be back",
+                   timeout_s=60)
 
 
 def test_a_node_front_that_dies_is_started_again(server):
