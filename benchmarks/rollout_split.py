@@ -124,8 +124,8 @@ def split_cost(port: int, protocols: list[str], levels: list[int], rounds: int, 
                 for model, weight in VARIANTS:
                     if weight is not None:
                         api(port, "POST", f"/v2/repository/models/{model}/rollout/weight", {"weight": weight})
-                        # The replicas take the split at their next registration (every 2 s), which
-                        # nothing outside them shows: a measurement starting earlier mixes paths.
+                        # The fronts and replicas are told at once (a new weight cuts the runs begun
+                        # under the last one); the pause keeps a late one out of the measurement.
                         time.sleep(2.5)
                     result = perf_analyzer(port, model, protocol, concurrency, interval_ms, work / "perf.csv")
                     name = model if weight is None else f"{model} at {weight}%"

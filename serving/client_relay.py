@@ -5,7 +5,8 @@ The acceptor gives a connection to a replica by its first request (:mod:`accepto
 may then ask for anything on it (readiness, another model, the repository API). The replica's
 listener (:mod:`replica_listener`) sends such a request, unchanged but for its hop-by-hop
 headers, to HAProxy's Unix socket with ``connection: close``, and writes the answer back with
-the connection's own keep-alive. A request that stops the replica itself (unloading its model)
+the connection's own keep-alive. A gRPC call (:func:`relay_grpc`; at a rollout's split, every
+call picked for the other version) goes as HTTP/1.1 on a connection kept for the next one. A request that stops the replica itself (unloading its model)
 is answered only once the replica is gone: a replica that stops while a relayed answer has not
 begun hands both connections to the acceptor (:meth:`RelayedRequest.hand_over`), which copies the
 answer to the client, then closes it.
@@ -15,8 +16,11 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
+
+import httptools
 
 from rayinfer.serving import handoff
 
@@ -153,53 +157,131 @@ class RelayedRequest:
 _GRPC_FOR_HTTP = {400: 13, 401: 16, 403: 7, 404: 12, 429: 14, 502: 14, 503: 14, 504: 14}
 
 
+class _RelayedCall(asyncio.Protocol):
+    """A connection to HAProxy that relays gRPC calls as HTTP/1.1, one at a time, kept open
+    between them: the answer of the call in flight, read by httptools (its trailers too)."""
+
+    def __init__(self) -> None:
+        self.transport: Any = None
+        self._parser = httptools.HttpResponseParser(self)
+        self._fields: list[tuple[bytes, bytes]] = []
+        self._data: list[bytes] = []
+        self._done: asyncio.Future | None = None
+        self.keep_alive = False
+        self.idle_since = 0.0
+        self.read_any = False
+
+    def connection_made(self, transport: Any) -> None:
+        self.transport = transport
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._fields.append((name.strip().lower(), value.strip()))
+
+    def on_headers_complete(self) -> None:
+        self.keep_alive = self._parser.should_keep_alive()
+
+    def on_body(self, body: bytes) -> None:
+        self._data.append(body)
+
+    def on_message_complete(self) -> None:
+        if self._done is not None and not self._done.done():
+            self._done.set_result((self._parser.get_status_code(), b"".join(self._data), self._fields))
+
+    def data_received(self, data: bytes) -> None:
+        self.read_any = True
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self._fail(ConnectionError(f"the front's answer is not HTTP/1.1: {exc}"))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.keep_alive = False
+        self._fail(ConnectionError("the front closed the connection before its answer"))
+
+    def _fail(self, exc: Exception) -> None:
+        self.keep_alive = False
+        if self._done is not None and not self._done.done():
+            self._done.set_exception(exc)
+        if self.transport is not None:
+            self.transport.close()
+
+    async def call(self, request: bytes) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
+        """Send ``request``: HAProxy's answer (status, body, header fields and trailers)."""
+        self._fields, self._data, self.read_any = [], [], False
+        self._done = asyncio.get_running_loop().create_future()
+        self.transport.write(request)
+        try:
+            return await self._done
+        finally:
+            self._done = None
+
+
+# Connections to HAProxy kept for the next relayed call, by socket path: at most
+# RELAY_IDLE_CONNECTIONS each, none idle longer than RELAY_IDLE_S (well within HAProxy's keep-alive
+# timeout, its 30 s "timeout http-request"), so that a call rarely meets one HAProxy is closing.
+RELAY_IDLE_CONNECTIONS = 16
+RELAY_IDLE_S = 2.0
+_IDLE: dict[str, list[_RelayedCall]] = {}
+
+
+async def _relayed_call(socket_path: str) -> tuple[_RelayedCall, bool]:
+    """A connection to HAProxy at ``socket_path`` (an idle one when there is one): whether it was."""
+    idle, now = _IDLE.get(socket_path, []), time.monotonic()
+    while idle:
+        upstream = idle.pop()
+        if now - upstream.idle_since < RELAY_IDLE_S and not upstream.transport.is_closing():
+            return upstream, True
+        upstream.transport.close()
+    _, upstream = await asyncio.get_running_loop().create_unix_connection(_RelayedCall, socket_path)
+    return upstream, False
+
+
+def _keep(socket_path: str, upstream: _RelayedCall) -> None:
+    idle = _IDLE.setdefault(socket_path, [])
+    if upstream.keep_alive and len(idle) < RELAY_IDLE_CONNECTIONS and not upstream.transport.is_closing():
+        upstream.idle_since = time.monotonic()
+        idle.append(upstream)
+    else:
+        upstream.transport.close()
+
+
 async def relay_grpc(socket_path: str, path: bytes, headers: list[tuple[bytes, bytes]],
                      body: bytes) -> tuple[bytes, list[tuple[bytes, bytes]]]:
     """A unary gRPC call on a client's HTTP/2 connection that its replica does not answer,
     relayed to the front's HAProxy at ``socket_path`` as HTTP/1.1 (as HAProxy itself relays
-    calls to replicas): the answer's framed messages and its trailers (``grpc-status`` first)."""
+    calls to replicas) on a kept connection: the answer's framed messages and its trailers
+    (``grpc-status`` first)."""
     head = [b"POST %b HTTP/1.1\r\n" % path]
     # HTTP/2's authority is HTTP/1.1's host (Serve's gRPC server refuses a call without one).
     head += [b"%b: %b\r\n" % (b"host" if name == b":authority" else name, value) for name, value in headers
              if (name == b":authority" or not name.startswith(b":")) and name not in _HOP_HEADERS]
-    head.append(b"te: trailers\r\ncontent-length: %d\r\nconnection: close\r\n\r\n" % len(body))
-    loop = asyncio.get_running_loop()
-    try:
-        transport, upstream = await loop.create_unix_connection(_Upstream, socket_path)
+    head.append(b"te: trailers\r\ncontent-length: %d\r\n\r\n" % len(body))
+    request = b"".join(head) + body
+    for _ in range(2):
+        upstream: _RelayedCall | None = None
+        answered = False
         try:
-            transport.write(b"".join(head) + body)
-            while not upstream.ended:
-                await upstream.wait()
+            upstream, reused = await _relayed_call(socket_path)
+            status, data, fields = await upstream.call(request)
+            answered = True
+        except (OSError, ConnectionError):
+            # HAProxy answers every request it has read, an error included: a kept connection
+            # that closed with no byte of an answer was closing before it read this one.
+            if upstream is not None and reused and not upstream.read_any:
+                continue
+            break
         finally:
-            transport.close()
-        return _grpc_answer(bytes(upstream.buffer))
-    except (OSError, ValueError, IndexError):
-        return b"", [(b"grpc-status", b"14"), (b"grpc-message", b"the front did not answer a relayed call")]
+            if upstream is not None and not answered:  # failed, or the call was cancelled
+                upstream.transport.close()
+        _keep(socket_path, upstream)
+        return _grpc_answer(status, data, fields)
+    return b"", [(b"grpc-status", b"14"), (b"grpc-message", b"the front did not answer a relayed call")]
 
 
-def _grpc_answer(answer: bytes) -> tuple[bytes, list[tuple[bytes, bytes]]]:
-    """The messages and trailers of HAProxy's whole HTTP/1.1 answer to a relayed call."""
-    head, _, rest = answer.partition(b"\r\n\r\n")
-    status_line, *lines = head.split(b"\r\n")
-    status = int(status_line.split(b" ")[1])
-    fields = [(name.strip().lower(), value.strip()) for name, _, value in (line.partition(b":") for line in lines)]
-    named = dict(fields)
-    data, trailers = b"", [field for field in fields if field[0].startswith(b"grpc-") and field[0] != b"grpc-encoding"]
-    if b"chunked" in named.get(b"transfer-encoding", b""):
-        chunks = []
-        while True:
-            size_line, _, rest = rest.partition(b"\r\n")
-            size = int(size_line.partition(b";")[0], 16)
-            if size == 0:
-                break
-            chunks.append(rest[:size])
-            rest = rest[size + 2:]
-        data = b"".join(chunks)
-        trailer_part = rest.partition(b"\r\n\r\n")[0]
-        trailers += [(name.strip().lower(), value.strip())
-                     for name, _, value in (line.partition(b":") for line in trailer_part.split(b"\r\n") if line)]
-    else:
-        data = rest[:int(named.get(b"content-length", b"0"))]
+def _grpc_answer(status: int, data: bytes, fields: list[tuple[bytes, bytes]]) -> tuple[bytes, list[tuple[bytes, bytes]]]:
+    """The messages and trailers of HAProxy's answer to a relayed call (its status, body, and
+    header fields with its trailers)."""
+    trailers = [field for field in fields if field[0].startswith(b"grpc-") and field[0] != b"grpc-encoding"]
     if not any(name == b"grpc-status" for name, _ in trailers):
         code = _GRPC_FOR_HTTP.get(status, 2)  # UNKNOWN
         trailers = [(b"grpc-status", b"%d" % code), (b"grpc-message", b"HTTP status %d from the front" % status)]

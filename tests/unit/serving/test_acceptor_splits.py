@@ -2,7 +2,8 @@
 and HAProxy) hands to replicas: a connection answers runs of version-less requests at one
 version's replica and moves to the other's between runs, so that each answers its weight's share
 with no proxy in between; a sticky value's requests always reach its version. A gRPC connection
-goes to the version with the larger weight, whose replica relays the other version's calls.
+goes to the version with the larger weight, whose replica relays the other version's calls
+(on a connection to HAProxy kept from one to the next).
 Stand-in listeners of tests/front_stand_ins.py as the two versions' replicas; raw sockets and
 tritonclient.grpc as clients."""
 
@@ -18,6 +19,8 @@ import tritonclient.grpc as grpcclient
 
 from front_stand_ins import Replica, free_port
 from rayinfer.deployments.front import Front
+from rayinfer.serving import client_relay
+from rayinfer.serving.handoff import GRPC_RELAY_SOCKET
 from rayinfer.serving.replica_h2 import H2Connection
 from rayinfer.serving.replica_routes import ReplicaRoutes
 from rayinfer.serving.version_split import RUN_REQUESTS, VersionSplit, pick_version
@@ -157,8 +160,10 @@ def test_grpc_calls_are_picked_one_by_one_on_the_larger_weights_replica(loop, gr
     try:
         served = Counter(_grpc_infer(client) for _ in range(500))
         assert abs(served["two"] / 500 - weight / 100) <= 0.07, served
-        # One connection, held by the larger weight's replica, which relayed the other's calls.
+        # One connection, held by the larger weight's replica, which relayed the other's calls,
+        # one after another on one connection to HAProxy, kept for the next.
         assert (_h2_connections(one), _h2_connections(two)) == ((1, 0) if weight <= 50 else (0, 1))
+        assert len(client_relay._IDLE[str(front._dir / GRPC_RELAY_SOCKET)]) == 1
         for n in range(20):
             user = f"user-{n}"
             expected = _NAMES[pick_version(split, user)]
