@@ -142,7 +142,7 @@ def rollback_timeline(port: int) -> list[dict[str, float]]:
     import tritonclient.http as httpclient
 
     stop = threading.Event()
-    failed: list[int] = []
+    failed: list[str] = []  # each failed request's message
 
     def traffic() -> None:
         with httpclient.InferenceServerClient(f"127.0.0.1:{port}") as client:
@@ -151,8 +151,8 @@ def rollback_timeline(port: int) -> list[dict[str, float]]:
             while not stop.is_set():
                 try:
                     client.infer("degrading", [tensor])
-                except Exception:  # noqa: BLE001  # the candidate's failures are the point: counted
-                    failed.append(1)
+                except Exception as exc:  # noqa: BLE001  # the candidate's failures are the point: counted
+                    failed.append(str(exc))
 
     threads = [threading.Thread(target=traffic, daemon=True) for _ in range(4)]
     for thread in threads:
@@ -173,7 +173,8 @@ def rollback_timeline(port: int) -> list[dict[str, float]]:
     stop.set()
     for thread in threads:
         thread.join(30)
-    print(f"  {len(failed)} client requests failed (the candidate's own failures)", flush=True)
+    own = sum("version 2 degraded" in message for message in failed)
+    print(f"  {len(failed)} client requests failed, {own} of them with the candidate's own error", flush=True)
     for decision in doc["decisions"]:
         print(f"  {decision['action']} at {decision['weight']}%: {decision['reason']}", flush=True)
     return samples

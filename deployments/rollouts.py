@@ -402,8 +402,7 @@ class Rollouts:
 
     async def _tell_split(self, model: str) -> None:
         routes = self._api.routes
-        replicas = [r for r in routes.replicas() if r.rpartition("/")[0].split("@v", 1)[0] == model]
-        late = await routes.channel.send(replicas, ControlMessage(ROLLOUT_SPLIT, self.split_message(model)),
+        late = await routes.channel.send(routes.model_replicas(model), ControlMessage(ROLLOUT_SPLIT, self.split_message(model)),
                                          _TELL_TIMEOUT_S)
         for replica in late:  # it takes the split when it next polls, or registers
             logger.warning("model replica %s did not take the rollout's split of %s in time", replica, model)

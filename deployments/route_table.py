@@ -157,6 +157,11 @@ class RouteTable:
         return sorted(replica for replica, (a, _, _, seen) in self._listeners.items()
                       if (app is None or a == app) and now - seen < LISTENER_TTL_S)
 
+    def model_replicas(self, model: str) -> list[str]:
+        """The replicas of every version of ``model``, registered lately."""
+        apps = model_apps(model, {entry[0] for entry in self._listeners.values()})
+        return [replica for app in sorted(apps) for replica in self.replicas(app)]
+
     def _routes(self, not_running: AbstractSet[str]) -> dict[str, list[tuple[str, int]]]:
         """``<model>/<version>`` -> the listeners of its replicas, less those in ``not_running``
         (versions none of whose replicas is routable are left to Serve)."""

@@ -125,10 +125,8 @@ def _head_fields(head: bytes) -> list[tuple[bytes, bytes]]:
     end = head.find(b"\r\n\r\n")
     if end < 0:
         end = head.rfind(b"\r\n")  # a head still arriving: its whole lines
-    try:
+    with contextlib.suppress(httptools.HttpParserError):  # what was read before the error stays
         httptools.HttpRequestParser(fields).feed_data(head[:end] + b"\r\n\r\n")
-    except httptools.HttpParserError:
-        pass  # what was read before the error stays
     return fields.fields
 
 
@@ -352,13 +350,12 @@ class Acceptor:
             directed, _, left = directed.partition(" ")
             if kind != "http":
                 key = f"{key}{split.candidate}" if split.weight > 50 else key
-            elif not head.startswith(b"POST "):
-                pass  # a model GET: the stable version's, the default one
-            elif not sticky and directed.startswith(key) and self._routes.listeners.get(directed):
-                key = directed
-                given_for += f"\n{left}" if left.isdigit() else ""
-            elif pick_version(split, sticky) == split.candidate:
-                key = f"{key}{split.candidate}"
+            elif head.startswith(b"POST "):  # an inference (a model GET stays the stable version's)
+                if not sticky and directed.startswith(key) and self._routes.listeners.get(directed):
+                    key = directed
+                    given_for += f"\n{left}" if left.isdigit() else ""
+                elif pick_version(split, sticky) == split.candidate:
+                    key = f"{key}{split.candidate}"
         if not key:
             # Not a model's request (health, metadata, the repository API): a replica of this
             # machine relays it to HAProxy, then gives the connection back, which its next

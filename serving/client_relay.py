@@ -6,10 +6,11 @@ may then ask for anything on it (readiness, another model, the repository API). 
 listener (:mod:`replica_listener`) sends such a request, unchanged but for its hop-by-hop
 headers, to HAProxy's Unix socket with ``connection: close``, and writes the answer back with
 the connection's own keep-alive. A gRPC call (:func:`relay_grpc`; at a rollout's split, every
-call picked for the other version) goes as HTTP/1.1 on a connection kept for the next one. A request that stops the replica itself (unloading its model)
-is answered only once the replica is gone: a replica that stops while a relayed answer has not
-begun hands both connections to the acceptor (:meth:`RelayedRequest.hand_over`), which copies the
-answer to the client, then closes it.
+call picked for the other version) goes as HTTP/1.1 on a connection kept for the next one. A
+request that stops the replica itself (unloading its model) is answered only once the replica is
+gone: a replica that stops while a relayed answer has not begun hands both connections to the
+acceptor (:meth:`RelayedRequest.hand_over`), which copies the answer to the client, then
+closes it.
 """
 
 from __future__ import annotations

@@ -29,8 +29,8 @@ class _Routes:
     async def publish(self) -> None:
         self.published += 1
 
-    def replicas(self) -> list[str]:
-        return self._replicas
+    def model_replicas(self, model: str) -> list[str]:
+        return [replica for replica in self._replicas if replica.split("/")[0].split("@v")[0] == model]
 
 
 def _api(tmp_path: Path) -> SimpleNamespace:
