@@ -50,7 +50,7 @@ from rayinfer.protocol.grpc_wire import INCOMPLETE, NOT_DIRECT_RPCS, PREFACE, RO
 from rayinfer.protocol.limits import HEAD_TOO_LARGE, MAX_REQUEST_HEAD_BYTES, MAX_REQUEST_HEADERS, TOO_MANY_HEADERS, bad_head_answer
 from rayinfer.serving.handoff import RELAY_SOCKETS, SPLICE, handoff_name, return_name, same_user
 from rayinfer.serving.routes import front_routed
-from rayinfer.serving.version_split import VersionSplit, pick_version, sticky_value
+from rayinfer.serving.version_split import SplitPlacement, VersionSplit, pick_version, sticky_value
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +71,9 @@ _REFUSED_FOR_S = 2.0
 # A replica that gave its connections back because it stops gets none for this long (its route
 # goes within about 2 s).
 _STOPPING_S = 30.0
+# A client connection at a rollout's split that has not been placed again for this long counts at its
+# version no more (a replica gives a connection back between two requests every 2 s).
+_PLACED_FOR_S = 10.0
 # An HTTP/1.x request line, as leniently as HAProxy reads one (a token, a target, the version).
 _REQUEST_LINE = re.compile(rb"[-!#$%&'*+.^_`|~0-9A-Za-z]+ +[^ ]+ +HTTP/1\.\d *")
 # HAProxy's environment variables holding the descriptors of its ends of the socket pairs.
@@ -228,6 +231,7 @@ class Acceptor:
         self._refused: dict[str, float] = {}  # acceptor name -> when it may be tried again
         self._next: dict[str, int] = {}  # route key -> the replica the next connection goes to
         self._directed: dict[socket.socket, str] = {}  # connection -> the route key of its next run
+        self._placement = SplitPlacement(_PLACED_FOR_S)  # the runs of connections at rollouts' splits
 
     def serve(self, seconds: float) -> None:
         """Serve for about ``seconds``."""
@@ -342,20 +346,29 @@ class Acceptor:
         given_for = key  # the route key the replica is told
         split = self._routes.splits.get(key[:-1]) if key.endswith("/") else None
         if split is not None:
-            # A rollout's version-less request: HTTP/1.1 connections go to the version it picks
-            # (or the one the last run's replica named), whose replica answers a run of them
-            # (version_split.py). gRPC's calls share a connection: it goes to the version with
-            # the larger weight, whose replica relays the other's calls, picked one by one.
+            # A rollout's version-less request: an HTTP/1.1 connection goes to the version its
+            # sticky value picks, or for a run of version-less requests at the version and of the
+            # length the placement says (version_split.py). gRPC's calls share a connection: it
+            # goes to the version with the larger weight, whose replica relays the other's calls,
+            # picked one by one.
             sticky = sticky_value(split, _head_fields(head)) if split.sticky_header and kind == "http" else None
             directed, _, left = directed.partition(" ")
             if kind != "http":
                 key = f"{key}{split.candidate}" if split.weight > 50 else key
             elif head.startswith(b"POST "):  # an inference (a model GET stays the stable version's)
-                if not sticky and directed.startswith(key) and self._routes.listeners.get(directed):
-                    key = directed
-                    given_for += f"\n{left}" if left.isdigit() else ""
-                elif pick_version(split, sticky) == split.candidate:
-                    key = f"{key}{split.candidate}"
+                client = _client_address(connection)
+                if sticky:
+                    key = f"{key}{split.candidate}" if pick_version(split, sticky) == split.candidate else key
+                elif directed.startswith(key) and left.isdigit() and self._routes.listeners.get(directed):
+                    # The rest of a run (its connection was rebalanced, or its replica stops).
+                    version = directed[len(key):]
+                    self._placement.at(key, version if version == split.candidate else "", client, time.monotonic())
+                    key, given_for = directed, f"{given_for}\n{left}"
+                else:  # a new run: the replica of its last one named the other version
+                    version = directed[len(key):] if directed.startswith(key) else ""
+                    version, length = self._placement.place(key, split, client, time.monotonic(),
+                                                            version if version == split.candidate else "")
+                    key, given_for = f"{key}{version}", f"{given_for}\n{length}"
         if not key:
             # Not a model's request (health, metadata, the repository API): a replica of this
             # machine relays it to HAProxy, then gives the connection back, which its next
@@ -445,6 +458,7 @@ class Acceptor:
             self._refused[name] = time.monotonic() + _STOPPING_S
         for fd in fds:
             connection = socket.socket(fileno=fd)
+            self._placement.leaves(_client_address(connection))
             self._wait_for_request(connection, _RETURNED_WAIT_S)
             if move_to:  # a run at a rollout's split: the other version's turn, or the rest of it
                 self._directed[connection] = move_to
@@ -482,6 +496,14 @@ def _refuse(connection: socket.socket, reason: str) -> None:
         while connection.recv(65536, socket.MSG_DONTWAIT):
             continue
     connection.close()
+
+
+def _client_address(connection: socket.socket) -> tuple | None:
+    """The client's address of ``connection`` (which names it while it passes between replicas)."""
+    try:
+        return connection.getpeername()
+    except OSError:  # the client is gone
+        return None
 
 
 def _speaks(head: bytes) -> str:

@@ -12,9 +12,12 @@ A client's HTTP/1.1 connection that the front's acceptor hands to a model replic
 (:mod:`rayinfer.serving.acceptor`) is not proxied request by request: the acceptor places it on
 one version by the same pick, and the replica answers a *run* of its version-less requests
 there (:class:`ConnectionTurn`, :func:`run_length`), then gives it back to the acceptor, which
-places it on the other version for the next run. The minority version's runs are
-:data:`RUN_REQUESTS` long, the majority's as much longer as its weight is larger, so that each
-version answers its weight's share of a connection's requests. A request with a sticky value
+places it again for the next run (:class:`SplitPlacement`). The minority version's runs are
+:data:`RUN_REQUESTS` long, the majority's as much longer as its weight is larger. The acceptor
+places each run at the version furthest behind its weight's share of the requests placed so far,
+unless that version's replicas already hold their weight's share of the model's connections: so
+that each version answers its weight's share of the requests, and the connections stay spread
+over both versions by weight instead of gathering at one. A request with a sticky value
 goes by its bucket wherever it arrives (one on the other version's replica is relayed to the
 front, and the connection placed again by its next request). A gRPC connection's calls share
 it: it goes to the replica of the version with the larger weight, which picks each call with
@@ -24,10 +27,12 @@ it: it goes to the replica of the version with the larger weight, which picks ea
 
 from __future__ import annotations
 
+import math
 import random
 import sys
 import zlib
-from collections.abc import Iterable
+from collections import Counter
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
 
 BUCKETS = 100
@@ -131,3 +136,69 @@ class ConnectionTurn:
         if self.move_to:
             return self.move_to
         return f"{self.version} {self.left}" if self.left and self.version else ""
+
+
+class SplitPlacement:
+    """Where a front's acceptor places the client connections of split models for their next run
+    (``stable`` and ``candidate``: the versions as the split names them). A run goes to the
+    version whose share of the requests placed so far (the runs' lengths, since the weight was
+    last set) is furthest below its weight, unless that version already holds its weight's share
+    of the model's connections (rounded up): then to the other. Connections are known by their
+    client's address; one not placed again within ``expire_s`` counts no more (it closed, or its
+    client went idle: a replica gives a connection back between two requests every few seconds)."""
+
+    def __init__(self, expire_s: float) -> None:
+        self._expire_s = expire_s
+        self._at: dict[Hashable, tuple[str, str, float]] = {}  # client -> (model, version, placed at)
+        self._connections: Counter[tuple[str, str]] = Counter()  # (model, version) -> connections there
+        self._requests: dict[str, tuple[int, Counter[str]]] = {}  # model -> (weight, requests placed per version)
+        self._swept_at = 0.0
+
+    def place(self, model: str, split: VersionSplit, client: Hashable, now: float,
+              preferred: str = "") -> tuple[str, int]:
+        """(version, run length) of the next run of ``client``'s connection to ``model``;
+        ``preferred``: the version it goes to when both are as far behind (the other one than
+        its last run's, so that one client's runs alternate)."""
+        self._sweep(now)
+        self.leaves(client)
+        weight, placed = self._requests.get(model, (-1, Counter()))
+        if weight != split.weight:  # a new weight: shares count from now
+            placed = Counter()
+            self._requests[model] = (split.weight, placed)
+        shares = {split.stable: BUCKETS - split.weight, split.candidate: split.weight}
+        connections = 1 + self._connections[(model, split.stable)] + self._connections[(model, split.candidate)]
+        total = sum(placed.values())
+        behind = sorted(shares, key=lambda v: (placed[v] - shares[v] * total / BUCKETS, v != preferred,
+                                               random.random()))
+        version = next((v for v in behind if self._connections[(model, v)] < math.ceil(shares[v] * connections / BUCKETS)),
+                       behind[0])
+        length = run_length(split, version)
+        placed[version] += min(length, 1 << 62)
+        self.at(model, version, client, now)
+        return version, length
+
+    def at(self, model: str, version: str, client: Hashable, now: float) -> None:
+        """``client``'s connection is at ``version`` of ``model`` (placed there to go on with its run;
+        None: a client whose address is not known, not counted)."""
+        self.leaves(client)
+        if client is None:
+            return
+        self._at[client] = (model, version, now)
+        self._connections[(model, version)] += 1
+
+    def leaves(self, client: Hashable) -> None:
+        """``client``'s connection is at no version (given back, or closed)."""
+        entry = self._at.pop(client, None)
+        if entry is not None:
+            self._connections[entry[:2]] -= 1
+
+    def connections(self, model: str, version: str) -> int:
+        """How many connections to ``model`` are counted at ``version``."""
+        return self._connections[(model, version)]
+
+    def _sweep(self, now: float) -> None:
+        if now - self._swept_at < self._expire_s / 4:
+            return
+        self._swept_at = now
+        for client in [c for c, (_, _, placed_at) in self._at.items() if now - placed_at > self._expire_s]:
+            self.leaves(client)

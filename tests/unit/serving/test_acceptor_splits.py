@@ -1,11 +1,11 @@
 """A rollout's split on the clients' HTTP/1.1 connections the front's acceptor (a real supervisor
 and HAProxy) hands to replicas: a connection answers runs of version-less requests at one
-version's replica and moves to the other's between runs, so that each answers its weight's share
-with no proxy in between; a sticky value's requests always reach its version. A gRPC connection
-goes to the version with the larger weight, whose replica relays the other version's calls
-(on a connection to HAProxy kept from one to the next).
-Stand-in listeners of tests/front_stand_ins.py as the two versions' replicas; raw sockets and
-tritonclient.grpc as clients."""
+version's replica and is placed again between runs, so that each version answers its weight's
+share with no proxy in between and the connections stay spread over both by weight; a sticky
+value's requests always reach its version. A gRPC connection goes to the version with the larger
+weight, whose replica relays the other version's calls (on a connection to HAProxy kept from one
+to the next). Stand-in listeners of tests/front_stand_ins.py as the two versions' replicas; raw
+sockets and tritonclient.grpc as clients."""
 
 from __future__ import annotations
 
@@ -79,6 +79,26 @@ def test_a_connection_answers_each_versions_weight_in_runs_at_its_replica(loop, 
         try:
             _check_runs([_infer(client) for _ in range(requests)], weight)
         finally:
+            client.close()
+        _unsplit(loop, front)
+
+
+def test_many_connections_stay_spread_over_both_versions_by_weight(loop, acceptor):
+    """Eight clients in lockstep at 50%: neither version's replica ever holds more than four of
+    their connections (their runs would otherwise gather them at one), and each version answers
+    half of the requests."""
+    front, port = acceptor
+    one, two = _split_replicas(loop, front, VersionSplit("1", "2", 50))
+    clients = [_Client(port) for _ in range(8)]
+    answers, most = [], 0
+    try:
+        for _ in range(5 * RUN_REQUESTS):
+            answers += [_infer(client) for client in clients]
+            most = max(most, _direct_connections(one), _direct_connections(two))
+        assert most <= 4
+        assert abs(Counter(answers)["two"] / len(answers) - 0.5) <= 2 * RUN_REQUESTS / len(answers)
+    finally:
+        for client in clients:
             client.close()
         _unsplit(loop, front)
 

@@ -19,6 +19,7 @@ from rayinfer.serving.shadow import ShadowCounts, answers_agree, labels_agree
 from rayinfer.serving.version_split import (
     RUN_REQUESTS,
     ConnectionTurn,
+    SplitPlacement,
     VersionSplit,
     bucket_of,
     pick_version,
@@ -90,6 +91,59 @@ def test_a_connections_runs_give_each_version_its_weights_share():
         if turn.move_to:
             version, turn = turn.move_to, ConnectionTurn()
     assert served["2"] / sum(served.values()) == pytest.approx(0.2, abs=RUN_REQUESTS / 500)
+
+
+def _placed_runs(weight: int, clients: int, rounds: int, speed=lambda version: 1) -> tuple[Counter, int]:
+    """Clients that each answer a run at a time, in lockstep (a client at a version of speed k
+    takes k rounds a request): (requests answered per version, the most connections any version
+    held beyond its weight's share, rounded up)."""
+    split, placement = VersionSplit("1", "2", weight), SplitPlacement(expire_s=60)
+    served, worst = Counter(), 0
+    runs = {client: [*placement.place("m", split, client, 0.0), 0] for client in range(clients)}
+    for now in range(rounds):
+        for client, run in runs.items():
+            version, left, waited = run
+            if waited + 1 < speed(version):
+                run[2] += 1
+                continue
+            served[version] += 1
+            run[1], run[2] = left - 1, 0
+            if run[1] == 0:
+                placement.leaves(client)
+                run[:2] = placement.place("m", split, client, now / 1000)  # a round: 1 ms
+        for version, share in (("1", 100 - weight), ("2", weight)):
+            worst = max(worst, placement.connections("m", version) - math.ceil(share * clients / 100))
+    return served, worst
+
+
+@pytest.mark.parametrize("weight", [1, 10, 50, 80])
+@pytest.mark.parametrize("clients", [1, 2, 8, 50])
+def test_placed_runs_give_each_version_its_weight_and_spread_the_connections_by_it(weight, clients):
+    served, worst = _placed_runs(weight, clients, rounds=400 * RUN_REQUESTS // clients + 20 * RUN_REQUESTS)
+    assert worst <= 0, (weight, clients)  # no version holds more than its share of the connections
+    share = served["2"] / sum(served.values())
+    # Within two runs of the requests answered, or of a connection's share of them.
+    assert share == pytest.approx(weight / 100, abs=max(2 * RUN_REQUESTS * clients / sum(served.values()), 0.02))
+
+
+def test_a_slower_candidate_gets_no_more_connections_than_its_share():
+    # Three times slower: without a bound its connections stay three times longer.
+    served, worst = _placed_runs(10, 8, rounds=300 * RUN_REQUESTS, speed=lambda v: 3 if v == "2" else 1)
+    assert worst <= 0
+    assert 0.02 < served["2"] / sum(served.values()) <= 0.1
+
+
+def test_a_placement_counts_a_connection_once_and_forgets_one_not_placed_again():
+    placement, split = SplitPlacement(expire_s=10), VersionSplit("", "2", 50)
+    version, length = placement.place("m/", split, ("10.0.0.1", 5000), 0.0)
+    assert length == RUN_REQUESTS and placement.connections("m/", version) == 1
+    # Placed again (its run ended, or goes on): it moves, it is not counted twice.
+    placement.at("m/", "2", ("10.0.0.1", 5000), 1.0)
+    assert placement.connections("m/", "2") == 1 and placement.connections("m/", "") == 0
+    placement.at("m/", "", None, 1.0)  # an unknown client's address: not counted
+    assert placement.connections("m/", "") == 0
+    placement.place("m/", split, ("10.0.0.2", 5000), 20.0)  # 19 s later: the first one is forgotten
+    assert placement.connections("m/", "2") + placement.connections("m/", "") == 1
 
 
 def test_a_turn_carries_its_rest_cuts_it_on_a_new_weight_and_leaves_sticky_values_alone():
