@@ -45,7 +45,7 @@ from pathlib import Path
 
 from rayinfer.serving import front_config, front_supervisor
 from rayinfer.serving.front_config import LUA, Endpoint, TlsSettings
-from rayinfer.serving.acceptor import routes_on_disk, splits_on_disk
+from rayinfer.serving.front_maps import MapPaths, routes_on_disk, splits_on_disk
 from rayinfer.protocol.limits import DEFAULT_HTTP_MAX_INPUT_SIZE, DEFAULT_MAX_INFLIGHT_REQUESTS
 from rayinfer.protocol.restricted_api import Restrictions
 
@@ -114,7 +114,7 @@ class Front:
         for address, port in self._binds:
             front_supervisor.remove_stale_fronts(address, port)
         self._use_folder(Path(tempfile.mkdtemp(prefix=front_supervisor.DIR_PREFIX)))
-        for path in (self._counts_path, self._listeners_path, self._sequences_path, *self._split_paths.values()):
+        for path in self._maps.all():
             path.write_text("")
         (self._dir / LUA.name).write_text(LUA.read_text())
         for kind, settings in tls.items():  # the certificate and its key, readable by this user only
@@ -145,10 +145,7 @@ class Front:
     def _use_folder(self, folder: Path) -> None:
         self._dir = folder
         self._admin = folder / "admin.sock"
-        self._counts_path = folder / "replicas.map"
-        self._listeners_path = folder / "listeners.map"
-        self._sequences_path = folder / "sequences.map"
-        self._split_paths = {name: folder / f"{name}.map" for name in front_config.SPLIT_MAPS}
+        self._maps = MapPaths.of(folder)
 
     @property
     def running(self) -> bool:
@@ -215,9 +212,9 @@ class Front:
             for n, (host, port) in enumerate(addresses)
         }
         counts = {key: str(len(addresses)) for key, addresses in routes.items()}
-        await self._replace_map(self._listeners_path, listeners)
-        await self._replace_map(self._sequences_path, {key: "1" for key in sequence_keys})
-        await self._replace_map(self._counts_path, counts)
+        await self._replace_map(self._maps.listeners, listeners)
+        await self._replace_map(self._maps.sequences, {key: "1" for key in sequence_keys})
+        await self._replace_map(self._maps.counts, counts)
         self._published = routes
         self._sequence_keys = sequence_keys
         logger.debug("front routes: %s", routes)
@@ -230,10 +227,10 @@ class Front:
         weights = {model: str(weight) for model, (weight, _, _) in splits.items()}
         unchanged = {model for model, (_, version, header) in splits.items()
                      if self._splits.get(model, (0, None, None))[1:] == (version, header)}
-        await self._replace_map(self._split_paths["splits"], {m: w for m, w in weights.items() if m in unchanged})
-        await self._replace_map(self._split_paths["split_versions"], {m: v for m, (_, v, _) in splits.items()})
-        await self._replace_map(self._split_paths["split_headers"], {m: h for m, (_, _, h) in splits.items() if h})
-        await self._replace_map(self._split_paths["splits"], weights)
+        await self._replace_map(self._maps.splits, {m: w for m, w in weights.items() if m in unchanged})
+        await self._replace_map(self._maps.split_versions, {m: v for m, (_, v, _) in splits.items()})
+        await self._replace_map(self._maps.split_headers, {m: h for m, (_, _, h) in splits.items() if h})
+        await self._replace_map(self._maps.splits, weights)
         self._splits = splits
         logger.info("front splits: %s", splits)
 

@@ -20,37 +20,34 @@ the acceptor passes each on again by its next request, so connections spread ove
 started since and outlive the replica that held them.
 
 gRPC connections (HTTP/2) are placed the same way by their first call, read from its headers
-and the start of its message (:func:`grpc_route_key`; the acceptor first sends the server's preface,
-which a gRPC client waits for); a replica answers its version's model calls on them
+and the start of its message (:mod:`request_heads`; the acceptor first sends the server's
+preface, which a gRPC client waits for); a replica answers its version's model calls on them
 (:mod:`replica_h2`), and its streams (by the model their first message names; any replica here
 for a stream whose first message has not come within :data:`_PEEK_WAIT_S`), and never gives one
 back: it closes it gracefully when it is due to be rebalanced, and the client's gRPC library opens
 a new one, which the acceptor places again.
 
 The acceptor runs in the front's supervisor (:mod:`front_supervisor`), and reads the
-front's route maps from disk (written after each change by :meth:`front.Front.publish`).
+front's route maps from disk (:mod:`front_maps`, written after each change by :meth:`front.Front.publish`).
 A replica's handoff socket is an abstract Unix socket named after its listener's address, so it is
 private to the network namespace, like the listener.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import re
 import selectors
 import socket
 import threading
 import time
 from pathlib import Path
 
-import httptools
-
-from rayinfer.protocol.grpc_wire import INCOMPLETE, NOT_DIRECT_RPCS, PREFACE, ROUTED_RPCS, STREAM_RPC, first_call, settings
-from rayinfer.protocol.limits import HEAD_TOO_LARGE, MAX_REQUEST_HEAD_BYTES, MAX_REQUEST_HEADERS, TOO_MANY_HEADERS, bad_head_answer
+from rayinfer.protocol.grpc_wire import INCOMPLETE, PREFACE, settings
+from rayinfer.protocol.limits import MAX_REQUEST_HEAD_BYTES
+from rayinfer.serving.front_maps import RouteMaps
 from rayinfer.serving.handoff import RELAY_SOCKETS, SPLICE, handoff_name, return_name, same_user
-from rayinfer.serving.routes import front_routed
-from rayinfer.serving.version_split import SplitPlacement, VersionSplit, pick_version, sticky_value
+from rayinfer.serving.request_heads import bad_request_head, grpc_route_key, head_fields, protocol_of, refuse, route_key
+from rayinfer.serving.version_split import SplitPlacement, pick_version, sticky_value
 
 logger = logging.getLogger(__name__)
 
@@ -74,136 +71,8 @@ _STOPPING_S = 30.0
 # A client connection at a rollout's split that has not been placed again for this long counts at its
 # version no more (a replica gives a connection back between two requests every 2 s).
 _PLACED_FOR_S = 10.0
-# An HTTP/1.x request line, as leniently as HAProxy reads one (a token, a target, the version).
-_REQUEST_LINE = re.compile(rb"[-!#$%&'*+.^_`|~0-9A-Za-z]+ +[^ ]+ +HTTP/1\.\d *")
 # HAProxy's environment variables holding the descriptors of its ends of the socket pairs.
 HANDOFF_FD_VARIABLES = {"http": "RAYINFER_ACCEPTOR_FD", "grpc": "RAYINFER_GRPC_ACCEPTOR_FD"}
-
-
-class _RequestTarget:
-    """The request target httptools reads from a request line."""
-
-    def __init__(self) -> None:
-        self.url = b""
-        self.ended = False
-
-    def on_url(self, url: bytes) -> None:
-        self.url += url
-
-    def on_headers_complete(self) -> None:
-        self.ended = True
-
-
-def route_key(request: bytes) -> str | None:
-    """``<model>/<version>`` of a request line that is a model call or a model GET, "" for
-    another HTTP/1.x request, None for what is not one (the line parsed by httptools)."""
-    line, found, _ = request.partition(b"\r\n")
-    if not found:
-        return None
-    target = _RequestTarget()
-    parser = httptools.HttpRequestParser(target)
-    try:
-        parser.feed_data(line + b"\r\n\r\n")  # the line alone, as a whole head
-    except httptools.HttpParserError:
-        return None
-    if not target.ended or not parser.get_http_version().startswith("1."):
-        return None
-    route = front_routed(parser.get_method().decode("latin-1"), target.url.partition(b"?")[0].decode("latin-1"))
-    return "" if route is None else f"{route.model}/{route.version}"
-
-
-class _HeadFields:
-    """The header fields httptools reads from a request head."""
-
-    def __init__(self) -> None:
-        self.fields: list[tuple[bytes, bytes]] = []
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        self.fields.append((name, value))
-
-
-def _head_fields(head: bytes) -> list[tuple[bytes, bytes]]:
-    """The header fields of the request head ``head`` starts (as many as have arrived whole)."""
-    fields = _HeadFields()
-    end = head.find(b"\r\n\r\n")
-    if end < 0:
-        end = head.rfind(b"\r\n")  # a head still arriving: its whole lines
-    with contextlib.suppress(httptools.HttpParserError):  # what was read before the error stays
-        httptools.HttpRequestParser(fields).feed_data(head[:end] + b"\r\n\r\n")
-    return fields.fields
-
-
-def grpc_route_key(head: bytes, stream_message: bool = True) -> str | None:
-    """``<model>/<version>`` of a gRPC connection's first call (its first bytes ``head``) that is
-    a model RPC or a stream, "" for another unary call of the service a replica relays, None for a
-    connection HAProxy takes (a model load or unload, another service, a compressed message, not
-    HTTP/2); :data:`INCOMPLETE` when more bytes are needed (a stream's first message, unless
-    ``stream_message`` is False: then "" for a stream without it)."""
-    call = first_call(head, stream_message=stream_message)
-    if call is INCOMPLETE:
-        return INCOMPLETE  # type: ignore[return-value]
-    if call is None or not call.method or "/" in call.method or call.method in NOT_DIRECT_RPCS:
-        return None
-    if call.method == STREAM_RPC:
-        return f"{call.model}/{call.version}" if call.model else ""
-    if call.method not in ROUTED_RPCS:
-        return ""
-    return f"{call.model}/{call.version}" if call.model else None
-
-
-def routes_on_disk(folder: Path) -> tuple[dict[str, list[tuple[str, int]]], frozenset[str]]:
-    """The routes the front in ``folder`` was last given (its maps, as written after each
-    change): ``<model>/<version>`` -> its listeners, and the keys routed by sequence slot."""
-    addresses = {}
-    for line in (folder / "listeners.map").read_text().splitlines():
-        entry, _, listener = line.partition(" ")
-        host, _, port = listener.rpartition("|")
-        addresses[entry] = (host, int(port))
-    routes = {}
-    for line in (folder / "replicas.map").read_text().splitlines():
-        key, _, count = line.partition(" ")
-        routes[key] = [addresses[f"{key}/{n}"] for n in range(int(count)) if f"{key}/{n}" in addresses]
-    sequences = frozenset(line.partition(" ")[0] for line in (folder / "sequences.map").read_text().splitlines())
-    return routes, sequences
-
-
-def splits_on_disk(folder: Path) -> dict[str, tuple[int, str, str]]:
-    """The rollouts' splits the front in ``folder`` was last given: model -> (the candidate's
-    weight, its version, the sticky header or "")."""
-    def read(name: str) -> dict[str, str]:
-        path = folder / f"{name}.map"
-        lines = path.read_text().splitlines() if path.exists() else []
-        return dict(line.partition(" ")[::2] for line in lines if line)
-
-    weights, versions, headers = read("splits"), read("split_versions"), read("split_headers")
-    return {model: (int(weight), versions[model], headers.get(model, ""))
-            for model, weight in weights.items() if model in versions}
-
-
-class _Routes:
-    """The front's route maps as last written to disk."""
-
-    def __init__(self, folder: Path) -> None:
-        self._folder = folder
-        self._paths = [folder / "replicas.map", folder / "listeners.map", folder / "sequences.map",
-                       folder / "splits.map"]
-        self._stamps: list[int] = []
-        self.listeners: dict[str, list[tuple[str, int]]] = {}
-        self.sequences: frozenset[str] = frozenset()
-        # Models in a rollout: their version-less requests are split between two versions.
-        self.splits: dict[str, VersionSplit] = {}
-
-    def refresh(self) -> None:
-        """Read the maps again if they changed (three stat calls per new connection)."""
-        try:
-            stamps = [path.stat().st_mtime_ns if path.exists() else 0 for path in self._paths]
-            if stamps != self._stamps:
-                self.listeners, self.sequences = routes_on_disk(self._folder)
-                self.splits = {model: VersionSplit("", candidate, weight, header)
-                               for model, (weight, candidate, header) in splits_on_disk(self._folder).items()}
-                self._stamps = stamps
-        except (OSError, ValueError):  # a map being written: the last one read stays
-            return
 
 
 class Acceptor:
@@ -215,7 +84,7 @@ class Acceptor:
     def __init__(self, listening: dict[str, socket.socket], haproxy: dict[str, socket.socket], folder: Path) -> None:
         self._haproxy = haproxy
         self._relays = {kind: str(folder / name).encode() for kind, name in RELAY_SOCKETS.items()}
-        self._routes = _Routes(folder)
+        self._routes = RouteMaps(folder)
         self._selector = selectors.DefaultSelector()
         for kind, sock in listening.items():
             self._selector.register(sock, selectors.EVENT_READ, lambda s, kind=kind: self._accept(s, kind))
@@ -288,7 +157,7 @@ class Acceptor:
             return
         except OSError:
             head = b""
-        kind = self._kinds[connection] = self._kinds[connection] or _speaks(head)
+        kind = self._kinds[connection] = self._kinds[connection] or protocol_of(head)
         if kind == "grpc":
             key = grpc_route_key(head) if head else None
             if key is INCOMPLETE and len(head) < _PEEK_BYTES:  # the rest of its first call is on its way
@@ -306,7 +175,7 @@ class Acceptor:
         if kind == "http" and not key:  # not a model's request: HAProxy answers it, directly or relayed
             refusal = bad_request_head(head)
             if refusal is not None:
-                _refuse(connection, refusal)
+                refuse(connection, refusal)
                 return
         if key is None or not self._to_replica(connection, key, kind, head, directed):
             self._to_haproxy(connection, kind)
@@ -333,7 +202,7 @@ class Acceptor:
         kind = self._kinds.pop(connection, "")
         if not kind:
             try:
-                kind = _speaks(connection.recv(len(PREFACE), socket.MSG_PEEK))
+                kind = protocol_of(connection.recv(len(PREFACE), socket.MSG_PEEK))
             except OSError:
                 kind = "http"
         return kind
@@ -351,7 +220,7 @@ class Acceptor:
             # length the placement says (version_split.py). gRPC's calls share a connection: it
             # goes to the version with the larger weight, whose replica relays the other's calls,
             # picked one by one.
-            sticky = sticky_value(split, _head_fields(head)) if split.sticky_header and kind == "http" else None
+            sticky = sticky_value(split, head_fields(head)) if split.sticky_header and kind == "http" else None
             directed, _, left = directed.partition(" ")
             if kind != "http":
                 key = f"{key}{split.candidate}" if split.weight > 50 else key
@@ -464,51 +333,12 @@ class Acceptor:
                 self._directed[connection] = move_to
 
 
-def bad_request_head(head: bytes) -> str | None:
-    """Why the request head ``head`` starts (the most the acceptor peeks) is refused, or None: a
-    request line that is not HTTP/1.x (HAProxy's parser would answer it with an HTML page), a
-    line or head longer than the peek, more headers than the limit (:mod:`limits`). A head not
-    all arrived yet is judged by what has."""
-    if head[:len(PREFACE)] == PREFACE[:len(head)]:  # HTTP/2 with prior knowledge: HAProxy's
-        return None
-    end = head.find(b"\r\n")
-    if end < 0:
-        return "request line too long" if len(head) >= _PEEK_BYTES else None
-    if _REQUEST_LINE.fullmatch(head[:end]) is None:
-        return "malformed request line"
-    head_end = head.find(b"\r\n\r\n")
-    if head_end < 0 and len(head) >= _PEEK_BYTES:
-        return HEAD_TOO_LARGE
-    headers = head.count(b"\r\n", 0, head_end if head_end >= 0 else len(head))  # the line ends before it
-    if headers > MAX_REQUEST_HEADERS:
-        return TOO_MANY_HEADERS
-    return None
-
-
-def _refuse(connection: socket.socket, reason: str) -> None:
-    """Answer a request head refused for ``reason`` with Triton's form of a 400, then close."""
-    # (a short answer on a new connection: its send buffer takes it at once). OSError: nothing
-    # more to read now, or the client is gone.
-    with contextlib.suppress(OSError):
-        connection.send(bad_head_answer(reason))
-        connection.shutdown(socket.SHUT_WR)
-        # What the client sent so far: closing with it unread would reset the answer away.
-        while connection.recv(65536, socket.MSG_DONTWAIT):
-            continue
-    connection.close()
-
-
 def _client_address(connection: socket.socket) -> tuple | None:
     """The client's address of ``connection`` (which names it while it passes between replicas)."""
     try:
         return connection.getpeername()
     except OSError:  # the client is gone
         return None
-
-
-def _speaks(head: bytes) -> str:
-    """The protocol of a connection given back (it has no port of its own), by its first bytes."""
-    return "grpc" if head and head[:len(PREFACE)] == PREFACE[:len(head)] else "http"
 
 
 def _splice(client: socket.socket, upstream: socket.socket, first: bytes) -> None:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rayinfer.serving.acceptor import HANDOFF_FD_VARIABLES
+from rayinfer.serving.front_maps import MapPaths
 from rayinfer.serving.handoff import GRPC_RELAY_SOCKET, RELAY_SOCKET, REPLICA_RELAY_SOCKET
 from rayinfer.protocol.grpc_wire import ROUTED_RPCS, SERVICE
 from rayinfer.protocol.limits import (
@@ -38,7 +39,6 @@ from rayinfer.serving.routes import UNROUTED_PREFIX
 # HAProxy's Lua fetches reading a sequence request's correlation id (copied to the front's folder).
 LUA = Path(__file__).with_name("front_sequences.lua")
 # The maps of the rollouts' splits (serving/version_split.py), each "<model> <value>".
-SPLIT_MAPS = ("splits", "split_versions", "split_headers")
 # (address, port) a front port binds to, and (host, port) of Serve's ingress behind it.
 Endpoint = tuple[str, int, str, int]
 
@@ -362,9 +362,9 @@ def render(folder: Path, http: Endpoint | None, grpc: Endpoint | None, server_ap
     (:mod:`acceptor`); ``tls``: TLS by port kind ("http", "grpc"), on ports without an acceptor."""
     busy = inflight_limit_message(max_inflight)
     tls = tls or {}
-    paths = {"counts": folder / "replicas.map", "listeners": folder / "listeners.map",
-             "sequences": folder / "sequences.map"}
-    split_maps = {name: folder / f"{name}.map" for name in SPLIT_MAPS}
+    maps = MapPaths.of(folder)
+    paths = {"counts": maps.counts, "listeners": maps.listeners, "sequences": maps.sequences}
+    split_maps = {"splits": maps.splits, "split_versions": maps.split_versions, "split_headers": maps.split_headers}
     parts = [_GLOBAL.format(ring=EVENTS_RING, admin=folder / "admin.sock", threads=threads, http_errors=_http_errors(),
                             lua=folder / LUA.name)]
     if http is not None:

@@ -13,7 +13,7 @@ import tritonclient.grpc as grpcclient
 
 from front_stand_ins import Replica, free_port, get, http_exchange, post
 from rayinfer.deployments.front import Front
-from rayinfer.serving.acceptor import splits_on_disk
+from rayinfer.serving.front_maps import splits_on_disk
 from rayinfer.serving.version_split import VersionSplit, pick_version
 
 

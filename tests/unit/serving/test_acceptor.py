@@ -12,7 +12,8 @@ import pytest
 
 from front_stand_ins import Replica, free_port, publish
 from rayinfer.deployments.front import Front
-from rayinfer.serving.acceptor import listening_socket, route_key
+from rayinfer.serving.acceptor import listening_socket
+from rayinfer.serving.request_heads import route_key
 from waiting import wait_until
 
 

@@ -22,7 +22,7 @@ from tritonclient.utils import InferenceServerException
 from front_stand_ins import UNICODE_ERROR, Replica, free_port, infer, publish
 from rayinfer.serving import replica_h2
 from rayinfer.deployments.front import Front
-from rayinfer.serving.acceptor import grpc_route_key
+from rayinfer.serving.request_heads import grpc_route_key
 from rayinfer.serving.replica_h2 import H2Connection
 from rayinfer.protocol.grpc_wire import DATA, END_HEADERS, END_STREAM, HEADERS, INCOMPLETE, PREFACE, frame, goaway, settings
 from waiting import wait_until
