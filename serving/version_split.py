@@ -15,9 +15,9 @@ there (:class:`ConnectionTurn`, :func:`run_length`), then gives it back to the a
 places it again for the next run (:class:`SplitPlacement`). The minority version's runs are
 :data:`RUN_REQUESTS` long, the majority's as much longer as its weight is larger. The acceptor
 places each run at the version furthest behind its weight's share of the requests placed so far,
-unless that version's replicas already hold their weight's share of the model's connections: so
-that each version answers its weight's share of the requests, and the connections stay spread
-over both versions by weight instead of gathering at one. A request with a sticky value
+unless that version's replicas already hold one connection more than their weight's share of the
+model's connections: so that each version answers its weight's share of the requests, and the
+connections stay spread over both versions by weight instead of gathering at one. A request with a sticky value
 goes by its bucket wherever it arrives (one on the other version's replica is relayed to the
 front, and the connection placed again by its next request). A gRPC connection's calls share
 it: it goes to the replica of the version with the larger weight, which picks each call with
@@ -142,8 +142,8 @@ class SplitPlacement:
     """Where a front's acceptor places the client connections of split models for their next run
     (``stable`` and ``candidate``: the versions as the split names them). A run goes to the
     version whose share of the requests placed so far (the runs' lengths, since the weight was
-    last set) is furthest below its weight, unless that version already holds its weight's share
-    of the model's connections (rounded up): then to the other. Connections are known by their
+    last set) is furthest below its weight, unless that version already holds one connection more
+    than its weight's share of the model's connections (rounded up): then to the other. Connections are known by their
     client's address; one not placed again within ``expire_s`` counts no more (it closed, or its
     client went idle: a replica gives a connection back between two requests every few seconds)."""
 
@@ -168,10 +168,12 @@ class SplitPlacement:
         shares = {split.stable: BUCKETS - split.weight, split.candidate: split.weight}
         connections = 1 + self._connections[(model, split.stable)] + self._connections[(model, split.candidate)]
         total = sum(placed.values())
-        behind = sorted(shares, key=lambda v: (placed[v] - shares[v] * total / BUCKETS, v != preferred,
-                                               random.random()))
-        version = next((v for v in behind if self._connections[(model, v)] < math.ceil(shares[v] * connections / BUCKETS)),
-                       behind[0])
+        behind = sorted((v for v in shares if shares[v] > 0),
+                        key=lambda v: (placed[v] - shares[v] * total / BUCKETS, v != preferred, random.random()))
+        # One connection beyond its share (rounded up), so that a few connections never hold one
+        # another in place: with two clients at 50%, each one's runs still alternate.
+        version = next((v for v in behind
+                        if self._connections[(model, v)] <= math.ceil(shares[v] * connections / BUCKETS)), behind[0])
         length = run_length(split, version)
         placed[version] += min(length, 1 << 62)
         self.at(model, version, client, now)

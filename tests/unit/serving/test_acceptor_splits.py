@@ -84,7 +84,7 @@ def test_a_connection_answers_each_versions_weight_in_runs_at_its_replica(loop, 
 
 
 def test_many_connections_stay_spread_over_both_versions_by_weight(loop, acceptor):
-    """Eight clients in lockstep at 50%: neither version's replica ever holds more than four of
+    """Eight clients in lockstep at 50%: neither version's replica ever holds more than five of
     their connections (their runs would otherwise gather them at one), and each version answers
     half of the requests."""
     front, port = acceptor
@@ -95,8 +95,28 @@ def test_many_connections_stay_spread_over_both_versions_by_weight(loop, accepto
         for _ in range(5 * RUN_REQUESTS):
             answers += [_infer(client) for client in clients]
             most = max(most, _direct_connections(one), _direct_connections(two))
-        assert most <= 4
+        assert most <= 5
         assert abs(Counter(answers)["two"] / len(answers) - 0.5) <= 2 * RUN_REQUESTS / len(answers)
+    finally:
+        for client in clients:
+            client.close()
+        _unsplit(loop, front)
+
+
+def test_a_client_beside_another_gets_both_versions_by_weight(loop, acceptor):
+    """Two clients at 50%, the second half a run behind the first: each one's own requests go to
+    both versions (neither holds the other in place)."""
+    front, port = acceptor
+    _split_replicas(loop, front, VersionSplit("1", "2", 50))
+    clients = [_Client(port), _Client(port)]
+    answers: list[list[str]] = [[], []]
+    try:
+        answers[0] += [_infer(clients[0]) for _ in range(RUN_REQUESTS // 2)]
+        for _ in range(8 * RUN_REQUESTS):
+            for client, seen in zip(clients, answers):
+                seen.append(_infer(client))
+        for seen in answers:
+            assert 0.3 <= Counter(seen)["two"] / len(seen) <= 0.7, _runs(seen)
     finally:
         for client in clients:
             client.close()
