@@ -225,18 +225,18 @@ class Acceptor:
             if kind != "http":
                 key = f"{key}{split.candidate}" if split.weight > 50 else key
             elif head.startswith(b"POST "):  # an inference (a model GET stays the stable version's)
-                client = _client_address(connection)
+                # The version the last run's replica named, as the split names it ("": the stable one).
+                named = directed[len(key):] if directed.startswith(key) else ""
+                named = named if named == split.candidate else ""
                 if sticky:
                     key = f"{key}{split.candidate}" if pick_version(split, sticky) == split.candidate else key
-                elif directed.startswith(key) and left.isdigit() and self._routes.listeners.get(directed):
+                elif left.isdigit() and directed.startswith(key) and self._routes.listeners.get(directed):
                     # The rest of a run (its connection was rebalanced, or its replica stops).
-                    version = directed[len(key):]
-                    self._placement.at(key, version if version == split.candidate else "", client, time.monotonic())
+                    self._placement.at(key, named, _client_address(connection), time.monotonic())
                     key, given_for = directed, f"{given_for}\n{left}"
                 else:  # a new run: the replica of its last one named the other version
-                    version = directed[len(key):] if directed.startswith(key) else ""
-                    version, length = self._placement.place(key, split, client, time.monotonic(),
-                                                            version if version == split.candidate else "")
+                    version, length = self._placement.place(key, split, _client_address(connection),
+                                                            time.monotonic(), named)
                     key, given_for = f"{key}{version}", f"{given_for}\n{length}"
         if not key:
             # Not a model's request (health, metadata, the repository API): a replica of this
@@ -327,7 +327,8 @@ class Acceptor:
             self._refused[name] = time.monotonic() + _STOPPING_S
         for fd in fds:
             connection = socket.socket(fileno=fd)
-            self._placement.leaves(_client_address(connection))
+            if self._routes.splits:  # it counts at no version while it waits for its next request
+                self._placement.leaves(_client_address(connection))
             self._wait_for_request(connection, _RETURNED_WAIT_S)
             if move_to:  # a run at a rollout's split: the other version's turn, or the rest of it
                 self._directed[connection] = move_to

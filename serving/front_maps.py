@@ -80,7 +80,7 @@ class RouteMaps:
         self.splits: dict[str, VersionSplit] = {}
 
     def refresh(self) -> None:
-        """Read the maps again if they changed (four stat calls per new connection)."""
+        """Read the maps again if they changed (a stat of each per new connection)."""
         try:
             stamps = [path.stat().st_mtime_ns if path.exists() else 0 for path in self._paths]
             if stamps != self._stamps:
