@@ -24,8 +24,8 @@ and the start of its message (:mod:`request_heads`; the acceptor first sends the
 preface, which a gRPC client waits for); a replica answers its version's model calls on them
 (:mod:`replica_h2`), and its streams (by the model their first message names; any replica here
 for a stream whose first message has not come within :data:`_PEEK_WAIT_S`), and never gives one
-back: it closes it gracefully when it is due to be rebalanced, and the client's gRPC library opens
-a new one, which the acceptor places again.
+back: it closes it gracefully when it is due to be rebalanced (or its run at a rollout's split
+ends), and the client's gRPC library opens a new one, which the acceptor places again.
 
 The acceptor runs in the front's supervisor (:mod:`front_supervisor`), and reads the
 front's route maps from disk (:mod:`front_maps`, written after each change by :meth:`front.Front.publish`).
@@ -101,6 +101,7 @@ class Acceptor:
         self._next: dict[str, int] = {}  # route key -> the replica the next connection goes to
         self._directed: dict[socket.socket, str] = {}  # connection -> the route key of its next run
         self._placement = SplitPlacement(_PLACED_FOR_S)  # the runs of connections at rollouts' splits
+        self._grpc_placement = SplitPlacement(_PLACED_FOR_S)  # the same of gRPC connections
 
     def serve(self, seconds: float) -> None:
         """Serve for about ``seconds``."""
@@ -217,13 +218,15 @@ class Acceptor:
         if split is not None:
             # A rollout's version-less request: an HTTP/1.1 connection goes to the version its
             # sticky value picks, or for a run of version-less requests at the version and of the
-            # length the placement says (version_split.py). gRPC's calls share a connection: it
-            # goes to the version with the larger weight, whose replica relays the other's calls,
-            # picked one by one.
+            # length the placement says (version_split.py). So does a gRPC connection, whose
+            # replica closes it when its run ends (the client opens the next one, placed here
+            # for its next run) and relays the calls of sticky values of the other version.
             sticky = sticky_value(split, head_fields(head)) if split.sticky_header and kind == "http" else None
             directed, _, left = directed.partition(" ")
             if kind != "http":
-                key = f"{key}{split.candidate}" if split.weight > 50 else key
+                # A client's next connection comes from another address: none is counted.
+                version, length = self._grpc_placement.place(key, split, None, time.monotonic())
+                key, given_for = f"{key}{version}", f"{given_for}\n{length}"
             elif head.startswith(b"POST "):  # an inference (a model GET stays the stable version's)
                 # The version the last run's replica named, as the split names it ("": the stable one).
                 named = directed[len(key):] if directed.startswith(key) else ""

@@ -13,8 +13,10 @@ library sends that call again on a new connection, which the acceptor gives HAPr
 
 An HTTP/2 connection cannot change hands once its header tables hold state, so a replica never
 gives one back to the acceptor: it is rebalanced (when a call ends :data:`_MAX_CONNECTION_AGE_S` or more after
-the connection came, so that clients spread over replicas that started since) and stops the
-way HTTP/2 closes a connection gracefully: a ``GOAWAY`` with the largest stream id and a
+the connection came, so that clients spread over replicas that started since; at a rollout's
+split, when the connection's run of version-less calls here ends, so that the acceptor places
+the client's next connection for its next run) and stops the way HTTP/2 closes a connection
+gracefully: a ``GOAWAY`` with the largest stream id and a
 ``PING``; once the ``PING`` is answered, every call the client sent before it has arrived, and
 a second ``GOAWAY`` names the last of them; once they are answered the replica sends FIN and
 reads on, dropping what arrives, until the client closes its end (:meth:`H2Connection._shut_down`).
@@ -57,6 +59,7 @@ from rayinfer.protocol.grpc_wire import (
 )
 from rayinfer.protocol.limits import GRPC_MAX_MESSAGE_SIZE, ConnectionLimits, inflight_limit_message, message_too_large
 from rayinfer.serving.protocol_stamps import PROTOCOL_STAMPS, ProtocolStamps
+from rayinfer.serving.version_split import ConnectionTurn
 
 logger = logging.getLogger(__name__)
 
@@ -102,9 +105,11 @@ class H2Connection(StreamAnswers, asyncio.Protocol):
     ``connection_window_bytes`` held by its calls, only its oldest call still being received
     gets more window: the others hold at most their stream window each."""
 
-    def __init__(self, listener: Any, direct: tuple[str, str]) -> None:
-        """``listener``: the replica's :class:`~rayinfer.serving.replica_listener.ReplicaListener`."""
+    def __init__(self, listener: Any, direct: tuple[str, str], run_left: int = 0) -> None:
+        """``listener``: the replica's :class:`~rayinfer.serving.replica_listener.ReplicaListener`;
+        ``run_left``: the version-less calls of its run at a rollout's split it answers here."""
         self._listener = listener
+        self._turn = ConnectionTurn(run_left)
         self._limits: ConnectionLimits = listener.limits
         self._relay, self._key = direct
         self._transport: Any = None
@@ -548,14 +553,21 @@ class H2Connection(StreamAnswers, asyncio.Protocol):
                 message = unframe(body, encoding)
                 try:
                     model, version = name_and_version(message)
-                    own = self._listener.serves_grpc(model, version, self._key, call.headers)
+                    own = self._listener.serves_grpc(model, version, self._key, call.headers, self._turn)
                     target = "" if own or version else self._listener.split_target(model, self._key)
                 except ValueError:  # not a message of its RPC: the core answers as Triton does
                     own = True
+                if self._turn.move_to or (target and not self._turn.left):
+                    # A rollout's run ended here, or this version has no run (its weight went to
+                    # none): the acceptor places the connection the client opens next for its
+                    # next run. Calls sent before the client read the GOAWAY are answered on
+                    # this one.
+                    self.hand_back()
             headers = call.headers
             if target:
-                # A rollout's call picked for the other version: relayed naming that version,
-                # which the front routes without splitting it again. The connection stays here.
+                # A rollout's call for the other version (its sticky value's, or one after its
+                # run): relayed naming that version, which the front routes without splitting it
+                # again.
                 body = message_frame(with_version(message, target))
                 headers = [field for field in headers if field[0] != b"grpc-encoding"]
             elif not own:

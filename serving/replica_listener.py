@@ -63,9 +63,10 @@ HttpHandler = Callable[[str, str, dict[bytes, bytes], bytes],
 # turn at a rollout's split, the request's headers) -> whether the request is this replica's to
 # answer on a client's connection.
 Serves = Callable[[str, str, str, ConnectionTurn, list[tuple[bytes, bytes]]], bool]
-# (model, version, the route key of the connection, the call's headers) -> whether a model RPC
-# naming them is this replica's to answer on a client's gRPC connection.
-ServesGrpc = Callable[[str, str, str, list[tuple[bytes, bytes]]], bool]
+# (model, version, the route key of the connection, the call's headers, the connection's turn at
+# a rollout's split) -> whether a model RPC naming them is this replica's to answer on a client's
+# gRPC connection.
+ServesGrpc = Callable[[str, str, str, list[tuple[bytes, bytes]], ConnectionTurn], bool]
 # (model, the route key of the connection) -> the version a version-less model RPC that is not
 # this replica's goes to at a rollout's split ("": none, the front routes it).
 SplitTarget = Callable[[str, str], str]
@@ -92,7 +93,7 @@ class ReplicaListener:
         # Clients' connections from the front's acceptor: which requests are this replica's, and
         # how many may be in flight here before more are answered 503 (--max-inflight-requests).
         self.serves: Serves = lambda method, path, key, turn, headers: False
-        self.serves_grpc: ServesGrpc = lambda model, version, key, headers: False
+        self.serves_grpc: ServesGrpc = lambda model, version, key, headers, turn: False
         self.split_target: SplitTarget = lambda model, key: ""
         # A gRPC stream on a client's connection: its requests -> its answers (:mod:`h2_stream`).
         self.stream_grpc: StreamHandler = _no_streams
@@ -131,7 +132,7 @@ class ReplicaListener:
         run_left = int(left) if left.isdigit() else 0
         # gRPC's connections (HTTP/2) relay to HAProxy's gRPC socket, HTTP/1.1's to its HTTP one.
         if os.path.basename(relay) == handoff.GRPC_RELAY_SOCKET:
-            connection: Callable[[], asyncio.Protocol] = lambda: H2Connection(self, (relay, key))
+            connection: Callable[[], asyncio.Protocol] = lambda: H2Connection(self, (relay, key), run_left)
         else:
             connection = lambda: ListenerConnection(self, (relay, key), run_left)
         loop.create_task(loop.connect_accepted_socket(connection, client))

@@ -6,7 +6,8 @@ front would have routed to it and relays the others to the front (:mod:`listener
 :mod:`replica_h2`). A version-less request is the default version's, on a connection given for
 it ("<model>/"), unless a rollout splits the model's version-less requests between two versions
 (:mod:`rayinfer.serving.version_split`): then an HTTP/1.1 connection's are this version's by the
-connection's turn, and a gRPC call is picked by itself, the other version's relayed naming it.
+connection's turn, and so are a gRPC connection's (its sticky calls by their value, the other
+version's relayed naming it).
 
 The ``/v2`` replica says which applies when the replica registers, and at once when a rollout
 changes (:meth:`ReplicaRoutes.take_split`).
@@ -55,10 +56,12 @@ class ReplicaRoutes:
             return self.version == split.stable
         return turn.serves(split, self.version, sticky_value(split, headers))
 
-    def serves_grpc(self, model: str, version: str, key: str, headers: Headers | None = None) -> bool:
+    def serves_grpc(self, model: str, version: str, key: str, headers: Headers | None = None,
+                    turn: ConnectionTurn | None = None) -> bool:
         """Whether a model RPC (or request) naming ``model`` and ``version`` on a client's
-        connection given for ``key`` (``headers``: the call's) is this replica's. A rollout's
-        version-less calls are picked one by one (gRPC's share a connection)."""
+        connection given for ``key`` (``headers``: the call's; ``turn``: the connection's) is
+        this replica's. A rollout's version-less calls are this version's by the connection's
+        turn, or picked one by one without one."""
         if model != self.model:
             return False
         if version:
@@ -67,7 +70,10 @@ class ReplicaRoutes:
             return False
         split = self.split
         if split is not None:
-            return pick_version(split, sticky_value(split, headers or [])) == self.version
+            sticky = sticky_value(split, headers or [])
+            if turn is not None:
+                return turn.serves(split, self.version, sticky)
+            return pick_version(split, sticky) == self.version
         return self.version_less
 
     def split_target(self, model: str, key: str) -> str:

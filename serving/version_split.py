@@ -19,10 +19,10 @@ unless that version's replicas already hold one connection more than their weigh
 model's connections: so that each version answers its weight's share of the requests, and the
 connections stay spread over both versions by weight instead of gathering at one. A request with a sticky value
 goes by its bucket wherever it arrives (one on the other version's replica is relayed to the
-front, and the connection placed again by its next request). A gRPC connection's calls share
-it: it goes to the replica of the version with the larger weight, which picks each call with
-:func:`pick_version` and relays the other version's naming that version
-(:mod:`rayinfer.serving.replica_routes`).
+front, and the connection placed again by its next request). A gRPC connection is placed for a
+run the same way (by the requests placed only: the client's next connection comes from another
+address), and its replica closes it when the run ends (:mod:`rayinfer.serving.replica_h2`); the
+client's gRPC library opens the next one, which the acceptor places for the next run.
 """
 
 from __future__ import annotations

@@ -2,9 +2,8 @@
 and HAProxy) hands to replicas: a connection answers runs of version-less requests at one
 version's replica and is placed again between runs, so that each version answers its weight's
 share with no proxy in between and the connections stay spread over both by weight; a sticky
-value's requests always reach its version. A gRPC connection goes to the version with the larger
-weight, whose replica relays the other version's calls (on a connection to HAProxy kept from one
-to the next). Stand-in listeners of tests/front_stand_ins.py as the two versions' replicas; raw
+value's requests always reach its version. A gRPC connection answers its runs the same way, one
+connection a run. Stand-in listeners of tests/front_stand_ins.py as the two versions' replicas; raw
 sockets and tritonclient.grpc as clients."""
 
 from __future__ import annotations
@@ -21,7 +20,6 @@ from front_stand_ins import Replica, free_port
 from rayinfer.deployments.front import Front
 from rayinfer.serving import client_relay
 from rayinfer.serving.handoff import GRPC_RELAY_SOCKET
-from rayinfer.serving.replica_h2 import H2Connection
 from rayinfer.serving.replica_routes import ReplicaRoutes
 from rayinfer.serving.version_split import RUN_REQUESTS, VersionSplit, pick_version
 from test_acceptor import _Client, _direct_connections, acceptor  # noqa: F401  (acceptor: a fixture)
@@ -181,10 +179,6 @@ def grpc_front(loop):
     front.stop()
 
 
-def _h2_connections(replica: Replica) -> int:
-    return sum(1 for connection in list(replica.listener._connections) if isinstance(connection, H2Connection))
-
-
 def _grpc_infer(client, headers: dict | None = None) -> str:
     tensor = grpcclient.InferInput("X", [1, 1], "FP32")
     tensor.set_data_from_numpy(np.zeros((1, 1), np.float32))
@@ -192,18 +186,26 @@ def _grpc_infer(client, headers: dict | None = None) -> str:
 
 
 @pytest.mark.parametrize("weight", [30, 80])
-def test_grpc_calls_are_picked_one_by_one_on_the_larger_weights_replica(loop, grpc_front, weight):
+def test_grpc_calls_are_answered_in_runs_at_each_versions_replica(loop, grpc_front, weight):
+    """A gRPC connection is placed like an HTTP/1.1 one: its replica answers its run of
+    version-less calls and closes it (GOAWAY), and the client's next connection is placed for
+    the next run; no call is relayed. A sticky value's calls reach its version wherever they
+    arrive (relayed when the connection is at the other one)."""
     front, port = grpc_front
     split = VersionSplit("1", "2", weight, "x-user-id")
-    one, two = _split_replicas(loop, front, split)
+    _split_replicas(loop, front, split)
+    relays = str(front._dir / GRPC_RELAY_SOCKET)
+    client_relay._IDLE.pop(relays, None)
     client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
     try:
-        served = Counter(_grpc_infer(client) for _ in range(500))
-        assert abs(served["two"] / 500 - weight / 100) <= 0.07, served
-        # One connection, held by the larger weight's replica, which relayed the other's calls,
-        # one after another on one connection to HAProxy, kept for the next.
-        assert (_h2_connections(one), _h2_connections(two)) == ((1, 0) if weight <= 50 else (0, 1))
-        assert len(client_relay._IDLE[str(front._dir / GRPC_RELAY_SOCKET)]) == 1
+        calls = 12 * RUN_REQUESTS
+        answers = [_grpc_infer(client) for _ in range(calls)]
+        runs = _runs(answers)
+        minority = "two" if weight < 50 else "one"
+        # (Two runs in a row at one version read as one.)
+        assert all(n % RUN_REQUESTS == 0 for name, n in runs[1:-1] if name == minority), runs
+        assert abs(Counter(answers)["two"] / calls - weight / 100) <= 2 * RUN_REQUESTS / calls, runs
+        assert not client_relay._IDLE.get(relays), "a version-less call was relayed"
         for n in range(20):
             user = f"user-{n}"
             expected = _NAMES[pick_version(split, user)]
