@@ -26,12 +26,16 @@ import logging
 import math
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, replace
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client.core import GaugeMetricFamily
 
 from rayinfer.deployments.control_channel import ROLLOUT_SPLIT, ControlMessage
+from rayinfer.deployments.rollout_store import (
+    ABORTED, MAX_DECISIONS, PROGRESSING, PROMOTED, ROLLED_BACK, STATES, Rollout, counts_of, figures_of, save_rollouts,
+    saved_rollouts,
+)
 from rayinfer.protocol.errors import InvalidArgError, NotFoundError
 from rayinfer.repository.rollout_config import RolloutSettings, rollout_settings, settings_from
 from rayinfer.deployments.serve_state import deployed_versions
@@ -45,72 +49,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-PROGRESSING, PROMOTED, ROLLED_BACK, ABORTED = "PROGRESSING", "PROMOTED", "ROLLED_BACK", "ABORTED"
-STATES = (PROGRESSING, PROMOTED, ROLLED_BACK, ABORTED)
 # How often progressing rollouts are judged.
 TICK_S = 1.0
-# Decisions kept per rollout (the oldest go first).
-MAX_DECISIONS = 100
-_KV_NAMESPACE = "rayinfer"
 # POST /v2/repository/models/<model>/rollout/<action>
 ROLLOUT_ACTIONS = ("start", "promote", "abort", "weight")
-
-
-@dataclass
-class Rollout:
-    model: str
-    stable: str
-    candidate: str
-    settings: RolloutSettings
-    state: str = PROGRESSING
-    step: int = 0
-    weight: int = 0
-    started_s: float = 0.0
-    step_started_s: float = 0.0
-    # Counts at the rollout's start (the stable version's) and at the step's (the candidate's).
-    stable_start: dict[str, int] = field(default_factory=dict)
-    candidate_start: dict[str, int] = field(default_factory=dict)
-    stable_p99_us: float = math.nan  # the stable version's last known p99 latency
-    decisions: list[dict[str, Any]] = field(default_factory=list)
-
-    def split(self) -> VersionSplit | None:
-        """The version-less requests' split, while both versions get some."""
-        if self.state != PROGRESSING or not 0 < self.weight < 100:
-            return None
-        return VersionSplit(self.stable, self.candidate, self.weight, self.settings.sticky_header)
-
-    def default_version(self) -> str | None:
-        """Where version-less requests go when they are not split (None: the highest version)."""
-        if self.state == PROMOTED:
-            return None
-        return self.candidate if self.state == PROGRESSING and self.weight == 100 else self.stable
-
-    def as_dict(self) -> dict[str, Any]:
-        """The rollout as the API reports it (and as it is saved)."""
-        return {"model": self.model, "stable_version": self.stable, "candidate_version": self.candidate,
-                "state": self.state, "step": self.step, "weight": self.weight, "started": self.started_s,
-                "step_started": self.step_started_s, "settings": self.settings.as_dict(),
-                "stable_start": self.stable_start, "candidate_start": self.candidate_start,
-                "stable_p99_us": None if math.isnan(self.stable_p99_us) else self.stable_p99_us,
-                "decisions": list(self.decisions)}
-
-    @classmethod
-    def from_dict(cls, doc: dict[str, Any]) -> Rollout:
-        settings = doc["settings"]
-        return cls(doc["model"], doc["stable_version"], doc["candidate_version"],
-                   RolloutSettings(**{**settings, "steps": tuple(settings["steps"])}), doc["state"], doc["step"],
-                   doc["weight"], doc["started"], doc["step_started"], doc["stable_start"], doc["candidate_start"],
-                   math.nan if doc.get("stable_p99_us") is None else doc["stable_p99_us"], doc["decisions"])
-
-
-def _counts(figures: VersionFigures) -> dict[str, int]:
-    return {"successes": figures.successes, "failures": figures.failures, "queue_ns": figures.queue_ns}
-
-
-def _from_counts(counts: dict[str, int]) -> VersionFigures:
-    return VersionFigures(counts.get("successes", 0), counts.get("failures", 0), counts.get("queue_ns", 0))
-
-
 # How long telling the model replicas of a new split may take (one that is late takes it later).
 _TELL_TIMEOUT_S = 1.0
 
@@ -125,7 +67,7 @@ class Rollouts:
         # model -> the stable version's replicas' shadow counts (for its rollout's candidate)
         self._shadow: dict[str, dict[str, ShadowCounts]] = {}
         self._changes = asyncio.Lock()
-        for doc in self._saved():
+        for doc in saved_rollouts(self._key):
             rollout = Rollout.from_dict(doc)
             self._rollouts[rollout.model] = rollout
         if self._rollouts:
@@ -164,7 +106,7 @@ class Rollouts:
             rollout = Rollout(model, stable, candidate, settings, weight=settings.steps[0], started_s=now,
                               step_started_s=now)
             candidate_now, stable_now = self._current(rollout, now)
-            rollout.candidate_start, rollout.stable_start = _counts(candidate_now), _counts(stable_now)
+            rollout.candidate_start, rollout.stable_start = counts_of(candidate_now), counts_of(stable_now)
             shadow = f" (and a copy of {settings.shadow_percent}% of version {stable}'s)" if settings.shadow_percent else ""
             self._decide(rollout, "started", f"{why}: version {candidate} gets {rollout.weight}% of the requests"
                                               f"{shadow} beside version {stable}")
@@ -290,7 +232,7 @@ class Rollouts:
         if self._rollouts.pop(model, None) is not None:
             logger.info("model '%s' was unloaded: its rollout ends", model)
             self._apply()
-            self._save()
+            save_rollouts(self._key, self._rollouts.values())
 
     # ---- judging --------------------------------------------------------------------------------
 
@@ -349,8 +291,8 @@ class Rollouts:
         candidate_now, stable_now = self._current(rollout, now)
         if not math.isnan(stable_now.p99_us):
             rollout.stable_p99_us = stable_now.p99_us
-        stable = figures_since(stable_now, _from_counts(rollout.stable_start))
-        return (figures_since(candidate_now, _from_counts(rollout.candidate_start)),
+        stable = figures_since(stable_now, figures_of(rollout.stable_start))
+        return (figures_since(candidate_now, figures_of(rollout.candidate_start)),
                 replace(stable, p99_us=rollout.stable_p99_us))
 
     def _current(self, rollout: Rollout, now: float) -> tuple[VersionFigures, VersionFigures]:
@@ -360,7 +302,7 @@ class Rollouts:
 
     def _restart_step(self, rollout: Rollout, now: float) -> None:
         rollout.step_started_s = now
-        rollout.candidate_start = _counts(self._current(rollout, now)[0])
+        rollout.candidate_start = counts_of(self._current(rollout, now)[0])
 
     def _decide(self, rollout: Rollout, action: str, reason: str, figures: dict[str, Any] | None = None,
                 level: int = logging.INFO) -> None:
@@ -390,7 +332,7 @@ class Rollouts:
         """Route by the rollouts as they are now, on every front and in the model replicas that
         hold clients' connections (told at once, as the fronts are); save them."""
         self._apply()
-        self._save()
+        save_rollouts(self._key, self._rollouts.values())
         await asyncio.gather(self._api.routes.publish(), *(self._tell_split(model) for model in list(self._rollouts)))
 
     def split_message(self, model: str) -> dict[str, Any]:
@@ -453,21 +395,6 @@ class Rollouts:
         split = self.split_for(model)
         return asdict(split) if split is not None and version in (split.stable, split.candidate) else None
 
-    def _saved(self) -> list[dict[str, Any]]:
-        kv = _kv()
-        raw = kv[0](self._key, namespace=_KV_NAMESPACE) if kv is not None else None
-        try:
-            return json.loads(raw) if raw else []
-        except ValueError:
-            logger.error("the saved rollouts cannot be read; starting with none")
-            return []
-
-    def _save(self) -> None:
-        kv = _kv()
-        if kv is not None:
-            kv[1](self._key, json.dumps([r.as_dict() for r in self._rollouts.values()]).encode(), overwrite=True,
-                  namespace=_KV_NAMESPACE)
-
     # ---- metrics ------------------------------------------------------------------------------------
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
@@ -488,13 +415,3 @@ class Rollouts:
                 agreement.add_metric([model], shadow.agreed / shadow.compared)
         yield from (weight, state, agreement)
 
-
-def _kv() -> tuple[Any, Any] | None:
-    """Ray's key-value store (get, put), None without a connected Ray."""
-    import ray
-
-    if not ray.is_initialized():
-        return None
-    from ray.experimental.internal_kv import _internal_kv_get, _internal_kv_put
-
-    return _internal_kv_get, _internal_kv_put

@@ -11,7 +11,8 @@ from types import SimpleNamespace
 
 from rayinfer.deployments import rollouts as rollouts_module
 from rayinfer.deployments.control_channel import ROLLOUT_SPLIT, ControlChannel
-from rayinfer.deployments.rollouts import Rollout, Rollouts
+from rayinfer.deployments.rollout_store import Rollout
+from rayinfer.deployments.rollouts import Rollouts
 from rayinfer.deployments.serve_state import ServeState
 from rayinfer.protocol.statistics import ModelStatistics
 from rayinfer.repository.rollout_config import RolloutSettings
