@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from rayinfer.serving.routes import front_routed
-from rayinfer.serving.version_split import ConnectionTurn, VersionSplit, pick_version, sticky_value
+from rayinfer.serving.version_split import ConnectionTurn, VersionSplit, sticky_value
 
 Headers = list[tuple[bytes, bytes]]
 
@@ -51,17 +51,16 @@ class ReplicaRoutes:
             return False
         split = self.split
         if split is None or route.version or route.model != self.model or not key.endswith("/"):
-            return self.serves_grpc(route.model, route.version, key)
+            return self.serves_grpc(route.model, route.version, key, headers, turn)
         if route.action != "infer":
             return self.version == split.stable
         return turn.serves(split, self.version, sticky_value(split, headers))
 
-    def serves_grpc(self, model: str, version: str, key: str, headers: Headers | None = None,
-                    turn: ConnectionTurn | None = None) -> bool:
+    def serves_grpc(self, model: str, version: str, key: str, headers: Headers, turn: ConnectionTurn) -> bool:
         """Whether a model RPC (or request) naming ``model`` and ``version`` on a client's
         connection given for ``key`` (``headers``: the call's; ``turn``: the connection's) is
         this replica's. A rollout's version-less calls are this version's by the connection's
-        turn, or picked one by one without one."""
+        turn (a sticky value's by its bucket)."""
         if model != self.model:
             return False
         if version:
@@ -70,10 +69,7 @@ class ReplicaRoutes:
             return False
         split = self.split
         if split is not None:
-            sticky = sticky_value(split, headers or [])
-            if turn is not None:
-                return turn.serves(split, self.version, sticky)
-            return pick_version(split, sticky) == self.version
+            return turn.serves(split, self.version, sticky_value(split, headers))
         return self.version_less
 
     def split_target(self, model: str, key: str) -> str:
