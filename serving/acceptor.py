@@ -101,7 +101,7 @@ class Acceptor:
         self._next: dict[str, int] = {}  # route key -> the replica the next connection goes to
         self._directed: dict[socket.socket, str] = {}  # connection -> the route key of its next run
         self._placement = SplitPlacement(_PLACED_FOR_S)  # the runs of connections at rollouts' splits
-        self._grpc_placement = SplitPlacement(_PLACED_FOR_S)  # the same of gRPC connections
+        self._grpc_placement = SplitPlacement(_PLACED_FOR_S, reconnects=True)  # the same of gRPC connections
 
     def serve(self, seconds: float) -> None:
         """Serve for about ``seconds``."""

@@ -109,7 +109,7 @@ class H2Connection(StreamAnswers, asyncio.Protocol):
         """``listener``: the replica's :class:`~rayinfer.serving.replica_listener.ReplicaListener`;
         ``run_left``: the version-less calls of its run at a rollout's split it answers here."""
         self._listener = listener
-        self._turn = ConnectionTurn(run_left)
+        self._turn = ConnectionTurn(run_left, reconnects=True)
         self._limits: ConnectionLimits = listener.limits
         self._relay, self._key = direct
         self._transport: Any = None

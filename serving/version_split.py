@@ -13,7 +13,8 @@ A client's HTTP/1.1 connection that the front's acceptor hands to a model replic
 one version by the same pick, and the replica answers a *run* of its version-less requests
 there (:class:`ConnectionTurn`, :func:`run_length`), then gives it back to the acceptor, which
 places it again for the next run (:class:`SplitPlacement`). The minority version's runs are
-:data:`RUN_REQUESTS` long, the majority's as much longer as its weight is larger. The acceptor
+:data:`RUN_REQUESTS` long (a gRPC connection's longer, :func:`minority_run`), the majority's as
+much longer as its weight is larger. The acceptor
 places each run at the version furthest behind its weight's share of the requests placed so far,
 unless that version's replicas already hold one connection more than their weight's share of the
 model's connections: so that each version answers its weight's share of the requests, and the
@@ -38,6 +39,10 @@ from dataclasses import dataclass
 BUCKETS = 100
 # The version-less requests a connection sends in a row to the version with the smaller weight.
 RUN_REQUESTS = 32
+# A connection whose run ends with a new connection (gRPC): RUN_REQUESTS for each this many
+# percent of the minority's weight, up to MAX_RUN_REQUESTS.
+RUN_STEP_PERCENT = 10
+MAX_RUN_REQUESTS = 4 * RUN_REQUESTS
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,16 +87,29 @@ def sticky_value(split: VersionSplit, headers: Iterable[tuple[bytes | str, bytes
     return found
 
 
-def run_length(split: VersionSplit, version: str) -> int:
+def minority_run(split: VersionSplit, reconnects: bool = False) -> int:
+    """The run at the version with the smaller weight. ``reconnects``: a run that ends with a new
+    connection (a gRPC one: a TCP and HTTP/2 handshake, with the client's next calls waiting on
+    it) is :data:`RUN_REQUESTS` for each :data:`RUN_STEP_PERCENT` percent of that weight, up to
+    :data:`MAX_RUN_REQUESTS`: a run's end costs more, and less often near 50%, while a small
+    weight keeps its share over a few hundred calls."""
+    if not reconnects:
+        return RUN_REQUESTS
+    minority = min(split.weight, BUCKETS - split.weight)
+    return min(max(minority // RUN_STEP_PERCENT, 1) * RUN_REQUESTS, MAX_RUN_REQUESTS)
+
+
+def run_length(split: VersionSplit, version: str, reconnects: bool = False) -> int:
     """How many version-less requests a connection placed on ``version`` answers there in a row
-    (0: none, the version has no weight; chance rounds a fractional mean)."""
+    (0: none, the version has no weight; chance rounds a fractional mean); ``reconnects``: as
+    :func:`minority_run` says."""
     share = split.weight if version == split.candidate else BUCKETS - split.weight
     minority = min(split.weight, BUCKETS - split.weight)
     if share <= 0:
         return 0
     if minority <= 0:
         return sys.maxsize
-    mean = RUN_REQUESTS * share / minority
+    mean = minority_run(split, reconnects) * share / minority
     whole = int(mean)
     return whole + (random.random() < mean - whole)
 
@@ -99,12 +117,14 @@ def run_length(split: VersionSplit, version: str) -> int:
 class ConnectionTurn:
     """A client connection's turn at a replica of one version of a split model: ``left``, the
     version-less requests it still answers here in its run (``weight``: the split's weight when
-    the run began); ``move_to``: the version the connection goes to once its run ended."""
+    the run began); ``move_to``: the version the connection goes to once its run ended;
+    ``reconnects``: its runs end with a new connection (:func:`minority_run`)."""
 
-    __slots__ = ("left", "move_to", "version", "weight")
+    __slots__ = ("left", "move_to", "reconnects", "version", "weight")
 
-    def __init__(self, left: int = 0) -> None:
+    def __init__(self, left: int = 0, reconnects: bool = False) -> None:
         self.left = left  # a run carried over from another replica of this version, or none
+        self.reconnects = reconnects
         self.move_to = ""
         self.version = ""
         self.weight = -1
@@ -117,10 +137,10 @@ class ConnectionTurn:
         if sticky:
             return pick_version(split, sticky) == version
         if split.weight != self.weight:
-            length = run_length(split, version)
+            length = run_length(split, version, self.reconnects)
             self.left, self.weight, self.move_to = min(self.left, length) if self.left else length, split.weight, ""
         elif not self.left:
-            self.left, self.move_to = run_length(split, version), ""
+            self.left, self.move_to = run_length(split, version, self.reconnects), ""
         if not self.left:
             return False
         self.version = version
@@ -145,10 +165,12 @@ class SplitPlacement:
     last set) is furthest below its weight, unless that version already holds one connection more
     than its weight's share of the model's connections (rounded up): then to the other. Connections are known by their
     client's address; one not placed again within ``expire_s`` counts no more (it closed, or its
-    client went idle: a replica gives a connection back between two requests every few seconds)."""
+    client went idle: a replica gives a connection back between two requests every few seconds);
+    ``reconnects``: the runs of connections that end with a new one (:func:`minority_run`)."""
 
-    def __init__(self, expire_s: float) -> None:
+    def __init__(self, expire_s: float, reconnects: bool = False) -> None:
         self._expire_s = expire_s
+        self._reconnects = reconnects
         self._at: dict[Hashable, tuple[str, str, float]] = {}  # client -> (model, version, placed at)
         self._connections: Counter[tuple[str, str]] = Counter()  # (model, version) -> connections there
         self._requests: dict[str, tuple[int, Counter[str]]] = {}  # model -> (weight, requests placed per version)
@@ -174,7 +196,7 @@ class SplitPlacement:
         # another in place: with two clients at 50%, each one's runs still alternate.
         version = next((v for v in behind
                         if self._connections[(model, v)] <= math.ceil(shares[v] * connections / BUCKETS)), behind[0])
-        length = run_length(split, version)
+        length = run_length(split, version, self._reconnects)
         placed[version] += min(length, 1 << 62)
         self.at(model, version, client, now)
         return version, length

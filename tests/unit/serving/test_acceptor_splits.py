@@ -21,7 +21,7 @@ from rayinfer.deployments.front import Front
 from rayinfer.serving import client_relay
 from rayinfer.serving.handoff import GRPC_RELAY_SOCKET
 from rayinfer.serving.replica_routes import ReplicaRoutes
-from rayinfer.serving.version_split import RUN_REQUESTS, VersionSplit, pick_version
+from rayinfer.serving.version_split import RUN_REQUESTS, VersionSplit, minority_run, pick_version
 from test_acceptor import _Client, _direct_connections, acceptor  # noqa: F401  (acceptor: a fixture)
 
 _NAMES = {"1": "one", "2": "two"}
@@ -198,13 +198,15 @@ def test_grpc_calls_are_answered_in_runs_at_each_versions_replica(loop, grpc_fro
     client_relay._IDLE.pop(relays, None)
     client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
     try:
-        calls = 12 * RUN_REQUESTS
+        run = minority_run(split, reconnects=True)  # longer than an HTTP/1.1 connection's
+        assert run > RUN_REQUESTS
+        calls = 12 * run
         answers = [_grpc_infer(client) for _ in range(calls)]
         runs = _runs(answers)
         minority = "two" if weight < 50 else "one"
         # (Two runs in a row at one version read as one.)
-        assert all(n % RUN_REQUESTS == 0 for name, n in runs[1:-1] if name == minority), runs
-        assert abs(Counter(answers)["two"] / calls - weight / 100) <= 2 * RUN_REQUESTS / calls, runs
+        assert all(n % run == 0 for name, n in runs[1:-1] if name == minority), runs
+        assert abs(Counter(answers)["two"] / calls - weight / 100) <= 2 * run / calls, runs
         assert not client_relay._IDLE.get(relays), "a version-less call was relayed"
         for n in range(20):
             user = f"user-{n}"
