@@ -19,20 +19,19 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from rayinfer.cluster.rollout_cli import add_rollout_parser, run_rollout
-from rayinfer.cluster.settings import (
-    RAY_ENVIRONMENT,
-    ServerSettings,
+from rayinfer.cluster.settings import RAY_ENVIRONMENT, ServerSettings
+from rayinfer.cluster.settings_values import (
     auto_complete,
     connection_limit_values,
     grpc_front,
     http_front,
     metrics_endpoint,
     replica_log_level,
-    startup_log_settings,
-    tls_settings,
     repository_folder,
     repository_source,
     response_cache_bytes,
+    startup_log_settings,
+    tls_settings,
 )
 from rayinfer.cluster.setting_texts import setting_help
 from rayinfer.cluster.processes import descendants, stop_processes

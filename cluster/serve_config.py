@@ -5,19 +5,19 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from rayinfer.cluster.settings import (
-    ServerSettings,
+from rayinfer.cluster.settings import ServerSettings
+from rayinfer.cluster.settings_values import (
     auto_complete,
     connection_limit_values,
     grpc_front,
     http_front,
     metrics_endpoint,
     replica_log_level,
-    startup_log_settings,
-    tls_settings,
     repository_folder,
     repository_source,
     response_cache_bytes,
+    startup_log_settings,
+    tls_settings,
 )
 from rayinfer.deployments.grpc_service import SERVICER_FUNCTION
 from rayinfer.deployments.names import (

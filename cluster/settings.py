@@ -5,17 +5,17 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from rayinfer.deployments.names import DEFAULT_REPLICA_NUM_CPUS
-from rayinfer.protocol.metrics import MetricsOptions, parse_metrics_config
+from rayinfer.protocol.metrics import parse_metrics_config
 from rayinfer.protocol.limits import DEFAULT_HTTP_MAX_INPUT_SIZE, DEFAULT_MAX_INFLIGHT_REQUESTS
 from rayinfer.protocol.errors import ModelConfigError
 from rayinfer.protocol.restricted_api import parse_restrictions
-from rayinfer.repository.object_store import is_remote, local_repository, parse_s3_url
+from rayinfer.repository.object_store import is_remote, parse_s3_url
 from rayinfer.serving.response_cache import parse_cache_config
 from rayinfer.serving.trace import settings_from_flags
 
@@ -398,99 +398,3 @@ class ServerSettings(BaseSettings):
         if self.disable_auto_complete_config and self.strict_model_config is False:
             logger.warning("--strict-model-config false is overridden by --disable-auto-complete-config")
         return self
-
-
-def repository_source(settings: ServerSettings) -> str:
-    """The repository as replicas are given it: an s3:// URL, or the folder's absolute path."""
-    repository = settings.model_repository
-    return repository if isinstance(repository, str) else str(repository.resolve())
-
-
-def repository_folder(settings: ServerSettings) -> Path:
-    """The repository on this machine: the folder, or an s3:// repository's up-to-date copy."""
-    return local_repository(settings.model_repository)
-
-
-def auto_complete(settings: ServerSettings) -> bool:
-    """Whether missing config fields are filled from the model (tritonserver's auto-complete)."""
-    return not (settings.disable_auto_complete_config or settings.strict_model_config)
-
-
-def response_cache_bytes(settings: ServerSettings) -> int:
-    """The response cache's size on each node, in bytes (0: no cache)."""
-    return parse_cache_config(settings.cache_config)
-
-
-def startup_log_settings(settings: ServerSettings) -> dict[str, Any]:
-    """The logging extension's settings at start (tritonserver's --log-* flags); the log file as
-    an absolute path, which every process opens from its own working directory."""
-    return {"log_file": os.path.abspath(settings.log_file) if settings.log_file else "", "log_info": settings.log_info, "log_warning": settings.log_warning,
-            "log_error": settings.log_error, "log_verbose_level": settings.log_verbose,
-            "log_format": settings.log_format}
-
-
-def replica_log_level(settings: ServerSettings) -> str:
-    """Log level of the model replicas: DEBUG with --log-verbose 1 or more, else WARNING (a
-    per-request log line would cost more than the request). The ``/v2`` replica logs at INFO,
-    or DEBUG with --log-verbose (its lines are about loads, polls and routes, not requests)."""
-    return "DEBUG" if settings.log_verbose > 0 else "WARNING"
-
-
-def _serve_host(settings: ServerSettings) -> str:
-    """Where the front reaches Serve's ingress on its own node."""
-    return "127.0.0.1" if settings.http_address in ("0.0.0.0", "::") else settings.http_address
-
-
-def http_front(settings: ServerSettings) -> tuple[str, int, str, int]:
-    """(address, port, Serve's HTTP host, Serve's HTTP port) of the front's HTTP port."""
-    return (settings.http_address, settings.http_port, _serve_host(settings), settings.serve_http_port)
-
-
-def grpc_front(settings: ServerSettings) -> tuple[str, int, str, int] | None:
-    """(address, port, Serve's gRPC host, Serve's gRPC port) of the front's gRPC port, or None."""
-    if not settings.allow_grpc:
-        return None
-    return (settings.grpc_address or settings.http_address, settings.grpc_port, _serve_host(settings),
-            settings.serve_grpc_port)
-
-
-def metrics_endpoint(settings: ServerSettings) -> MetricsOptions | None:
-    """The metrics port and what it samples, or None when metrics are off (port 0 as well)."""
-    if not settings.allow_metrics or not settings.metrics_port:
-        return None
-    summary_quantiles, counter_latencies = parse_metrics_config(settings.metrics_config)
-    return MetricsOptions(
-        settings.metrics_address or settings.http_address, settings.metrics_port, settings.metrics_interval_ms,
-        settings.allow_cpu_metrics, settings.allow_gpu_metrics, summary_quantiles, counter_latencies,
-    )
-
-
-def connection_limit_values(settings: ServerSettings) -> dict[str, float]:
-    """The model replicas' :class:`~rayinfer.protocol.limits.ConnectionLimits`, from the flags."""
-    return {
-        "request_head_timeout_s": settings.http_request_timeout,
-        "keepalive_timeout_s": settings.http_keepalive_timeout,
-        "send_timeout_s": settings.client_send_timeout,
-        "connection_buffer_bytes": settings.connection_buffer_bytes,
-        "max_pipelined_requests": settings.http_max_pipelined_requests,
-        "max_concurrent_streams": settings.grpc_max_concurrent_streams,
-        "max_header_list_bytes": settings.grpc_max_header_list_size,
-        "max_reset_streams": settings.grpc_max_reset_streams,
-        "max_control_frames": settings.grpc_max_control_frames,
-        "stream_window_bytes": settings.grpc_stream_window,
-        "connection_window_bytes": settings.grpc_connection_window,
-        "replica_buffer_bytes": settings.grpc_replica_buffer,
-    }
-
-
-def tls_settings(settings: ServerSettings) -> dict[str, dict[str, Any]]:
-    """TLS by port kind ("grpc", "http"), as the front's TlsSettings take it; {} without TLS."""
-    tls = {}
-    for kind in ("grpc", "http"):
-        mutual = getattr(settings, f"{kind}_use_ssl_mutual")
-        if getattr(settings, f"{kind}_use_ssl") or mutual:
-            root = getattr(settings, f"{kind}_root_cert")
-            tls[kind] = {"cert": os.path.abspath(getattr(settings, f"{kind}_server_cert")),
-                         "key": os.path.abspath(getattr(settings, f"{kind}_server_key")),
-                         "root_cert": os.path.abspath(root) if root else "", "mutual": mutual}
-    return tls

@@ -10,7 +10,8 @@ import pytest
 from rayinfer.cluster import cli
 from rayinfer.cluster.cli import build_parser, fatal_startup_failures, main, settings_from_args
 from rayinfer.cluster.serve_config import render_serve_config
-from rayinfer.cluster.settings import ServerSettings, auto_complete, replica_log_level
+from rayinfer.cluster.settings import ServerSettings
+from rayinfer.cluster.settings_values import auto_complete, replica_log_level
 from rayinfer.cluster.tritonserver_flags import REFUSED_FLAGS, TRITONSERVER_FLAGS, UNSUPPORTED_FLAGS
 from rayinfer.repository.scanner import ModelEntry
 
