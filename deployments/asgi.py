@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from typing import Any
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from rayinfer.protocol.errors import ServingError
 from rayinfer.protocol.grpc_wire import SERVICE
@@ -59,6 +59,15 @@ async def send_bytes(
         all_headers.extend(headers)
     await send({"type": "http.response.start", "status": status, "headers": all_headers})
     await send({"type": "http.response.body", "body": body})
+
+
+async def send_chunks(send: Send, status: int, chunks: AsyncIterator[bytes],
+                      headers: list[tuple[bytes, bytes]]) -> None:
+    """Send a response whose body comes in chunks, each as it is made."""
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    async for chunk in chunks:
+        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+    await send({"type": "http.response.body", "body": b""})
 
 
 async def send_json(send: Send, status: int, doc: Any) -> None:

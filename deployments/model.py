@@ -191,7 +191,10 @@ class ModelDeployment(ServerLink):
         status, extra_headers, payload = await model_http.respond(self._core, scope["method"], route, headers, body,
                                                                   self._max_input_size)
         send_start = time.perf_counter_ns()
-        await asgi.send_bytes(send, status, payload, extra_headers)
+        if isinstance(payload, bytes):
+            await asgi.send_bytes(send, status, payload, extra_headers)
+        else:  # generate_stream's events
+            await asgi.send_chunks(send, status, payload, extra_headers)
         if stamps.finish is not None:  # a traced request: its trace ends here
             stamps.finish(send_start, time.perf_counter_ns())
 

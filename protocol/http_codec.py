@@ -226,7 +226,7 @@ def _input_from_json(raw: Any, binary: memoryview, offset: int, shm: SharedMemor
         )
         params = {k: v for k, v in params.items() if k != "binary_data_size"}
         return InferInput(name, datatype, tuple(shape), data, params), offset + size
-    data = _array_from_json(name, datatype, shape, count, raw["data"])
+    data = array_from_json(name, datatype, shape, count, raw["data"])
     return InferInput(name, datatype, tuple(shape), data, params), offset
 
 
@@ -267,7 +267,7 @@ def _flat_data(name: str, datatype: str, data: Any) -> list[Any]:
     return values
 
 
-def _array_from_json(name: str, datatype: str, shape: list[int], count: int, data: Any) -> np.ndarray:
+def array_from_json(name: str, datatype: str, shape: list[int], count: int, data: Any) -> np.ndarray:
     if datatype == "BF16":  # Triton's words: BF16 travels as binary data only
         raise InvalidArgError("receiving BF16 data via JSON is not supported. Please use the binary data format "
                               "for input")
@@ -358,7 +358,7 @@ def response_to_http(response: InferResponse, request: InferRequest,
             params["binary_data_size"] = len(raw)
             chunks.append(raw)
         else:
-            doc["data"] = _json_data(out.datatype, out.data)
+            doc["data"] = json_data(out.datatype, out.data)
         if params:
             doc["parameters"] = params
         out_docs.append(doc)
@@ -374,7 +374,7 @@ def response_to_http(response: InferResponse, request: InferRequest,
     return header + b"".join(chunks), len(header)
 
 
-def _json_data(datatype: str, data: np.ndarray) -> list[Any]:
+def json_data(datatype: str, data: np.ndarray) -> list[Any]:
     if datatype == "BF16":
         raise InvalidArgError("sending BF16 data via JSON is not supported. Please use the binary data format "
                               "for output")

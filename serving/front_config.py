@@ -235,7 +235,7 @@ frontend triton_http
     http-request return status 400 content-type application/json string "{too_large_head}" if {{ url,length,add(txn.head_bytes) gt {max_head} }} !relayed
     http-request return status 400 content-type application/json string "{too_many_headers}" if {{ req.fhdr_cnt gt {max_headers} }} !relayed
 {restricted}\
-    # POST /v2/models/<model>[/versions/<version>]/infer, and a GET of a model's metadata,
+    # POST /v2/models/<model>[/versions/<version>]/infer (or generate, generate_stream), and a GET of a model's metadata,
     # readiness, config or statistics; the model name may be %-encoded.
     # A body over --http-max-input-size is refused before it is read (one sent in chunks, with no
     # Content-Length, is counted by whoever reads it). HAProxy reads a header's value as a 32-bit
@@ -247,7 +247,7 @@ frontend triton_http
     http-request return status 400 content-type application/json lf-string "{{\\"error\\":\\"Request JSON size of %[req.hdr(content-length)] bytes {too_large}\\"}}" if too_large || length_given !length_read
     acl post method POST
     acl get method GET
-    acl infer_path path_reg ^/v2/models/[^/]+(/versions/[^/]*)?/infer$
+    acl infer_path path_reg ^/v2/models/[^/]+(/versions/[^/]*)?/(infer|generate|generate_stream)$
     acl model_get path_reg ^/v2/models/[^/]+(/versions/[^/]+)?(/ready|/config|/stats)?/?$
     acl versioned path,field(5,/) -m str versions
     http-request set-var(txn.model) path,field(4,/),url_dec if post infer_path || get model_get

@@ -19,10 +19,13 @@ from rayinfer.protocol.shared_memory import RegionMissing, decode_with_regions
 from rayinfer.protocol.statistics import stats_to_json
 from rayinfer.protocol.types import InferRequest
 from rayinfer.serving.model_core import ModelCore
-from rayinfer.serving.routes import HEADER_LENGTH, ModelRoute
+from rayinfer.serving.model_generate import generate
+from rayinfer.serving.routes import HEADER_LENGTH, POST_ACTIONS, ModelRoute
 from rayinfer.serving.sequence_routing import FORWARDED_HEADER
 
 HttpResponse = tuple[int, list[tuple[bytes, bytes]], bytes]
+# An answer whose body comes in chunks as it is made.
+StreamedAnswer = tuple[int, list[tuple[bytes, bytes]], AsyncIterator[bytes]]
 _OCTET = (b"content-type", b"application/octet-stream")
 _JSON = (b"content-type", b"application/json")
 
@@ -45,15 +48,18 @@ def unknown_version(core: ModelCore, route: ModelRoute) -> NotFoundError | None:
 
 
 async def respond(core: ModelCore, method: str, route: ModelRoute, headers: dict[bytes, bytes],
-                  body: bytes, max_input_size: int = DEFAULT_HTTP_MAX_INPUT_SIZE) -> HttpResponse:
+                  body: bytes, max_input_size: int = DEFAULT_HTTP_MAX_INPUT_SIZE) -> HttpResponse | StreamedAnswer:
     """The answer to one model route (``headers``: those of :data:`routes.REQUEST_HEADERS`;
-    ``max_input_size``: the largest body, decompressed, an infer request may have)."""
+    ``max_input_size``: the largest body, decompressed, an infer request may have); a
+    ``generate_stream``'s body comes in chunks."""
     error = unknown_version(core, route)
     if error is not None:
         return error_response(error)
     if route.action == "infer" and method == "POST":
         return await infer(core, headers, body, max_input_size)
-    if method != "GET" or route.action == "infer":
+    if route.action in POST_ACTIONS and method == "POST":  # the generate extension
+        return await generate(core, headers, body, max_input_size, route.action == "generate_stream")
+    if method != "GET" or route.action in POST_ACTIONS:
         return error_response(NotFoundError(f"Not Found: {method} {_path(route)}"))
     if route.action == "":
         return _json(core.metadata)

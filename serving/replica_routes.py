@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rayinfer.serving.routes import front_routed
+from rayinfer.serving.routes import POST_ACTIONS, front_routed
 from rayinfer.serving.version_split import ConnectionTurn, VersionSplit, sticky_value
 
 Headers = list[tuple[bytes, bytes]]
@@ -52,7 +52,7 @@ class ReplicaRoutes:
         split = self.split
         if split is None or route.version or route.model != self.model or not key.endswith("/"):
             return self.serves_grpc(route.model, route.version, key, headers, turn)
-        if route.action != "infer":
+        if route.action not in POST_ACTIONS:
             return self.version == split.stable
         return turn.serves(split, self.version, sticky_value(split, headers))
 

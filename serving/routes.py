@@ -19,7 +19,9 @@ MODELS_PREFIX = "/v2/models/"
 # the ``/v2`` application (Serve would send it to the model's application while that exists).
 UNROUTED_PREFIX = "/v2/unrouted"
 # Actions under a model route ("" is the model's metadata).
-MODEL_ACTIONS = frozenset({"", "ready", "config", "stats", "infer"})
+MODEL_ACTIONS = frozenset({"", "ready", "config", "stats", "infer", "generate", "generate_stream"})
+# The actions a POST asks for: an inference (the generate extension's two among them).
+POST_ACTIONS = frozenset({"infer", "generate", "generate_stream"})
 
 HEADER_LENGTH = http_codec.HEADER_LENGTH.encode()
 # Request headers an infer request's answer depends on; every other header is dropped on entry.
@@ -60,11 +62,12 @@ def parse_model_route(path: str, encoded: bool = False) -> ModelRoute | None:
 
 def front_routed(method: str, path: str) -> ModelRoute | None:
     """The model route of a request (``path`` as sent) that the front sends to one of the model's
-    replicas: ``POST .../infer``, or a ``GET`` of its metadata, readiness, config or statistics."""
+    replicas: ``POST .../infer`` (or ``generate``, ``generate_stream``), or a ``GET`` of its
+    metadata, readiness, config or statistics."""
     if method not in ("GET", "POST"):
         return None
     route = parse_model_route(path, encoded=True)
-    if route is None or (method == "POST") != (route.action == "infer"):
+    if route is None or (method == "POST") != (route.action in POST_ACTIONS):
         return None
     return route
 
