@@ -44,7 +44,8 @@ def with_header(request: bytes, header: bytes) -> bytes:
 def test_restricted_http_groups_need_their_header(restricted_front):
     frontend, _ = restricted_front
     port = frontend.http_port
-    refused = {"inference": post("/v2/models/m/infer", b"{}"), "metadata": get("/v2"),
+    refused = {"inference": post("/v2/models/m/infer", b"{}"), "generate": post("/v2/models/m/generate", b"{}"),
+               "generate_stream": post("/v2/models/m/versions/1/generate_stream", b"{}"), "metadata": get("/v2"),
                "model metadata": get("/v2/models/m/versions/1"), "repository": post("/v2/repository/index", b"{}")}
     for what, request in refused.items():
         reply = http_exchange(port, request)
@@ -54,6 +55,8 @@ def test_restricted_http_groups_need_their_header(restricted_front):
     # With the header (any case in its name) and its value, the request goes on to the replica.
     reply = http_exchange(port, with_header(post("/v2/models/m/infer", b"{}"), b"Infer-Key: secret"))
     assert reply.endswith(b"one POST /v2/models/m/infer 2")
+    reply = http_exchange(port, with_header(post("/v2/models/m/generate_stream", b"{}"), b"infer-key: secret"))
+    assert b"one POST /v2/models/m/generate_stream" in reply  # the generate extension is an inference too
     assert http_exchange(port, with_header(post("/v2/models/m/infer", b"{}"), b"infer-key: wrong")).startswith(
         b"HTTP/1.1 403")
     # The whole value counts, as at a replica's listener: not one of its comma-separated parts.
