@@ -137,6 +137,7 @@ def write_example_repository(repository: Path) -> list[Path]:
     """Create the example repository (idempotent) and return the model folders written."""
     from onnx import TensorProto
 
+    from rayinfer.cluster.example_llm import write_language_model
     from rayinfer.cluster.example_nlp import write_nlp_pipeline
     from rayinfer.cluster.example_sequences import write_sequence_models
 
@@ -146,5 +147,6 @@ def write_example_repository(repository: Path) -> list[Path]:
         write_python_model(repository, "simple_identity", SIMPLE_IDENTITY_CONFIG, SIMPLE_IDENTITY_MODEL),
         write_model(repository, "mlp", MLP_CONFIG, mlp_model()),
         *write_nlp_pipeline(repository),
+        *write_language_model(repository),
         *write_sequence_models(repository),
     ]

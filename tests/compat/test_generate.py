@@ -145,3 +145,31 @@ def test_generate_stream_on_a_connection_the_front_keeps(server):
         assert [e["OUT"] for e in events] == [8, 9]
     finally:
         connection.close()
+
+
+def test_the_example_language_model_streams_its_tokens_many_streams_at_once(server):
+    """tiny_llm (the example repository's): a prompt and a seed give one text, whether it comes
+    whole from generate or token by token from generate_stream, with eight streams at once."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def whole(seed: int) -> str:
+        doc = {"text_input": "the movie was", "max_tokens": 6, "temperature": 0.8, "seed": seed}
+        status, _, body = _post(server, "/v2/models/tiny_llm/generate", doc)
+        assert status == 200, body
+        return json.loads(body)["text_output"]
+
+    def streamed(seed: int) -> list[str]:
+        doc = {"text_input": "the movie was", "stream": True, "sampling_parameters": json.dumps(
+            {"max_tokens": 6, "temperature": 0.8, "seed": seed})}
+        status, content_type, body = _post(server, "/v2/models/tiny_llm/generate_stream", doc)
+        assert status == 200 and content_type.startswith("text/event-stream"), body
+        return [json.loads(data)["text_output"] for data in GENERATE_STREAM_EVENT.findall(body)]
+
+    seeds = list(range(8))
+    with ThreadPoolExecutor(8) as pool:
+        streams = list(pool.map(streamed, seeds))
+        texts = list(pool.map(whole, seeds))
+    for seed, pieces, text in zip(seeds, streams, texts):
+        assert 1 <= len(pieces) <= 6 and all(piece.startswith(" ") for piece in pieces), (seed, pieces)
+        assert text == "the movie was" + "".join(pieces), (seed, text, pieces)
+    assert len(set(texts)) > 1  # the seed matters

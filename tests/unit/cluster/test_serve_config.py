@@ -73,7 +73,7 @@ def test_render_serve_config(example_repository: Path) -> None:
     assert front_args == {"http_address": "127.0.0.1", "http_port": 8123, "serve_http_port": 9000}
     assert sorted(apps) == ["mlp", "nlp_encoder", "nlp_ensemble", "nlp_head", "nlp_tokenizer", "rayinfer", "simple",
                             "simple_dyna_sequence", "simple_identity", "simple_sequence", "simple_string",
-                            "simple_string_dyna_sequence"]
+                            "simple_string_dyna_sequence", "tiny_llm"]
     server = apps["rayinfer"]
     assert server["route_prefix"] == "/v2"
     assert server["args"]["model_repository"] == str(example_repository.resolve())
