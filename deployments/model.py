@@ -6,8 +6,7 @@ replica's own listener (:mod:`replica_listener`), the other HTTP model routes (m
 readiness, config, statistics) through Serve's ingress, and model RPCs the ``/v2`` replica
 forwards by deployment handle (``grpc_forwarded``). Serve's gRPC ingress sends this
 application nothing: the front addresses every call it does not route to the ``/v2`` one.
-The replica registers its listener with the ``/v2`` replica, reports its statistics there and
-takes its changes (:mod:`server_link`).
+The replica registers its listener with the ``/v2`` replica and reports its statistics there.
 """
 
 from __future__ import annotations
@@ -32,15 +31,22 @@ from rayinfer.deployments.autoscaling import LISTENER_ONGOING
 from rayinfer.deployments.bls_client import ReplicaBlsClient
 from rayinfer.deployments.shadow_sender import ShadowSender
 from rayinfer.deployments.ensemble_members import EnsembleMembers, load_ensemble
+from rayinfer.deployments.control_channel import (
+    ROLLOUT_SPLIT,
+    SEQUENCE_SLOTS,
+    SHM_FORGET,
+    TRACE_SETTINGS,
+    ControlMessage,
+)
+from rayinfer.deployments.names import SERVER_APP, SERVER_DEPLOYMENT
 from rayinfer.deployments.replica_streams import ReplicaStreams
-from rayinfer.deployments.server_link import ServerLink
 from rayinfer.serving.replica_listener import ReplicaListener
 from rayinfer.protocol import log_settings
-from rayinfer.protocol.errors import NotFoundError, ServingError, UnsupportedError, as_serving_error
+from rayinfer.protocol.errors import NotFoundError, ServingError, UnavailableError, UnsupportedError, as_serving_error
 from rayinfer.protocol.http_codec import parse_json_body
-from rayinfer.protocol.limits import DEFAULT_HTTP_MAX_INPUT_SIZE
+from rayinfer.protocol.limits import DEFAULT_HTTP_MAX_INPUT_SIZE, ConnectionLimits
 from rayinfer.protocol.listener_client import STREAM_HEADER, ListenerClient
-from rayinfer.protocol.shared_memory import SharedMemoryRegistry
+from rayinfer.protocol.shared_memory import Registration, SharedMemoryRegistry
 from rayinfer.protocol.types import InferRequest, InferResponse
 from rayinfer.protocol.restricted_api import inference_headers, parse_restrictions
 from rayinfer.repository.ensemble import is_ensemble
@@ -52,11 +58,16 @@ from rayinfer.serving.model_core import ModelCore
 from rayinfer.serving.response_cache import ResponseCache, model_fingerprint
 from rayinfer.serving.sequence_routing import FORWARDED_HEADER, SequenceRoutes
 from rayinfer.serving.protocol_stamps import StreamTrace, stamp_http_request
+from rayinfer.serving.trace import TraceSettings
 from rayinfer.serving.routes import keep_request_headers, parse_model_route
 from rayinfer.serving.replica_routes import ReplicaRoutes
 
 logger = logging.getLogger(__name__)
 
+_STATS_PUSH_INTERVAL_S = 0.5
+# The replica's listener is registered with the ``/v2`` replica this often (which forgets
+# a listener not registered again within a few intervals: a replica that died).
+_LISTENER_REGISTER_INTERVAL_S = 2.0
 # The last message of every streaming handle call (grpc_stream, bls_stream), which the caller
 # drops: a call that yields nothing ends as a gRPC trailers-only response, without the initial
 # metadata Serve's handle waits for, and Serve then fails it ("Unexpected error
@@ -66,13 +77,15 @@ _STREAM_END = b""
 _LISTENER_DRAIN_S = 10.0
 # How long a replica being stopped waits for its last spans to be exported (opentelemetry mode).
 _SPAN_FLUSH_MS = 5000
+# How long a replica waits for the /v2 replica to tell it a shared memory region's registration.
+_SHM_FETCH_S = 10.0
 # A model's trace settings, which Serve routes to the model's application (its route prefix).
 _TRACE_ROUTE = re.compile(r"/v2/models/([^/]+)/trace/setting")
 
 
 @serve.deployment(name="ModelDeployment")
 @serve.ingress()
-class ModelDeployment(ServerLink):
+class ModelDeployment:
     """Serves one version of one model; keeps the model loaded per replica."""
 
     async def __init__(
@@ -275,6 +288,136 @@ class ModelDeployment(ServerLink):
             yield message
         yield _STREAM_END
 
+    # ---- the /v2 replica: statistics and the listener's registration ------------------------
+
+    def _server_handle(self) -> Any:
+        """One handle to the ``/v2`` app for the replica's life: each new handle builds a router."""
+        if self._server is None:
+            self._server = serve.get_deployment_handle(SERVER_DEPLOYMENT, SERVER_APP)
+        return self._server
+
+    def _trace_settings(self, doc: dict[str, Any]) -> None:
+        """The trace extension's settings from the ``/v2`` replica: this model's apply."""
+        settings = TraceSettings.from_dict(doc)
+        self._core.tracer.configure(settings.of(self._core.name), settings.version, settings.opentelemetry)
+
+    def _take_control(self, message: ControlMessage) -> None:
+        """A change the ``/v2`` replica sent on the control channel."""
+        if message.kind == TRACE_SETTINGS:
+            self._trace_settings(message.body)
+        elif message.kind == SHM_FORGET:  # a region unregistered (every one of its kind for "")
+            self._core.shm.unregister(message.body["name"], message.body["kind"])
+        elif message.kind == SEQUENCE_SLOTS and self._sequences is not None:
+            self._sequences.update(message.body)
+        elif message.kind == ROLLOUT_SPLIT and message.body["model"] == self._core.name:
+            # A rollout of this model changed (Rollouts.split_message): its stable and candidate
+            # versions' parts in it.
+            if self._core.version in message.body["version_less"]:
+                self._routes.take_split(message.body["version_less"][self._core.version], message.body["split"])
+
+    async def _poll_control_forever(self) -> None:
+        """Take the ``/v2`` replica's changes as they come (:mod:`control_channel`)."""
+        epoch, acked = None, 0
+        while True:
+            try:
+                answer_epoch, messages = await self._server_handle().control_poll.remote(self._replica_key, epoch, acked)
+            except Exception as exc:  # the server app may not be deployed (yet), or restarts
+                logger.debug("could not poll the control channel: %s", exc)
+                # Tried again as registration is: what was missed meanwhile comes with it.
+                await asyncio.sleep(_LISTENER_REGISTER_INTERVAL_S)
+                continue
+            if answer_epoch != epoch:
+                epoch, acked = answer_epoch, 0
+            for seq, message in messages:
+                try:
+                    self._take_control(message)
+                except Exception:
+                    logger.exception("could not take the server's %s", message.kind)
+                acked = max(acked, seq)
+
+    async def _shared_memory_region(self, name: str) -> Registration | None:
+        """A shared memory region a request names that this replica has not mapped:
+        its registration with the ``/v2`` replica (None if there is none)."""
+        try:
+            return await asyncio.wait_for(self._server_handle().shared_memory_region.remote(name), _SHM_FETCH_S)
+        except asyncio.TimeoutError:
+            raise UnavailableError(f"shared memory region '{name}': the server did not answer in time") from None
+
+    async def _merged_statistics(self, version: str, snapshot: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+        """Report this replica's figures and read back every replica's sum (one Ray call);
+        this replica's own figures when the ``/v2`` app is absent (a hand-written Serve config)."""
+        try:
+            merged = await self._server_handle().report_statistics.remote(
+                self._replica_key, self._core.name, self._core.version, snapshot, version
+            )
+            self._pushed[self._replica_key] = _change_key(snapshot)
+            return merged
+        except Exception as exc:
+            logger.debug("falling back to this replica's statistics: %s", exc)
+            return []
+
+    async def _report_forever(self) -> None:
+        """Register the listener every few seconds; push statistics when they changed."""
+        registered_at = float("-inf")
+        limit_values: Any = None
+        while True:
+            if time.monotonic() - registered_at >= _LISTENER_REGISTER_INTERVAL_S:
+                try:
+                    settings = await self._server_handle().register_listener.remote(
+                        self._replica_key, self._app_name, *self._listener_address, self._sequences is not None
+                    )
+                    registered_at = time.monotonic()
+                    self._listener.max_inflight = settings.get("max_inflight", self._listener.max_inflight)
+                    self._routes.take_split(settings.get("version_less", True), settings.get("split"))
+                    shadowing = self._shadow.configure(settings.get("shadow"))
+                    self._core.on_answer = self._shadow.offer if shadowing and not self._core.decoupled else None
+                    if settings.get("connection_limits") != limit_values:  # the flags, as at the last registration
+                        limit_values = settings.get("connection_limits")
+                        self._listener.limits = ConnectionLimits.from_values(limit_values)
+                    if self._sequences is not None:
+                        self._sequences.update(settings.get("sequence_slots"))
+                    # The logging extension's (again: loggers created since get them too).
+                    log_settings.apply(settings["log"])
+                    self._trace_settings(settings["trace"])
+                except Exception as exc:  # the server app may not be deployed (yet)
+                    logger.debug("could not register the listener: %s", exc)
+            await asyncio.sleep(_STATS_PUSH_INTERVAL_S)
+            await self._report_shadow()
+            for key, core in self._reported_cores():
+                traces = core.tracer.collect()  # an in-place member's: its steps' child traces
+                if traces:
+                    try:
+                        await self._server_handle().report_traces.remote(core.name, traces)
+                    except Exception as exc:  # the server app may be gone: those traces are lost
+                        logger.debug("could not report traces: %s", exc)
+                snapshot = core.snapshot()
+                if _change_key(snapshot) == self._pushed.get(key):
+                    continue
+                try:
+                    await self._server_handle().report_statistics.remote(key, core.name, core.version, snapshot)
+                    self._pushed[key] = _change_key(snapshot)
+                except Exception as exc:  # the server app may not be deployed (yet)
+                    logger.debug("could not publish statistics: %s", exc)
+
+    async def _report_shadow(self) -> None:
+        """The shadow counts, when they changed."""
+        target, counts = self._shadow.target, self._shadow.counts.as_dict()
+        if target is None or counts == self._shadow_reported:
+            return
+        try:
+            await self._server_handle().report_shadow.remote(self._replica_key, self._core.name, target["candidate"], counts)
+            self._shadow_reported = counts
+        except Exception as exc:  # the server app may be gone: the counts go with the next report
+            logger.debug("could not report shadow counts: %s", exc)
+
+    def _reported_cores(self) -> list[tuple[str, ModelCore]]:
+        """(key, core) of the model served here and of an ensemble's members running here,
+        whose figures count as those of one more replica of the member."""
+        cores = [(self._replica_key, self._core)]
+        if self._members is not None and self._members.in_place is not None:
+            cores += [(f"{self._replica_key}/in-place/{core.name}", core) for core in self._members.in_place.cores()]
+        return cores
+
     async def __del__(self) -> None:
         """Serve stops the replica: out of the front's routes first, then drain."""
         for name in ("_report_task", "_control_task"):
@@ -326,3 +469,9 @@ def _response_cache(model_dir: Path, runner: Any, size_bytes: int) -> ResponseCa
     except OSError as exc:  # the node's cache folder is unusable (another user's, ...): no cache
         logger.warning("model '%s': the response cache is off: %s", name, exc)
         return None
+
+
+def _change_key(snapshot: dict[str, Any]) -> tuple[int, ...]:
+    durations = snapshot["durations"]  # successes count the response cache's hits, which execute nothing
+    return (snapshot["execution_count"], durations["success"][0], durations["fail"][0],
+            snapshot["pending_request_count"], snapshot.get("custom_metrics_version", 0))

@@ -46,11 +46,11 @@ class StreamAnswers:
     _transport: Any
     _send_window: int  # what the client lets this side send on the connection
     _max_frame: int
-    _client_window: int  # what a client may send on one call before the replica reads it (FlowControl's)
+    _client_window: int  # what a client may send on one call before the replica reads it
     _write: Callable[[bytes], None]  # to the client (H2Connection's)
     _ended: Callable[[Any], None]  # a call is over (H2Connection's)
-    _release: Callable[[Any, int], None]  # bytes a call held are freed (FlowControl's)
-    give_window: Callable[[Any], None]  # a call's window given back (FlowControl's)
+    _release: Callable[[Any, int], None]  # bytes a call held are freed (H2Connection's)
+    give_window: Callable[[Any], None]  # a call's window given back (H2Connection's)
 
     def stream_taken(self, call: Any, size: int) -> None:
         """``size`` bytes of the client's were taken by the stream's handler: the client may send

@@ -15,18 +15,22 @@ An HTTP/2 connection cannot change hands once its header tables hold state, so a
 gives one back to the acceptor: it is rebalanced (when a call ends :data:`_MAX_CONNECTION_AGE_S` or more after
 the connection came, so that clients spread over replicas that started since; at a rollout's
 split, when the connection's run of version-less calls here ends, so that the acceptor places
-the client's next connection for its next run) by closing it gracefully (:mod:`h2_shutdown`).
+the client's next connection for its next run) and stops the way HTTP/2 closes a connection
+gracefully: a ``GOAWAY`` with the largest stream id and a
+``PING``; once the ``PING`` is answered, every call the client sent before it has arrived, and
+a second ``GOAWAY`` names the last of them; once they are answered the replica sends FIN and
+reads on, dropping what arrives, until the client closes its end (:meth:`H2Connection._shut_down`).
 
 Frames are parsed by ``hyperframe`` (plain DATA, HEADERS and WINDOW_UPDATE frames by
 :func:`~rayinfer.protocol.grpc_wire.parse_frame`, by hyperframe's rules) and header blocks
 decoded by ``hpack``; this module keeps the connection's state and RFC 9113's rules with the
 limits of :class:`~rayinfer.protocol.limits.ConnectionLimits`: SETTINGS values checked, header
 blocks (with their CONTINUATIONs) bounded, ``MAX_CONCURRENT_STREAMS`` advertised and enforced,
-the client's windows enforced and given back as its calls are read (:mod:`h2_flow_control`),
-and budgets for reset streams and control frames and timeouts for a header block, an idle
-connection and a client that does not read (:mod:`h2_shutdown`). A connection that breaks one
-gets a ``GOAWAY`` with the RFC's error code and is closed; its calls are cancelled. The ``h2``
-library would do all of this at about 90 us of CPU per unary call (docs/architecture.md, "Client
+the client's receive windows enforced and a call's window held back while the connection holds
+more than its bound, budgets for reset streams and control frames, and timeouts for a header
+block, an idle connection and a client that does not read. A connection that breaks one gets a
+``GOAWAY`` with the RFC's error code and is closed; its calls are cancelled. The ``h2`` library
+would do all of this at about 90 us of CPU per unary call (docs/architecture.md, "Client
 connections").
 """
 
@@ -41,16 +45,14 @@ import hpack
 from hyperframe.exceptions import HyperframeError, InvalidFrameError
 
 from rayinfer.serving.client_relay import relay_grpc
-from rayinfer.serving.h2_flow_control import FlowControl
-from rayinfer.serving.h2_shutdown import Shutdown
 from rayinfer.serving.h2_stream import ServedStream, StreamAnswers
 from rayinfer.protocol.errors import UnavailableError
 from rayinfer.protocol.grpc_wire import (
     ACK, CONTINUATION, DATA, DEFAULT_FRAME_SIZE, DEFAULT_WINDOW, END_HEADERS, END_STREAM, ENHANCE_YOUR_CALM,
     FLOW_CONTROL_ERROR, FRAME_SIZE_ERROR, GOAWAY, HEADERS, MAX_WINDOW, NOT_DIRECT_RPCS, OK_TRAILERS, PING, PREFACE,
     PROTOCOL_ERROR, PUSH_PROMISE, REFUSED_STREAM, RESPONSE_HEADERS, ROUTED_RPCS, RST_STREAM, SERVICE,
-    SETTINGS, SETTINGS_INITIAL_WINDOW_SIZE, SETTINGS_MAX_CONCURRENT_STREAMS,
-    SETTINGS_MAX_HEADER_LIST_SIZE, STREAM_RPC, WINDOW_UPDATE, H2ProtocolError, HeaderDecoder, frame,
+    SETTINGS, SETTINGS_INITIAL_WINDOW_SIZE, SETTINGS_MAX_CONCURRENT_STREAMS, SETTINGS_MAX_FRAME_SIZE,
+    SETTINGS_MAX_HEADER_LIST_SIZE, STREAM_RPC, WINDOW_UPDATE, H2ProtocolError, HeaderDecoder, check_settings, frame,
     parse_frame,
     goaway, grpc_status, literal, message_frame, name_and_version, reset_stream, settings, trailers, unframe,
     window_update, with_version,
@@ -63,6 +65,11 @@ logger = logging.getLogger(__name__)
 
 _MAX_CONNECTION_AGE_S = 10.0
 _RELAYED_MAX_AGE_S = 1.0  # the turn of a connection with a call relayed
+_GOING = b"rayinfer"  # the PING of a graceful close
+_PING_WAIT_S = 2.0  # a client that does not answer that PING: the second GOAWAY anyway
+_LINGER_S = 5.0  # after the last GOAWAY and answer: how long the client may take to close its end
+_FAIL_LINGER_S = 1.0  # a connection closed for an error: how long what the client sends is dropped
+_BUDGET_S = 10.0  # the period of the reset-stream and control-frame budgets
 
 
 class _Call:
@@ -92,7 +99,7 @@ class _Call:
         self.answering = False  # a stream's response headers are sent
 
 
-class H2Connection(Shutdown, FlowControl, StreamAnswers, asyncio.Protocol):
+class H2Connection(StreamAnswers, asyncio.Protocol):
     """One client's HTTP/2 connection; ``direct``: the Unix socket of the front's HAProxy that
     takes relayed calls, and the route key (``<model>/<version>``) the acceptor gave it for. Past
     ``connection_window_bytes`` held by its calls, only its oldest call still being received
@@ -115,11 +122,23 @@ class H2Connection(Shutdown, FlowControl, StreamAnswers, asyncio.Protocol):
         self._block: tuple[int, bool, list[bytes], int, float] | None = None
         self._highest = 0  # the largest stream id the client opened
         self._last_taken = MAX_WINDOW  # calls above this id are not taken (a GOAWAY named it)
-        self._init_windows(self._limits)
+        self._going = 0  # 0 serving, 1 first GOAWAY and PING sent, 2 last GOAWAY sent
+        self._shut = False  # all sent (the last GOAWAY, then FIN): what the client sends is dropped
+        self._send_window = DEFAULT_WINDOW
+        self._initial_window = DEFAULT_WINDOW  # each call's send window at its start
+        self._max_frame = DEFAULT_FRAME_SIZE
+        self._unacked = 0  # received bytes released, their connection window not given back yet
+        # What the client may still send on the connection (its window, as this side gave it).
+        self._recv_window = DEFAULT_WINDOW + max(self._limits.connection_window_bytes - DEFAULT_WINDOW, 1)
+        self._held = 0  # bytes the open calls hold
+        self._deferred_calls = 0  # calls whose window is held back
         self._rebalance_at = time.monotonic() + _MAX_CONNECTION_AGE_S
+        self._client_window = self._limits.stream_window_bytes
         self._last_read = time.monotonic()
         self._paused_at: float | None = None  # the client stopped reading (the write buffer is full)
-        self._init_shutdown(self._last_read)
+        self._budget_at = self._last_read + _BUDGET_S
+        self._resets = self._glitches = 0
+        self._timer: asyncio.TimerHandle | None = None
         self._loop = asyncio.get_running_loop()
 
     # the listener's view (as of its HTTP/1.1 connections)
@@ -134,6 +153,15 @@ class H2Connection(Shutdown, FlowControl, StreamAnswers, asyncio.Protocol):
 
     def hand_over_relay(self) -> bool:
         return False
+
+    def hand_back(self) -> bool:
+        """Close gracefully: no new calls once the client has seen the GOAWAY; the open ones
+        are answered."""
+        if self._transport is not None and not self._going:
+            self._going = 1
+            self._write(goaway(MAX_WINDOW) + frame(PING, 0, 0, _GOING))
+            asyncio.get_running_loop().call_later(_PING_WAIT_S, self._last_goaway)
+        return True
 
     def close(self) -> None:
         if self._transport is not None:
@@ -166,7 +194,8 @@ class H2Connection(Shutdown, FlowControl, StreamAnswers, asyncio.Protocol):
         for call in self._calls.values():  # the client went away: its calls are cancelled
             if call.task is not None:
                 call.task.cancel()
-        self._release_all()
+        self._listener.held_bytes -= self._held
+        self._held = 0
         self._calls.clear()
         self._sending.clear()
 
@@ -197,6 +226,65 @@ class H2Connection(Shutdown, FlowControl, StreamAnswers, asyncio.Protocol):
         except (HyperframeError, hpack.HPACKError, ValueError) as exc:
             logger.warning("closed a client's HTTP/2 connection: %s", exc)
             self._fail(PROTOCOL_ERROR)
+
+    def _fail(self, code: int) -> None:
+        """End the connection for a client's error: ``GOAWAY`` with ``code`` and FIN, then drop
+        what it still sends for :data:`_FAIL_LINGER_S` (so that it reads the GOAWAY) and close;
+        its calls are cancelled."""
+        if self._transport is not None and not self._shut:
+            self._shut = True
+            self._transport.write(goaway(self._highest, code))
+            self._transport.write_eof()
+            asyncio.get_running_loop().call_later(_FAIL_LINGER_S, self._transport.abort)
+            for call in list(self._calls.values()):
+                self._drop(call)
+
+    # timeouts and budgets
+
+    def _check_every(self) -> float:
+        limits = self._limits
+        return max(min(1.0, limits.request_head_timeout_s / 2, limits.keepalive_timeout_s / 2,
+                       limits.send_timeout_s / 2), 0.05)
+
+    def _check(self) -> None:
+        """The connection's timeouts: a header block not ended, a client that does not read its
+        answers, a connection idle (no call open) or silent (calls waiting for its bytes)."""
+        if self._transport is None:
+            return
+        limits, now = self._limits, time.monotonic()
+        if self._block is not None and now - self._block[4] > limits.request_head_timeout_s:
+            logger.warning("closed a client's HTTP/2 connection: a header block not ended in %s s "
+                           "(--http-request-timeout)", limits.request_head_timeout_s)
+            self._fail(ENHANCE_YOUR_CALM)
+            return
+        if self._paused_at is not None and now - self._paused_at > limits.send_timeout_s:
+            logger.warning("closed a client's HTTP/2 connection: its answers not read in %s s "
+                           "(--client-send-timeout)", limits.send_timeout_s)
+            self._transport.abort()
+            return
+        if now - self._last_read > limits.keepalive_timeout_s and self._paused_at is None:
+            if not self._calls:
+                self.hand_back()
+            elif any(call.task is None for call in self._calls.values()):
+                logger.warning("closed a client's HTTP/2 connection: a call's request not sent on for %s s "
+                               "(--http-keepalive-timeout)", limits.keepalive_timeout_s)
+                self._fail(ENHANCE_YOUR_CALM)
+                return
+        self._timer = asyncio.get_running_loop().call_later(self._check_every(), self._check)
+
+    def _spend(self, resets: int, glitches: int) -> None:
+        """Count reset streams and control frames against their budgets (per :data:`_BUDGET_S`)."""
+        now = time.monotonic()
+        if now >= self._budget_at:
+            self._budget_at, self._resets, self._glitches = now + _BUDGET_S, 0, 0
+        self._resets += resets
+        self._glitches += glitches
+        if self._resets > self._limits.max_reset_streams:
+            raise H2ProtocolError(ENHANCE_YOUR_CALM, f"over {self._limits.max_reset_streams} streams reset in "
+                                  f"{_BUDGET_S:g} s (--grpc-max-reset-streams)")
+        if self._glitches > self._limits.max_control_frames:
+            raise H2ProtocolError(ENHANCE_YOUR_CALM, f"over {self._limits.max_control_frames} control frames in "
+                                  f"{_BUDGET_S:g} s (--grpc-max-control-frames)")
 
     # frames in
 
@@ -255,7 +343,8 @@ class H2Connection(Shutdown, FlowControl, StreamAnswers, asyncio.Protocol):
         elif kind == PING:
             self._spend(0, 1)
             if "ACK" in flags:
-                self._ping_acked(parsed.opaque_data)
+                if parsed.opaque_data == _GOING and self._going == 1:
+                    self._last_goaway()
             else:
                 self._write(frame(PING, ACK, 0, parsed.opaque_data))
         elif kind == RST_STREAM:
@@ -277,6 +366,32 @@ class H2Connection(Shutdown, FlowControl, StreamAnswers, asyncio.Protocol):
         if self._block is not None and self._block[3] > self._limits.max_header_list_bytes:
             raise H2ProtocolError(ENHANCE_YOUR_CALM, f"a header block over {self._limits.max_header_list_bytes} "
                                   "bytes (--grpc-max-header-list-size)")
+
+    def _settings(self, values: dict[int, int]) -> None:
+        check_settings(values)
+        if SETTINGS_INITIAL_WINDOW_SIZE in values:
+            delta = values[SETTINGS_INITIAL_WINDOW_SIZE] - self._initial_window
+            self._initial_window += delta
+            for call in self._calls.values():
+                call.window += delta
+                if call.window > MAX_WINDOW:
+                    raise H2ProtocolError(FLOW_CONTROL_ERROR, "SETTINGS_INITIAL_WINDOW_SIZE took a window over 2^31-1")
+        if SETTINGS_MAX_FRAME_SIZE in values:
+            self._max_frame = values[SETTINGS_MAX_FRAME_SIZE]
+        self._write(frame(SETTINGS, ACK, 0))
+        self._flush()
+
+    def _window_update(self, stream: int, increment: int) -> None:
+        if stream == 0:
+            self._send_window += increment
+            if self._send_window > MAX_WINDOW:
+                raise H2ProtocolError(FLOW_CONTROL_ERROR, "a WINDOW_UPDATE took the connection's window over 2^31-1")
+        elif (call := self._calls.get(stream)) is not None:
+            call.window += increment
+            if call.window > MAX_WINDOW:
+                self._reset(call, FLOW_CONTROL_ERROR)
+                return
+        self._flush()
 
     def _headers(self, stream: int, ends: bool, block: bytes) -> None:
         headers = self._decoder.decode(block)  # always: the decoder's table follows every block
@@ -348,6 +463,66 @@ class H2Connection(Shutdown, FlowControl, StreamAnswers, asyncio.Protocol):
             self._start(call)
             return
         self._credit_stream(call, length)
+
+    # flow control: a call's window given back as it is received, while the connection holds little
+
+    def _hold(self, call: _Call, size: int) -> None:
+        call.held += size
+        self._held += size
+        self._listener.held_bytes += size
+
+    def _release(self, call: _Call, size: int | None = None) -> None:
+        """``size`` bytes a call held (all: the call ended) are freed; calls held back get their
+        windows."""
+        held = call.held if size is None else min(size, call.held)
+        call.held -= held
+        if size is None and call.deferred:  # the call ended while held back
+            self._deferred_calls -= 1
+            call.deferred = 0
+        if held:
+            self._held -= held
+            self._listener.held_bytes -= held
+            if self._deferred_calls:
+                for other in list(self._calls.values()):
+                    if other.deferred:
+                        self._credit_stream(other, 0)
+
+    def _credit(self, size: int) -> None:
+        """Give ``size`` received bytes back to the connection's window (in steps of half of it);
+        what a connection holds is bounded by its calls' windows (:meth:`_credit_stream`)."""
+        self._unacked += size
+        if self._unacked >= self._limits.connection_window_bytes // 2:
+            self._write(window_update(0, self._unacked))
+            self._recv_window += self._unacked
+            self._unacked = 0
+
+    def _credit_stream(self, call: _Call, size: int) -> None:
+        """Give a call's received bytes back to its window, unless the connection holds more than
+        ``connection_window_bytes`` (or the replica more than ``replica_buffer_bytes``) and the
+        call is not the oldest one still being received, which always may go on so that a
+        message larger than the window can arrive. A call held back waits for its window until
+        bytes are released (:meth:`_release`)."""
+        call.unacked += size
+        limits = self._limits
+        if ((self._held > limits.connection_window_bytes or self._listener.held_bytes > limits.replica_buffer_bytes)
+                and call is not self._oldest_receiving()):
+            self._deferred_calls += not call.deferred
+            call.deferred = call.unacked
+            return
+        if call.deferred:
+            self._deferred_calls -= 1
+            call.deferred = 0
+        if call.unacked >= self._client_window // 2 or (size == 0 and call.unacked):
+            self.give_window(call)
+
+    def give_window(self, call: _Call) -> None:
+        """Give a call's unacknowledged bytes back to its window (a WINDOW_UPDATE)."""
+        self._write(window_update(call.id, call.unacked))
+        call.recv_window += call.unacked
+        call.unacked = 0
+
+    def _oldest_receiving(self) -> _Call | None:
+        return next((call for call in self._calls.values() if call.task is None), None)
 
     # calls
 
@@ -484,3 +659,26 @@ class H2Connection(Shutdown, FlowControl, StreamAnswers, asyncio.Protocol):
         if not self._going and (self._listener.closing or time.monotonic() >= self._rebalance_at):
             self.hand_back()
         self._maybe_close()
+
+    def _last_goaway(self) -> None:
+        if self._going == 1 and self._transport is not None:
+            self._going = 2
+            self._last_taken = self._highest
+            self._write(goaway(self._highest))
+            self._maybe_close()
+
+    def _maybe_close(self) -> None:
+        if self._going == 2 and not self._calls and self._transport is not None and not self._shut:
+            self._shut_down()
+
+    def _shut_down(self) -> None:
+        """End a connection whose calls are answered, after the last GOAWAY: FIN, then read and
+        drop what the client sends until it closes its end (or :data:`_LINGER_S` has passed).
+        Closing at once would reset the connection when the client's next frames arrive (a
+        call it started before it read the GOAWAY), and a client whose write fails first fails
+        that call ("Stream removed (sendmsg: Broken pipe)", UNAVAILABLE) instead of sending it
+        again on a new connection, as the GOAWAY tells it to."""
+        self._shut = True
+        self._buffer = b""
+        self._transport.write_eof()
+        asyncio.get_running_loop().call_later(_LINGER_S, self.close)
