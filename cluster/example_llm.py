@@ -2,14 +2,15 @@
 
 A decoupled Python model with the tensor names of Triton's vLLM backend: ``text_input`` (the
 prompt), optional ``stream`` (send each token as it is made, else one response with the whole
-text), ``sampling_parameters`` (a JSON object: ``max_tokens``, ``temperature``, ``top_p``,
-``seed``, ``stop``) and ``exclude_input_in_output``; it answers ``text_output``. The request's
-parameters of the same names override the sampling parameters, so that a generate request can
-give them as plain members. The tokenizer is written on the spot: the words of the example text
+text), ``sampling_parameters`` (a JSON object: ``max_tokens``, at most 4096, ``temperature``,
+``top_p``, ``seed``, ``stop``) and ``exclude_input_in_output``; it answers ``text_output``. The
+request's parameters of the same names override the sampling parameters, so that a generate
+request can give them as plain members. The tokenizer is written on the spot: the words of the example text
 pipeline's vocabulary (:mod:`example_nlp`), one id each, and ``[EOS]``. The decoder is a small
 recurrent network whose weights are random from a fixed seed: its text is not meaningful, but
 every generation writes the same model and the same prompt and seed give the same text. A
-cancelled request (the client went away) stops generating.
+cancelled request (the client went away) stops generating. Eight requests generate at once; the
+others wait for one of them to end.
 """
 
 from __future__ import annotations
@@ -36,11 +37,14 @@ instance_group [ { count: 1 kind: KIND_CPU } ]
 LLM_MODEL = '''import json
 import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
 HIDDEN = 64
+MAX_TOKENS = 4096  # the most a request may ask for
+GENERATIONS = 8  # generations at once; more requests wait for one to end
 DEFAULTS = {"max_tokens": 16, "temperature": 1.0, "top_p": 1.0, "seed": 0, "stop": []}
 
 
@@ -57,14 +61,12 @@ class TritonPythonModel:
         self.embedding = rng.normal(0, 1, (size, HIDDEN)).astype(np.float32)
         self.recurrent = rng.normal(0, 1 / np.sqrt(HIDDEN), (HIDDEN, HIDDEN)).astype(np.float32)
         self.output = rng.normal(0, 2 / np.sqrt(HIDDEN), (HIDDEN, size)).astype(np.float32)
-        self.threads = []
+        self.pool = ThreadPoolExecutor(GENERATIONS, thread_name_prefix="tiny_llm")
+        self.stopping = threading.Event()
 
     def execute(self, requests):
         for request in requests:
-            thread = threading.Thread(target=self.generate, args=(request,), daemon=True)
-            thread.start()
-            self.threads.append(thread)
-        self.threads = [t for t in self.threads if t.is_alive()]
+            self.pool.submit(self.generate, request)
         return None
 
     def tokens(self, text):
@@ -77,6 +79,10 @@ class TritonPythonModel:
             settings.update(json.loads(raw.as_numpy().reshape(-1)[0]))
         given = json.loads(request.parameters())
         settings.update({key: value for key, value in given.items() if key in DEFAULTS})
+        if not 0 <= int(settings["max_tokens"]) <= MAX_TOKENS:
+            raise ValueError(f"max_tokens must be from 0 to {MAX_TOKENS}, not {settings['max_tokens']}")
+        if not 0 < float(settings["top_p"]) <= 1:
+            raise ValueError(f"top_p must be over 0 and at most 1, not {settings['top_p']}")
         return settings
 
     def flag(self, request, name):
@@ -97,6 +103,9 @@ class TritonPythonModel:
                 text += piece
             if not stream:
                 sender.send(self.answer(text))
+        except (ValueError, TypeError, KeyError) as exc:  # the request's settings
+            sender.send(pb_utils.InferenceResponse(
+                error=pb_utils.TritonError(f"tiny_llm: {exc}", pb_utils.TritonError.INVALID_ARG)))
         except Exception as exc:
             sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(f"tiny_llm: {exc}")))
         sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
@@ -108,8 +117,9 @@ class TritonPythonModel:
         for token in self.tokens(prompt) or [self.unk]:
             state = np.tanh(self.embedding[token] + state @ self.recurrent)
         stop = settings["stop"] if isinstance(settings["stop"], list) else [settings["stop"]]
+        stop = {str(word).lower() for word in stop}  # words of the vocabulary, which is lowercase
         for _ in range(int(settings["max_tokens"])):
-            if sender.is_cancelled():
+            if sender.is_cancelled() or self.stopping.is_set():
                 return
             logits = state @ self.output
             logits[self.ids["[PAD]"]] = logits[self.ids["[CLS]"]] = -np.inf
@@ -132,8 +142,8 @@ class TritonPythonModel:
         return pb_utils.InferenceResponse([pb_utils.Tensor("text_output", np.array([text.encode("utf-8")], dtype=object))])
 
     def finalize(self):
-        for thread in self.threads:
-            thread.join(5)
+        self.stopping.set()  # generations under way end at their next token
+        self.pool.shutdown(wait=True, cancel_futures=True)
 '''
 
 

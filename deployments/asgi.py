@@ -65,8 +65,13 @@ async def send_chunks(send: Send, status: int, chunks: AsyncIterator[bytes],
                       headers: list[tuple[bytes, bytes]]) -> None:
     """Send a response whose body comes in chunks, each as it is made."""
     await send({"type": "http.response.start", "status": status, "headers": headers})
-    async for chunk in chunks:
-        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+    try:
+        async for chunk in chunks:
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+    finally:
+        close = getattr(chunks, "aclose", None)
+        if close is not None:
+            await close()
     await send({"type": "http.response.body", "body": b""})
 
 

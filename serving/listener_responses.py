@@ -59,6 +59,10 @@ class StreamedResponse:
             logger.exception("a streamed response failed")
             transport.close()
             return False
+        finally:
+            close = getattr(self.chunks, "aclose", None)
+            if close is not None:  # given up early (the client went away): what makes them stops
+                await close()
         transport.write(b"0\r\n\r\n")
         return True
 

@@ -11,6 +11,7 @@ request: the model's ``is_cancelled()`` says so (:meth:`ModelCore.stream`).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -46,17 +47,11 @@ async def generate(core: ModelCore, headers: dict[bytes, bytes], body: bytes, ma
         prepared = core.prepare(request)
     except Exception as exc:
         return error_response(exc)
-    if stream:
-        return await _events(core.stream(prepared))
     try:
+        if stream:
+            return await _events(core.stream(prepared))
         if core.decoupled:
-            results = [result async for result in core.stream(prepared)]
-            errors = [result for result in results if isinstance(result, ServingError)]
-            if errors:
-                raise errors[0]
-            if len(results) != 1:
-                raise InvalidArgError(NOT_ONE_RESPONSE)
-            response: Any = results[0]
+            response: Any = await _one_response(core.stream(prepared))
         else:
             response = await core.infer(prepared)
         return 200, [_JSON], encode(generate_answer(response))
@@ -64,16 +59,42 @@ async def generate(core: ModelCore, headers: dict[bytes, bytes], body: bytes, ma
         return error_response(exc)
 
 
-async def _events(results: AsyncIterator[InferResponse | ServingError]) -> tuple[int, Headers, AsyncIterator[bytes]]:
-    """The stream's status (its first response's) and its events."""
-    first = await anext(results, None)
+async def _one_response(results: AsyncIterator[InferResponse | ServingError]) -> InferResponse:
+    """A decoupled model's one response; Triton's error once it sends a second one (the
+    request is then cancelled) or ends with none."""
+    found: InferResponse | None = None
+    async with contextlib.aclosing(results) as responses:  # type: ignore[type-var]
+        async for result in responses:
+            if isinstance(result, ServingError):
+                raise result
+            if found is not None:
+                raise InvalidArgError(NOT_ONE_RESPONSE)
+            found = result
+    if found is None:
+        raise InvalidArgError(NOT_ONE_RESPONSE)
+    return found
+
+
+async def _events(results: Any) -> tuple[int, Headers, AsyncIterator[bytes]]:
+    """The stream's status (its first response's) and its events; ``results``: the model's
+    responses (an async generator, closed when the events end or are given up)."""
+    try:
+        first = await anext(results, None)
+    except BaseException:
+        await results.aclose()
+        raise
     status = http_status(first.code) if isinstance(first, ServingError) else 200
 
     async def events() -> AsyncIterator[bytes]:
-        result = first
-        while result is not None:
-            yield _event(result)
-            result = await anext(results, None)
+        try:
+            result = first
+            while result is not None:
+                yield _event(result)
+                result = await anext(results, None)
+        except Exception as exc:  # the stream failed after its first event: its last event says so
+            yield error_event(as_serving_error(exc).message)
+        finally:
+            await results.aclose()  # a client gone: the model's request is cancelled
 
     return status, list(_SSE), events()
 

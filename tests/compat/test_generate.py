@@ -8,7 +8,9 @@ from __future__ import annotations
 import http.client
 import json
 import re
+import shutil
 import subprocess
+import time
 import urllib.request
 
 import pytest
@@ -47,6 +49,7 @@ def test_generate_maps_members_to_inputs_and_parameters_and_answers_one_flat_obj
     assert status == 200 and json.loads(body)["UPPER"] == "X!"
 
 
+@pytest.mark.skipif(shutil.which("curl") is None, reason="needs curl")
 def test_generate_stream_sends_each_response_of_a_decoupled_model_as_an_event(server):
     """curl -N on py_repeat: one event per element of IN, in order, then the stream ends."""
     host, port = server["url"].split(":")
@@ -74,6 +77,11 @@ def test_generate_on_a_decoupled_model_wants_exactly_one_response(server):
     assert status == 400
     assert json.loads(body) == {"error": "generate expects model to produce exactly 1 response, use generate stream "
                                          "for model that generates various number of responses"}
+    # py_cancel would stream for a minute: the answer comes at its second response.
+    started = time.monotonic()
+    status, _, body = _post(server, "/v2/models/py_cancel/generate", {"IN": [1]})
+    assert status == 400 and "exactly 1 response" in json.loads(body)["error"]
+    assert time.monotonic() - started < 20
 
 
 @pytest.mark.parametrize("path,doc,raw,status,message", [
@@ -173,3 +181,6 @@ def test_the_example_language_model_streams_its_tokens_many_streams_at_once(serv
         assert 1 <= len(pieces) <= 6 and all(piece.startswith(" ") for piece in pieces), (seed, pieces)
         assert text == "the movie was" + "".join(pieces), (seed, text, pieces)
     assert len(set(texts)) > 1  # the seed matters
+    # A request's settings out of bounds: the model's error, naming the setting.
+    status, _, body = _post(server, "/v2/models/tiny_llm/generate", {"text_input": "a", "max_tokens": 10**9})
+    assert status == 400 and "max_tokens must be from 0 to 4096" in json.loads(body)["error"]

@@ -101,6 +101,13 @@ def test_a_model_loads_and_unloads_models(server):
 def test_client_cancellation_reaches_is_cancelled(server):
     """The client cancels a decoupled request mid-stream; the model sees is_cancelled() and
     counts it in its own metric."""
+    def cancelled() -> float:
+        with urllib.request.urlopen(server["metrics_url"], timeout=10) as response:
+            line = next((line for line in response.read().decode().splitlines()
+                         if line.startswith('py_cancel_cancelled{model="py_cancel"} ')), "_ 0")
+        return float(line.rsplit(" ", 1)[1])
+
+    before = cancelled()  # other tests of the session cancel py_cancel's requests too
     client = grpcclient.InferenceServerClient(server["grpc_url"])
     received: queue.Queue = queue.Queue()
     client.start_stream(callback=lambda result, error: received.put((result, error)))
@@ -111,11 +118,7 @@ def test_client_cancellation_reaches_is_cancelled(server):
     finally:
         client.stop_stream(cancel_requests=True)
 
-    def counted() -> bool:
-        with urllib.request.urlopen(server["metrics_url"], timeout=10) as response:
-            return 'py_cancel_cancelled{model="py_cancel"} 1' in response.read().decode().splitlines()
-
-    wait_until(counted, "py_cancel to count one cancelled request", timeout_s=30)
+    wait_until(lambda: cancelled() >= before + 1, "py_cancel to count one more cancelled request", timeout_s=30)
 
 
 def test_many_clients_through_bls_at_once(server):
