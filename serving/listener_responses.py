@@ -1,7 +1,7 @@
 """The HTTP/1.1 responses a model replica's listener writes (:mod:`replica_listener`): a whole
-response with a content-length, a response streamed in chunks (a decoupled model's responses to
-a request another replica sent on), and a relayed gRPC call's answer (a chunked body with
-``grpc-status`` trailers, which HAProxy turns back into HTTP/2).
+response with a content-length, a response streamed in chunks (``generate_stream``'s events, a
+decoupled model's responses to a request another replica sent on), and a relayed gRPC call's
+answer (a chunked body with ``grpc-status`` trailers, which HAProxy turns back into HTTP/2).
 """
 
 from __future__ import annotations
@@ -34,8 +34,9 @@ def http_response(status: int, headers: list[tuple[bytes, bytes]], body: bytes) 
 
 
 class StreamedResponse:
-    """A response whose body comes in chunks as it is made (a decoupled model's responses to a
-    request another replica sent on, :meth:`ListenerClient.stream`): written chunk by chunk."""
+    """A response whose body comes in chunks as it is made (``generate_stream``'s events, a
+    decoupled model's responses to a request another replica sent on, :meth:`ListenerClient.stream`):
+    written chunk by chunk."""
 
     __slots__ = ("head", "chunks")
 
