@@ -46,6 +46,16 @@ def http(method: str, path: str, body: bytes | None = None, headers: dict | None
         return exc.code, dict(exc.headers), exc.read()
 
 
+def metric_value(server: dict, sample: str) -> float:
+    """The value of one sample (its name and labels as the metrics port writes them, e.g.
+    ``py_cancel_cancelled{model="py_cancel"}``) on the server's metrics port; 0 while it is absent."""
+    with urllib.request.urlopen(server["metrics_url"], timeout=10) as response:
+        for line in response.read().decode().splitlines():
+            if line.startswith(sample + " "):
+                return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
 def http_json(method: str, path: str, doc: object | None = None, port: int | None = None) -> tuple[int, object]:
     body = None if doc is None else (doc if isinstance(doc, bytes) else json.dumps(doc).encode())
     status, _, raw = http(method, path, body, port=port)

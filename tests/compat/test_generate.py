@@ -15,6 +15,7 @@ import urllib.request
 
 import pytest
 
+from conftest import metric_value
 from waiting import wait_until
 
 GENERATE_STREAM_EVENT = re.compile(rb"data: (.*?)\n\n", re.S)
@@ -99,19 +100,11 @@ def test_a_generate_request_refused_before_the_model_gets_a_json_error(server, p
     assert message in json.loads(body)["error"]
 
 
-def _metric(server, line_prefix: str) -> float:
-    with urllib.request.urlopen(server["metrics_url"], timeout=10) as response:
-        for line in response.read().decode().splitlines():
-            if line.startswith(line_prefix):
-                return float(line.rsplit(" ", 1)[1])
-    return 0.0
-
-
 def test_a_client_that_goes_away_cancels_its_stream_and_the_replica_serves_on(server):
     """py_cancel streams until its request is cancelled, and counts the cancellations: a
     client that closes its generate_stream connection after the first event is one."""
     counter = 'py_cancel_cancelled{model="py_cancel"}'
-    before = _metric(server, counter)
+    before = metric_value(server, counter)
     host, port = server["url"].split(":")
     connection = http.client.HTTPConnection(host, int(port), timeout=30)
     connection.request("POST", "/v2/models/py_cancel/generate_stream", json.dumps({"IN": [1]}).encode())
@@ -120,7 +113,7 @@ def test_a_client_that_goes_away_cancels_its_stream_and_the_replica_serves_on(se
     assert response.read1(65536).startswith(b"data: {")  # the first event
     connection.sock.close()
     connection.close()
-    wait_until(lambda: _metric(server, counter) >= before + 1, "py_cancel to see its request cancelled", timeout_s=30)
+    wait_until(lambda: metric_value(server, counter) >= before + 1, "py_cancel to see its request cancelled", timeout_s=30)
     status, _, body = _post(server, "/v2/models/py_repeat/generate", {"IN": [3]})
     assert status == 200 and json.loads(body)["OUT"] == 3
 

@@ -4,7 +4,6 @@ client cancel (the models are in tests/python_bls_models.py and tests/python_mod
 from __future__ import annotations
 
 import queue
-import urllib.request
 
 import numpy as np
 import pytest
@@ -12,7 +11,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from conftest import tensor
+from conftest import metric_value, tensor
 from model_factory import on_demand
 from stream_answers import stream_answers
 from waiting import wait_until
@@ -101,13 +100,8 @@ def test_a_model_loads_and_unloads_models(server):
 def test_client_cancellation_reaches_is_cancelled(server):
     """The client cancels a decoupled request mid-stream; the model sees is_cancelled() and
     counts it in its own metric."""
-    def cancelled() -> float:
-        with urllib.request.urlopen(server["metrics_url"], timeout=10) as response:
-            line = next((line for line in response.read().decode().splitlines()
-                         if line.startswith('py_cancel_cancelled{model="py_cancel"} ')), "_ 0")
-        return float(line.rsplit(" ", 1)[1])
-
-    before = cancelled()  # other tests of the session cancel py_cancel's requests too
+    counter = 'py_cancel_cancelled{model="py_cancel"}'
+    before = metric_value(server, counter)  # other tests of the session cancel py_cancel's requests too
     client = grpcclient.InferenceServerClient(server["grpc_url"])
     received: queue.Queue = queue.Queue()
     client.start_stream(callback=lambda result, error: received.put((result, error)))
@@ -118,7 +112,7 @@ def test_client_cancellation_reaches_is_cancelled(server):
     finally:
         client.stop_stream(cancel_requests=True)
 
-    wait_until(lambda: cancelled() >= before + 1, "py_cancel to count one more cancelled request", timeout_s=30)
+    wait_until(lambda: metric_value(server, counter) >= before + 1, "py_cancel to count one more cancelled request", timeout_s=30)
 
 
 def test_many_clients_through_bls_at_once(server):
