@@ -7,7 +7,8 @@ first, as boto3 (and Triton) read them.
 
 Every process that reads the repository calls :func:`local_repository` with the URL: the
 objects under the path are copied to a folder on its node (``TRITON_AWS_MOUNT_DIRECTORY``, or
-one per URL under the temporary directory) and the folder is returned, so that the rest of the
+one per URL in this user's private folder under the temporary directory,
+:mod:`~rayinfer.protocol.private_folders`) and the folder is returned, so that the rest of the
 server reads a repository on disk as before. A copy is brought up to date by ETag: objects that
 did not change are not downloaded again (nor touched, so the poller sees no change), new and
 changed ones are, and files whose object went are removed. ``models`` limits a copy to those
@@ -23,13 +24,13 @@ import hashlib
 import json
 import logging
 import os
-import tempfile
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from rayinfer.protocol.errors import ModelConfigError
+from rayinfer.protocol.private_folders import UnsafeFolderError, private_temporary_folder
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +90,10 @@ def local_repository(repository: str | os.PathLike[str], models: Iterable[str] |
         return Path(repository)
     url = str(repository)
     location = parse_s3_url(url)
-    root = _copy_root(url)
+    try:
+        root = _copy_root(url)
+    except UnsafeFolderError as exc:
+        raise ModelConfigError(f"model repository '{url}': {exc}") from None
     root.mkdir(parents=True, exist_ok=True)
     with _locked(root):
         _synchronize(location, root, None if models is None else sorted(set(models)), url)
@@ -97,11 +101,13 @@ def local_repository(repository: str | os.PathLike[str], models: Iterable[str] |
 
 
 def _copy_root(url: str) -> Path:
+    """The folder of the copy: the one the user named, else one per URL in this user's private
+    folder (UnsafeFolderError when something else is in that folder's place)."""
     mount = os.environ.get(MOUNT_DIRECTORY_VARIABLE)
     if mount:
         return Path(mount)
     digest = hashlib.sha256(url.rstrip("/").encode()).hexdigest()[:16]
-    return Path(tempfile.gettempdir()) / "rayinfer-repositories" / digest
+    return private_temporary_folder("rayinfer-repositories") / digest
 
 
 @contextlib.contextmanager

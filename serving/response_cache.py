@@ -18,16 +18,15 @@ import contextlib
 import hashlib
 import json
 import re
-import stat
 import logging
 import os
 import shutil
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
 from rayinfer.protocol.dtypes import array_from_buffer, serialize_bytes_tensor
+from rayinfer.protocol.private_folders import ownership_problem, per_user_path, private_folder
 from rayinfer.protocol.types import InferOutput, InferRequest, InferResponse
 
 logger = logging.getLogger(__name__)
@@ -56,15 +55,17 @@ def parse_cache_config(values: list[str]) -> int:
 
 
 def default_root() -> Path:
-    """Where the node's cache directories live: the memory file system when there is one."""
+    """Where the node's cache directories live: this user's folder on the memory file system
+    when there is one, else in the temporary directory (:mod:`private_folders`)."""
     shm = Path("/dev/shm")
-    base = shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
-    return base / f"rayinfer-response-cache-{os.getuid()}"
+    return per_user_path("rayinfer-response-cache", shm if shm.is_dir() and os.access(shm, os.W_OK) else None)
 
 
 def clear(root: Path) -> None:
-    """Remove every entry (a server starting: its models may differ from the last one's)."""
-    shutil.rmtree(root, ignore_errors=True)
+    """Remove every entry (a server starting: its models may differ from the last one's). A
+    folder that is not this user's private one is left alone (the cache refuses it)."""
+    if ownership_problem(root) is None:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def model_fingerprint(model_dir: Path, version: str, config_json: str) -> str:
@@ -114,10 +115,7 @@ class ResponseCache:
         self._size_bytes = size_bytes
         self._directory = root / hashlib.blake2b(f"{model}\0{version}\0{fingerprint}".encode(),
                                                  digest_size=16).hexdigest()
-        root.mkdir(mode=0o700, parents=True, exist_ok=True)
-        status = root.lstat()  # a link is refused: the cache reads and deletes only its own files
-        if not stat.S_ISDIR(status.st_mode) or status.st_uid != os.getuid() or status.st_mode & 0o077:
-            raise PermissionError(f"the response cache directory {root} is not a private directory of this user")
+        private_folder(root)  # the cache reads and deletes only its own files: UnsafeFolderError otherwise
         self._directory.mkdir(mode=0o700, exist_ok=True)
         self.evictions = 0  # entries this process removed to stay under the size
         self._written = 0  # bytes this process wrote since it last summed the directory

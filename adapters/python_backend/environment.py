@@ -20,6 +20,7 @@ import tempfile
 from pathlib import Path
 
 from rayinfer.protocol.errors import ModelConfigError
+from rayinfer.protocol.private_folders import UnsafeFolderError, private_temporary_folder
 
 PARAMETER = "EXECUTION_ENV_PATH"
 MODEL_DIRECTORY = "$$TRITON_MODEL_DIRECTORY"
@@ -47,15 +48,19 @@ def activate_execution_env(value: str, model_dir: Path, model: str) -> Path:
 
 
 def _unpacked(archive: Path, model: str) -> Path:
-    """The archive unpacked once per content (shared by the replicas of a node)."""
+    """The archive unpacked once per content (shared by the replicas of a node) in this user's
+    private folder ``<temporary directory>/rayinfer-envs-<uid>``: the replica imports from it, so
+    a folder another user planted there is refused (ModelConfigError naming it), never used."""
     digest = hashlib.sha256()
     with archive.open("rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
-    target = Path(tempfile.gettempdir()) / "rayinfer-envs" / f"{digest.hexdigest()[:20]}"
+    try:
+        target = private_temporary_folder("rayinfer-envs") / digest.hexdigest()[:20]
+    except UnsafeFolderError as exc:
+        raise ModelConfigError(f"model '{model}': cannot unpack {PARAMETER} '{archive}': {exc}") from None
     if target.is_dir():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=target.parent))
     try:
         with tarfile.open(archive) as tar:

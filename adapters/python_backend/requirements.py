@@ -18,30 +18,34 @@ import shutil
 import site
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 from rayinfer.protocol.errors import ModelConfigError
+from rayinfer.protocol.private_folders import UnsafeFolderError, private_temporary_folder
 
 ROOT_PREFIX = "rayinfer-pip"
 PIP_TIMEOUT_S = 900.0
 
 
 def environment_root(packages: list[str]) -> Path:
-    """The folder of the virtualenv for ``packages`` on this node (shared by the replicas)."""
+    """The folder of the virtualenv for ``packages`` on this node (shared by the replicas), in this
+    user's private folder ``<temporary directory>/rayinfer-pip-<uid>``: the replicas import from it,
+    so a folder another user planted there is refused (UnsafeFolderError), never used."""
     key = hashlib.sha256("\n".join([sys.executable, sys.version, *packages]).encode()).hexdigest()[:20]
-    return Path(tempfile.gettempdir()) / ROOT_PREFIX / key
+    return private_temporary_folder(ROOT_PREFIX) / key
 
 
 def activate_requirements(packages: list[str], model: str, timeout_s: float = PIP_TIMEOUT_S) -> Path:
     """Install ``packages`` unless an earlier replica on this node did, and put their
     site-packages first on ``sys.path``; returns it. ModelConfigError with pip's own reason when
-    pip fails."""
-    root = environment_root(packages)
+    pip fails, or naming the folder when the environments' folder is not this user's own."""
+    try:
+        root = environment_root(packages)
+    except UnsafeFolderError as exc:
+        raise ModelConfigError(f"model '{model}': cannot install the model's requirements: {exc}") from None
     site_packages = root / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
     done = root / ".installed"
     if not done.exists():
-        root.parent.mkdir(parents=True, exist_ok=True)
         with open(root.parent / f"{root.name}.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # one installation per node; the others wait for it
             if not done.exists():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 import tarfile
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -81,7 +82,7 @@ def test_requirements_install_once_beside_the_servers_packages(
     from python_models import write_wheel
     from rayinfer.adapters.python_backend import requirements
 
-    monkeypatch.setattr(requirements.tempfile, "gettempdir", lambda: str(tmp_path))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     monkeypatch.setattr(sys, "path", list(sys.path))
     wheel = write_wheel(tmp_path / "wheels", "rayinfer_env_probe", "VALUE = 11\n")
     packages = ["--no-index", f"--find-links={wheel.parent}", "rayinfer_env_probe", "numpy"]
