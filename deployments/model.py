@@ -31,6 +31,7 @@ from rayinfer.deployments.autoscaling import LISTENER_ONGOING
 from rayinfer.deployments.bls_client import ReplicaBlsClient
 from rayinfer.deployments.shadow_sender import ShadowSender
 from rayinfer.deployments.ensemble_members import EnsembleMembers, load_ensemble
+from rayinfer.deployments.front_key_store import cluster_front_key
 from rayinfer.deployments.control_channel import (
     ROLLOUT_SPLIT,
     SEQUENCE_SLOTS,
@@ -45,7 +46,7 @@ from rayinfer.protocol import log_settings
 from rayinfer.protocol.errors import NotFoundError, ServingError, UnavailableError, UnsupportedError, as_serving_error
 from rayinfer.protocol.http_codec import parse_json_body
 from rayinfer.protocol.limits import DEFAULT_HTTP_MAX_INPUT_SIZE, ConnectionLimits
-from rayinfer.protocol.listener_client import STREAM_HEADER, ListenerClient
+from rayinfer.protocol.listener_client import STREAM_HEADER, ListenerClient, front_key_header
 from rayinfer.protocol.shared_memory import Registration, SharedMemoryRegistry
 from rayinfer.protocol.types import InferRequest, InferResponse
 from rayinfer.protocol.restricted_api import inference_headers, parse_restrictions
@@ -130,7 +131,10 @@ class ModelDeployment:
         restricted = restricted or {}
         restrictions = (parse_restrictions(restricted.get("http", []), "--http-restricted-api"),
                         parse_restrictions(restricted.get("grpc", []), "--grpc-restricted-protocol"))
-        peer_headers = inference_headers(restrictions[0])
+        # The server's front key: this replica's listener serves only requests with it over its
+        # port, and its own calls to other replicas' listeners carry it.
+        front_key = await asyncio.to_thread(cluster_front_key)
+        peer_headers = (front_key_header(front_key), *inference_headers(restrictions[0]))
         self._restrictions = restrictions  # and at Serve's HTTP ingress (_asgi)
         repository = await asyncio.to_thread(local_repository, model_repository, [model_name])
         if is_ensemble(read_config(repository / model_name, override=config_override)):
@@ -147,7 +151,8 @@ class ModelDeployment:
         self._core = self._bls.core = ModelCore(runner, entry.versions, self._merged_statistics,
                                                 SharedMemoryRegistry(self._shared_memory_region), cache)
         self._max_input_size = max_input_size
-        self._listener = ReplicaListener(self._listener_grpc, self._listener_http, max_input_size, self._core.name)
+        self._listener = ReplicaListener(self._listener_grpc, self._listener_http, max_input_size, self._core.name,
+                                         front_key)
         # Which requests on the clients' connections this replica holds are its own.
         self._routes = ReplicaRoutes(self._core.name, self._core.version)
         self._listener.serves, self._listener.serves_grpc = self._routes.serves, self._routes.serves_grpc
@@ -374,6 +379,7 @@ class ModelDeployment:
                     if settings.get("connection_limits") != limit_values:  # the flags, as at the last registration
                         limit_values = settings.get("connection_limits")
                         self._listener.limits = ConnectionLimits.from_values(limit_values)
+                        self._core.max_queued_responses = self._listener.limits.max_queued_responses
                     if self._sequences is not None:
                         self._sequences.update(settings.get("sequence_slots"))
                     # The logging extension's (again: loggers created since get them too).

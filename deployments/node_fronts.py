@@ -67,9 +67,11 @@ class NodeFront:
         import ray
 
         from rayinfer.deployments.front import Front
+        from rayinfer.deployments.front_key_store import cluster_front_key
 
         node_ip = ray.util.get_node_ip_address()
-        self._front = Front(node_endpoint(http, own_ip, node_ip), node_endpoint(grpc, own_ip, node_ip), **options)
+        self._front = Front(node_endpoint(http, own_ip, node_ip), node_endpoint(grpc, own_ip, node_ip), **options,
+                            front_key=cluster_front_key())
 
     async def publish(self, routes: dict[str, list[tuple[str, int]]], sequence_keys: frozenset[str],
                       splits: dict[str, tuple[int, str, str]] | None = None) -> bool:

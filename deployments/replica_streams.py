@@ -47,7 +47,8 @@ class ReplicaStreams:
         def forward(request: pb.ModelInferRequest, read: tuple[int, int]) -> AsyncIterator[Any]:
             return self._forward(request, trace_context, read, headers)
 
-        async for response in answer_stream(requests, forward, _error_response, self._sent, ends_on_error(headers)):
+        async for response in answer_stream(requests, forward, _error_response, self._sent, ends_on_error(headers),
+                                            max_queued_responses=self._listener.limits.max_queued_responses):
             yield response
 
     async def _forward(self, request: pb.ModelInferRequest, trace_context: str | None,

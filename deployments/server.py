@@ -34,7 +34,7 @@ from rayinfer.protocol import log_settings
 from rayinfer.protocol.errors import ServingError, as_serving_error
 from rayinfer.protocol.restricted_api import parse_restrictions
 from rayinfer.protocol.metrics import MetricsOptions
-from rayinfer.protocol.limits import DEFAULT_MAX_INFLIGHT_REQUESTS
+from rayinfer.protocol.limits import DEFAULT_MAX_INFLIGHT_REQUESTS, ConnectionLimits
 from rayinfer.protocol.shared_memory import Registration
 from rayinfer.repository.model_config import config_to_json
 from rayinfer.repository.object_store import local_repository
@@ -87,14 +87,17 @@ class ServerDeployment:
                               parse_restrictions(grpc_restricted or [], "--grpc-restricted-protocol"))
         if grpc_front is not None or http_front is not None:
             from rayinfer.deployments.front import Front
+            from rayinfer.deployments.front_key_store import cluster_front_key
 
             options = {
                 "server_app": SERVER_APP, "threads": front_threads, "max_input_size": control.max_input_size,
                 "http_restricted": self._restrictions[0], "grpc_restricted": self._restrictions[1],
                 "max_inflight": max_inflight or DEFAULT_MAX_INFLIGHT_REQUESTS, "direct": direct_connections,
                 "tls": {kind: TlsSettings(**values) for kind, values in (tls or {}).items()},
+                "limits": ConnectionLimits.from_values(dict(control.connection_limits)),
             }
-            self._front = Front(http_front, grpc_front, **options)
+            # The front key: each node's front reads it from the store itself (not an actor argument).
+            self._front = Front(http_front, grpc_front, **options, front_key=cluster_front_key())
             if grpc_front is not None:
                 want_loopback_port()
             if front_on_every_node:
@@ -116,7 +119,8 @@ class ServerDeployment:
         self._api.rollouts = Rollouts(self._api, server_id)
         self._api.on_unload.append(self._api.rollouts.forget)
         self._forwarder = ModelForwarder(self._api)
-        self._grpc = GrpcInferenceService(self._api, self._forwarder, self._restrictions)
+        self._grpc = GrpcInferenceService(self._api, self._forwarder, self._restrictions,
+                                          ConnectionLimits.from_values(dict(control.connection_limits)).max_queued_responses)
         self._api.on_unload.append(self._forwarder.forget)
         loop = asyncio.get_running_loop()
         self._tasks: list[asyncio.Task] = []

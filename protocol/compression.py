@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import gzip
 import zlib
 
@@ -9,6 +10,8 @@ from rayinfer.protocol.errors import InvalidArgError, UnsupportedError
 from rayinfer.protocol.limits import DEFAULT_HTTP_MAX_INPUT_SIZE, body_too_large
 
 ENCODINGS = ("gzip", "deflate")
+# A compressed body or message larger than this is inflated on a worker thread, off the event loop.
+INLINE_INFLATE_BYTES = 1 << 16
 _WBITS = {"gzip": 31, "deflate": 15}
 
 
@@ -28,6 +31,15 @@ def decompress_body(body: bytes, content_encoding: str | None, limit: int = DEFA
     if inflated is None:
         raise body_too_large(limit, what="Decompressed request body")
     return inflated
+
+
+async def decompress_off_loop(body: bytes, content_encoding: str | None,
+                              limit: int = DEFAULT_HTTP_MAX_INPUT_SIZE) -> bytes:
+    """:func:`decompress_body` on a worker thread for a compressed body over
+    :data:`INLINE_INFLATE_BYTES` (inflating it may take long), else at once on the event loop."""
+    if content_encoding and len(body) > INLINE_INFLATE_BYTES and content_encoding.strip().lower() != "identity":
+        return await asyncio.to_thread(decompress_body, body, content_encoding, limit)
+    return decompress_body(body, content_encoding, limit)
 
 
 def inflate(data: bytes, wbits: int, limit: int) -> bytes | None:

@@ -12,6 +12,7 @@ bytes).
 
 from __future__ import annotations
 
+import asyncio
 import zlib
 from typing import Any, NamedTuple
 
@@ -20,10 +21,12 @@ import hpack
 from hyperframe.exceptions import HyperframeError
 from hyperframe.frame import Frame
 
-from rayinfer.protocol.compression import inflate
+from rayinfer.protocol.compression import INLINE_INFLATE_BYTES, inflate
+from rayinfer.protocol.h2_fields import check_fields
 from rayinfer.protocol.errors import InternalError, UnsupportedError, as_serving_error, grpc_status_name
-from rayinfer.protocol.limits import GRPC_MAX_MESSAGE_SIZE, message_too_large
+from rayinfer.protocol.limits import DEFAULT_CONNECTION_LIMITS, message_too_large
 
+DEFAULT_MAX_MESSAGE_BYTES = DEFAULT_CONNECTION_LIMITS.max_message_bytes
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 SERVICE = "/inference.GRPCInferenceService/"
 # Frame types and flags.
@@ -78,13 +81,17 @@ def reset_stream(stream: int, code: int = 0) -> bytes:
     return frame(RST_STREAM, 0, stream, code.to_bytes(4, "big"))
 
 
-def unframe(body: bytes, encoding: bytes | None) -> bytes:
-    """The one message of a unary call's body (gRPC length-prefixed framing)."""
+def unframe(body: bytes, encoding: bytes | None, limit: int = DEFAULT_MAX_MESSAGE_BYTES) -> bytes:
+    """The one message of a unary call's body (gRPC length-prefixed framing), inflated when it is
+    compressed; a message over ``limit`` bytes (``--grpc-max-message-size``; inflating stops
+    as soon as it passes it) is refused with gRPC's RESOURCE_EXHAUSTED."""
     if len(body) < 5:
         raise InternalError("malformed gRPC request: incomplete message frame")
     compressed, length = body[0], int.from_bytes(body[1:5], "big")
     if len(body) != 5 + length:
         raise InternalError("malformed gRPC request: expected exactly one message")
+    if length > limit:
+        raise message_too_large(length, limit)
     message = body[5:]
     if not compressed:
         return message
@@ -92,12 +99,20 @@ def unframe(body: bytes, encoding: bytes | None) -> bytes:
     if name not in ("gzip", "deflate"):
         raise UnsupportedError(f"gRPC message compression '{name}' is not supported")
     try:
-        inflated = inflate(message, 31 if name == "gzip" else 15, GRPC_MAX_MESSAGE_SIZE)
+        inflated = inflate(message, 31 if name == "gzip" else 15, limit)
     except zlib.error as exc:
         raise InternalError(f"malformed gRPC request: cannot decompress ({exc})") from None
     if inflated is None:
-        raise message_too_large(GRPC_MAX_MESSAGE_SIZE + 1)
+        raise message_too_large(limit + 1, limit)
     return inflated
+
+
+async def unframe_off_loop(body: bytes, encoding: bytes | None, limit: int = DEFAULT_MAX_MESSAGE_BYTES) -> bytes:
+    """:func:`unframe` on a worker thread when the message is compressed and over
+    :data:`INLINE_INFLATE_BYTES` (inflating it may take long), else at once on the event loop."""
+    if len(body) > INLINE_INFLATE_BYTES and body[0]:
+        return await asyncio.to_thread(unframe, body, encoding, limit)
+    return unframe(body, encoding, limit)
 
 
 def frame(kind: int, flags: int, stream: int, payload: bytes = b"") -> bytes:
@@ -232,7 +247,9 @@ Headers = list[tuple[bytes, bytes]]
 class HeaderDecoder:
     """One connection's HPACK decoder. A block made only of one-byte indexed fields (what a
     client sends once its headers are in the table) changes nothing, so its fields are kept and
-    the next identical block is not decoded again."""
+    the next identical block is not decoded again. Every block's fields are checked
+    (:func:`~rayinfer.protocol.h2_fields.check_fields`): one that breaks RFC 9113's rules raises
+    :class:`~rayinfer.protocol.h2_fields.MalformedFields` after the table has taken it."""
 
     def __init__(self, max_header_list_size: int = 1 << 16) -> None:
         self._decoder = hpack.Decoder()
@@ -245,6 +262,7 @@ class HeaderDecoder:
         if known is not None:
             return known
         headers = [(bytes(name), bytes(value)) for name, value in self._decoder.decode(block, raw=True)]
+        check_fields(headers)  # (a block kept below was checked when it was first decoded)
         if all(0x81 <= byte <= 0xFE for byte in block):
             if len(self._known) >= 64:
                 self._known.clear()

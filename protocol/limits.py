@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from rayinfer.protocol.errors import InvalidArgError
+from rayinfer.protocol.errors import InvalidArgError, UnavailableError
 
 DEFAULT_HTTP_MAX_INPUT_SIZE = 1 << 26
 GRPC_MAX_MESSAGE_SIZE = 2**31 - 1
@@ -54,6 +54,17 @@ def body_limit_message(limit: int) -> str:
 def message_too_large(size: int, limit: int = GRPC_MAX_MESSAGE_SIZE) -> MessageTooLarge:
     """gRPC's own rejection of a message over the server's maximum receive size."""
     return MessageTooLarge(f"Received message larger than max ({size} vs. {limit})")
+
+
+class StreamIdle(UnavailableError):
+    """A gRPC stream with no request nor response for ``--stream-idle-timeout``."""
+
+    grpc_status = "DEADLINE_EXCEEDED"
+
+
+def stream_idle(timeout_s: float) -> StreamIdle:
+    return StreamIdle(f"the stream had no request nor response for {timeout_s:g} s, the limit set by "
+                      f"--stream-idle-timeout")
 
 
 def inflight_limit_message(limit: int) -> str:
@@ -95,6 +106,13 @@ class ConnectionLimits:
     stream_window_bytes: int = 1 << 20  # --grpc-stream-window: what a call may send before it is read
     connection_window_bytes: int = 1 << 26  # --grpc-connection-window: held by a connection's calls, then only its oldest gets more
     replica_buffer_bytes: int = 1 << 28  # --grpc-replica-buffer: held by all of a replica's calls, the same way
+    max_message_bytes: int = 1 << 26  # --grpc-max-message-size: one gRPC message (unary or stream), after decompression too
+    stream_idle_timeout_s: float = 300.0  # --stream-idle-timeout: a stream with no request in progress and no client byte
+    max_queued_responses: int = 64  # --max-queued-responses: a stream's responses made and not yet sent; then its sender waits
+    # A replica
+    max_connections: int = 1024  # --replica-max-connections: clients' and the front's connections one replica holds
+    # The front
+    front_max_connections: int = 4096  # --front-max-connections: HAProxy's maxconn; the acceptor's connections waiting
 
     @classmethod
     def from_values(cls, values: dict[str, float] | None) -> ConnectionLimits:

@@ -4,7 +4,9 @@ back to arrays.
 
 Used where one model calls another inside the server (an ensemble's steps): the call takes the
 path a client's request takes from the front, one process hop, instead of a Ray handle call.
-Connections are kept alive and reused, one request at a time each.
+Connections are kept alive and reused, one request at a time each. Every request carries the
+server's front key (:func:`front_key_header`, among the client's ``headers``): a listener serves
+only the server's own parts over its port (:mod:`rayinfer.protocol.front_key`).
 
 A request of a decoupled model's sequence held by another replica is *streamed*
 (:meth:`ListenerClient.stream`): the listener answers with a chunked body, one chunk per
@@ -23,6 +25,7 @@ import numpy as np
 
 from rayinfer.protocol.dtypes import array_from_buffer, serialize_bytes_tensor
 from rayinfer.protocol.errors import Code, ServingError, UnavailableError
+from rayinfer.protocol.front_key import FRONT_KEY_HEADER
 from rayinfer.protocol.types import InferOutput, InferRequest, InferResponse
 
 # The request header asking a listener for a decoupled model's responses as a stream.
@@ -41,7 +44,8 @@ class ListenerClient:
     """Sends inference requests to listeners; keeps their connections for the next request."""
 
     def __init__(self, headers: tuple[tuple[bytes, bytes], ...] = ()) -> None:
-        """``headers``: sent with every request (a restricted group's header)."""
+        """``headers``: sent with every request (the front key's, :func:`front_key_header`; a
+        restricted group's)."""
         self._idle: dict[Address, list[Connection]] = {}
         self.headers = headers
 
@@ -131,6 +135,12 @@ class ListenerClient:
     def close(self) -> None:
         for address in list(self._idle):
             self.forget(address)
+
+
+def front_key_header(key: str) -> tuple[bytes, bytes]:
+    """The header carrying the server's front key, which a listener asks of every request over its
+    port."""
+    return FRONT_KEY_HEADER, key.encode()
 
 
 def encode_request(request: InferRequest, address: Address,

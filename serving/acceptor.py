@@ -40,6 +40,7 @@ import selectors
 import socket
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from rayinfer.protocol.grpc_wire import INCOMPLETE, PREFACE, settings
@@ -73,6 +74,28 @@ _STOPPING_S = 30.0
 _PLACED_FOR_S = 10.0
 # HAProxy's environment variables holding the descriptors of its ends of the socket pairs.
 HANDOFF_FD_VARIABLES = {"http": "RAYINFER_ACCEPTOR_FD", "grpc": "RAYINFER_GRPC_ACCEPTOR_FD"}
+# Answers to relayed requests copied to their clients by threads of their own at once, at most.
+_MAX_SPLICES = 64
+# A refusal (a connection closed for a bound) is logged at most this often.
+_WARN_EVERY_S = 5.0
+
+
+@dataclass(frozen=True)
+class AcceptorLimits:
+    """What the acceptor holds for its clients, with the flags that set each."""
+
+    max_connections: int = 4096  # --front-max-connections: connections waiting for their first request
+    idle_timeout_s: float = 300.0  # --stream-idle-timeout: a relayed answer copied to its client
+    send_timeout_s: float = 60.0  # --client-send-timeout: a client not taking that answer
+
+    @classmethod
+    def parse(cls, line: str) -> AcceptorLimits:
+        """The limits from the acceptor file's line ``limits <connections> <idle s> <send s>``."""
+        connections, idle, send = line.split()[1:4]
+        return cls(int(connections), float(idle), float(send))
+
+    def line(self) -> str:
+        return f"limits {self.max_connections} {self.idle_timeout_s:g} {self.send_timeout_s:g}\n"
 
 
 class Acceptor:
@@ -81,8 +104,16 @@ class Acceptor:
     end of HAProxy's socket pair), to HAProxy. A replica sends a request that is not its own to
     the protocol's Unix socket of HAProxy in ``folder`` (:data:`RELAY_SOCKETS`)."""
 
-    def __init__(self, listening: dict[str, socket.socket], haproxy: dict[str, socket.socket], folder: Path) -> None:
+    def __init__(self, listening: dict[str, socket.socket], haproxy: dict[str, socket.socket], folder: Path,
+                 limits: AcceptorLimits = AcceptorLimits()) -> None:
+        self._limits = limits
+        # Never blocks: a HAProxy that takes no more connections gets none (they are closed),
+        # instead of stalling both ports.
+        for channel in haproxy.values():
+            channel.setblocking(False)
         self._haproxy = haproxy
+        self._splices = threading.BoundedSemaphore(_MAX_SPLICES)
+        self._warned_at = 0.0
         self._relays = {kind: str(folder / name).encode() for kind, name in RELAY_SOCKETS.items()}
         self._routes = RouteMaps(folder)
         self._selector = selectors.DefaultSelector()
@@ -135,6 +166,11 @@ class Acceptor:
                 return
             except OSError:  # out of descriptors, a connection reset before accept: the next one
                 return
+            if len(self._waiting) >= self._limits.max_connections:
+                self._warn("closed a new connection: %d connections are waiting for their first request "
+                           "(--front-max-connections)", len(self._waiting))
+                connection.close()
+                continue
             if kind == "grpc":
                 # The server's preface (a SETTINGS frame, defaults unchanged): a gRPC client sends
                 # its first call only once it has it. Whoever takes the connection sends its own.
@@ -291,9 +327,17 @@ class Acceptor:
     def _to_haproxy(self, connection: socket.socket, kind: str) -> None:
         try:
             socket.send_fds(self._haproxy[kind], [b"c"], [connection.fileno()])
+        except (BlockingIOError, InterruptedError):
+            self._warn("closed a connection: the front's HAProxy takes no more connections")
         except (OSError, KeyError):
             pass  # HAProxy is gone: the supervisor stops; the client sees its connection close
         connection.close()
+
+    def _warn(self, message: str, *args: object) -> None:
+        now = time.monotonic()
+        if now - self._warned_at >= _WARN_EVERY_S:
+            self._warned_at = now
+            logger.warning(message, *args)
 
     def _accept_return(self, returns: socket.socket) -> None:
         try:
@@ -322,7 +366,13 @@ class Acceptor:
             return
         if message.startswith(SPLICE) and len(fds) == 2:
             client, upstream = (socket.socket(fileno=fd) for fd in fds)
-            threading.Thread(target=_splice, args=(client, upstream, message[len(SPLICE):]), daemon=True).start()
+            if not self._splices.acquire(blocking=False):
+                self._warn("closed a relayed answer's connection: %d are being copied already", _MAX_SPLICES)
+                client.close()
+                upstream.close()
+                return
+            threading.Thread(target=_splice, args=(client, upstream, message[len(SPLICE):], self._limits,
+                                                   self._splices), daemon=True).start()
             return
         stopping, _, name = message.decode("utf-8", "replace").partition(" ")
         name, _, move_to = name.partition(" ")
@@ -345,18 +395,22 @@ def _client_address(connection: socket.socket) -> tuple | None:
         return None
 
 
-def _splice(client: socket.socket, upstream: socket.socket, first: bytes) -> None:
+def _splice(client: socket.socket, upstream: socket.socket, first: bytes, limits: AcceptorLimits,
+            splices: threading.BoundedSemaphore) -> None:
     """Copy HAProxy's answer to a relayed request to the client, then close both (the answer
-    says ``connection: close``)."""
+    says ``connection: close``); an answer silent for ``idle_timeout_s``, or a client that takes
+    none of it for ``send_timeout_s``, ends the copy."""
     with client, upstream:
         try:
-            client.setblocking(True)
-            upstream.settimeout(3600.0)
+            client.settimeout(limits.send_timeout_s)
+            upstream.settimeout(limits.idle_timeout_s)
             client.sendall(first)
             while data := upstream.recv(1 << 16):
                 client.sendall(data)
         except OSError:
-            pass  # the client or HAProxy went away: both connections close
+            pass  # the client or HAProxy went away, or a timeout: both connections close
+        finally:
+            splices.release()
 
 
 def listening_socket(address: str, port: int) -> socket.socket:

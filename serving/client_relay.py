@@ -17,19 +17,35 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import httptools
 
+from rayinfer.protocol.listener_client import STREAM_HEADER, TRACE_PARENT_HEADER
 from rayinfer.serving import handoff
+from rayinfer.serving.sequence_routing import FORWARDED_HEADER
 
-# Headers of a client's request not copied when it is relayed.
-_HOP_HEADERS = {b"connection", b"keep-alive", b"content-length", b"transfer-encoding", b"expect", b"te", b"upgrade"}
+# Headers of a client's request not copied when it is relayed (names compared in lower case):
+# hop-by-hop ones, and those only the server's own parts may set.
+_HOP_HEADERS = frozenset({b"connection", b"keep-alive", b"proxy-connection", b"content-length", b"transfer-encoding",
+                          b"expect", b"te", b"upgrade", STREAM_HEADER, TRACE_PARENT_HEADER, FORWARDED_HEADER})
+_TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+\Z")
+_BAD_VALUE = re.compile(rb"[\x00\r\n]")
 _GATEWAY_ERROR = b'{"error":"the front did not answer a relayed request"}'
 _BAD_GATEWAY = (b"HTTP/1.1 502 Bad Gateway\r\ncontent-type: application/json\r\nconnection: close\r\n"
                 b"content-length: %d\r\n\r\n%b" % (len(_GATEWAY_ERROR), _GATEWAY_ERROR))
+
+
+def relayed_fields(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    """The fields of a client's request that are copied when it is relayed: not hop-by-hop nor
+    the server's own (case-insensitively), and only those whose name is a token and whose value
+    holds no CR, LF or NUL, so that no client byte can become framing on the relay connection
+    (the parsers in front of it refuse such fields already; this holds whatever reaches here)."""
+    return [(name, value) for name, value in headers
+            if name.lower() not in _HOP_HEADERS and _TOKEN.match(name) and not _BAD_VALUE.search(value)]
 
 
 class _Upstream(asyncio.Protocol):
@@ -70,7 +86,7 @@ class RelayedRequest:
                  body: bytes) -> None:
         self._socket_path = socket_path
         head = [b"%b %b HTTP/1.1\r\n" % (method, url)]
-        head += [b"%b: %b\r\n" % (name, value) for name, value in headers if name.lower() not in _HOP_HEADERS]
+        head += [b"%b: %b\r\n" % field for field in relayed_fields(headers)]
         # A request with neither Content-Length nor Transfer-Encoding has no body, so one without
         # a body gets only Connection, and one with a body has the client's Content-Length or
         # Transfer-Encoding replaced: a head at the 100-header limit stays within the 101 headers
@@ -254,8 +270,8 @@ async def relay_grpc(socket_path: str, path: bytes, headers: list[tuple[bytes, b
     (``grpc-status`` first)."""
     head = [b"POST %b HTTP/1.1\r\n" % path]
     # HTTP/2's authority is HTTP/1.1's host (Serve's gRPC server refuses a call without one).
-    head += [b"%b: %b\r\n" % (b"host" if name == b":authority" else name, value) for name, value in headers
-             if (name == b":authority" or not name.startswith(b":")) and name not in _HOP_HEADERS]
+    authority = [(b"host", value) for name, value in headers if name == b":authority"]
+    head += [b"%b: %b\r\n" % field for field in relayed_fields(authority + [f for f in headers if f[0][:1] != b":"])]
     head.append(b"te: trailers\r\ncontent-length: %d\r\n\r\n" % len(body))
     request = b"".join(head) + body
     for _ in range(2):

@@ -15,8 +15,11 @@ from pathlib import Path
 from rayinfer.serving.acceptor import HANDOFF_FD_VARIABLES
 from rayinfer.serving.front_maps import MapPaths
 from rayinfer.serving.handoff import GRPC_RELAY_SOCKET, RELAY_SOCKET, REPLICA_RELAY_SOCKET
+from rayinfer.protocol.front_key import FRONT_KEY_HEADER, is_front_key
 from rayinfer.protocol.grpc_wire import ROUTED_RPCS, SERVICE
 from rayinfer.protocol.limits import (
+    DEFAULT_CONNECTION_LIMITS,
+    ConnectionLimits,
     HEAD_TOO_LARGE,
     MAX_REQUEST_HEAD_BYTES,
     MAX_REQUEST_HEADERS,
@@ -34,7 +37,9 @@ from rayinfer.protocol.restricted_api import (
     grpc_message,
     http_message,
 )
+from rayinfer.protocol.listener_client import STREAM_HEADER, TRACE_PARENT_HEADER
 from rayinfer.serving.routes import UNROUTED_PREFIX
+from rayinfer.serving.sequence_routing import FORWARDED_HEADER
 
 # HAProxy's Lua fetches reading a sequence request's correlation id (copied to the front's folder).
 LUA = Path(__file__).with_name("front_sequences.lua")
@@ -92,7 +97,7 @@ global
     log ring@{ring} len 2048 local0
     lua-load {lua}
     nbthread {threads}
-    maxconn 4096
+    maxconn {max_connections}
     # Request heads up to the limits of :mod:`limits` (16 KB, 100 headers) are answered by the
     # rules below with Triton's JSON 400; HAProxy's parser answers what its buffer cannot take
     # (a head over about 63 KB, or over 999 headers) with its own HTML page.
@@ -108,10 +113,14 @@ ring {ring}
 defaults
     mode http
     timeout connect 5s
-    # gRPC calls and streams may be long-lived.
-    timeout client 1h
-    timeout server 1h
-    timeout http-request 30s
+    # A call, stream or relayed connection with nothing on it for --stream-idle-timeout; an idle
+    # keep-alive connection after --http-keepalive-timeout, a request head after --http-request-timeout.
+    timeout client {idle_s:g}s
+    timeout server {idle_s:g}s
+    timeout tunnel {idle_s:g}s
+    timeout client-fin 5s
+    timeout http-keep-alive {keepalive_s:g}s
+    timeout http-request {head_s:g}s
     # A client that closes its connection before the answer has left: close the one to the
     # replica too, whose listener then cancels the request (one still queued never runs).
     option abortonclose
@@ -123,8 +132,10 @@ backend inflight
     stick-table type string len 64 size 64k store conn_cur
 
 backend replica
-    # HTTP/1.1 to the replica's listener, to the address the frontend set.
+    # HTTP/1.1 to the replica's listener, to the address the frontend set, with the server's
+    # front key: the listener serves only the server's own parts over its port.
     http-reuse always
+    http-request set-header {front_key_header} {front_key}
     # A listener that refuses the connection belongs to a replica that died (its route goes when
     # Serve reports it): one retry, after HAProxy's pause of min(timeout connect, 1 s), then 503 /
     # UNAVAILABLE, instead of three retries a second apart.
@@ -190,7 +201,7 @@ _SPLIT = """\
 _GRPC = """\
 frontend triton_grpc
 {binds}\
-{log}{restricted}\
+{log}{internal}{restricted}\
     acl model_rpc path {paths}
     http-request set-header application {server_app}
     # The first 64 bytes hold the model name and version; bytes(5) skips the gRPC frame header.
@@ -227,7 +238,8 @@ V2_SERVER = "serve_grpc/v2"
 _HTTP = """\
 frontend triton_http
 {binds}\
-{log}    # A request head over the limits: Triton's 400 with a JSON error, as the acceptor and the
+{log}{internal}\
+    # A request head over the limits: Triton's 400 with a JSON error, as the acceptor and the
     # replicas' listeners answer it (the request line counts with the headers). A request a
     # replica relays was checked by the replica, before the relay added its two headers.
     acl relayed so_name replica
@@ -280,6 +292,15 @@ _HTTP_ERRORS = {
     503: "Service Unavailable: no server is available to answer the request",
     504: "Gateway Timeout: the server behind the front did not answer in time",
 }
+
+
+def _internal_headers() -> str:
+    """Rules dropping the server's own headers (a stream's, a sequence's request sent on, a
+    trace's parent, the front key) from a client's request, first thing: only the server's parts
+    set them (the backend sets the key again)."""
+    names = (STREAM_HEADER, TRACE_PARENT_HEADER, FORWARDED_HEADER, FRONT_KEY_HEADER)
+    return ("    # The server's own headers: never a client's.\n"
+            + "".join(f"    http-request del-header {name.decode()}\n" for name in names))
 
 
 def _http_errors() -> str:
@@ -356,22 +377,30 @@ backend {name}_relay
 def render(folder: Path, http: Endpoint | None, grpc: Endpoint | None, server_app: str, threads: int,
            max_input_size: int, http_restricted: Restrictions | None, grpc_restricted: Restrictions | None,
            max_inflight: int, acceptor: bool = False, grpc_acceptor: bool = False,
-           tls: dict[str, TlsSettings] | None = None) -> str:
+           tls: dict[str, TlsSettings] | None = None, *, front_key: str,
+           limits: ConnectionLimits = DEFAULT_CONNECTION_LIMITS) -> str:
     """The configuration of a front whose files are in ``folder`` (see :class:`front.Front`);
     ``acceptor``, ``grpc_acceptor``: HTTP, gRPC connections arrive through the supervisor's acceptor
-    (:mod:`acceptor`); ``tls``: TLS by port kind ("http", "grpc"), on ports without an acceptor."""
+    (:mod:`acceptor`); ``tls``: TLS by port kind ("http", "grpc"), on ports without an acceptor;
+    ``front_key``: the server's (:mod:`rayinfer.protocol.front_key`), sent with every request to
+    a replica's listener (the configuration holds it: keep it readable by the server's user only);
+    ``limits``: the front's timeouts and connections (:class:`~rayinfer.protocol.limits.ConnectionLimits`)."""
+    if not is_front_key(front_key):
+        raise ValueError("the front key must be 32 to 128 hex digits")
     busy = inflight_limit_message(max_inflight)
     tls = tls or {}
     maps = MapPaths.of(folder)
     paths = {"counts": maps.counts, "listeners": maps.listeners, "sequences": maps.sequences}
     split_maps = {"splits": maps.splits, "split_versions": maps.split_versions, "split_headers": maps.split_headers}
     parts = [_GLOBAL.format(ring=EVENTS_RING, admin=folder / "admin.sock", threads=threads, http_errors=_http_errors(),
-                            lua=folder / LUA.name)]
+                            lua=folder / LUA.name, front_key_header=FRONT_KEY_HEADER.decode(), front_key=front_key,
+                            max_connections=limits.front_max_connections, idle_s=limits.stream_idle_timeout_s,
+                            keepalive_s=limits.keepalive_timeout_s, head_s=limits.request_head_timeout_s)]
     if http is not None:
         pick = _PICK_REPLICA.format(**paths, sequence_fetch="rayinfer_http_sequence")
         split = _SPLIT.format(**split_maps, condition="post infer_path !versioned")
         parts.append(_HTTP.format(
-            log=_LOG, split=split,
+            log=_LOG, split=split, internal=_internal_headers(),
             binds=_http_binds(folder, http[0], http[1], acceptor, tls.get("http")), pick=pick, upstream_host=http[2], upstream_port=http[3],
             use_replica=_USE_REPLICA, unrouted=UNROUTED_PREFIX, max_input_size=max_input_size,
             too_large=body_limit_message(max_input_size), max_inflight=max_inflight, busy=busy,
@@ -385,7 +414,7 @@ def render(folder: Path, http: Endpoint | None, grpc: Endpoint | None, server_ap
         pick = _PICK_REPLICA.format(**paths, sequence_fetch="rayinfer_grpc_sequence")
         split = _SPLIT.format(**split_maps, condition=f"{{ path {SERVICE}ModelInfer }} !{{ var(txn.version) -m len gt 0 }}")
         parts.append(_GRPC.format(
-            log=_LOG, split=split,
+            log=_LOG, split=split, internal=_internal_headers(),
             binds=_grpc_binds(folder, grpc[0], grpc[1], grpc_acceptor, tls.get("grpc")), pick=pick, upstream_host=grpc[2], upstream_port=grpc[3],
             paths=" ".join(SERVICE + rpc for rpc in ROUTED_RPCS), server_app=server_app,
             use_replica=_USE_REPLICA, restricted=_grpc_restrictions(grpc_restricted or {}),

@@ -14,11 +14,17 @@ once. SIGTERM stops both at once.
 With an acceptor (``<folder>/acceptor`` names the HTTP and gRPC addresses and ports it owns), the supervisor
 owns those ports itself and passes each connection on (:mod:`acceptor`): to a model replica,
 or to HAProxy over a socket pair (one per port) whose end HAProxy inherits.
+
+Other local users may create folders named like a front's in the temporary directory. The
+server looks only at fronts' folders of its own user that no one else may write into (mkdtemp
+makes them 0700), and signals a PID read from one only when that process is this user's and its
+command line is this module's for that folder (:func:`front_supervisor_pid`).
 """
 
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import shutil
 import signal
@@ -29,9 +35,14 @@ import tempfile
 import time
 from pathlib import Path
 
-from rayinfer.serving.acceptor import HANDOFF_FD_VARIABLES, Acceptor, listening_socket
+from rayinfer.protocol.private_folders import ownership_problem
+from rayinfer.serving.acceptor import HANDOFF_FD_VARIABLES, Acceptor, AcceptorLimits, listening_socket
+
+logger = logging.getLogger(__name__)
 
 DIR_PREFIX = "rayinfer-front-"
+# How the front runs this module (its name is __main__ in the supervisor itself).
+MODULE = "rayinfer.serving.front_supervisor"
 ORPHAN_GRACE_S = float(os.environ.get("RAYINFER_FRONT_ORPHAN_GRACE_S", "60"))
 _PR_SET_PDEATHSIG = 1
 
@@ -88,15 +99,57 @@ def read_text(path: Path) -> str:
         return ""
 
 
-def running_front(bind: tuple[str, int]) -> Path | None:
-    """The folder of a front whose supervisor and HAProxy run in this network namespace (a server
-    in another one may use the same port) and which binds ``bind``."""
+def own_front_folders() -> list[Path]:
+    """The fronts' folders (with a configuration) in the temporary directory that are this
+    user's and closed to everyone else; others' are skipped, never read, signalled or removed."""
+    folders = []
     for config in Path(tempfile.gettempdir()).glob(f"{DIR_PREFIX}*/haproxy.cfg"):
-        folder = config.parent
+        problem = ownership_problem(config.parent)
+        if problem is None:
+            folders.append(config.parent)
+        else:
+            logger.debug("skipping the front folder %s: %s", config.parent, problem)
+    return folders
+
+
+def is_front_supervisor(pid: int, folder: Path) -> bool:
+    """Whether process ``pid`` is this user's and runs this module for ``folder``."""
+    try:
+        if os.stat(f"/proc/{pid}").st_uid != os.getuid():
+            return False
+        args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:  # gone
+        return False
+    for i, arg in enumerate(args[:-2]):
+        if arg == b"-m" and args[i + 1] == MODULE.encode():
+            return os.path.realpath(os.fsdecode(args[i + 2])) == os.path.realpath(folder)
+    return False
+
+
+def front_supervisor_pid(folder: Path) -> int | None:
+    """The PID in ``<folder>/supervisor.pid`` when that process is the folder's supervisor
+    (:func:`is_front_supervisor`); None otherwise: gone, or another process (a PID reused since,
+    or one someone else wrote there: logged)."""
+    pid = _pid_in(folder / "supervisor.pid")
+    if pid is None or not pid_alive(pid):
+        return None
+    if not is_front_supervisor(pid, folder):
+        logger.warning("not signalling process %d named in %s: it is not that front's supervisor", pid,
+                       folder / "supervisor.pid")
+        return None
+    return pid
+
+
+def running_front(bind: tuple[str, int]) -> Path | None:
+    """The folder of a front of this user whose supervisor and HAProxy run in this network
+    namespace (a server in another one may use the same port) and which binds ``bind``."""
+    for folder in own_front_folders():
         try:
-            if not serves(config.read_text(), bind):
+            if not serves((folder / "haproxy.cfg").read_text(), bind):
                 continue
-            supervisor = int((folder / "supervisor.pid").read_text())
+            supervisor = front_supervisor_pid(folder)
+            if supervisor is None:
+                continue
             if os.readlink(f"/proc/{supervisor}/ns/net") != os.readlink("/proc/self/ns/net"):
                 continue
             with socket.socket(socket.AF_UNIX) as admin:
@@ -108,12 +161,20 @@ def running_front(bind: tuple[str, int]) -> Path | None:
 
 
 def stop_supervisor(folder: Path, supervisor: subprocess.Popen | None = None) -> None:
-    """SIGTERM to a front's supervisor (which stops its HAProxy), then remove its folder."""
-    try:
-        pid = supervisor.pid if supervisor is not None else int((folder / "supervisor.pid").read_text())
-        os.kill(pid, signal.SIGTERM)
-    except (OSError, ValueError):
-        pid = None
+    """SIGTERM to a front's supervisor (which stops its HAProxy), then remove its folder. Without
+    ``supervisor`` (the front's own child), the PID comes from the folder, which must be this
+    user's private one, and is signalled only when it is that front's supervisor."""
+    if supervisor is None:
+        problem = ownership_problem(folder)
+        if problem is not None:
+            logger.warning("not stopping the front in %s: %s", folder, problem)
+            return
+    pid = supervisor.pid if supervisor is not None else front_supervisor_pid(folder)
+    if pid is not None:
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except OSError:
+            pid = None
     if supervisor is not None:
         try:
             supervisor.wait(10)
@@ -129,15 +190,15 @@ def stop_supervisor(folder: Path, supervisor: subprocess.Popen | None = None) ->
 
 def remove_stale_fronts(address: str, port: int) -> None:
     """Remove the folders of earlier fronts on this address and port whose HAProxy is gone
-    (a replica that is killed cannot clean up after itself)."""
-    for config in Path(tempfile.gettempdir()).glob(f"{DIR_PREFIX}*/haproxy.cfg"):
+    (a replica that is killed cannot clean up after itself); this user's folders only."""
+    for folder in own_front_folders():
         try:
-            if not serves(config.read_text(), (address, port)):
+            if not serves((folder / "haproxy.cfg").read_text(), (address, port)):
                 continue
             with socket.socket(socket.AF_UNIX) as admin:
-                admin.connect(str(config.parent / "admin.sock"))
+                admin.connect(str(folder / "admin.sock"))
         except OSError:  # no live HAProxy behind it
-            shutil.rmtree(config.parent, ignore_errors=True)
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def _die_with_parent() -> None:
@@ -157,9 +218,13 @@ def main(folder: Path, binary: str) -> int:
     signal.signal(signal.SIGINT, stop)
     acceptor, env, fds = None, dict(os.environ), []
     with (folder / "haproxy.log").open("wb") as log:
-        listening, ours, theirs = {}, {}, []
-        # <folder>/acceptor: a line "<protocol> <address> <port>" per port the acceptor owns.
+        listening, ours, theirs, limits = {}, {}, [], AcceptorLimits()
+        # <folder>/acceptor: a line "<protocol> <address> <port>" per port the acceptor owns, and
+        # one "limits ..." (AcceptorLimits.line).
         for line in read_text(folder / "acceptor").splitlines():
+            if line.startswith("limits "):
+                limits = AcceptorLimits.parse(line)
+                continue
             kind, address, port = line.split()
             try:
                 listening[kind] = listening_socket(address, int(port))
@@ -171,7 +236,7 @@ def main(folder: Path, binary: str) -> int:
             theirs.append(their_end)
             fds.append(their_end.fileno())
         if listening:
-            acceptor = Acceptor(listening, ours, folder)
+            acceptor = Acceptor(listening, ours, folder, limits)
         haproxy = subprocess.Popen([binary, "-f", str(folder / "haproxy.cfg"), "-db"], stdout=log, env=env,
                                    pass_fds=fds, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                    preexec_fn=_die_with_parent)

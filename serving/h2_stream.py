@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
@@ -27,9 +28,9 @@ from typing import Any
 from rayinfer.protocol.errors import InternalError
 from rayinfer.protocol.grpc_wire import (
     DATA, OK_TRAILERS, RESPONSE_HEADERS, frame, grpc_status, header_frames, message_frame, reset_stream, trailers,
-    unframe,
+    unframe_off_loop,
 )
-from rayinfer.protocol.limits import GRPC_MAX_MESSAGE_SIZE, message_too_large
+from rayinfer.protocol.limits import message_too_large, stream_idle
 from rayinfer.serving.stream_infer import parse_request
 
 Fields = list[tuple[bytes, bytes]]
@@ -46,11 +47,13 @@ class StreamAnswers:
     _transport: Any
     _send_window: int  # what the client lets this side send on the connection
     _max_frame: int
+    _limits: Any  # the connection's ConnectionLimits
     _client_window: int  # what a client may send on one call before the replica reads it
     _write: Callable[[bytes], None]  # to the client (H2Connection's)
     _ended: Callable[[Any], None]  # a call is over (H2Connection's)
     _release: Callable[[Any, int], None]  # bytes a call held are freed (H2Connection's)
     give_window: Callable[[Any], None]  # a call's window given back (H2Connection's)
+    data_sent: Callable[[int], None]  # DATA frames went out (H2Connection's)
 
     def stream_taken(self, call: Any, size: int) -> None:
         """``size`` bytes of the client's were taken by the stream's handler: the client may send
@@ -69,12 +72,16 @@ class StreamAnswers:
         if not self._current(call) or self._transport is None:
             return
         out = []
-        while call.out and min(self._send_window, call.window) > 0:
+        # No more than the write buffer takes: a client that does not read holds one buffer.
+        room = self._limits.connection_buffer_bytes - self._transport.get_write_buffer_size()
+        while call.out and min(self._send_window, call.window, room) > 0:
             size = min(len(call.out), self._send_window, call.window, self._max_frame)
+            room -= size
             out.append(frame(DATA, 0, call.id, bytes(call.out[:size])))
             del call.out[:size]
             self._send_window -= size
             call.window -= size
+        self.data_sent(len(out))
         ended = not call.out and bool(call.trailers)
         if ended:
             out.append(header_frames(call.id, call.trailers, True, self._max_frame))
@@ -101,10 +108,21 @@ class ServedStream:
         self._encoding = next((value for name, value in call.headers if name == b"grpc-encoding"), None)
         self._too_large = 0  # the size of a message over the limit
         self._owed = 0  # bytes received whose window is not given back yet
+        self._limit = connection._limits.max_message_bytes  # --grpc-max-message-size
+        self.last_active = time.monotonic()  # the client's last bytes, or the last response sent
+        self._expired = 0.0  # the idle timeout that ended the stream
+
+    def expire(self, timeout_s: float) -> None:
+        """The stream has had no request nor response for ``timeout_s`` (--stream-idle-timeout):
+        it ends once the requests in progress are answered, with DEADLINE_EXCEEDED."""
+        if not self._expired:
+            self._expired = timeout_s
+            self._arrived.set()
 
     def feed(self, data: bytes, end: bool) -> None:
         """The client's DATA for the stream (``end``: its last)."""
         self.client_ended = self.client_ended or end
+        self.last_active = time.monotonic()
         self._arrived.set()
         if self._too_large:
             return  # the stream ends for a message over the limit: what follows is dropped
@@ -112,7 +130,7 @@ class ServedStream:
         self._owed += len(data)
         while len(self._pending) >= 5 and not self._too_large:
             size = 5 + int.from_bytes(self._pending[1:5], "big")
-            if size > GRPC_MAX_MESSAGE_SIZE + 5:
+            if size > self._limit + 5:
                 self._too_large = size
             elif len(self._pending) >= size:
                 self._messages.append(bytes(self._pending[:size]))
@@ -132,7 +150,9 @@ class ServedStream:
         while True:
             while not self._messages:
                 if self._too_large:
-                    raise message_too_large(self._too_large, GRPC_MAX_MESSAGE_SIZE)
+                    raise message_too_large(self._too_large - 5, self._limit)
+                if self._expired:
+                    raise stream_idle(self._expired)
                 if self.client_ended:
                     if self._pending:
                         raise InternalError("malformed gRPC request: the stream ended within a message")
@@ -141,7 +161,7 @@ class ServedStream:
                 await self._arrived.wait()
             message = self._messages.popleft()
             self._give(len(message) if self._messages else self._owed)
-            yield parse_request(unframe(message, self._encoding))
+            yield parse_request(await unframe_off_loop(message, self._encoding, self._limit))
 
     async def answer(self) -> None:
         """Answer the stream's requests until the client has ended its side and all are answered."""
@@ -153,6 +173,7 @@ class ServedStream:
                         call.answering = True
                         connection._write(header_frames(call.id, RESPONSE_HEADERS, False, connection._max_frame))
                     call.out += message_frame(response)
+                    self.last_active = time.monotonic()
                     connection._flush_stream(call)
                     if len(call.out) > connection._client_window:
                         self.sent.clear()

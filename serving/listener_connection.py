@@ -1,11 +1,18 @@
-"""One HTTP/1.1 connection of a model replica's listener (:mod:`replica_listener`): from the
-front's HAProxy, or a client's own from the front's acceptor. It parses requests with httptools,
-bounds a client's request head (:mod:`rayinfer.protocol.limits`) and a body while they arrive,
-answers its replica's requests in order, relays a client's other requests to the front's
-HAProxy, and gives a client's connection back to the acceptor between two requests.
+"""One HTTP/1.1 connection of a model replica's listener (:mod:`replica_listener`): over its port
+(from the front's HAProxy or another replica), or a client's own from the front's acceptor. It
+parses requests with httptools, bounds a request head (:mod:`rayinfer.protocol.limits`) and a
+body while they arrive, answers its replica's requests in order, relays a client's other
+requests to the front's HAProxy, and gives a client's connection back to the acceptor between
+two requests.
 
-A client's connection also keeps the listener's :class:`~rayinfer.protocol.limits.ConnectionLimits`
-(HAProxy keeps its own on the connections it relays):
+A request over the listener's port is served only with the server's front key
+(:mod:`rayinfer.protocol.front_key`), checked once its head is whole: without it, a 403 and the
+connection closed, before its body is read. The server's internal headers (a stream's, a
+sequence's request sent on, a trace's parent, the key) are taken from those requests only; a
+client's connection drops them.
+
+Every connection keeps the listener's :class:`~rayinfer.protocol.limits.ConnectionLimits` (over
+the port with room for the few headers the front adds to a client's head):
 
 - a request head not received whole within ``request_head_timeout_s`` (from its first byte, or
   for the first request from the connection's start) is answered 408 and the connection closed;
@@ -39,9 +46,10 @@ import httptools
 from rayinfer.serving import handoff
 from rayinfer.serving.client_relay import RelayedRequest
 from rayinfer.serving.listener_responses import StreamedResponse, grpc_error, http_response
+from rayinfer.protocol.errors import UnavailableError
+from rayinfer.protocol.front_key import FRONT_KEY_HEADER, forbidden_body
 from rayinfer.protocol.http_codec import error_response
 from rayinfer.protocol.limits import (
-    GRPC_MAX_MESSAGE_SIZE,
     HEAD_TOO_LARGE,
     MAX_REQUEST_HEAD_BYTES,
     MAX_REQUEST_HEADERS,
@@ -53,8 +61,10 @@ from rayinfer.protocol.limits import (
     request_timeout_answer,
 )
 from rayinfer.protocol.grpc_wire import SERVICE
+from rayinfer.protocol.listener_client import STREAM_HEADER, TRACE_PARENT_HEADER
 from rayinfer.serving.protocol_stamps import PROTOCOL_STAMPS, TRACEPARENT, ProtocolStamps
 from rayinfer.serving.routes import REQUEST_HEADERS
+from rayinfer.serving.sequence_routing import FORWARDED_HEADER
 from rayinfer.serving.version_split import ConnectionTurn
 
 # The replica's ReplicaListener (replica_listener imports this module, so its type is not named here).
@@ -66,8 +76,17 @@ SERVICE_PATH = SERVICE.encode()
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 _BAD_REQUEST = (b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\ncontent-length: 29\r\n"
                 b"connection: close\r\n\r\n{\"error\":\"malformed request\"}")
+# The server's own request headers: taken only from a request over the listener's port (with the
+# front key); a client's connection drops them, as the front's HAProxy does.
+_INTERNAL_HEADERS = frozenset({STREAM_HEADER, TRACE_PARENT_HEADER, FORWARDED_HEADER, FRONT_KEY_HEADER})
 # Request headers kept while parsing: the serving core's, and the relay's own.
-_KEPT_HEADERS = REQUEST_HEADERS | {b"grpc-encoding", b"expect", TRACEPARENT}
+_KEPT_HEADERS = REQUEST_HEADERS | {b"grpc-encoding", b"expect", TRACEPARENT, FRONT_KEY_HEADER}
+_CLIENT_KEPT_HEADERS = _KEPT_HEADERS - _INTERNAL_HEADERS
+# A request head over the listener's port: a client's (checked by HAProxy, or by the replica
+# that relayed it) with what the front and a relay add (the key, Content-Length, gRPC's headers).
+_ADDED_HEADERS = 8
+_ADDED_HEAD_BYTES = 1024
+_FORBIDDEN = http_response(403, [(b"content-type", b"application/json"), (b"connection", b"close")], forbidden_body())
 # A client's connection from the front's acceptor is given back to the acceptor after this long, between
 # two requests, which gives it to a replica again (rebalancing): connections spread over replicas that
 # started since (a scale-up, a replacement).
@@ -85,18 +104,24 @@ _MIN_TIMER_NS = 1_000_000
 
 
 class ListenerConnection(asyncio.Protocol):
-    """One HTTP/1.1 connection from the front, or (``direct``: the relay socket of the front's
-    HAProxy and the route key it was given for) a client's from the front's acceptor; requests are
-    answered in the order received."""
+    """One HTTP/1.1 connection over the listener's port (the front's, another replica's), or
+    (``direct``: the relay socket of the front's HAProxy and the route key it was given for) a
+    client's from the front's acceptor; requests are answered in the order received."""
 
     def __init__(self, listener: ReplicaListener, direct: tuple[str, str] | None = None, run_left: int = 0) -> None:
         self._listener = listener
         self._direct = direct
+        # Over the listener's port: each request needs the front key and may carry internal headers.
+        self._tcp = direct is None
+        self._kept = _KEPT_HEADERS if self._tcp else _CLIENT_KEPT_HEADERS
+        self._max_head_bytes = MAX_REQUEST_HEAD_BYTES + (_ADDED_HEAD_BYTES if self._tcp else 0)
+        self._max_headers = MAX_REQUEST_HEADERS + (_ADDED_HEADERS if self._tcp else 0)
+        self._content_length = b""  # the request's, checked against the limit once its head is whole
         self._parser = httptools.HttpRequestParser(self)
         self._transport: Any = None
         self._url = b""
         self._headers: dict[bytes, bytes] = {}
-        self._all_headers: list[tuple[bytes, bytes]] = []  # a client's, kept to relay the request
+        self._all_headers: list[tuple[bytes, bytes]] = []  # counted; a client's relayed with its request
         self._body: list[bytes] = []
         # (path, headers, body, keep the connection open afterwards, method, received from, to,
         #  for a client's request that is not this replica's: (url, all headers) to relay it)
@@ -114,7 +139,7 @@ class ListenerConnection(asyncio.Protocol):
         self._rebalance_at = time.monotonic() + _REBALANCE_S
         self._turn = ConnectionTurn(run_left)  # a client's, at a rollout's split (:mod:`version_split`)
         self._relayed: RelayedRequest | None = None  # a request of a client's being relayed
-        # A client's connection: its limits' timer and flow control (see the module's docstring).
+        # The connection's limits' timer and flow control (see the module's docstring).
         self._timer: asyncio.TimerHandle | None = None
         self._sent_ns = 0  # when the last answer began to be written (perf_counter_ns)
         self._body_read_ns = 0  # when the last bytes of a body being read arrived
@@ -130,15 +155,16 @@ class ListenerConnection(asyncio.Protocol):
     # asyncio.Protocol
 
     def connection_made(self, transport: Any) -> None:
+        if not self._listener.admit(self):  # over --replica-max-connections
+            transport.abort()
+            return
         self._transport = transport
-        self._listener._connections.add(self)
-        if self._direct is not None:
-            transport.set_write_buffer_limits(high=self._listener.limits.connection_buffer_bytes)
-            self._recv_start = time.perf_counter_ns()  # the first request's head counts from here
-            self._check_limits()
+        transport.set_write_buffer_limits(high=self._listener.limits.connection_buffer_bytes)
+        self._recv_start = time.perf_counter_ns()  # the first request's head counts from here
+        self._check_limits()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._listener._connections.discard(self)
+        self._listener.release(self)
         self._transport = None
         if self._timer is not None:
             self._timer.cancel()
@@ -148,9 +174,9 @@ class ListenerConnection(asyncio.Protocol):
             self._task.cancel()
 
     def pause_writing(self) -> None:
-        """A client's answers over ``connection_buffer_bytes`` not taken yet: stop reading and
-        answering until it takes them (:meth:`resume_writing`), or the send timeout ends it."""
-        if self._direct is None or self._transport is None:
+        """Answers over ``connection_buffer_bytes`` not taken yet: stop reading and answering until
+        the peer takes them (:meth:`resume_writing`), or the send timeout ends it."""
+        if self._transport is None:
             return
         self._writing_paused = True
         self._send_mark_ns, self._send_mark_bytes = time.perf_counter_ns(), self._transport.get_write_buffer_size()
@@ -168,7 +194,7 @@ class ListenerConnection(asyncio.Protocol):
     def data_received(self, data: bytes | memoryview) -> None:
         if self._refused:  # the rest of a body refused for its size: dropped
             return
-        if len(data) > _SLICE_BYTES and self._direct is not None:
+        if len(data) > _SLICE_BYTES:
             self._receive_in_slices(data)
             return
         in_head, self._began = self._in_head, False
@@ -176,11 +202,11 @@ class ListenerConnection(asyncio.Protocol):
             self._body_read_ns = time.perf_counter_ns()
         try:
             self._parser.feed_data(data)
-            if in_head and self._in_head and not self._began and self._direct is not None and not self._refused:
+            if in_head and self._in_head and not self._began and not self._refused:
                 # httptools keeps a header until its value ends: a head that does not end is
                 # bounded by its chunks (the one it began in, part of it another request's, aside).
                 self._head_chunks_bytes += len(data)
-                if self._head_chunks_bytes > MAX_REQUEST_HEAD_BYTES:
+                if self._head_chunks_bytes > self._max_head_bytes:
                     self._refuse_head(HEAD_TOO_LARGE)
         except httptools.HttpParserError as exc:
             logger.warning("malformed request from the %s: %s", "client" if self._direct else "front", exc)
@@ -243,10 +269,10 @@ class ListenerConnection(asyncio.Protocol):
         transport.close()
         return True
 
-    # a client's connection: limits and flow control
+    # limits and flow control
 
     def _receive_in_slices(self, data: bytes | memoryview) -> None:
-        """Parse a client's read a slice at a time while reading is not paused, and keep the rest
+        """Parse a read a slice at a time while reading is not paused, and keep the rest
         unparsed until it resumes: httptools cannot stop within what it is given, so a read of
         many pipelined requests leaves at most a slice's worth parsed past the pipeline's limit."""
         view = memoryview(data)
@@ -265,7 +291,7 @@ class ListenerConnection(asyncio.Protocol):
         keeps: a request's first byte, the last answer begun, reading resumed."""
         self._timer = None
         transport = self._transport
-        if transport is None or self._direct is None or self._refused:
+        if transport is None or self._refused:
             return
         limits = self._listener.limits
         now = time.perf_counter_ns()
@@ -277,8 +303,8 @@ class ListenerConnection(asyncio.Protocol):
             if not self._send_mark_ns or buffered < self._send_mark_bytes:
                 self._send_mark_ns, self._send_mark_bytes = now, buffered
             if now >= (send_due := self._send_mark_ns + _ns(limits.send_timeout_s)):
-                logger.info("a client took none of its answers for %g s (--client-send-timeout): "
-                            "disconnected", limits.send_timeout_s)
+                logger.info("a %s took none of its answers for %g s (--client-send-timeout): "
+                            "disconnected", self._peer, limits.send_timeout_s)
                 self._reset(transport)
                 return
             due = min(due, send_due)
@@ -298,8 +324,8 @@ class ListenerConnection(asyncio.Protocol):
                 due = min(due, idle_due)
             else:  # a body on its way: a client that stops sending it (half-open) is dropped
                 if now >= (body_due := max(since, self._body_read_ns) + _ns(limits.keepalive_timeout_s)):
-                    logger.info("a client sent nothing of a request body for %g s (--http-keepalive-timeout): "
-                                "closed", limits.keepalive_timeout_s)
+                    logger.info("a %s sent nothing of a request body for %g s (--http-keepalive-timeout): "
+                                "closed", self._peer, limits.keepalive_timeout_s)
                     transport.close()
                     return
                 due = min(due, body_due)
@@ -316,8 +342,8 @@ class ListenerConnection(asyncio.Protocol):
         transport.abort()
 
     def _time_out_head(self, timeout_s: float) -> None:
-        """Answer a client's request head not received within the timeout with a 408, drop the rest."""
-        logger.info("a client's request head did not arrive within %g s (--http-request-timeout)", timeout_s)
+        """Answer a request head not received within the timeout with a 408, drop the rest."""
+        logger.info("a %s's request head did not arrive within %g s (--http-request-timeout)", self._peer, timeout_s)
         self._answer_and_close(request_timeout_answer(timeout_s))
 
     def _pause_reading(self) -> None:
@@ -366,35 +392,40 @@ class ListenerConnection(asyncio.Protocol):
         self._url, self._headers, self._body, self._body_size = b"", {}, [], 0
         self._reading = self._in_head = self._began = True
         self._head_bytes = self._head_chunks_bytes = 0
-        if self._direct is not None:
-            self._all_headers = []
+        self._all_headers, self._content_length = [], b""
         self._recv_start = time.perf_counter_ns()
 
     def on_url(self, url: bytes) -> None:
         self._url += url
         self._head_bytes += len(url)
-        if self._direct is not None and self._head_bytes > MAX_REQUEST_HEAD_BYTES and not self._refused:
+        if self._head_bytes > self._max_head_bytes and not self._refused:
             self._refuse_head(HEAD_TOO_LARGE)
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        if self._direct is not None:
-            self._all_headers.append((name, value))
-            self._head_bytes += len(name) + len(value) + 4
-            if self._refused:
-                return
-            if len(self._all_headers) > MAX_REQUEST_HEADERS or self._head_bytes > MAX_REQUEST_HEAD_BYTES:
-                self._refuse_head(TOO_MANY_HEADERS if len(self._all_headers) > MAX_REQUEST_HEADERS
-                                  else HEAD_TOO_LARGE)
-                return
+        self._all_headers.append((name, value))
+        self._head_bytes += len(name) + len(value) + 4
+        if self._refused:
+            return
+        if len(self._all_headers) > self._max_headers or self._head_bytes > self._max_head_bytes:
+            self._refuse_head(TOO_MANY_HEADERS if len(self._all_headers) > self._max_headers else HEAD_TOO_LARGE)
+            return
         name = name.lower()
-        if name in _KEPT_HEADERS or name in self._listener.restricted_headers:
+        if name in self._kept or (name in self._listener.restricted_headers and name not in _INTERNAL_HEADERS):
             self._headers[name] = value
-        elif name == b"content-length" and value.isdigit() and int(value) > self._limit():
-            self._refuse(int(value))
+        elif name == b"content-length":
+            self._content_length = value
 
     def on_headers_complete(self) -> None:
         self._in_head = False
         if self._refused:
+            return
+        # Over the listener's port, the server's parts only: the key, then dropped.
+        if self._tcp and not self._listener.front_key_matches(self._headers.pop(FRONT_KEY_HEADER, None)):
+            self._listener.refused("requests without the front key on the listener's port", self._peer_address())
+            self._answer_and_close(_FORBIDDEN)
+            return
+        if self._content_length.isdigit() and int(self._content_length) > self._limit():
+            self._refuse(int(self._content_length))
             return
         if self._headers.get(b"expect", b"").lower() == b"100-continue" and self._transport is not None:
             self._transport.write(_CONTINUE)
@@ -408,16 +439,29 @@ class ListenerConnection(asyncio.Protocol):
             return
         self._body.append(body)
 
+    def _grpc_form(self) -> bool:
+        """A gRPC call as the front relays it (over the listener's port); on a client's HTTP
+        connection a gRPC method's path is a path like any other."""
+        return self._tcp and self._url.startswith(SERVICE_PATH)
+
     def _limit(self) -> int:
-        return GRPC_MAX_MESSAGE_SIZE + 5 if self._url.startswith(SERVICE_PATH) else self._listener.max_input_size
+        return self._listener.limits.max_message_bytes + 5 if self._grpc_form() else self._listener.max_input_size
+
+    @property
+    def _peer(self) -> str:
+        return "client" if self._direct is not None else "peer"
+
+    def _peer_address(self) -> str:
+        peer = self._transport.get_extra_info("peername") if self._transport is not None else None
+        return f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) and len(peer) >= 2 else "?"
 
     def _refuse_head(self, reason: str) -> None:
-        """Answer a client's request head over a limit (:mod:`limits`) with a 400, drop the rest."""
+        """Answer a request head over a limit (:mod:`limits`) with a 400, drop the rest."""
         self._answer_and_close(bad_head_answer(reason))
 
     def _answer_and_close(self, answer: bytes) -> None:
-        """Answer a client's request before it is read whole (its head refused), drop what
-        follows, close the connection once the client has had time to read the answer."""
+        """Answer a request before it is read whole (its head refused), drop what follows, close
+        the connection once the peer has had time to read the answer."""
         self._refused = True
         self._all_headers, self._body = [], []
         if self._task is not None:  # the answers before it are dropped with the connection
@@ -436,9 +480,9 @@ class ListenerConnection(asyncio.Protocol):
         asyncio.get_running_loop().call_later(_DRAIN_S, self._close_drained)
 
     def _close_drained(self) -> None:
-        """Close after the drain; reset a client's connection if it has still not taken its answer."""
+        """Close after the drain; reset the connection if the peer has still not taken its answer."""
         if self._transport is not None:
-            if self._direct is not None and self._transport.get_write_buffer_size():
+            if self._transport.get_write_buffer_size():
                 self._reset(self._transport)
             else:
                 self._transport.close()
@@ -451,9 +495,9 @@ class ListenerConnection(asyncio.Protocol):
         self._body = []
         if self._transport is None:
             return
-        if self._url.startswith(SERVICE_PATH):
+        if self._grpc_form():
             answer = grpc_error(message_too_large(size if size is not None else self._body_size,
-                                                  GRPC_MAX_MESSAGE_SIZE))
+                                                  self._listener.limits.max_message_bytes))
         else:
             status, headers, body = error_response(body_too_large(self._listener.max_input_size, size))
             answer = http_response(status, headers, body)
@@ -473,12 +517,12 @@ class ListenerConnection(asyncio.Protocol):
         relay = None
         if self._direct is not None and not self._listener.serves(method.decode("latin-1"), path.decode("latin-1"),
                                                                 self._direct[1], self._turn, self._all_headers):
-            relay = (self._url, self._all_headers)
+            relay = (self._url, [header for header in self._all_headers if header[0].lower() not in _INTERNAL_HEADERS])
         self._pending.append((path, self._headers, body, self._parser.should_keep_alive(), method,
                               self._recv_start, time.perf_counter_ns(), relay))
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._answer_pending())
-        elif self._direct is not None and len(self._pending) > self._listener.limits.max_pipelined_requests:
+        elif len(self._pending) > self._listener.limits.max_pipelined_requests:
             self._pause_reading()  # the answer task reads again once the pipeline has room
 
     async def _answer_pending(self) -> None:
@@ -507,8 +551,8 @@ class ListenerConnection(asyncio.Protocol):
                                         headers.get(TRACEPARENT))
                 PROTOCOL_STAMPS.set(stamps)
                 response: bytes | StreamedResponse
-                if self._direct is not None and self._listener.in_flight >= self._listener.max_inflight:
-                    response = http_response(503, [(b"content-type", b"application/json")], _busy(self._listener))
+                if self._listener.in_flight >= self._listener.max_inflight:  # every connection's calls count
+                    response = _busy(self._listener, self._tcp and path.startswith(SERVICE_PATH))
                 else:
                     response = await self._listener.respond(path, headers, body, method)
                 if self._transport is None:
@@ -517,7 +561,13 @@ class ListenerConnection(asyncio.Protocol):
                     return
                 self._sent_ns = send_start = time.perf_counter_ns()
                 if isinstance(response, StreamedResponse):
-                    if not await response.write(self._transport, self._writable):
+                    # An open stream counts in flight (--max-inflight-requests) until it is written.
+                    self._listener.in_flight += 1
+                    try:
+                        written = await response.write(self._transport, self._writable)
+                    finally:
+                        self._listener.in_flight -= 1
+                    if not written:
                         return
                 else:
                     self._transport.write(response)
@@ -538,5 +588,9 @@ def _ns(seconds: float) -> int:
     return int(seconds * 1e9)
 
 
-def _busy(listener: ReplicaListener) -> bytes:
-    return b'{"error":"%b"}' % inflight_limit_message(listener.max_inflight).encode()
+def _busy(listener: ReplicaListener, grpc: bool) -> bytes:
+    """The answer to a request over ``--max-inflight-requests``: 503, or the gRPC form's UNAVAILABLE."""
+    message = inflight_limit_message(listener.max_inflight)
+    if grpc:
+        return grpc_error(UnavailableError(message))
+    return http_response(503, [(b"content-type", b"application/json")], b'{"error":"%b"}' % message.encode())

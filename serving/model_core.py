@@ -17,6 +17,7 @@ from typing import Any
 
 from rayinfer.adapters.model_runner import LateAnswer
 from rayinfer.protocol.errors import InternalError, ServingError, UnavailableError, as_serving_error
+from rayinfer.protocol.limits import DEFAULT_CONNECTION_LIMITS
 from rayinfer.protocol.shared_memory import SharedMemoryRegistry
 from rayinfer.protocol.types import InferRequest, InferResponse
 from rayinfer.repository.model_config import config_to_json
@@ -57,6 +58,9 @@ class ModelCore:
         self.version = str(getattr(executor, "version", ""))
         self.decoupled = bool(getattr(executor, "decoupled", False))
         self.metadata = _metadata(spec, [str(v) for v in versions])
+        # A decoupled request's responses made and not yet taken, then its sender waits
+        # (--max-queued-responses: the replica sets it from its connection limits).
+        self.max_queued_responses = DEFAULT_CONNECTION_LIMITS.max_queued_responses
         self.config_json = config_to_json(spec.config)
         # Told of each answered request that is not a sequence's (a rollout's shadow traffic).
         self.on_answer: Callable[[InferRequest, InferResponse], None] | None = None
@@ -164,7 +168,7 @@ class ModelCore:
         if not self.decoupled:
             yield await (self._traced(prepared) if self._traces(prepared) else self._schedule(prepared))
             return
-        sender = prepared.sender = ResponseSender()
+        sender = prepared.sender = ResponseSender(self.name, self.max_queued_responses)
         # Traced as any request, to its final response (each response's outputs at TENSORS).
         trace = self._begin_trace(prepared) if self._traces(prepared) else None
         protocol = PROTOCOL_STAMPS.get()
@@ -196,6 +200,7 @@ class ModelCore:
                     trace.tensors += self._output_tensors(trace, response)
                 yield response
         finally:
+            sender.cancel()  # a send waiting for room (or past it) now raises
             if not sender.closed:  # the caller stopped listening: the request is cancelled
                 self._cancelled(prepared)
                 done.cancel()
@@ -276,13 +281,16 @@ class ModelCore:
         executed on the calling thread, past the batcher and the model thread, which the calling
         execution holds; its responses (errors included) as they come."""
         prepared = self.prepare(request)
-        sender = prepared.sender = BlockingSender() if self.decoupled else None
+        sender = prepared.sender = BlockingSender(self.name, self.max_queued_responses) if self.decoupled else None
         results = self.executor.execute([prepared])
         if sender is None or results is not None:  # an answer, or a decoupled execution that failed
             result = results[0] if results else InternalError(f"model '{self.name}' gave no response")
             yield result.wait_blocking() if isinstance(result, LateAnswer) else result
             return
-        yield from sender.responses()
+        try:
+            yield from sender.responses()
+        finally:
+            sender.cancel()  # the caller stopped taking them: a send waiting for room raises
 
     async def _schedule(self, prepared: Any) -> Any:
         """The request's result: from the response cache when it holds it, else the model's."""
@@ -331,8 +339,9 @@ class ModelCore:
     async def _execute(self, batch: list[Any]) -> list[Any]:
         """Execute on the loop when executions are known to be short, else on the model thread;
         one at a time either way (a model instance executes one batch at a time, as in Triton):
-        not on the loop while the thread still has executions."""
-        if self._execution_s_avg < INLINE_EXECUTION_LIMIT_S and not self._on_thread:
+        not on the loop while the thread still has executions. A decoupled model's always run on
+        the thread: its sends past --max-queued-responses wait there for the loop to take them."""
+        if self._execution_s_avg < INLINE_EXECUTION_LIMIT_S and not self._on_thread and not self.decoupled:
             results, elapsed = self._timed_execute(batch)
         else:
             loop = asyncio.get_running_loop()

@@ -15,7 +15,7 @@ import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
-from rayinfer.protocol.compression import decompress_body
+from rayinfer.protocol.compression import decompress_off_loop
 from rayinfer.protocol.errors import InvalidArgError, ServingError, as_serving_error, http_status
 from rayinfer.protocol.generate_codec import (
     NOT_ONE_RESPONSE,
@@ -40,7 +40,7 @@ async def generate(core: ModelCore, headers: dict[bytes, bytes], body: bytes, ma
     """The answer to a generate request (``stream``: ``generate_stream``'s events)."""
     try:
         encoding = headers.get(b"content-encoding")
-        body = decompress_body(body, encoding.decode("latin-1") if encoding else None, max_input_size)
+        body = await decompress_off_loop(body, encoding.decode("latin-1") if encoding else None, max_input_size)
         spec = core.spec
         request = generate_request(body, core.name, core.version,
                                    [(t.name, t.datatype, t.dims) for t in spec.inputs], spec.max_batch_size > 0)

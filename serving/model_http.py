@@ -10,7 +10,7 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
-from rayinfer.protocol.compression import compress_body, decompress_body, response_encoding
+from rayinfer.protocol.compression import compress_body, decompress_off_loop, response_encoding
 from rayinfer.protocol.errors import InvalidArgError, NotFoundError, ServingError, UnsupportedError
 from rayinfer.protocol.http_codec import error_response, raw_request, request_from_http, response_to_http
 from rayinfer.protocol.limits import DEFAULT_HTTP_MAX_INPUT_SIZE
@@ -118,7 +118,7 @@ async def stream_forwarded(core: ModelCore, headers: dict[bytes, bytes], body: b
 
 async def _decode(core: ModelCore, headers: dict[bytes, bytes], body: bytes, max_input_size: int) -> InferRequest:
     """The request in an infer request's body (raises its error)."""
-    body = decompress_body(body, _text(headers.get(b"content-encoding")), max_input_size)
+    body = await decompress_off_loop(body, _text(headers.get(b"content-encoding")), max_input_size)
     raw_length = _text(headers.get(HEADER_LENGTH))
     try:
         header_length = int(raw_length) if raw_length is not None else None

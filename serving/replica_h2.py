@@ -47,6 +47,7 @@ from hyperframe.exceptions import HyperframeError, InvalidFrameError
 from rayinfer.serving.client_relay import relay_grpc
 from rayinfer.serving.h2_stream import ServedStream, StreamAnswers
 from rayinfer.protocol.errors import UnavailableError
+from rayinfer.protocol.h2_fields import MalformedFields, check_request, check_trailers
 from rayinfer.protocol.grpc_wire import (
     ACK, CONTINUATION, DATA, DEFAULT_FRAME_SIZE, DEFAULT_WINDOW, END_HEADERS, END_STREAM, ENHANCE_YOUR_CALM,
     FLOW_CONTROL_ERROR, FRAME_SIZE_ERROR, GOAWAY, HEADERS, MAX_WINDOW, NOT_DIRECT_RPCS, OK_TRAILERS, PING, PREFACE,
@@ -54,10 +55,10 @@ from rayinfer.protocol.grpc_wire import (
     SETTINGS, SETTINGS_INITIAL_WINDOW_SIZE, SETTINGS_MAX_CONCURRENT_STREAMS, SETTINGS_MAX_FRAME_SIZE,
     SETTINGS_MAX_HEADER_LIST_SIZE, STREAM_RPC, WINDOW_UPDATE, H2ProtocolError, HeaderDecoder, check_settings, frame,
     parse_frame,
-    goaway, grpc_status, literal, message_frame, name_and_version, reset_stream, settings, trailers, unframe,
-    window_update, with_version,
+    goaway, grpc_status, literal, message_frame, name_and_version, reset_stream, settings, trailers,
+    unframe_off_loop, window_update, with_version,
 )
-from rayinfer.protocol.limits import GRPC_MAX_MESSAGE_SIZE, ConnectionLimits, inflight_limit_message, message_too_large
+from rayinfer.protocol.limits import ConnectionLimits, inflight_limit_message, message_too_large
 from rayinfer.serving.protocol_stamps import PROTOCOL_STAMPS, ProtocolStamps
 from rayinfer.serving.version_split import ConnectionTurn
 
@@ -70,6 +71,7 @@ _PING_WAIT_S = 2.0  # a client that does not answer that PING: the second GOAWAY
 _LINGER_S = 5.0  # after the last GOAWAY and answer: how long the client may take to close its end
 _FAIL_LINGER_S = 1.0  # a connection closed for an error: how long what the client sends is dropped
 _BUDGET_S = 10.0  # the period of the reset-stream and control-frame budgets
+_MAX_WINDOW_CREDITS = 4096  # WINDOW_UPDATEs owed for DATA sent, at most (the rest count as control frames)
 
 
 class _Call:
@@ -138,6 +140,8 @@ class H2Connection(StreamAnswers, asyncio.Protocol):
         self._paused_at: float | None = None  # the client stopped reading (the write buffer is full)
         self._budget_at = self._last_read + _BUDGET_S
         self._resets = self._glitches = 0
+        self._window_credits = 0  # WINDOW_UPDATEs owed for DATA sent (:meth:`_window_update`)
+        self._last_active = self._last_read  # the client's last HEADERS or DATA (PINGs keep nothing open)
         self._timer: asyncio.TimerHandle | None = None
         self._loop = asyncio.get_running_loop()
 
@@ -262,7 +266,7 @@ class H2Connection(StreamAnswers, asyncio.Protocol):
                            "(--client-send-timeout)", limits.send_timeout_s)
             self._transport.abort()
             return
-        if now - self._last_read > limits.keepalive_timeout_s and self._paused_at is None:
+        if now - self._last_active > limits.keepalive_timeout_s and self._paused_at is None:
             if not self._calls:
                 self.hand_back()
             elif any(call.task is None for call in self._calls.values()):
@@ -270,6 +274,9 @@ class H2Connection(StreamAnswers, asyncio.Protocol):
                                "(--http-keepalive-timeout)", limits.keepalive_timeout_s)
                 self._fail(ENHANCE_YOUR_CALM)
                 return
+        for call in self._calls.values():
+            if call.stream is not None and now - call.stream.last_active > limits.stream_idle_timeout_s:
+                call.stream.expire(limits.stream_idle_timeout_s)
         self._timer = asyncio.get_running_loop().call_later(self._check_every(), self._check)
 
     def _spend(self, resets: int, glitches: int) -> None:
@@ -382,6 +389,14 @@ class H2Connection(StreamAnswers, asyncio.Protocol):
         self._flush()
 
     def _window_update(self, stream: int, increment: int) -> None:
+        """A WINDOW_UPDATE: free while it gives back window for DATA this side has sent (two
+        for each DATA frame: the stream's and the connection's), else a control frame."""
+        if self._window_credits > 0:
+            self._window_credits -= 1
+        else:
+            self._spend(0, 1)
+        if stream > self._highest:
+            raise H2ProtocolError(PROTOCOL_ERROR, f"a WINDOW_UPDATE on stream {stream}, which was never opened")
         if stream == 0:
             self._send_window += increment
             if self._send_window > MAX_WINDOW:
@@ -394,12 +409,25 @@ class H2Connection(StreamAnswers, asyncio.Protocol):
         self._flush()
 
     def _headers(self, stream: int, ends: bool, block: bytes) -> None:
-        headers = self._decoder.decode(block)  # always: the decoder's table follows every block
+        self._last_active = self._last_read
+        try:
+            headers = self._decoder.decode(block)  # always: the decoder's table follows every block
+        except MalformedFields as exc:
+            self._malformed(stream, exc)
+            return
         call = self._calls.get(stream)
-        if call is not None:  # a call's trailers
-            if ends and call.stream is not None:
+        if call is not None:  # a call's trailers: one block, which ends the call
+            self._spend(0, 1)
+            try:
+                if not ends:
+                    raise MalformedFields("a second header block that does not end the stream")
+                check_trailers(headers)
+            except MalformedFields as exc:
+                self._malformed(stream, exc)
+                return
+            if call.stream is not None:
                 call.stream.feed(b"", True)
-            elif ends and call.task is None:
+            elif call.task is None:
                 self._start(call)
             return
         if not stream & 1:
@@ -410,6 +438,11 @@ class H2Connection(StreamAnswers, asyncio.Protocol):
         self._highest = stream
         if stream > self._last_taken:
             return  # after the GOAWAY: the client sends it again elsewhere
+        try:
+            check_request(headers)
+        except MalformedFields as exc:
+            self._malformed(stream, exc)
+            return
         if len(self._calls) >= self._limits.max_concurrent_streams:
             self._spend(1, 0)
             self._write(reset_stream(stream, REFUSED_STREAM))
@@ -425,6 +458,21 @@ class H2Connection(StreamAnswers, asyncio.Protocol):
         if ends:
             self._start(call)
 
+    def _malformed(self, stream: int, exc: MalformedFields) -> None:
+        """A malformed request (RFC 9113 section 8.1.1): its stream is reset with PROTOCOL_ERROR,
+        counted against the reset-stream budget, and nothing of it goes further."""
+        if not stream & 1:
+            raise H2ProtocolError(PROTOCOL_ERROR, f"a client opened stream {stream}")
+        logger.debug("reset a client's malformed HTTP/2 request on stream %d: %s", stream, exc)
+        self._spend(1, 0)
+        self._highest = max(self._highest, stream)
+        call = self._calls.get(stream)
+        if call is not None:
+            self._reset(call, PROTOCOL_ERROR)
+        else:
+            self._write(reset_stream(stream, PROTOCOL_ERROR))
+        self._maybe_close()
+
     def _not_taken(self, stream: int) -> None:
         """Close the connection to new calls from ``stream`` on; the client sends them again
         on a new connection."""
@@ -434,6 +482,7 @@ class H2Connection(StreamAnswers, asyncio.Protocol):
         self._maybe_close()
 
     def _data(self, parsed: Any, length: int, ends: bool) -> None:
+        self._last_active = self._last_read
         stream = parsed.stream_id
         call = self._calls.get(stream)
         self._recv_window -= length
@@ -454,8 +503,8 @@ class H2Connection(StreamAnswers, asyncio.Protocol):
             call.stream.feed(parsed.data, ends)
             return
         call.size += len(parsed.data)
-        if call.size > GRPC_MAX_MESSAGE_SIZE + 5:
-            self._send(call, b"", trailers(*grpc_status(message_too_large(call.size, GRPC_MAX_MESSAGE_SIZE))))
+        if call.size > self._limits.max_message_bytes + 5:
+            self._send(call, b"", trailers(*grpc_status(message_too_large(call.size - 5, self._limits.max_message_bytes))))
             self._write(reset_stream(call.id))
             return
         call.body.append(parsed.data)
@@ -550,7 +599,7 @@ class H2Connection(StreamAnswers, asyncio.Protocol):
             message, own, target = b"", False, ""
             if method in ROUTED_RPCS:
                 encoding = next((value for name, value in call.headers if name == b"grpc-encoding"), None)
-                message = unframe(body, encoding)
+                message = await unframe_off_loop(body, encoding, self._limits.max_message_bytes)
                 try:
                     model, version = name_and_version(message)
                     own = self._listener.serves_grpc(model, version, self._key, call.headers, self._turn)
@@ -612,6 +661,7 @@ class H2Connection(StreamAnswers, asyncio.Protocol):
         assert left is not None
         # No more than the write buffer takes: a client that does not read holds one buffer.
         room = self._limits.connection_buffer_bytes - self._transport.get_write_buffer_size()
+        sent = 0
         while left and min(self._send_window, call.window, room) > 0:
             size = min(len(left), self._send_window, call.window, self._max_frame)
             room -= size
@@ -619,6 +669,8 @@ class H2Connection(StreamAnswers, asyncio.Protocol):
             left = left[size:]
             self._send_window -= size
             call.window -= size
+            sent += 1
+        self.data_sent(sent)
         call.left = left
         if left:
             self._sending[call.id] = call
@@ -642,15 +694,32 @@ class H2Connection(StreamAnswers, asyncio.Protocol):
             else:
                 self._flush_call(call, [])
 
+    def data_sent(self, frames: int) -> None:
+        """``frames`` DATA frames went out: the client may give their window back with two
+        WINDOW_UPDATEs each (the stream's and the connection's) outside the control-frame budget."""
+        self._window_credits = min(self._window_credits + 2 * frames, _MAX_WINDOW_CREDITS)
+
     # streams (the rest of their side here is :class:`StreamAnswers`)
 
     def _start_stream(self, stream: int, headers: list[tuple[bytes, bytes]], ended: bool) -> None:
+        """A stream: answered here while the replica has fewer than --max-inflight-requests
+        calls and streams open (each open stream counts as one), else refused UNAVAILABLE."""
         call = self._calls[stream] = _Call(stream, headers, self._initial_window, self._client_window)
-        call.stream = ServedStream(self, call, self._listener.stream_grpc)
+        listener = self._listener
+        if listener.in_flight >= listener.max_inflight:
+            self._send(call, b"", trailers(*grpc_status(UnavailableError(inflight_limit_message(listener.max_inflight)))))
+            self._write(reset_stream(stream))
+            return
+        call.stream = ServedStream(self, call, listener.stream_grpc)
         self._sending[stream] = call
         if ended:
             call.stream.feed(b"", True)
+        listener.in_flight += 1
         call.task = self._loop.create_task(call.stream.answer())
+        call.task.add_done_callback(self._stream_done)
+
+    def _stream_done(self, _task: asyncio.Task) -> None:
+        self._listener.in_flight -= 1
 
     def _ended(self, call: _Call) -> None:
         self._calls.pop(call.id, None)

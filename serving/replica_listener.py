@@ -20,6 +20,11 @@ answered here with no front in between; any other request on them is relayed to 
 HAProxy and its answer written back. A stopping replica gives such connections back to the acceptor
 between two requests, so that their clients' next calls are served elsewhere. Clients' gRPC
 connections (HTTP/2) from the acceptor are served by :mod:`replica_h2`.
+
+The listener's port is on the node's network, where the front's HAProxy and other replicas reach
+it: a request that arrives over it is served only with the server's front key
+(:mod:`rayinfer.protocol.front_key`); the connections it holds, over its port and the acceptor's
+alike, are bounded by ``--replica-max-connections`` (one more is closed at once).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import json
 import logging
 import os
 import socket
+import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -40,7 +46,8 @@ from rayinfer.serving.handoff import ReplicaHandoff
 from rayinfer.serving.replica_h2 import H2Connection
 from rayinfer.serving.version_split import ConnectionTurn
 from rayinfer.protocol.errors import NotFoundError, UnavailableError, UnsupportedError
-from rayinfer.protocol.grpc_wire import SERVICE, unframe
+from rayinfer.protocol.front_key import front_key_matches
+from rayinfer.protocol.grpc_wire import SERVICE, unframe_off_loop
 from rayinfer.protocol.http_codec import error_response
 from rayinfer.protocol.limits import (
     DEFAULT_CONNECTION_LIMITS,
@@ -51,6 +58,10 @@ from rayinfer.protocol.limits import (
 from rayinfer.protocol.restricted_api import Restrictions, grpc_message, header_names, http_message, missing_header
 
 logger = logging.getLogger(__name__)
+
+# A refusal of the same kind (a connection over the cap, a request without the key) is logged at
+# most this often, with the count since.
+_WARN_EVERY_S = 5.0
 
 
 # (method name, serialized request message) -> serialized response message; raises on error.
@@ -78,16 +89,23 @@ class ReplicaListener:
     ``max_input_size`` bytes (gRPC: over gRPC's maximum message) is refused while it arrives."""
 
     def __init__(self, grpc_handler: GrpcHandler, http_handler: HttpHandler | None = None,
-                 max_input_size: int = DEFAULT_HTTP_MAX_INPUT_SIZE, model: str = "") -> None:
+                 max_input_size: int = DEFAULT_HTTP_MAX_INPUT_SIZE, model: str = "", front_key: str = "") -> None:
         """``model``: the model whose serving core traces this listener's requests with their
-        protocol timestamps (:class:`~rayinfer.serving.trace.ProtocolStamps`)."""
+        protocol timestamps (:class:`~rayinfer.serving.trace.ProtocolStamps`); ``front_key``: the
+        server's, which every request over the listener's port must carry ("": not known, every
+        such request is refused)."""
         self._grpc_handler = grpc_handler
+        self.front_key = front_key
         self.model = model
         self._http_handler = http_handler
         self.max_input_size = max_input_size
         self._server: asyncio.AbstractServer | None = None
-        # HTTP/1.1 connections, and the acceptor's HTTP/2 ones (replica_h2.H2Connection).
+        # HTTP/1.1 connections, and the acceptor's HTTP/2 ones (replica_h2.H2Connection); at most
+        # limits.max_connections, with the acceptor's being set up (_handing).
         self._connections: set[ListenerConnection] = set()
+        self._handing = 0
+        # Refusals by kind: (the count not logged yet, when one was last logged).
+        self._refusals: dict[str, tuple[int, float]] = {}
         self.in_flight = 0
         self.port = 0
         # Clients' connections from the front's acceptor: which requests are this replica's, and
@@ -119,10 +137,15 @@ class ReplicaListener:
         return self.port
 
     def _take_connection(self, client: socket.socket, relay: str, key: str) -> None:
-        """A client's connection from the front's acceptor (:mod:`replica_handoff`)."""
+        """A client's connection from the front's acceptor (:mod:`replica_handoff`); closed at once
+        when the listener holds ``--replica-max-connections``."""
         if self.closing:
             handoff.give_back(os.path.basename(os.path.dirname(relay)), [client.fileno()],
                                  handoff.returned(self.handoff_name, True))
+            client.close()
+            return
+        if self._full():
+            self.refused("connections over --replica-max-connections", "a client's, from the acceptor")
             client.close()
             return
         client.setblocking(False)
@@ -135,7 +158,47 @@ class ReplicaListener:
             connection: Callable[[], asyncio.Protocol] = lambda: H2Connection(self, (relay, key), run_left)
         else:
             connection = lambda: ListenerConnection(self, (relay, key), run_left)
-        loop.create_task(loop.connect_accepted_socket(connection, client))
+        self._handing += 1
+        loop.create_task(self._connect(connection, client))
+
+    async def _connect(self, connection: Callable[[], asyncio.Protocol], client: socket.socket) -> None:
+        try:
+            await asyncio.get_running_loop().connect_accepted_socket(connection, client)
+        finally:
+            self._handing -= 1
+
+    def _full(self) -> bool:
+        return len(self._connections) + self._handing >= self.limits.max_connections
+
+    def admit(self, connection: ListenerConnection) -> bool:
+        """Hold a new HTTP/1.1 connection: one over the listener's port only below
+        ``--replica-max-connections`` (a client's from the acceptor was counted as it came)."""
+        if not connection.direct and self._full():
+            self.refused("connections over --replica-max-connections", "over the listener's port")
+            return False
+        self._connections.add(connection)
+        return True
+
+    def release(self, connection: ListenerConnection) -> None:
+        """A connection ended (or was refused)."""
+        self._connections.discard(connection)
+
+    def front_key_matches(self, given: bytes | None) -> bool:
+        """Whether a request over the listener's port carries the server's front key (``given``:
+        its header's value, None without one)."""
+        return front_key_matches(self.front_key, given)
+
+    def refused(self, what: str, source: str) -> None:
+        """Count a refusal (``what``: its kind, ``source``: whose); log a warning at most every
+        few seconds per kind."""
+        count, logged_at = self._refusals.get(what, (0, float("-inf")))
+        now = time.monotonic()
+        if now - logged_at < _WARN_EVERY_S:
+            self._refusals[what] = (count + 1, logged_at)
+            return
+        self._refusals[what] = (0, now)
+        logger.warning("model replica listener (%s): refused %s (%s)%s", self.model or "?", what, source,
+                       f"; {count} more since the last warning" if count else "")
 
     def restrict(self, http: Restrictions, grpc: Restrictions) -> None:
         """Answer a restricted group's requests only with their header (tritonserver's
@@ -158,7 +221,7 @@ class ReplicaListener:
         try:
             if not path.startswith(SERVICE_PATH):
                 return await self._respond_http(method, path, headers, body)
-            message = unframe(body, headers.get(b"grpc-encoding"))
+            message = await unframe_off_loop(body, headers.get(b"grpc-encoding"), self.limits.max_message_bytes)
             return grpc_response(await self._grpc_handler(path[len(SERVICE_PATH):].decode("latin-1"), message))
         except Exception as exc:
             return grpc_error(exc)
@@ -182,7 +245,7 @@ class ReplicaListener:
                                                               headers, body)
             if isinstance(content, bytes):
                 return http_response(status, extra, content)
-            return StreamedResponse(status, extra, content)
+            return StreamedResponse(status, extra, content, self.limits)
         except Exception as exc:
             return http_response(*error_response(exc))
 

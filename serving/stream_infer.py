@@ -24,6 +24,7 @@ from google.protobuf.message import DecodeError
 from tritonclient.grpc import service_pb2 as pb
 
 from rayinfer.protocol.errors import UNPARSABLE_REQUEST, InternalError, ServingError, as_serving_error
+from rayinfer.protocol.limits import DEFAULT_CONNECTION_LIMITS
 
 # Requests of a stream in flight ahead of the one being answered (answered in order all the same).
 STREAM_WINDOW = 64
@@ -64,6 +65,32 @@ ErrorResponse = Callable[[str], Any]
 SendStamps = Callable[[str, list[tuple[str, int]]], None]
 
 
+class _Responses:
+    """One request's responses on their way to the stream's writer, in order: at most ``limit``
+    of them not yet taken (then what forwards them waits, and with it the model's sender); its
+    error and its end never wait."""
+
+    __slots__ = ("_queue", "_room")
+
+    def __init__(self, limit: int) -> None:
+        self._queue: asyncio.Queue[tuple[Any, bool]] = asyncio.Queue()  # (item, counted against the bound)
+        self._room = asyncio.Semaphore(max(1, limit))
+
+    async def put(self, response: Any) -> None:
+        await self._room.acquire()
+        self._queue.put_nowait((response, True))
+
+    def end(self, last: Any) -> None:
+        """The request's error or its end (None): queued at once, past the bound."""
+        self._queue.put_nowait((last, False))
+
+    async def get(self) -> Any:
+        item, counted = await self._queue.get()
+        if counted:
+            self._room.release()
+        return item
+
+
 def parse_request(payload: bytes) -> pb.ModelInferRequest | Unparsable:
     try:
         return pb.ModelInferRequest.FromString(payload)
@@ -72,16 +99,21 @@ def parse_request(payload: bytes) -> pb.ModelInferRequest | Unparsable:
 
 
 async def answer_stream(requests: AsyncIterator[pb.ModelInferRequest | Unparsable], forward: Forward,
-                        error: ErrorResponse, sent: SendStamps, end_on_error: bool = False) -> AsyncIterator[Any]:
+                        error: ErrorResponse, sent: SendStamps, end_on_error: bool = False,
+                        max_queued_responses: int = DEFAULT_CONNECTION_LIMITS.max_queued_responses
+                        ) -> AsyncIterator[Any]:
     """The responses to a stream's ``requests``, in request order; an error (a ServingError
     ``forward`` yields or raises) is a response made by ``error``, or, with ``end_on_error``,
-    raised: the stream ends with its status, the requests after it unanswered."""
-    window: asyncio.Queue[asyncio.Queue | None] = asyncio.Queue(STREAM_WINDOW)
+    raised: the stream ends with its status, the requests after it unanswered. Each request's
+    responses not yet taken by the caller are at most ``max_queued_responses``
+    (--max-queued-responses); past it its ``forward`` is not read on."""
+    window: asyncio.Queue[_Responses | None] = asyncio.Queue(STREAM_WINDOW)
     forwarding: set[asyncio.Task] = set()
     # (model, sequence id) -> the task of that sequence's latest request in this stream
     sequences: dict[tuple[str, str], asyncio.Task] = {}
 
-    async def send_on(request: Any, out: asyncio.Queue, after: asyncio.Task | None, read: tuple[int, int]) -> None:
+    async def send_on(request: Any, out: _Responses, after: asyncio.Task | None, read: tuple[int, int]) -> None:
+        error: ServingError | None = None
         try:
             if isinstance(request, Unparsable):
                 raise InternalError(UNPARSABLE_REQUEST)
@@ -90,9 +122,11 @@ async def answer_stream(requests: AsyncIterator[pb.ModelInferRequest | Unparsabl
             async for response in forward(request, read):
                 await out.put(response)
         except Exception as exc:
-            await out.put(as_serving_error(exc))
+            error = as_serving_error(exc)
         finally:
-            await out.put(None)
+            if error is not None:
+                out.end(error)
+            out.end(None)
 
     async def submit() -> None:
         try:
@@ -101,7 +135,7 @@ async def answer_stream(requests: AsyncIterator[pb.ModelInferRequest | Unparsabl
             reading = time.perf_counter_ns()
             async for request in requests:
                 read = (reading, time.perf_counter_ns())
-                out: asyncio.Queue = asyncio.Queue()
+                out = _Responses(max_queued_responses)
                 key = sequence_key(request)
                 task = asyncio.ensure_future(send_on(request, out, sequences.get(key) if key else None, read))
                 if key is not None:

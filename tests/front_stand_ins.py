@@ -16,6 +16,9 @@ from rayinfer.serving.replica_listener import ReplicaListener
 from rayinfer.protocol.errors import NotFoundError
 
 UNICODE_ERROR = "Request for unknown model: 'm\u00fc' is not found (100% sure)"
+# The front key of the fronts and stand-in listeners of the unit tests (a real one is random:
+# deployments/front_key_store.py).
+TEST_FRONT_KEY = "0123456789abcdef" * 4
 
 
 def free_port() -> int:
@@ -24,8 +27,17 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+class _IngressListener(ReplicaListener):
+    """A listener standing in for Serve's ingress too, to which the front's requests carry no key."""
+
+    def front_key_matches(self, given: bytes | None) -> bool:
+        return True
+
+
 class Replica:
-    """A listener whose handler echoes ModelInfer inputs and names itself in the response.
+    """A listener whose handler echoes ModelInfer inputs and names itself in the response
+    (``ingress``: it stands in for Serve's ingress behind the front too, and takes requests
+    without the front key; the others take only requests with :data:`TEST_FRONT_KEY`).
 
     A call for the model "slow" is held in flight: ``slow_arrived`` is set when it reaches the
     handler, which answers once the test calls ``release_slow()``. Its streams echo each request
@@ -33,14 +45,15 @@ class Replica:
     "hold" waits for ``release_slow()`` before the stream takes its next request.
     """
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, name: str) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, name: str, ingress: bool = False) -> None:
         self.name = name
         self.loop = loop
         self.slow_arrived = threading.Event()
         self.slow_calls = 0
         self._release = asyncio.Event()
         self.streams_open = 0
-        self.listener = ReplicaListener(self.handle, self.handle_http)
+        self.listener = (_IngressListener if ingress else ReplicaListener)(self.handle, self.handle_http)
+        self.listener.front_key = TEST_FRONT_KEY
         self.listener.stream_grpc = self.stream
         self.port = asyncio.run_coroutine_threadsafe(self.listener.start("127.0.0.1"), loop).result(5)
 

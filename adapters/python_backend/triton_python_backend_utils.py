@@ -30,6 +30,7 @@ from rayinfer.protocol.dtypes import (
     serialize_bytes_tensor as _serialize,
     wire_datatype as _wire_datatype,
 )
+from rayinfer.protocol.errors import ServingError as _ServingError
 
 TRITONSERVER_REQUEST_FLAG_SEQUENCE_START = 1
 TRITONSERVER_REQUEST_FLAG_SEQUENCE_END = 2
@@ -166,7 +167,9 @@ class InferenceResponse:
 class InferenceResponseSender:
     """Sends the responses to one request (``request.get_response_sender()``): any number
     before the final flag from a decoupled model; exactly one from a non-decoupled model (the
-    final flag with it or after it). Triton's rules and messages; nothing after the final flag."""
+    final flag with it or after it). Triton's rules and messages; nothing after the final flag.
+    A decoupled model's ``send`` waits while ``--max-queued-responses`` of its responses are not
+    taken yet, and raises TritonModelException once the request is cancelled meanwhile."""
 
     def __init__(self, send: Any, cancelled: Any = None, decoupled: bool = True) -> None:
         self._send = send
@@ -194,7 +197,10 @@ class InferenceResponseSender:
                 raise TritonModelException("Unable to send response. Response sender has been closed.")
             self._sent += response is not None
             self._closed = bool(flags)
-            self._send(response, self._closed)
+            try:  # waits while --max-queued-responses of them are not taken yet (rayinfer's bound)
+                self._send(response, self._closed)
+            except _ServingError as exc:  # the request was cancelled meanwhile, or cannot wait here
+                raise TritonModelException(exc.message) from None
 
     def close(self) -> None:
         """The request has its answer otherwise (``execute`` returned it): nothing more may be sent."""

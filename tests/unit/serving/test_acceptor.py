@@ -10,7 +10,7 @@ import socket
 
 import pytest
 
-from front_stand_ins import Replica, free_port, publish
+from front_stand_ins import TEST_FRONT_KEY, Replica, free_port, publish
 from rayinfer.deployments.front import Front
 from rayinfer.serving.acceptor import listening_socket
 from rayinfer.serving.request_heads import route_key
@@ -19,9 +19,9 @@ from waiting import wait_until
 
 @pytest.fixture(scope="module")
 def acceptor(loop):
-    serve = Replica(loop, "serve")  # what HAProxy relays when no replica's route matches
+    serve = Replica(loop, "serve", ingress=True)  # what HAProxy relays when no replica's route matches
     http_port = free_port()
-    front = Front(("127.0.0.1", http_port, "127.0.0.1", serve.port), None, "v2", direct=True)
+    front = Front(("127.0.0.1", http_port, "127.0.0.1", serve.port), None, "v2", direct=True, front_key=TEST_FRONT_KEY)
     assert front.direct
     yield front, http_port
     front.stop()
@@ -168,9 +168,9 @@ def test_a_stopping_replica_gives_its_waiting_connections_back(loop, acceptor):
 def test_a_replica_stopping_while_it_relays_leaves_the_answer_to_the_door(loop):
     """A request that stops the replica it was relayed by (as unloading its own model does) is
     answered after the replica stopped: the acceptor copies the answer to the client."""
-    serve = Replica(loop, "serve")
+    serve = Replica(loop, "serve", ingress=True)
     port = free_port()
-    front = Front(("127.0.0.1", port, "127.0.0.1", serve.port), None, "v2", direct=True)
+    front = Front(("127.0.0.1", port, "127.0.0.1", serve.port), None, "v2", direct=True, front_key=TEST_FRONT_KEY)
     one = Replica(loop, "one")
     one.listener.serves = _serves_model("m")
     publish(loop, front, {"m/": [("127.0.0.1", one.port)]})

@@ -19,7 +19,7 @@ import tritonclient.grpc as grpcclient
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.utils import InferenceServerException
 
-from front_stand_ins import UNICODE_ERROR, Replica, free_port, infer, publish
+from front_stand_ins import TEST_FRONT_KEY, UNICODE_ERROR, Replica, free_port, infer, publish
 from rayinfer.serving import replica_h2
 from rayinfer.deployments.front import Front
 from rayinfer.serving.request_heads import grpc_route_key
@@ -71,7 +71,7 @@ def _serve_ingress() -> tuple[grpc.Server, int]:
 def acceptor(loop):
     ingress, ingress_port = _serve_ingress()
     port = free_port()
-    front = Front(None, ("127.0.0.1", port, "127.0.0.1", ingress_port), "v2", direct=True)
+    front = Front(None, ("127.0.0.1", port, "127.0.0.1", ingress_port), "v2", direct=True, front_key=TEST_FRONT_KEY)
     assert front.grpc_direct
     yield front, port
     front.stop()

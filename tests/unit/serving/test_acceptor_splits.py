@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
-from front_stand_ins import Replica, free_port
+from front_stand_ins import TEST_FRONT_KEY, Replica, free_port
 from rayinfer.deployments.front import Front
 from rayinfer.serving import client_relay
 from rayinfer.serving.handoff import GRPC_RELAY_SOCKET
@@ -173,7 +173,7 @@ def test_a_sticky_value_always_reaches_its_version_and_its_connection_stays_ther
 @pytest.fixture(scope="module")
 def grpc_front(loop):
     port = free_port()
-    front = Front(None, ("127.0.0.1", port, "127.0.0.1", free_port()), "v2", direct=True)
+    front = Front(None, ("127.0.0.1", port, "127.0.0.1", free_port()), "v2", direct=True, front_key=TEST_FRONT_KEY)
     assert front.grpc_direct
     yield front, port
     front.stop()

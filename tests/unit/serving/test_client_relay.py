@@ -87,3 +87,54 @@ def test_a_connection_that_closes_mid_answer_fails_the_call_once():
     assert answers[0] == answers[2] == (b"hello", [(b"grpc-status", b"0")])
     assert answers[1][1][0] == (b"grpc-status", b"14")
     assert (server.connections, server.requests) == (2, 3)
+
+
+class _Recorder(asyncio.Protocol):
+    """Records the bytes of the requests relayed to it and answers each one."""
+
+    def __init__(self, received: bytearray) -> None:
+        self._received = received
+        self._parser = httptools.HttpRequestParser(self)
+        self.transport = None
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        self._received += data
+        self._parser.feed_data(data)
+
+    def on_message_complete(self) -> None:
+        self.transport.write(_ANSWER)
+
+
+def test_no_client_byte_becomes_framing_on_the_relay_connection():
+    """A relayed call's fields: hop-by-hop names dropped whatever their case, the server's own
+    headers dropped, and a field holding CR, LF or NUL (or a name that is no token) not copied,
+    so that nothing a client sends can start a header or a request of its own on a connection
+    that other clients' calls share."""
+    received = bytearray()
+
+    async def relay() -> None:
+        with tempfile.TemporaryDirectory() as folder:
+            path = str(Path(folder) / "relay.sock")
+            listening = await asyncio.get_running_loop().create_unix_server(lambda: _Recorder(received), path)
+            try:
+                headers = [(b":authority", b"x"), (b"content-type", b"application/grpc"),
+                           (b"x-note", b"a\r\nx-injected: 1\r\n\r\nPOST /smuggled HTTP/1.1"), (b"x-nul", b"a\0b"),
+                           (b"Connection", b"close"), (b"TE", b"trailers"), (b"Transfer-Encoding", b"chunked"),
+                           (b"x-rayinfer-stream", b"1"), (b"rayinfer-sequence-forwarded", b"1"),
+                           (b"bad name", b"1"), (b"x-kept", b"yes")]
+                data, fields = await client_relay.relay_grpc(path, b"/inference.GRPCInferenceService/ServerLive",
+                                                             headers, b"\0\0\0\0\0")
+                assert (data, fields[0]) == (b"hello", (b"grpc-status", b"0"))
+            finally:
+                listening.close()
+
+    asyncio.run(relay())
+    raw_head = bytes(received).split(b"\r\n\r\n", 1)[0]
+    head = raw_head.lower().split(b"\r\n")
+    assert head[0] == b"post /inference.grpcinferenceservice/serverlive http/1.1"
+    names = [line.split(b":", 1)[0] for line in head[1:]]
+    assert sorted(names) == [b"content-length", b"content-type", b"host", b"te", b"x-kept"]
+    assert b"smuggled" not in received and b"x-injected" not in received and b"\0" not in raw_head
