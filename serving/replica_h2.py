@@ -45,6 +45,7 @@ import hpack
 from hyperframe.exceptions import HyperframeError, InvalidFrameError
 
 from rayinfer.serving.client_relay import relay_grpc
+from rayinfer.serving.h2_budgets import FrameBudgets
 from rayinfer.serving.h2_stream import ServedStream, StreamAnswers
 from rayinfer.protocol.errors import UnavailableError
 from rayinfer.protocol.h2_fields import MalformedFields, check_request, check_trailers
@@ -70,8 +71,6 @@ _GOING = b"rayinfer"  # the PING of a graceful close
 _PING_WAIT_S = 2.0  # a client that does not answer that PING: the second GOAWAY anyway
 _LINGER_S = 5.0  # after the last GOAWAY and answer: how long the client may take to close its end
 _FAIL_LINGER_S = 1.0  # a connection closed for an error: how long what the client sends is dropped
-_BUDGET_S = 10.0  # the period of the reset-stream and control-frame budgets
-_MAX_WINDOW_CREDITS = 4096  # WINDOW_UPDATEs owed for DATA sent, at most (the rest count as control frames)
 
 
 class _Call:
@@ -138,9 +137,7 @@ class H2Connection(StreamAnswers, asyncio.Protocol):
         self._client_window = self._limits.stream_window_bytes
         self._last_read = time.monotonic()
         self._paused_at: float | None = None  # the client stopped reading (the write buffer is full)
-        self._budget_at = self._last_read + _BUDGET_S
-        self._resets = self._glitches = 0
-        self._window_credits = 0  # WINDOW_UPDATEs owed for DATA sent (:meth:`_window_update`)
+        self._budgets = FrameBudgets(self._limits)
         self._last_active = self._last_read  # the client's last HEADERS or DATA (PINGs keep nothing open)
         self._timer: asyncio.TimerHandle | None = None
         self._loop = asyncio.get_running_loop()
@@ -243,7 +240,7 @@ class H2Connection(StreamAnswers, asyncio.Protocol):
             for call in list(self._calls.values()):
                 self._drop(call)
 
-    # timeouts and budgets
+    # timeouts
 
     def _check_every(self) -> float:
         limits = self._limits
@@ -278,20 +275,6 @@ class H2Connection(StreamAnswers, asyncio.Protocol):
             if call.stream is not None and now - call.stream.last_active > limits.stream_idle_timeout_s:
                 call.stream.expire(limits.stream_idle_timeout_s)
         self._timer = asyncio.get_running_loop().call_later(self._check_every(), self._check)
-
-    def _spend(self, resets: int, glitches: int) -> None:
-        """Count reset streams and control frames against their budgets (per :data:`_BUDGET_S`)."""
-        now = time.monotonic()
-        if now >= self._budget_at:
-            self._budget_at, self._resets, self._glitches = now + _BUDGET_S, 0, 0
-        self._resets += resets
-        self._glitches += glitches
-        if self._resets > self._limits.max_reset_streams:
-            raise H2ProtocolError(ENHANCE_YOUR_CALM, f"over {self._limits.max_reset_streams} streams reset in "
-                                  f"{_BUDGET_S:g} s (--grpc-max-reset-streams)")
-        if self._glitches > self._limits.max_control_frames:
-            raise H2ProtocolError(ENHANCE_YOUR_CALM, f"over {self._limits.max_control_frames} control frames in "
-                                  f"{_BUDGET_S:g} s (--grpc-max-control-frames)")
 
     # frames in
 
@@ -344,18 +327,18 @@ class H2Connection(StreamAnswers, asyncio.Protocol):
                 self._block = None
                 self._headers(first, ends, b"".join(fragments))
         elif kind == SETTINGS:
-            self._spend(0, 1)
+            self._budgets.spend(0, 1)
             if "ACK" not in flags:
                 self._settings(parsed.settings)
         elif kind == PING:
-            self._spend(0, 1)
+            self._budgets.spend(0, 1)
             if "ACK" in flags:
                 if parsed.opaque_data == _GOING and self._going == 1:
                     self._last_goaway()
             else:
                 self._write(frame(PING, ACK, 0, parsed.opaque_data))
         elif kind == RST_STREAM:
-            self._spend(1, 0)
+            self._budgets.spend(1, 0)
             call = self._calls.get(stream)
             if call is not None:
                 self._drop(call)
@@ -367,7 +350,7 @@ class H2Connection(StreamAnswers, asyncio.Protocol):
         elif kind == PUSH_PROMISE:
             raise H2ProtocolError(PROTOCOL_ERROR, "PUSH_PROMISE from a client")
         else:  # PRIORITY and frame types this side does not know: ignored, and counted
-            self._spend(0, 1)
+            self._budgets.spend(0, 1)
 
     def _check_block(self) -> None:
         if self._block is not None and self._block[3] > self._limits.max_header_list_bytes:
@@ -391,10 +374,7 @@ class H2Connection(StreamAnswers, asyncio.Protocol):
     def _window_update(self, stream: int, increment: int) -> None:
         """A WINDOW_UPDATE: free while it gives back window for DATA this side has sent (two
         for each DATA frame: the stream's and the connection's), else a control frame."""
-        if self._window_credits > 0:
-            self._window_credits -= 1
-        else:
-            self._spend(0, 1)
+        self._budgets.window_update()
         if stream > self._highest:
             raise H2ProtocolError(PROTOCOL_ERROR, f"a WINDOW_UPDATE on stream {stream}, which was never opened")
         if stream == 0:
@@ -417,7 +397,7 @@ class H2Connection(StreamAnswers, asyncio.Protocol):
             return
         call = self._calls.get(stream)
         if call is not None:  # a call's trailers: one block, which ends the call
-            self._spend(0, 1)
+            self._budgets.spend(0, 1)
             try:
                 if not ends:
                     raise MalformedFields("a second header block that does not end the stream")
@@ -433,7 +413,7 @@ class H2Connection(StreamAnswers, asyncio.Protocol):
         if not stream & 1:
             raise H2ProtocolError(PROTOCOL_ERROR, f"a client opened stream {stream}")
         if stream <= self._highest:
-            self._spend(0, 1)
+            self._budgets.spend(0, 1)
             return  # a call already answered (or refused)
         self._highest = stream
         if stream > self._last_taken:
@@ -444,7 +424,7 @@ class H2Connection(StreamAnswers, asyncio.Protocol):
             self._malformed(stream, exc)
             return
         if len(self._calls) >= self._limits.max_concurrent_streams:
-            self._spend(1, 0)
+            self._budgets.spend(1, 0)
             self._write(reset_stream(stream, REFUSED_STREAM))
             return
         path = next((value for name, value in headers if name == b":path"), b"").decode("latin-1")
@@ -464,7 +444,7 @@ class H2Connection(StreamAnswers, asyncio.Protocol):
         if not stream & 1:
             raise H2ProtocolError(PROTOCOL_ERROR, f"a client opened stream {stream}")
         logger.debug("reset a client's malformed HTTP/2 request on stream %d: %s", stream, exc)
-        self._spend(1, 0)
+        self._budgets.spend(1, 0)
         self._highest = max(self._highest, stream)
         call = self._calls.get(stream)
         if call is not None:
@@ -490,7 +470,7 @@ class H2Connection(StreamAnswers, asyncio.Protocol):
             raise H2ProtocolError(FLOW_CONTROL_ERROR, "DATA past the connection's flow-control window")
         self._credit(length)
         if not length and not ends:
-            self._spend(0, 1)
+            self._budgets.spend(0, 1)
         if call is None or (call.task is not None and call.stream is None):
             return  # a call refused, reset or answered: its data is dropped
         call.recv_window -= length
@@ -695,9 +675,8 @@ class H2Connection(StreamAnswers, asyncio.Protocol):
                 self._flush_call(call, [])
 
     def data_sent(self, frames: int) -> None:
-        """``frames`` DATA frames went out: the client may give their window back with two
-        WINDOW_UPDATEs each (the stream's and the connection's) outside the control-frame budget."""
-        self._window_credits = min(self._window_credits + 2 * frames, _MAX_WINDOW_CREDITS)
+        """``frames`` DATA frames went out (their WINDOW_UPDATEs are free: :class:`FrameBudgets`)."""
+        self._budgets.data_sent(frames)
 
     # streams (the rest of their side here is :class:`StreamAnswers`)
 

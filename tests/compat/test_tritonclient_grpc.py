@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import queue
+import re
 
 import grpc
 import numpy as np
@@ -328,22 +329,30 @@ def test_the_front_routes_served_versions_to_their_replicas(client, server):
     assert counts["simple/"] == counts["simple/1"] == counts["versioned/1"] == "1"
     assert listeners["simple//0"] == listeners["simple/1/0"]
     assert listeners["versioned//0"] == listeners["versioned/2/0"] != listeners["versioned/1/0"]
-    # The listener speaks gRPC over HTTP/1.1, as HAProxy relays it: the version-1 replica of
-    # "versioned" answers its own ModelReady, and a status trailer for a version it does not serve.
+    # The listener speaks gRPC over HTTP/1.1, as HAProxy relays it (with the front key, which
+    # HAProxy's configuration holds): the version-1 replica of "versioned" answers its own
+    # ModelReady, and a status trailer for a version it does not serve; without the key, 403.
     host, listener_port = listeners["versioned/1/0"].split("|")
-    for version, trailer in (("1", b"grpc-status: 0"), ("2", b"grpc-status: 5")):
+    key = re.search(r"set-header rayinfer-front-key (\S+)", (front / "haproxy.cfg").read_text()).group(1)
+    for version, trailer, key_field in (("1", b"grpc-status: 0", b"rayinfer-front-key: %b\r\n" % key.encode()),
+                                        ("2", b"grpc-status: 5", b"rayinfer-front-key: %b\r\n" % key.encode()),
+                                        ("1", b"", b"")):
         message = service_pb2.ModelReadyRequest(name="versioned", version=version).SerializeToString()
         frame = b"\x00" + len(message).to_bytes(4, "big") + message
         with socket.create_connection((host, int(listener_port)), 5) as sock:
-            sock.sendall(b"POST /inference.GRPCInferenceService/ModelReady HTTP/1.1\r\nhost: x\r\n"
-                         b"content-type: application/grpc\r\ncontent-length: %d\r\n\r\n%b" % (len(frame), frame))
+            sock.sendall(b"POST /inference.GRPCInferenceService/ModelReady HTTP/1.1\r\nhost: x\r\n%b"
+                         b"content-type: application/grpc\r\ncontent-length: %d\r\n\r\n%b"
+                         % (key_field, len(frame), frame))
             reply = b""
             while not reply.endswith(b"\r\n\r\n") or trailer not in reply:
                 chunk = sock.recv(65536)
                 if not chunk:
                     break
                 reply += chunk
-        assert reply.startswith(b"HTTP/1.1 200 OK") and trailer in reply, reply
+        if key_field:
+            assert reply.startswith(b"HTTP/1.1 200 OK") and trailer in reply, reply
+        else:
+            assert reply.startswith(b"HTTP/1.1 403"), reply
     assert not [key for key in counts if key.startswith(("broken_config/", "no_such_model/"))]
 
 

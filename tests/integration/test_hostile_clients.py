@@ -20,7 +20,7 @@ from tritonclient.grpc import service_pb2 as pb
 from conftest import GRPC_PORT, HTTP_PORT
 from rayinfer.protocol.grpc_wire import (
     CONTINUATION, DATA, END_HEADERS, END_STREAM, ENHANCE_YOUR_CALM, GOAWAY, HEADERS, PREFACE, PROTOCOL_ERROR,
-    RST_STREAM, SETTINGS_MAX_FRAME_SIZE, frame, settings,
+    RST_STREAM, SETTINGS_MAX_FRAME_SIZE, WINDOW_UPDATE, frame, settings,
 )
 
 _INPUT = np.arange(16, dtype=np.int32).reshape(1, 16)
@@ -113,6 +113,53 @@ def test_rapid_resets_close_that_connection_and_others_are_served(server):
     with contextlib.suppress(OSError):
         for stream in range(3, 4_001, 2):
             client.sendall(frame(HEADERS, END_HEADERS, stream, block) + frame(RST_STREAM, 0, stream, b"\0\0\0\x08"))
+    assert _goaway_code(client) == ENHANCE_YOUR_CALM
+    _others_are_answered()
+
+
+def test_a_header_that_would_split_a_relayed_call_is_refused_and_others_are_served(server):
+    """A call the replica would relay to the front as HTTP/1.1 (ServerLive) with CR LF in a
+    header value: its stream is reset with PROTOCOL_ERROR and nothing is relayed; the
+    connection's next call and other clients are answered."""
+    client, encoder = _grpc_connection()
+    block = encoder.encode([(":method", "POST"), (":scheme", "http"), (":authority", "x"),
+                            (":path", "/inference.GRPCInferenceService/ServerLive"), ("content-type", "application/grpc"),
+                            ("te", "trailers"), ("x-note", "a\r\ncontent-length: 0\r\n\r\nGET /v2 HTTP/1.1")])
+    second = encoder.encode([(":method", "POST"), (":scheme", "http"), (":authority", "x"),
+                             (":path", "/inference.GRPCInferenceService/ModelInfer"), ("content-type", "application/grpc"),
+                             ("te", "trailers")])
+    client.sendall(frame(HEADERS, END_HEADERS | END_STREAM, 3, block)
+                   + frame(HEADERS, END_HEADERS, 5, second) + frame(DATA, END_STREAM, 5, _simple_request()))
+    resets, ended, data, decoder = {}, set(), b"", hpack.Decoder()
+    deadline = time.monotonic() + 30
+    with client:
+        while not (3 in resets and 5 in ended) and time.monotonic() < deadline:
+            client.settimeout(max(deadline - time.monotonic(), 0.01))
+            chunk = client.recv(1 << 16)
+            assert chunk, "the server closed the connection"
+            data += chunk
+            at, view = 0, memoryview(data)
+            while at + 9 <= len(data) and at + 9 + int.from_bytes(data[at:at + 3], "big") <= len(data):
+                parsed, length = Frame.parse_frame_header(view[at:at + 9])
+                parsed.parse_body(view[at + 9:at + 9 + length])
+                at += 9 + length
+                if parsed.type == RST_STREAM:
+                    resets[parsed.stream_id] = parsed.error_code
+                elif parsed.type == HEADERS:
+                    decoder.decode(parsed.data)
+                    if "END_STREAM" in parsed.flags:
+                        ended.add(parsed.stream_id)
+            data = data[at:]
+    assert resets.get(3) == PROTOCOL_ERROR and 3 not in ended and 5 in ended
+    _others_are_answered()
+
+
+def test_a_window_update_flood_closes_that_connection_and_others_are_served(server):
+    """WINDOW_UPDATEs for nothing the server sent count as control frames."""
+    client, _ = _grpc_connection()
+    with contextlib.suppress(OSError):
+        for _ in range(200):
+            client.sendall(frame(WINDOW_UPDATE, 0, 0, (1).to_bytes(4, "big")) * 50)
     assert _goaway_code(client) == ENHANCE_YOUR_CALM
     _others_are_answered()
 
