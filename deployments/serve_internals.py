@@ -69,7 +69,8 @@ def stop_orphaned_serve_haproxy(wait_s: float = 5.0) -> list[int]:
     """Stop the HAProxy processes Serve's proxies started (``haproxy -f <Serve's HAProxy config
     folder>/<node>/haproxy.cfg``) whose proxy is gone, in this network namespace; their PIDs.
     After ``ray stop --force`` they keep Serve's ports (9000, 9001, 8404, ...), and the next
-    Serve on the machine cannot start. A HAProxy whose parent is a live Ray process is left alone."""
+    Serve on the machine cannot start. A HAProxy whose parent is a live Ray process, or that runs
+    as another user, is left alone."""
     folder = os.path.dirname(os.environ.get("RAY_SERVE_HAPROXY_CONFIG_FILE_LOC", _SERVE_HAPROXY_CONFIG))
     own_netns = _netns("self")
     stopped = []
@@ -81,7 +82,7 @@ def stop_orphaned_serve_haproxy(wait_s: float = 5.0) -> list[int]:
         if not argv or not argv[0].endswith(b"haproxy") or b"-f" not in argv[:-1]:
             continue
         config = argv[argv.index(b"-f") + 1].decode(errors="replace")
-        if not config.startswith(folder + os.sep) or _netns(str(pid)) != own_netns:
+        if not config.startswith(folder + os.sep) or _netns(str(pid)) != own_netns or not _ours(pid):
             continue
         parent = _cmdline(_parent(pid))
         if parent and parent[0].startswith(b"ray::"):
@@ -98,6 +99,14 @@ def stop_orphaned_serve_haproxy(wait_s: float = 5.0) -> list[int]:
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
     return stopped
+
+
+def _ours(pid: int) -> bool:
+    """Whether a process runs as this process's user (another user's is never signalled)."""
+    try:
+        return os.stat(f"/proc/{pid}").st_uid == os.getuid()
+    except OSError:
+        return False
 
 
 def _cmdline(pid: int) -> list[bytes]:

@@ -52,7 +52,8 @@ from rayinfer.protocol.h2_fields import MalformedFields, check_request, check_tr
 from rayinfer.protocol.grpc_wire import (
     ACK, CONTINUATION, DATA, DEFAULT_FRAME_SIZE, DEFAULT_WINDOW, END_HEADERS, END_STREAM, ENHANCE_YOUR_CALM,
     FLOW_CONTROL_ERROR, FRAME_SIZE_ERROR, GOAWAY, HEADERS, MAX_WINDOW, NOT_DIRECT_RPCS, OK_TRAILERS, PING, PREFACE,
-    PROTOCOL_ERROR, PUSH_PROMISE, REFUSED_STREAM, RESPONSE_HEADERS, ROUTED_RPCS, RST_STREAM, SERVICE,
+    PRIORITY, PROTOCOL_ERROR, PUSH_PROMISE, REFUSED_STREAM, RESPONSE_HEADERS, ROUTED_RPCS, RST_STREAM, SERVICE,
+    STREAM_CLOSED,
     SETTINGS, SETTINGS_INITIAL_WINDOW_SIZE, SETTINGS_MAX_CONCURRENT_STREAMS, SETTINGS_MAX_FRAME_SIZE,
     SETTINGS_MAX_HEADER_LIST_SIZE, STREAM_RPC, WINDOW_UPDATE, H2ProtocolError, HeaderDecoder, check_settings, frame,
     parse_frame,
@@ -339,6 +340,8 @@ class H2Connection(StreamAnswers, asyncio.Protocol):
                 self._write(frame(PING, ACK, 0, parsed.opaque_data))
         elif kind == RST_STREAM:
             self._budgets.spend(1, 0)
+            if stream > self._highest:
+                raise H2ProtocolError(PROTOCOL_ERROR, f"RST_STREAM on stream {stream}, which was never opened")
             call = self._calls.get(stream)
             if call is not None:
                 self._drop(call)
@@ -351,6 +354,8 @@ class H2Connection(StreamAnswers, asyncio.Protocol):
             raise H2ProtocolError(PROTOCOL_ERROR, "PUSH_PROMISE from a client")
         else:  # PRIORITY and frame types this side does not know: ignored, and counted
             self._budgets.spend(0, 1)
+            if kind == PRIORITY and parsed.depends_on == stream:  # RFC 9113 section 5.3.1
+                self._reset_stream(stream, PROTOCOL_ERROR)
 
     def _check_block(self) -> None:
         if self._block is not None and self._block[3] > self._limits.max_header_list_bytes:
@@ -444,13 +449,18 @@ class H2Connection(StreamAnswers, asyncio.Protocol):
         if not stream & 1:
             raise H2ProtocolError(PROTOCOL_ERROR, f"a client opened stream {stream}")
         logger.debug("reset a client's malformed HTTP/2 request on stream %d: %s", stream, exc)
-        self._budgets.spend(1, 0)
         self._highest = max(self._highest, stream)
+        self._reset_stream(stream, PROTOCOL_ERROR)
+
+    def _reset_stream(self, stream: int, code: int) -> None:
+        """A stream error of the client's (RFC 9113 section 5.4.2): the stream reset with ``code``,
+        its call dropped, counted against the reset-stream budget."""
+        self._budgets.spend(1, 0)
         call = self._calls.get(stream)
         if call is not None:
-            self._reset(call, PROTOCOL_ERROR)
+            self._reset(call, code)
         else:
-            self._write(reset_stream(stream, PROTOCOL_ERROR))
+            self._write(reset_stream(stream, code))
         self._maybe_close()
 
     def _not_taken(self, stream: int) -> None:
@@ -471,8 +481,13 @@ class H2Connection(StreamAnswers, asyncio.Protocol):
         self._credit(length)
         if not length and not ends:
             self._budgets.spend(0, 1)
-        if call is None or (call.task is not None and call.stream is None):
+        if call is None:
+            if stream > self._highest:  # RFC 9113 section 5.1: DATA on an idle stream
+                raise H2ProtocolError(PROTOCOL_ERROR, f"DATA on stream {stream}, which was never opened")
             return  # a call refused, reset or answered: its data is dropped
+        if call.task is not None and call.stream is None or call.stream is not None and call.stream.client_ended:
+            self._reset_stream(stream, STREAM_CLOSED)  # DATA after the client's END_STREAM (half-closed)
+            return
         call.recv_window -= length
         if call.recv_window < 0:
             raise H2ProtocolError(FLOW_CONTROL_ERROR, f"DATA past stream {stream}'s flow-control window")

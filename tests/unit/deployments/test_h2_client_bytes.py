@@ -18,8 +18,8 @@ import pytest
 from hyperframe.frame import Frame
 
 from rayinfer.protocol.grpc_wire import (
-    DATA, END_HEADERS, END_STREAM, ENHANCE_YOUR_CALM, HEADERS, PING, PROTOCOL_ERROR, RST_STREAM, WINDOW_UPDATE, frame,
-    settings,
+    DATA, END_HEADERS, END_STREAM, ENHANCE_YOUR_CALM, HEADERS, PING, PRIORITY, PROTOCOL_ERROR, RST_STREAM, STREAM_CLOSED,
+    WINDOW_UPDATE, frame, settings,
 )
 from rayinfer.protocol.limits import DEFAULT_CONNECTION_LIMITS
 from test_h2_limits import (  # the same front, raw client and checks
@@ -257,3 +257,41 @@ def _write_buffered(replica) -> int:
     sizes = [c._transport.get_write_buffer_size() for c in list(replica.listener._connections)
              if getattr(c, "_transport", None) is not None]
     return max(sizes, default=0)
+
+
+@pytest.mark.parametrize("frames", [
+    frame(DATA, 0, 41, b"x"),  # DATA on a stream never opened
+    frame(RST_STREAM, 0, 41, b"\0\0\0\x08"),  # RST_STREAM on a stream never opened
+], ids=["data", "rst-stream"])
+def test_frames_on_an_idle_stream_close_the_connection(acceptor, replica, frames):
+    """RFC 9113 section 5.1: a frame other than HEADERS or PRIORITY on an idle stream is a
+    connection error of type PROTOCOL_ERROR."""
+    _, port = acceptor
+    client, _ = _connect(port)
+    _first_answer(client)
+    client.sendall(frames)
+    assert _goaway_code(_frames_until_closed(client)) == PROTOCOL_ERROR
+    _others_are_answered(port)
+
+
+def test_data_after_the_clients_end_of_stream_resets_that_stream(acceptor, replica):
+    """A stream half-closed by its client takes no more DATA (STREAM_CLOSED); its neighbours go on."""
+    _, port = acceptor
+    client, encoder = _connect(port)
+    reader = _Reader(client)
+    client.sendall(frame(HEADERS, END_HEADERS | END_STREAM, 3, _block(encoder, _STREAM)) + frame(DATA, 0, 3, b"x")
+                   + frame(HEADERS, END_HEADERS, 5, _block(encoder)) + frame(DATA, END_STREAM, 5, _message()))
+    reader.until(lambda r: 3 in r.resets and 5 in r.ended)
+    assert reader.resets[3] == STREAM_CLOSED and reader.status[5] == "0"
+    client.close()
+
+
+def test_a_stream_that_depends_on_itself_is_reset(acceptor, replica):
+    """RFC 9113 section 5.3.1: a PRIORITY frame making a stream depend on itself is a stream error."""
+    _, port = acceptor
+    client, encoder = _connect(port)
+    reader = _Reader(client)
+    client.sendall(frame(HEADERS, END_HEADERS, 3, _block(encoder)) + frame(PRIORITY, 0, 3, (3).to_bytes(4, "big") + b"\x10"))
+    reader.until(lambda r: 3 in r.resets)
+    assert reader.resets[3] == PROTOCOL_ERROR
+    client.close()
