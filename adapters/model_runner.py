@@ -198,8 +198,7 @@ class ModelRunner:
                     raise InvalidArgError(
                         f"unexpected inference output '{out.name}' for model '{spec.name}'"
                     )
-            # An output requested twice is answered once, as Triton 2.51 does (the last entry's
-            # parameters, binary_data and shared memory, are the ones the codecs use).
+            # (ModelCore.prepare has refused an output requested twice.)
             output_names = tuple(dict.fromkeys(o.name for o in request.outputs))
             classes = self._classes(request)
         else:

@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from rayinfer.adapters.model_runner import LateAnswer
-from rayinfer.protocol.errors import InternalError, ServingError, UnavailableError, as_serving_error
+from rayinfer.protocol.errors import InternalError, InvalidArgError, ServingError, UnavailableError, as_serving_error
 from rayinfer.protocol.limits import DEFAULT_CONNECTION_LIMITS
 from rayinfer.protocol.shared_memory import SharedMemoryRegistry
 from rayinfer.protocol.types import InferRequest, InferResponse
@@ -105,7 +105,15 @@ class ModelCore:
 
     def prepare(self, request: InferRequest) -> Any:
         """Validate a decoded request against the model (rejected requests are not counted, as
-        in Triton)."""
+        in Triton). An output requested twice is refused, as Triton's current release does
+        (2.51 answered it once)."""
+        outputs = request.outputs
+        if outputs and len(outputs) > 1 and len({output.name for output in outputs}) != len(outputs):
+            seen: set[str] = set()
+            for output in outputs:
+                if output.name in seen:
+                    raise InvalidArgError(f"Duplicate output name '{output.name}' is not allowed in a request")
+                seen.add(output.name)
         return self.executor.prepare(request)
 
     def route_sequences(self, owner: Callable[[dict[str, Any], Callable[[Any], bool]], Address | None],

@@ -207,10 +207,11 @@ class PythonModelRunner(ModelRunner):
                 responses.add_done_callback(functools.partial(self._async_done, batch))
                 self._record(batch, start, infer_start, infer_end)
                 return None
-            if responses is not None:  # Triton's message
+            if responses is not None:  # Triton's message, which names the model instance
+                instance = f"{self.spec.name}_0_0"  # the model_instance_name given to initialize
                 return self._failed(batch, InternalError(
-                    f"Failed to process the request(s) for model '{self.spec.name}', message: Python model "
-                    f"'{self.spec.name}' is using the decoupled mode and the execute function must return None."))
+                    f"Failed to process the request(s) for model '{instance}', message: Python model "
+                    f"'{instance}' is using the decoupled mode and the execute function must return None."))
             marks = self._rescheduled_decoupled(batch, requests)
             self._record(batch, start, infer_start, infer_end, marks)
             return marks

@@ -47,14 +47,17 @@ def test_infer_every_version(proto):
         np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), expected)
 
 
-def test_an_output_requested_twice_is_answered_once(proto):
-    """As Triton 2.51 does: the response carries the output once."""
+def test_an_output_requested_twice_is_refused(proto, server):
+    """As Triton's current release does (qa/L0_http/http_test.py test_duplicate_output_names):
+    400 / INVALID_ARGUMENT naming the output, and the server goes on (2.51 answered it once)."""
     module, client = proto
     outputs = [module.InferRequestedOutput("OUTPUT0"), module.InferRequestedOutput("OUTPUT0")]
-    result = client.infer("simple", inputs(module, A, B), outputs=outputs)
-    response = result.get_response()
-    names = [o["name"] for o in response["outputs"]] if module is httpclient else [o.name for o in response.outputs]
-    assert names == ["OUTPUT0"]
+    with pytest.raises(InferenceServerException) as info:
+        client.infer("simple", inputs(module, A, B), outputs=outputs)
+    assert "Duplicate output name 'OUTPUT0' is not allowed in a request" in info.value.message()
+    assert info.value.status() in ("400", "StatusCode.INVALID_ARGUMENT")
+    assert client.is_server_live()
+    result = client.infer("simple", inputs(module, A, B), outputs=[module.InferRequestedOutput("OUTPUT0")])
     np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), A + B)
 
 

@@ -185,9 +185,9 @@ def test_an_async_executes_exception_ends_its_stream_and_reaches_the_log(server)
 
 def test_a_decoupled_execute_that_returns_a_value_fails_with_tritons_message(server):
     ((result, error),) = _stream(server, [([], {"mode": "return_value"})], 1)
-    assert error.message() == ("Failed to process the request(s) for model 'py_rules_decoupled', message: Python "
-                               "model 'py_rules_decoupled' is using the decoupled mode and the execute function "
-                               "must return None.")
+    assert error.message() == ("Failed to process the request(s) for model 'py_rules_decoupled_0_0', message: "
+                               "Python model 'py_rules_decoupled_0_0' is using the decoupled mode and the execute "
+                               "function must return None.")
 
 
 def test_sending_after_the_final_flag_raises_in_the_model(server):

@@ -328,3 +328,27 @@ def test_executions_never_overlap_when_they_move_from_the_thread_to_the_loop(tmp
     asyncio.run(main())
     assert executor.calls == 300
     assert executor.most == 1
+
+
+def test_an_output_requested_twice_is_refused_over_http_and_grpc(repository: Path) -> None:
+    """Triton's current release: 400 / INVALID_ARGUMENT naming the output (2.51 answered it once)."""
+    doc = json.loads(_body([1] * 16, [1] * 16))
+    doc["outputs"] = [{"name": "OUTPUT0"}, {"name": "OUTPUT1"}, {"name": "OUTPUT0"}]
+    message = pb.ModelInferRequest(model_name="addsub")
+    for name in ("INPUT0", "INPUT1"):
+        message.inputs.add(name=name, datatype="INT32", shape=[1, 16])
+        message.raw_input_contents.append(np.ones(16, np.int32).tobytes())
+    message.outputs.add(name="OUTPUT1")
+    message.outputs.add(name="OUTPUT1")
+
+    async def main() -> tuple[Any, Any]:
+        core = _core(repository)
+        http = await model_http.respond(core, "POST", ModelRoute("addsub", "", "infer"), {}, json.dumps(doc).encode())
+        with pytest.raises(InvalidArgError) as grpc_error:
+            await model_grpc.call_serialized(core, "ModelInfer", message.SerializeToString())
+        return http, grpc_error.value
+
+    (status, _, body), grpc_error = asyncio.run(main())
+    assert status == 400
+    assert json.loads(body)["error"] == "Duplicate output name 'OUTPUT0' is not allowed in a request"
+    assert grpc_error.message == "Duplicate output name 'OUTPUT1' is not allowed in a request"
