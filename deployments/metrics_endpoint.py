@@ -22,6 +22,9 @@ from rayinfer.protocol.metrics import MetricsOptions
 logger = logging.getLogger(__name__)
 
 _TEXT = (b"content-type", b"text/plain; charset=utf-8")
+# What the metrics port holds for its scrapers (uvicorn's limit_concurrency and keep-alive timeout).
+METRICS_MAX_CONNECTIONS = 64
+METRICS_KEEPALIVE_S = 5
 
 
 class MetricsEndpoint:
@@ -60,8 +63,11 @@ class MetricsEndpoint:
     def start(self) -> None:
         import uvicorn
 
+        # Bounded as the other ports are: at most METRICS_MAX_CONNECTIONS connections (one more
+        # is answered 503 and closed), idle ones closed after METRICS_KEEPALIVE_S.
         config = uvicorn.Config(asgi.asgi3(self._asgi), lifespan="off", access_log=False, log_config=None,
-                                log_level="warning")
+                                log_level="warning", limit_concurrency=METRICS_MAX_CONNECTIONS,
+                                timeout_keep_alive=METRICS_KEEPALIVE_S)
         server = uvicorn.Server(config)
         # The replica owns the process's signals; uvicorn must not take them over.
         server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign]

@@ -135,3 +135,45 @@ def test_allow_cpu_and_gpu_metrics_leave_their_families_out(cpu: bool, gpu: bool
 def test_the_interval_must_be_positive() -> None:
     with pytest.raises(ValueError, match="metrics interval"):
         MetricsOptions("127.0.0.1", 8002, interval_ms=0)
+
+
+def test_connections_past_the_bound_are_refused_and_scrapes_go_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Clients that open connections and send nothing hold at most METRICS_MAX_CONNECTIONS; one
+    more is answered 503 at once, and a scrape works again once they are gone."""
+    monkeypatch.setattr(metrics_endpoint, "METRICS_MAX_CONNECTIONS", 4)
+
+    async def main() -> tuple[bytes, str]:
+        async def render_text(cpu: CpuFigures | None, gpus: tuple[GpuFigures, ...]) -> str:
+            return render([], cpu, gpus)
+
+        endpoint = MetricsEndpoint(render_text, MetricsOptions("127.0.0.1", 0, 100, True, False))
+        endpoint.start()
+        idle: list[socket.socket] = []
+        try:
+            await wait_until_async(lambda: _accepts_connections(endpoint.port), "uvicorn to listen", interval_s=0.01)
+            idle = [socket.create_connection(("127.0.0.1", endpoint.port), timeout=5) for _ in range(4)]
+            await asyncio.sleep(0.2)
+
+            def refused() -> bytes:
+                with socket.create_connection(("127.0.0.1", endpoint.port), timeout=5) as extra:
+                    extra.sendall(b"GET /metrics HTTP/1.1\r\nhost: x\r\n\r\n")
+                    return extra.recv(1 << 16)
+
+            answer = await asyncio.to_thread(refused)
+            for sock in idle:
+                sock.close()
+            idle = []
+            url = f"http://127.0.0.1:{endpoint.port}/metrics"
+            await asyncio.sleep(0.2)
+            text = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=5).read().decode())
+            return answer, text
+        finally:
+            for sock in idle:
+                sock.close()
+            endpoint.stop()
+            this = asyncio.current_task()
+            await wait_until_async(lambda: asyncio.all_tasks() == {this}, "the endpoint's tasks to end")
+
+    answer, text = asyncio.run(main())
+    assert answer.startswith(b"HTTP/1.1 503")
+    assert "nv_cpu_utilization" in text
