@@ -594,6 +594,9 @@ class H2Connection(StreamAnswers, asyncio.Protocol):
             message, own, target = b"", False, ""
             if method in ROUTED_RPCS:
                 encoding = next((value for name, value in call.headers if name == b"grpc-encoding"), None)
+                if encoding is not None and body[:1] == b"\1" and self._listener.in_flight >= self._listener.max_inflight:
+                    # A compressed message is refused before it is inflated while the replica is full.
+                    raise UnavailableError(inflight_limit_message(self._listener.max_inflight))
                 message = await unframe_off_loop(body, encoding, self._limits.max_message_bytes)
                 try:
                     model, version = name_and_version(message)

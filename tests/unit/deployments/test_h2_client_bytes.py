@@ -295,3 +295,27 @@ def test_a_stream_that_depends_on_itself_is_reset(acceptor, replica):
     reader.until(lambda r: 3 in r.resets)
     assert reader.resets[3] == PROTOCOL_ERROR
     client.close()
+
+
+def test_a_compressed_message_is_refused_before_it_is_inflated_while_the_replica_is_full(acceptor, replica):
+    """Past --max-inflight-requests a compressed call is answered UNAVAILABLE without inflating
+    it (a message that would inflate past the limit gets UNAVAILABLE, not RESOURCE_EXHAUSTED)."""
+    _, port = acceptor
+    listener = replica.listener
+    before, listener.max_inflight = listener.max_inflight, 0
+    listener.limits = replace(DEFAULT_CONNECTION_LIMITS, max_message_bytes=1 << 20)
+    try:
+        client, encoder = _connect(port)
+        reader = _Reader(client)
+        block = encoder.encode([(":method", "POST"), (":scheme", "http"), (":path", _SERVICE + "ModelInfer"),
+                                (":authority", "x"), ("content-type", "application/grpc"), ("te", "trailers"),
+                                ("grpc-encoding", "gzip")])
+        message = _gzip_message(8 << 20)  # 8 KiB compressed, 8 MiB inflated: past the limit
+        client.sendall(frame(HEADERS, END_HEADERS, 3, block)
+                       + b"".join(frame(DATA, END_STREAM if at + 16_384 >= len(message) else 0, 3, message[at:at + 16_384])
+                                  for at in range(0, len(message), 16_384)))
+        reader.until(lambda r: 3 in r.ended)
+        assert reader.status[3] == "14"
+        client.close()
+    finally:
+        listener.max_inflight = before
