@@ -76,10 +76,10 @@ class EnsembleExecutor(ModelRunner):
         start = time.perf_counter_ns()
         results: list[InferResponse] = []
 
-        def emit(tensors: dict[str, Tensor]) -> None:
+        async def emit(tensors: dict[str, Tensor]) -> None:
             response = self._response(prepared, tensors)
-            if self.decoupled:
-                prepared.sender.send(response)
+            if self.decoupled:  # waits while --max-queued-responses wait to be sent
+                await prepared.sender.send_async(response)
             else:
                 results.append(response)
 
@@ -119,10 +119,14 @@ class EnsembleExecutor(ModelRunner):
         request = InferRequest(self.spec.name, self.version, first.id, parameters=first.parameters, inputs=[
             InferInput(name, self._inputs[name].datatype, tuple(array.shape), array) for name, array in merged.items()])
         outcome: list[dict[str, Tensor]] = []
+
+        async def emit(tensors: dict[str, Tensor]) -> None:
+            outcome.append(tensors)
+
         # Its steps are traced as children of the first traced request's trace (if any).
         trace_link = next((p.trace_link for p in group if p.trace_link is not None), None)
         try:
-            await _Run(self, request, outcome.append, trace_link).run()
+            await _Run(self, request, emit, trace_link).run()
             if not outcome:
                 raise ServingError(f"ensemble '{self.spec.name}' gave no response")
             names = [n for n in group[0].output_names if n in outcome[0]]
@@ -203,7 +207,7 @@ class _Run:
     decoupled step), the first error, and every call still running."""
 
     def __init__(self, executor: EnsembleExecutor, request: InferRequest,
-                 emit: Callable[[dict[str, Tensor]], None], trace_link: str | None = None) -> None:
+                 emit: Callable[[dict[str, Tensor]], Awaitable[None]], trace_link: str | None = None) -> None:
         self.x = executor
         self.request = request
         self.emit = emit
@@ -305,7 +309,7 @@ class _Run:
                 running[started[step.index]] = step
             if not running:
                 if len(settled) == len(x.plan.steps):  # else a decoupled step's flows go on
-                    self.emit(tensors)
+                    await self.emit(tensors)
                 return
             done, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
             for call in done:

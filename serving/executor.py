@@ -152,12 +152,13 @@ class ResponseSender(_Sender):
     ``send`` waits: see :class:`_Sender`), and the stream ends after ``final``.
     """
 
-    __slots__ = ("_loop", "_queue", "final_yielded")
+    __slots__ = ("_loop", "_queue", "final_yielded", "_has_room")
 
     def __init__(self, model: str = "", limit: int = DEFAULT_CONNECTION_LIMITS.max_queued_responses) -> None:
         loop = self._loop = asyncio.get_running_loop()
         responses: asyncio.Queue[tuple[Result | None, bool]] = asyncio.Queue()
         self._queue = responses
+        self._has_room = asyncio.Event()  # set as responses are taken (for :meth:`send_async`)
         # Whether the response :meth:`responses` yielded last came with the final flag.
         self.final_yielded = False
 
@@ -166,11 +167,20 @@ class ResponseSender(_Sender):
 
         super().__init__(put, model, limit)
 
+    async def send_async(self, response: Result) -> None:
+        """``send`` from a coroutine on the sender's own event loop (an ensemble's steps): past
+        the bound it waits for the responses to be taken without stopping the loop."""
+        while self._queued >= self._limit and not self._cancelled:
+            self._has_room.clear()
+            await self._has_room.wait()
+        self.send(response)
+
     async def responses(self) -> Any:
         """The responses sent, in order, until the final flag."""
         while True:
             response, final = await self._queue.get()
             self._taken()
+            self._has_room.set()
             if response is not None:
                 self.final_yielded = final
                 yield response

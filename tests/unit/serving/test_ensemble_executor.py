@@ -158,6 +158,9 @@ def test_a_decoupled_step_forks_one_response_per_member_response(member):
         def send(self, response=None, final=False) -> None:
             self.sent.append((response, final))
 
+        async def send_async(self, response) -> None:
+            self.send(response)
+
     caller = Caller(member)
     calls_to_shared = []
 

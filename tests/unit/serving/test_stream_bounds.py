@@ -328,3 +328,32 @@ def test_a_blocked_send_raises_the_cancelled_error_once_the_request_is_cancelled
         return await asyncio.wait_for(thread, 5)
 
     assert "cancelled" in asyncio.run(main())
+
+
+def test_a_send_from_a_coroutine_on_the_senders_loop_waits_for_room() -> None:
+    """An ensemble's decoupled step emits from the event loop that takes the responses: past the
+    bound it waits (without stopping the loop) instead of being refused, and every response
+    arrives in order."""
+    async def main() -> tuple[int, list[str]]:
+        sender = ResponseSender("ensemble", limit=2)
+        most = 0
+
+        async def produce() -> None:
+            nonlocal most
+            for n in range(10):
+                await sender.send_async(InferResponse("ensemble", "1", [], str(n)))
+                most = max(most, sender._queued)
+            sender.send(None, final=True)
+
+        producer = asyncio.ensure_future(produce())
+        await asyncio.sleep(0.05)  # nothing taken yet: the producer waits at the bound
+        assert not producer.done() and sender._queued == 2
+        ids = []
+        async for response in sender.responses():
+            ids.append(response.id)
+            await asyncio.sleep(0.001)
+        await producer
+        return most, ids
+
+    most, ids = asyncio.run(main())
+    assert most <= 2 and ids == [str(n) for n in range(10)]
