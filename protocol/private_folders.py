@@ -15,6 +15,7 @@ remove it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
 import tempfile
@@ -56,10 +57,8 @@ def ownership_problem(path: Path) -> str | None:
 def private_folder(path: Path) -> Path:
     """``path``, created with mode 0700 when missing; UnsafeFolderError naming it and the reason
     when it exists and is not a directory of this user closed to everyone else."""
-    try:
+    with contextlib.suppress(FileExistsError):  # whatever is there (a link, a file) is checked below
         path.mkdir(mode=0o700, parents=True)
-    except FileExistsError:  # whatever is there (a link, a file) is checked below
-        pass
     problem = ownership_problem(path)
     if problem is not None:
         raise UnsafeFolderError(f"refusing to use the folder {path}: {problem}; another local user may have "

@@ -24,6 +24,7 @@ from typing import Any
 
 import httptools
 
+from rayinfer.protocol.front_key import FRONT_KEY_HEADER
 from rayinfer.protocol.listener_client import STREAM_HEADER, TRACE_PARENT_HEADER
 from rayinfer.serving import handoff
 from rayinfer.serving.sequence_routing import FORWARDED_HEADER
@@ -31,7 +32,8 @@ from rayinfer.serving.sequence_routing import FORWARDED_HEADER
 # Headers of a client's request not copied when it is relayed (names compared in lower case):
 # hop-by-hop ones, and those only the server's own parts may set.
 _HOP_HEADERS = frozenset({b"connection", b"keep-alive", b"proxy-connection", b"content-length", b"transfer-encoding",
-                          b"expect", b"te", b"upgrade", STREAM_HEADER, TRACE_PARENT_HEADER, FORWARDED_HEADER})
+                          b"expect", b"te", b"upgrade", STREAM_HEADER, TRACE_PARENT_HEADER, FORWARDED_HEADER,
+                          FRONT_KEY_HEADER})
 _TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+\Z")
 _BAD_VALUE = re.compile(rb"[\x00\r\n]")
 _GATEWAY_ERROR = b'{"error":"the front did not answer a relayed request"}'

@@ -517,7 +517,7 @@ class ListenerConnection(asyncio.Protocol):
         relay = None
         if self._direct is not None and not self._listener.serves(method.decode("latin-1"), path.decode("latin-1"),
                                                                 self._direct[1], self._turn, self._all_headers):
-            relay = (self._url, [header for header in self._all_headers if header[0].lower() not in _INTERNAL_HEADERS])
+            relay = (self._url, self._all_headers)  # client_relay.relayed_fields drops the internal headers
         self._pending.append((path, self._headers, body, self._parser.should_keep_alive(), method,
                               self._recv_start, time.perf_counter_ns(), relay))
         if self._task is None:

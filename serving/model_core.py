@@ -107,10 +107,9 @@ class ModelCore:
         """Validate a decoded request against the model (rejected requests are not counted, as
         in Triton). An output requested twice is refused, as Triton's current release does
         (2.51 answered it once)."""
-        outputs = request.outputs
-        if outputs and len(outputs) > 1 and len({output.name for output in outputs}) != len(outputs):
+        if request.outputs and len(request.outputs) > 1:
             seen: set[str] = set()
-            for output in outputs:
+            for output in request.outputs:
                 if output.name in seen:
                     raise InvalidArgError(f"Duplicate output name '{output.name}' is not allowed in a request")
                 seen.add(output.name)

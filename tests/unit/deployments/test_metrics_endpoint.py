@@ -152,7 +152,8 @@ def test_connections_past_the_bound_are_refused_and_scrapes_go_on(monkeypatch: p
         try:
             await wait_until_async(lambda: _accepts_connections(endpoint.port), "uvicorn to listen", interval_s=0.01)
             idle = [socket.create_connection(("127.0.0.1", endpoint.port), timeout=5) for _ in range(4)]
-            await asyncio.sleep(0.2)
+            await wait_until_async(lambda: len(endpoint._server.server_state.connections) == 4,
+                                   "uvicorn to hold the four idle connections", interval_s=0.01)
 
             def refused() -> bytes:
                 with socket.create_connection(("127.0.0.1", endpoint.port), timeout=5) as extra:
@@ -164,7 +165,8 @@ def test_connections_past_the_bound_are_refused_and_scrapes_go_on(monkeypatch: p
                 sock.close()
             idle = []
             url = f"http://127.0.0.1:{endpoint.port}/metrics"
-            await asyncio.sleep(0.2)
+            await wait_until_async(lambda: not endpoint._server.server_state.connections,
+                                   "uvicorn to drop the closed connections", interval_s=0.01)
             text = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=5).read().decode())
             return answer, text
         finally:

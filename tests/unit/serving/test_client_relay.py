@@ -124,6 +124,7 @@ def test_no_client_byte_becomes_framing_on_the_relay_connection():
                            (b"x-note", b"a\r\nx-injected: 1\r\n\r\nPOST /smuggled HTTP/1.1"), (b"x-nul", b"a\0b"),
                            (b"Connection", b"close"), (b"TE", b"trailers"), (b"Transfer-Encoding", b"chunked"),
                            (b"x-rayinfer-stream", b"1"), (b"rayinfer-sequence-forwarded", b"1"),
+                           (b"Rayinfer-Front-Key", b"guessed"),
                            (b"bad name", b"1"), (b"x-kept", b"yes")]
                 data, fields = await client_relay.relay_grpc(path, b"/inference.GRPCInferenceService/ServerLive",
                                                              headers, b"\0\0\0\0\0")

@@ -26,8 +26,8 @@ def _closed_by_server(client: socket.socket, timeout_s: float) -> bool:
             continue
     except TimeoutError:
         return False
-    except ConnectionResetError:
-        pass
+    except ConnectionResetError:  # closed with a reset: closed all the same
+        return True
     return True
 
 

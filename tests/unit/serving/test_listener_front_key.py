@@ -6,6 +6,7 @@ tests/front_stand_ins.py, a real HAProxy; no Ray."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import socket
@@ -52,11 +53,9 @@ def _answer_then_closed(sock: socket.socket, timeout_s: float = 5.0) -> bytes:
     """What the server sends until it closes the connection (a reset counts as closed)."""
     sock.settimeout(timeout_s)
     answer = b""
-    try:
+    with contextlib.suppress(ConnectionResetError):  # what came before the reset is the answer
         while chunk := sock.recv(65536):
             answer += chunk
-    except ConnectionResetError:
-        pass
     return answer
 
 

@@ -322,7 +322,7 @@ def test_a_blocked_send_raises_the_cancelled_error_once_the_request_is_cancelled
             return "sent all"
 
         thread = asyncio.ensure_future(asyncio.to_thread(send_many))
-        await asyncio.sleep(0.2)
+        await _until(lambda: sender._queued == 2)  # two sent, the third waiting for room
         assert not thread.done()  # blocked in its third send
         sender.cancel()
         return await asyncio.wait_for(thread, 5)
@@ -346,14 +346,22 @@ def test_a_send_from_a_coroutine_on_the_senders_loop_waits_for_room() -> None:
             sender.send(None, final=True)
 
         producer = asyncio.ensure_future(produce())
-        await asyncio.sleep(0.05)  # nothing taken yet: the producer waits at the bound
-        assert not producer.done() and sender._queued == 2
+        await _until(lambda: sender._queued == 2)  # nothing taken yet: the producer waits at the bound
+        assert not producer.done()
         ids = []
         async for response in sender.responses():
             ids.append(response.id)
-            await asyncio.sleep(0.001)
+            await asyncio.sleep(0)  # a reader slower than the producer: the producer runs in between
         await producer
         return most, ids
 
     most, ids = asyncio.run(main())
     assert most <= 2 and ids == [str(n) for n in range(10)]
+
+
+async def _until(condition, timeout_s: float = 5.0) -> None:
+    """Yield to the event loop until ``condition()`` holds (fails after ``timeout_s``)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "the condition did not hold in time"
+        await asyncio.sleep(0.005)
