@@ -90,6 +90,11 @@ RAY_ENVIRONMENT = {
     # What Serve's gRPC servers (its ingress, the /v2 replica's) take in one message: the default of
     # --grpc-max-message-size, instead of gRPC's 2 GiB, for calls the front sends them.
     "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE": str(DEFAULT_CONNECTION_LIMITS.max_message_bytes),
+    # What one call between replicas carries (a Python model's BLS request, an ensemble's step, a
+    # call the /v2 replica forwards): gRPC's largest message, 2 GiB - 1, instead of its 4 MiB
+    # default. What a client sends is bounded where it comes in (--grpc-max-message-size,
+    # --http-max-input-size); a model's own BLS tensors are bounded by this.
+    "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": str(2**31 - 1),
 }
 
 

@@ -24,8 +24,10 @@ Send = Callable[[dict[str, Any]], Awaitable[None]]
 _JSON = (b"content-type", b"application/json")
 
 
-async def read_body(receive: Receive, limit: int = DEFAULT_HTTP_MAX_INPUT_SIZE) -> bytes:
-    """The whole request body; :class:`BodyTooLarge` as soon as it passes ``limit`` bytes."""
+async def read_body(receive: Receive, limit: int = DEFAULT_HTTP_MAX_INPUT_SIZE,
+                    too_large: Callable[[int], Exception] = body_too_large) -> bytes:
+    """The whole request body; ``too_large(limit)`` (:class:`BodyTooLarge`) raised as soon as it
+    passes ``limit`` bytes."""
     chunks = []
     size = 0
     while True:
@@ -35,7 +37,7 @@ async def read_body(receive: Receive, limit: int = DEFAULT_HTTP_MAX_INPUT_SIZE) 
         chunk = message.get("body", b"")
         size += len(chunk)
         if size > limit:
-            raise body_too_large(limit)
+            raise too_large(limit)
         chunks.append(chunk)
         if not message.get("more_body", False):
             break

@@ -4,6 +4,7 @@ version, by deployment handle."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
@@ -17,7 +18,7 @@ from tritonclient.grpc import service_pb2 as pb
 from rayinfer.protocol.errors import InvalidArgError, ServingError
 from rayinfer.serving.model_grpc import MODEL_RPCS
 from rayinfer.serving.protocol_stamps import StreamTrace, wall_clock_offset_ns
-from rayinfer.serving.stream_infer import Traced
+from rayinfer.serving.stream_infer import AsTheyCome, Traced
 from rayinfer.serving.version_split import pick_version, sticky_value
 
 if TYPE_CHECKING:
@@ -81,8 +82,9 @@ class ModelForwarder:
             raise await self._api.unavailable_model(name, version or None)
         handle = self._handles.get(route) or self._new_handle(route)
         async for item in stream_by_handle(handle, request.SerializeToString(), trace_context, read):
-            # An error travels as its ServingError (answer_stream writes it by the stream's rule).
-            yield item if isinstance(item, (Traced, ServingError)) else pb.ModelStreamInferResponse.FromString(item)
+            # An error travels as its ServingError (answer_stream writes it by the stream's rule), and
+            # AS_THEY_COME as it is.
+            yield item if isinstance(item, (Traced, ServingError, AsTheyCome)) else pb.ModelStreamInferResponse.FromString(item)
 
     def forget(self, model: str) -> None:
         """Drop the handles to the applications of an unloaded model."""
@@ -125,14 +127,25 @@ class ModelRoutes:
     def __init__(self, server: Callable[[], Any]) -> None:
         self._server = server
         self._routes: dict[tuple[str, str], tuple[float, tuple[str, str], Any]] = {}
+        # One lookup at a time per key: the requests waiting for it go on in the order they came
+        # (a stream's requests reach their model's batcher in the stream's order).
+        self._lookups: dict[tuple[str, str], asyncio.Future] = {}
 
     async def route(self, name: str, version: str, headers: Iterable[tuple[Any, Any]] = ()) -> tuple[str, str]:
         key = (name, version)
         cached = self._routes.get(key)
         if cached is None or time.monotonic() - cached[0] >= self.TTL_S:
-            route, split = await self._server().model_routes.remote(name, version)
-            cached = self._routes[key] = (time.monotonic(), tuple(route), split)
+            cached = await self._lookup(key)
         _, route, split = cached
         if split is not None and pick_version(split[0], sticky_value(split[0], headers)) == split[0].candidate:
             return tuple(split[1])  # type: ignore[return-value]
         return route  # type: ignore[return-value]
+
+    async def _lookup(self, key: tuple[str, str]) -> tuple[float, tuple[str, str], Any]:
+        lookup = self._lookups.get(key)
+        if lookup is None:
+            lookup = self._lookups[key] = asyncio.ensure_future(self._server().model_routes.remote(*key))
+            lookup.add_done_callback(lambda _: self._lookups.pop(key, None))
+        route, split = await asyncio.shield(lookup)
+        cached = self._routes[key] = (time.monotonic(), tuple(route), split)
+        return cached

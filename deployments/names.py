@@ -3,7 +3,9 @@ how a boolean is spelled in flags and Serve-config args."""
 
 from __future__ import annotations
 
+import string
 from collections.abc import Iterable
+from urllib.parse import quote, unquote
 
 SERVER_APP = "rayinfer"
 SERVER_DEPLOYMENT = "ServerDeployment"
@@ -13,14 +15,30 @@ MODEL_DEPLOYMENT = "ModelDeployment"
 DEFAULT_REPLICA_NUM_CPUS = 0.1
 
 
+# What Ray Serve takes in application and deployment names as they are; any other character of a
+# model's name (Triton allows all but '/' and '..') is %-escaped there, '%' and '@' included.
+_SERVE_SAFE = string.ascii_letters + string.digits + "-_.~!$&'()*+,;=: "
+
+
+def serve_name(model: str) -> str:
+    """``model`` as Ray Serve's names and route prefixes carry it (most names as they are)."""
+    return quote(model, safe=_SERVE_SAFE)
+
+
 def model_app_name(model: str, version: int, is_default: bool) -> str:
     """The default (highest) version is served as ``<model>``; others as ``<model>@v<N>``."""
-    return model if is_default else f"{model}@v{version}"
+    name = serve_name(model)
+    return name if is_default else f"{name}@v{version}"
+
+
+def app_model(app: str) -> str:
+    """The model an application named by :func:`model_app_name` serves."""
+    return unquote(app.split("@v", 1)[0])
 
 
 def model_deployment_name(model: str, version: int) -> str:
     """The Serve deployment inside a model version's application."""
-    return f"{model}_v{version}"
+    return f"{serve_name(model)}_v{version}"
 
 
 def deployment_version(deployment: str) -> int:
@@ -30,12 +48,15 @@ def deployment_version(deployment: str) -> int:
 
 def model_apps(model: str, app_names: Iterable[str]) -> list[str]:
     """The applications of ``model`` among ``app_names`` (every version, default or not)."""
-    return [name for name in app_names if name == model or name.startswith(f"{model}@v")]
+    served = serve_name(model)
+    return [name for name in app_names if name == served or name.startswith(f"{served}@v")]
 
 
 def model_route_prefix(model: str, version: int, is_default: bool) -> str:
     """``/v2/models/<model>`` for the default version (it also answers ``.../versions/<N>``)."""
-    base = f"/v2/models/{model}"
+    # Serve's proxy matches the decoded path: the name as it is, but for one Ray cannot carry
+    # (not ASCII; the front routes such a name to its replicas instead).
+    base = f"/v2/models/{model if model.isascii() else serve_name(model)}"
     return base if is_default else f"{base}/versions/{version}"
 
 

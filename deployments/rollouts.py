@@ -205,7 +205,7 @@ class Rollouts:
             await asyncio.to_thread(controller.load, model, parameters)
         finally:
             state.invalidate()
-        entry = controller.entry(model, scan_model(controller.repository / model, parameters.get("config")))
+        entry = controller.scan(model, parameters.get("config"))
         latest = max(entry.versions) if entry.versions else None
         stable_kept = controller.kept.get(model)
         if settings is not None and stable_kept is not None and latest is not None and latest > stable_kept \

@@ -19,6 +19,7 @@ from collections.abc import Set as AbstractSet
 from typing import Any
 
 from rayinfer.deployments.control_channel import SEQUENCE_SLOTS, ControlChannel, ControlMessage
+from rayinfer.deployments.front import route_key_is_safe
 from rayinfer.deployments.names import model_apps
 from rayinfer.deployments.serve_state import ServeState, running_replicas
 from rayinfer.serving.sequence_routing import assign_slots, previous_owners
@@ -142,8 +143,10 @@ class RouteTable:
             await asyncio.sleep(0.1)
 
     def routes_version(self, model: str, version: str) -> bool:
-        """Whether the front routes ``model``'s ``version`` to a replica (True without a front)."""
-        return self._front is None or f"{model}/{version}" in self._front.published
+        """Whether the front routes ``model``'s ``version`` to a replica (True without a front, and
+        for a name the front's maps cannot hold: the ``/v2`` application routes those)."""
+        key = f"{model}/{version}"
+        return self._front is None or not route_key_is_safe(key) or key in self._front.published
 
     def listeners(self, app: str) -> list[tuple[str, int]]:
         """The listeners registered by the replicas of ``app`` (fresh ones only)."""

@@ -24,7 +24,7 @@ from rayinfer.serving.front_config import TlsSettings
 from rayinfer.deployments.grpc_service import RPC_NAMES, GrpcInferenceService, loopback_port, want_loopback_port
 from rayinfer.deployments.metrics_endpoint import MetricsEndpoint
 from rayinfer.deployments.model_forwarder import ModelForwarder
-from rayinfer.deployments.names import SERVER_APP
+from rayinfer.deployments.names import SERVER_APP, app_model
 from rayinfer.deployments.rollouts import Rollouts
 from rayinfer.deployments.route_table import RouteTable
 from rayinfer.deployments.serve_state import ServeState
@@ -158,7 +158,7 @@ class ServerDeployment:
         slots' listeners."""
         routes = self._api.routes
         await routes.register(replica_key, app, host, port, sequences)
-        model = app.split("@v", 1)[0]
+        model = app_model(app)
         version = next((key.split("/", 1)[1] for key, (a, _) in self._api.state.routes.items()
                         if a == app and not key.endswith("/")), "")
         assert self._api.rollouts is not None

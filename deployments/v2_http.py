@@ -23,6 +23,7 @@ from rayinfer.deployments import asgi
 from rayinfer.protocol import log_settings
 from rayinfer.protocol.errors import InvalidArgError, NotFoundError, as_serving_error
 from rayinfer.protocol.http_codec import parse_json_body, repository_index_ready
+from rayinfer.protocol.limits import body_too_large, load_too_large
 from rayinfer.protocol.shared_memory import CUDA, cuda_registration_from_json, registration_from_json
 from rayinfer.serving.routes import UNROUTED_PREFIX, parse_model_route
 from rayinfer.serving.trace import parse_update
@@ -99,7 +100,7 @@ def v2_router(api: V2Api, limit: int, restrictions: tuple[Restrictions, Restrict
         model, action = scope["path_params"]["model"], scope["path_params"]["action"]
         if action not in ("load", "unload"):
             raise _not_found(scope)
-        raw = await asgi.read_body(receive, limit)
+        raw = await asgi.read_body(receive, limit, load_too_large if action == "load" else body_too_large)
         parameters = (parse_json_body(raw, "repository") if raw else {}).get("parameters") or {}
         if not isinstance(parameters, dict):
             raise InvalidArgError("'parameters' of a repository request must be a JSON object")

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from rayinfer.protocol.errors import InvalidArgError, UnavailableError
+from rayinfer.protocol.errors import InternalError, InvalidArgError, UnavailableError
 
 DEFAULT_HTTP_MAX_INPUT_SIZE = 1 << 26
 GRPC_MAX_MESSAGE_SIZE = 2**31 - 1
@@ -44,6 +44,22 @@ def body_too_large(limit: int, size: int | None = None, what: str = "Request JSO
     """Triton's rejection of a body over the limit; ``size`` when it is known (a Content-Length)."""
     of = f" of {size} bytes" if size is not None else ""
     return BodyTooLarge(f"{what} size{of} exceeds the maximum allowed value of {limit} bytes. {_INCREASE}")
+
+
+class ModelLoadTooLarge(InternalError):
+    """A model load request's body over ``--http-max-input-size``: as Triton's current release
+    answers it, an internal error (500) whose message speaks of the input size."""
+
+
+def load_too_large(limit: int, size: int | None = None) -> ModelLoadTooLarge:
+    """Triton's rejection of a load request (its files inline, base64) over the limit."""
+    of = f" of {size} bytes" if size is not None else ""
+    return ModelLoadTooLarge(f"Load request JSON size{of} {load_limit_message(limit)}")
+
+
+def load_limit_message(limit: int) -> str:
+    """The rest of :func:`load_too_large`'s message (the front fills the size in before it)."""
+    return f"exceeds the maximum allowed input size. The limit is {limit} bytes. {_INCREASE}"
 
 
 def body_limit_message(limit: int) -> str:

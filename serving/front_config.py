@@ -25,6 +25,7 @@ from rayinfer.protocol.limits import (
     MAX_REQUEST_HEADERS,
     TOO_MANY_HEADERS,
     body_limit_message,
+    load_limit_message,
     inflight_limit_message,
     malformed_head_message,
 )
@@ -256,6 +257,8 @@ frontend triton_http
     acl length_read req.hdr_val(content-length) -m found
     acl too_large req.hdr_val(content-length) gt {max_input_size}
     acl too_large req.hdr_val(content-length) lt 0
+    # A model load's body (its files inline) over the limit is an internal error, as Triton's is.
+    http-request return status 500 content-type application/json lf-string "{{\\"error\\":\\"Load request JSON size of %[req.hdr(content-length)] bytes {load_too_large}\\"}}" if too_large {{ path_reg ^/v2/repository/models/[^/]+/load$ }}
     http-request return status 400 content-type application/json lf-string "{{\\"error\\":\\"Request JSON size of %[req.hdr(content-length)] bytes {too_large}\\"}}" if too_large || length_given !length_read
     acl post method POST
     acl get method GET
@@ -403,7 +406,7 @@ def render(folder: Path, http: Endpoint | None, grpc: Endpoint | None, server_ap
             log=_LOG, split=split, internal=_internal_headers(),
             binds=_http_binds(folder, http[0], http[1], acceptor, tls.get("http")), pick=pick, upstream_host=http[2], upstream_port=http[3],
             use_replica=_USE_REPLICA, unrouted=UNROUTED_PREFIX, max_input_size=max_input_size,
-            too_large=body_limit_message(max_input_size), max_inflight=max_inflight, busy=busy,
+            too_large=body_limit_message(max_input_size), load_too_large=load_limit_message(max_input_size), max_inflight=max_inflight, busy=busy,
             restricted=_http_restrictions(http_restricted or {}), max_head=MAX_REQUEST_HEAD_BYTES,
             max_headers=MAX_REQUEST_HEADERS, too_large_head=_json_string(malformed_head_message(HEAD_TOO_LARGE)),
             too_many_headers=_json_string(malformed_head_message(TOO_MANY_HEADERS)),

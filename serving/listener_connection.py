@@ -36,6 +36,7 @@ import contextlib
 import logging
 import os
 import socket
+import re
 import struct
 import time
 from collections import deque
@@ -56,6 +57,7 @@ from rayinfer.protocol.limits import (
     TOO_MANY_HEADERS,
     bad_head_answer,
     body_too_large,
+    load_too_large,
     inflight_limit_message,
     message_too_large,
     request_timeout_answer,
@@ -74,6 +76,8 @@ logger = logging.getLogger(__name__)
 
 SERVICE_PATH = SERVICE.encode()
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+# A model load's path: its body over the limit is answered as Triton answers it (500).
+_LOAD_PATH = re.compile(rb"^/v2/repository/models/[^/]+/load$")
 _BAD_REQUEST = (b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\ncontent-length: 29\r\n"
                 b"connection: close\r\n\r\n{\"error\":\"malformed request\"}")
 # The server's own request headers: taken only from a request over the listener's port (with the
@@ -499,7 +503,8 @@ class ListenerConnection(asyncio.Protocol):
             answer = grpc_error(message_too_large(size if size is not None else self._body_size,
                                                   self._listener.limits.max_message_bytes))
         else:
-            status, headers, body = error_response(body_too_large(self._listener.max_input_size, size))
+            too_large = load_too_large if _LOAD_PATH.match(self._url.partition(b"?")[0]) else body_too_large
+            status, headers, body = error_response(too_large(self._listener.max_input_size, size))
             answer = http_response(status, headers, body)
         # The connection is not used again: the rest of the body still arrives on it.
         self._transport.write(answer.replace(b"\r\n", b"\r\nconnection: close\r\n", 1))

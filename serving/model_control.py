@@ -92,6 +92,14 @@ class ModelController:
         source = self.sources.get(name)
         return self._with_kept(scanned if source is None else scan_model(source[0] / name, source[1]))
 
+    def scan(self, name: str, override: str | None = None) -> ModelEntry:
+        """Model ``name`` as served, read from its own source (files a load gave it) when it has
+        one, else from the repository (with ``override`` as its config)."""
+        source = self.sources.get(name)
+        if source is None:
+            return self._with_kept(scan_model(self.repository / name, override))
+        return self._with_kept(scan_model(source[0] / name, source[1]))
+
     def _with_kept(self, entry: ModelEntry) -> ModelEntry:
         """``entry`` with the version kept for its rollout, while that version's folder is there."""
         kept = self.kept.get(entry.name)
@@ -175,7 +183,7 @@ class ModelController:
         """The members an ensemble's unload with ``unload_dependents`` takes along (nested ones
         too): those no other served ensemble still uses."""
         def members_of(name: str) -> list[str]:
-            entry = self.entry(name, scan_model(self.repository / name))
+            entry = self.scan(name)
             return member_names(entry.config) if entry.config is not None else []
 
         closure: list[str] = []

@@ -26,6 +26,7 @@ from rayinfer.protocol.shared_memory import RegionMissing, decode_with_regions
 from rayinfer.protocol.statistics import stats_to_json
 from rayinfer.serving.model_core import ModelCore
 from rayinfer.serving.protocol_stamps import StreamTrace, stamp_stream_request, wall_clock_offset_ns
+from rayinfer.serving.stream_infer import AS_THEY_COME, AsTheyCome
 
 # Request and response message of each model RPC.
 MODEL_RPCS: dict[str, tuple[Any, Any]] = {
@@ -90,9 +91,10 @@ async def call_serialized(core: ModelCore, method: str, payload: bytes) -> bytes
 
 
 async def stream_serialized(core: ModelCore, payload: bytes | pb.ModelInferRequest, trace_context: str | None = None,
-                            read_walls: tuple[int, int] | None = None) -> AsyncIterator[bytes | ServingError | StreamTrace]:
+                            read_walls: tuple[int, int] | None = None) -> AsyncIterator[bytes | ServingError | StreamTrace | AsTheyCome]:
     """One request of a ModelStreamInfer stream (serialized, or parsed): its responses (zero to
-    many for a decoupled model, else one) as serialized ``ModelStreamInferResponse`` messages; an
+    many for a decoupled model, else one) as serialized ``ModelStreamInferResponse`` messages,
+    after :data:`~rayinfer.serving.stream_infer.AS_THEY_COME` for a decoupled model; an
     error is its ServingError (:func:`~rayinfer.serving.stream_infer.answer_stream` writes it as
     the stream's rules say). ``trace_context``: the
     client's traceparent; ``read_walls``: when (wall-clock ns) the process that reads the stream
@@ -101,6 +103,8 @@ async def stream_serialized(core: ModelCore, payload: bytes | pb.ModelInferReque
     when the request was traced (Triton's trace file, timestamps), a :class:`StreamTrace` after
     them names the trace, for the send stamps it takes there."""
     stamps = stamp_stream_request(core.name, trace_context, read_walls) if trace_context or read_walls else None
+    if core.decoupled:  # its responses are written as they come, between the stream's others
+        yield AS_THEY_COME
     try:
         async for message in _stream_serialized(core, payload):
             yield message
@@ -124,13 +128,13 @@ async def _stream_serialized(core: ModelCore, payload: bytes | pb.ModelInferRequ
     except Exception as exc:  # rejected before the model (DecodeError included)
         yield as_serving_error(exc)
         return
-    # tritonclient's enable_empty_final_response: every response says whether it is the request's
-    # last (triton_final_response); a final flag sent alone is an empty response saying so.
+    # As Triton's stream does, every response says whether it is the request's last
+    # (triton_final_response); with tritonclient's enable_empty_final_response, a final flag sent
+    # alone is an empty response saying so.
     marks_final = _bool_parameter(request, EMPTY_FINAL_RESPONSE)
     final = False
     async for result in core.stream(prepared):
-        if marks_final:
-            final = not core.decoupled or prepared.sender.final_yielded
+        final = not core.decoupled or (prepared.sender is not None and prepared.sender.final_yielded)
         if isinstance(result, ServingError):
             yield result
             continue
@@ -139,8 +143,7 @@ async def _stream_serialized(core: ModelCore, payload: bytes | pb.ModelInferRequ
         except Exception as exc:  # an output that does not fit its shared memory
             yield as_serving_error(exc)
             continue
-        if marks_final:
-            message.infer_response.parameters[FINAL_RESPONSE].bool_param = final
+        message.infer_response.parameters[FINAL_RESPONSE].bool_param = final
         yield message.SerializeToString()
     if marks_final and not final:
         empty = pb.ModelInferResponse(model_name=core.name, model_version=core.version, id=request.id)

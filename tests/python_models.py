@@ -14,11 +14,12 @@ import zipfile
 from pathlib import Path
 
 from python_bls_models import BLS_MODELS
+from python_qa_models import QA_MODELS
 from python_rules_models import RULES_MODELS
 
 ANCHOR_MODELS = Path(__file__).resolve().parents[2] / "shared" / "anchors" / "models"
 # Loaded by tests through the repository API, not at start.
-NOT_LOADED_AT_START = ("py_init_fail", "py_env_broken", "py_autoscaled", "py_scale_to_zero")
+NOT_LOADED_AT_START = ("py_init_fail", "py_env_broken", "py_autoscaled", "py_scale_to_zero", *QA_MODELS)
 
 MODELS: dict[str, tuple[str, str]] = {}
 
@@ -206,15 +207,18 @@ output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 1 ] } ]
 class TritonPythonModel:
     def initialize(self, args):
         labels = {"model": args["model_name"], "version": args["model_version"]}
-        self.requests = pb_utils.MetricFamily(
-            name="py_metrics_requests", description="Requests this model executed", kind=pb_utils.MetricFamily.COUNTER
-        ).Metric(labels=labels)
-        self.last = pb_utils.MetricFamily(
-            name="py_metrics_last_input", description="The last input", kind=pb_utils.MetricFamily.GAUGE
-        ).Metric(labels=labels)
-        self.values = pb_utils.MetricFamily(
-            name="py_metrics_inputs", description="Inputs seen", kind=pb_utils.MetricFamily.HISTOGRAM
-        ).Metric(labels=labels, buckets=[1.0, 10.0])
+        # A metric works while its family object lives (Triton's rule): the model keeps both.
+        self.families = [
+            pb_utils.MetricFamily(name="py_metrics_requests", description="Requests this model executed",
+                                  kind=pb_utils.MetricFamily.COUNTER),
+            pb_utils.MetricFamily(name="py_metrics_last_input", description="The last input",
+                                  kind=pb_utils.MetricFamily.GAUGE),
+            pb_utils.MetricFamily(name="py_metrics_inputs", description="Inputs seen",
+                                  kind=pb_utils.MetricFamily.HISTOGRAM),
+        ]
+        self.requests = self.families[0].Metric(labels=labels)
+        self.last = self.families[1].Metric(labels=labels)
+        self.values = self.families[2].Metric(labels=labels, buckets=[1.0, 10.0])
 
     def execute(self, requests):
         responses = []
@@ -277,9 +281,9 @@ import triton_python_backend_utils as pb_utils
 
 class TritonPythonModel:
     def initialize(self, args):
-        self.cancelled = pb_utils.MetricFamily(
-            name="py_cancel_cancelled", description="Requests the client cancelled", kind=pb_utils.MetricFamily.COUNTER
-        ).Metric(labels={"model": "py_cancel"})
+        self.cancelled_family = pb_utils.MetricFamily(
+            name="py_cancel_cancelled", description="Requests the client cancelled", kind=pb_utils.MetricFamily.COUNTER)
+        self.cancelled = self.cancelled_family.Metric(labels={"model": "py_cancel"})
 
     def execute(self, requests):
         for request in requests:
@@ -337,6 +341,7 @@ class TritonPythonModel:
 
 MODELS.update(BLS_MODELS)
 MODELS.update(RULES_MODELS)
+MODELS.update(QA_MODELS)
 
 HELPERS = {
     ("py_add_sub", "1/arithmetic.py"): "def add_and_subtract(a, b):\n    return a + b, a - b\n",

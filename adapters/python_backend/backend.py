@@ -92,6 +92,11 @@ class PythonBackendAdapter:
             raise ModelConfigError(f"{path}: cannot be imported as a Python module")
         module = importlib.util.module_from_spec(spec)
         sys.modules[module_name] = module
+        # As in Triton's stub: the model's module is importable by its file's name (a model
+        # running ``unittest.main('model')`` finds its own tests), and argv holds no arguments
+        # of the worker process (unittest and argparse in a model read it).
+        sys.modules.setdefault(path.stem, module)
+        sys.argv = [""]
         try:
             spec.loader.exec_module(module)
         except Exception as exc:
@@ -122,7 +127,7 @@ class PythonBackendAdapter:
         """The model's ``execute`` on one batch, awaited on the backend's loop when async. With
         ``background`` (a decoupled model) an async execute is left running on that loop and its
         future returned: the next batch starts while it awaits, as in Triton."""
-        result = self.model.execute(requests)
+        result = model_code(self.model.execute, requests)
         if not inspect.isawaitable(result):
             return result
         if background and threading.current_thread() is not self._loop_thread:
@@ -131,7 +136,7 @@ class PythonBackendAdapter:
 
     def call(self, method: Any, *args: Any) -> Any:
         """Call one of the model's methods; a coroutine is run on the backend's loop."""
-        result = method(*args)
+        result = model_code(method, *args)
         return self._wait(result) if inspect.isawaitable(result) else result
 
     def _wait(self, awaitable: Any) -> Any:
@@ -159,8 +164,30 @@ class PythonBackendAdapter:
             self._loop.call_soon_threadsafe(self._loop.stop)
 
 
+class ModelExit(Exception):
+    """A model's ``sys.exit()`` (or another BaseException its code raised): an error of the
+    call that raised it, never the end of the replica's threads, loops or process."""
+
+
+def model_code(method: Any, *args: Any) -> Any:
+    """``method(*args)``: one of the model's methods, its exits turned into :class:`ModelExit`."""
+    try:
+        return method(*args)
+    except Exception:
+        raise
+    except BaseException as exc:
+        raise ModelExit(f"{type(exc).__name__}: {exc}") from exc
+
+
 async def _awaited(awaitable: Any) -> Any:
-    return await awaitable
+    try:
+        return await awaitable
+    except Exception:
+        raise
+    except asyncio.CancelledError:
+        raise
+    except BaseException as exc:
+        raise ModelExit(f"{type(exc).__name__}: {exc}") from exc
 
 
 def _auto_complete(model_class: Any, config: ModelConfig, path: Path) -> None:
@@ -229,8 +256,8 @@ class PythonModelRunner(ModelRunner):
         return results
 
     def _execute_error(self, exc: BaseException) -> ServingError:
-        return InternalError(f"Failed to process the request(s) for model '{self.spec.name}', message: "
-                             f"{type(exc).__name__}: {exc}")
+        reason = str(exc) if isinstance(exc, ModelExit) else f"{type(exc).__name__}: {exc}"
+        return InternalError(f"Failed to process the request(s) for model '{self.spec.name}', message: {reason}")
 
     def _result(self, prepared: PreparedRequest, request: pb_utils.InferenceRequest, response: Any) -> Any:
         """A non-decoupled request's result: what ``execute`` returned for it, or what the model

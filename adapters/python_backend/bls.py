@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from rayinfer.adapters.python_backend.errors import TRITON_CODES, TritonError, TritonModelException
 from rayinfer.protocol.dtypes import wire_datatype
-from rayinfer.protocol.errors import ServingError, as_serving_error
+from rayinfer.protocol.errors import Code, ServingError, as_serving_error
 from rayinfer.protocol.types import InferInput, InferRequest, InferResponse, RequestedOutput
 
 if TYPE_CHECKING:
@@ -108,38 +108,56 @@ async def execute_async(request: InferenceRequest) -> InferenceResponse:
 
 class ResponseIterator:
     """The responses of a decoupled BLS request (``request.exec(decoupled=True)``), as Triton's
-    iterator gives them: each as it comes, then an empty final one. ``cancel()`` cancels the
-    request (its model sees ``request.is_cancelled()``) and ends the iteration; after the last
-    response, or a second time, it does nothing."""
+    iterator gives them: each as it comes, then an empty final one.
+
+    ``cancel()`` cancels the request: its model sees ``request.is_cancelled()``, and the
+    iteration goes on to one final error response with code CANCELLED ("request has been
+    cancelled"), which Triton's iterator gives when the model answers its cancellation so. The
+    call itself ends at once (a Ray call cannot be cancelled and go on), so responses the model
+    would send after it, ignoring the cancellation, do not come (Triton's iterator gives them).
+    After the last response, or a second time, ``cancel()`` does nothing.
+    """
 
     def __init__(self, responses: Iterator[InferenceResponse], cancel: Callable[[], None] | None = None) -> None:
         self._responses = responses
         self._cancel = cancel
         self._finished = False
+        self._cancelled = False
 
     def __iter__(self) -> ResponseIterator:
         return self
 
     def __next__(self) -> InferenceResponse:
-        try:
-            return next(self._responses)
-        except StopIteration:
-            self._finished = True
-            raise
+        response = self._next()
+        if response is None:
+            raise StopIteration("Iteration is done for the responses.")
+        return response
 
     def __aiter__(self) -> ResponseIterator:
         return self
 
     async def __anext__(self) -> InferenceResponse:
-        response = await asyncio.to_thread(next, self._responses, None)
+        response = await asyncio.to_thread(self._next)
+        if response is None:
+            raise StopAsyncIteration
+        return response
+
+    def _next(self) -> InferenceResponse | None:
+        """The next response, None at the end."""
+        if self._finished:
+            return None
+        if self._cancelled:  # the cancellation's answer ends the iteration
+            self._finished = True
+            return to_inference_response(ServingError("request has been cancelled", Code.CANCELLED))
+        response = next(self._responses, None)
         if response is None:
             self._finished = True
-            raise StopAsyncIteration
         return response
 
     def cancel(self) -> None:
         cancel, self._cancel = self._cancel, None
         if cancel is not None and not self._finished:
+            self._cancelled = True
             cancel()
 
 

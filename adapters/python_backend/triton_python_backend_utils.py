@@ -7,6 +7,7 @@ requests come in as :class:`InferenceRequest` and answers go back as :class:`Inf
 
 from __future__ import annotations
 
+import enum
 import json
 import logging
 import threading
@@ -59,8 +60,8 @@ class Tensor:
     """A named tensor; its data is a numpy array (BYTES: an object array of ``bytes``)."""
 
     def __init__(self, name: str, data: Any) -> None:
-        if not isinstance(data, np.ndarray):
-            raise TritonModelException(f"tensor '{name}': data must be a numpy array, got {type(data).__name__}")
+        _typed("Tensor", "name", name, str)
+        _typed("Tensor", "data", data, np.ndarray)
         if data.dtype.kind in ("U", "S"):
             data = np.array([_to_bytes(v) for v in data.reshape(-1)], dtype=object).reshape(data.shape)
         self._name = name
@@ -96,6 +97,13 @@ class Tensor:
     def from_dlpack(cls, name: str, capsule: Any) -> Tensor:
         """A tensor from a DLPack capsule or an object with ``__dlpack__`` (numpy, torch CPU
         tensors, ...); a bfloat16 one becomes a BF16 tensor."""
+        _typed("Tensor.from_dlpack", "name", name, str)
+        if name == "":
+            raise TritonModelException("Tensor name cannot be an empty string.")
+        if type(capsule).__name__ != "PyCapsule" and not (hasattr(capsule, "__dlpack__")
+                                                         and hasattr(capsule, "__dlpack_device__")):
+            raise TritonModelException("Provided tensor is not supported. Tensor must be a DLPack capsule or have "
+                                       "`__dlpack__` and `__dlpack_device__` attributes")
         if str(getattr(capsule, "dtype", "")) == "torch.bfloat16":
             return cls(name, capsule.detach().cpu().contiguous().view(_torch_for_bf16(name).int16).numpy().view(_BF16))
         try:
@@ -109,6 +117,23 @@ class Tensor:
 
     def __repr__(self) -> str:
         return f"Tensor({self._name!r}, shape={self.shape()}, dtype={self._data.dtype})"
+
+
+def _typed(call: str, argument: str, value: Any, kind: type | tuple[type, ...]) -> None:
+    """TypeError, as Triton's typed bindings raise it, when ``value`` is not a ``kind`` (None is not)."""
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if not isinstance(value, kinds + ((np.integer,) if int in kinds else ())):
+        names = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
+        raise TypeError(f"{call}(): argument '{argument}' must be {names}, not {type(value).__name__}")
+
+
+def _typed_items(call: str, argument: str, values: Any, kind: type) -> None:
+    """TypeError unless ``values`` is a list or tuple; TypeError for an item not a ``kind``,
+    but None, which Triton refuses as an empty tensor (TritonModelException, by the caller)."""
+    _typed(call, argument, values, (list, tuple))
+    for value in values:
+        if value is not None:
+            _typed(call, f"{argument}[]", value, kind)
 
 
 def _to_bytes(value: Any) -> bytes:
@@ -147,6 +172,12 @@ class InferenceResponse:
 
     def __init__(self, output_tensors: Sequence[Tensor] | None = None, error: TritonError | None = None,
                  parameters: dict[str, Any] | str | None = None) -> None:
+        _typed_items("InferenceResponse", "output_tensors", [] if output_tensors is None and error is not None
+                     else output_tensors, Tensor)
+        if any(t is None for t in output_tensors or ()):
+            raise TritonModelException("Output tensor for inference response should not be empty.")
+        if error is not None and not isinstance(error, TritonError):
+            raise TypeError(f"InferenceResponse(): argument 'error' must be TritonError, not {type(error).__name__}")
         self._outputs = list(output_tensors or [])
         self._error = error
         self._parameters = _checked_parameters(parameters)
@@ -232,7 +263,20 @@ class InferenceRequest:
     def __init__(self, inputs: Sequence[Tensor] = (), requested_output_names: Sequence[str] = (),
                  request_id: str = "", correlation_id: int | str = 0, flags: int = 0, timeout: int = 0,
                  parameters: dict[str, Any] | str | None = None, model_name: str = "",
-                 model_version: int = -1, trace: InferenceTrace | None = None, **_: Any) -> None:
+                 model_version: int = -1, trace: InferenceTrace | None = None, **unknown: Any) -> None:
+        if unknown:  # as a typed binding refuses a keyword it does not have
+            raise TypeError(f"InferenceRequest(): unexpected keyword argument '{next(iter(unknown))}'")
+        _typed_items("InferenceRequest", "inputs", inputs, Tensor)
+        _typed_items("InferenceRequest", "requested_output_names", requested_output_names, str)
+        if any(name is None for name in requested_output_names):
+            raise TypeError("InferenceRequest(): argument 'requested_output_names' must hold str, not NoneType")
+        for argument, value, kind in (("request_id", request_id, str), ("correlation_id", correlation_id, (int, str)),
+                                      ("flags", flags, int), ("timeout", timeout, int), ("model_name", model_name, str),
+                                      ("model_version", model_version, int)):
+            _typed("InferenceRequest", argument, value, kind)
+        if any(t is None for t in inputs):
+            raise TritonModelException(f"Input tensor for request with id '{request_id}' and model name "
+                                       f"'{model_name}' should not be empty.")
         self._inputs = list(inputs)
         self._outputs = list(requested_output_names)
         self._request_id = request_id
@@ -305,7 +349,7 @@ class InferenceRequest:
 class Logger:
     """Triton's model logger; lines go to the replica's log."""
 
-    class LogLevel:
+    class LogLevel(enum.IntEnum):
         INFO = 0
         WARNING = 1
         ERROR = 2
@@ -321,25 +365,32 @@ class Logger:
 
     # (stacklevel 2: the line names the model's file and line, as Triton's does)
     @staticmethod
-    def log(message: str, level: int = 0) -> None:
-        _logger.log(Logger._LEVELS.get(level, logging.INFO), "%s", message, stacklevel=2)
+    def log(message: str, level: LogLevel = LogLevel.INFO) -> None:
+        _typed("Logger.log", "message", message, str)
+        if not isinstance(level, Logger.LogLevel):  # a plain int is not a level, as in Triton
+            raise TypeError(f"Logger.log(): argument 'level' must be Logger.LogLevel, not {type(level).__name__}")
+        _logger.log(Logger._LEVELS[int(level)], "%s", message, stacklevel=2)
 
     @staticmethod
     def log_info(message: str) -> None:
+        _typed("Logger.log_info", "message", message, str)
         _logger.info("%s", message, stacklevel=2)
 
     @staticmethod
     def log_warn(message: str) -> None:
+        _typed("Logger.log_warn", "message", message, str)
         _logger.warning("%s", message, stacklevel=2)
 
     log_warning = log_warn
 
     @staticmethod
     def log_error(message: str) -> None:
+        _typed("Logger.log_error", "message", message, str)
         _logger.error("%s", message, stacklevel=2)
 
     @staticmethod
     def log_verbose(message: str) -> None:
+        _typed("Logger.log_verbose", "message", message, str)
         _logger.debug("%s", message, stacklevel=2)
 
 

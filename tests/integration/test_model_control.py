@@ -307,3 +307,41 @@ def test_load_with_model_files_in_the_request(client, model_repository):
     finally:
         client.unload_model(name)
     assert not client.is_model_ready(name)  # unload answers once the model is gone
+
+
+_ANSWER_SEVEN = b'''import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("OUT", np.array([7], np.int32))]) for r in requests]
+'''
+
+
+@pytest.mark.parametrize("name", ["a model#1", "mod\u00e8le", "twin@v2", "100%"])
+def test_a_model_named_with_any_characters_triton_allows_loads_and_serves(server, client, name):
+    """Triton refuses only empty names, blank ones and '..' or '/'; Ray Serve's names take
+    fewer characters, so rayinfer escapes the others there. Both protocols serve the model."""
+    import tritonclient.grpc as grpcclient
+
+    config = '{"backend": "python", "output": [{"name": "OUT", "data_type": "TYPE_INT32", "dims": [1]}]}'
+    grpc = grpcclient.InferenceServerClient(server["grpc_url"])
+    try:
+        client.load_model(name, config=config, files={"file:1/model.py": _ANSWER_SEVEN})
+        assert client.infer(name, []).as_numpy("OUT")[0] == 7
+        assert grpc.infer(name, []).as_numpy("OUT")[0] == 7
+        assert client.get_model_metadata(name)["name"] == name and index_row(name)["state"] == "READY"
+        assert client.is_model_ready(name) and grpc.is_model_ready(name)
+    finally:
+        client.unload_model(name)
+        grpc.close()
+
+
+@pytest.mark.parametrize("name, message", [
+    ("bad..name", "invalid model name 'bad..name', model name must not contain path traversal characters"),
+    ("%20", "model name must not contain only whitespace characters")])
+def test_a_name_triton_refuses_gets_tritons_message(client, name, message):
+    with pytest.raises(InferenceServerException) as caught:
+        client.load_model(name.replace("%20", " "), config="{}", files={"file:1/model.py": _ANSWER_SEVEN})
+    assert message in caught.value.message() and caught.value.status() == "400"

@@ -148,24 +148,35 @@ def test_metric_families_follow_tritons_rules() -> None:
     metric = counter.Metric(labels={"route": "a"})
     before, _ = pb_utils.metrics_snapshot()
     metric.increment(2)
-    assert metric.value() == 2 and counter.Metric(labels={"route": "a"}) is metric
+    assert metric.value() == 2 and counter.Metric(labels={"route": "a"}).value() == 2  # the same labels, one value
     with pytest.raises(pb_utils.TritonModelException):
         metric.increment(-1)
     with pytest.raises(pb_utils.TritonModelException):
         metric.set(3)
-    gauge = pb_utils.MetricFamily("unit_level", "Level", pb_utils.MetricFamily.GAUGE).Metric()
+    level = pb_utils.MetricFamily("unit_level", "Level", pb_utils.MetricFamily.GAUGE)
+    gauge = level.Metric()
     gauge.set(7)
     gauge.increment(-2)
     assert gauge.value() == 5
-    histogram = pb_utils.MetricFamily("unit_sizes", "Sizes", pb_utils.MetricFamily.HISTOGRAM).Metric(buckets=[1, 4])
+    sizes_family = pb_utils.MetricFamily("unit_sizes", "Sizes", pb_utils.MetricFamily.HISTOGRAM)
+    histogram = sizes_family.Metric(buckets=[1, 4])
     for value in (0.5, 3, 9):
         histogram.observe(value)
     version, families = pb_utils.metrics_snapshot()
     assert version > before
     sizes = next(f for f in families if f["name"] == "unit_sizes")["metrics"][0]
     assert (sizes["counts"], sizes["count"], sizes["sum"]) == ([1, 1], 3, 12.5)
-    with pytest.raises(pb_utils.TritonModelException, match="another kind"):
+    with pytest.raises(pb_utils.TritonModelException, match="already exists as a counter"):
         pb_utils.MetricFamily("unit_requests", "Requests", pb_utils.MetricFamily.GAUGE)
+    again = pb_utils.MetricFamily("unit_requests", "Another description", pb_utils.MetricFamily.COUNTER)
+    del counter
+    assert again.description == "Requests"  # the first one's, which it shares
+    with pytest.raises(pb_utils.TritonModelException, match="'MetricFamily' has been deleted"):
+        metric.increment(1)
+    with pytest.raises(pb_utils.TritonModelException, match="Missing required buckets"):
+        sizes_family.Metric()
+    with pytest.raises(pb_utils.TritonModelException, match="increasing order"):
+        sizes_family.Metric(buckets=[1, 1, 2])
 
 
 def test_model_readiness_asks_the_models_is_ready(tmp_path: Path) -> None:

@@ -19,7 +19,7 @@ from rayinfer.protocol.errors import (
     grpc_status_name,
     http_status,
 )
-from rayinfer.protocol.limits import BodyTooLarge, MessageTooLarge, StreamIdle
+from rayinfer.protocol.limits import BodyTooLarge, MessageTooLarge, ModelLoadTooLarge, StreamIdle
 
 ERRORS = [
     (ServingError("generic failure"), Code.INTERNAL),
@@ -32,6 +32,7 @@ ERRORS = [
     (ModelConfigError("/repo/m/config.pbtxt: broken"), Code.INVALID_ARG),
     (BodyTooLarge("Request body size exceeds the maximum allowed value of 1 bytes."), Code.INVALID_ARG),
     (MessageTooLarge("Received message larger than max (3 vs. 2)"), Code.INVALID_ARG),
+    (ModelLoadTooLarge("Load request JSON size exceeds the maximum allowed input size."), Code.INTERNAL),
     (StreamIdle("the stream had no request nor response for 1 s"), Code.UNAVAILABLE),
 ]
 

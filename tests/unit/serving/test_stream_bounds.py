@@ -282,7 +282,8 @@ def test_a_grpc_streams_request_queues_at_most_max_queued_responses() -> None:
                                max_queued_responses=16)
         assert await anext(stream) == 0
         await asyncio.sleep(0.2)  # the forwarding runs on while the writer takes nothing
-        assert len(made) <= 16 + 2, len(made)
+        # the bound, and one each in the hands of the forwarder, the relay, the writer's queue and the writer
+        assert len(made) <= 16 + 4, len(made)
         assert [await anext(stream) for _ in range(100)] == list(range(1, 101))
         await stream.aclose()
 
