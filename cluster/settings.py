@@ -278,7 +278,8 @@ class ServerSettings(BaseSettings):
         "the connection (ENHANCE_YOUR_CALM). Bounds 'rapid reset' (CVE-2023-44487).")
     grpc_max_control_frames: int = Field(
         1000, gt=0, description="PING, SETTINGS, PRIORITY, empty DATA and unknown frames a client may send on one "
-        "connection in 10 s; one more closes the connection (ENHANCE_YOUR_CALM).")
+        "connection in 10 s, beyond two WINDOW_UPDATEs and a PING for each DATA frame sent to it (a gRPC client's "
+        "flow control and bandwidth probes); one more closes the connection (ENHANCE_YOUR_CALM).")
     grpc_stream_window: int = Field(
         1 << 20, ge=65535, le=2**31 - 1, description="HTTP/2 stream window: bytes a gRPC call may send before a "
         "model replica reads them (SETTINGS_INITIAL_WINDOW_SIZE).")

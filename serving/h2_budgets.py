@@ -5,8 +5,9 @@ side sent). Past either budget the connection ends with ENHANCE_YOUR_CALM
 (``--grpc-max-reset-streams``, ``--grpc-max-control-frames``).
 
 A client gives back the window of the DATA this side sends with WINDOW_UPDATEs, up to two for
-each DATA frame (the stream's and the connection's): those are free, the rest count as control
-frames, so a flood of them is cut off like a flood of PINGs.
+each DATA frame (the stream's and the connection's), and a gRPC client measures the
+connection's bandwidth-delay product with a PING as that DATA arrives: those (three frames for
+each DATA frame sent) are free, the rest count as control frames, so a flood of them is cut off.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from rayinfer.protocol.grpc_wire import ENHANCE_YOUR_CALM, H2ProtocolError
 from rayinfer.protocol.limits import ConnectionLimits
 
 PERIOD_S = 10.0
-# WINDOW_UPDATEs owed for DATA sent, at most (a client that saves them up spends the rest).
+# WINDOW_UPDATEs and PINGs owed for DATA sent, at most (a client that saves them up spends the rest).
 MAX_WINDOW_CREDITS = 4096
 
 
@@ -47,11 +48,11 @@ class FrameBudgets:
                                   f"{PERIOD_S:g} s (--grpc-max-control-frames)")
 
     def data_sent(self, frames: int) -> None:
-        """``frames`` DATA frames went out: two WINDOW_UPDATEs each are free."""
-        self._window_credits = min(self._window_credits + 2 * frames, MAX_WINDOW_CREDITS)
+        """``frames`` DATA frames went out: two WINDOW_UPDATEs and a PING each are free."""
+        self._window_credits = min(self._window_credits + 3 * frames, MAX_WINDOW_CREDITS)
 
     def window_update(self) -> None:
-        """A WINDOW_UPDATE arrived: free while DATA sent owes it, else a control frame."""
+        """A WINDOW_UPDATE or a PING arrived: free while DATA sent owes it, else a control frame."""
         if self._window_credits > 0:
             self._window_credits -= 1
         else:

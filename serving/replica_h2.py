@@ -331,8 +331,8 @@ class H2Connection(StreamAnswers, asyncio.Protocol):
             self._budgets.spend(0, 1)
             if "ACK" not in flags:
                 self._settings(parsed.settings)
-        elif kind == PING:
-            self._budgets.spend(0, 1)
+        elif kind == PING:  # a gRPC client's bandwidth probes follow the DATA sent to it
+            self._budgets.window_update()
             if "ACK" in flags:
                 if parsed.opaque_data == _GOING and self._going == 1:
                     self._last_goaway()
