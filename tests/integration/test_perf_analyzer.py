@@ -28,12 +28,17 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-@pytest.mark.parametrize("protocol", ["http", "grpc"])
+@pytest.mark.parametrize("protocol", ["http", "grpc", "grpc-stream"])
 def test_perf_analyzer_short_run(server, protocol):
+    """grpc-stream: every client's requests on one stream for 3 s windows, long enough for its
+    bandwidth probes (a PING as responses arrive) to pass 1000 in 10 s, which must not end the
+    connection as a flood."""
     url = server["url"] if protocol == "http" else server["grpc_url"]
+    stream = ["--streaming", "--measurement-interval", "3000"] if protocol == "grpc-stream" else \
+        ["--measurement-interval", "1000"]
     result = subprocess.run(
-        [str(PERF_ANALYZER), "-m", "batched", "-u", url, "-i", protocol, "--concurrency-range", "4:4",
-         "--measurement-interval", "1000", "--max-trials", "10", "--stability-percentage", "1000"],
+        [str(PERF_ANALYZER), "-m", "batched", "-u", url, "-i", protocol.partition("-")[0], "--concurrency-range", "4:4",
+         *stream, "--max-trials", "10", "--stability-percentage", "1000"],
         capture_output=True, text=True, timeout=180,
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
