@@ -292,7 +292,7 @@ class TritonPythonModel:
                 sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT", value.as_numpy())]), flags=flags)
             except pb_utils.TritonModelException:  # the call was cancelled and is gone
                 return
-            time.sleep(delay / 1000)
+            time.sleep(delay / 1000)  # the model's pace (DELAY), so that its caller's cancel() comes between sends
 ''')
 
 # Calls qa_until_cancelled by decoupled BLS and cancels the call once the sum of its responses

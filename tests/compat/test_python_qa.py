@@ -90,8 +90,8 @@ def _stream(server, model: str, requests: list[tuple[list, str]], count: int, ti
     client.start_stream(callback=lambda result, error: received.put((time.monotonic() - start, result, error)))
     try:
         for inputs, request_id in requests:
-            if inputs is None:  # a pause between requests
-                time.sleep(float(request_id))
+            if inputs is None:  # a pause between requests: the scenario itself (Triton's async_execute
+                time.sleep(float(request_id))  # test sends its short request 2 s after the long one)
                 continue
             client.async_stream_infer(model, inputs, request_id=request_id)
         return [received.get(timeout=timeout_s) for _ in range(count)]
