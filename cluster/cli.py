@@ -27,6 +27,7 @@ from rayinfer.cluster.settings_values import (
     grpc_front,
     http_front,
     metrics_endpoint,
+    openai_options,
     replica_log_level,
     repository_folder,
     repository_source,
@@ -125,6 +126,10 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("--grpc-restricted-protocol", action="append")
         sub.add_argument("--http-max-input-size", type=int)
         sub.add_argument("--max-inflight-requests", type=int)
+        sub.add_argument("--openai-api", type=_bool, nargs="?", const=True)
+        sub.add_argument("--openai-default-max-tokens", type=int)
+        sub.add_argument("--openai-max-choices", type=int)
+        sub.add_argument("--openai-max-embedding-inputs", type=int)
         for kind in ("grpc", "http"):
             sub.add_argument(f"--{kind}-use-ssl", type=_bool, nargs="?", const=True)
             sub.add_argument(f"--{kind}-use-ssl-mutual", type=_bool, nargs="?", const=True)
@@ -313,6 +318,7 @@ def serve(settings: ServerSettings) -> int:
             http_front=http_front(settings),
             front_threads=settings.http_thread_count,
             max_inflight=settings.max_inflight_requests,
+            openai=openai_options(settings),
             direct_connections=settings.direct_connections,
             http_restricted=settings.http_restricted_api,
             grpc_restricted=settings.grpc_restricted_protocol,

@@ -1,10 +1,11 @@
 """Writes an example text-classification pipeline into a model repository, built in code.
 
-Four models, nothing downloaded: ``nlp_tokenizer`` (Python model: UTF-8 text -> token ids and
+Five models, nothing downloaded: ``nlp_tokenizer`` (Python model: UTF-8 text -> token ids and
 attention mask over a vocabulary written next to it), ``nlp_encoder`` (ONNX: a two-layer
 transformer encoder, masked mean pooling -> a 64-wide embedding), ``nlp_head`` (Python model:
-linear layer, softmax -> label and confidence) and ``nlp_ensemble``, which chains the three so a
-client sends text and gets a label back. Weights are random from fixed seeds: the labels are not
+linear layer, softmax -> label and confidence), ``nlp_ensemble``, which chains the three so a
+client sends text and gets a label back, and ``nlp_embedding``, which chains the first two so a
+client sends text and gets its embedding (the OpenAI-compatible API's embedding model). Weights are random from fixed seeds: the labels are not
 meaningful sentiment, but every generation writes the same models, and the pipeline exercises
 BYTES tensors, Python models, a dynamically batched ONNX model and an ensemble together.
 """
@@ -51,7 +52,8 @@ max_batch_size: 8
 input [ { name: "raw_text" data_type: TYPE_STRING dims: [ 1 ] } ]
 output [
   { name: "input_ids" data_type: TYPE_INT64 dims: [ 128 ] },
-  { name: "attention_mask" data_type: TYPE_INT64 dims: [ 128 ] }
+  { name: "attention_mask" data_type: TYPE_INT64 dims: [ 128 ] },
+  { name: "num_input_tokens" data_type: TYPE_UINT32 dims: [ 1 ] }
 ]
 instance_group [ { count: 1 kind: KIND_CPU } ]
 """
@@ -78,6 +80,29 @@ output [
   { name: "confidence" data_type: TYPE_FP32 dims: [ 1 ] }
 ]
 instance_group [ { count: 1 kind: KIND_CPU } ]
+"""
+
+# The embedding model of the OpenAI-compatible API's /v1/embeddings: text in, the encoder's
+# embedding and the number of tokens it read out.
+EMBEDDING_CONFIG = """name: "nlp_embedding"
+platform: "ensemble"
+max_batch_size: 8
+input [ { name: "text_input" data_type: TYPE_STRING dims: [ 1 ] } ]
+output [
+  { name: "embedding" data_type: TYPE_FP32 dims: [ 64 ] },
+  { name: "num_input_tokens" data_type: TYPE_UINT32 dims: [ 1 ] }
+]
+ensemble_scheduling { step [
+  { model_name: "nlp_tokenizer" model_version: -1
+    input_map { key: "raw_text" value: "text_input" }
+    output_map { key: "input_ids" value: "input_ids" }
+    output_map { key: "attention_mask" value: "attention_mask" }
+    output_map { key: "num_input_tokens" value: "num_input_tokens" } },
+  { model_name: "nlp_encoder" model_version: -1
+    input_map { key: "input_ids" value: "input_ids" }
+    input_map { key: "attention_mask" value: "attention_mask" }
+    output_map { key: "embedding" value: "embedding" } }
+] }
 """
 
 ENSEMBLE_CONFIG = """name: "nlp_ensemble"
@@ -115,7 +140,8 @@ PAD, UNK, CLS = 0, 1, 2
 
 
 class TritonPythonModel:
-    """raw_text [rows, 1] (UTF-8) -> input_ids, attention_mask [rows, 128]: [CLS] + word ids, 0-padded."""
+    """raw_text [rows, 1] (UTF-8) -> input_ids, attention_mask [rows, 128]: [CLS] + word ids, 0-padded;
+    num_input_tokens [rows, 1]: how many of them are tokens."""
 
     def initialize(self, args):
         path = os.path.join(args["model_repository"], args["model_version"], "vocab.txt")
@@ -137,8 +163,10 @@ class TritonPythonModel:
                 ids = self.encode(text)
                 input_ids[row, :len(ids)] = ids
             mask = (input_ids != PAD).astype(np.int64)  # every real token's id is >= 1
+            counts = mask.sum(axis=1, keepdims=True).astype(np.uint32)
             responses.append(pb_utils.InferenceResponse([
-                pb_utils.Tensor("input_ids", input_ids), pb_utils.Tensor("attention_mask", mask)]))
+                pb_utils.Tensor("input_ids", input_ids), pb_utils.Tensor("attention_mask", mask),
+                pb_utils.Tensor("num_input_tokens", counts)]))
         return responses
 '''
 
@@ -267,7 +295,7 @@ def write_head(path: Path, seed: int = 1) -> None:
 
 
 def write_nlp_pipeline(repository: Path) -> list[Path]:
-    """Write the four models (idempotent) and return their folders, ensemble last."""
+    """Write the five models (idempotent) and return their folders, ensembles last."""
     repository = Path(repository)
     vocab = vocabulary()
     tokenizer = write_python_model(repository, "nlp_tokenizer", TOKENIZER_CONFIG, TOKENIZER_MODEL)
@@ -275,7 +303,10 @@ def write_nlp_pipeline(repository: Path) -> list[Path]:
     encoder = write_model(repository, "nlp_encoder", ENCODER_CONFIG, encoder_model(len(vocab)))
     head = write_python_model(repository, "nlp_head", HEAD_CONFIG, HEAD_MODEL)
     write_head(head / "1" / "head.npz")
-    ensemble = repository / "nlp_ensemble"
-    (ensemble / "1").mkdir(parents=True, exist_ok=True)  # an ensemble has a version folder, empty
-    (ensemble / "config.pbtxt").write_text(ENSEMBLE_CONFIG)
-    return [tokenizer, encoder, head, ensemble]
+    ensembles = []
+    for name, config in (("nlp_ensemble", ENSEMBLE_CONFIG), ("nlp_embedding", EMBEDDING_CONFIG)):
+        ensemble = repository / name
+        (ensemble / "1").mkdir(parents=True, exist_ok=True)  # an ensemble has a version folder, empty
+        (ensemble / "config.pbtxt").write_text(config)
+        ensembles.append(ensemble)
+    return [tokenizer, encoder, head, *ensembles]

@@ -21,6 +21,8 @@ from rayinfer.cluster.settings_values import (
 )
 from rayinfer.deployments.grpc_service import SERVICER_FUNCTION
 from rayinfer.deployments.names import (
+    OPENAI_APP,
+    OPENAI_ROUTE_PREFIX,
     SERVER_APP,
     SERVER_ROUTE_PREFIX,
     model_app_name,
@@ -34,6 +36,7 @@ from rayinfer.repository.scanner import ModelEntry, scan_repository
 
 MODEL_IMPORT_PATH = "rayinfer.deployments.app:build_model_app"
 SERVER_IMPORT_PATH = "rayinfer.deployments.app:build_server_app"
+OPENAI_IMPORT_PATH = "rayinfer.deployments.app:build_openai_app"
 
 
 def served_versions(entries: list[ModelEntry]) -> list[tuple[str, int, bool]]:
@@ -119,6 +122,20 @@ def render_serve_config(
         if deployment is not None:
             app["deployments"] = [{"name": model_deployment_name(model, version), **deployment}]
         applications.append(app)
+    if settings.openai_api:
+        applications.append({
+            "name": OPENAI_APP,
+            "route_prefix": OPENAI_ROUTE_PREFIX,
+            "import_path": OPENAI_IMPORT_PATH,
+            "args": {
+                "default_max_tokens": settings.openai_default_max_tokens,
+                "max_choices": settings.openai_max_choices,
+                "max_embedding_inputs": settings.openai_max_embedding_inputs,
+                "max_ongoing_requests": settings.max_inflight_requests,
+                "http_max_input_size": settings.http_max_input_size,
+                **({"http_restricted_api": list(settings.http_restricted_api)} if settings.http_restricted_api else {}),
+            },
+        })
     doc: dict[str, Any] = {
         "proxy_location": "EveryNode",
         # Serve's HTTP ingress sits behind the front's HTTP port (--http-port).

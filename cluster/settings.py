@@ -238,6 +238,21 @@ class ServerSettings(BaseSettings):
         description="tritonserver's --grpc-restricted-protocol: the same for gRPC, whose calls must carry "
         "'triton-grpc-protocol-<header>' (UNAVAILABLE otherwise).",
     )
+    openai_api: bool = Field(
+        True,
+        description="Serve the OpenAI-compatible API under /v1 on the HTTP port (GET /v1/models, POST "
+        "/v1/completions, /v1/chat/completions and /v1/embeddings) over the repository's language and embedding "
+        "models; clients use base_url http://HOST:PORT/v1. Costs one Serve replica.",
+    )
+    openai_default_max_tokens: int = Field(
+        16, ge=0, description="The OpenAI-compatible API: max_tokens of a completion or chat completion request "
+        "that gives none (Triton's OpenAI frontend's --default-max-tokens).")
+    openai_max_choices: int = Field(
+        16, gt=0, description="The OpenAI-compatible API: the most choices one request may ask for (n times its "
+        "prompts); each choice is one request to the model, all sent at once. More is refused with 400.")
+    openai_max_embedding_inputs: int = Field(
+        256, gt=0, description="The OpenAI-compatible API: the most texts one /v1/embeddings request may carry; "
+        "more is refused with 400.")
     http_max_input_size: int = Field(
         DEFAULT_HTTP_MAX_INPUT_SIZE, gt=0, le=2**31 - 1,
         description="tritonserver's --http-max-input-size: the largest HTTP request body, in bytes, after "

@@ -12,6 +12,7 @@ from typing import Any
 from rayinfer.cluster.settings import ServerSettings
 from rayinfer.protocol.metrics import MetricsOptions, parse_metrics_config
 from rayinfer.repository.object_store import local_repository
+from rayinfer.serving.openai_service import OpenAIOptions
 from rayinfer.serving.response_cache import parse_cache_config
 
 
@@ -114,3 +115,12 @@ def tls_settings(settings: ServerSettings) -> dict[str, dict[str, Any]]:
                          "key": os.path.abspath(getattr(settings, f"{kind}_server_key")),
                          "root_cert": os.path.abspath(root) if root else "", "mutual": mutual}
     return tls
+
+
+def openai_options(settings: ServerSettings) -> OpenAIOptions | None:
+    """The OpenAI-compatible API's limits, or None when it is not served (--openai-api false)."""
+    if not settings.openai_api:
+        return None
+    return OpenAIOptions(default_max_tokens=settings.openai_default_max_tokens,
+                         max_choices=settings.openai_max_choices,
+                         max_embedding_inputs=settings.openai_max_embedding_inputs)

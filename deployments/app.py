@@ -14,15 +14,18 @@ from ray.serve.schema import LoggingConfig
 from rayinfer.deployments.control import DEFAULT_GPU_WAIT_S, MIN_ONGOING_REQUESTS, ModelControl, model_application
 from rayinfer.deployments.control_channel import MAX_POLLING_REPLICAS
 from rayinfer.deployments.names import DEFAULT_REPLICA_NUM_CPUS, parse_bool
+from rayinfer.deployments.openai_app import OpenAIDeployment
 from rayinfer.deployments.serve_internals import ray_version_problem, with_code_version
 from rayinfer.deployments.server import ServerDeployment
 from rayinfer.protocol.limits import DEFAULT_HTTP_MAX_INPUT_SIZE
 from rayinfer.protocol.metrics import MetricsOptions
+from rayinfer.serving.openai_service import OpenAIOptions
 
 # Every Ray head node has this resource (1 unit), and no other node.
 HEAD_NODE_RESOURCE = "node:__internal_head__"
 
-__all__ = ["build_model_app", "build_server_app", "model_application", "server_application"]
+__all__ = ["build_model_app", "build_openai_app", "build_server_app", "model_application", "openai_application",
+           "server_application"]
 
 
 def server_application(
@@ -82,6 +85,36 @@ def server_application(
         str(model_repository), server_id, strict_readiness, metrics, control, grpc_front, http_front, front_threads,
         list(http_restricted or ()), list(grpc_restricted or ()), max_inflight, direct_connections,
         front_on_every_node, dict(tls or {}),
+    )
+
+
+def openai_application(options: OpenAIOptions, *, num_cpus: float = 0.1, max_ongoing_requests: int = 1024,
+                       max_input_size: int = DEFAULT_HTTP_MAX_INPUT_SIZE, http_restricted: list[str] | None = None,
+                       version: str | None = None) -> Application:
+    """The ``/v1`` application: the OpenAI-compatible API (:mod:`openai_app`), one replica taking
+    at most ``max_ongoing_requests`` requests at once (--max-inflight-requests; Serve's ingress
+    queues more), bodies of at most ``max_input_size`` bytes (--http-max-input-size)."""
+    deployment = OpenAIDeployment.options(
+        num_replicas=1,
+        max_ongoing_requests=max_ongoing_requests,
+        ray_actor_options={"num_cpus": num_cpus},
+        graceful_shutdown_timeout_s=10.0,
+    )
+    if version is not None:
+        deployment = with_code_version(deployment, version)
+    return deployment.bind(options, max_input_size, list(http_restricted or ()))
+
+
+def build_openai_app(args: dict[str, Any]) -> Application:
+    """Serve-config entry point; ``args``: default_max_tokens, max_choices, max_embedding_inputs,
+    and optionally max_ongoing_requests, http_max_input_size, http_restricted_api."""
+    return openai_application(
+        OpenAIOptions(default_max_tokens=int(args.get("default_max_tokens", 16)),
+                      max_choices=int(args.get("max_choices", 16)),
+                      max_embedding_inputs=int(args.get("max_embedding_inputs", 256))),
+        max_ongoing_requests=int(args.get("max_ongoing_requests", 1024)),
+        max_input_size=int(args.get("http_max_input_size", DEFAULT_HTTP_MAX_INPUT_SIZE)),
+        http_restricted=[str(v) for v in args.get("http_restricted_api") or ()],
     )
 
 

@@ -4,21 +4,30 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from typing import Any
 
 from ray import serve
 from ray.serve.schema import ServeDeploySchema
 
-from rayinfer.deployments.app import server_application
+from rayinfer.deployments.app import openai_application, server_application
 from rayinfer.deployments.control import DEFAULT_GPU_WAIT_S, ModelControl, deploy_models
 from rayinfer.serving.front_supervisor import stop_fronts
 from rayinfer.deployments.grpc_service import SERVICER_FUNCTION
-from rayinfer.deployments.names import SERVER_APP, SERVER_DEPLOYMENT, SERVER_ROUTE_PREFIX, model_apps
+from rayinfer.deployments.names import (
+    OPENAI_APP,
+    OPENAI_ROUTE_PREFIX,
+    SERVER_APP,
+    SERVER_DEPLOYMENT,
+    SERVER_ROUTE_PREFIX,
+    model_apps,
+)
 from rayinfer.deployments.serve_internals import shutdown_cached_handles
 from rayinfer.deployments.serve_state import serve_applications
-from rayinfer.protocol.limits import DEFAULT_HTTP_MAX_INPUT_SIZE
+from rayinfer.protocol.limits import DEFAULT_HTTP_MAX_INPUT_SIZE, DEFAULT_MAX_INFLIGHT_REQUESTS
 from rayinfer.protocol.metrics import MetricsOptions
+from rayinfer.serving.openai_service import OpenAIOptions
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +62,7 @@ def deploy_repository(
     http_front: tuple[str, int, str, int] | None = None,
     front_threads: int | None = None,
     max_inflight: int | None = None,
+    openai: OpenAIOptions | None = None,
     direct_connections: bool = True,
     log_level: str = "WARNING",
     load_errors: dict[str, str] | None = None,
@@ -71,7 +81,8 @@ def deploy_repository(
     front_on_head: bool = False,
     front_on_every_node: bool = False,
 ) -> dict[str, str]:
-    """Deploy the ``/v2`` app and one app per model version; returns models that failed to load.
+    """Deploy the ``/v2`` app, one app per model version and, given ``openai``, the ``/v1`` app
+    (the OpenAI-compatible API); returns models that failed to load.
 
     A model that fails to load is removed (so its requests reach the ``/v2`` app, which reports
     the reason) and never stops the others. ``load_errors``: models asked for that could not be
@@ -107,16 +118,37 @@ def deploy_repository(
 
     unreadable = dict(load_errors or {})
     run_server_app(unreadable)
+    if openai is not None:  # starts while the models load
+        app = openai_application(openai, max_input_size=max_input_size, http_restricted=http_restricted,
+                                 max_ongoing_requests=max_inflight or DEFAULT_MAX_INFLIGHT_REQUESTS,
+                                 version=launch_version)
+        serve.run_many([serve.RunTarget(app, name=OPENAI_APP, route_prefix=OPENAI_ROUTE_PREFIX)],
+                       wait_for_applications_running=False)
     by_model = {**unreadable, **deploy_models(model_repository, versions, control)}
     # Every startup model is deployed or failed now: a /v2 replica Serve restarts later (or this
     # one, reconfigured) has none to wait for, even one unloaded since.
     run_server_app(by_model, starting=False)
     served = sorted({model for model, _, _ in versions if model not in by_model})
+    if openai is not None:
+        _wait_running(OPENAI_APP, 60.0)
     try:  # the front routes what was deployed before the server says it started
         asyncio.run(_wait_routed(served, 30.0))
     except Exception as exc:  # the /v2 app answers for models the front does not route yet
         logger.warning("the front does not route every model yet: %s", exc)
     return by_model
+
+
+def _wait_running(app: str, timeout_s: float) -> None:
+    """Wait (up to ``timeout_s``) for ``app`` to run; a warning if it does not."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        status = serve.status().applications.get(app)
+        if status is not None and status.status == "RUNNING":
+            return
+        if status is not None and status.status == "DEPLOY_FAILED":
+            break
+        time.sleep(0.2)
+    logger.warning("the '%s' application is not running: %s", app, serve.status().applications.get(app))
 
 
 async def _wait_routed(models: list[str], timeout_s: float) -> None:
@@ -146,6 +178,8 @@ def stop(models: list[str], *, whole_serve: bool, fronts: list[tuple[str, int]] 
         for model in models:
             for name in model_apps(model, running):
                 serve.delete(name, _blocking=False)
+        if OPENAI_APP in running:
+            serve.delete(OPENAI_APP, _blocking=False)
         serve.delete(SERVER_APP)
     finally:
         stop_fronts(fronts or [])

@@ -11,6 +11,9 @@ SERVER_APP = "rayinfer"
 SERVER_DEPLOYMENT = "ServerDeployment"
 SERVER_ROUTE_PREFIX = "/v2"
 MODEL_DEPLOYMENT = "ModelDeployment"
+# The OpenAI-compatible API (deployments/openai_app.py).
+OPENAI_APP = "openai"
+OPENAI_ROUTE_PREFIX = "/v1"
 # CPU reserved by each model replica: small, so many models fit on a small machine.
 DEFAULT_REPLICA_NUM_CPUS = 0.1
 

@@ -205,6 +205,10 @@ class ServerDeployment:
             raise await self._api.unavailable_model(name, version or None)
         return route
 
+    async def ready_models(self) -> list[str]:
+        """The models with a version ready now (the OpenAI-compatible API's model list)."""
+        return sorted({row["name"] for row in await self._api.index(ready_only=True)})
+
     async def report_shadow(self, replica_key: str, model: str, candidate: str, counts: dict[str, int]) -> None:
         """A stable version's replica's shadow counts (deployments/shadow_sender.py)."""
         assert self._api.rollouts is not None

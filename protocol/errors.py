@@ -78,6 +78,15 @@ class InvalidArgError(ServingError):
         super().__init__(message)
 
 
+class InvalidParamError(InvalidArgError):
+    """A request member that is malformed; ``param`` names it (an OpenAI error's ``param``)."""
+
+    def __init__(self, message: str, param: str = ""):
+        super().__init__(message)
+        self.args = (message, param)  # what unpickling passes to the constructor
+        self.param = param
+
+
 class NotFoundError(ServingError):
     """The model, version or resource does not exist (HTTP 404)."""
 

@@ -32,6 +32,12 @@ HTTP_PATHS: dict[str, tuple[str, ...]] = {
     "trace": ("^/v2/trace/setting/*$", f"^{_M}/trace/setting/*$"),
     "logging": ("^/v2/logging/*$",),
 }
+# The OpenAI-compatible API's paths in each group (as Triton's OpenAI frontend groups them); a
+# request without the header gets 401 and OpenAI's error there, as from that frontend.
+OPENAI_PATHS: dict[str, tuple[str, ...]] = {
+    "inference": ("^/v1/(chat/completions|completions|embeddings)/*$",),
+    "model-repository": ("^/v1/models(/.*)?$",),
+}
 # Paths a group's patterns match that belong to another group.
 HTTP_EXCLUDED: dict[str, str] = {"metadata": "^/v2/models/stats/*$"}
 # GRPCInferenceService's methods in each group.
@@ -121,6 +127,30 @@ def missing_header(http: Restrictions, grpc: Restrictions, path: str, headers: M
         return None
     key, value = restrictions[group]
     return None if headers.get(f"{prefix}{key}".lower().encode()) == value.encode() else key
+
+
+_OPENAI_GROUPS = [(group, re.compile("|".join(f"(?:{p})" for p in patterns)))
+                  for group, patterns in OPENAI_PATHS.items()]
+
+
+def missing_openai_header(http: Restrictions, method: str, path: str, headers: Mapping[bytes, bytes]) -> str | None:
+    """As :func:`missing_header`, for the OpenAI-compatible API's paths (``method`` is not
+    looked at: each path belongs to one group whatever the method)."""
+    for group, pattern in _OPENAI_GROUPS:
+        if group in http and pattern.match(path):
+            key, value = http[group]
+            return None if headers.get(key.lower().encode()) == value.encode() else key
+    return None
+
+
+def openai_message(key: str) -> str:
+    return f"This API is restricted, expecting header '{key}' with valid value"
+
+
+def openai_restricted_document(key: str) -> dict[str, dict[str, str | None]]:
+    """OpenAI's error answering a restricted path's request without its header (status 401)."""
+    return {"error": {"message": openai_message(key), "type": "authentication_error", "param": None,
+                      "code": "invalid_auth"}}
 
 
 def http_message(key: str) -> str:

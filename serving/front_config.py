@@ -34,9 +34,11 @@ from rayinfer.protocol.restricted_api import (
     GRPC_METHODS,
     HTTP_EXCLUDED,
     HTTP_PATHS,
+    OPENAI_PATHS,
     Restrictions,
     grpc_message,
     http_message,
+    openai_restricted_document,
 )
 from rayinfer.protocol.listener_client import STREAM_HEADER, TRACE_PARENT_HEADER
 from rayinfer.serving.routes import UNROUTED_PREFIX
@@ -313,7 +315,12 @@ def _http_errors() -> str:
 
 def _json_string(error: str) -> str:
     """Triton's JSON error body for ``error``, quoted for an HAProxy string argument."""
-    return json.dumps({"error": error}, separators=(",", ":")).replace("\\", "\\\\").replace('"', '\\"')
+    return _escaped(json.dumps({"error": error}, separators=(",", ":")))
+
+
+def _escaped(text: str) -> str:
+    """``text`` quoted for an HAProxy string argument."""
+    return text.replace("\\", "\\\\").replace('"', '\\"')
 
 
 def _http_restrictions(restrictions: Restrictions) -> str:
@@ -328,6 +335,11 @@ def _http_restrictions(restrictions: Restrictions) -> str:
         body = _json_string(http_message(key))
         lines.append(f'    http-request return status 403 content-type application/json string "{body}" '
                      f"if api_{name}{unless} !{{ req.fhdr({key}) -m str {value} }}\n")
+        if group in OPENAI_PATHS:
+            lines.append(f"    acl openai_{name} path_reg {' '.join(OPENAI_PATHS[group])}\n")
+            body = _escaped(json.dumps(openai_restricted_document(key), separators=(",", ":")))
+            lines.append(f'    http-request return status 401 content-type application/json string "{body}" '
+                         f"if openai_{name} !{{ req.fhdr({key}) -m str {value} }}\n")
     return "".join(lines)
 
 

@@ -39,7 +39,28 @@ def settings_of(repository: Path, *flags: str, command: str = "serve") -> Server
 
 
 def all_args(settings: ServerSettings) -> list[dict]:
-    return [app["args"] for app in render_serve_config(settings)["applications"]]
+    """The args of the /v2 app and the model apps (the OpenAI app's are tested on their own)."""
+    return [app["args"] for app in render_serve_config(settings)["applications"] if app["name"] != "openai"]
+
+
+def test_openai_flags_reach_the_openai_app(repository: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    def openai_app(settings: ServerSettings) -> dict | None:
+        apps = {app["name"]: app for app in render_serve_config(settings)["applications"]}
+        return apps.get("openai")
+
+    app = openai_app(settings_of(repository))
+    assert app is not None and app["route_prefix"] == "/v1"
+    assert app["args"]["default_max_tokens"] == 16 and app["args"]["max_choices"] == 16
+    assert app["args"]["max_embedding_inputs"] == 256 and "http_restricted_api" not in app["args"]
+    app = openai_app(settings_of(repository, "--openai-default-max-tokens", "64", "--openai-max-choices=2",
+                                 "--openai-max-embedding-inputs", "8", "--http-restricted-api", "inference:k=v"))
+    assert app is not None
+    assert (app["args"]["default_max_tokens"], app["args"]["max_choices"], app["args"]["max_embedding_inputs"]) == (
+        64, 2, 8)
+    assert app["args"]["http_restricted_api"] == ["inference:k=v"]
+    assert openai_app(settings_of(repository, "--openai-api=false")) is None
+    line = exit_line(capsys, ["config", "--model-repository", str(repository), "--openai-max-choices", "0"])
+    assert line.startswith("rayinfer: error: ") and "openai" in line.replace("-", "_")
 
 
 @pytest.mark.parametrize(("flags", "expected"), [

@@ -36,7 +36,8 @@ def runners(repository: Path) -> dict[str, ModelRunner]:
 
 
 def infer(runner: ModelRunner, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    datatypes = {np.dtype(object): "BYTES", np.dtype(np.int64): "INT64", np.dtype(np.float32): "FP32"}
+    datatypes = {np.dtype(object): "BYTES", np.dtype(np.int64): "INT64", np.dtype(np.float32): "FP32",
+                 np.dtype(np.uint32): "UINT32"}
     request = InferRequest(runner.spec.name, inputs=[
         InferInput(name, datatypes[array.dtype], tuple(array.shape), array) for name, array in inputs.items()])
     (response,) = runner.execute([runner.prepare(request)])
@@ -48,8 +49,13 @@ def text_tensor(texts: list[bytes]) -> np.ndarray:
     return np.array([[text] for text in texts], dtype=object)
 
 
+def encoder_inputs(tokens: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The tokenizer's outputs the encoder takes (not num_input_tokens, which goes to the client)."""
+    return {name: tokens[name] for name in ("input_ids", "attention_mask")}
+
+
 def test_nlp_pipeline_configs_scan_without_errors(repository: Path) -> None:
-    for name in (*MEMBERS, "nlp_ensemble"):
+    for name in (*MEMBERS, "nlp_ensemble", "nlp_embedding"):
         entry = scan_model(repository / name)
         assert entry.error is None, entry.error
         assert entry.versions == [1]
@@ -64,6 +70,7 @@ def test_nlp_tokenizer_maps_unknown_words_and_pads(runners: dict[str, ModelRunne
     assert not input_ids[0, 4:].any()
     assert mask[0].tolist() == [1] * 4 + [0] * 124
     assert input_ids[1].tolist() == [2] + [ids["bad"]] * 127 and mask[1].all()  # truncated to 128
+    assert out["num_input_tokens"].tolist() == [[4], [128]]  # the tokens the encoder sees, [CLS] included
 
 
 def test_nlp_tokenizer_answers_each_request_of_a_batch(runners: dict[str, ModelRunner]) -> None:
@@ -79,7 +86,7 @@ def test_nlp_tokenizer_answers_each_request_of_a_batch(runners: dict[str, ModelR
 
 def test_nlp_members_chain_text_to_a_label(runners: dict[str, ModelRunner]) -> None:
     tokens = infer(runners["nlp_tokenizer"], {"raw_text": text_tensor(TEXTS)})
-    embedding = infer(runners["nlp_encoder"], tokens)["embedding"]
+    embedding = infer(runners["nlp_encoder"], encoder_inputs(tokens))["embedding"]
     assert embedding.shape == (3, 64) and embedding.dtype == np.float32 and np.isfinite(embedding).all()
     out = infer(runners["nlp_head"], {"embedding": embedding})
     labels, confidence = out["sentiment_label"], out["confidence"]
@@ -90,12 +97,12 @@ def test_nlp_members_chain_text_to_a_label(runners: dict[str, ModelRunner]) -> N
 
 def test_nlp_encoder_ignores_padding_and_batch_neighbours(runners: dict[str, ModelRunner]) -> None:
     tokens = infer(runners["nlp_tokenizer"], {"raw_text": text_tensor(TEXTS)})
-    embedding = infer(runners["nlp_encoder"], tokens)["embedding"]
+    embedding = infer(runners["nlp_encoder"], encoder_inputs(tokens))["embedding"]
     junk = tokens["input_ids"].copy()
     junk[tokens["attention_mask"] == 0] = 7  # any id behind the mask
     changed = infer(runners["nlp_encoder"], {"input_ids": junk, "attention_mask": tokens["attention_mask"]})
     np.testing.assert_allclose(changed["embedding"], embedding, atol=1e-6)
-    alone = infer(runners["nlp_encoder"], {name: array[1:2] for name, array in tokens.items()})
+    alone = infer(runners["nlp_encoder"], {name: array[1:2] for name, array in encoder_inputs(tokens).items()})
     np.testing.assert_allclose(alone["embedding"][0], embedding[1], atol=1e-5)
 
 
@@ -126,6 +133,6 @@ def test_nlp_ensemble_runs_its_three_steps(repository: Path, runners: dict[str, 
     assert isinstance(response, InferResponse), response
     outputs = {output.name: output.data for output in response.outputs}
     tokens = infer(runners["nlp_tokenizer"], {"raw_text": raw})
-    direct = infer(runners["nlp_head"], infer(runners["nlp_encoder"], tokens))
+    direct = infer(runners["nlp_head"], infer(runners["nlp_encoder"], encoder_inputs(tokens)))
     assert outputs["sentiment_label"].tolist() == direct["sentiment_label"].tolist()
     np.testing.assert_allclose(outputs["confidence"], direct["confidence"], rtol=1e-6)

@@ -71,11 +71,14 @@ def test_render_serve_config(example_repository: Path) -> None:
     apps = {app["name"]: app for app in doc["applications"]}
     front_args = {k: apps["rayinfer"]["args"][k] for k in ("http_address", "http_port", "serve_http_port")}
     assert front_args == {"http_address": "127.0.0.1", "http_port": 8123, "serve_http_port": 9000}
-    assert sorted(apps) == ["mlp", "nlp_encoder", "nlp_ensemble", "nlp_head", "nlp_tokenizer", "rayinfer", "simple",
+    assert sorted(apps) == ["mlp", "nlp_embedding", "nlp_encoder", "nlp_ensemble", "nlp_head", "nlp_tokenizer", "openai",
+                            "rayinfer", "simple",
                             "simple_dyna_sequence", "simple_identity", "simple_sequence", "simple_string",
                             "simple_string_dyna_sequence", "tiny_llm"]
     server = apps["rayinfer"]
     assert server["route_prefix"] == "/v2"
+    assert apps["openai"]["route_prefix"] == "/v1"
+    assert apps["openai"]["import_path"] == "rayinfer.deployments.app:build_openai_app"
     assert server["args"]["model_repository"] == str(example_repository.resolve())
     assert doc["applications"][0] is server  # the /v2 app comes first
     for name in ("mlp", "simple", "simple_identity", "simple_string"):
@@ -216,7 +219,7 @@ def test_instance_groups_become_deployment_resources(tmp_path: Path) -> None:
     assert shared["simple"][0]["ray_actor_options"] == {"num_cpus": 0.25, "num_gpus": 0.25}
     # The applications get it too (serve deploy builds them from these args, strings included).
     apps = render_serve_config(ServerSettings(model_repository=tmp_path, gpu_fraction_per_model=0.5))["applications"]
-    assert all(app["args"]["gpu_fraction_per_model"] == 0.5 for app in apps)
+    assert all(app["args"]["gpu_fraction_per_model"] == 0.5 for app in apps if app["name"] != "openai")
     from rayinfer.deployments.app import build_model_app
 
     simple_app = build_model_app({"model_repository": str(tmp_path), "model": "simple", "version": 1,
@@ -230,7 +233,7 @@ def test_instance_groups_become_deployment_resources(tmp_path: Path) -> None:
     # as KIND_CPU groups of the same count
     assert fallback["simple"] == [{"name": "simple_v1", "num_replicas": 2, "ray_actor_options": {"num_cpus": 0.25}}]
     apps = render_serve_config(ServerSettings(model_repository=tmp_path, gpu_fallback="cpu"))["applications"]
-    assert all(app["args"]["gpu_fallback"] for app in apps if app["name"] != "rayinfer")
+    assert all(app["args"]["gpu_fallback"] for app in apps if app["name"] not in ("rayinfer", "openai"))
     # KIND_AUTO (no instance_group) counts as GPU only when the settings give the cluster GPUs
     # and the backend, as installed, can use them (a Python model can; onnxruntime's CPU build
     # cannot).
@@ -261,7 +264,8 @@ def test_model_replicas_report_rays_own_metrics_only_when_asked(tmp_path: Path) 
         models = [app for app in doc["applications"] if app["name"] != "rayinfer"]
         assert all(app["deployments"][0]["ray_actor_options"] == {"num_cpus": 0.1, **env} for app in models
                    if app.get("deployments"))
-        assert all(app["args"].get("replica_ray_metrics", False) is flag for app in doc["applications"])
+        assert all(app["args"].get("replica_ray_metrics", False) is flag for app in doc["applications"]
+                   if app["name"] != "openai")
         args = {"model_repository": str(tmp_path), "model": "simple", "version": 1, "replica_ray_metrics": str(flag)}
         assert build_model_app(args)._bound_deployment.ray_actor_options == {"num_cpus": 0.1, **env}
         server = next(app for app in doc["applications"] if app["name"] == "rayinfer")

@@ -72,6 +72,23 @@ def test_restricted_http_groups_need_their_header(restricted_front):
         assert http_exchange(port, get(path)).startswith(b"HTTP/1.1 200"), path
 
 
+def test_restricted_groups_cover_the_openai_api(restricted_front):
+    """As in Triton's OpenAI frontend: completions, chat and embeddings are inference, the model
+    list is model-repository; refused with 401 and OpenAI's error shape."""
+    frontend, _ = restricted_front
+    port = frontend.http_port
+    for path, key in (("/v1/chat/completions", "infer-key"), ("/v1/completions", "infer-key"),
+                      ("/v1/embeddings/", "infer-key"), ("/v1/models", "admin"), ("/v1/models/m", "admin")):
+        request = get(path) if path.startswith("/v1/models") else post(path, b"{}")
+        reply = http_exchange(port, request)
+        assert reply.startswith(b"HTTP/1.1 401") and b"content-type: application/json" in reply, path
+        error = json.loads(reply.partition(b"\r\n\r\n")[2])["error"]
+        assert error["type"] == "authentication_error" and key in error["message"], path
+        header = b"infer-key: secret" if key == "infer-key" else b"admin: s3cr3t"
+        passed = http_exchange(port, with_header(request, header))
+        assert not passed.startswith(b"HTTP/1.1 401") and not passed.startswith(b"HTTP/1.1 403"), path
+
+
 def test_restricted_grpc_groups_need_their_header(restricted_front):
     _, port = restricted_front
     client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")

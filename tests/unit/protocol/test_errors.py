@@ -10,6 +10,7 @@ from rayinfer.protocol.errors import (
     Code,
     InternalError,
     InvalidArgError,
+    InvalidParamError,
     ModelConfigError,
     NotFoundError,
     ServingError,
@@ -19,12 +20,14 @@ from rayinfer.protocol.errors import (
     grpc_status_name,
     http_status,
 )
+from rayinfer.protocol.chat_template import TemplateError
 from rayinfer.protocol.limits import BodyTooLarge, MessageTooLarge, ModelLoadTooLarge, StreamIdle
 
 ERRORS = [
     (ServingError("generic failure"), Code.INTERNAL),
     (ServingError("already there", Code.ALREADY_EXISTS), Code.ALREADY_EXISTS),
     (InvalidArgError("bad input 'INPUT0'"), Code.INVALID_ARG),
+    (InvalidParamError("'n' must be a positive integer", "n"), Code.INVALID_ARG),
     (NotFoundError("model 'nope' not found"), Code.NOT_FOUND),
     (UnavailableError("model 'simple' is loading"), Code.UNAVAILABLE),
     (UnsupportedError("BF16 is not supported"), Code.UNSUPPORTED),
@@ -34,6 +37,7 @@ ERRORS = [
     (MessageTooLarge("Received message larger than max (3 vs. 2)"), Code.INVALID_ARG),
     (ModelLoadTooLarge("Load request JSON size exceeds the maximum allowed input size."), Code.INTERNAL),
     (StreamIdle("the stream had no request nor response for 1 s"), Code.UNAVAILABLE),
+    (TemplateError("the chat template of model 'tiny_llm' failed: roles must alternate"), Code.INVALID_ARG),
 ]
 
 
@@ -44,6 +48,7 @@ def test_every_error_class_round_trips_through_pickle(error: ServingError, code:
     assert copy.code == code
     assert copy.message == error.message
     assert str(copy) == error.message
+    assert getattr(copy, "param", None) == getattr(error, "param", None)
 
 
 def test_serving_error_code_given_as_string_is_normalised() -> None:
