@@ -83,6 +83,7 @@ class Generation:
         self.state = state
         self.text = text
         self.made = 0
+        self.done = False  # its final response sent
         self.logprobs = []
         self.stop = {str(word).strip().lower() for word in settings["stop"]}  # words of the vocabulary
         self.stream = flag(request, "stream")
@@ -109,9 +110,11 @@ class TritonPythonModel:
         self.recurrent = rng.normal(0, 1 / np.sqrt(HIDDEN), (HIDDEN, HIDDEN)).astype(np.float32)
         self.output = rng.normal(0, 2 / np.sqrt(HIDDEN), (HIDDEN, size)).astype(np.float32)
         self.banned = [self.ids["[PAD]"], self.ids["[CLS]"]]
-        self.cancelled = pb_utils.MetricFamily(
+        # The family is kept as long as its metric (Triton's rule for custom metrics).
+        self.cancelled_family = pb_utils.MetricFamily(
             name="tiny_llm_cancelled", description="Generations stopped because their request was cancelled",
-            kind=pb_utils.MetricFamily.COUNTER).Metric(labels={"model": "tiny_llm"})
+            kind=pb_utils.MetricFamily.COUNTER)
+        self.cancelled = self.cancelled_family.Metric(labels={"model": "tiny_llm"})
         self.waiting = queue.Queue()
         self.stopping = threading.Event()
         self.loop = threading.Thread(target=self.generate_forever, name="tiny_llm", daemon=True)
@@ -168,7 +171,13 @@ class TritonPythonModel:
             except queue.Empty:
                 pass
             if active:
-                active = self.step(active)
+                try:
+                    active = self.step(active)
+                except Exception as exc:  # the generations under way fail; the loop serves on
+                    for generation in active:
+                        if not generation.done:  # not finished before the failure
+                            self.fail(generation.sender, f"tiny_llm: {exc}", pb_utils.TritonError.INTERNAL)
+                    active = []
         for generation in active:
             self.finish(generation)
 
@@ -237,6 +246,7 @@ class TritonPythonModel:
             generation.sender.send(self.answer(generation, generation.text, generation.made,
                                                generation.logprobs if generation.with_logprobs else None))
         generation.sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        generation.done = True
 
     def answer(self, generation, text, made, logprobs):
         outputs = [pb_utils.Tensor("text_output", np.array([text.encode("utf-8")], dtype=object))]
