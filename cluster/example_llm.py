@@ -3,7 +3,7 @@
 A decoupled Python model with the tensor names of Triton's vLLM backend: ``text_input`` (the
 prompt), optional ``stream`` (send each token as it is made, else one response with the whole
 text), ``sampling_parameters`` (a JSON object: ``max_tokens``, at most 4096, ``temperature``,
-``top_p``, ``seed``, ``stop``, ``logprobs``: top log probabilities per token, at most 20) and
+``top_p``, ``seed``, ``stop``, ``ignore_eos``, ``logprobs``: top log probabilities per token, at most 20) and
 ``exclude_input_in_output``; it answers ``text_output``, and with ``return_num_input_tokens``,
 ``return_num_output_tokens`` and ``return_logprobs`` also ``num_input_tokens``,
 ``num_output_tokens`` (in each streamed response: the tokens it carries) and ``logprobs`` (vLLM's
@@ -69,7 +69,8 @@ HIDDEN = 64
 MAX_TOKENS = 4096  # the most a request may ask for
 MAX_LOGPROBS = 20  # top log probabilities a token may carry
 BATCH = 32  # generations that advance together, one token each per step; more wait for a place
-DEFAULTS = {"max_tokens": 16, "temperature": 1.0, "top_p": 1.0, "seed": 0, "stop": [], "logprobs": None}
+DEFAULTS = {"max_tokens": 16, "temperature": 1.0, "top_p": 1.0, "seed": 0, "stop": [], "logprobs": None,
+            "ignore_eos": False}
 
 
 class Generation:
@@ -195,6 +196,9 @@ class TritonPythonModel:
             return going
         logits = np.stack([g.state for g in going]) @ self.output
         logits[:, self.banned] = -np.inf
+        for row, generation in enumerate(going):
+            if generation.settings["ignore_eos"]:  # vLLM's: it runs to max_tokens
+                logits[row, self.eos] = -np.inf
         shifted = logits - logits.max(axis=1, keepdims=True)
         log_probs = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
         tokens = []

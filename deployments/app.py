@@ -93,10 +93,12 @@ def openai_application(options: OpenAIOptions, *, num_cpus: float = 0.1, max_ong
                        version: str | None = None) -> Application:
     """The ``/v1`` application: the OpenAI-compatible API (:mod:`openai_app`), one replica taking
     at most ``max_ongoing_requests`` requests at once (--max-inflight-requests; Serve's ingress
-    queues more), bodies of at most ``max_input_size`` bytes (--http-max-input-size)."""
+    queues as many more, then answers 503), bodies of at most ``max_input_size`` bytes
+    (--http-max-input-size)."""
     deployment = OpenAIDeployment.options(
         num_replicas=1,
         max_ongoing_requests=max_ongoing_requests,
+        max_queued_requests=max_ongoing_requests,
         ray_actor_options={"num_cpus": num_cpus},
         graceful_shutdown_timeout_s=10.0,
     )

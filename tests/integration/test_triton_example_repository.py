@@ -20,6 +20,7 @@ import urllib.error
 import urllib.request
 
 import numpy as np
+import openai
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
@@ -34,6 +35,7 @@ pytestmark = pytest.mark.own_cluster
 
 PORT = HTTP_PORT + 500
 STARTUP_MODELS = ["simple", "nlp_ensemble"]
+REPOSITORY_KEY = {"repo-key": "r3po"}  # --http-restricted-api model-repository
 FETCHED_LATER = {
     "densenet_onnx": """name: "densenet_onnx"
 platform: "onnxruntime_onnx"
@@ -92,6 +94,7 @@ def example_server(tmp_path_factory, otlp):
     proc = start_server(repo, log, [
         "--model-control-mode", "explicit", *[arg for m in STARTUP_MODELS for arg in ("--load-model", m)],
         "--http-restricted-api", "statistics,logging:stats-key=s3cr3t",
+        "--http-restricted-api", "model-repository:repo-key=r3po",
         "--grpc-restricted-protocol", "statistics:stats-key=s3cr3t",
         # Triton's OpenTelemetry mode (the rate traces none of the other tests' requests).
         "--trace-config", "mode=opentelemetry", "--trace-config", f"opentelemetry,url={otlp.url}",
@@ -171,12 +174,31 @@ def test_serves_own_ingress_ports_check_the_restricted_groups_too(example_server
     grpc.close()
 
 
+def test_the_openai_apis_routes_are_in_their_restricted_groups(example_server):
+    """/v1/models belongs to the model-repository group (as in Triton's OpenAI frontend): without
+    its header, 401 and OpenAI's error, from the front and from Serve's own ingress port alike;
+    the inference routes are not restricted here."""
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{PORT}/v1", api_key="not-checked", max_retries=0, timeout=30)
+    with pytest.raises(openai.AuthenticationError) as error:
+        client.models.list()
+    assert error.value.message == "This API is restricted, expecting header 'repo-key' with valid value"
+    assert {"simple", "nlp_ensemble"} <= {m.id for m in client.models.list(extra_headers=REPOSITORY_KEY)}
+    with pytest.raises(openai.BadRequestError, match="model 'simple' is not a language model"):
+        client.chat.completions.create(model="simple", messages=[{"role": "user", "content": "hi"}])
+    client.close()
+    request = urllib.request.Request(f"http://127.0.0.1:{PORT + 10}/v1/models")
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(request, timeout=30)
+    assert refused.value.code == 401
+    assert json.loads(refused.value.read())["error"]["code"] == "invalid_auth"
+
+
 def test_ready_with_models_it_was_not_asked_to_load(example_server):
     client = httpclient.InferenceServerClient(f"127.0.0.1:{PORT}")
     assert client.is_server_ready()
     with urllib.request.urlopen(f"http://127.0.0.1:{PORT}/v2/health/ready", timeout=30) as response:
         assert response.status == 200  # what a readiness probe (curl) sees
-    index = {row["name"]: row for row in client.get_model_repository_index()}
+    index = {row["name"]: row for row in client.get_model_repository_index(headers=REPOSITORY_KEY)}
     assert index["simple"]["state"] == "READY"
     for name in ("densenet_onnx", "inception_graphdef", "simple_sequence"):
         assert index[name]["state"] == "UNAVAILABLE" and index[name]["reason"]
@@ -187,18 +209,20 @@ def test_ready_with_models_it_was_not_asked_to_load(example_server):
 def test_tritons_model_control_example(example_server, module):
     if module is grpcclient:
         client = grpcclient.InferenceServerClient(f"127.0.0.1:{PORT + 1}")
+        key = None  # restricted over HTTP only
     else:
         client = httpclient.InferenceServerClient(f"127.0.0.1:{PORT}", network_timeout=LOAD_TIMEOUT_S)
+        key = REPOSITORY_KEY
     assert client.is_server_live() and client.is_server_ready()
-    client.load_model("simple")
+    client.load_model("simple", headers=key)
     assert client.is_model_ready("simple")
-    client.unload_model("simple")
+    client.unload_model("simple", headers=key)
     assert not client.is_model_ready("simple")
     assert client.is_server_ready()  # no model it was asked to serve is failing
     with pytest.raises(InferenceServerException) as error:
-        client.load_model("wrong_model_name")
+        client.load_model("wrong_model_name", headers=key)
     assert "failed to load" in error.value.message()
-    client.load_model("simple")  # as it was, for the next protocol
+    client.load_model("simple", headers=key)  # as it was, for the next protocol
     assert client.is_model_ready("simple")
 
 
@@ -207,9 +231,9 @@ def test_a_model_asked_for_that_cannot_load_makes_the_server_unready(example_ser
     # (a TensorFlow GraphDef whose file is not one: the error names the file)
     with pytest.raises(InferenceServerException,
                        match="failed to load .simple_sequence.: failed to load GraphDef .*simple_sequence/1/model.graphdef"):
-        client.load_model("simple_sequence")
+        client.load_model("simple_sequence", headers=REPOSITORY_KEY)
     assert not client.is_server_ready()
-    client.unload_model("simple_sequence")
+    client.unload_model("simple_sequence", headers=REPOSITORY_KEY)
     assert client.is_server_ready()
 
 
