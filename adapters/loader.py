@@ -46,6 +46,6 @@ def load_runner(
     runner = getattr(adapter, "runner_class", ModelRunner)(spec, adapter, version)
     run_warmup(runner, model_dir)
     # Warmup executions are not inference statistics.
-    runner.stats = ModelStatistics()
+    runner.stats = ModelStatistics(first_response_buckets=spec.first_response_buckets)
     logger.info("loaded model '%s' version %d (%s)", model_name, version, config.backend)
     return runner, entry

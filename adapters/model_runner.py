@@ -133,7 +133,7 @@ class ModelRunner:
         self.spec = spec
         self.adapter = adapter
         self.version = str(version)
-        self.stats = ModelStatistics()
+        self.stats = ModelStatistics(first_response_buckets=spec.first_response_buckets)
         self._inputs = spec.input_map
         self._outputs = spec.output_map
         self._required = [t.name for t in spec.inputs if not t.optional]

@@ -186,4 +186,5 @@ def _metrics_args(settings: ServerSettings) -> dict[str, Any]:
         "metrics_interval_ms": metrics.interval_ms,
         "allow_cpu_metrics": metrics.cpu, "allow_gpu_metrics": metrics.gpu,
         "summary_quantiles": list(metrics.summary_quantiles), "counter_latencies": metrics.counter_latencies,
+        "histogram_latencies": metrics.histogram_latencies,
     }

@@ -138,7 +138,8 @@ class ServerSettings(BaseSettings):
         description="tritonserver's --metrics-config SETTING=VALUE, repeatable: summary_latencies=true adds the "
         "nv_inference_*_summary_us latency summaries (quantiles over the last minute), summary_quantiles="
         "Q:E,... picks their quantiles (default 0.5, 0.9, 0.95, 0.99, 0.999), counter_latencies=false drops the "
-        "nv_inference_*_duration_us counters.",
+        "nv_inference_*_duration_us counters, histogram_latencies=true adds nv_inference_first_response_histogram_ms "
+        "(time to first response; buckets from a config's model_metrics).",
     )
     model_control_mode: Literal["none", "poll", "explicit"] = Field(
         "none",

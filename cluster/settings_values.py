@@ -74,10 +74,11 @@ def metrics_endpoint(settings: ServerSettings) -> MetricsOptions | None:
     """The metrics port and what it samples, or None when metrics are off (port 0 as well)."""
     if not settings.allow_metrics or not settings.metrics_port:
         return None
-    summary_quantiles, counter_latencies = parse_metrics_config(settings.metrics_config)
+    config = parse_metrics_config(settings.metrics_config)
     return MetricsOptions(
         settings.metrics_address or settings.http_address, settings.metrics_port, settings.metrics_interval_ms,
-        settings.allow_cpu_metrics, settings.allow_gpu_metrics, summary_quantiles, counter_latencies,
+        settings.allow_cpu_metrics, settings.allow_gpu_metrics, config.summary_quantiles, config.counter_latencies,
+        config.histogram_latencies,
     )
 
 

@@ -155,7 +155,7 @@ def build_model_app(args: dict[str, Any]) -> Application:
 def build_server_app(args: dict[str, Any]) -> Application:
     """Serve-config entry point; ``args``: model_repository, server_id, strict_readiness and,
     for the metrics port, metrics_address, metrics_port, metrics_interval_ms, allow_cpu_metrics,
-    allow_gpu_metrics, summary_quantiles and counter_latencies; for the front's gRPC port, grpc_address,
+    allow_gpu_metrics, summary_quantiles, counter_latencies and histogram_latencies; for the front's gRPC port, grpc_address,
     grpc_port, serve_grpc_host and serve_grpc_port; for its HTTP port, http_address, http_port,
     serve_http_host and serve_http_port; front_threads; max_inflight_requests; direct_connections; front_on_head; front_on_every_node; and model
     control's args
@@ -173,6 +173,7 @@ def build_server_app(args: dict[str, Any]) -> Application:
             parse_bool(args.get("allow_cpu_metrics", True)), parse_bool(args.get("allow_gpu_metrics", True)),
             tuple(float(q) for q in args.get("summary_quantiles", ())),
             parse_bool(args.get("counter_latencies", True)),
+            parse_bool(args.get("histogram_latencies", False)),
         ) if args.get("metrics_port") else None,
         control=_control_from_args(args),
         grpc_front=(str(args.get("grpc_address", "127.0.0.1")), int(args["grpc_port"]),

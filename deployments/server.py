@@ -133,7 +133,8 @@ class ServerDeployment:
         if metrics is not None:
             self._metrics = MetricsEndpoint(
                 functools.partial(self._api.render_metrics, summary_quantiles=metrics.summary_quantiles,
-                                  counter_latencies=metrics.counter_latencies), metrics)
+                                  counter_latencies=metrics.counter_latencies,
+                                  histogram_latencies=metrics.histogram_latencies), metrics)
             self._metrics.start()
 
     def __getattr__(self, name: str) -> Any:

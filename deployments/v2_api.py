@@ -273,10 +273,11 @@ class V2Api:
         return [stats_to_json(r["name"], r["version"], self.statistics.merged(r["name"], r["version"])) for r in rows]
 
     async def render_metrics(self, cpu: CpuFigures | None, gpus: tuple[GpuFigures, ...],
-                             summary_quantiles: tuple[float, ...] = (), counter_latencies: bool = True) -> str:
+                             summary_quantiles: tuple[float, ...] = (), counter_latencies: bool = True,
+                             histogram_latencies: bool = False) -> str:
         """Triton's Prometheus text for every READY model version (rendered off the event loop:
-        a few milliseconds for tens of models); ``summary_quantiles`` and ``counter_latencies``
-        as --metrics-config sets them."""
+        a few milliseconds for tens of models); ``summary_quantiles``, ``counter_latencies`` and
+        ``histogram_latencies`` as --metrics-config sets them."""
         figures = [
             ModelFigures(r["name"], r["version"], self.statistics.merged(r["name"], r["version"]),
                          self.statistics.pending(r["name"], r["version"]))
@@ -292,7 +293,7 @@ class V2Api:
                 evictions = sum(f.snapshot.get("cache_evictions", 0) for f in figures)
                 cache = CacheFigures(self.cache_size_bytes, used, entries, evictions)
             return render(figures, cpu, gpus, extra=extra, cache=cache, summary_quantiles=summary_quantiles,
-                          counter_latencies=counter_latencies)
+                          counter_latencies=counter_latencies, histogram_latencies=histogram_latencies)
 
         return await asyncio.to_thread(rendered)
 

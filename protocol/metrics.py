@@ -17,7 +17,7 @@ import re
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.metrics_core import GaugeMetricFamily, Metric
@@ -25,6 +25,7 @@ from prometheus_client.registry import Collector
 
 from rayinfer.protocol.host_figures import CpuFigures, GpuFigures
 from rayinfer.protocol.latency_summary import quantiles
+from rayinfer.protocol.statistics import FIRST_RESPONSE_HISTOGRAM
 
 
 _COUNTERS = (
@@ -91,28 +92,39 @@ _SUMMARIES = (
      "Cumulative inference compute output duration in microseconds (does not include cached requests)",
      "compute_output"),
 )
+# Time to first response (Triton 2.52's family, --metrics-config histogram_latencies=true).
+FIRST_RESPONSE_HELP = "Duration from request to first response in milliseconds"
 # Triton 2.51's quantiles when summary_quantiles is not given.
 DEFAULT_QUANTILES = (0.5, 0.9, 0.95, 0.99, 0.999)
 
 
-def parse_metrics_config(values: Iterable[str]) -> tuple[tuple[float, ...], bool]:
-    """tritonserver's ``--metrics-config SETTING=VALUE`` values: (the summaries' quantiles, empty
-    when summary_latencies is off; whether the latency counters are reported). ValueError names a
-    value that is not understood."""
-    summaries, counters = False, True
+class MetricsConfig(NamedTuple):
+    """What ``--metrics-config`` asks for."""
+
+    summary_quantiles: tuple[float, ...]  # the summaries' quantiles; empty when summary_latencies is off
+    counter_latencies: bool  # the nv_inference_*_duration_us counters
+    histogram_latencies: bool = False  # nv_inference_first_response_histogram_ms
+
+
+def parse_metrics_config(values: Iterable[str]) -> MetricsConfig:
+    """tritonserver's ``--metrics-config SETTING=VALUE`` values. ValueError names a value that is
+    not understood."""
+    summaries, counters, histograms = False, True, False
     wanted: tuple[float, ...] = DEFAULT_QUANTILES
     for value in values:
         key, sep, setting = value.partition("=")
         if not sep:
             raise ValueError(f"--metrics-config takes SETTING=VALUE, got '{value}'")
         key, setting = key.strip(), setting.strip().lower()
-        if key in ("summary_latencies", "counter_latencies"):
+        if key in ("summary_latencies", "counter_latencies", "histogram_latencies"):
             if setting not in ("true", "false"):
                 raise ValueError(f"--metrics-config {key} must be true or false, got '{setting}'")
             if key == "summary_latencies":
                 summaries = setting == "true"
-            else:
+            elif key == "counter_latencies":
                 counters = setting == "true"
+            else:
+                histograms = setting == "true"
         elif key == "summary_quantiles":
             # Triton's form: QUANTILE:ERROR pairs, comma-separated (the error bound is met here
             # by the buckets' 1% precision).
@@ -124,8 +136,8 @@ def parse_metrics_config(values: Iterable[str]) -> tuple[tuple[float, ...], bool
                 raise ValueError(f"--metrics-config summary_quantiles must lie between 0 and 1, got '{setting}'")
         else:
             raise ValueError(f"--metrics-config setting '{key}' is not supported (summary_latencies, "
-                             "summary_quantiles, counter_latencies are)")
-    return (wanted if summaries else ()), counters
+                             "summary_quantiles, counter_latencies, histogram_latencies are)")
+    return MetricsConfig((wanted if summaries else ()), counters, histograms)
 
 
 @dataclass(frozen=True)
@@ -141,6 +153,7 @@ class MetricsOptions:
     # --metrics-config: the latency summaries' quantiles (empty: no summaries), the latency counters.
     summary_quantiles: tuple[float, ...] = ()
     counter_latencies: bool = True
+    histogram_latencies: bool = False
 
     def __post_init__(self) -> None:
         if self.interval_ms <= 0:
@@ -204,8 +217,10 @@ class TritonCollector:
 
     def __init__(self, models: Sequence[ModelFigures], cpu: CpuFigures | None, gpus: Sequence[GpuFigures] = (),
                  cache: CacheFigures | None = None, summary_quantiles: tuple[float, ...] = (),
-                 counter_latencies: bool = True, now_s: float | None = None) -> None:
+                 counter_latencies: bool = True, now_s: float | None = None,
+                 histogram_latencies: bool = False) -> None:
         self._models = models
+        self._histograms = histogram_latencies
         self._cpu = cpu
         self._gpus = gpus
         self._cache = cache
@@ -240,6 +255,7 @@ class TritonCollector:
                 family.add_sample(metric, {"model": m.name, "version": m.version}, _counter_value(metric, m.snapshot))
             yield family
         yield from self._summary_families()
+        yield from self._histogram_families()
         pending = GaugeMetricFamily(*_PENDING, labels=("model", "version"))
         for m in self._models:
             pending.add_metric((m.name, m.version), m.pending)
@@ -270,6 +286,27 @@ class TritonCollector:
                 for q, value in quantiles(summary, self._quantiles, now).items():
                     family.add_sample(metric, {**labels, "quantile": _number(q)},
                                       value if math.isnan(value) else round(value))
+            yield family
+
+    def _histogram_families(self) -> Iterator[Metric]:
+        """Triton's time to first response (--metrics-config histogram_latencies=true), per model
+        version from its load: cumulative buckets (the config's ``model_metrics`` bounds, else
+        Triton's), count and sum of whole milliseconds. No family when no model has one."""
+        if not self._histograms:
+            return
+        family = Metric(FIRST_RESPONSE_HISTOGRAM, FIRST_RESPONSE_HELP, "histogram")
+        for m in self._models:
+            histogram = m.snapshot.get("first_response")
+            if histogram is None:
+                continue
+            labels = {"model": m.name, "version": m.version}
+            total = 0
+            for bound, count in zip([*histogram["buckets"], math.inf], histogram["counts"]):
+                total += count
+                family.add_sample(FIRST_RESPONSE_HISTOGRAM + "_bucket", {**labels, "le": _number(bound)}, total)
+            family.add_sample(FIRST_RESPONSE_HISTOGRAM + "_count", labels, total)
+            family.add_sample(FIRST_RESPONSE_HISTOGRAM + "_sum", labels, histogram["sum_ms"])
+        if family.samples:
             yield family
 
     def _cache_families(self) -> Iterator[Metric]:
@@ -316,6 +353,7 @@ def render(
     cache: CacheFigures | None = None,
     summary_quantiles: tuple[float, ...] = (),
     counter_latencies: bool = True,
+    histogram_latencies: bool = False,
 ) -> str:
     """The Prometheus text exposition Triton serves on its metrics port, followed by the families
     of ``extra`` prometheus_client collectors (a Python backend's custom metrics, for instance).
@@ -324,7 +362,8 @@ def render(
     describes itself and clashes with Triton's names raises ``ValueError``.
     """
     registry = CollectorRegistry()
-    registry.register(TritonCollector(models, cpu, gpus, cache, summary_quantiles, counter_latencies))
+    registry.register(TritonCollector(models, cpu, gpus, cache, summary_quantiles, counter_latencies,
+                                      histogram_latencies=histogram_latencies))
     for collector in extra:
         registry.register(collector)
     return _classic_text(registry.collect())
@@ -382,8 +421,9 @@ def _classic_text(families: Iterable[Metric]) -> str:
         for sample in family.samples:
             line = names[sample.name]
             if sample.labels:
-                # Label names sorted (Triton's order), a summary's quantile last, as Triton writes it.
-                ordered = sorted(sample.labels.items(), key=lambda label: (label[0] == "quantile", label[0]))
+                # Label names sorted (Triton's order), a summary's quantile or a histogram's le
+                # last, as Triton writes them.
+                ordered = sorted(sample.labels.items(), key=lambda label: (label[0] in ("quantile", "le"), label[0]))
                 line += f"{{{','.join([labels[label] for label in ordered])}}}"
             line = f"{line} {_number(sample.value)}"
             if sample.timestamp is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -13,6 +14,10 @@ _DURATIONS = ("success", "fail", "queue", "compute_input", "compute_infer", "com
 _BATCH_DURATIONS = ("compute_input", "compute_infer", "compute_output")
 # The durations kept as latency summaries too (Triton's nv_inference_*_summary_us), per request.
 SUMMARIES = ("request", "queue", "compute_input", "compute_infer", "compute_output")
+# Triton's family of the time to first response, and its bucket bounds, in milliseconds (a config's
+# model_metrics may give others).
+FIRST_RESPONSE_HISTOGRAM = "nv_inference_first_response_histogram_ms"
+FIRST_RESPONSE_BUCKETS_MS = (100.0, 500.0, 2000.0, 5000.0)
 
 
 @dataclass
@@ -31,6 +36,17 @@ class ModelStatistics:
     failure_reasons: dict[str, int] = field(default_factory=dict)
     # Each successful request's durations, for quantiles (cached requests count in request and queue).
     summaries: dict[str, LatencySummary] = field(default_factory=lambda: {k: LatencySummary() for k in SUMMARIES})
+    # Time to first response (nv_inference_first_response_histogram_ms): the buckets' upper
+    # bounds in ms, the requests in each (the last: above every bound) and their sum in whole ms.
+    # A decoupled model's is recorded as its first response leaves (record_first_response), any
+    # other's as its request ends.
+    first_response_buckets: tuple[float, ...] = FIRST_RESPONSE_BUCKETS_MS
+    decoupled: bool = False
+    first_response_counts: list[int] = field(default_factory=list)
+    first_response_sum_ms: int = 0
+
+    def __post_init__(self) -> None:
+        self.first_response_counts = [0] * (len(self.first_response_buckets) + 1)
 
     def record_success(self, request_ns: int, queue_ns: int) -> None:
         self._add("success", request_ns)
@@ -39,13 +55,23 @@ class ModelStatistics:
         self.last_inference_ms = int(now * 1000)
         self.summaries["request"].record(request_ns / 1000, now)
         self.summaries["queue"].record(queue_ns / 1000, now)
+        if not self.decoupled:
+            self.record_first_response(request_ns)
 
     def record_failure(self, request_ns: int, reason: str = "BACKEND") -> None:
         """A failed request; ``reason`` as the failure metric labels it (BACKEND: the model's)."""
         self._add("fail", request_ns)
         if reason != "BACKEND":
             self.failure_reasons[reason] = self.failure_reasons.get(reason, 0) + 1
+        elif not self.decoupled:  # its error is its response
+            self.record_first_response(request_ns)
         self.last_inference_ms = int(time.time() * 1000)
+
+    def record_first_response(self, ns: int) -> None:
+        """A request's first response, ``ns`` after the request arrived (counted in whole ms, as Triton does)."""
+        ms = ns // 1_000_000
+        self.first_response_counts[bisect.bisect_left(self.first_response_buckets, ms)] += 1
+        self.first_response_sum_ms += ms
 
     def record_execution(
         self, requests: int, rows: int, input_ns: int, infer_ns: int, output_ns: int
@@ -88,6 +114,8 @@ class ModelStatistics:
             "batch_stats": {b: {k: list(v) for k, v in d.items()} for b, d in self.batch_stats.items()},
             "failure_reasons": dict(self.failure_reasons),
             "summaries": {k: v.snapshot() for k, v in self.summaries.items()},
+            "first_response": {"buckets": list(self.first_response_buckets),
+                               "counts": list(self.first_response_counts), "sum_ms": self.first_response_sum_ms},
         }
 
 
@@ -111,6 +139,14 @@ def merge_snapshots(snapshots: list[dict[str, Any]]) -> dict[str, Any]:
             for key, (count, ns) in per.items():
                 dest[key][0] += count
                 dest[key][1] += ns
+    histograms = [snap["first_response"] for snap in snapshots if "first_response" in snap]
+    if histograms:  # the replicas of one version share its config, and so its buckets
+        first = total["first_response"] = {"buckets": list(histograms[0]["buckets"]),
+                                           "counts": [0] * len(histograms[0]["counts"]), "sum_ms": 0}
+        for histogram in histograms:
+            if histogram["buckets"] == first["buckets"]:
+                first["counts"] = [a + b for a, b in zip(first["counts"], histogram["counts"])]
+                first["sum_ms"] += histogram["sum_ms"]
     for key in SUMMARIES:
         total["summaries"][key] = merge_summaries(
             [total["summaries"][key], *(snap["summaries"][key] for snap in snapshots if "summaries" in snap)])

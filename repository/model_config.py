@@ -7,6 +7,7 @@ an error naming the file.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -16,8 +17,11 @@ from google.protobuf.descriptor import FieldDescriptor
 
 from rayinfer.protocol.dtypes import config_to_wire, wire_to_config
 from rayinfer.protocol.errors import ModelConfigError
+from rayinfer.protocol.statistics import FIRST_RESPONSE_BUCKETS_MS, FIRST_RESPONSE_HISTOGRAM
 from rayinfer.repository.sequence_config import SequenceSpec, hidden_tensor_names, sequence_spec
 from tritonclient.grpc import model_config_pb2 as mc
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     # The generated protobuf classes ship without type stubs.
@@ -126,6 +130,8 @@ class ModelSpec:
     parameters: dict[str, str] = field(default_factory=dict)
     config: Any = field(default=None, compare=False, repr=False)
     sequence_batching: SequenceSpec | None = None
+    # The time to first response's bucket bounds, in ms (the config's model_metrics, else Triton's).
+    first_response_buckets: tuple[float, ...] = FIRST_RESPONSE_BUCKETS_MS
 
     @property
     def input_map(self) -> dict[str, TensorSpec]:
@@ -280,7 +286,34 @@ def spec_from_config(config: ModelConfig, path: Path) -> ModelSpec:
         parameters={k: v.string_value for k, v in config.parameters.items()},
         config=config,
         sequence_batching=sequence_spec(config, path) if config.HasField("sequence_batching") else None,
+        first_response_buckets=first_response_buckets(config, path),
     )
+
+
+def first_response_buckets(config: ModelConfig, path: Path) -> tuple[float, ...]:
+    """The bucket bounds of the model's time to first response: its ``model_metrics``' for
+    Triton's family, else Triton's. A metric control that lacks a part is refused with Triton's
+    message; one for another family is only logged (Triton customizes no other)."""
+    buckets = FIRST_RESPONSE_BUCKETS_MS
+    for control in config.model_metrics.metric_control:
+        if not control.HasField("metric_identifier"):
+            raise ModelConfigError(f"{path}: metric control must specify 'metric_identifier'")
+        family = control.metric_identifier.family
+        if not family:
+            raise ModelConfigError(f"{path}: metric identifier must specify non-empty 'family'")
+        if not control.HasField("histogram_options"):
+            raise ModelConfigError(f"{path}: metric control must specify 'histogram_options'")
+        bounds = tuple(control.histogram_options.buckets)
+        if not bounds:
+            raise ModelConfigError(f"{path}: histogram options must specify non-empty 'buckets'")
+        if family != FIRST_RESPONSE_HISTOGRAM:
+            logger.warning("%s: Metric family '%s' in 'metric_identifier' is not a customizable metric in "
+                           "Triton core.", path, family)
+            continue
+        if any(b <= a for a, b in zip(bounds, bounds[1:])):
+            raise ModelConfigError(f"{path}: the buckets of '{family}' must be strictly ascending, got {list(bounds)}")
+        buckets = bounds
+    return buckets
 
 
 def _queue_policy(policy: Any) -> QueuePolicy:

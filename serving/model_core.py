@@ -57,6 +57,8 @@ class ModelCore:
         self.name = spec.name
         self.version = str(getattr(executor, "version", ""))
         self.decoupled = bool(getattr(executor, "decoupled", False))
+        # A decoupled model's time to first response is taken as its first response leaves (stream).
+        executor.stats.decoupled = self.decoupled
         self.metadata = _metadata(spec, [str(v) for v in versions])
         # A decoupled request's responses made and not yet taken, then its sender waits
         # (--max-queued-responses: the replica sets it from its connection limits).
@@ -201,8 +203,12 @@ class ModelCore:
                 sender.send(as_serving_error(error) if error is not None else result, final=True)
 
         done.add_done_callback(end_on_failure)
+        first = True
         try:
             async for response in sender.responses():
+                if first:
+                    self.executor.stats.record_first_response(time.perf_counter_ns() - prepared.arrival_ns)
+                    first = False
                 if trace is not None:
                     trace.tensors += self._output_tensors(trace, response)
                 yield response

@@ -368,6 +368,7 @@ def server(model_repository: Path, tmp_path_factory: pytest.TempPathFactory):
         "--grpc-port", str(GRPC_PORT), "--serve-grpc-port", str(SERVE_GRPC_PORT), "--serve-http-port", str(SERVE_HTTP_PORT),
         "--cache-config", "local,size=1048576", "--trace-config", f"triton,file={trace_file}",
         "--ray-metrics-port", str(RAY_METRICS_PORT), "--metrics-config", "summary_latencies=true",
+        "--metrics-config", "histogram_latencies=true",
     ])
     _SHARED["server"] = proc
     try:

@@ -175,3 +175,18 @@ def test_many_streams_at_once_each_get_their_own_text(client):
     alone = client.chat.completions.create(model="tiny_llm", messages=CHAT, max_tokens=8, seed=5,
                                            extra_body={"ignore_eos": True})
     assert alone.choices[0].message.content == texts[5]
+
+
+def test_time_to_first_response_is_in_tritons_histogram(client, server):
+    """--metrics-config histogram_latencies=true (the session server's): each generation's
+    first token counts once in nv_inference_first_response_histogram_ms, whatever way it came."""
+    count = 'nv_inference_first_response_histogram_ms_count{model="tiny_llm",version="1"}'
+    before = metric_value(server, count)
+    list(client.completions.create(model="tiny_llm", prompt="a", max_tokens=5, stream=True,
+                                   extra_body={"ignore_eos": True}))
+    client.completions.create(model="tiny_llm", prompt="a", max_tokens=5, n=2, extra_body={"ignore_eos": True})
+    wait_until(lambda: metric_value(server, count) >= before + 3, "three first responses in the histogram",
+               timeout_s=30)
+    assert metric_value(server, count) == before + 3
+    slowest = 'nv_inference_first_response_histogram_ms_bucket{model="tiny_llm",version="1",le="+Inf"}'
+    assert metric_value(server, slowest) == metric_value(server, count)

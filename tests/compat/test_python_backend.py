@@ -141,7 +141,7 @@ def test_custom_metrics_reach_the_metrics_port(server):
     lines = wait_until(scraped, "py_metrics_requests to reach 3 on the metrics port", timeout_s=30).splitlines()
     assert "# TYPE py_metrics_requests counter" in lines
     assert f"py_metrics_last_input{labels} 20" in lines
-    assert 'py_metrics_inputs_bucket{le="10",model="py_metrics",version="1"} 2' in lines
+    assert 'py_metrics_inputs_bucket{model="py_metrics",version="1",le="10"} 2' in lines
     assert f"py_metrics_inputs_count{labels} 3" in lines
     assert any(line.startswith('nv_inference_count{model="py_metrics"') for line in lines)
 

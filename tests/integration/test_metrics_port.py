@@ -139,16 +139,18 @@ def test_latency_summaries_follow_the_requests(server, client):
 def test_model_replicas_report_none_of_rays_own_metrics(server):
     """Ray keeps the metric series of a process after it exits, so every reload would leave a
     model replica's (about 80) in Ray's processes: model replicas run with Ray's metrics off
-    (``--replica-ray-metrics`` turns them on), the ``/v2`` replica with them on."""
+    (``--replica-ray-metrics`` turns them on), the ``/v2`` and ``/v1`` replicas (one each, for the
+    server's life) with them on."""
     def replicas_reporting() -> set[str] | None:
         with urllib.request.urlopen(server["ray_metrics_url"], timeout=30) as response:
             lines = response.read().decode().splitlines()
         # Each Serve replica reports this gauge itself, labelled with its application.
         apps = {re.search(r'application="([^"]*)"', line).group(1) for line in lines
                 if line.startswith("ray_serve_replica_processing_queries{")}
-        return apps if "rayinfer" in apps else None  # Ray exports every 10 s
+        return apps if {"rayinfer", "openai"} <= apps else None  # Ray exports every 10 s
 
-    assert wait_until(replicas_reporting, "the /v2 replica's Ray metrics", timeout_s=60, interval_s=2.0) == {"rayinfer"}
+    assert wait_until(replicas_reporting, "the /v2 and /v1 replicas' Ray metrics", timeout_s=60,
+                      interval_s=2.0) == {"rayinfer", "openai"}
 
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "ray-configs" / "grafana" / "rayinfer.json"

@@ -47,7 +47,7 @@ PORT_ARGS = ["--http-port", str(PORT), "--grpc-port", str(PORT + 1), "--metrics-
              "--serve-http-port", str(PORT + 10), "--serve-grpc-port", str(PORT + 11)]
 BIN = Path(sys.executable).parent
 # Every model version's Serve application: the default (highest) version as <model>.
-APPS = ("rayinfer", "simple", "simple@v1")
+APPS = ("rayinfer", "openai", "simple", "simple@v1")
 
 
 # Ray's autoscaler with the fake_multinode provider: up to one CPU worker node, added on demand;

@@ -87,10 +87,11 @@ def test_counter_latencies_false_drops_the_duration_counters() -> None:
 
 
 @pytest.mark.parametrize("values, expected", [
-    ([], ((), True)),
-    (["summary_latencies=true"], (DEFAULT_QUANTILES, True)),
-    (["summary_latencies=true", "summary_quantiles=0.5:0.05,0.99:0.001"], ((0.5, 0.99), True)),
-    (["counter_latencies=false"], ((), False)),
+    ([], ((), True, False)),
+    (["summary_latencies=true"], (DEFAULT_QUANTILES, True, False)),
+    (["summary_latencies=true", "summary_quantiles=0.5:0.05,0.99:0.001"], ((0.5, 0.99), True, False)),
+    (["counter_latencies=false"], ((), False, False)),
+    (["histogram_latencies=true"], ((), True, True)),
 ])
 def test_metrics_config_values(values, expected) -> None:
     assert parse_metrics_config(values) == expected
@@ -100,7 +101,8 @@ def test_metrics_config_values(values, expected) -> None:
     ("summary_latencies", "takes SETTING=VALUE"),
     ("summary_latencies=yes", "summary_latencies must be true or false"),
     ("summary_quantiles=1.5:0.1", "must lie between 0 and 1"),
-    ("histogram_latencies=true", "setting 'histogram_latencies' is not supported"),
+    ("histogram_latencies=1", "histogram_latencies must be true or false"),
+    ("summary_latency=true", "setting 'summary_latency' is not supported"),
 ])
 def test_bad_metrics_config_values_are_named(value, message) -> None:
     with pytest.raises(ValueError, match=message):

@@ -134,7 +134,7 @@ def test_extra_collectors_join_tritons_families_and_counters_keep_tritons_names(
     assert "# TYPE custom_batches counter" in lines
     assert 'custom_batches{model="my_model"} 7' in lines
     assert "custom_temperature 21.5" in lines
-    assert 'custom_latency_s_bucket{le="+Inf",model="my_model"} 2' in lines
+    assert 'custom_latency_s_bucket{model="my_model",le="+Inf"} 2' in lines
     assert 'custom_latency_s_sum{model="my_model"} 0.25' in lines
 
 
@@ -148,9 +148,9 @@ def test_an_extra_collectors_histogram_renders_its_buckets_sum_and_count():
     families = declared_families(text)
     assert families["custom_wait_s"] == "histogram"
     assert lines[lines.index("# TYPE custom_wait_s histogram") + 1:][:5] == [
-        'custom_wait_s_bucket{le="0.1",model="my_model"} 0',
-        'custom_wait_s_bucket{le="1.0",model="my_model"} 1',
-        'custom_wait_s_bucket{le="+Inf",model="my_model"} 2',
+        'custom_wait_s_bucket{model="my_model",le="0.1"} 0',
+        'custom_wait_s_bucket{model="my_model",le="1.0"} 1',
+        'custom_wait_s_bucket{model="my_model",le="+Inf"} 2',
         'custom_wait_s_count{model="my_model"} 2',
         'custom_wait_s_sum{model="my_model"} 3.25',
     ]

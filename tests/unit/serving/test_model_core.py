@@ -186,7 +186,8 @@ class _Repeat:
 
     def prepare(self, request: InferRequest) -> Any:
         count = int(request.inputs[0].data.reshape(-1)[0])
-        return type("Prepared", (), {"request": request, "rows": 1, "sender": None, "count": count})()
+        return type("Prepared", (), {"request": request, "rows": 1, "sender": None, "count": count,
+                                     "arrival_ns": time.perf_counter_ns()})()
 
     def execute(self, batch: list[Any]) -> None:
         if any(prepared.count < 0 for prepared in batch):
