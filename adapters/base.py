@@ -45,18 +45,20 @@ _REGISTRY = {
     "pytorch": "rayinfer.adapters.torchscript.adapter:TorchScriptAdapter",
     "tensorflow": "rayinfer.adapters.tensorflow.adapter:TensorFlowAdapter",
     "tensorrt": "rayinfer.adapters.tensorrt.adapter:TensorRTAdapter",
+    "vllm": "rayinfer.adapters.vllm.adapter:VllmAdapter",
 }
 
 
 def backend_uses_gpus(backend: str, package_dir: Callable[[str], Path | None] | None = None) -> bool:
     """Whether ``backend``, as installed here, can run a model on a GPU: what Triton asks of a
     KIND_AUTO group (and of a config without instance groups) before it makes GPU instances.
+    vllm: yes.
     onnxruntime: a build with the CUDA provider (onnxruntime-gpu, the gpu extra); pytorch: a
     CUDA or ROCm build of torch; python and tensorrt: yes; fil, openvino and tensorflow: no (their
     KIND_AUTO instances run on the CPU, KIND_GPU asks for the GPU). Read from the installed files, without
     importing the framework (the ``/v2`` replica asks). ``package_dir``: where an installed
     package's folder is (default: this interpreter's)."""
-    if backend in ("python", "tensorrt"):
+    if backend in ("python", "tensorrt", "vllm"):
         return True
     package = (package_dir or _package_dir)({"onnxruntime": "onnxruntime", "pytorch": "torch"}.get(backend, ""))
     if package is None:

@@ -243,8 +243,9 @@ def check_supported(config: ModelConfig, path: Path) -> None:
     unsupported = []
     if config.HasField("ensemble_scheduling") and config.platform != "ensemble":
         raise ModelConfigError(f"{path}: ensemble_scheduling is only for platform 'ensemble'")
-    if config.model_transaction_policy.decoupled and config.backend != "python" and config.platform != "ensemble":
-        unsupported.append("decoupled model_transaction_policy (only Python models may be decoupled)")
+    if config.model_transaction_policy.decoupled and config.backend not in ("python", "vllm") \
+            and config.platform != "ensemble":
+        unsupported.append("decoupled model_transaction_policy (only Python and vLLM models may be decoupled)")
     if unsupported:
         raise ModelConfigError(f"{path}: not supported yet: {', '.join(unsupported)}")
     if config.max_batch_size < 0:

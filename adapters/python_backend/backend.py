@@ -72,8 +72,12 @@ class PythonBackendAdapter:
     def runner_class(self) -> type[ModelRunner]:
         return PythonModelRunner
 
+    def model_path(self, model_dir: Path, version: int, config: ModelConfig) -> Path:
+        """The ``model.py`` to run: the version's (a backend built on this one runs its own)."""
+        return model_file(model_dir, version, config)
+
     def load(self, model_dir: Path, version: int, config: ModelConfig, auto_complete: bool) -> None:
-        path = model_file(model_dir, version, config)
+        path = self.model_path(model_dir, version, config)
         self.model_dir = str(model_dir)
         pb_utils.set_model_dir(self.model_dir)
         sys.modules.setdefault(_PB_UTILS, pb_utils)

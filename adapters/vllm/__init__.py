@@ -1,0 +1,1 @@
+"""Triton's vLLM backend (``backend: "vllm"``): a model folder with ``<version>/model.json``."""
