@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Time to first token and tokens per second of the example language model, over HTTP's
-generate_stream (server-sent events) and over a gRPC stream, in the same run.
+generate_stream (server-sent events), a gRPC stream and the OpenAI-compatible API's streamed
+chat completions, in the same run.
 
     .venv/bin/python benchmarks/token_streaming.py [--concurrency 1,8,32] [--tokens 32] [--seconds 10]
 
@@ -8,7 +9,9 @@ Writes a repository with the example ``tiny_llm`` (a decoupled Python model: one
 token, ``stream`` true) and starts ``rayinfer serve`` inside a private network namespace. For
 each concurrency, that many clients each send generation requests back to back for
 ``--seconds``, over HTTP (``POST .../generate_stream``, one connection each, read as the events
-arrive) and then over gRPC (``ModelStreamInfer``, one stream each, with tritonclient), every
+arrive), over gRPC (``ModelStreamInfer``, one stream each, with tritonclient) and then over
+``POST /v1/chat/completions`` with ``stream`` true (one connection each, read as the events
+arrive, the prompt as one user message), every
 request the same prompt and ``max_tokens`` with a seed of its own (temperature 0.7; a
 generation may end early where the model draws ``[EOS]``, so tokens are counted as received). Prints a markdown table: requests, tokens per second (all clients),
 time to first token p50 / p99 and time per later token p50, and HTTP's figures against gRPC's.
@@ -31,6 +34,7 @@ from compare_triton import RAYINFER_PORT, in_private_netns, reexec_in_netns, sta
 from rayinfer.cluster.example_llm import write_language_model
 
 PROMPT = "the movie was really good and the food"
+PROTOCOLS = {"http": "HTTP generate_stream", "grpc": "gRPC stream", "openai": "OpenAI chat completions (SSE)"}
 
 
 def _settings(tokens: int, seed: int) -> str:
@@ -54,6 +58,29 @@ def http_client(port: int, tokens: int, until: float, seed: int, out: list) -> N
                 if b'"error"' in event:
                     raise RuntimeError(event.decode())
                 stamps.append(time.perf_counter())
+        out.append(_figures(start, stamps))
+    connection.close()
+
+
+def openai_client(port: int, tokens: int, until: float, seed: int, out: list) -> None:
+    """Streamed chat completions back to back on one connection, as http_client does."""
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    while time.monotonic() < until:
+        body = json.dumps({"model": "tiny_llm", "messages": [{"role": "user", "content": PROMPT}], "stream": True,
+                           "max_tokens": tokens, "temperature": 0.7, "seed": seed})
+        seed += 1000
+        start = time.perf_counter()
+        connection.request("POST", "/v1/chat/completions", body.encode(), {"content-type": "application/json"})
+        response = connection.getresponse()
+        stamps, buffer = [], b""
+        while chunk := response.read1(65536):
+            buffer += chunk
+            while b"\n\n" in buffer:
+                event, buffer = buffer.split(b"\n\n", 1)
+                if b'"error"' in event:
+                    raise RuntimeError(event.decode())
+                if b'"content":" ' in event:  # a token (not the role, the finish or [DONE])
+                    stamps.append(time.perf_counter())
         out.append(_figures(start, stamps))
     connection.close()
 
@@ -102,8 +129,8 @@ def _figures(start: float, stamps: list[float]) -> tuple[float | None, list[floa
 
 
 def run(protocol: str, port: int, concurrency: int, tokens: int, seconds: float) -> dict[str, float]:
-    target = http_client if protocol == "http" else grpc_client
-    client_port = port if protocol == "http" else port + 1
+    target = {"http": http_client, "grpc": grpc_client, "openai": openai_client}[protocol]
+    client_port = port + 1 if protocol == "grpc" else port
     results: list = []
     began = time.monotonic()
     until = began + seconds
@@ -143,8 +170,9 @@ def main() -> int:
             wait_ready(RAYINFER_PORT, server, 600)
             run("http", RAYINFER_PORT, 1, args.tokens, 2.0)  # warm both paths up
             run("grpc", RAYINFER_PORT, 1, args.tokens, 2.0)
+            run("openai", RAYINFER_PORT, 1, args.tokens, 2.0)
             for concurrency in levels:
-                figures = {p: run(p, RAYINFER_PORT, concurrency, args.tokens, args.seconds) for p in ("http", "grpc")}
+                figures = {p: run(p, RAYINFER_PORT, concurrency, args.tokens, args.seconds) for p in PROTOCOLS}
                 print(f"  c={concurrency}: {figures}", flush=True)
                 rows.append((concurrency, figures))
         finally:
@@ -153,9 +181,9 @@ def main() -> int:
           "| tokens/s against gRPC |")
     print("|---|---|---|---|---|---|---|")
     for concurrency, figures in rows:
-        for protocol in ("http", "grpc"):
+        for protocol in PROTOCOLS:
             f = figures[protocol]
-            name = "HTTP generate_stream" if protocol == "http" else "gRPC stream"
+            name = PROTOCOLS[protocol]
             print(f"| {concurrency} | {name} | {f['requests']:,} | {f['tokens_s']:,.0f} | {f['ttft_p50_ms']:.1f} / "
                   f"{f['ttft_p99_ms']:.1f} | {f['gap_p50_ms']:.2f} | "
                   f"{f['tokens_s'] / figures['grpc']['tokens_s']:.2f}x |")

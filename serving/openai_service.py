@@ -24,7 +24,7 @@ from typing import Any, Protocol, TypeAlias
 
 from rayinfer.protocol import openai_responses as answers
 from rayinfer.protocol.chat_template import render_chat
-from rayinfer.protocol.errors import InvalidArgError, NotFoundError, ServingError, as_serving_error
+from rayinfer.protocol.errors import InternalError, InvalidArgError, NotFoundError, ServingError, as_serving_error
 from rayinfer.protocol.openai_requests import (
     GenerationRequest,
     ModelInterface,
@@ -279,10 +279,17 @@ async def _merged(streams: list[AsyncIterator[Result]]) -> AsyncGenerator[tuple[
 
 
 async def _collect(stream: AsyncIterator[Result], choice: answers.Choice) -> None:
+    """A choice's whole text: at most a response per token asked for, and one more (a model
+    that sends more is stopped, so that what is held for the answer stays bounded)."""
+    taken = 0
     async with contextlib.aclosing(stream) as results:  # type: ignore[type-var]
         async for result in results:
             if isinstance(result, ServingError):
                 raise result
+            taken += 1
+            if taken > choice.max_tokens + 1:
+                raise InternalError(f"model '{result.model_name}' sent more than {choice.max_tokens + 1} responses "
+                                    f"to a request for {choice.max_tokens} tokens")
             choice.add(answers.piece(result))
 
 
