@@ -181,7 +181,7 @@ def test_the_openai_apis_routes_are_in_their_restricted_groups(example_server):
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{PORT}/v1", api_key="not-checked", max_retries=0, timeout=30)
     with pytest.raises(openai.AuthenticationError) as error:
         client.models.list()
-    assert error.value.message == "This API is restricted, expecting header 'repo-key' with valid value"
+    assert error.value.body["message"] == "This API is restricted, expecting header 'repo-key' with valid value"
     assert {"simple", "nlp_ensemble"} <= {m.id for m in client.models.list(extra_headers=REPOSITORY_KEY)}
     with pytest.raises(openai.BadRequestError, match="model 'simple' is not a language model"):
         client.chat.completions.create(model="simple", messages=[{"role": "user", "content": "hi"}])
