@@ -143,8 +143,13 @@ def test_a_treelite_checkpoint_and_a_graphdef_load_on_demand(server, model_repos
     grpc = grpcclient.InferenceServerClient(server["grpc_url"])
     reference = xgboost.Booster(model_file=str(model_repository / "fil_treelite" / "1" / "reference.json"))
     x = np.random.default_rng(8).standard_normal((2, 8)).astype(np.float32)
-    for model in ("fil_treelite", "tf_graphdef"):
-        http.load_model(model)
+
+    def each(action: str, model: str) -> None:  # both at once: the server runs them together
+        with httpclient.InferenceServerClient(server["url"], network_timeout=LOAD_TIMEOUT_S) as client:
+            getattr(client, action)(model)
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        list(pool.map(each, ["load_model"] * 2, ["fil_treelite", "tf_graphdef"]))
     try:
         for module, client in ((httpclient, http), (grpcclient, grpc)):
             classes = client.infer("fil_treelite", [tensor(module, "input__0", ROWS, "FP32")]).as_numpy("output__0")
@@ -152,5 +157,5 @@ def test_a_treelite_checkpoint_and_a_graphdef_load_on_demand(server, model_repos
             out = client.infer("tf_graphdef", [tensor(module, "INPUT0", x, "FP32")]).as_numpy("Identity")
             np.testing.assert_allclose(out, mlp_reference(mlp_weights(), x), rtol=1e-5, atol=1e-6)
     finally:
-        for model in ("fil_treelite", "tf_graphdef"):
-            http.unload_model(model)
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            list(pool.map(each, ["unload_model"] * 2, ["fil_treelite", "tf_graphdef"]))

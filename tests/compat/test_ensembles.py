@@ -208,26 +208,47 @@ def test_metadata_config_readiness_and_statistics(proto):
                "the ensemble's statistics to count the request's two rows")
 
 
-@pytest.mark.parametrize("model, message", [
-    ("ensbad_unknown_model", "step 0 names model 'no_such_model', which is not in the model repository"),
-    ("ensbad_dtype", "step 0 (model 'simple') input 'INPUT0' is INT32, but tensor 'A' from the ensemble's input is FP32"),
-    ("ensbad_unmapped", "step 0 (model 'simple') does not map input 'INPUT1' of model 'simple'"),
-    ("ensbad_batch", "step 0 (model 'simple') allows batches of 8, fewer than the ensemble's max_batch_size 16"),
-    ("ensbad_cycle", "step 0 (model 'simple') and step 1 (model 'simple') wait for each other's outputs"),
-    ("ensbad_unused", "input 'C' is not read by any step"),
-])
-def test_a_broken_ensemble_fails_to_load_naming_the_step(server, model, message):
+BROKEN_ENSEMBLES = {
+    "ensbad_unknown_model": "step 0 names model 'no_such_model', which is not in the model repository",
+    "ensbad_dtype": "step 0 (model 'simple') input 'INPUT0' is INT32, but tensor 'A' from the ensemble's input is FP32",
+    "ensbad_unmapped": "step 0 (model 'simple') does not map input 'INPUT1' of model 'simple'",
+    "ensbad_batch": "step 0 (model 'simple') allows batches of 8, fewer than the ensemble's max_batch_size 16",
+    "ensbad_cycle": "step 0 (model 'simple') and step 1 (model 'simple') wait for each other's outputs",
+    "ensbad_unused": "input 'C' is not read by any step",
+}
+
+
+@pytest.fixture(scope="module")
+def broken_loads(server):
+    """Each broken ensemble's load error (all loaded at once: the server runs loads of different
+    models together); unloaded after the module, as a load error counts against readiness."""
+
+    def load(model: str) -> InferenceServerException | None:
+        with httpclient.InferenceServerClient(server["url"], network_timeout=LOAD_TIMEOUT_S) as client:
+            try:
+                client.load_model(model)
+            except InferenceServerException as exc:
+                return exc
+        return None
+
+    def unload(model: str) -> None:
+        with httpclient.InferenceServerClient(server["url"], network_timeout=LOAD_TIMEOUT_S) as client:
+            client.unload_model(model)
+
+    with concurrent.futures.ThreadPoolExecutor(len(BROKEN_ENSEMBLES)) as pool:
+        yield dict(zip(BROKEN_ENSEMBLES, pool.map(load, BROKEN_ENSEMBLES)))
+        list(pool.map(unload, BROKEN_ENSEMBLES))
+
+
+@pytest.mark.parametrize("model, message", list(BROKEN_ENSEMBLES.items()))
+def test_a_broken_ensemble_fails_to_load_naming_the_step(server, broken_loads, model, message):
     client = httpclient.InferenceServerClient(server["url"], network_timeout=LOAD_TIMEOUT_S)
-    try:
-        with pytest.raises(InferenceServerException, match=f"failed to load '{model}'") as raised:
-            client.load_model(model)
-        assert message in str(raised.value)
-        assert not client.is_model_ready(model)
-        row = next(r for r in client.get_model_repository_index() if r["name"] == model)
-        assert row["state"] == "UNAVAILABLE" and message in row["reason"]
-        assert client.is_model_ready("ens_chain")  # the others keep serving
-    finally:
-        client.unload_model(model)  # its load error would count against the server's readiness
+    error = broken_loads[model]
+    assert error is not None and f"failed to load '{model}'" in str(error) and message in str(error)
+    assert not client.is_model_ready(model)
+    row = next(r for r in client.get_model_repository_index() if r["name"] == model)
+    assert row["state"] == "UNAVAILABLE" and message in row["reason"]
+    assert client.is_model_ready("ens_chain")  # the others keep serving
 
 
 def test_a_decoupled_member_streams_through_the_ensemble(server):

@@ -6,6 +6,7 @@ decoupled BLS call its caller cancels."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import queue
 import time
 import urllib.request
@@ -23,14 +24,20 @@ from waiting import wait_until
 
 @pytest.fixture(scope="module")
 def qa_models(server):
-    """The QA models, loaded for this module and unloaded after it."""
-    client = httpclient.InferenceServerClient(server["url"], network_timeout=LOAD_TIMEOUT_S)
-    for name in QA_MODELS:
-        client.load_model(name)
+    """The QA models, loaded for this module and unloaded after it (all at once: the server runs
+    loads and unloads of different models together)."""
+
+    def each(action: str) -> None:
+        def run(name: str) -> None:
+            with httpclient.InferenceServerClient(server["url"], network_timeout=LOAD_TIMEOUT_S) as client:
+                getattr(client, action)(name)
+
+        with concurrent.futures.ThreadPoolExecutor(len(QA_MODELS)) as pool:
+            list(pool.map(run, QA_MODELS))
+
+    each("load_model")
     yield server
-    for name in QA_MODELS:
-        client.unload_model(name)
-    client.close()
+    each("unload_model")
 
 
 def _unittest(server, tests: str = "") -> tuple[bool, str]:

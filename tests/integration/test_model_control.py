@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import concurrent.futures
+import functools
 import socket
 from pathlib import Path
 
@@ -319,22 +321,41 @@ class TritonPythonModel:
 '''
 
 
-@pytest.mark.parametrize("name", ["a model#1", "mod\u00e8le", "twin@v2", "100%"])
-def test_a_model_named_with_any_characters_triton_allows_loads_and_serves(server, client, name):
+ODD_NAMES = ["a model#1", "mod\u00e8le", "twin@v2", "100%"]
+
+
+@pytest.fixture(scope="module")
+def odd_names(server):
+    """A Python model under each of ODD_NAMES, loaded with its files in the request (all at
+    once: the server runs loads of different models together), unloaded after the module."""
+    config = '{"backend": "python", "output": [{"name": "OUT", "data_type": "TYPE_INT32", "dims": [1]}]}'
+
+    def each(action: str, name: str) -> None:
+        with httpclient.InferenceServerClient(server["url"], network_timeout=LOAD_TIMEOUT_S) as http:
+            if action == "load":
+                http.load_model(name, config=config, files={"file:1/model.py": _ANSWER_SEVEN})
+            else:
+                http.unload_model(name)
+
+    with concurrent.futures.ThreadPoolExecutor(len(ODD_NAMES)) as pool:
+        list(pool.map(functools.partial(each, "load"), ODD_NAMES))
+        yield
+        list(pool.map(functools.partial(each, "unload"), ODD_NAMES))
+
+
+@pytest.mark.parametrize("name", ODD_NAMES)
+def test_a_model_named_with_any_characters_triton_allows_loads_and_serves(server, client, odd_names, name):
     """Triton refuses only empty names, blank ones and '..' or '/'; Ray Serve's names take
     fewer characters, so rayinfer escapes the others there. Both protocols serve the model."""
     import tritonclient.grpc as grpcclient
 
-    config = '{"backend": "python", "output": [{"name": "OUT", "data_type": "TYPE_INT32", "dims": [1]}]}'
     grpc = grpcclient.InferenceServerClient(server["grpc_url"])
     try:
-        client.load_model(name, config=config, files={"file:1/model.py": _ANSWER_SEVEN})
         assert client.infer(name, []).as_numpy("OUT")[0] == 7
         assert grpc.infer(name, []).as_numpy("OUT")[0] == 7
         assert client.get_model_metadata(name)["name"] == name and index_row(name)["state"] == "READY"
         assert client.is_model_ready(name) and grpc.is_model_ready(name)
     finally:
-        client.unload_model(name)
         grpc.close()
 
 
