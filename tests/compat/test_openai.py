@@ -33,6 +33,7 @@ def test_the_model_list_holds_the_ready_models(client):
     assert {"tiny_llm", "nlp_embedding", "simple"} <= set(listed)
     assert listed["tiny_llm"].object == "model" and listed["tiny_llm"].owned_by == "rayinfer"
     assert client.models.retrieve("tiny_llm").id == "tiny_llm"
+    assert "on_demand_never_loaded" not in listed  # in the repository, not loaded (model control)
     with pytest.raises(openai.NotFoundError) as missing:
         client.models.retrieve("no_such_model")
     assert missing.value.code == "model_not_found" and "no_such_model" in missing.value.message
@@ -71,6 +72,17 @@ def test_a_streamed_completion_is_the_text_of_a_whole_one(client):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
     echoed = client.completions.create(**args, echo=True)
     assert echoed.choices[0].text == "the movie was" + whole.choices[0].text
+
+
+def test_stop_and_top_p_shape_the_text(client):
+    """A stop word ends the text before it (finish_reason stop); a top_p that keeps one token
+    samples greedily, as temperature 0 does."""
+    args = {"model": "tiny_llm", "prompt": "the movie was", "max_tokens": 6, "seed": 11, "extra_body": {"ignore_eos": True}}
+    words = client.completions.create(**args).choices[0].text.split()
+    cut = client.completions.create(**args, stop=[words[3]]).choices[0]
+    assert cut.finish_reason == "stop" and cut.text.split() == words[:words.index(words[3])]
+    greedy = client.completions.create(**args, temperature=0).choices[0].text
+    assert client.completions.create(**args, top_p=1e-6).choices[0].text == greedy
 
 
 def test_a_streamed_chat_sends_the_role_then_the_content(client):
