@@ -27,7 +27,7 @@ from ray.serve.handle import DeploymentHandle
 from rayinfer.deployments.model_forwarder import ModelRoutes
 from rayinfer.deployments.names import SERVER_APP, SERVER_DEPLOYMENT
 from rayinfer.protocol.errors import ServingError, as_serving_error
-from rayinfer.protocol.types import InferRequest, InferResponse
+from rayinfer.protocol.types import InferRequest, InferResponse, StreamEnd
 from rayinfer.serving.model_core import ModelCore
 
 
@@ -56,7 +56,7 @@ class ReplicaBlsClient:
             return await asyncio.to_thread(lambda: _single(self._here(request)))
         return await asyncio.wrap_future(self._submit(self._infer(route, request)))
 
-    def stream(self, request: InferRequest) -> Iterator[InferResponse | ServingError]:
+    def stream(self, request: InferRequest) -> Iterator[InferResponse | ServingError | StreamEnd]:
         """Sends the request now; the iterator yields each response as it arrives."""
         route = self._run(self._route(request))
         if self._is_self(route):
@@ -97,7 +97,7 @@ class ReplicaBlsClient:
         finally:
             results.put(_END)
 
-    def _here(self, request: InferRequest) -> Iterator[InferResponse | ServingError]:
+    def _here(self, request: InferRequest) -> Iterator[InferResponse | ServingError | StreamEnd]:
         if self.core is None:
             raise ServingError(f"model '{request.model_name}' cannot call itself before it is loaded")
         return self.core.execute_here(request)

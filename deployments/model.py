@@ -48,7 +48,7 @@ from rayinfer.protocol.http_codec import parse_json_body
 from rayinfer.protocol.limits import DEFAULT_HTTP_MAX_INPUT_SIZE, ConnectionLimits
 from rayinfer.protocol.listener_client import STREAM_HEADER, ListenerClient, front_key_header
 from rayinfer.protocol.shared_memory import Registration, SharedMemoryRegistry
-from rayinfer.protocol.types import InferRequest, InferResponse
+from rayinfer.protocol.types import InferRequest, InferResponse, StreamEnd
 from rayinfer.protocol.restricted_api import inference_headers, parse_restrictions
 from rayinfer.repository.ensemble import is_ensemble
 from rayinfer.repository.model_config import config_to_json, read_config
@@ -218,7 +218,7 @@ class ModelDeployment:
 
     async def _trace_setting(self, model: str, method: str, receive: asgi.Receive, send: asgi.Send) -> None:
         try:
-            doc = parse_json_body(await asgi.read_body(receive, self._max_input_size), "trace setting") if method == "POST" else None
+            doc = parse_json_body(await asgi.read_body(receive, self._max_input_size)) if method == "POST" else None
             settings = await self._server_handle().trace_setting.remote(model, doc)
         except Exception as exc:
             await asgi.send_error(send, as_serving_error(exc))
@@ -275,9 +275,14 @@ class ModelDeployment:
         return json.dumps(self._core.config_json)
 
     async def bls_stream(self, request: InferRequest) -> Any:
-        """A Python model's BLS request with ``exec(decoupled=True)``: each response as it comes."""
-        async for result in self._core.stream(self._core.prepare(request)):
+        """A Python model's BLS request with ``exec(decoupled=True)``: each response as it comes,
+        then ``StreamEnd.FINAL_ALONE`` if a decoupled model sent its final flag on its own."""
+        prepared = self._core.prepare(request)
+        async for result in self._core.stream(prepared):
             yield result
+        sender = prepared.sender
+        if self._core.decoupled and not (sender is not None and sender.final_yielded):
+            yield StreamEnd.FINAL_ALONE
         yield None  # the end (see _STREAM_END)
 
     async def grpc_stream(self, payload: bytes, trace_context: str | None = None,

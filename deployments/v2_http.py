@@ -68,8 +68,8 @@ def v2_router(api: V2Api, limit: int, restrictions: tuple[Restrictions, Restrict
     to ``limit`` bytes, ``restrictions`` (--http-restricted-api, --grpc-restricted-protocol),
     and ``unrouted_model`` answering a model route the front had no replica for."""
 
-    async def body(receive: asgi.Receive, what: str) -> dict[str, Any]:
-        return parse_json_body(await asgi.read_body(receive, limit), what)
+    async def body(receive: asgi.Receive) -> dict[str, Any]:
+        return parse_json_body(await asgi.read_body(receive, limit))
 
     async def metadata(scope, receive, send) -> None:
         await asgi.send_json(send, 200, api.server_metadata())
@@ -86,11 +86,11 @@ def v2_router(api: V2Api, limit: int, restrictions: tuple[Restrictions, Restrict
 
     async def logging(scope, receive, send) -> None:
         if scope["method"] == "POST":
-            api.set_log_settings(log_settings.update_from_http(api.log_settings, await body(receive, "logging")))
+            api.set_log_settings(log_settings.update_from_http(api.log_settings, await body(receive)))
         await asgi.send_json(send, 200, api.log_settings)
 
     async def trace_setting(scope, receive, send) -> None:
-        update = parse_update(await body(receive, "trace setting")) if scope["method"] == "POST" else None
+        update = parse_update(await body(receive)) if scope["method"] == "POST" else None
         await asgi.send_json(send, 200, await api.trace_setting(scope["path_params"].get("model", ""), update))
 
     async def all_stats(scope, receive, send) -> None:
@@ -101,7 +101,7 @@ def v2_router(api: V2Api, limit: int, restrictions: tuple[Restrictions, Restrict
         if action not in ("load", "unload"):
             raise _not_found(scope)
         raw = await asgi.read_body(receive, limit, load_too_large if action == "load" else body_too_large)
-        parameters = (parse_json_body(raw, "repository") if raw else {}).get("parameters") or {}
+        parameters = (parse_json_body(raw) if raw else {}).get("parameters") or {}
         if not isinstance(parameters, dict):
             raise InvalidArgError("'parameters' of a repository request must be a JSON object")
         await api.change_model(action, model, parameters)
@@ -145,7 +145,7 @@ def v2_router(api: V2Api, limit: int, restrictions: tuple[Restrictions, Restrict
                     raise InvalidArgError(f"'region name' is necessary to register {kind} shared memory region")
                 if kind == CUDA:
                     api.require_gpus(name)
-                doc = await body(receive, "register")
+                doc = await body(receive)
                 if kind == CUDA:
                     api.shm_register_cuda(name, *cuda_registration_from_json(doc))
                 else:

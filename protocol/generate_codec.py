@@ -36,7 +36,7 @@ def generate_request(body: bytes, model_name: str, model_version: str, inputs: I
                      batched: bool) -> InferRequest:
     """The infer request of a generate request's body (``batched``: the model has a batch
     dimension, max_batch_size > 0)."""
-    doc = parse_json_body(body, "generate request")
+    doc = parse_json_body(body)
     specs = {name: (datatype, [-1, *dims] if batched else list(dims)) for name, datatype, dims in inputs}
     if "parameters" in specs:
         raise InvalidArgError("Keyword 'parameters' for nested schema also given as input tensor name")

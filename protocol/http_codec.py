@@ -23,6 +23,7 @@ from rayinfer.protocol.dtypes import (
     serialize_bytes_tensor,
 )
 from rayinfer.protocol.errors import Code, InvalidArgError, ServingError, as_serving_error, http_status
+from rayinfer.protocol.json_errors import parse_failure
 from rayinfer.protocol.shared_memory import (
     BYTE_SIZE,
     REGION,
@@ -38,15 +39,13 @@ HEADER_LENGTH = "inference-header-content-length"
 
 
 def parse_json_body(body: bytes, what: str = "request") -> dict[str, Any]:
-    """Parse a JSON object body, raising INVALID_ARG with the parser's reason."""
+    """Parse a JSON object body, raising INVALID_ARG with the parser's reason in Triton's words."""
     try:
-        doc = json.loads(body) if body else None
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise InvalidArgError(f"failed to parse the {what} JSON buffer: {exc}") from None
+        doc = json.loads(body)
+    except ValueError as exc:  # UnicodeDecodeError included
+        raise InvalidArgError(f"failed to parse the {what} JSON buffer: {parse_failure(body, exc)}") from None
     except RecursionError:
         raise InvalidArgError(f"failed to parse the {what} JSON buffer: the document is nested too deeply") from None
-    if doc is None:
-        raise InvalidArgError(f"failed to parse the {what} JSON buffer: the document is empty")
     if not isinstance(doc, dict):
         raise InvalidArgError(f"failed to parse the {what} JSON buffer: expected a JSON object")
     return doc
@@ -60,8 +59,8 @@ def repository_index_ready(body: bytes) -> bool:
         return False
     try:
         doc = json.loads(body)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ServingError(f"failed to parse the request JSON buffer: {exc}", Code.INTERNAL) from None
+    except ValueError as exc:
+        raise ServingError(f"failed to parse the request JSON buffer: {parse_failure(body, exc)}", Code.INTERNAL) from None
     except RecursionError:  # Triton's parser takes any depth; Python's stops near 1,000 levels
         raise ServingError("failed to parse the request JSON buffer: the document is nested too deeply",
                            Code.INTERNAL) from None

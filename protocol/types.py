@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,3 +71,10 @@ class InferResponse:
     outputs: list[InferOutput]
     id: str | None = None
     parameters: dict[str, Any] = field(default_factory=dict)
+
+
+class StreamEnd(enum.Enum):
+    """How a decoupled request's responses ended, where its caller must know (a BLS iterator
+    gives an empty last response only when the model sent the final flag on its own)."""
+
+    FINAL_ALONE = "the final flag came without a response"

@@ -30,6 +30,9 @@ from rayinfer.protocol.types import InferRequest, InferResponse
 from rayinfer.repository.model_config import ModelSpec
 
 Result: TypeAlias = "InferResponse | ServingError"
+
+
+
 # How long a send past the bound from a thread that runs an event loop (a Python model's async
 # execute) waits for room before it fails: a client that reads keeps up within it.
 _LOOP_GRACE_S = 0.05
@@ -194,11 +197,12 @@ class BlockingSender(_Sender):
     sends on the calling thread itself (before the thread takes any) is not bounded: that
     thread cannot take them before its execution returns, and no client made them."""
 
-    __slots__ = ("_queue",)
+    __slots__ = ("_queue", "final_yielded")
     _taker_waits = False
 
     def __init__(self, model: str = "", limit: int = DEFAULT_CONNECTION_LIMITS.max_queued_responses) -> None:
         self._queue: queue.SimpleQueue[tuple[Result | None, bool]] = queue.SimpleQueue()
+        self.final_yielded = False  # as ResponseSender's
         super().__init__(self._queue.put, model, limit)
 
     def responses(self) -> Iterator[Result]:
@@ -207,6 +211,7 @@ class BlockingSender(_Sender):
             response, final = self._queue.get()
             self._taken()
             if response is not None:
+                self.final_yielded = final
                 yield response
             if final:
                 return

@@ -19,7 +19,7 @@ from rayinfer.adapters.model_runner import LateAnswer
 from rayinfer.protocol.errors import InternalError, InvalidArgError, ServingError, UnavailableError, as_serving_error
 from rayinfer.protocol.limits import DEFAULT_CONNECTION_LIMITS
 from rayinfer.protocol.shared_memory import SharedMemoryRegistry
-from rayinfer.protocol.types import InferRequest, InferResponse
+from rayinfer.protocol.types import InferRequest, InferResponse, StreamEnd
 from rayinfer.repository.model_config import config_to_json
 from rayinfer.serving.batcher import DynamicBatcher, QueueFullError
 from rayinfer.serving.response_cache import ResponseCache
@@ -289,10 +289,11 @@ class ModelCore:
             tracer.finish(request, trace)
         return result
 
-    def execute_here(self, request: InferRequest) -> Iterator[Result]:
+    def execute_here(self, request: InferRequest) -> Iterator[Result | StreamEnd]:
         """A request from this model's own ``execute`` (a model calling itself): validated and
         executed on the calling thread, past the batcher and the model thread, which the calling
-        execution holds; its responses (errors included) as they come."""
+        execution holds; its responses (errors included) as they come, then
+        ``StreamEnd.FINAL_ALONE`` if a decoupled model sent its final flag on its own."""
         prepared = self.prepare(request)
         sender = prepared.sender = BlockingSender(self.name, self.max_queued_responses) if self.decoupled else None
         results = self.executor.execute([prepared])
@@ -302,6 +303,8 @@ class ModelCore:
             return
         try:
             yield from sender.responses()
+            if not sender.final_yielded:
+                yield StreamEnd.FINAL_ALONE
         finally:
             sender.cancel()  # the caller stopped taking them: a send waiting for room raises
 

@@ -254,6 +254,55 @@ class TritonPythonModel:
         return None
 ''')
 
+# An async decoupled model whose requests each make a decoupled BLS call to qa_async_decoupled
+# (which sends its one response with the final flag), as Triton's async_execute_decouple_bls
+# does; it answers with the number of responses the call's iteration gave.
+QA_MODELS["qa_async_decoupled_bls"] = ("""name: "qa_async_decoupled_bls"
+backend: "python"
+max_batch_size: 8
+model_transaction_policy { decoupled: true }
+input [ { name: "WAIT_SECONDS" data_type: TYPE_FP32 dims: [ 1 ] } ]
+output [ { name: "DUMMY_OUT" data_type: TYPE_FP32 dims: [ 1 ] } ]
+instance_group [ { count: 1 kind: KIND_CPU } ]
+""", '''import asyncio
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    async def _one(self, request):
+        call = pb_utils.InferenceRequest(model_name="qa_async_decoupled", requested_output_names=["DUMMY_OUT"],
+                                         inputs=[pb_utils.get_input_tensor_by_name(request, "WAIT_SECONDS")])
+        count = sum(1 for _ in await call.async_exec(decoupled=True))  # iterated as Triton's model does
+        request.get_response_sender().send(
+            pb_utils.InferenceResponse([pb_utils.Tensor("DUMMY_OUT", np.array([[count]], np.float32))]),
+            flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+    async def execute(self, requests):
+        await asyncio.gather(*[self._one(r) for r in requests])
+        return None
+''')
+
+# A model whose readiness check is named is_model_ready (as in Triton's readiness test models)
+# and says it is not ready.
+QA_MODELS["qa_is_model_ready"] = ("""name: "qa_is_model_ready"
+backend: "python"
+max_batch_size: 8
+input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ 8 ] } ]
+output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 8 ] } ]
+""", '''import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0", pb_utils.get_input_tensor_by_name(r, "INPUT0")
+                                                            .as_numpy())]) for r in requests]
+
+    def is_model_ready(self):
+        return False
+''')
+
 # Decoupled: sends INPUT back every DELAY ms until MAX_RESPONSE_COUNT responses, or until the
 # request is cancelled (then an error with code CANCELLED), unless IGNORE_CANCEL.
 QA_MODELS["qa_until_cancelled"] = ("""name: "qa_until_cancelled"

@@ -314,8 +314,10 @@ class PythonModelRunner(ModelRunner):
         return None
 
     def is_ready(self) -> bool:
-        """The model's own ``is_ready()`` when it has one, by Triton's rules (:class:`ReadinessCheck`)."""
-        check = getattr(self.adapter.model, "is_ready", None)
+        """The model's own ``is_ready()`` (or ``is_model_ready()``: Triton's test models use both
+        names) when it has one, by Triton's rules (:class:`ReadinessCheck`)."""
+        model = self.adapter.model
+        check = getattr(model, "is_ready", None) or getattr(model, "is_model_ready", None)
         return True if check is None else self._readiness.ask(lambda: self.adapter.call(check))
 
     def custom_metrics(self) -> tuple[int, list[dict[str, Any]]]:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from rayinfer.adapters.python_backend.errors import TRITON_CODES, TritonError, TritonModelException
 from rayinfer.protocol.dtypes import wire_datatype
 from rayinfer.protocol.errors import Code, ServingError, as_serving_error
-from rayinfer.protocol.types import InferInput, InferRequest, InferResponse, RequestedOutput
+from rayinfer.protocol.types import InferInput, InferRequest, InferResponse, RequestedOutput, StreamEnd
 
 if TYPE_CHECKING:
     from rayinfer.adapters.python_backend.triton_python_backend_utils import InferenceRequest, InferenceResponse
@@ -33,8 +33,9 @@ class BlsClient(Protocol):
     async def infer_async(self, request: InferRequest) -> InferResponse:
         """``infer`` for a coroutine on any event loop."""
 
-    def stream(self, request: InferRequest) -> Iterator[InferResponse | ServingError]:
-        """Every response of one request as the model sends them; an error ends the stream."""
+    def stream(self, request: InferRequest) -> Iterator[InferResponse | ServingError | StreamEnd]:
+        """Every response of one request as the model sends them; an error ends the stream, and
+        so does ``StreamEnd.FINAL_ALONE`` (the model's final flag sent on its own)."""
 
     def load_model(self, name: str, parameters: dict[str, Any]) -> None: ...
 
@@ -108,7 +109,8 @@ async def execute_async(request: InferenceRequest) -> InferenceResponse:
 
 class ResponseIterator:
     """The responses of a decoupled BLS request (``request.exec(decoupled=True)``), as Triton's
-    iterator gives them: each as it comes, then an empty final one.
+    iterator gives them: each as it comes, the last one carrying the final flag (an empty one
+    when the model sent the flag on its own).
 
     ``cancel()`` cancels the request: its model sees ``request.is_cancelled()``, and the
     iteration goes on to one final error response with code CANCELLED ("request has been
@@ -163,8 +165,8 @@ class ResponseIterator:
 
 def execute_decoupled(request: InferenceRequest) -> ResponseIterator:
     """``request.exec(decoupled=True)``: sends the request, then iterates the model's responses
-    as they come, and an empty final one (as Triton's iterator gives when the model sends the
-    final flag on its own)."""
+    as they come, and an empty final one where the model sends the final flag on its own (as
+    Triton's iterator does)."""
     try:
         results = client().stream(to_infer_request(request))
     except Exception as exc:
@@ -172,16 +174,19 @@ def execute_decoupled(request: InferenceRequest) -> ResponseIterator:
     return ResponseIterator(_responses(results), getattr(results, "cancel", None))
 
 
-def _responses(results: Iterator[InferResponse | ServingError]) -> Iterator[InferenceResponse]:
+def _responses(results: Iterator[InferResponse | ServingError | StreamEnd]) -> Iterator[InferenceResponse]:
+    """Each response; an empty one last only where the model sent its final flag on its own
+    (Triton's iterator ends with the response that carries the flag)."""
     try:
         for result in results:
+            if result is StreamEnd.FINAL_ALONE:
+                yield to_inference_response(None)
+                return
             yield to_inference_response(result)
             if isinstance(result, ServingError):
                 return
     except Exception as exc:
         yield to_inference_response(exc)
-        return
-    yield to_inference_response(None)
 
 
 async def execute_decoupled_async(request: InferenceRequest) -> ResponseIterator:

@@ -155,3 +155,30 @@ def test_a_cancelled_decoupled_bls_call_ends_with_a_cancelled_response(qa_models
     assert _bls_cancel(qa_models, 10, False) == (10, True)
     assert _bls_cancel(qa_models, 10, True) == (10, True)
     assert _bls_cancel(qa_models, 200, False) == (20, False)  # completed: the sum never reached 200
+
+
+def test_async_decoupled_bls_calls_overlap_and_end_with_the_final_response(qa_models):
+    """Four 2 s requests on one stream, each a decoupled BLS call whose model sends its response
+    with the final flag: the four run together (Triton's concurrent BLS test), and each call's
+    iteration gives that one response (no empty one after it)."""
+    requests = [([_input("WAIT_SECONDS", np.array([[2]], np.float32), "FP32")], str(i)) for i in range(4)]
+    answers = _stream(qa_models, "qa_async_decoupled_bls", requests, 4)
+    assert [error for _, _, error in answers] == [None] * 4
+    assert [result.as_numpy("DUMMY_OUT").tolist() for _, result, _ in answers] == [[[1.0]]] * 4
+    assert max(at for at, _, _ in answers) < 6, answers  # one after another would take 8 s
+
+
+def test_a_model_whose_is_model_ready_says_false_is_known_and_not_ready(qa_models):
+    for client in (httpclient.InferenceServerClient(qa_models["url"]),
+                   grpcclient.InferenceServerClient(qa_models["grpc_url"])):
+        try:
+            assert client.is_model_ready("qa_is_model_ready") is False
+            metadata = client.get_model_metadata("qa_is_model_ready")
+            assert (metadata["name"] if isinstance(metadata, dict) else metadata.name) == "qa_is_model_ready"
+            module = httpclient if isinstance(client, httpclient.InferenceServerClient) else grpcclient
+            x = np.arange(8, dtype=np.float32).reshape(1, 8)
+            tensor = module.InferInput("INPUT0", [1, 8], "FP32")
+            tensor.set_data_from_numpy(x)
+            assert client.infer("qa_is_model_ready", [tensor]).as_numpy("OUTPUT0").tolist() == x.tolist()
+        finally:
+            client.close()

@@ -103,6 +103,29 @@ def test_a_raw_binary_request_may_come_chunked(server):
     assert np.frombuffer(body[length:], np.int32).tolist() == [7]
 
 
+@pytest.mark.parametrize("path, error", [
+    ("/v2/models/simple/infer",
+     "Raw request must only have 1 input (found 1) to be deduced but got 2 inputs in 'simple' model configuration"),
+    *[(path, "failed to parse the request JSON buffer: Invalid value. at 0") for path in (
+        "/v2/repository/index", "/v2/repository/models/simple/load", "/v2/repository/models/simple/unload",
+        "/v2/models/simple/trace/setting", "/v2/logging", "/v2/systemsharedmemory/region/r/register",
+        "/v2/models/simple/generate")],
+])
+def test_a_body_of_many_small_chunks_gets_tritons_answer(server, path, error):
+    """Triton's many-chunks test: 10,000 one-byte chunks ('A') to each endpoint that reads a
+    body; each answers the de-chunked body as Triton does."""
+    host, port = server["url"].split(":")
+    connection = http_client.HTTPConnection(host, int(port), timeout=60)
+    try:
+        connection.request("POST", path, body=iter([b"A"] * 10_000), encode_chunked=True,
+                           headers={"Inference-Header-Content-Length": "0", "Content-Type": "application/octet-stream"})
+        response = connection.getresponse()
+        doc = json.loads(response.read())
+    finally:
+        connection.close()
+    assert response.status in (400, 500) and doc == {"error": error}
+
+
 def _binary_request(header_doc: dict, binary: bytes, header_length: int | None = None) -> tuple[int, dict]:
     head = json.dumps(header_doc).encode()
     length = len(head) if header_length is None else header_length

@@ -170,7 +170,7 @@ def test_the_head_limits_hold_for_every_request_of_a_kept_connection(server, fir
 
 @pytest.mark.parametrize("body, status, error", [
     (b'{"ready": 1}', 500, "attempt to access JSON non-boolean as boolean"),
-    (b'{"ready":', 500, "failed to parse the request JSON buffer: Expecting value: line 1 column 10 (char 9)"),
+    (b'{"ready":', 500, "failed to parse the request JSON buffer: Invalid value. at 9"),
     (b"[" * 100_000 + b"]" * 100_000, 500, "failed to parse the request JSON buffer: the document is nested too deeply"),
     (b'"str"', 200, None), (b"null", 200, None), (b"[]", 200, None), (b'{"ready": false, "x": 1}', 200, None),
 ])

@@ -133,3 +133,49 @@ def test_a_request_for_another_model_keeps_its_version_parameters_and_outputs() 
     traced = pb_utils.InferenceRequest(model_name="m", trace=pb_utils.InferenceTrace("t-1;TIMESTAMPS;ens"))
     assert bls.to_infer_request(pb_utils.InferenceRequest(model_name="m", trace=traced.trace())).trace_parent == \
         "t-1;TIMESTAMPS;ens"
+
+
+# Decoupled: IN responses; the final flag comes with the last one when the request's "flag"
+# parameter is "with", else on its own after them.
+REPEAT = '''import numpy as np
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def execute(self, requests):
+        for request in requests:
+            sender = request.get_response_sender()
+            count = int(pb_utils.get_input_tensor_by_name(request, "IN").as_numpy()[0])
+            alone = __import__("json").loads(request.parameters()).get("flag") != "with"
+            for i in range(count):
+                last = i == count - 1 and not alone
+                sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", np.array([i], np.int32))]),
+                            flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if last else 0)
+            if alone:
+                sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        return None
+'''
+
+
+def test_a_decoupled_calls_iteration_ends_with_the_response_that_carries_the_final_flag(tmp_path: Path) -> None:
+    """As Triton's iterator: an empty last response only when the model sent the flag on its own."""
+    write(tmp_path, "repeat", REPEAT)
+    (tmp_path / "repeat" / "config.pbtxt").write_text(
+        f'name: "repeat"\nbackend: "python"\nmodel_transaction_policy {{ decoupled: true }}\n{IO}')
+
+    async def build() -> ModelCore:
+        return ModelCore(load_runner(tmp_path, "repeat", 1)[0], [1])
+
+    core = asyncio.run(build())
+    bls.set_client(InProcessClient({"repeat": core}))
+    try:
+        def outputs(count: int, flag: str) -> list:
+            call = pb_utils.InferenceRequest(model_name="repeat", parameters={"flag": flag},
+                                             inputs=[pb_utils.Tensor("IN", np.array([count], np.int32))])
+            return [[t.as_numpy().tolist() for t in r.output_tensors()] for r in call.exec(decoupled=True)]
+
+        assert outputs(2, "with") == [[[0]], [[1]]]
+        assert outputs(2, "alone") == [[[0]], [[1]], []]
+        assert outputs(0, "alone") == [[]]
+    finally:
+        bls.set_client(None)
+        core.close()

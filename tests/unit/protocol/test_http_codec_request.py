@@ -118,12 +118,24 @@ def _error(body: bytes, header_length: int | None = None) -> str:
     return info.value.message
 
 
-def test_malformed_json() -> None:
-    assert "failed to parse the request JSON buffer" in _error(b'{"inputs": [')
-
-
-def test_empty_body() -> None:
-    assert "the document is empty" in _error(b"")
+@pytest.mark.parametrize("body, reason", [
+    (b'{"inputs": [', "Invalid value. at 12"),
+    (b"", "The document is empty. at 0"),
+    (b"A" * 1000, "Invalid value. at 0"),
+    (b'{"inputs": [1 2]}', "Missing a comma or ']' after an array element. at 14"),
+    (b'{"inputs": [], "id" "x"}', "Missing a colon after a name of object member. at 20"),
+    (b'{"inputs": [{"name": "a]"} "x"]}', "Missing a comma or ']' after an array element. at 27"),
+    (b'{"id": "x" "y"}', "Missing a comma or '}' after an object member. at 11"),
+    (b"{1: 2}", "Missing a name for object member. at 1"),
+    (b"{} {}", "The document root must not be followed by other values. at 3"),
+    (b'{"id": "\\q"}', "Invalid escape character in string. at 8"),
+    (b'{"id": "\xc3\xa9\\q"}', "Invalid escape character in string. at 10"),  # offsets count bytes
+    (b'{"id": "\xff"}', "Invalid encoding in string. at 8"),
+])
+def test_a_body_that_does_not_parse_gets_tritons_words(body: bytes, reason: str) -> None:
+    """rapidjson's message and byte offset, as Triton gives them (its tests look for
+    'failed to parse the request JSON buffer: Invalid value. at 0')."""
+    assert _error(body) == f"failed to parse the request JSON buffer: {reason}"
 
 
 def test_non_object_json() -> None:
@@ -286,7 +298,7 @@ def test_the_repository_index_body_as_triton_reads_it(body: bytes, ready: bool) 
 
 @pytest.mark.parametrize("body, message", [
     (b'{"ready": "yes"}', "attempt to access JSON non-boolean as boolean"),
-    (b'{"ready":', "failed to parse the request JSON buffer: Expecting value"),
+    (b'{"ready":', "failed to parse the request JSON buffer: Invalid value. at 9"),
     (b'{"a":' + b"[" * 100_000 + b"]" * 100_000 + b"}", "failed to parse the request JSON buffer: the document is nested too "
                                                           "deeply"),
 ])
