@@ -22,10 +22,9 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from ray.serve.handle import DeploymentHandle
-
 from rayinfer.deployments.model_forwarder import ModelRoutes
 from rayinfer.deployments.names import SERVER_APP, SERVER_DEPLOYMENT
+from rayinfer.deployments.serve_internals import new_handle
 from rayinfer.protocol.errors import ServingError, as_serving_error
 from rayinfer.protocol.types import InferRequest, InferResponse, StreamEnd
 from rayinfer.serving.model_core import ModelCore
@@ -110,9 +109,7 @@ class ReplicaBlsClient:
         on the event loop it was first used on."""
         handle = self._handles.get(route)
         if handle is None:
-            # Not serve.get_deployment_handle: that returns the replica's shared handle, which
-            # routes on the replica's loop.
-            handle = self._handles[route] = DeploymentHandle(route[1], route[0])
+            handle = self._handles[route] = new_handle(route[0], route[1])
         return handle
 
     # ---- the client's event loop ------------------------------------------------------------

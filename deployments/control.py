@@ -29,6 +29,7 @@ from rayinfer.deployments.names import (
     model_deployment_name,
     model_route_prefix,
 )
+from rayinfer.deployments.serve_internals import delete_application
 from rayinfer.deployments.serve_state import (
     cluster_gpus,
     failure_reason,
@@ -265,9 +266,9 @@ def _deploy_wave(model_repository: str, folder: Path, versions: list[tuple[str, 
     # ingress sends requests under its route prefix to it (those that reach Serve's port
     # directly: the front sends a model's GETs without a replica to the /v2 application).
     for name in load_errors:  # all removals at once, then wait for each
-        serve.delete(name, _blocking=False)
+        delete_application(name, wait=False)
     for name in load_errors:
-        serve.delete(name, _blocking=True)
+        delete_application(name, wait=True)
     return {**refused, **{targets[name][0]: reason for name, reason in load_errors.items()}}
 
 
@@ -357,16 +358,16 @@ class ServeDeployer:
         wanted = {model_app_name(*v) for v in versions}
         for name in model_apps(model, serve_applications()):
             if name not in wanted:
-                serve.delete(name, _blocking=False)
+                delete_application(name, wait=False)
         return failures.get(model)
 
     def remove_version(self, model: str, version: int) -> None:
-        serve.delete(model_app_name(model, version, False), _blocking=False)
+        delete_application(model_app_name(model, version, False), wait=False)
 
     def remove(self, model: str) -> None:
         names = model_apps(model, serve_applications())
         for name in names:
-            serve.delete(name, _blocking=False)
+            delete_application(name, wait=False)
         deadline = time.monotonic() + 60
         while names and time.monotonic() < deadline:
             apps = serve_applications()

@@ -6,6 +6,7 @@ it can take the running front over."""
 
 from __future__ import annotations
 
+from rayinfer.deployments.serve_internals import kv_get, kv_put
 from rayinfer.protocol.front_key import is_front_key, new_front_key
 
 _KV_NAMESPACE = "rayinfer"
@@ -15,12 +16,10 @@ _KV_KEY = b"front-key"
 def cluster_front_key() -> str:
     """The cluster's front key, made and kept on the first call (blocking: a GCS round trip;
     Ray must be connected). Parts asking at once get the one that was stored first."""
-    from ray.experimental.internal_kv import _internal_kv_get, _internal_kv_put
-
-    stored = _internal_kv_get(_KV_KEY, namespace=_KV_NAMESPACE)
+    stored = kv_get(_KV_KEY, _KV_NAMESPACE)
     if stored is None:
-        _internal_kv_put(_KV_KEY, new_front_key().encode(), overwrite=False, namespace=_KV_NAMESPACE)
-        stored = _internal_kv_get(_KV_KEY, namespace=_KV_NAMESPACE)
+        kv_put(_KV_KEY, new_front_key().encode(), _KV_NAMESPACE, overwrite=False)
+        stored = kv_get(_KV_KEY, _KV_NAMESPACE)
     key = stored.decode() if stored is not None else ""
     if not is_front_key(key):
         raise RuntimeError("the front key in Ray's key-value store is missing or malformed")

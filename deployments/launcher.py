@@ -23,7 +23,7 @@ from rayinfer.deployments.names import (
     SERVER_ROUTE_PREFIX,
     model_apps,
 )
-from rayinfer.deployments.serve_internals import shutdown_cached_handles
+from rayinfer.deployments.serve_internals import delete_application, shutdown_cached_handles
 from rayinfer.deployments.serve_state import serve_applications
 from rayinfer.protocol.limits import DEFAULT_HTTP_MAX_INPUT_SIZE, DEFAULT_MAX_INFLIGHT_REQUESTS
 from rayinfer.protocol.metrics import MetricsOptions
@@ -177,9 +177,9 @@ def stop(models: list[str], *, whole_serve: bool, fronts: list[tuple[str, int]] 
         running = list(serve_applications())
         for model in models:
             for name in model_apps(model, running):
-                serve.delete(name, _blocking=False)
+                delete_application(name, wait=False)
         if OPENAI_APP in running:
-            serve.delete(OPENAI_APP, _blocking=False)
+            delete_application(OPENAI_APP, wait=False)
         serve.delete(SERVER_APP)
     finally:
         stop_fronts(fronts or [])

@@ -40,6 +40,7 @@ from rayinfer.deployments.control_channel import (
     ControlMessage,
 )
 from rayinfer.deployments.names import SERVER_APP, SERVER_DEPLOYMENT
+from rayinfer.deployments.serve_internals import replica_id
 from rayinfer.deployments.replica_streams import ReplicaStreams
 from rayinfer.serving.replica_listener import ReplicaListener
 from rayinfer.protocol import log_settings
@@ -108,7 +109,7 @@ class ModelDeployment:
         if start_log_settings:
             log_settings.apply({**log_settings.default_settings(), **start_log_settings})
         context = serve.get_replica_context()
-        self._replica_key = f"{context.app_name}/{context.replica_id.unique_id}"
+        self._replica_key = f"{context.app_name}/{replica_id(context)}"
         self._app_name = context.app_name
         # The statistics last pushed, by the key they were reported under (_reported_cores).
         self._pushed: dict[str, tuple[int, ...]] = {}

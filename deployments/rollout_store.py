@@ -11,6 +11,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from rayinfer.deployments.serve_internals import kv_get, kv_put
 from rayinfer.repository.rollout_config import RolloutSettings
 from rayinfer.serving.rollout_analysis import VersionFigures
 from rayinfer.serving.version_split import VersionSplit
@@ -86,8 +87,7 @@ def figures_of(counts: dict[str, int]) -> VersionFigures:
 def saved_rollouts(key: bytes) -> list[dict[str, Any]]:
     """The rollouts saved under ``key`` (each as :meth:`Rollout.as_dict` gives it; none without
     a connected Ray, or when what is saved cannot be read)."""
-    kv = _kv()
-    raw = kv[0](key, namespace=_KV_NAMESPACE) if kv is not None else None
+    raw = kv_get(key, _KV_NAMESPACE) if _ray_connected() else None
     try:
         return json.loads(raw) if raw else []
     except ValueError:
@@ -97,17 +97,11 @@ def saved_rollouts(key: bytes) -> list[dict[str, Any]]:
 
 def save_rollouts(key: bytes, rollouts: Iterable[Rollout]) -> None:
     """Save ``rollouts`` under ``key`` (nothing without a connected Ray)."""
-    kv = _kv()
-    if kv is not None:
-        kv[1](key, json.dumps([r.as_dict() for r in rollouts]).encode(), overwrite=True, namespace=_KV_NAMESPACE)
+    if _ray_connected():
+        kv_put(key, json.dumps([r.as_dict() for r in rollouts]).encode(), _KV_NAMESPACE)
 
 
-def _kv() -> tuple[Any, Any] | None:
-    """Ray's key-value store (get, put), None without a connected Ray."""
+def _ray_connected() -> bool:
     import ray
 
-    if not ray.is_initialized():
-        return None
-    from ray.experimental.internal_kv import _internal_kv_get, _internal_kv_put
-
-    return _internal_kv_get, _internal_kv_put
+    return ray.is_initialized()

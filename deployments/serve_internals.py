@@ -1,9 +1,15 @@
-"""Every use rayinfer makes of Ray Serve's private API, in one place, for the one Ray version it
+"""Every use rayinfer makes of Ray Serve's (and Ray's) private API, in one place, for the one Ray version it
 is written against (:data:`RAY_VERSION`, pinned in pyproject.toml). :func:`ray_version_problem`
 is checked as the CLI starts and as the ``/v2`` application is built, and says what to do.
 
-- :func:`serve_client`: Serve's controller client (``ray.serve.context._get_global_client``), for
-  the controller's details (application and replica states) and its handle cache.
+- :func:`serve_client` and :func:`serve_details`: Serve's controller client
+  (``ray.serve.context._get_global_client``), for the controller's details (application and
+  replica states) and its handle cache.
+- :func:`delete_application`: ``serve.delete`` without waiting (its private ``_blocking``).
+- :func:`new_handle`: a deployment handle of the caller's own (``DeploymentHandle``'s
+  constructor), which routes on the event loop it is first used on.
+- :func:`replica_id`: the unique id of the replica the code runs in.
+- :func:`kv_get` and :func:`kv_put`: Ray's key-value store in the GCS (``internal_kv``).
 - :func:`with_code_version`: a deployment's code version (``options(version=..., _internal=True)``).
 - :func:`stop_orphaned_serve_haproxy`: Serve's HAProxy processes left behind by a Ray node that
   is gone (Serve starts them without tying them to its proxy's life).
@@ -58,6 +64,48 @@ def serve_client(required: bool = True) -> Any:
     from ray.serve.context import _get_global_client
 
     return _get_global_client(raise_if_no_controller_running=required)
+
+
+def serve_details() -> dict[str, Any] | None:
+    """Serve's details (``serve status`` as a dict: applications, deployments, replicas) from
+    its controller; None when Serve has not started."""
+    client = serve_client(required=False)
+    return None if client is None else client.get_serve_details()
+
+
+def delete_application(name: str, wait: bool) -> None:
+    """Delete a Serve application; ``wait``: until it is gone."""
+    from ray import serve
+
+    serve.delete(name, _blocking=wait)
+
+
+def new_handle(app: str, deployment: str) -> Any:
+    """A handle to ``deployment`` of ``app`` that is the caller's own: it routes on the event loop
+    it is first used on (``serve.get_deployment_handle`` gives a replica its shared handle, which
+    routes on the replica's loop)."""
+    from ray.serve.handle import DeploymentHandle
+
+    return DeploymentHandle(deployment, app)
+
+
+def replica_id(context: Any) -> str:
+    """The unique id of the replica of ``context`` (``serve.get_replica_context()``)."""
+    return str(context.replica_id.unique_id)
+
+
+def kv_get(key: bytes, namespace: str) -> bytes | None:
+    """A value of Ray's key-value store (blocking: a GCS round trip; Ray must be connected)."""
+    from ray.experimental.internal_kv import _internal_kv_get
+
+    return _internal_kv_get(key, namespace=namespace)
+
+
+def kv_put(key: bytes, value: bytes, namespace: str, overwrite: bool = True) -> None:
+    """Store a value in Ray's key-value store (``overwrite`` False: keep one already there)."""
+    from ray.experimental.internal_kv import _internal_kv_put
+
+    _internal_kv_put(key, value, overwrite=overwrite, namespace=namespace)
 
 
 async def shutdown_cached_handles() -> None:

@@ -86,3 +86,24 @@ def test_test_modules_have_unique_basenames() -> None:
     tests = Path(__file__).resolve().parents[1]
     names = [path.name for path in tests.rglob("test_*.py")]
     assert sorted({n for n in names if names.count(n) > 1}) == []
+
+
+# What only deployments/serve_internals.py may use: Ray Serve's (and Ray's) private API.
+PRIVATE_RAY = ("ray.serve._private", "ray.serve.context", "ray.serve.handle", "ray.experimental.internal_kv")
+PRIVATE_CALLS = ("_blocking", "_get_global_client", "get_serve_details", "_internal_kv", "unique_id")
+
+
+def test_ray_private_api_only_in_serve_internals() -> None:
+    found = []
+    for layer in ORDER:
+        for path in sorted((ROOT / layer).rglob("*.py")):
+            if path.name == "serve_internals.py":
+                continue
+            found += [f"{path.relative_to(ROOT)}: import {name}" for name in imports_of(path)
+                      if name.startswith(PRIVATE_RAY)]
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Attribute) and node.attr in PRIVATE_CALLS:
+                    found.append(f"{path.relative_to(ROOT)}:{node.lineno}: .{node.attr}")
+                elif isinstance(node, ast.keyword) and node.arg in PRIVATE_CALLS:
+                    found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.arg}=")
+    assert found == []
