@@ -84,7 +84,7 @@ class ReplicaBlsClient:
         return await self._handle(route).bls_infer.remote(request)
 
     async def _forward(self, route: tuple[str, str], request: InferRequest, results: queue.SimpleQueue) -> None:
-        responses = self._handle(route).options(stream=True).bls_stream.remote(request)
+        responses = self._handle(route).options(stream=True).bls_stream.remote(request, mark_final_alone=True)
         try:
             async for result in responses:
                 if result is not None:  # None ends every stream (ModelDeployment.bls_stream)

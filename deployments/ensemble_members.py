@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import ray
 from google.protobuf import json_format
 from ray import serve
 
@@ -32,7 +32,8 @@ from rayinfer.repository.ensemble import check_members, decoupled_members, parse
 from rayinfer.repository.model_config import CONFIG_FILENAME, ModelConfig, ModelSpec, spec_from_config
 from rayinfer.repository.scanner import scan_model
 from rayinfer.serving.ensemble import EnsembleExecutor
-from rayinfer.serving.version_split import VersionSplit, pick_version
+from rayinfer.serving.router import Replica, choose_replica, choose_version
+from rayinfer.serving.version_split import VersionSplit
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +48,7 @@ class EnsembleMembers:
 
     def __init__(self, headers: tuple[tuple[bytes, bytes], ...] = ()) -> None:
         """``headers``: sent with each step to a member's listener (a restricted group's header)."""
+        self._host = ray.util.get_node_ip_address() if ray.is_initialized() else ""  # listeners' host on this node
         self._routes: dict[tuple[str, str], tuple[float, tuple[str, str] | None]] = {}
         # (model, version) -> (when read, (application, deployment), its replicas' listeners)
         self._targets: dict[tuple[str, str], tuple[float, tuple[str, str], list[tuple[str, int]]]] = {}
@@ -73,7 +75,10 @@ class EnsembleMembers:
             if response is not None:
                 return response
         if target[2]:
-            address = random.choice(target[2])
+            # By the router's rules: a replica on this node first (no load is known here).
+            chosen = choose_replica([Replica(a, node=a[0]) for a in target[2]], node=self._host)
+            assert chosen is not None
+            address = chosen.key
             try:
                 return await self._client.infer(address, request)
             except UnavailableError as exc:  # the replica went away: by handle, routes read again
@@ -89,7 +94,7 @@ class EnsembleMembers:
         if cached is None or time.monotonic() - cached[0] >= _ROUTE_TTL_S:
             _, split = await self._server_handle().model_routes.remote(model, "")
             cached = self._splits[model] = (time.monotonic(), split[0] if split is not None else None)
-        return pick_version(cached[1]) if cached[1] is not None else ""
+        return choose_version("", cached[1], "")
 
     async def stream(self, request: InferRequest) -> AsyncIterator[InferResponse]:
         """A step to a decoupled member, by streaming handle: its responses as they come."""

@@ -47,6 +47,7 @@ from rayinfer.serving import front_config, front_supervisor
 from rayinfer.serving.front_config import LUA, Endpoint, TlsSettings
 from rayinfer.serving.acceptor import AcceptorLimits
 from rayinfer.serving.front_maps import MapPaths, routes_on_disk, splits_on_disk
+from rayinfer.serving.front_paths import FrontPaths
 from rayinfer.protocol.limits import (
     DEFAULT_CONNECTION_LIMITS, DEFAULT_HTTP_MAX_INPUT_SIZE, DEFAULT_MAX_INFLIGHT_REQUESTS, ConnectionLimits,
 )
@@ -106,10 +107,10 @@ class Front:
         self._supervisor: subprocess.Popen | None = None
         running = front_supervisor.running_front(self._binds[0]) if self._binds else None
         node = _ray_node()
-        if running is not None and (running / "haproxy.cfg").read_text() == render(running) \
+        if running is not None and FrontPaths(running).config.read_text() == render(running) \
                 and front_supervisor.read_text(running / "node") == node:
             self._use_folder(running)
-            self._supervisor_pid = int((running / "supervisor.pid").read_text())
+            self._supervisor_pid = int(FrontPaths(running).supervisor_pid.read_text())
             self._published, self._sequence_keys = routes_on_disk(running)
             self._splits = splits_on_disk(running)
             self._keep_routes_until = time.monotonic() + _TAKEOVER_GRACE_S
@@ -128,7 +129,7 @@ class Front:
             pem = front_config.tls_pem_path(self._dir, kind)
             pem.touch(mode=0o600)
             pem.write_bytes(settings.pem())
-        config = self._dir / "haproxy.cfg"  # it holds the front key: the server's user's only
+        config = FrontPaths(self._dir).config  # it holds the front key: the server's user's only
         config.touch(mode=0o600)
         config.write_text(render(self._dir))
         if acceptors:
@@ -140,13 +141,13 @@ class Front:
         (self._dir / "node").write_text(node)
         raylet = raylet_pid()
         if raylet is not None:  # the supervisor stops with the Ray node (``ray stop``), at once
-            (self._dir / "raylet.pid").write_text(str(raylet))
+            FrontPaths(self._dir).raylet_pid.write_text(str(raylet))
         self._supervisor = subprocess.Popen(
             [sys.executable, "-m", front_supervisor.__name__, str(self._dir), get_haproxy_binary()],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
         )
         self._supervisor_pid = self._supervisor.pid
-        (self._dir / "supervisor.pid").write_text(str(self._supervisor_pid))
+        FrontPaths(self._dir).supervisor_pid.write_text(str(self._supervisor_pid))
         try:
             for address, port in self._binds:
                 self._wait_until_listening(address, port)
@@ -156,7 +157,7 @@ class Front:
 
     def _use_folder(self, folder: Path) -> None:
         self._dir = folder
-        self._admin = folder / "admin.sock"
+        self._admin = FrontPaths(folder).admin_socket
         self._maps = MapPaths.of(folder)
 
     @property
@@ -170,7 +171,7 @@ class Front:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if not self.running:
-                log = (self._dir / "haproxy.log").read_text(errors="replace").strip()
+                log = FrontPaths(self._dir).haproxy_log.read_text(errors="replace").strip()
                 raise RuntimeError(f"the front could not start on {address}:{port}: {log}")
             if self._admin.exists():
                 with contextlib.suppress(OSError), socket.create_connection(

@@ -275,14 +275,16 @@ class ModelDeployment:
         """The model's config as served (auto-completed), in Triton's JSON form."""
         return json.dumps(self._core.config_json)
 
-    async def bls_stream(self, request: InferRequest) -> Any:
-        """A Python model's BLS request with ``exec(decoupled=True)``: each response as it comes,
-        then ``StreamEnd.FINAL_ALONE`` if a decoupled model sent its final flag on its own."""
+    async def bls_stream(self, request: InferRequest, mark_final_alone: bool = False) -> Any:
+        """A request by streaming handle (a Python model's BLS request with
+        ``exec(decoupled=True)``, an ensemble's step to a decoupled member, the OpenAI API's):
+        each response as it comes; ``mark_final_alone``: then ``StreamEnd.FINAL_ALONE`` if a
+        decoupled model sent its final flag on its own (a BLS iterator's last response)."""
         prepared = self._core.prepare(request)
         async for result in self._core.stream(prepared):
             yield result
         sender = prepared.sender
-        if self._core.decoupled and not (sender is not None and sender.final_yielded):
+        if mark_final_alone and self._core.decoupled and not (sender is not None and sender.final_yielded):
             yield StreamEnd.FINAL_ALONE
         yield None  # the end (see _STREAM_END)
 

@@ -19,7 +19,8 @@ from rayinfer.protocol.errors import InvalidArgError, ServingError
 from rayinfer.serving.model_grpc import MODEL_RPCS
 from rayinfer.serving.protocol_stamps import StreamTrace, wall_clock_offset_ns
 from rayinfer.serving.stream_infer import AsTheyCome, Traced
-from rayinfer.serving.version_split import pick_version, sticky_value
+from rayinfer.serving.router import choose_version
+from rayinfer.serving.version_split import sticky_value
 
 if TYPE_CHECKING:
     from rayinfer.deployments.v2_api import V2Api
@@ -118,7 +119,7 @@ class ModelRoutes:
     (``ServerDeployment.model_routes``: Triton's error when the version is not served), each kept
     for :attr:`TTL_S`: a model replica's BLS calls and stream requests look their model up here.
     A model in a rollout's version-less requests are split here, each by itself
-    (:func:`~rayinfer.serving.version_split.pick_version`; ``headers``: the request's, for a
+    (:func:`~rayinfer.serving.router.choose_version`; ``headers``: the request's, for a
     sticky split). ``server``: a handle to the ``/v2`` deployment (the caller's, for the loop it
     routes on)."""
 
@@ -137,7 +138,8 @@ class ModelRoutes:
         if cached is None or time.monotonic() - cached[0] >= self.TTL_S:
             cached = await self._lookup(key)
         _, route, split = cached
-        if split is not None and pick_version(split[0], sticky_value(split[0], headers)) == split[0].candidate:
+        if split is not None and choose_version("", split[0], split[0].stable,
+                                                sticky_value(split[0], headers)) == split[0].candidate:
             return tuple(split[1])  # type: ignore[return-value]
         return route  # type: ignore[return-value]
 

@@ -18,7 +18,8 @@ from rayinfer.deployments.names import deployment_version, model_app_name, model
 from rayinfer.deployments.serve_internals import serve_details
 from rayinfer.repository.scanner import RepositoryScan
 from rayinfer.serving.model_control import ModelController
-from rayinfer.serving.version_split import VersionSplit, pick_version
+from rayinfer.serving.router import choose_version
+from rayinfer.serving.version_split import VersionSplit
 
 _CACHE_S = 0.5
 _SERVE_STATE = {
@@ -197,12 +198,8 @@ class ServeState:
         """(application, deployment) serving ``name`` at ``version`` ("" for the default, or for
         a model in a rollout the version picked by its split, ``sticky``: the request's value of
         the split's header)."""
-        split = None if version else self.splits.get(name)
-        if split is not None:
-            picked = self.routes.get(f"{name}/{pick_version(split, sticky)}")
-            if picked is not None:
-                return picked
-        return self.routes.get(f"{name}/{version}")
+        picked = choose_version(version, None if version else self.splits.get(name), "", sticky)
+        return self.routes.get(f"{name}/{picked}") or self.routes.get(f"{name}/{version}")
 
     def served_versions(self, name: str) -> list[str]:
         """The versions of ``name`` being served, as strings."""

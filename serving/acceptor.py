@@ -46,7 +46,8 @@ from pathlib import Path
 from rayinfer.protocol.grpc_wire import INCOMPLETE, PREFACE, settings
 from rayinfer.protocol.limits import MAX_REQUEST_HEAD_BYTES
 from rayinfer.serving.front_maps import RouteMaps
-from rayinfer.serving.handoff import RELAY_SOCKETS, SPLICE, handoff_name, return_name, same_user
+from rayinfer.serving.front_paths import FrontPaths
+from rayinfer.serving.handoff import SPLICE, handoff_name, return_name, same_user
 from rayinfer.serving.request_heads import bad_request_head, grpc_route_key, head_fields, protocol_of, refuse, route_key
 from rayinfer.serving.version_split import SplitPlacement, pick_version, sticky_value
 
@@ -102,7 +103,7 @@ class Acceptor:
     """Accepts on ``listening`` (protocol, "http" or "grpc" -> its non-blocking listening socket)
     and passes each connection to a model replica or, over ``haproxy`` (protocol -> the acceptor's
     end of HAProxy's socket pair), to HAProxy. A replica sends a request that is not its own to
-    the protocol's Unix socket of HAProxy in ``folder`` (:data:`RELAY_SOCKETS`)."""
+    the protocol's Unix socket of HAProxy in ``folder`` (:meth:`FrontPaths.relay_sockets`)."""
 
     def __init__(self, listening: dict[str, socket.socket], haproxy: dict[str, socket.socket], folder: Path,
                  limits: AcceptorLimits = AcceptorLimits()) -> None:
@@ -114,7 +115,7 @@ class Acceptor:
         self._haproxy = haproxy
         self._splices = threading.BoundedSemaphore(_MAX_SPLICES)
         self._warned_at = 0.0
-        self._relays = {kind: str(folder / name).encode() for kind, name in RELAY_SOCKETS.items()}
+        self._relays = {kind: str(path).encode() for kind, path in FrontPaths(folder).relay_sockets().items()}
         self._routes = RouteMaps(folder)
         self._selector = selectors.DefaultSelector()
         for kind, sock in listening.items():

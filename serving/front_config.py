@@ -14,7 +14,7 @@ from pathlib import Path
 
 from rayinfer.serving.acceptor import HANDOFF_FD_VARIABLES
 from rayinfer.serving.front_maps import MapPaths
-from rayinfer.serving.handoff import GRPC_RELAY_SOCKET, RELAY_SOCKET, REPLICA_RELAY_SOCKET
+from rayinfer.serving.front_paths import FrontPaths
 from rayinfer.protocol.front_key import FRONT_KEY_HEADER, is_front_key
 from rayinfer.protocol.grpc_wire import ROUTED_RPCS, SERVICE
 from rayinfer.protocol.limits import (
@@ -362,8 +362,9 @@ def _http_binds(folder: Path, address: str, port: int, acceptor: bool, tls: TlsS
     # The supervisor's acceptor (acceptor.py) owns the port and passes HAProxy the connections it does
     # not give a model replica (on the first socket); a replica relays a request of a connection
     # it holds that is not its own to the second.
-    return (f"    # acceptor {address}:{port}\n    bind unix@{folder / RELAY_SOCKET} mode 600\n"
-            f"    bind unix@{folder / REPLICA_RELAY_SOCKET} mode 600 name replica\n")
+    paths = FrontPaths(folder)
+    return (f"    # acceptor {address}:{port}\n    bind unix@{paths.relay_socket} mode 600\n"
+            f"    bind unix@{paths.replica_relay_socket} mode 600 name replica\n")
 
 
 def _grpc_binds(folder: Path, address: str, port: int, acceptor: bool, tls: TlsSettings | None = None) -> str:
@@ -371,7 +372,7 @@ def _grpc_binds(folder: Path, address: str, port: int, acceptor: bool, tls: TlsS
         return f"    bind {address}:{port} proto h2{_ssl(folder, 'grpc', tls)}\n"
     # As for HTTP; a replica relays a call here as HTTP/1.1, a connection from the acceptor speaks
     # HTTP/2 (HAProxy tells them apart by the HTTP/2 preface).
-    return f"    # acceptor {address}:{port}\n    bind unix@{folder / GRPC_RELAY_SOCKET} mode 600\n"
+    return f"    # acceptor {address}:{port}\n    bind unix@{FrontPaths(folder).grpc_relay_socket} mode 600\n"
 
 
 # The connections the acceptor passes to HAProxy. HAProxy cannot set the destination of a
@@ -407,7 +408,7 @@ def render(folder: Path, http: Endpoint | None, grpc: Endpoint | None, server_ap
     maps = MapPaths.of(folder)
     paths = {"counts": maps.counts, "listeners": maps.listeners, "sequences": maps.sequences}
     split_maps = {"splits": maps.splits, "split_versions": maps.split_versions, "split_headers": maps.split_headers}
-    parts = [_GLOBAL.format(ring=EVENTS_RING, admin=folder / "admin.sock", threads=threads, http_errors=_http_errors(),
+    parts = [_GLOBAL.format(ring=EVENTS_RING, admin=FrontPaths(folder).admin_socket, threads=threads, http_errors=_http_errors(),
                             lua=folder / LUA.name, front_key_header=FRONT_KEY_HEADER.decode(), front_key=front_key,
                             max_connections=limits.front_max_connections, idle_s=limits.stream_idle_timeout_s,
                             keepalive_s=limits.keepalive_timeout_s, head_s=limits.request_head_timeout_s)]
@@ -424,7 +425,7 @@ def render(folder: Path, http: Endpoint | None, grpc: Endpoint | None, server_ap
             too_many_headers=_json_string(malformed_head_message(TOO_MANY_HEADERS)),
         ))
         if acceptor:
-            parts.append(_ACCEPTOR.format(name="acceptor", variable=HANDOFF_FD_VARIABLES["http"], relay=folder / RELAY_SOCKET))
+            parts.append(_ACCEPTOR.format(name="acceptor", variable=HANDOFF_FD_VARIABLES["http"], relay=FrontPaths(folder).relay_socket))
     if grpc is not None:
         pick = _PICK_REPLICA.format(**paths, sequence_fetch="rayinfer_grpc_sequence")
         split = _SPLIT.format(**split_maps, condition=f"{{ path {SERVICE}ModelInfer }} !{{ var(txn.version) -m len gt 0 }}")
@@ -437,5 +438,5 @@ def render(folder: Path, http: Endpoint | None, grpc: Endpoint | None, server_ap
         ))
         if grpc_acceptor:
             parts.append(_ACCEPTOR.format(name="grpc_acceptor", variable=HANDOFF_FD_VARIABLES["grpc"],
-                                      relay=folder / GRPC_RELAY_SOCKET))
+                                      relay=FrontPaths(folder).grpc_relay_socket))
     return "\n".join(parts)

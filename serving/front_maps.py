@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import astuple, dataclass
 from pathlib import Path
 
+from rayinfer.serving.front_paths import FrontPaths
 from rayinfer.serving.version_split import VersionSplit
 
 
@@ -28,8 +29,9 @@ class MapPaths:
 
     @classmethod
     def of(cls, folder: Path) -> MapPaths:
-        return cls(folder / "replicas.map", folder / "listeners.map", folder / "sequences.map",
-                   folder / "splits.map", folder / "split_versions.map", folder / "split_headers.map")
+        paths = FrontPaths(folder)
+        return cls(*(paths.map_file(name) for name in ("replicas", "listeners", "sequences", "splits", "split_versions",
+                                                         "split_headers")))
 
     def all(self) -> tuple[Path, ...]:
         return astuple(self)

@@ -37,6 +37,7 @@ from pathlib import Path
 
 from rayinfer.protocol.private_folders import ownership_problem
 from rayinfer.serving.acceptor import HANDOFF_FD_VARIABLES, Acceptor, AcceptorLimits, listening_socket
+from rayinfer.serving.front_paths import FrontPaths
 
 logger = logging.getLogger(__name__)
 
@@ -130,12 +131,12 @@ def front_supervisor_pid(folder: Path) -> int | None:
     """The PID in ``<folder>/supervisor.pid`` when that process is the folder's supervisor
     (:func:`is_front_supervisor`); None otherwise: gone, or another process (a PID reused since,
     or one someone else wrote there: logged)."""
-    pid = _pid_in(folder / "supervisor.pid")
+    pid = _pid_in(FrontPaths(folder).supervisor_pid)
     if pid is None or not pid_alive(pid):
         return None
     if not is_front_supervisor(pid, folder):
         logger.warning("not signalling process %d named in %s: it is not that front's supervisor", pid,
-                       folder / "supervisor.pid")
+                       FrontPaths(folder).supervisor_pid)
         return None
     return pid
 
@@ -145,7 +146,7 @@ def running_front(bind: tuple[str, int]) -> Path | None:
     namespace (a server in another one may use the same port) and which binds ``bind``."""
     for folder in own_front_folders():
         try:
-            if not serves((folder / "haproxy.cfg").read_text(), bind):
+            if not serves(FrontPaths(folder).config.read_text(), bind):
                 continue
             supervisor = front_supervisor_pid(folder)
             if supervisor is None:
@@ -153,7 +154,7 @@ def running_front(bind: tuple[str, int]) -> Path | None:
             if os.readlink(f"/proc/{supervisor}/ns/net") != os.readlink("/proc/self/ns/net"):
                 continue
             with socket.socket(socket.AF_UNIX) as admin:
-                admin.connect(str(folder / "admin.sock"))
+                admin.connect(str(FrontPaths(folder).admin_socket))
         except (OSError, ValueError):
             continue
         return folder
@@ -193,10 +194,10 @@ def remove_stale_fronts(address: str, port: int) -> None:
     (a replica that is killed cannot clean up after itself); this user's folders only."""
     for folder in own_front_folders():
         try:
-            if not serves((folder / "haproxy.cfg").read_text(), (address, port)):
+            if not serves(FrontPaths(folder).config.read_text(), (address, port)):
                 continue
             with socket.socket(socket.AF_UNIX) as admin:
-                admin.connect(str(folder / "admin.sock"))
+                admin.connect(str(FrontPaths(folder).admin_socket))
         except OSError:  # no live HAProxy behind it
             shutil.rmtree(folder, ignore_errors=True)
 
@@ -217,7 +218,7 @@ def main(folder: Path, binary: str) -> int:
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     acceptor, env, fds = None, dict(os.environ), []
-    with (folder / "haproxy.log").open("wb") as log:
+    with FrontPaths(folder).haproxy_log.open("wb") as log:
         listening, ours, theirs, limits = {}, {}, [], AcceptorLimits()
         # <folder>/acceptor: a line "<protocol> <address> <port>" per port the acceptor owns, and
         # one "limits ..." (AcceptorLimits.line).
@@ -237,13 +238,13 @@ def main(folder: Path, binary: str) -> int:
             fds.append(their_end.fileno())
         if listening:
             acceptor = Acceptor(listening, ours, folder, limits)
-        haproxy = subprocess.Popen([binary, "-f", str(folder / "haproxy.cfg"), "-db"], stdout=log, env=env,
+        haproxy = subprocess.Popen([binary, "-f", str(FrontPaths(folder).config), "-db"], stdout=log, env=env,
                                    pass_fds=fds, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                    preexec_fn=_die_with_parent)
         for their_end in theirs:
             their_end.close()
         orphaned_since: float | None = None
-        raylet = _pid_in(folder / "raylet.pid")
+        raylet = _pid_in(FrontPaths(folder).raylet_pid)
         while haproxy.poll() is None and not stopping:
             if raylet is not None and not pid_alive(raylet):
                 break

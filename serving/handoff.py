@@ -26,15 +26,12 @@ logger = logging.getLogger(__name__)
 # A replica that stops while it relays a request hands the client's connection and HAProxy's to
 # the acceptor with this message, then what HAProxy answered so far: the acceptor copies the rest.
 SPLICE = b"splice\n"
-# The Unix sockets (in the front's folder) of HAProxy's HTTP and gRPC frontends: the
-# connections the acceptor passes HAProxy arrive on the first (HAProxy's socket pair is relayed to
-# it), the requests replicas relay on the others (:data:`RELAY_SOCKETS`). A replica has read
-# and checked the head of each request it relays (as the acceptor checks a connection's first), so
-# HAProxy does not count the two headers a relay adds against the client's limits.
-RELAY_SOCKET = "relay.sock"
-REPLICA_RELAY_SOCKET = "replica-relay.sock"
-GRPC_RELAY_SOCKET = "grpc-relay.sock"
-RELAY_SOCKETS = {"http": REPLICA_RELAY_SOCKET, "grpc": GRPC_RELAY_SOCKET}
+# HAProxy's HTTP and gRPC frontends listen on Unix sockets in the front's folder
+# (:class:`rayinfer.serving.front_paths.FrontPaths`): the connections the acceptor passes HAProxy
+# arrive on the first (HAProxy's socket pair is relayed to it), the requests replicas relay on the
+# others. A replica has read and checked the head of each request it relays (as the acceptor
+# checks a connection's first), so HAProxy does not count the two headers a relay adds against the
+# client's limits.
 
 
 def handoff_name(host: str, port: int) -> str:

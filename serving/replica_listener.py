@@ -42,6 +42,7 @@ from rayinfer.serving import handoff
 from rayinfer.serving.listener_connection import SERVICE_PATH, ListenerConnection
 from rayinfer.serving.listener_responses import StreamedResponse, grpc_error, grpc_response, http_response
 from rayinfer.serving.h2_stream import StreamHandler
+from rayinfer.serving.front_paths import GRPC_RELAY_SOCKET
 from rayinfer.serving.handoff import ReplicaHandoff
 from rayinfer.serving.replica_h2 import H2Connection
 from rayinfer.serving.version_split import ConnectionTurn
@@ -154,7 +155,7 @@ class ReplicaListener:
         key, _, left = key.partition("\n")
         run_left = int(left) if left.isdigit() else 0
         # gRPC's connections (HTTP/2) relay to HAProxy's gRPC socket, HTTP/1.1's to its HTTP one.
-        if os.path.basename(relay) == handoff.GRPC_RELAY_SOCKET:
+        if os.path.basename(relay) == GRPC_RELAY_SOCKET:
             connection: Callable[[], asyncio.Protocol] = lambda: H2Connection(self, (relay, key), run_left)
         else:
             connection = lambda: ListenerConnection(self, (relay, key), run_left)

@@ -6,7 +6,8 @@ the CRC-32 of a chosen header's value modulo 100 when the request carries it (so
 always reaches the same version: sticky assignment), else chance. The front's HAProxy computes
 the same bucket with its ``crc32`` converter (zlib's CRC-32) for the requests it routes
 (:mod:`rayinfer.serving.front_config`); the Python paths (gRPC streams, BLS calls, ensemble
-steps, requests the ``/v2`` application forwards) use :func:`pick_version`.
+steps, requests the ``/v2`` application forwards) ask the router (:mod:`rayinfer.serving.router`),
+which applies :func:`pick_version`.
 
 A client's HTTP/1.1 connection that the front's acceptor hands to a model replica
 (:mod:`rayinfer.serving.acceptor`) is not proxied request by request: the acceptor places it on

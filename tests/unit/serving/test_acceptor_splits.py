@@ -19,7 +19,7 @@ import tritonclient.grpc as grpcclient
 from front_stand_ins import TEST_FRONT_KEY, Replica, free_port
 from rayinfer.deployments.front import Front
 from rayinfer.serving import client_relay
-from rayinfer.serving.handoff import GRPC_RELAY_SOCKET
+from rayinfer.serving.front_paths import FrontPaths
 from rayinfer.serving.replica_routes import ReplicaRoutes
 from rayinfer.serving.version_split import RUN_REQUESTS, VersionSplit, minority_run, pick_version
 from test_acceptor import _Client, _direct_connections, acceptor  # noqa: F401  (acceptor: a fixture)
@@ -194,7 +194,7 @@ def test_grpc_calls_are_answered_in_runs_at_each_versions_replica(loop, grpc_fro
     front, port = grpc_front
     split = VersionSplit("1", "2", weight, "x-user-id")
     _split_replicas(loop, front, split)
-    relays = str(front._dir / GRPC_RELAY_SOCKET)
+    relays = str(FrontPaths(front._dir).grpc_relay_socket)
     client_relay._IDLE.pop(relays, None)
     client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
     try:
