@@ -36,6 +36,7 @@ private to the network namespace, like the listener.
 from __future__ import annotations
 
 import logging
+import os
 import selectors
 import socket
 import threading
@@ -47,7 +48,8 @@ from rayinfer.protocol.grpc_wire import INCOMPLETE, PREFACE, settings
 from rayinfer.protocol.limits import MAX_REQUEST_HEAD_BYTES
 from rayinfer.serving.front_maps import RouteMaps
 from rayinfer.serving.front_paths import FrontPaths
-from rayinfer.serving.handoff import SPLICE, handoff_name, return_name, same_user
+from rayinfer.serving.handoff import handoff_name, return_name, same_user
+from rayinfer.serving.handoff_messages import HandOff, Splice, decode_returned
 from rayinfer.serving.request_heads import bad_request_head, grpc_route_key, head_fields, protocol_of, refuse, route_key
 from rayinfer.serving.version_split import SplitPlacement, pick_version, sticky_value
 
@@ -115,7 +117,7 @@ class Acceptor:
         self._haproxy = haproxy
         self._splices = threading.BoundedSemaphore(_MAX_SPLICES)
         self._warned_at = 0.0
-        self._relays = {kind: str(path).encode() for kind, path in FrontPaths(folder).relay_sockets().items()}
+        self._relays = {kind: str(path) for kind, path in FrontPaths(folder).relay_sockets().items()}
         self._routes = RouteMaps(folder)
         self._selector = selectors.DefaultSelector()
         for kind, sock in listening.items():
@@ -250,7 +252,7 @@ class Acceptor:
         """Pass ``connection`` (its first request ``head``, for ``key``) to a replica of this
         machine (``directed``: where a run at a rollout's split goes on); False: HAProxy takes it."""
         self._routes.refresh()
-        given_for = key  # the route key the replica is told
+        given_for, run_left = key, 0  # the route key the replica is told, and its run there
         split = self._routes.splits.get(key[:-1]) if key.endswith("/") else None
         if split is not None:
             # A rollout's version-less request: an HTTP/1.1 connection goes to the version its
@@ -262,8 +264,8 @@ class Acceptor:
             directed, _, left = directed.partition(" ")
             if kind != "http":
                 # A client's next connection comes from another address: none is counted.
-                version, length = self._grpc_placement.place(key, split, None, time.monotonic())
-                key, given_for = f"{key}{version}", f"{given_for}\n{length}"
+                version, run_left = self._grpc_placement.place(key, split, None, time.monotonic())
+                key = f"{key}{version}"
             elif head.startswith(b"POST "):  # an inference (a model GET stays the stable version's)
                 # The version the last run's replica named, as the split names it ("": the stable one).
                 named = directed[len(key):] if directed.startswith(key) else ""
@@ -273,11 +275,11 @@ class Acceptor:
                 elif left.isdigit() and directed.startswith(key) and self._routes.listeners.get(directed):
                     # The rest of a run (its connection was rebalanced, or its replica stops).
                     self._placement.at(key, named, _client_address(connection), time.monotonic())
-                    key, given_for = directed, f"{given_for}\n{left}"
+                    key, run_left = directed, int(left)
                 else:  # a new run: the replica of its last one named the other version
-                    version, length = self._placement.place(key, split, _client_address(connection),
-                                                            time.monotonic(), named)
-                    key, given_for = f"{key}{version}", f"{given_for}\n{length}"
+                    version, run_left = self._placement.place(key, split, _client_address(connection),
+                                                              time.monotonic(), named)
+                    key = f"{key}{version}"
         if not key:
             # Not a model's request (health, metadata, the repository API): a replica of this
             # machine relays it to HAProxy, then gives the connection back, which its next
@@ -296,15 +298,15 @@ class Acceptor:
         now = time.monotonic()
         if self._refused.get(name, 0.0) > now:
             return False
-        if not self._send(name, connection, given_for, self._relays[kind]):
+        if not self._send(name, connection, HandOff(self._relays[kind], given_for, run_left)):
             self._refused[name] = now + _REFUSED_FOR_S
             return False
         connection.close()  # the replica holds its own descriptor of it now
         return True
 
-    def _send(self, name: str, connection: socket.socket, key: str, relay: bytes) -> bool:
+    def _send(self, name: str, connection: socket.socket, handoff: HandOff) -> bool:
         """Pass ``connection`` to the replica handoff socket ``name``: False if it is not there or full."""
-        message = b"%b\n%b" % (relay, key.encode())
+        message = handoff.encode()
         for attempt in range(2):  # a kept channel may have closed (the replica restarted)
             channel = self._handoffs.get(name)
             try:
@@ -365,20 +367,24 @@ class Acceptor:
             self._selector.unregister(channel)
             channel.close()
             return
-        if message.startswith(SPLICE) and len(fds) == 2:
+        returned = decode_returned(message)
+        if isinstance(returned, Splice):
+            if len(fds) != 2:
+                for fd in fds:
+                    os.close(fd)
+                return
             client, upstream = (socket.socket(fileno=fd) for fd in fds)
             if not self._splices.acquire(blocking=False):
                 self._warn("closed a relayed answer's connection: %d are being copied already", _MAX_SPLICES)
                 client.close()
                 upstream.close()
                 return
-            threading.Thread(target=_splice, args=(client, upstream, message[len(SPLICE):], self._limits,
+            threading.Thread(target=_splice, args=(client, upstream, returned.answered, self._limits,
                                                    self._splices), daemon=True).start()
             return
-        stopping, _, name = message.decode("utf-8", "replace").partition(" ")
-        name, _, move_to = name.partition(" ")
-        if stopping == "stopping":  # no more connections for it, even before its route goes
-            self._refused[name] = time.monotonic() + _STOPPING_S
+        if returned.stopping:  # no more connections for it, even before its route goes
+            self._refused[returned.replica] = time.monotonic() + _STOPPING_S
+        move_to = returned.move_to
         for fd in fds:
             connection = socket.socket(fileno=fd)
             if self._routes.splits:  # it counts at no version while it waits for its next request

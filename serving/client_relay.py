@@ -27,6 +27,7 @@ import httptools
 from rayinfer.protocol.front_key import FRONT_KEY_HEADER
 from rayinfer.protocol.listener_client import STREAM_HEADER, TRACE_PARENT_HEADER
 from rayinfer.serving import handoff
+from rayinfer.serving.handoff_messages import Splice
 from rayinfer.serving.sequence_routing import FORWARDED_HEADER
 
 # Headers of a client's request not copied when it is relayed (names compared in lower case):
@@ -159,7 +160,7 @@ class RelayedRequest:
         upstream.transport.pause_reading()
         fds = [os.dup(client_fd), os.dup(sock.fileno())]
         try:
-            given = handoff.give_back(folder_name, fds, handoff.SPLICE + bytes(upstream.buffer))
+            given = handoff.give_back(folder_name, fds, Splice(bytes(upstream.buffer)))
         finally:
             for fd in fds:
                 os.close(fd)

@@ -21,11 +21,10 @@ import socket
 import struct
 from collections.abc import Callable
 
+from rayinfer.serving.handoff_messages import GiveBack, HandOff, Splice
+
 logger = logging.getLogger(__name__)
 
-# A replica that stops while it relays a request hands the client's connection and HAProxy's to
-# the acceptor with this message, then what HAProxy answered so far: the acceptor copies the rest.
-SPLICE = b"splice\n"
 # HAProxy's HTTP and gRPC frontends listen on Unix sockets in the front's folder
 # (:class:`rayinfer.serving.front_paths.FrontPaths`): the connections the acceptor passes HAProxy
 # arrive on the first (HAProxy's socket pair is relayed to it), the requests replicas relay on the
@@ -56,14 +55,6 @@ def return_name(folder_name: str) -> str:
     return f"\0rayinfer-acceptor-back-{folder_name}"
 
 
-def returned(replica: str, stopping: bool, move_to: str = "") -> bytes:
-    """The message with connections a replica (its acceptor name) gives back; ``stopping``: it
-    takes no more; ``move_to``: the route key (``<model>/<version>``) their next version-less
-    request of the model goes to, with the requests left of its run there (``" <n>"``) when it
-    continues one (a rollout's split: :mod:`version_split`)."""
-    return f"{'stopping' if stopping else 'rebalance'} {replica}{' ' + move_to if move_to else ''}".encode()
-
-
 # The channel to each front's acceptor (by its folder's name) a process gave connections back
 # on: kept open, as the acceptor keeps its channels to replicas (a rollout's split moves
 # connections between replicas every few requests).
@@ -87,10 +78,11 @@ def _return_channel(folder_name: str) -> socket.socket | None:
     return channel
 
 
-def give_back(folder_name: str, connections: list[int], message: bytes) -> bool:
+def give_back(folder_name: str, connections: list[int], message: GiveBack | Splice) -> bool:
     """Give connections (descriptors of this process, not closed here) back to the acceptor of the
-    front whose folder is named ``folder_name``, with ``message`` (:func:`returned`, or
-    :data:`SPLICE` with the client's connection and HAProxy's)."""
+    front whose folder is named ``folder_name``, with ``message`` (a :class:`Splice` with the
+    client's connection and HAProxy's)."""
+    data = message.encode()
     if not connections:
         return True
     sent = 0
@@ -100,7 +92,7 @@ def give_back(folder_name: str, connections: list[int], message: bytes) -> bool:
             if channel is None:
                 return False
             while sent < len(connections):
-                socket.send_fds(channel, [message], connections[sent:sent + 16])
+                socket.send_fds(channel, [data], connections[sent:sent + 16])
                 sent += 16
             return True
         except OSError:
@@ -112,8 +104,8 @@ def give_back(folder_name: str, connections: list[int], message: bytes) -> bool:
     return False
 
 
-# (the client's connection, HAProxy's Unix socket for relayed requests, the route key)
-TakeConnection = Callable[[socket.socket, str, str], None]
+# (the client's connection, what the acceptor said with it)
+TakeConnection = Callable[[socket.socket, HandOff], None]
 
 
 class ReplicaHandoff:
@@ -180,6 +172,6 @@ class ReplicaHandoff:
             self._channels.discard(channel)
             channel.close()
             return
-        relay, _, key = message.decode("utf-8", "replace").partition("\n")
+        handoff = HandOff.decode(message)
         for fd in fds:
-            self._take(socket.socket(fileno=fd), relay, key)
+            self._take(socket.socket(fileno=fd), handoff)

@@ -45,6 +45,7 @@ from typing import Any
 import httptools
 
 from rayinfer.serving import handoff
+from rayinfer.serving.handoff_messages import GiveBack
 from rayinfer.serving.client_relay import RelayedRequest
 from rayinfer.serving.listener_responses import StreamedResponse, grpc_error, http_response
 from rayinfer.protocol.errors import UnavailableError
@@ -247,7 +248,7 @@ class ListenerConnection(asyncio.Protocol):
         move_to = f"{self._direct[1]}{place}" if place else ""
         try:
             given = handoff.give_back(self._folder_name(), [fd],
-                                         handoff.returned(self._listener.handoff_name, self._listener.closing, move_to))
+                                      GiveBack(self._listener.handoff_name, self._listener.closing, move_to))
         finally:
             os.close(fd)
         if not given:

@@ -44,6 +44,7 @@ from rayinfer.serving.listener_responses import StreamedResponse, grpc_error, gr
 from rayinfer.serving.h2_stream import StreamHandler
 from rayinfer.serving.front_paths import GRPC_RELAY_SOCKET
 from rayinfer.serving.handoff import ReplicaHandoff
+from rayinfer.serving.handoff_messages import GiveBack, HandOff
 from rayinfer.serving.replica_h2 import H2Connection
 from rayinfer.serving.version_split import ConnectionTurn
 from rayinfer.protocol.errors import NotFoundError, UnavailableError, UnsupportedError
@@ -137,12 +138,12 @@ class ReplicaListener:
         self._handoff.open()
         return self.port
 
-    def _take_connection(self, client: socket.socket, relay: str, key: str) -> None:
+    def _take_connection(self, client: socket.socket, given: HandOff) -> None:
         """A client's connection from the front's acceptor (:mod:`replica_handoff`); closed at once
         when the listener holds ``--replica-max-connections``."""
         if self.closing:
-            handoff.give_back(os.path.basename(os.path.dirname(relay)), [client.fileno()],
-                                 handoff.returned(self.handoff_name, True))
+            handoff.give_back(os.path.basename(os.path.dirname(given.relay)), [client.fileno()],
+                              GiveBack(self.handoff_name, True))
             client.close()
             return
         if self._full():
@@ -151,9 +152,7 @@ class ReplicaListener:
             return
         client.setblocking(False)
         loop = asyncio.get_running_loop()
-        # "<key>\n<n>": the connection's run at a rollout's split goes on here for n requests.
-        key, _, left = key.partition("\n")
-        run_left = int(left) if left.isdigit() else 0
+        relay, key, run_left = given.relay, given.route_key, given.run_left
         # gRPC's connections (HTTP/2) relay to HAProxy's gRPC socket, HTTP/1.1's to its HTTP one.
         if os.path.basename(relay) == GRPC_RELAY_SOCKET:
             connection: Callable[[], asyncio.Protocol] = lambda: H2Connection(self, (relay, key), run_left)

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from rayinfer.serving.acceptor import Acceptor
-from rayinfer.serving.handoff import ReplicaHandoff, give_back, return_name, returned, same_user
+from rayinfer.serving.handoff import ReplicaHandoff, give_back, return_name, same_user
+from rayinfer.serving.handoff_messages import GiveBack, HandOff
 from waiting import wait_until
 
 pytestmark = pytest.mark.skipif(os.getuid() != 0, reason="needs root to start a process as another user")
@@ -70,21 +71,21 @@ def test_peer_credentials_name_the_user():
 
 def test_another_users_process_cannot_pass_connections_to_a_replica(loop):
     taken: list[str] = []
-    handoff = ReplicaHandoff(f"\0rayinfer-test-{uuid.uuid4().hex}", lambda client, relay, key: taken.append(key))
+    handoff = ReplicaHandoff(f"\0rayinfer-test-{uuid.uuid4().hex}", lambda client, given: taken.append(given.route_key))
 
     async def open_handoff() -> bool:
         return handoff.open()
 
     assert asyncio.run_coroutine_threadsafe(open_handoff(), loop).result(5)
     try:
-        assert _outcome(_as_nobody(_pass_a_connection(handoff.name, b"/relay\nm/")))
+        assert _outcome(_as_nobody(_pass_a_connection(handoff.name, HandOff("/relay", "m/").encode())))
         assert taken == []
         # The server's own user (the front's acceptor) still can.
         channel = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         channel.connect(handoff.name)
         mine, theirs = socket.socketpair()
         with channel, mine, theirs:
-            socket.send_fds(channel, [b"/relay\nm/"], [mine.fileno()])
+            socket.send_fds(channel, [HandOff("/relay", "m/").encode()], [mine.fileno()])
             wait_until(lambda: taken == ["m/"], "the connection taken", 5)
     finally:
         async def close_handoff() -> None:
@@ -99,7 +100,7 @@ def test_another_users_process_cannot_give_the_acceptor_connections(tmp_path: Pa
     acceptor = Acceptor({}, {}, folder)
     try:
         # The acceptor accepts the channel, checks its peer and closes it.
-        child = _as_nobody(_pass_a_connection(return_name(folder.name), returned("x", False)))
+        child = _as_nobody(_pass_a_connection(return_name(folder.name), GiveBack("x", False).encode()))
         assert _outcome(child, lambda: acceptor.serve(0.1))
         client = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         client.connect(return_name(folder.name))
@@ -125,7 +126,7 @@ def test_another_users_process_cannot_give_the_acceptor_connections(tmp_path: Pa
             assert os.read(ready_read, 1) == b"r"
             mine, _ = socket.socketpair()
             with mine:
-                assert not give_back(squatter_name, [mine.fileno()], returned("x", False))
+                assert not give_back(squatter_name, [mine.fileno()], GiveBack("x", False))
         finally:
             os.kill(child, 9)
             os.waitpid(child, 0)
