@@ -161,16 +161,21 @@ class TritonPythonModel:
         keep_prompt = not (flag(request, "exclude_input_in_output") or flag(request, "stream"))
         return Generation(request, settings, len(tokens), state, prompt if keep_prompt else "")
 
+    def take_waiting(self, active):
+        """Move waiting generations into ``active`` up to BATCH: wait up to 0.1 s for one when
+        none is under way, else take only those already waiting."""
+        while len(active) < BATCH:
+            try:
+                active.append(self.waiting.get(timeout=0.1) if not active else self.waiting.get_nowait())
+            except queue.Empty:
+                return
+
     def generate_forever(self):
         """Advance every generation under way by one token per step, together (one matrix
         product for all of them); a new request joins at the next step."""
         active = []
         while not self.stopping.is_set():
-            try:
-                while len(active) < BATCH:
-                    active.append(self.waiting.get(timeout=0.1) if not active else self.waiting.get_nowait())
-            except queue.Empty:
-                pass
+            self.take_waiting(active)
             if active:
                 try:
                     active = self.step(active)

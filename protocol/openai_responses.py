@@ -143,6 +143,18 @@ def usage_chunk(request_id: str, created: int, model: str, chat: bool, usage_doc
             "model": model, "choices": [], "usage": usage_doc}
 
 
+def _positions(entries: list[dict[str, Any]], top: int) -> list[tuple[str, float, list[tuple[str, float]]]]:
+    """(sampled token, its logprob, the ``top`` best (token, logprob) by rank) of each position
+    of the model's per-token entries that has candidates."""
+    positions = []
+    for entry in entries:
+        ranked = _ranked(entry)
+        if ranked:
+            best = sorted(ranked, key=lambda item: item[2] if item[2] > 0 else 1 << 30)[:top]
+            positions.append((ranked[0][0], ranked[0][1], [(t, lp) for t, lp, _ in best]))
+    return positions
+
+
 def _ranked(entry: dict[str, Any]) -> list[tuple[str, float, int]]:
     """(token, logprob, rank) of one position's candidates, the sampled token first (vLLM's order)."""
     out = []
@@ -154,17 +166,9 @@ def _ranked(entry: dict[str, Any]) -> list[tuple[str, float, int]]:
 
 def chat_logprobs(entries: list[dict[str, Any]], top: int) -> list[dict[str, Any]]:
     """OpenAI's ``logprobs.content`` of a chat choice from the model's per-token entries."""
-    content = []
-    for entry in entries:
-        ranked = _ranked(entry)
-        if not ranked:
-            continue
-        token, logprob, _ = ranked[0]
-        best = sorted(ranked, key=lambda item: item[2] if item[2] > 0 else 1 << 30)[:top]
-        content.append({"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8")),
-                        "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(t.encode("utf-8"))}
-                                         for t, lp, _ in best]})
-    return content
+    return [{"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8")),
+             "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(t.encode("utf-8"))} for t, lp in best]}
+            for token, logprob, best in _positions(entries, top)]
 
 
 def completion_logprobs(entries: list[dict[str, Any]], top: int, offset: int) -> dict[str, Any]:
@@ -173,17 +177,12 @@ def completion_logprobs(entries: list[dict[str, Any]], top: int, offset: int) ->
     token_logprobs: list[float] = []
     tops: list[dict[str, float]] = []
     offsets: list[int] = []
-    for entry in entries:
-        ranked = _ranked(entry)
-        if not ranked:
-            continue
-        token, logprob, _ = ranked[0]
-        best = sorted(ranked, key=lambda item: item[2] if item[2] > 0 else 1 << 30)[:top]
+    for token, logprob, best in _positions(entries, top):
         offsets.append(offset)
         offset += len(token)
         tokens.append(token)
         token_logprobs.append(logprob)
-        tops.append({t: lp for t, lp, _ in best})
+        tops.append(dict(best))
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
 
 
