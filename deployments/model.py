@@ -281,8 +281,12 @@ class ModelDeployment:
         each response as it comes; ``mark_final_alone``: then ``StreamEnd.FINAL_ALONE`` if a
         decoupled model sent its final flag on its own (a BLS iterator's last response)."""
         prepared = self._core.prepare(request)
-        async for result in self._core.stream(prepared):
-            yield result
+        responses = self._core.stream(prepared)
+        try:
+            async for result in responses:
+                yield result
+        finally:  # a caller that gave up: the request is cancelled now, not when the stream is collected
+            await responses.aclose()
         sender = prepared.sender
         if mark_final_alone and self._core.decoupled and not (sender is not None and sender.final_yielded):
             yield StreamEnd.FINAL_ALONE

@@ -30,9 +30,6 @@ from rayinfer.protocol.types import InferRequest, InferResponse
 from rayinfer.repository.model_config import ModelSpec
 
 Result: TypeAlias = "InferResponse | ServingError"
-
-
-
 # How long a send past the bound from a thread that runs an event loop (a Python model's async
 # execute) waits for room before it fails: a client that reads keeps up within it.
 _LOOP_GRACE_S = 0.05
