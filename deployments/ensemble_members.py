@@ -52,6 +52,7 @@ class EnsembleMembers:
         self._routes: dict[tuple[str, str], tuple[float, tuple[str, str] | None]] = {}
         # (model, version) -> (when read, (application, deployment), its replicas' listeners)
         self._targets: dict[tuple[str, str], tuple[float, tuple[str, str], list[tuple[str, int]]]] = {}
+        self._replicas: dict[tuple[str, str], list[Replica]] = {}  # the same listeners, as the router takes them
         self._handles: dict[tuple[str, str], Any] = {}
         # model -> (when read, its rollout's split of version-less steps, or None)
         self._splits: dict[str, tuple[float, VersionSplit | None]] = {}
@@ -68,6 +69,8 @@ class EnsembleMembers:
         if target is None or time.monotonic() - target[0] >= _ROUTE_TTL_S:
             app, deployment, listeners = await self._server_handle().member_listeners.remote(*key)
             target = self._targets[key] = (time.monotonic(), (app, deployment), [tuple(a) for a in listeners])
+            # The router's view of them, built once per read: on this node when their host is this node's.
+            self._replicas[key] = [Replica(a, node=a[0]) for a in target[2]]
             if self.in_place is not None:
                 self.in_place.observe(key, target[1], target[2])
         if self.in_place is not None:
@@ -76,9 +79,7 @@ class EnsembleMembers:
                 return response
         if target[2]:
             # By the router's rules: a replica on this node first (no load is known here).
-            chosen = choose_replica([Replica(a, node=a[0]) for a in target[2]], node=self._host)
-            assert chosen is not None
-            address = chosen.key
+            address = choose_replica(self._replicas[key], node=self._host).key  # type: ignore[union-attr]
             try:
                 return await self._client.infer(address, request)
             except UnavailableError as exc:  # the replica went away: by handle, routes read again
