@@ -381,7 +381,8 @@ class ModelDeployment:
             if time.monotonic() - registered_at >= _LISTENER_REGISTER_INTERVAL_S:
                 try:
                     settings = await self._server_handle().register_listener.remote(
-                        self._replica_key, self._app_name, *self._listener_address, self._sequences is not None
+                        self._replica_key, self._app_name, *self._listener_address, self._sequences is not None,
+                        ray.get_runtime_context().current_actor,
                     )
                     registered_at = time.monotonic()
                     self._listener.max_inflight = settings.get("max_inflight", self._listener.max_inflight)

@@ -1,8 +1,9 @@
 """The front's route table: which replica listeners serve each model version.
 
 Model replicas register their listener with the ``/v2`` replica when they start and every few
-seconds; :class:`RouteTable` keeps them, drops those not heard from, leaves out replicas Serve
-does not report RUNNING, and publishes ``<model>/<version>`` -> listeners to the front. For a
+seconds; :class:`RouteTable` keeps them, drops those not heard from (and logs why each such
+replica stopped: Ray's record of its death, or that it is alive but silent), leaves out replicas
+Serve does not report RUNNING, and publishes ``<model>/<version>`` -> listeners to the front. For a
 sequence model's version the listeners are one per routing slot
 (:mod:`rayinfer.serving.sequence_routing`), in slot order; its replicas are told the same table
 before the front is, and read it again when they register.
@@ -21,6 +22,7 @@ from typing import Any
 from rayinfer.deployments.control_channel import SEQUENCE_SLOTS, ControlChannel, ControlMessage
 from rayinfer.deployments.front import route_key_is_safe
 from rayinfer.deployments.names import model_apps
+from rayinfer.deployments.serve_internals import actor_death
 from rayinfer.deployments.serve_state import ServeState, running_replicas
 from rayinfer.serving.sequence_routing import assign_slots, previous_owners
 
@@ -30,6 +32,12 @@ logger = logging.getLogger(__name__)
 LISTENER_TTL_S = 6.0
 # How long the table waits for a replica to take its sequence model's new slots.
 _TELL_TIMEOUT_S = 1.0
+# How long a replica that stopped registering has to answer Ray before it is reported silent.
+_DEATH_CHECK_S = 5.0
+# Of Ray's record of a replica's death, this many characters go to the log.
+_DEATH_CAUSE_CHARS = 600
+# Ray's words for an actor that was stopped (Serve stops a replica with ray.kill once it drained).
+_STOPPED = "killed by `ray.kill`"
 
 
 class RouteTable:
@@ -53,12 +61,24 @@ class RouteTable:
         self._sent: dict[str, dict[str, Any]] = {}  # the tables the replicas were last given
         # Models being unloaded (``withdrawn``): the front routes none of their versions.
         self._withdrawn: set[str] = set()
+        # The registered replicas' Ray actors, asked why a replica died when it stops registering
+        # without having withdrawn; and those questions while they run.
+        self._actors: dict[str, Any] = {}
+        self._death_checks: set[asyncio.Task] = set()
+        # Replicas that withdrew, and when: a registration of theirs sent before they withdrew
+        # and arriving after is dropped.
+        self._gone: dict[str, float] = {}
 
-    async def register(self, replica: str, app: str, host: str, port: int, sequences: bool = False) -> None:
+    async def register(self, replica: str, app: str, host: str, port: int, sequences: bool = False,
+                       actor: Any = None) -> None:
         """A model replica's listener, registered at start and again every few seconds
-        (``sequences``: its model routes sequences by slot)."""
+        (``sequences``: its model routes sequences by slot; ``actor``: its Ray actor)."""
+        if replica in self._gone:
+            return
         known = replica in self._listeners
         self._listeners[replica] = (app, host, int(port), time.monotonic())
+        if actor is not None:
+            self._actors[replica] = actor
         if sequences:
             self._sequence_apps.add(app)
         if not known:
@@ -89,6 +109,8 @@ class RouteTable:
         when its model is being unloaded: the front routes none of its versions already, and
         that unload holds the table until Serve has stopped this very replica)."""
         entry = self._listeners.pop(replica, None)
+        self._actors.pop(replica, None)
+        self._gone[replica] = time.monotonic()
         self.channel.forget(replica)
         if entry is not None and not any(model_apps(model, [entry[0]]) for model in self._withdrawn):
             await self.publish()
@@ -169,9 +191,16 @@ class RouteTable:
         """``<model>/<version>`` -> the listeners of its replicas, less those in ``not_running``
         (versions none of whose replicas is routable are left to Serve)."""
         now = time.monotonic()
+        for replica in [k for k, at in self._gone.items() if now - at >= 2 * LISTENER_TTL_S]:
+            del self._gone[replica]
         for replica in [k for k, v in self._listeners.items() if now - v[3] >= LISTENER_TTL_S]:
-            del self._listeners[replica]
+            app, host, port, _ = self._listeners.pop(replica)
             self.channel.forget(replica)
+            actor = self._actors.pop(replica, None)
+            if actor is not None:
+                task = asyncio.get_running_loop().create_task(self._report_lost(replica, app, f"{host}:{port}", actor))
+                self._death_checks.add(task)
+                task.add_done_callback(self._death_checks.discard)
         by_app: dict[str, list[tuple[str, int]]] = {}
         replicas: dict[str, list[str]] = {}
         for replica, (app, host, port, _) in self._listeners.items():
@@ -191,6 +220,23 @@ class RouteTable:
                                  "previous": [list(self._listeners[r][1:3]) if r else None for r in previous]}
         return {key: by_app[app] if app in self._slots else sorted(by_app[app])
                 for key, (app, _) in self._state.routes.items() if app in by_app}
+
+    @staticmethod
+    async def _report_lost(replica: str, app: str, listener: str, actor: Any) -> None:
+        """A replica stopped registering without withdrawing: log why, as Ray recorded it (the
+        calls it held failed when its connections closed; Serve starts a replacement)."""
+        try:
+            cause = await actor_death(actor, _DEATH_CHECK_S)
+        except Exception as exc:  # noqa: BLE001  # Ray could not say: the loss is still reported
+            cause = f"Ray could not say why ({exc})"
+        if cause is None:
+            cause = f"it is alive but has not registered its listener for {LISTENER_TTL_S:g} s"
+        elif _STOPPED in cause:  # Serve stopped it (a scale-down or an unload it did not withdraw from in time)
+            logger.info("model replica %s of application '%s' (listener %s) was stopped", replica, app, listener)
+            return
+        elif len(cause) > _DEATH_CAUSE_CHARS:
+            cause = cause[:_DEATH_CAUSE_CHARS] + "..."
+        logger.error("model replica %s of application '%s' (listener %s) was lost: %s", replica, app, listener, cause)
 
     async def _not_running(self) -> set[str]:
         """Registered replicas Serve does not report RUNNING: one being stopped serves out Serve's

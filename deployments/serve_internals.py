@@ -10,6 +10,8 @@ is checked as the CLI starts and as the ``/v2`` application is built, and says w
   constructor), which routes on the event loop it is first used on.
 - :func:`replica_id`: the unique id of the replica the code runs in.
 - :func:`kv_get` and :func:`kv_put`: Ray's key-value store in the GCS (``internal_kv``).
+- :func:`actor_death`: why an actor died, as Ray's GCS recorded it (a call of ``__ray_ready__``,
+  the method Ray gives every actor).
 - :func:`with_code_version`: a deployment's code version (``options(version=..., _internal=True)``).
 - :func:`stop_orphaned_serve_haproxy`: Serve's HAProxy processes left behind by a Ray node that
   is gone (Serve starts them without tying them to its proxy's life).
@@ -106,6 +108,23 @@ def kv_put(key: bytes, value: bytes, namespace: str, overwrite: bool = True) -> 
     from ray.experimental.internal_kv import _internal_kv_put
 
     _internal_kv_put(key, value, overwrite=overwrite, namespace=namespace)
+
+
+async def actor_death(actor: Any, timeout_s: float) -> str | None:
+    """Why ``actor`` (a Ray actor handle) died, as Ray recorded it: its exit type and detail (a
+    signal, an exit code, a raised exception, the memory monitor). None while it answers; a
+    message saying so when it does not answer within ``timeout_s``."""
+    import asyncio
+
+    import ray
+
+    try:
+        await asyncio.wait_for(actor.__ray_ready__.remote(), timeout_s)
+    except ray.exceptions.RayActorError as exc:
+        return " ".join(str(exc).split())
+    except asyncio.TimeoutError:
+        return f"it is alive but did not answer Ray within {timeout_s:g} s (a blocked event loop?)"
+    return None
 
 
 async def shutdown_cached_handles() -> None:

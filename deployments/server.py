@@ -153,12 +153,13 @@ class ServerDeployment:
     # ---- calls from model replicas ----------------------------------------------------------
 
     async def register_listener(self, replica_key: str, app: str, host: str, port: int,
-                                sequences: bool = False) -> dict[str, Any]:
+                                sequences: bool = False, actor: Any = None) -> dict[str, Any]:
         """Register a model replica's listener (``sequences``: its model routes sequences by
-        slot); answers the log and trace settings it is to follow, and for a sequence model the
-        slots' listeners."""
+        slot; ``actor``: the replica's Ray actor, asked why it died if it stops registering);
+        answers the log and trace settings it is to follow, and for a sequence model the slots'
+        listeners."""
         routes = self._api.routes
-        await routes.register(replica_key, app, host, port, sequences)
+        await routes.register(replica_key, app, host, port, sequences, actor)
         model = app_model(app)
         version = next((key.split("/", 1)[1] for key, (a, _) in self._api.state.routes.items()
                         if a == app and not key.endswith("/")), "")

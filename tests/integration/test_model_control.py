@@ -198,7 +198,8 @@ def test_reloading_a_changed_model_under_traffic_fails_no_request(server, client
 def test_a_replica_killed_under_traffic_fails_only_its_calls_at_once_and_is_replaced(server, client):
     """SIGKILL to one of two replicas while HTTP and gRPC clients call the model: the calls in
     flight on it (and those sent to it before its route goes) fail fast with the front's error,
-    none hangs, the other replica serves on, and Serve starts a new replica."""
+    none hangs, the other replica serves on, Serve starts a new replica, and the server's log
+    names the lost replica with Ray's record of its death."""
     import json
     import os
     import signal
@@ -237,6 +238,10 @@ def test_a_replica_killed_under_traffic_fails_only_its_calls_at_once_and_is_repl
             thread.join(60)
         client.unload_model(model)
     assert not any(t.is_alive() for t in threads), "a call hung"
+    # The server's log says which replica was lost and why, as Ray recorded its death.
+    lost = wait_until(lambda: [line for line in server["log"].read_text().splitlines()
+                               if "was lost" in line and model in line], "the lost replica in the log", timeout_s=30)
+    assert "died" in lost[0] or "exit" in lost[0].lower(), lost[0]
     for protocol, outcomes in calls.items():
         assert set(outcomes[:killed_at[protocol]]) == {"ok"}, protocol
         failed = [o for o in outcomes[killed_at[protocol]:] if o != "ok"]

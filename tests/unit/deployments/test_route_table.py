@@ -58,3 +58,19 @@ def test_a_replica_of_a_model_being_unloaded_withdraws_at_once_and_others_still_
         assert "other/1" not in front.published
 
     asyncio.run(scenario())
+
+
+def test_a_registration_that_arrives_after_its_replica_withdrew_is_dropped():
+    """A stopping replica's last registration, sent before it withdrew, does not bring its
+    listener back (it would be routed to, then reported lost when it stops registering)."""
+    async def scenario() -> None:
+        front = _Front()
+        table = RouteTable(_State(), front)  # type: ignore[arg-type]  # stand-ins
+        await table.register("m/r1", "m", "10.0.0.1", 1000)
+        await table.withdraw("m/r1")
+        await table.register("m/r1", "m", "10.0.0.1", 1000)
+        assert table.listeners("m") == [] and "m/1" not in front.published
+        await table.register("m/r2", "m", "10.0.0.1", 1001)
+        assert table.listeners("m") == [("10.0.0.1", 1001)]
+
+    asyncio.run(scenario())
