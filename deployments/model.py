@@ -156,8 +156,7 @@ class ModelDeployment:
                                          front_key)
         # Which requests on the clients' connections this replica holds are its own.
         self._routes = ReplicaRoutes(self._core.name, self._core.version)
-        self._listener.serves, self._listener.serves_grpc = self._routes.serves, self._routes.serves_grpc
-        self._listener.split_target = self._routes.split_target
+        self._listener.routes = self._routes
         self._listener.restrict(*restrictions)
         self._listener.stream_grpc = ReplicaStreams(self._core, context.deployment, self._server_handle,
                                                     self._listener).answer

@@ -12,8 +12,9 @@ taken; the answers are
 written as the client's windows allow, and the handler waits while more than a window of them
 waits to be sent. A client that resets the stream or goes away cancels its requests.
 
-:class:`StreamAnswers` is the part of :class:`~rayinfer.serving.replica_h2.H2Connection` that
-writes a stream's answers; :class:`ServedStream` reads its requests and runs the handler.
+:class:`ServedStream` reads a stream's requests and runs the handler; the connection
+(:class:`StreamConnection`: :class:`~rayinfer.serving.replica_h2.H2Connection`) writes its answers
+as the windows allow.
 """
 
 from __future__ import annotations
@@ -23,13 +24,10 @@ import contextlib
 import time
 from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from typing import Any
+from typing import Any, Protocol
 
 from rayinfer.protocol.errors import InternalError
-from rayinfer.protocol.grpc_wire import (
-    DATA, OK_TRAILERS, RESPONSE_HEADERS, frame, grpc_status, header_frames, message_frame, reset_stream, trailers,
-    unframe_off_loop,
-)
+from rayinfer.protocol.grpc_wire import OK_TRAILERS, RESPONSE_HEADERS, grpc_status, message_frame, trailers, unframe_off_loop
 from rayinfer.protocol.limits import message_too_large, stream_idle
 from rayinfer.serving.stream_infer import parse_request
 
@@ -39,66 +37,27 @@ Fields = list[tuple[bytes, bytes]]
 StreamHandler = Callable[[AsyncIterator[Any], Fields], AsyncGenerator[bytes, None]]
 
 
-class StreamAnswers:
-    """What writes the answers of served streams to the client, a part of ``replica_h2.H2Connection``.
+class StreamConnection(Protocol):
+    """What a served stream asks of the connection it is on (:class:`~rayinfer.serving.replica_h2.H2Connection`).
     A ``call`` is the connection's call of the stream."""
 
-    _calls: dict[int, Any]
-    _transport: Any
-    _send_window: int  # what the client lets this side send on the connection
-    _max_frame: int
-    _limits: Any  # the connection's ConnectionLimits
-    _client_window: int  # what a client may send on one call before the replica reads it
-    _write: Callable[[bytes], None]  # to the client (H2Connection's)
-    _ended: Callable[[Any], None]  # a call is over (H2Connection's)
-    _release: Callable[[Any, int], None]  # bytes a call held are freed (H2Connection's)
-    give_window: Callable[[Any], None]  # a call's window given back (H2Connection's)
-    data_sent: Callable[[int], None]  # DATA frames went out (H2Connection's)
+    client_window: int  # what a client may send on one call before the replica reads it
+    max_message_bytes: int  # --grpc-max-message-size
 
     def stream_taken(self, call: Any, size: int) -> None:
-        """``size`` bytes of the client's were taken by the stream's handler: the client may send
-        as many more."""
-        self._release(call, size)
-        call.unacked += size
-        if call.unacked >= self._client_window // 2 and self._current(call):
-            self.give_window(call)
+        """``size`` bytes of the client's were taken by the stream's handler."""
 
-    def _current(self, call: Any) -> bool:
-        """Whether ``call`` is still the connection's call of its stream."""
-        return self._calls.get(call.id) is call
+    def begin_answer(self, call: Any) -> None:
+        """Send the stream's response headers."""
 
-    def _flush_stream(self, call: Any) -> None:
-        """Send what the windows allow of a stream's answers (its trailers after them)."""
-        if not self._current(call) or self._transport is None:
-            return
-        out = []
-        # No more than the write buffer takes: a client that does not read holds one buffer.
-        room = self._limits.connection_buffer_bytes - self._transport.get_write_buffer_size()
-        while call.out and min(self._send_window, call.window, room) > 0:
-            size = min(len(call.out), self._send_window, call.window, self._max_frame)
-            room -= size
-            out.append(frame(DATA, 0, call.id, bytes(call.out[:size])))
-            del call.out[:size]
-            self._send_window -= size
-            call.window -= size
-        self.data_sent(len(out))
-        ended = not call.out and bool(call.trailers)
-        if ended:
-            out.append(header_frames(call.id, call.trailers, True, self._max_frame))
-            if not call.stream.client_ended:  # ended early (an error): the client's side is closed too
-                out.append(reset_stream(call.id))
-        if out:
-            self._write(b"".join(out))
-        if ended:
-            self._ended(call)
-        elif len(call.out) <= self._client_window:
-            call.stream.sent.set()
+    def send_answers(self, call: Any) -> None:
+        """Send what the windows allow of the stream's answers (its trailers after them)."""
 
 
 class ServedStream:
     """One stream's requests as they arrive, and the task that answers them."""
 
-    def __init__(self, connection: StreamAnswers, call: Any, handler: StreamHandler) -> None:
+    def __init__(self, connection: StreamConnection, call: Any, handler: StreamHandler) -> None:
         self._connection, self._call, self._handler = connection, call, handler
         self._pending = bytearray()  # the client's bytes not split into messages yet
         self._messages: deque[bytes] = deque()
@@ -108,7 +67,7 @@ class ServedStream:
         self._encoding = next((value for name, value in call.headers if name == b"grpc-encoding"), None)
         self._too_large = 0  # the size of a message over the limit
         self._owed = 0  # bytes received whose window is not given back yet
-        self._limit = connection._limits.max_message_bytes  # --grpc-max-message-size
+        self._limit = connection.max_message_bytes  # --grpc-max-message-size
         self.last_active = time.monotonic()  # the client's last bytes, or the last response sent
         self._expired = 0.0  # the idle timeout that ended the stream
 
@@ -171,11 +130,11 @@ class ServedStream:
                 async for response in responses:
                     if not call.answering:
                         call.answering = True
-                        connection._write(header_frames(call.id, RESPONSE_HEADERS, False, connection._max_frame))
+                        connection.begin_answer(call)
                     call.out += message_frame(response)
                     self.last_active = time.monotonic()
-                    connection._flush_stream(call)
-                    if len(call.out) > connection._client_window:
+                    connection.send_answers(call)
+                    if len(call.out) > connection.client_window:
                         self.sent.clear()
                         await self.sent.wait()
             block = OK_TRAILERS
@@ -185,4 +144,4 @@ class ServedStream:
             block = trailers(*grpc_status(exc))
         call.trailers = block if call.answering else RESPONSE_HEADERS + block
         call.answering = True
-        connection._flush_stream(call)
+        connection.send_answers(call)

@@ -40,12 +40,14 @@ import re
 import struct
 import time
 from collections import deque
+from dataclasses import dataclass
 from typing import Any
 
 import httptools
 
 from rayinfer.serving import handoff
 from rayinfer.serving.handoff_messages import GiveBack
+from rayinfer.serving.client_connection import WriteFlow
 from rayinfer.serving.client_relay import RelayedRequest
 from rayinfer.serving.listener_responses import StreamedResponse, grpc_error, http_response
 from rayinfer.protocol.errors import UnavailableError
@@ -68,7 +70,7 @@ from rayinfer.protocol.listener_client import STREAM_HEADER, TRACE_PARENT_HEADER
 from rayinfer.serving.protocol_stamps import PROTOCOL_STAMPS, TRACEPARENT, ProtocolStamps
 from rayinfer.serving.routes import REQUEST_HEADERS
 from rayinfer.serving.sequence_routing import FORWARDED_HEADER
-from rayinfer.serving.version_split import ConnectionTurn
+from rayinfer.serving.replica_routes import ConnectionRoute
 
 # The replica's ReplicaListener (replica_listener imports this module, so its type is not named here).
 ReplicaListener = Any
@@ -108,16 +110,33 @@ _NO_LINGER = struct.pack("ii", 1, 0)
 _MIN_TIMER_NS = 1_000_000
 
 
+@dataclass(slots=True)
+class PendingRequest:
+    """A request read whole, waiting for its answer (requests are answered in order)."""
+
+    path: bytes
+    headers: dict[bytes, bytes]  # those kept (:data:`_KEPT_HEADERS`)
+    body: bytes
+    keep_alive: bool  # the connection stays open after its answer
+    method: bytes
+    received_ns: int  # its first byte (perf_counter_ns)
+    read_ns: int  # its last byte
+    # A client's request that is not this replica's: (its URL, all its headers) to relay it.
+    relay: tuple[bytes, list[tuple[bytes, bytes]]] | None
+
+
 class ListenerConnection(asyncio.Protocol):
     """One HTTP/1.1 connection over the listener's port (the front's, another replica's), or
-    (``direct``: the relay socket of the front's HAProxy and the route key it was given for) a
-    client's from the front's acceptor; requests are answered in the order received."""
+    (``relay``: the front HAProxy's socket that takes a client's other requests; ``route``: which
+    requests are this replica's) a client's from the front's acceptor; requests are answered in
+    the order received."""
 
-    def __init__(self, listener: ReplicaListener, direct: tuple[str, str] | None = None, run_left: int = 0) -> None:
+    def __init__(self, listener: ReplicaListener, relay: str | None = None, route: ConnectionRoute | None = None) -> None:
         self._listener = listener
-        self._direct = direct
+        self._direct = relay  # a client's connection: the front's relay socket; None over the port
+        self._route = route
         # Over the listener's port: each request needs the front key and may carry internal headers.
-        self._tcp = direct is None
+        self._tcp = relay is None
         self._kept = _KEPT_HEADERS if self._tcp else _CLIENT_KEPT_HEADERS
         self._max_head_bytes = MAX_REQUEST_HEAD_BYTES + (_ADDED_HEAD_BYTES if self._tcp else 0)
         self._max_headers = MAX_REQUEST_HEADERS + (_ADDED_HEADERS if self._tcp else 0)
@@ -128,10 +147,7 @@ class ListenerConnection(asyncio.Protocol):
         self._headers: dict[bytes, bytes] = {}
         self._all_headers: list[tuple[bytes, bytes]] = []  # counted; a client's relayed with its request
         self._body: list[bytes] = []
-        # (path, headers, body, keep the connection open afterwards, method, received from, to,
-        #  for a client's request that is not this replica's: (url, all headers) to relay it)
-        self._pending: deque[tuple[bytes, dict[bytes, bytes], bytes, bool, bytes, int, int,
-                                   tuple[bytes, list[tuple[bytes, bytes]]] | None]] = deque()
+        self._pending: deque[PendingRequest] = deque()
         self._task: asyncio.Task | None = None
         self._body_size = 0
         self._refused = False
@@ -142,7 +158,6 @@ class ListenerConnection(asyncio.Protocol):
         self._began = False  # a request began in the chunk being parsed
         self._recv_start = 0
         self._rebalance_at = time.monotonic() + _REBALANCE_S
-        self._turn = ConnectionTurn(run_left)  # a client's, at a rollout's split (:mod:`version_split`)
         self._relayed: RelayedRequest | None = None  # a request of a client's being relayed
         # The connection's limits' timer and flow control (see the module's docstring).
         self._timer: asyncio.TimerHandle | None = None
@@ -151,11 +166,8 @@ class ListenerConnection(asyncio.Protocol):
         self._resumed_ns = 0  # when reading last resumed after a pause
         self._reading_paused = False  # by a full pipeline or by writing paused
         self._unparsed = b""  # read before reading paused, parsed when it resumes
-        self._writing_paused = False  # the client has not taken connection_buffer_bytes of answers
-        self._write_resumed: asyncio.Future[None] | None = None  # awaited while writing is paused
-        # When the client was last seen taking its answers, and how much of them was buffered then.
-        self._send_mark_ns = 0
-        self._send_mark_bytes = 0
+        # Paused while the client has not taken connection_buffer_bytes of its answers.
+        self._flow = WriteFlow()
 
     # asyncio.Protocol
 
@@ -174,7 +186,7 @@ class ListenerConnection(asyncio.Protocol):
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        self._wake_writer()
+        self._flow.wake()
         if self._task is not None:  # the client went away: its request is cancelled
             self._task.cancel()
 
@@ -183,17 +195,14 @@ class ListenerConnection(asyncio.Protocol):
         the peer takes them (:meth:`resume_writing`), or the send timeout ends it."""
         if self._transport is None:
             return
-        self._writing_paused = True
-        self._send_mark_ns, self._send_mark_bytes = time.perf_counter_ns(), self._transport.get_write_buffer_size()
+        self._flow.pause(self._transport.get_write_buffer_size())
         self._pause_reading()
 
     def resume_writing(self) -> None:
-        if not self._writing_paused:
+        if not self._flow.paused:
             return
-        self._writing_paused = False
+        self._flow.resume()
         self._resumed_ns = time.perf_counter_ns()
-        self._send_mark_ns = 0
-        self._wake_writer()
         self._resume_reading()
 
     def data_received(self, data: bytes | memoryview) -> None:
@@ -244,8 +253,7 @@ class ListenerConnection(asyncio.Protocol):
         fd = os.dup(sock.fileno())
         # At a rollout's split: where the acceptor places the connection's next version-less
         # request of the model (the other version once its run here ended, else the rest of it).
-        place = self._turn.next_place()
-        move_to = f"{self._direct[1]}{place}" if place else ""
+        move_to = self._route.next_place() if self._route is not None else ""
         try:
             given = handoff.give_back(self._folder_name(), [fd],
                                       GiveBack(self._listener.handoff_name, self._listener.closing, move_to))
@@ -261,7 +269,7 @@ class ListenerConnection(asyncio.Protocol):
 
     def _folder_name(self) -> str:
         """The folder name of the front whose acceptor gave this connection."""
-        return os.path.basename(os.path.dirname(self._direct[0])) if self._direct is not None else ""
+        return os.path.basename(os.path.dirname(self._direct)) if self._direct is not None else ""
 
     def hand_over_relay(self) -> bool:
         """The listener stops while this connection waits for the front's answer to a relayed
@@ -302,19 +310,17 @@ class ListenerConnection(asyncio.Protocol):
         now = time.perf_counter_ns()
         due = now + _ns(min(limits.request_head_timeout_s, limits.keepalive_timeout_s, limits.send_timeout_s))
         buffered = transport.get_write_buffer_size()
-        if self._writing_paused or (buffered and self._task is None):
-            # Answers the client has not taken, and none being written (the buffer only shrinks):
-            # the send timeout counts from when it last took some.
-            if not self._send_mark_ns or buffered < self._send_mark_bytes:
-                self._send_mark_ns, self._send_mark_bytes = now, buffered
-            if now >= (send_due := self._send_mark_ns + _ns(limits.send_timeout_s)):
+        # Answers the client has not taken, and none being written (the buffer only shrinks):
+        # the send timeout counts from when it last took some.
+        send_due = self._flow.send_deadline(now, buffered, self._flow.paused or bool(buffered and self._task is None),
+                                            limits.send_timeout_s)
+        if send_due is not None:
+            if now >= send_due:
                 logger.info("a %s took none of its answers for %g s (--client-send-timeout): "
                             "disconnected", self._peer, limits.send_timeout_s)
                 self._reset(transport)
                 return
             due = min(due, send_due)
-        else:
-            self._send_mark_ns = 0
         if self._task is None and not self._reading_paused and not buffered:  # nothing being answered
             since = max(self._recv_start, self._sent_ns, self._resumed_ns)
             if self._in_head or not (self._reading or self._sent_ns):  # a head, or the first request's
@@ -359,7 +365,7 @@ class ListenerConnection(asyncio.Protocol):
     def _resume_reading(self) -> None:
         """Read again unless writing is paused or more than ``max_pipelined_requests`` requests
         still wait for their answers."""
-        if (self._reading_paused and not self._writing_paused and self._transport is not None
+        if (self._reading_paused and not self._flow.paused and self._transport is not None
                 and len(self._pending) <= self._listener.limits.max_pipelined_requests):
             self._reading_paused = False
             self._resumed_ns = time.perf_counter_ns()
@@ -369,25 +375,10 @@ class ListenerConnection(asyncio.Protocol):
             if not self._reading_paused and self._transport is not None:
                 self._transport.resume_reading()
 
-    def _writable(self) -> asyncio.Future[None] | None:
-        """None while the client takes its answers; else a future done once writing resumes
-        (or the connection is lost)."""
-        if not self._writing_paused:
-            return None
-        if self._write_resumed is None:
-            self._write_resumed = asyncio.get_running_loop().create_future()
-        return self._write_resumed
-
-    def _wake_writer(self) -> None:
-        if self._write_resumed is not None:
-            if not self._write_resumed.done():
-                self._write_resumed.set_result(None)
-            self._write_resumed = None
-
     async def _flow_control(self) -> None:
         """Before the next pipelined request is answered: wait while writing is paused, then
         read again if the pipeline has room."""
-        while self._transport is not None and (paused := self._writable()) is not None:
+        while self._transport is not None and (paused := self._flow.writable()) is not None:
             await paused
         self._resume_reading()
 
@@ -521,11 +512,11 @@ class ListenerConnection(asyncio.Protocol):
         path = self._url.partition(b"?")[0]
         method = self._parser.get_method()
         relay = None
-        if self._direct is not None and not self._listener.serves(method.decode("latin-1"), path.decode("latin-1"),
-                                                                self._direct[1], self._turn, self._all_headers):
+        if self._route is not None and not self._route.http(method.decode("latin-1"), path.decode("latin-1"),
+                                                            self._all_headers):
             relay = (self._url, self._all_headers)  # client_relay.relayed_fields drops the internal headers
-        self._pending.append((path, self._headers, body, self._parser.should_keep_alive(), method,
-                              self._recv_start, time.perf_counter_ns(), relay))
+        self._pending.append(PendingRequest(path, self._headers, body, self._parser.should_keep_alive(), method,
+                                            self._recv_start, time.perf_counter_ns(), relay))
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._answer_pending())
         elif len(self._pending) > self._listener.limits.max_pipelined_requests:
@@ -534,13 +525,14 @@ class ListenerConnection(asyncio.Protocol):
     async def _answer_pending(self) -> None:
         try:
             while self._pending:
-                path, headers, body, keep_alive, method, recv_start, recv_end, relay = self._pending.popleft()
+                request = self._pending.popleft()
+                path, headers, keep_alive, relay = request.path, request.headers, request.keep_alive, request.relay
                 if self._reading_paused:  # a full pipeline, or a client that does not take its answers
                     await self._flow_control()
                 if relay is not None:
-                    self._relayed = RelayedRequest(self._direct[0], method, *relay, body)  # type: ignore[index]
+                    self._relayed = RelayedRequest(self._direct, request.method, *relay, request.body)  # type: ignore[arg-type]
                     try:
-                        keep_alive = await self._relayed.answer(self._transport, keep_alive, self._writable)
+                        keep_alive = await self._relayed.answer(self._transport, keep_alive, self._flow.writable)
                     finally:
                         self._relayed = None
                     self._sent_ns = time.perf_counter_ns()
@@ -553,14 +545,14 @@ class ListenerConnection(asyncio.Protocol):
                     if not self._pending and not self._reading and self.hand_back():
                         return
                     continue
-                stamps = ProtocolStamps(self._listener.model, path.startswith(SERVICE_PATH), recv_start, recv_end,
-                                        headers.get(TRACEPARENT))
+                stamps = ProtocolStamps(self._listener.model, path.startswith(SERVICE_PATH), request.received_ns,
+                                        request.read_ns, headers.get(TRACEPARENT))
                 PROTOCOL_STAMPS.set(stamps)
                 response: bytes | StreamedResponse
                 if self._listener.in_flight >= self._listener.max_inflight:  # every connection's calls count
                     response = _busy(self._listener, self._tcp and path.startswith(SERVICE_PATH))
                 else:
-                    response = await self._listener.respond(path, headers, body, method)
+                    response = await self._listener.respond(path, headers, request.body, request.method)
                 if self._transport is None:
                     if stamps.finish is not None:  # traced, though the answer goes nowhere
                         stamps.finish(0, 0)
@@ -570,7 +562,7 @@ class ListenerConnection(asyncio.Protocol):
                     # An open stream counts in flight (--max-inflight-requests) until it is written.
                     self._listener.in_flight += 1
                     try:
-                        written = await response.write(self._transport, self._writable)
+                        written = await response.write(self._transport, self._flow.writable)
                     finally:
                         self._listener.in_flight -= 1
                     if not written:
@@ -583,7 +575,8 @@ class ListenerConnection(asyncio.Protocol):
                     self._transport.close()
                     return
                 if (self._direct is not None and not self._pending and not self._reading
-                        and (self._listener.closing or self._turn.move_to or time.monotonic() >= self._rebalance_at)
+                        and (self._listener.closing or (self._route is not None and self._route.run_ended)
+                             or time.monotonic() >= self._rebalance_at)
                         and self.hand_back()):
                     return
         finally:

@@ -44,9 +44,10 @@ from typing import Any
 import hpack
 from hyperframe.exceptions import HyperframeError, InvalidFrameError
 
+from rayinfer.serving.client_connection import WriteFlow
 from rayinfer.serving.client_relay import relay_grpc
 from rayinfer.serving.h2_budgets import FrameBudgets
-from rayinfer.serving.h2_stream import ServedStream, StreamAnswers
+from rayinfer.serving.h2_stream import ServedStream
 from rayinfer.protocol.errors import UnavailableError
 from rayinfer.protocol.h2_fields import MalformedFields, check_request, check_trailers
 from rayinfer.protocol.grpc_wire import (
@@ -56,13 +57,13 @@ from rayinfer.protocol.grpc_wire import (
     STREAM_CLOSED,
     SETTINGS, SETTINGS_INITIAL_WINDOW_SIZE, SETTINGS_MAX_CONCURRENT_STREAMS, SETTINGS_MAX_FRAME_SIZE,
     SETTINGS_MAX_HEADER_LIST_SIZE, STREAM_RPC, WINDOW_UPDATE, H2ProtocolError, HeaderDecoder, check_settings, frame,
-    parse_frame,
+    header_frames, parse_frame,
     goaway, grpc_status, literal, message_frame, name_and_version, reset_stream, settings, trailers,
     unframe_off_loop, window_update, with_version,
 )
 from rayinfer.protocol.limits import ConnectionLimits, inflight_limit_message, message_too_large
 from rayinfer.serving.protocol_stamps import PROTOCOL_STAMPS, ProtocolStamps
-from rayinfer.serving.version_split import ConnectionTurn
+from rayinfer.serving.replica_routes import ConnectionRoute, GrpcPlace
 
 logger = logging.getLogger(__name__)
 
@@ -101,19 +102,18 @@ class _Call:
         self.answering = False  # a stream's response headers are sent
 
 
-class H2Connection(StreamAnswers, asyncio.Protocol):
-    """One client's HTTP/2 connection; ``direct``: the Unix socket of the front's HAProxy that
-    takes relayed calls, and the route key (``<model>/<version>``) the acceptor gave it for. Past
+class H2Connection(asyncio.Protocol):
+    """One client's HTTP/2 connection; ``relay``: the Unix socket of the front's HAProxy that
+    takes relayed calls; ``route``: which of its calls are this replica's. Past
     ``connection_window_bytes`` held by its calls, only its oldest call still being received
     gets more window: the others hold at most their stream window each."""
 
-    def __init__(self, listener: Any, direct: tuple[str, str], run_left: int = 0) -> None:
-        """``listener``: the replica's :class:`~rayinfer.serving.replica_listener.ReplicaListener`;
-        ``run_left``: the version-less calls of its run at a rollout's split it answers here."""
+    def __init__(self, listener: Any, relay: str, route: ConnectionRoute) -> None:
+        """``listener``: the replica's :class:`~rayinfer.serving.replica_listener.ReplicaListener`."""
         self._listener = listener
-        self._turn = ConnectionTurn(run_left, reconnects=True)
+        self._route = route
         self._limits: ConnectionLimits = listener.limits
-        self._relay, self._key = direct
+        self._relay = relay
         self._transport: Any = None
         self._buffer = b""
         self._preface = False
@@ -137,7 +137,7 @@ class H2Connection(StreamAnswers, asyncio.Protocol):
         self._rebalance_at = time.monotonic() + _MAX_CONNECTION_AGE_S
         self._client_window = self._limits.stream_window_bytes
         self._last_read = time.monotonic()
-        self._paused_at: float | None = None  # the client stopped reading (the write buffer is full)
+        self._flow = WriteFlow()  # paused while the client does not read (the write buffer is full)
         self._budgets = FrameBudgets(self._limits)
         self._last_active = self._last_read  # the client's last HEADERS or DATA (PINGs keep nothing open)
         self._timer: asyncio.TimerHandle | None = None
@@ -179,7 +179,7 @@ class H2Connection(StreamAnswers, asyncio.Protocol):
 
     def connection_made(self, transport: Any) -> None:
         self._transport = transport
-        self._listener._connections.add(self)
+        self._listener.admit(self)
         limits = self._limits
         transport.set_write_buffer_limits(high=limits.connection_buffer_bytes)
         transport.write(settings({SETTINGS_MAX_CONCURRENT_STREAMS: limits.max_concurrent_streams,
@@ -189,7 +189,7 @@ class H2Connection(StreamAnswers, asyncio.Protocol):
         self._timer = asyncio.get_running_loop().call_later(self._check_every(), self._check)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._listener._connections.discard(self)
+        self._listener.release(self)
         self._transport = None
         if self._timer is not None:
             self._timer.cancel()
@@ -203,12 +203,12 @@ class H2Connection(StreamAnswers, asyncio.Protocol):
 
     def pause_writing(self) -> None:
         """The client does not read its answers: read no more from it until it does."""
-        self._paused_at = time.monotonic()
         if self._transport is not None:
+            self._flow.pause(self._transport.get_write_buffer_size())
             self._transport.pause_reading()
 
     def resume_writing(self) -> None:
-        self._paused_at = None
+        self._flow.resume()
         if self._transport is not None:
             self._transport.resume_reading()
             self._flush()
@@ -259,12 +259,15 @@ class H2Connection(StreamAnswers, asyncio.Protocol):
                            "(--http-request-timeout)", limits.request_head_timeout_s)
             self._fail(ENHANCE_YOUR_CALM)
             return
-        if self._paused_at is not None and now - self._paused_at > limits.send_timeout_s:
+        now_ns = time.perf_counter_ns()
+        send_due = self._flow.send_deadline(now_ns, self._transport.get_write_buffer_size(), self._flow.paused,
+                                            limits.send_timeout_s)
+        if send_due is not None and now_ns >= send_due:
             logger.warning("closed a client's HTTP/2 connection: its answers not read in %s s "
                            "(--client-send-timeout)", limits.send_timeout_s)
             self._transport.abort()
             return
-        if now - self._last_active > limits.keepalive_timeout_s and self._paused_at is None:
+        if now - self._last_active > limits.keepalive_timeout_s and not self._flow.paused:
             if not self._calls:
                 self.hand_back()
             elif any(call.task is None for call in self._calls.values()):
@@ -599,12 +602,11 @@ class H2Connection(StreamAnswers, asyncio.Protocol):
                     raise UnavailableError(inflight_limit_message(self._listener.max_inflight))
                 message = await unframe_off_loop(body, encoding, self._limits.max_message_bytes)
                 try:
-                    model, version = name_and_version(message)
-                    own = self._listener.serves_grpc(model, version, self._key, call.headers, self._turn)
-                    target = "" if own or version else self._listener.split_target(model, self._key)
+                    place = self._route.grpc(*name_and_version(message), call.headers)
+                    own, target = place.own, place.version
                 except ValueError:  # not a message of its RPC: the core answers as Triton does
-                    own = True
-                if self._turn.move_to or (target and not self._turn.left):
+                    own, place = True, GrpcPlace(True, leave=self._route.run_ended)
+                if place.leave:
                     # A rollout's run ended here, or this version has no run (its weight went to
                     # none): the acceptor places the connection the client opens next for its
                     # next run. Calls sent before the client read the GOAWAY are answered on
@@ -682,13 +684,13 @@ class H2Connection(StreamAnswers, asyncio.Protocol):
 
     def _flush(self) -> None:
         """Send what the windows now allow of the answers that wait for them."""
-        if not self._sending or self._paused_at is not None or self._transport is None:
+        if not self._sending or self._flow.paused or self._transport is None:
             return
         for call in list(self._sending.values()):
             if self._send_window <= 0:
                 return
             if call.stream is not None:
-                self._flush_stream(call)
+                self.send_answers(call)
             else:
                 self._flush_call(call, [])
 
@@ -696,7 +698,7 @@ class H2Connection(StreamAnswers, asyncio.Protocol):
         """``frames`` DATA frames went out (their WINDOW_UPDATEs are free: :class:`FrameBudgets`)."""
         self._budgets.data_sent(frames)
 
-    # streams (the rest of their side here is :class:`StreamAnswers`)
+    # streams (:class:`~rayinfer.serving.h2_stream.StreamConnection`)
 
     def _start_stream(self, stream: int, headers: list[tuple[bytes, bytes]], ended: bool) -> None:
         """A stream: answered here while the replica has fewer than --max-inflight-requests
@@ -717,6 +719,53 @@ class H2Connection(StreamAnswers, asyncio.Protocol):
 
     def _stream_done(self, _task: asyncio.Task) -> None:
         self._listener.in_flight -= 1
+
+    @property
+    def client_window(self) -> int:
+        return self._client_window
+
+    @property
+    def max_message_bytes(self) -> int:
+        return self._limits.max_message_bytes
+
+    def stream_taken(self, call: _Call, size: int) -> None:
+        """``size`` bytes of the client's were taken by the stream's handler: the client may send
+        as many more."""
+        self._release(call, size)
+        call.unacked += size
+        if call.unacked >= self._client_window // 2 and self._calls.get(call.id) is call:
+            self.give_window(call)
+
+    def begin_answer(self, call: _Call) -> None:
+        self._write(header_frames(call.id, RESPONSE_HEADERS, False, self._max_frame))
+
+    def send_answers(self, call: _Call) -> None:
+        """Send what the windows allow of a stream's answers (its trailers after them)."""
+        if self._calls.get(call.id) is not call or self._transport is None:
+            return
+        assert call.stream is not None
+        out = []
+        # No more than the write buffer takes: a client that does not read holds one buffer.
+        room = self._limits.connection_buffer_bytes - self._transport.get_write_buffer_size()
+        while call.out and min(self._send_window, call.window, room) > 0:
+            size = min(len(call.out), self._send_window, call.window, self._max_frame)
+            room -= size
+            out.append(frame(DATA, 0, call.id, bytes(call.out[:size])))
+            del call.out[:size]
+            self._send_window -= size
+            call.window -= size
+        self.data_sent(len(out))
+        ended = not call.out and bool(call.trailers)
+        if ended:
+            out.append(header_frames(call.id, call.trailers, True, self._max_frame))
+            if not call.stream.client_ended:  # ended early (an error): the client's side is closed too
+                out.append(reset_stream(call.id))
+        if out:
+            self._write(b"".join(out))
+        if ended:
+            self._ended(call)
+        elif len(call.out) <= self._client_window:
+            call.stream.sent.set()
 
     def _ended(self, call: _Call) -> None:
         self._calls.pop(call.id, None)

@@ -46,7 +46,8 @@ from rayinfer.serving.front_paths import GRPC_RELAY_SOCKET
 from rayinfer.serving.handoff import ReplicaHandoff
 from rayinfer.serving.handoff_messages import GiveBack, HandOff
 from rayinfer.serving.replica_h2 import H2Connection
-from rayinfer.serving.version_split import ConnectionTurn
+from rayinfer.serving.client_connection import ClientConnection
+from rayinfer.serving.replica_routes import ConnectionRoute, ReplicaRoutes
 from rayinfer.protocol.errors import NotFoundError, UnavailableError, UnsupportedError
 from rayinfer.protocol.front_key import front_key_matches
 from rayinfer.protocol.grpc_wire import SERVICE, unframe_off_loop
@@ -72,18 +73,6 @@ GrpcHandler = Callable[[str, bytes], Awaitable[bytes]]
 # bytes, or chunks that stream as they come).
 HttpHandler = Callable[[str, str, dict[bytes, bytes], bytes],
                        Awaitable[tuple[int, list[tuple[bytes, bytes]], bytes | AsyncIterator[bytes]]]]
-# (method, path as sent, the route key the acceptor gave the connection for, the connection's
-# turn at a rollout's split, the request's headers) -> whether the request is this replica's to
-# answer on a client's connection.
-Serves = Callable[[str, str, str, ConnectionTurn, list[tuple[bytes, bytes]]], bool]
-# (model, version, the route key of the connection, the call's headers, the connection's turn at
-# a rollout's split) -> whether a model RPC naming them is this replica's to answer on a client's
-# gRPC connection.
-ServesGrpc = Callable[[str, str, str, list[tuple[bytes, bytes]], ConnectionTurn], bool]
-# (model, the route key of the connection) -> the version a version-less model RPC that is not
-# this replica's goes to at a rollout's split ("": none, the front routes it).
-SplitTarget = Callable[[str, str], str]
-
 
 class ReplicaListener:
     """Listens on ``host`` (an ephemeral port); answers unary GRPCInferenceService calls relayed
@@ -104,7 +93,7 @@ class ReplicaListener:
         self._server: asyncio.AbstractServer | None = None
         # HTTP/1.1 connections, and the acceptor's HTTP/2 ones (replica_h2.H2Connection); at most
         # limits.max_connections, with the acceptor's being set up (_handing).
-        self._connections: set[ListenerConnection] = set()
+        self._connections: set[ClientConnection] = set()
         self._handing = 0
         # Refusals by kind: (the count not logged yet, when one was last logged).
         self._refusals: dict[str, tuple[int, float]] = {}
@@ -112,9 +101,7 @@ class ReplicaListener:
         self.port = 0
         # Clients' connections from the front's acceptor: which requests are this replica's, and
         # how many may be in flight here before more are answered 503 (--max-inflight-requests).
-        self.serves: Serves = lambda method, path, key, turn, headers: False
-        self.serves_grpc: ServesGrpc = lambda model, version, key, headers, turn: False
-        self.split_target: SplitTarget = lambda model, key: ""
+        self.routes: ReplicaRoutes | None = None  # None: no request on them is this replica's
         # A gRPC stream on a client's connection: its requests -> its answers (:mod:`h2_stream`).
         self.stream_grpc: StreamHandler = _no_streams
         self.max_inflight = DEFAULT_MAX_INFLIGHT_REQUESTS
@@ -155,9 +142,11 @@ class ReplicaListener:
         relay, key, run_left = given.relay, given.route_key, given.run_left
         # gRPC's connections (HTTP/2) relay to HAProxy's gRPC socket, HTTP/1.1's to its HTTP one.
         if os.path.basename(relay) == GRPC_RELAY_SOCKET:
-            connection: Callable[[], asyncio.Protocol] = lambda: H2Connection(self, (relay, key), run_left)
+            route = ConnectionRoute(self.routes, key, run_left, reconnects=True)
+            connection: Callable[[], asyncio.Protocol] = lambda: H2Connection(self, relay, route)
         else:
-            connection = lambda: ListenerConnection(self, (relay, key), run_left)
+            route = ConnectionRoute(self.routes, key, run_left)
+            connection = lambda: ListenerConnection(self, relay, route)
         self._handing += 1
         loop.create_task(self._connect(connection, client))
 
@@ -170,8 +159,8 @@ class ReplicaListener:
     def _full(self) -> bool:
         return len(self._connections) + self._handing >= self.limits.max_connections
 
-    def admit(self, connection: ListenerConnection) -> bool:
-        """Hold a new HTTP/1.1 connection: one over the listener's port only below
+    def admit(self, connection: ClientConnection) -> bool:
+        """Hold a new connection: one over the listener's port only below
         ``--replica-max-connections`` (a client's from the acceptor was counted as it came)."""
         if not connection.direct and self._full():
             self.refused("connections over --replica-max-connections", "over the listener's port")
@@ -179,7 +168,7 @@ class ReplicaListener:
         self._connections.add(connection)
         return True
 
-    def release(self, connection: ListenerConnection) -> None:
+    def release(self, connection: ClientConnection) -> None:
         """A connection ended (or was refused)."""
         self._connections.discard(connection)
 

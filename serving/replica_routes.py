@@ -10,11 +10,14 @@ connection's turn, and so are a gRPC connection's (its sticky calls by their val
 version's relayed naming it).
 
 The ``/v2`` replica says which applies when the replica registers, and at once when a rollout
-changes (:meth:`ReplicaRoutes.take_split`).
+changes (:meth:`ReplicaRoutes.take_split`). Each client connection asks its own
+:class:`ConnectionRoute` (the replica's routes, the key the acceptor gave the connection for, and
+its turn at a rollout's split): the connection classes know nothing of versions or rollouts.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from rayinfer.serving.routes import POST_ACTIONS, front_routed
@@ -79,3 +82,55 @@ class ReplicaRoutes:
         if split is None or model != self.model or not key.endswith("/"):
             return ""
         return split.candidate if self.version == split.stable else split.stable
+
+
+@dataclass(frozen=True, slots=True)
+class GrpcPlace:
+    """Where a model RPC on a client's connection goes: ``own``, answered by this replica; else
+    relayed to the front, naming ``version`` when that is not "" (a rollout's other version);
+    ``leave``: the connection is closed gracefully after it (its run at this version ended), so
+    that the acceptor places the client's next connection."""
+
+    own: bool
+    version: str = ""
+    leave: bool = False
+
+
+class ConnectionRoute:
+    """The routing of one client connection a replica holds: ``routes``, the replica's (None:
+    none of the requests is its own); ``key``, what the acceptor gave the connection for
+    ("<model>/<version>"); ``run_left``: the rest of a rollout run carried over from another
+    replica; ``reconnects``: its runs end with a new connection (gRPC)."""
+
+    __slots__ = ("_routes", "_key", "_turn")
+
+    def __init__(self, routes: ReplicaRoutes | None, key: str, run_left: int = 0, reconnects: bool = False) -> None:
+        self._routes = routes
+        self._key = key
+        self._turn = ConnectionTurn(run_left, reconnects)
+
+    def http(self, method: str, path: str, headers: Headers) -> bool:
+        """Whether an HTTP request is this replica's (else it is relayed to the front)."""
+        return self._routes is not None and self._routes.serves(method, path, self._key, self._turn, headers)
+
+    def grpc(self, model: str, version: str, headers: Headers) -> GrpcPlace:
+        """Where a model RPC naming ``model`` and ``version`` goes."""
+        routes = self._routes
+        if routes is None:
+            return GrpcPlace(False)
+        if routes.serves_grpc(model, version, self._key, headers, self._turn):
+            return GrpcPlace(True, leave=bool(self._turn.move_to))
+        target = "" if version else routes.split_target(model, self._key)
+        return GrpcPlace(False, target, bool(self._turn.move_to or (target and not self._turn.left)))
+
+    @property
+    def run_ended(self) -> bool:
+        """A rollout's run at this version ended on this connection: it goes to the other one."""
+        return bool(self._turn.move_to)
+
+    def next_place(self) -> str:
+        """What the acceptor is told as the connection goes back: "" (place it by its next
+        request), or where its next version-less request goes ("<key><version>", or
+        "<key><version> <requests left in its run>")."""
+        place = self._turn.next_place()
+        return f"{self._key}{place}" if place else ""

@@ -19,6 +19,7 @@ from hyperframe.frame import Frame
 from tritonclient.grpc import service_pb2 as pb
 
 from front_stand_ins import TEST_FRONT_KEY, Replica, free_port, infer, publish
+from rayinfer.serving.replica_routes import ReplicaRoutes
 from rayinfer.deployments.front import Front
 from rayinfer.protocol.grpc_wire import (
     CONTINUATION, DATA, END_HEADERS, END_STREAM, ENHANCE_YOUR_CALM, FLOW_CONTROL_ERROR, FRAME_SIZE_ERROR, GOAWAY, HEADERS, PING,
@@ -35,7 +36,7 @@ def acceptor(loop):
     port = free_port()
     front = Front(None, ("127.0.0.1", port, "127.0.0.1", free_port()), "v2", direct=True, front_key=TEST_FRONT_KEY)
     replica = Replica(loop, "one")
-    replica.listener.serves_grpc = lambda model, version, key, *_: model == "m"
+    replica.listener.routes = ReplicaRoutes("m", "1")
     publish(loop, front, {"m/": [("127.0.0.1", replica.port)]})
     yield replica, port
     front.stop()

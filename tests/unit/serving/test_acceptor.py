@@ -11,6 +11,7 @@ import socket
 import pytest
 
 from front_stand_ins import TEST_FRONT_KEY, Replica, free_port, publish
+from rayinfer.serving.replica_routes import ReplicaRoutes
 from rayinfer.deployments.front import Front
 from rayinfer.serving.acceptor import listening_socket
 from rayinfer.serving.request_heads import route_key
@@ -27,8 +28,15 @@ def acceptor(loop):
     front.stop()
 
 
-def _serves_model(model: str):
-    return lambda method, path, key, *_: path.startswith(f"/v2/models/{model}/")
+class _ServesModel(ReplicaRoutes):
+    """A replica of ``model`` that answers every request under /v2/models/<model>/ itself."""
+
+    def serves(self, method: str, path: str, key: str, turn: object, headers: list) -> bool:
+        return path.startswith(f"/v2/models/{self.model}/")
+
+
+def _serves_model(model: str) -> ReplicaRoutes:
+    return _ServesModel(model, "1")
 
 
 class _Client:
@@ -85,7 +93,7 @@ def test_route_keys_of_request_lines():
 def test_a_models_connection_is_the_replicas_and_its_other_requests_are_relayed(loop, acceptor):
     front, port = acceptor
     one = Replica(loop, "one")
-    one.listener.serves = _serves_model("m")
+    one.listener.routes = _serves_model("m")
     publish(loop, front, {"m/": [("127.0.0.1", one.port)], "n/": [("127.0.0.1", one.port)]})
     client = _Client(port)
     try:
@@ -109,8 +117,8 @@ def test_a_connection_opened_with_another_request_is_placed_by_its_next_one(loop
     acceptor gives it to the replica of the model its next request names."""
     front, port = acceptor
     one, two = Replica(loop, "one"), Replica(loop, "two")
-    one.listener.serves = _serves_model("m")
-    two.listener.serves = _serves_model("n")
+    one.listener.routes = _serves_model("m")
+    two.listener.routes = _serves_model("n")
     publish(loop, front, {"m/": [("127.0.0.1", one.port)], "n/": [("127.0.0.1", two.port)]})
     client = _Client(port)
     try:
@@ -134,7 +142,7 @@ def test_a_sequence_models_connections_go_to_haproxy_unless_one_replica_holds_ev
     """Its calls are routed one by one by correlation id (HAProxy reads it from each request)."""
     front, port = acceptor
     one, two = Replica(loop, "one"), Replica(loop, "two")
-    one.listener.serves = two.listener.serves = _serves_model("s")
+    one.listener.routes = two.listener.routes = _serves_model("s")
     for replicas, direct in (([one], 1), ([one, two], 0)):
         routes = {"s/": [("127.0.0.1", r.port) for r in replicas]}
         asyncio.run_coroutine_threadsafe(front.publish(routes, frozenset({"s/"})), loop).result(10)
@@ -151,7 +159,7 @@ def test_a_stopping_replica_gives_its_waiting_connections_back(loop, acceptor):
     """The client's next request on the same connection is served through HAProxy."""
     front, port = acceptor
     one, two = Replica(loop, "one"), Replica(loop, "two")
-    one.listener.serves = _serves_model("m")
+    one.listener.routes = _serves_model("m")
     publish(loop, front, {"m/": [("127.0.0.1", one.port)]})
     client = _Client(port)
     try:
@@ -172,7 +180,7 @@ def test_a_replica_stopping_while_it_relays_leaves_the_answer_to_the_door(loop):
     port = free_port()
     front = Front(("127.0.0.1", port, "127.0.0.1", serve.port), None, "v2", direct=True, front_key=TEST_FRONT_KEY)
     one = Replica(loop, "one")
-    one.listener.serves = _serves_model("m")
+    one.listener.routes = _serves_model("m")
     publish(loop, front, {"m/": [("127.0.0.1", one.port)]})
     client = _Client(port)
     try:
@@ -192,7 +200,7 @@ def test_connections_spread_over_replicas_and_a_busy_replica_answers_503(loop, a
     front, port = acceptor
     one, two = Replica(loop, "one"), Replica(loop, "two")
     for replica in (one, two):
-        replica.listener.serves = _serves_model("m")
+        replica.listener.routes = _serves_model("m")
     publish(loop, front, {"m/": [("127.0.0.1", one.port), ("127.0.0.1", two.port)]})
     clients = [_Client(port) for _ in range(4)]
     try:
@@ -230,13 +238,13 @@ def test_connections_are_rebalanced_over_the_replicas(loop, acceptor, monkeypatc
     monkeypatch.setattr(listener_connection, "_REBALANCE_S", 0.0)
     front, port = acceptor
     one = Replica(loop, "one")
-    one.listener.serves = _serves_model("m")
+    one.listener.routes = _serves_model("m")
     publish(loop, front, {"m/": [("127.0.0.1", one.port)]})
     client = _Client(port)
     try:
         assert client.request("POST", "/v2/models/m/infer")[2].split()[0] == b"one"
         two = Replica(loop, "two")
-        two.listener.serves = _serves_model("m")
+        two.listener.routes = _serves_model("m")
         publish(loop, front, {"m/": [("127.0.0.1", one.port), ("127.0.0.1", two.port)]})
         answered = [client.request("POST", "/v2/models/m/infer")[2].split()[0] for _ in range(6)]
         assert set(answered) == {b"one", b"two"}, answered
@@ -313,7 +321,7 @@ def test_a_replica_refuses_a_clients_head_over_the_limits(loop, acceptor, extra:
     listener bounds the rest of the head (httptools would keep a header's value whole)."""
     front, port = acceptor
     one = Replica(loop, "one")
-    one.listener.serves = _serves_model("m")
+    one.listener.routes = _serves_model("m")
     publish(loop, front, {"m/": [("127.0.0.1", one.port)]})
     assert _raw(port, b"POST /v2/models/m/infer HTTP/1.1\r\nhost: x\r\n" + extra + b"\r\n") == (
         400, {"error": f"malformed HTTP request: {reason}"})
@@ -350,7 +358,7 @@ def test_a_refused_head_is_answered_once_and_pipelined_requests_are_not_refused(
     head's); requests sent back to back in one write, a large body between them, are served."""
     front, port = acceptor
     one = Replica(loop, "one")
-    one.listener.serves = _serves_model("m")
+    one.listener.routes = _serves_model("m")
     publish(loop, front, {"m/": [("127.0.0.1", one.port)]})
     many = b"".join(b"x-h%d: v\r\n" % i for i in range(101))
     assert _raw(port, b"POST /v2/models/m/infer HTTP/1.1\r\nhost: x\r\n" + many

@@ -20,6 +20,7 @@ from tritonclient.grpc import service_pb2 as pb
 from tritonclient.utils import InferenceServerException
 
 from front_stand_ins import TEST_FRONT_KEY, UNICODE_ERROR, Replica, free_port, infer, publish
+from rayinfer.serving.replica_routes import ReplicaRoutes
 from rayinfer.serving import replica_h2
 from rayinfer.deployments.front import Front
 from rayinfer.serving.request_heads import grpc_route_key
@@ -82,15 +83,15 @@ def _h2_connections(replica: Replica) -> int:
     return sum(1 for connection in list(replica.listener._connections) if isinstance(connection, H2Connection))
 
 
-def _serves_model(model: str):
-    return lambda name, version, key, *_: name == model
+def _serves_model(model: str) -> ReplicaRoutes:
+    return ReplicaRoutes(model, "1")
 
 
 def _replicas_of_m(loop, front: Front, *names: str, routed: int | None = None) -> list[Replica]:
     """Replicas of the model "m" named ``names``; the front routes m to the first ``routed``."""
     replicas = [Replica(loop, name) for name in names]
     for replica in replicas:
-        replica.listener.serves_grpc = _serves_model("m")
+        replica.listener.routes = _serves_model("m")
     publish(loop, front, {"m/": [("127.0.0.1", replica.port) for replica in replicas[:routed]]})
     return replicas
 
@@ -129,7 +130,7 @@ def test_a_models_connection_is_the_replicas_and_its_other_calls_are_relayed(loo
     front, port = acceptor
     monkeypatch.setattr(replica_h2, "_RELAYED_MAX_AGE_S", 60.0)  # no turn during the test
     one, two = Replica(loop, "one"), Replica(loop, "two")
-    one.listener.serves_grpc = _serves_model("m")
+    one.listener.routes = _serves_model("m")
     publish(loop, front, {"m/": [("127.0.0.1", one.port)], "n/": [("127.0.0.1", two.port)]})
     client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
     data = np.arange(6, dtype=np.float32).reshape(2, 3)
@@ -158,8 +159,8 @@ def test_a_connection_opened_with_a_server_call_is_placed_by_a_later_one(loop, a
     front, port = acceptor
     monkeypatch.setattr(replica_h2, "_RELAYED_MAX_AGE_S", 0.05)
     one, two = Replica(loop, "one"), Replica(loop, "two")
-    one.listener.serves_grpc = _serves_model("m")
-    two.listener.serves_grpc = _serves_model("n")
+    one.listener.routes = _serves_model("m")
+    two.listener.routes = _serves_model("n")
     publish(loop, front, {"n/": [("127.0.0.1", two.port)], "m/": [("127.0.0.1", one.port)]})
     client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
     data = np.zeros((1, 2), np.float32)

@@ -32,8 +32,7 @@ def _split_replicas(loop, front, split: VersionSplit) -> tuple[Replica, Replica]
     for replica, version in ((one, "1"), (two, "2")):  # as a model replica routes (deployments/model.py)
         replica_routes = ReplicaRoutes("m", version)
         replica_routes.take_split(False, asdict(split))
-        replica.listener.serves, replica.listener.serves_grpc = replica_routes.serves, replica_routes.serves_grpc
-        replica.listener.split_target = replica_routes.split_target
+        replica.listener.routes = replica_routes
     routes = {"m/1": [("127.0.0.1", one.port)], "m/2": [("127.0.0.1", two.port)], "m/": [("127.0.0.1", one.port)]}
     asyncio.run_coroutine_threadsafe(front.publish(routes, frozenset(), {"m": split.front_entry()}), loop).result(10)
     return one, two

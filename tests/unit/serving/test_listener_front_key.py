@@ -106,7 +106,7 @@ def test_the_servers_internal_headers_count_only_from_the_servers_parts(loop, ac
     headers (another replica's) and loses the key."""
     front, port = acceptor
     replica = _Recording(loop, "one")
-    replica.listener.serves = _serves_model("m")
+    replica.listener.routes = _serves_model("m")
     publish(loop, front, {"m/": [("127.0.0.1", replica.port)]})
     with socket.create_connection(("127.0.0.1", port), 5) as sock:  # given to the replica by the acceptor
         sock.sendall(_infer(b"abc", _INTERNAL + _key() + b"connection: close\r\n"))
@@ -182,7 +182,7 @@ def test_the_connection_cap_closes_one_connection_more(loop, acceptor):  # noqa:
     acceptor) is closed at once; below it again, a new one is served."""
     front, port = acceptor
     replica = Replica(loop, "one")
-    replica.listener.serves = _serves_model("m")
+    replica.listener.routes = _serves_model("m")
     replica.listener.limits = dataclasses.replace(DEFAULT_CONNECTION_LIMITS, max_connections=2)
     publish(loop, front, {"m/": [("127.0.0.1", replica.port)]})
     held = [socket.create_connection(("127.0.0.1", replica.port), 5) for _ in range(2)]
@@ -209,7 +209,7 @@ def test_a_grpc_path_on_a_clients_http_connection_gets_the_http_body_limit(loop,
     gRPC method's path: 70 MB are refused at their head, not read."""
     front, port = acceptor
     replica = Replica(loop, "one")
-    replica.listener.serves = _serves_model("m")
+    replica.listener.routes = _serves_model("m")
     replica.listener.max_input_size = limit = 60_000_000  # the replica's answer, not HAProxy's (64 MiB)
     publish(loop, front, {"m/": [("127.0.0.1", replica.port)]})
     size = 70_000_000

@@ -35,7 +35,7 @@ class _LargeAnswers(Replica):
 def _replica(loop, front, limits: ConnectionLimits, kind: type[Replica] = Replica) -> Replica:
     """A replica of model "m" with ``limits``, the only one the acceptor gives m's connections to."""
     replica = kind(loop, "one")
-    replica.listener.serves = _serves_model("m")
+    replica.listener.routes = _serves_model("m")
     replica.listener.limits = limits
     publish(loop, front, {"m/": [("127.0.0.1", replica.port)]})
     return replica

@@ -107,7 +107,7 @@ class _Served:
 
             listener = ReplicaListener(_no_grpc, http, model="flood")
             listener.limits = limits
-            listener.serves = _serves_model("flood")
+            listener.routes = _serves_model("flood")
             await listener.start("127.0.0.1")
             return core, listener
 
