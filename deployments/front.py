@@ -135,7 +135,7 @@ class Front:
         if acceptors:
             acceptor_limits = AcceptorLimits(limits.front_max_connections, limits.stream_idle_timeout_s,
                                              limits.send_timeout_s)
-            (self._dir / "acceptor").write_text("".join(f"{kind} {e[0]} {e[1]}\n" for kind, e in acceptors.items())
+            FrontPaths(self._dir).acceptor_ports.write_text("".join(f"{kind} {e[0]} {e[1]}\n" for kind, e in acceptors.items())
                                                 + acceptor_limits.line())
         (self._dir / "owner").write_text(str(os.getpid()))
         (self._dir / "node").write_text(node)

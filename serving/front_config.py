@@ -363,7 +363,7 @@ def _http_binds(folder: Path, address: str, port: int, acceptor: bool, tls: TlsS
     # not give a model replica (on the first socket); a replica relays a request of a connection
     # it holds that is not its own to the second.
     paths = FrontPaths(folder)
-    return (f"    # acceptor {address}:{port}\n    bind unix@{paths.relay_socket} mode 600\n"
+    return (f"    bind unix@{paths.relay_socket} mode 600\n"
             f"    bind unix@{paths.replica_relay_socket} mode 600 name replica\n")
 
 
@@ -372,7 +372,7 @@ def _grpc_binds(folder: Path, address: str, port: int, acceptor: bool, tls: TlsS
         return f"    bind {address}:{port} proto h2{_ssl(folder, 'grpc', tls)}\n"
     # As for HTTP; a replica relays a call here as HTTP/1.1, a connection from the acceptor speaks
     # HTTP/2 (HAProxy tells them apart by the HTTP/2 preface).
-    return f"    # acceptor {address}:{port}\n    bind unix@{FrontPaths(folder).grpc_relay_socket} mode 600\n"
+    return f"    bind unix@{FrontPaths(folder).grpc_relay_socket} mode 600\n"
 
 
 # The connections the acceptor passes to HAProxy. HAProxy cannot set the destination of a

@@ -33,6 +33,12 @@ class FrontPaths:
         return self.folder / "admin.sock"
 
     @property
+    def acceptor_ports(self) -> Path:
+        """The ports the front's acceptor owns (a line "<protocol> <address> <port>" each) and
+        its limits (a line "limits ..."), written by the front, read by its supervisor."""
+        return self.folder / "acceptor"
+
+    @property
     def haproxy_log(self) -> Path:
         return self.folder / "haproxy.log"
 

@@ -77,11 +77,12 @@ def owner_alive(folder: Path) -> bool:
         return False
 
 
-def serves(config_text: str, bind: tuple[str, int]) -> bool:
-    """Whether a front's configuration serves ``bind``: HAProxy binds it, or its acceptor does."""
-    address = f"{bind[0]}:{bind[1]}"
-    return any(line.split()[:2] == ["bind", address] or line.split()[:3] == ["#", "acceptor", address]
-               for line in config_text.splitlines())
+def serves(folder: Path, bind: tuple[str, int]) -> bool:
+    """Whether the front in ``folder`` serves ``bind``: its HAProxy binds it, or its acceptor does."""
+    paths = FrontPaths(folder)
+    if any(line.split()[:2] == ["bind", f"{bind[0]}:{bind[1]}"] for line in paths.config.read_text().splitlines()):
+        return True
+    return any(line.split()[1:] == [bind[0], str(bind[1])] for line in read_text(paths.acceptor_ports).splitlines())
 
 
 def stop_fronts(binds: list[tuple[str, int]]) -> None:
@@ -146,7 +147,7 @@ def running_front(bind: tuple[str, int]) -> Path | None:
     namespace (a server in another one may use the same port) and which binds ``bind``."""
     for folder in own_front_folders():
         try:
-            if not serves(FrontPaths(folder).config.read_text(), bind):
+            if not serves(folder, bind):
                 continue
             supervisor = front_supervisor_pid(folder)
             if supervisor is None:
@@ -194,7 +195,7 @@ def remove_stale_fronts(address: str, port: int) -> None:
     (a replica that is killed cannot clean up after itself); this user's folders only."""
     for folder in own_front_folders():
         try:
-            if not serves(FrontPaths(folder).config.read_text(), (address, port)):
+            if not serves(folder, (address, port)):
                 continue
             with socket.socket(socket.AF_UNIX) as admin:
                 admin.connect(str(FrontPaths(folder).admin_socket))
@@ -222,7 +223,7 @@ def main(folder: Path, binary: str) -> int:
         listening, ours, theirs, limits = {}, {}, [], AcceptorLimits()
         # <folder>/acceptor: a line "<protocol> <address> <port>" per port the acceptor owns, and
         # one "limits ..." (AcceptorLimits.line).
-        for line in read_text(folder / "acceptor").splitlines():
+        for line in read_text(FrontPaths(folder).acceptor_ports).splitlines():
             if line.startswith("limits "):
                 limits = AcceptorLimits.parse(line)
                 continue

@@ -138,7 +138,7 @@ def front_folder(server: dict) -> Path:
 
     host, _, port = server["grpc_url"].rpartition(":")
     (front,) = [p.parent for p in Path(tempfile.gettempdir()).glob("rayinfer-front-*/haproxy.cfg")
-                if serves(p.read_text(), (host, int(port))) and _in_this_network(p.parent)]
+                if serves(p.parent, (host, int(port))) and _in_this_network(p.parent)]
     return front
 
 
