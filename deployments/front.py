@@ -105,9 +105,15 @@ class Front:
         # of yet (its model replicas register again within a second or two) are kept.
         self._keep_routes_until = 0.0
         self._supervisor: subprocess.Popen | None = None
+        # The ports the supervisor's acceptor owns, and its limits (FrontPaths.acceptor_ports).
+        acceptor_text = "".join(f"{kind} {e[0]} {e[1]}\n" for kind, e in acceptors.items()) + AcceptorLimits(
+            limits.front_max_connections, limits.stream_idle_timeout_s, limits.send_timeout_s).line() if acceptors else ""
         running = front_supervisor.running_front(self._binds[0]) if self._binds else None
         node = _ray_node()
+        # A running front is taken over only as it is: the same configuration, the same acceptor
+        # ports and limits (which HAProxy's configuration does not name), the same Ray node.
         if running is not None and FrontPaths(running).config.read_text() == render(running) \
+                and front_supervisor.read_text(FrontPaths(running).acceptor_ports) == acceptor_text \
                 and front_supervisor.read_text(running / "node") == node:
             self._use_folder(running)
             self._supervisor_pid = int(FrontPaths(running).supervisor_pid.read_text())
@@ -129,14 +135,11 @@ class Front:
             pem = front_config.tls_pem_path(self._dir, kind)
             pem.touch(mode=0o600)
             pem.write_bytes(settings.pem())
+        if acceptors:  # before the configuration: a front is known by its ports from then on
+            FrontPaths(self._dir).acceptor_ports.write_text(acceptor_text)
         config = FrontPaths(self._dir).config  # it holds the front key: the server's user's only
         config.touch(mode=0o600)
         config.write_text(render(self._dir))
-        if acceptors:
-            acceptor_limits = AcceptorLimits(limits.front_max_connections, limits.stream_idle_timeout_s,
-                                             limits.send_timeout_s)
-            FrontPaths(self._dir).acceptor_ports.write_text("".join(f"{kind} {e[0]} {e[1]}\n" for kind, e in acceptors.items())
-                                                + acceptor_limits.line())
         (self._dir / "owner").write_text(str(os.getpid()))
         (self._dir / "node").write_text(node)
         raylet = raylet_pid()

@@ -230,11 +230,14 @@ class RouteTable:
         except Exception as exc:  # noqa: BLE001  # Ray could not say: the loss is still reported
             cause = f"Ray could not say why ({exc})"
         if cause is None:
-            cause = f"it is alive but has not registered its listener for {LISTENER_TTL_S:g} s"
-        elif _STOPPED in cause:  # Serve stopped it (a scale-down or an unload it did not withdraw from in time)
-            logger.info("model replica %s of application '%s' (listener %s) was stopped", replica, app, listener)
+            logger.warning("model replica %s of application '%s' (listener %s) has not registered its listener "
+                           "for %g s though it is alive (a blocked event loop?)", replica, app, listener, LISTENER_TTL_S)
             return
-        elif len(cause) > _DEATH_CAUSE_CHARS:
+        if _STOPPED in cause:  # Serve stopped it without its withdrawal arriving (a failed health check)
+            logger.warning("model replica %s of application '%s' (listener %s) was stopped by Serve before it "
+                           "withdrew (a failed health check, or a stop that did not drain in time)", replica, app, listener)
+            return
+        if len(cause) > _DEATH_CAUSE_CHARS:
             cause = cause[:_DEATH_CAUSE_CHARS] + "..."
         logger.error("model replica %s of application '%s' (listener %s) was lost: %s", replica, app, listener, cause)
 

@@ -41,8 +41,13 @@ class StreamConnection(Protocol):
     """What a served stream asks of the connection it is on (:class:`~rayinfer.serving.replica_h2.H2Connection`).
     A ``call`` is the connection's call of the stream."""
 
-    client_window: int  # what a client may send on one call before the replica reads it
-    max_message_bytes: int  # --grpc-max-message-size
+    @property
+    def client_window(self) -> int:
+        """What a client may send on one call before the replica reads it."""
+
+    @property
+    def max_message_bytes(self) -> int:
+        """--grpc-max-message-size."""
 
     def stream_taken(self, call: Any, size: int) -> None:
         """``size`` bytes of the client's were taken by the stream's handler."""

@@ -279,6 +279,27 @@ def test_a_new_front_with_the_same_settings_takes_the_running_one_over(loop):
     assert not fourth.running and refuses_connections(port) and not fourth._dir.exists()
 
 
+def test_a_front_is_taken_over_only_with_the_same_acceptor_ports(loop):
+    """HAProxy's configuration does not name the ports the acceptor owns: a new front with the
+    same HTTP port but another gRPC port starts a front of its own; one with the same ports
+    takes the running one over."""
+    http_port, grpc_port, other_grpc_port = free_port(), free_port(), free_port()
+    upstream_http, upstream_grpc = free_port(), free_port()
+
+    def front(grpc: int) -> Front:
+        return Front(("127.0.0.1", http_port, "127.0.0.1", upstream_http), ("127.0.0.1", grpc, "127.0.0.1", upstream_grpc),
+                     "v2", direct=True, front_key=TEST_FRONT_KEY)
+
+    first = front(grpc_port)
+    second = front(other_grpc_port)
+    assert second._dir != first._dir and not first.running and second.running
+    assert refuses_connections(grpc_port) and not refuses_connections(other_grpc_port)
+    third = front(other_grpc_port)
+    assert third._dir == second._dir and third.running
+    stop_fronts([("127.0.0.1", http_port)])
+    assert not third.running and refuses_connections(other_grpc_port)
+
+
 def test_an_orphaned_front_stops_after_its_grace_period(loop, monkeypatch):
     monkeypatch.setenv("RAYINFER_FRONT_ORPHAN_GRACE_S", "0.5")
     http_port = free_port()
