@@ -123,7 +123,7 @@ async def actor_death(actor: Any, timeout_s: float) -> str | None:
     except ray.exceptions.RayActorError as exc:
         return " ".join(str(exc).split())
     except asyncio.TimeoutError:
-        return f"it is alive but did not answer Ray within {timeout_s:g} s (a blocked event loop?)"
+        return f"it did not answer Ray within {timeout_s:g} s (it hangs, or Ray cannot reach its node)"
     return None
 
 
