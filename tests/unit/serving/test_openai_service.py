@@ -182,7 +182,8 @@ def test_chat_renders_the_models_template_and_answers_n_choices(service: OpenAIS
 
 def test_a_chat_stream_sends_a_role_then_deltas_then_usage_and_done(service: OpenAIService) -> None:
     status, headers, events = call(service, "/v1/chat/completions", {
-        **CHAT, "max_tokens": 3, "stream": True, "n": 2, "stream_options": {"include_usage": True}})
+        **CHAT, "max_tokens": 3, "stream": True, "n": 2, "stream_options": {"include_usage": True},
+        "seed": 3})  # a seed whose choices make 3 tokens each (without one, a choice may end at [EOS])
     assert status == 200 and headers["content-type"].startswith("text/event-stream")
     assert events[-1] == "[DONE]"
     chunks = events[:-1]
