@@ -19,8 +19,7 @@ from rayinfer.protocol.errors import InvalidArgError, ServingError
 from rayinfer.serving.model_grpc import MODEL_RPCS
 from rayinfer.serving.protocol_stamps import StreamTrace, wall_clock_offset_ns
 from rayinfer.serving.stream_infer import AsTheyCome, Traced
-from rayinfer.serving.router import choose_version
-from rayinfer.serving.version_split import sticky_value
+from rayinfer.serving.router import choose_version, sticky_value
 
 if TYPE_CHECKING:
     from rayinfer.deployments.v2_api import V2Api

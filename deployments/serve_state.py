@@ -18,8 +18,7 @@ from rayinfer.deployments.names import deployment_version, model_app_name, model
 from rayinfer.deployments.serve_internals import serve_details
 from rayinfer.repository.scanner import RepositoryScan
 from rayinfer.serving.model_control import ModelController
-from rayinfer.serving.router import choose_version
-from rayinfer.serving.version_split import VersionSplit
+from rayinfer.serving.router import VersionSplit, choose_version
 
 _CACHE_S = 0.5
 _SERVE_STATE = {

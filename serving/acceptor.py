@@ -51,7 +51,7 @@ from rayinfer.serving.front_paths import FrontPaths
 from rayinfer.serving.handoff import handoff_name, return_name, same_user
 from rayinfer.serving.handoff_messages import HandOff, Splice, decode_returned
 from rayinfer.serving.request_heads import bad_request_head, grpc_route_key, head_fields, protocol_of, refuse, route_key
-from rayinfer.serving.version_split import SplitPlacement, pick_version, sticky_value
+from rayinfer.serving.router import ConnectionPlacement
 
 logger = logging.getLogger(__name__)
 
@@ -134,8 +134,7 @@ class Acceptor:
         self._refused: dict[str, float] = {}  # acceptor name -> when it may be tried again
         self._next: dict[str, int] = {}  # route key -> the replica the next connection goes to
         self._directed: dict[socket.socket, str] = {}  # connection -> the route key of its next run
-        self._placement = SplitPlacement(_PLACED_FOR_S)  # the runs of connections at rollouts' splits
-        self._grpc_placement = SplitPlacement(_PLACED_FOR_S, reconnects=True)  # the same of gRPC connections
+        self._placement = ConnectionPlacement(_PLACED_FOR_S)  # the runs of connections at rollouts' splits
 
     def serve(self, seconds: float) -> None:
         """Serve for about ``seconds``."""
@@ -254,32 +253,11 @@ class Acceptor:
         self._routes.refresh()
         given_for, run_left = key, 0  # the route key the replica is told, and its run there
         split = self._routes.splits.get(key[:-1]) if key.endswith("/") else None
-        if split is not None:
-            # A rollout's version-less request: an HTTP/1.1 connection goes to the version its
-            # sticky value picks, or for a run of version-less requests at the version and of the
-            # length the placement says (version_split.py). So does a gRPC connection, whose
-            # replica closes it when its run ends (the client opens the next one, placed here
-            # for its next run) and relays the calls of sticky values of the other version.
-            sticky = sticky_value(split, head_fields(head)) if split.sticky_header and kind == "http" else None
-            directed, _, left = directed.partition(" ")
-            if kind != "http":
-                # A client's next connection comes from another address: none is counted.
-                version, run_left = self._grpc_placement.place(key, split, None, time.monotonic())
-                key = f"{key}{version}"
-            elif head.startswith(b"POST "):  # an inference (a model GET stays the stable version's)
-                # The version the last run's replica named, as the split names it ("": the stable one).
-                named = directed[len(key):] if directed.startswith(key) else ""
-                named = named if named == split.candidate else ""
-                if sticky:
-                    key = f"{key}{split.candidate}" if pick_version(split, sticky) == split.candidate else key
-                elif left.isdigit() and directed.startswith(key) and self._routes.listeners.get(directed):
-                    # The rest of a run (its connection was rebalanced, or its replica stops).
-                    self._placement.at(key, named, _client_address(connection), time.monotonic())
-                    key, run_left = directed, int(left)
-                else:  # a new run: the replica of its last one named the other version
-                    version, run_left = self._placement.place(key, split, _client_address(connection),
-                                                              time.monotonic(), named)
-                    key = f"{key}{version}"
+        if split is not None:  # a rollout's version-less request: the router places the connection
+            key, run_left = self._placement.place(
+                key, split, kind != "http", head.startswith(b"POST "), lambda: head_fields(head), directed,
+                _client_address(connection), lambda routed: bool(self._routes.listeners.get(routed)),
+                time.monotonic())
         if not key:
             # Not a model's request (health, metadata, the repository API): a replica of this
             # machine relays it to HAProxy, then gives the connection back, which its next

@@ -13,7 +13,7 @@ from dataclasses import astuple, dataclass
 from pathlib import Path
 
 from rayinfer.serving.front_paths import FrontPaths
-from rayinfer.serving.version_split import VersionSplit
+from rayinfer.serving.router import VersionSplit
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,7 +21,7 @@ class HandOff:
     """A connection for a replica: ``relay``, HAProxy's socket the replica relays the requests
     that are not its own to; ``route_key``, the route (``<model>/<version>``) it was placed for;
     ``run_left``, the version-less requests of its run at a rollout's split it answers there (0:
-    none: :mod:`rayinfer.serving.version_split`)."""
+    none: :mod:`rayinfer.serving.router`)."""
 
     relay: str
     route_key: str

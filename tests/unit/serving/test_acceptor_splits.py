@@ -21,7 +21,7 @@ from rayinfer.deployments.front import Front
 from rayinfer.serving import client_relay
 from rayinfer.serving.front_paths import FrontPaths
 from rayinfer.serving.replica_routes import ReplicaRoutes
-from rayinfer.serving.version_split import RUN_REQUESTS, VersionSplit, minority_run, pick_version
+from rayinfer.serving.router import RUN_REQUESTS, VersionSplit, minority_run, pick_version
 from test_acceptor import _Client, _direct_connections, acceptor  # noqa: F401  (acceptor: a fixture)
 
 _NAMES = {"1": "one", "2": "two"}

@@ -8,9 +8,16 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rayinfer.serving.router import ModelRoute, Replica, RouteTable
+from rayinfer.serving.router import (
+    ConnectionPlacement,
+    ModelRoute,
+    Replica,
+    RouteTable,
+    VersionSplit,
+    pick_version,
+    run_length,
+)
 from rayinfer.serving.sequence_routing import SLOTS, slot_of
-from rayinfer.serving.version_split import VersionSplit
 
 NODES = ("n1", "n2", "n3")
 replica_lists = st.lists(
@@ -86,3 +93,27 @@ def test_a_pooled_replica_serves_the_versions_it_holds() -> None:
     assert {table.pick("m").replica.key for _ in range(20)} == {"p1"}
     empty = RouteTable({"m": ModelRoute("1", replicas={"1": [pool[1]]})})
     assert empty.pick("m").replica is None
+
+
+@given(st.integers(1, 99), st.booleans(), st.integers(1, 400), st.integers(0, 2**32))
+@settings(max_examples=100, deadline=None)
+def test_connections_placed_in_runs_keep_each_versions_share(weight, grpc, connections, seed) -> None:
+    random.seed(seed)  # the runs' fractional lengths are rounded by chance
+    placement, split = ConnectionPlacement(expire_s=60.0), VersionSplit("1", "2", weight)
+    placed = {"1": 0, "2": 0}
+    for client in range(connections):  # each connection placed for a run, then given back
+        key, run = placement.place("m/", split, grpc, True, list, "", ("10.0.0.1", client), bool, float(client))
+        placed[key.removeprefix("m/")] += run
+        placement.leaves(("10.0.0.1", client))
+    total, longest = sum(placed.values()), max(run_length(split, v, grpc) + 1 for v in ("1", "2"))
+    # A run goes to the version furthest behind its share, so neither is more than one run off.
+    assert abs(placed["2"] - total * weight / 100) <= longest
+
+
+@given(st.integers(0, 100), st.text(min_size=1), st.sampled_from(["", "m/1", "m/2 5"]))
+@settings(max_examples=200, deadline=None)
+def test_a_connections_sticky_value_places_it_at_its_version(weight, sticky, directed) -> None:
+    split = VersionSplit("1", "2", weight, "x-user")
+    key, run = ConnectionPlacement(60.0).place("m/", split, False, True, lambda: [(b"X-User", sticky)], directed,
+                                               ("10.0.0.1", 1), bool, 0.0)
+    assert (key, run) == ("m/2" if pick_version(split, sticky) == "2" else "m/", 0)
