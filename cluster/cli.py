@@ -142,6 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("--front-on-head", type=_bool, nargs="?", const=True)
         sub.add_argument("--front-on-every-node", type=_bool, nargs="?", const=True)
         sub.add_argument("--gpu-wait-secs", type=float)
+        sub.add_argument("--resource-wait-secs", type=float)
         sub.add_argument("--ray-metrics-port", type=int)
         sub.add_argument("--dashboard-port", type=int)
         sub.add_argument("--dashboard-address")
@@ -304,6 +305,7 @@ def serve(settings: ServerSettings) -> int:
             timeout_s=settings.startup_timeout_s,
             gpu_fallback=settings.gpu_fallback == "cpu",
             gpu_wait_s=settings.gpu_wait_secs,
+            resource_wait_s=settings.resource_wait_secs,
             gpu_fraction=settings.gpu_fraction_per_model,
             replica_ray_metrics=settings.replica_ray_metrics,
             cache_size_bytes=response_cache_bytes(settings),

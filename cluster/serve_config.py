@@ -97,6 +97,7 @@ def render_serve_config(
             "model_control_mode": settings.model_control_mode,
             "repository_poll_secs": settings.repository_poll_secs,
             "gpu_wait_secs": settings.gpu_wait_secs,
+            "resource_wait_secs": settings.resource_wait_secs,
             "trace_config": list(settings.trace_config),
             **common,
         },

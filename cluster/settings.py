@@ -368,6 +368,13 @@ class ServerSettings(BaseSettings):
         description="How long a model waits for GPUs the cluster does not have (an autoscaler may add a GPU "
         "node) before it is UNAVAILABLE with the missing resource as its reason.",
     )
+    resource_wait_secs: float = Field(
+        180.0, gt=0,
+        description="How long a model waits for CPU, memory or a custom resource the cluster does not have free "
+        "(every replica reserves --replica-num-cpus; an autoscaler may add a node) before it is UNAVAILABLE with "
+        "the missing resource and what to change as its reason. The wait is logged, and shown in the repository "
+        "index, as soon as it is seen.",
+    )
     dashboard_port: int | None = Field(
         None,
         description="Start the embedded Ray's dashboard on this port (Ray's default is 8265), bound to "

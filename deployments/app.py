@@ -11,7 +11,7 @@ from typing import Any
 from ray.serve import Application
 from ray.serve.schema import LoggingConfig
 
-from rayinfer.deployments.control import DEFAULT_GPU_WAIT_S, MIN_ONGOING_REQUESTS, ModelControl, model_application
+from rayinfer.deployments.control import DEFAULT_GPU_WAIT_S, DEFAULT_RESOURCE_WAIT_S, MIN_ONGOING_REQUESTS, ModelControl, model_application
 from rayinfer.deployments.control_channel import MAX_POLLING_REPLICAS
 from rayinfer.deployments.names import DEFAULT_REPLICA_NUM_CPUS, parse_bool
 from rayinfer.deployments.openai_app import OpenAIDeployment
@@ -196,7 +196,7 @@ def build_server_app(args: dict[str, Any]) -> Application:
 
 def _control_from_args(args: dict[str, Any]) -> ModelControl:
     """model_control_mode, replica_num_cpus, auto_complete, repository_poll_secs, log_level,
-    gpu_fallback, gpu_wait_secs, gpu_fraction_per_model, replica_ray_metrics, cache_size_bytes, trace_config,
+    gpu_fallback, gpu_wait_secs, resource_wait_secs, gpu_fraction_per_model, replica_ray_metrics, cache_size_bytes, trace_config,
     http_max_input_size, log_settings, connection_limits, http_restricted_api, grpc_restricted_protocol."""
     return ModelControl(
         mode=str(args.get("model_control_mode", "none")),
@@ -206,6 +206,7 @@ def _control_from_args(args: dict[str, Any]) -> ModelControl:
         log_level=str(args.get("log_level", "WARNING")),
         gpu_fallback=parse_bool(args.get("gpu_fallback", False)),
         gpu_wait_s=float(args.get("gpu_wait_secs", DEFAULT_GPU_WAIT_S)),
+        resource_wait_s=float(args.get("resource_wait_secs", DEFAULT_RESOURCE_WAIT_S)),
         cache_size_bytes=int(args.get("cache_size_bytes", 0)),
         trace_config=tuple(args.get("trace_config") or ()),
         max_input_size=int(args.get("http_max_input_size", DEFAULT_HTTP_MAX_INPUT_SIZE)),

@@ -33,7 +33,7 @@ from rayinfer.deployments.serve_internals import delete_application
 from rayinfer.deployments.serve_state import (
     cluster_gpus,
     failure_reason,
-    gpu_shortage,
+    resource_shortage,
     serve_applications,
     status_name,
 )
@@ -50,6 +50,7 @@ logger = logging.getLogger(__name__)
 # Ongoing requests a replica accepts; at least twice the largest batch so batches can fill.
 MIN_ONGOING_REQUESTS = 256
 DEFAULT_GPU_WAIT_S = 180.0
+DEFAULT_RESOURCE_WAIT_S = 180.0
 
 
 def replica_resources(entry: ModelEntry, version: int, replica_num_cpus: float, *, cluster_has_gpus: bool,
@@ -111,6 +112,8 @@ class ModelControl:
     gpu_fallback: bool = False
     # How long a model waits for GPUs the cluster does not have before it is UNAVAILABLE.
     gpu_wait_s: float = DEFAULT_GPU_WAIT_S
+    # The same for other resources (CPU, memory, a custom resource) the cluster does not have free.
+    resource_wait_s: float = DEFAULT_RESOURCE_WAIT_S
     # The response cache's size on each node (--cache-config local,size=N); 0: no cache.
     cache_size_bytes: int = 0
     # tritonserver's --trace-config values (the trace extension's settings at start).
@@ -261,7 +264,7 @@ def _deploy_wave(model_repository: str, folder: Path, versions: list[tuple[str, 
     if targets:
         serve.run_many([t for _, t in targets.values()], wait_for_applications_running=False)
     load_errors = _wait_for_apps({name: model for name, (model, _) in targets.items()}, control.timeout_s,
-                                 gpu_wait_s=control.gpu_wait_s)
+                                 gpu_wait_s=control.gpu_wait_s, resource_wait_s=control.resource_wait_s)
     # Gone before the failure is answered: while a failed application exists, Serve's HTTP
     # ingress sends requests under its route prefix to it (those that reach Serve's port
     # directly: the front sends a model's GETs without a replica to the /v2 application).
@@ -301,29 +304,35 @@ def trial_load(model_repository: str, versions: list[tuple[str, int, bool]], con
         raise TimeoutError(f"loading the new model took longer than {control.timeout_s:.0f} s") from None
 
 
-def _wait_for_apps(apps: dict[str, str], timeout_s: float, gpu_wait_s: float = DEFAULT_GPU_WAIT_S) -> dict[str, str]:
+def _wait_for_apps(apps: dict[str, str], timeout_s: float, gpu_wait_s: float = DEFAULT_GPU_WAIT_S,
+                   resource_wait_s: float = DEFAULT_RESOURCE_WAIT_S) -> dict[str, str]:
     """Poll Serve until every app runs or failed; returns {app: reason} for the failures. An app
-    whose replicas wait for GPUs the cluster does not have fails after ``gpu_wait_s``."""
+    whose replicas wait for GPUs the cluster does not have fails after ``gpu_wait_s``; one whose
+    replicas wait for other resources (CPU, memory) it does not have free, after ``resource_wait_s``.
+    Either is logged as soon as it is seen."""
     start = time.monotonic()
     deadline = start + timeout_s
     pending = set(apps)
     failures: dict[str, str] = {}
-    warned: set[str] = set()
+    short_since: dict[str, float] = {}  # app -> when its replicas were first seen waiting for resources
     while pending and time.monotonic() < deadline:
-        waited = time.monotonic() - start
+        now = time.monotonic()
         status = serve_applications()
         for name in list(pending):
-            app = status.get(name) if waited > min(5.0, gpu_wait_s) else None
-            shortage = gpu_shortage(app) if app is not None else None
+            app = status.get(name) if now - start > min(5.0, gpu_wait_s, resource_wait_s) else None
+            shortage = resource_shortage(app) if app is not None else None
             if shortage is None:
+                short_since.pop(name, None)
                 continue
-            if waited >= gpu_wait_s:
+            wait_s = gpu_wait_s if shortage.gpu else resource_wait_s
+            if name not in short_since:
+                short_since[name] = now
+                logger.warning("model '%s' waits for %s resources (up to %.0f s): %s", apps[name],
+                               shortage.resources, wait_s, shortage.text)
+            elif now - short_since[name] >= wait_s:
                 pending.discard(name)
-                failures[name] = f"waited {gpu_wait_s:.0f} s for GPU resources: {shortage}"
+                failures[name] = f"waited {wait_s:.0f} s for {shortage.resources} resources: {shortage.text}"
                 logger.error("model '%s' failed to load: %s", apps[name], failures[name])
-            elif name not in warned:
-                warned.add(name)
-                logger.warning("model '%s' waits for GPU resources (up to %.0f s): %s", apps[name], gpu_wait_s, shortage)
         for name in list(pending):
             app = status.get(name)
             if app is None:

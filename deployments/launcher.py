@@ -12,7 +12,7 @@ from ray import serve
 from ray.serve.schema import ServeDeploySchema
 
 from rayinfer.deployments.app import openai_application, server_application
-from rayinfer.deployments.control import DEFAULT_GPU_WAIT_S, ModelControl, deploy_models
+from rayinfer.deployments.control import DEFAULT_GPU_WAIT_S, DEFAULT_RESOURCE_WAIT_S, ModelControl, deploy_models
 from rayinfer.serving.front_supervisor import stop_fronts
 from rayinfer.deployments.grpc_service import SERVICER_FUNCTION
 from rayinfer.deployments.names import (
@@ -68,6 +68,7 @@ def deploy_repository(
     load_errors: dict[str, str] | None = None,
     gpu_fallback: bool = False,
     gpu_wait_s: float = DEFAULT_GPU_WAIT_S,
+    resource_wait_s: float = DEFAULT_RESOURCE_WAIT_S,
     gpu_fraction: float = 1.0,
     replica_ray_metrics: bool = False,
     cache_size_bytes: int = 0,
@@ -91,6 +92,7 @@ def deploy_repository(
     control = ModelControl(
         mode=control_mode, replica_num_cpus=replica_num_cpus, auto_complete=auto_complete, timeout_s=timeout_s,
         poll_secs=poll_secs, log_level=log_level, gpu_fallback=gpu_fallback, gpu_wait_s=gpu_wait_s,
+        resource_wait_s=resource_wait_s,
         cache_size_bytes=cache_size_bytes, trace_config=trace_config, max_input_size=max_input_size,
         log_settings=tuple((log_settings or {}).items()), http_restricted=tuple(http_restricted or ()),
         grpc_restricted=tuple(grpc_restricted or ()), gpu_fraction=gpu_fraction,

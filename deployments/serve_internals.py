@@ -10,6 +10,9 @@ is checked as the CLI starts and as the ``/v2`` application is built, and says w
   constructor), which routes on the event loop it is first used on.
 - :func:`replica_id`: the unique id of the replica the code runs in.
 - :func:`kv_get` and :func:`kv_put`: Ray's key-value store in the GCS (``internal_kv``).
+- :func:`pending_resource_shapes`: the resources of the tasks and actors waiting for resources
+  the cluster does not have free (the GCS's pending demand, as ``ray status`` shows it, read
+  with ``ray.autoscaler.v2.sdk.get_cluster_status``).
 - :func:`actor_death`: why an actor died, as Ray's GCS recorded it (a call of ``__ray_ready__``,
   the method Ray gives every actor).
 - :func:`with_code_version`: a deployment's code version (``options(version=..., _internal=True)``).
@@ -108,6 +111,19 @@ def kv_put(key: bytes, value: bytes, namespace: str, overwrite: bool = True) -> 
     from ray.experimental.internal_kv import _internal_kv_put
 
     _internal_kv_put(key, value, overwrite=overwrite, namespace=namespace)
+
+
+def pending_resource_shapes() -> list[dict[str, float]]:
+    """The resource shapes ({resource: amount}) of the tasks and actors that wait for resources
+    the cluster does not have free (a GCS round trip, about 3 ms; Ray must be connected). An actor
+    whose resources were granted and whose worker is starting is not among them."""
+    import ray
+    from ray.autoscaler.v2.sdk import get_cluster_status
+
+    status = get_cluster_status(ray.get_runtime_context().gcs_address)
+    return [{name: float(amount) for name, amount in request.bundle.items() if amount}
+            for demand in status.resource_demands.ray_task_actor_demand
+            for request in demand.bundles_by_count if request.count > 0]
 
 
 async def actor_death(actor: Any, timeout_s: float) -> str | None:

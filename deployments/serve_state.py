@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from rayinfer.deployments.names import deployment_version, model_app_name, model_apps, model_deployment_name
-from rayinfer.deployments.serve_internals import serve_details
+from rayinfer.deployments.serve_internals import pending_resource_shapes, serve_details
 from rayinfer.repository.scanner import RepositoryScan
 from rayinfer.serving.model_control import ModelController
 from rayinfer.serving.router import VersionSplit, choose_version
@@ -59,6 +59,8 @@ class DeploymentState:
     replica_states: dict[str, int]  # replica state -> how many replicas are in it
     target_replicas: int = 0
     num_gpus: float = 0.0  # per replica
+    required: dict[str, float] = field(default_factory=dict)  # each replica's resources (CPU, memory, ...)
+    unplaced: int = 0  # replicas Ray has not placed on a node yet
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +70,20 @@ class ApplicationState:
     deployments: dict[str, DeploymentState]
 
 
+@dataclass(frozen=True, slots=True)
+class Shortage:
+    """Why some of an application's replicas are not placed: ``resources``, those the cluster
+    does not have free (``GPU`` alone, or others: CPU, memory, a custom resource), and ``text``,
+    the numbers and what to change."""
+
+    resources: str
+    text: str
+
+    @property
+    def gpu(self) -> bool:
+        return self.resources == "GPU"
+
+
 def cluster_gpus() -> float:
     """GPUs the Ray cluster has (logical ones included), 0 without a connected Ray."""
     import ray
@@ -75,20 +91,59 @@ def cluster_gpus() -> float:
     return float(ray.cluster_resources().get("GPU", 0.0)) if ray.is_initialized() else 0.0
 
 
-def gpu_shortage(app: ApplicationState) -> str | None:
-    """Why ``app``'s replicas are not all placed, when they wait for GPUs the cluster does not
-    have free (else None)."""
+def resource_shortage(app: ApplicationState) -> Shortage | None:
+    """Why ``app``'s replicas are not all placed, when they wait for GPUs, or for other
+    resources the cluster does not have free (else None)."""
     import ray
 
     for deployment in app.deployments.values():
         running = deployment.replica_states.get("RUNNING", 0)
-        if not deployment.num_gpus or running >= deployment.target_replicas:
+        if deployment.num_gpus and running < deployment.target_replicas:
+            free = float(ray.available_resources().get("GPU", 0.0))
+            if free < deployment.num_gpus:
+                return Shortage("GPU", f"{deployment.target_replicas - running} of its {deployment.target_replicas} "
+                                       f"replicas need {deployment.num_gpus:g} GPU each; the cluster has "
+                                       f"{cluster_gpus():g} GPU(s), {free:g} free")
+        if not deployment.unplaced:
             continue
-        free = float(ray.available_resources().get("GPU", 0.0))
-        if free < deployment.num_gpus:
-            return (f"{deployment.target_replicas - running} of its {deployment.target_replicas} replicas need "
-                    f"{deployment.num_gpus:g} GPU each; the cluster has {cluster_gpus():g} GPU(s), {free:g} free")
+        free_now, total = ray.available_resources(), ray.cluster_resources()
+        short = [name for name, need in deployment.required.items()
+                 if name != "GPU" and need > 0 and float(free_now.get(name, 0.0)) + 1e-9 < need]
+        # Ray's pending demand tells a replica waiting for resources from one whose worker starts.
+        if short and _same_shape(deployment.required, _pending_shapes()):
+            needs = ", ".join(_amount(name, deployment.required[name]) for name in short)
+            has = ", ".join(f"{_amount(name, float(total.get(name, 0.0)))} ({_amount(name, float(free_now.get(name, 0.0)))} "
+                            f"free)" for name in short)
+            return Shortage(" and ".join(short), (
+                f"{deployment.unplaced} of its {deployment.target_replicas} replicas need {needs} each; the cluster "
+                f"has {has}. Unload a model, lower --replica-num-cpus or the model's instance count, or add a node"))
     return None
+
+
+_pending: tuple[float, list[dict[str, float]]] = (-1.0, [])
+
+
+def _pending_shapes() -> list[dict[str, float]]:
+    """Ray's pending demand (:func:`pending_resource_shapes`), read at most every half second."""
+    global _pending
+    now = time.monotonic()
+    if now - _pending[0] > _CACHE_S:
+        _pending = (now, pending_resource_shapes())
+    return _pending[1]
+
+
+def _same_shape(required: dict[str, float], pending: list[dict[str, float]]) -> bool:
+    """Whether a replica needing ``required`` is among the ``pending`` demand's shapes."""
+    wanted = {name: amount for name, amount in required.items() if amount}
+    return any(shape.keys() == wanted.keys() and all(abs(shape[k] - wanted[k]) < 1e-6 for k in wanted)
+               for shape in pending)
+
+
+def _amount(resource: str, value: float) -> str:
+    """A resource amount as a person reads it: memory in GiB, others as counts."""
+    if resource in ("memory", "object_store_memory"):
+        return f"{value / 2**30:.2g} GiB {resource.replace('_', ' ')}"
+    return f"{value:g} {resource}"
 
 
 def serve_applications() -> dict[str, ApplicationState]:
@@ -106,13 +161,16 @@ def serve_applications() -> dict[str, ApplicationState]:
         deployments = {}
         for dname, deployment in (app.get("deployments") or {}).items():
             states: dict[str, int] = {}
+            unplaced = 0
             for replica in deployment.get("replicas") or []:
                 state = status_name(replica.get("state"))
                 states[state] = states.get(state, 0) + 1
+                unplaced += state == "STARTING" and not replica.get("node_id")  # Ray has not placed its actor
+            required = {name: float(value) for name, value in (deployment.get("required_resources") or {}).items()
+                        if isinstance(value, (int, float))}  # per replica
             deployments[dname] = DeploymentState(
                 status_name(deployment.get("status")), deployment.get("message") or "", states,
-                int(deployment.get("target_num_replicas") or 0),
-                float((deployment.get("required_resources") or {}).get("GPU") or 0.0),  # per replica
+                int(deployment.get("target_num_replicas") or 0), required.get("GPU", 0.0), required, unplaced,
             )
         apps[name] = ApplicationState(status_name(app.get("status")), app.get("message") or "", deployments)
     return apps
@@ -240,9 +298,9 @@ class ServeState:
                     else:
                         row.update(state="UNAVAILABLE", reason=failure_reason(app))
                     if status == "DEPLOYING":
-                        shortage = gpu_shortage(app)
+                        shortage = resource_shortage(app)
                         if shortage is not None:
-                            row["reason"] = f"waiting for GPU resources: {shortage}"
+                            row["reason"] = f"waiting for {shortage.resources} resources: {shortage.text}"
                     # A served version being updated (DEPLOYING) keeps serving from its old
                     # replicas, so it stays READY (as in Triton, and for readiness probes); one
                     # deploying for the first time is not ready yet. One whose replica died

@@ -1,8 +1,9 @@
 """KIND_GPU instance groups on a Ray cluster with one logical GPU (``rayinfer serve --num-gpus 1``
 on this CPU machine, with ``--gpu-fraction-per-model 0.5``): fractional GPU replicas, two models
 sharing the GPU, what each replica is given, and a model asking for more GPUs than the cluster
-has left, reported while the others serve; CUDA shared memory
-registered on a cluster with a GPU."""
+has left, reported while the others serve; a model asking for more CPUs than the cluster has
+free, reported at once and then UNAVAILABLE; CUDA shared memory registered on a cluster with a
+GPU."""
 
 from __future__ import annotations
 
@@ -27,6 +28,9 @@ pytestmark = pytest.mark.own_cluster
 
 PORT = HTTP_PORT + 200
 GPU_WAIT_S = 8
+RESOURCE_WAIT_S = 8
+# Each replica reserves this many of the cluster's 2 CPUs (start_server's --num-cpus 2).
+REPLICA_CPUS = 0.3
 
 PROBE = '''import json, os
 import numpy as np
@@ -73,9 +77,13 @@ def gpu_server(tmp_path_factory):
     write_python_model(repo, "cpu_probe", probe_config("instance_group [ { count: 1 kind: KIND_CPU } ]"), PROBE)
     # No instance_group (Triton's default, KIND_AUTO): GPU instances only where onnxruntime can use a GPU.
     write_model(repo, "onnx_auto", SIMPLE_CONFIG.replace('name: "simple"\n', ""), add_sub_model(TensorProto.INT32))
+    # Seven instances at 0.3 CPU each: more than the cluster's 2 CPUs.
+    write_model(repo, "cpu_too_many", SIMPLE_CONFIG.replace('name: "simple"\n', "")
+                + "instance_group [ { count: 7 kind: KIND_CPU } ]\n", add_sub_model(TensorProto.INT32))
     log = tmp_path_factory.mktemp("gpu_server") / "rayinfer.log"
     proc = start_server(repo, log, [
         "--num-gpus", "1", "--gpu-fraction-per-model", "0.5", "--gpu-wait-secs", str(GPU_WAIT_S),
+        "--replica-num-cpus", str(REPLICA_CPUS), "--resource-wait-secs", str(RESOURCE_WAIT_S),
         "--model-control-mode", "explicit",
         "--load-model", "gpu_probe", "--load-model", "cpu_probe", "--http-port", str(PORT),
         "--grpc-port", str(PORT + 1), "--metrics-port", str(PORT + 2), "--serve-grpc-port", str(PORT + 11),
@@ -191,6 +199,37 @@ def _one_too_many(client) -> None:
     assert rows["gpu_too_many"]["state"] == "UNAVAILABLE"
     assert "GPU resources" in rows["gpu_too_many"]["reason"]
     assert client.is_model_ready("gpu_probe") and client.is_model_ready("cpu_probe") and client.is_model_ready("gpu_single")
+
+
+def test_a_model_the_cluster_has_no_cpus_for_is_reported_at_once_then_unavailable(gpu_server):
+    """Seven replicas at 0.3 CPU on a cluster of 2 CPUs: the log and the repository index say at
+    once which resource is missing, how much and what to change; after --resource-wait-secs the
+    load fails with that reason, and the other models serve on."""
+    client, log = gpu_server
+
+    def load() -> str:
+        with httpclient.InferenceServerClient(f"127.0.0.1:{PORT}", network_timeout=120.0) as own:
+            with pytest.raises(InferenceServerException) as failure:
+                own.load_model("cpu_too_many")
+        return str(failure.value)
+
+    def waiting_reason() -> str:
+        rows = {row["name"]: row for row in client.get_model_repository_index()}
+        return rows["cpu_too_many"].get("reason", "")
+
+    needs = f"of its 7 replicas need {REPLICA_CPUS:g} CPU each; the cluster has 2 CPU ("
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        loading = pool.submit(load)
+        wait_until(lambda: waiting_reason().startswith("waiting for CPU resources: ") and needs in waiting_reason(),
+                   "the index to say that cpu_too_many waits for CPUs", timeout_s=RESOURCE_WAIT_S)
+        assert "lower --replica-num-cpus or the model's instance count" in waiting_reason()
+        wait_until(lambda: f"model 'cpu_too_many' waits for CPU resources (up to {RESOURCE_WAIT_S} s)" in
+                   log.read_text(), "the log to say that cpu_too_many waits for CPUs", timeout_s=5)
+        message = loading.result(timeout=120)
+    assert f"waited {RESOURCE_WAIT_S} s for CPU resources: " in message and needs in message
+    rows = {row["name"]: row for row in client.get_model_repository_index()}
+    assert rows["cpu_too_many"]["state"] == "UNAVAILABLE" and "CPU resources" in rows["cpu_too_many"]["reason"]
+    assert client.is_model_ready("gpu_probe") and client.is_model_ready("cpu_probe")
 
 
 def test_cuda_shared_memory_registers_where_the_cluster_has_gpus(gpu_server):
