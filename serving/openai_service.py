@@ -171,8 +171,10 @@ class _Reply:
         return make(self.id, self.created, self.request.model, choices, self.request.logprobs, usage)
 
     def usage(self, choices: list[answers.Choice]) -> dict[str, int] | None:
-        n = self.request.n
-        return answers.usage(choices, [choices[p * n].input_tokens for p in range(self.prompt_count)])
+        n = self.request.n  # each prompt's count, from whichever of its choices gave one
+        prompts = [next((c.input_tokens for c in choices[p * n:(p + 1) * n] if c.input_tokens is not None), None)
+                   for p in range(self.prompt_count)]
+        return answers.usage(choices, prompts)
 
     def chunk(self, index: int, text: str | None, finish: str | None, logprobs: Any = None,
               role: bool = False) -> bytes:

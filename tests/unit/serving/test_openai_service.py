@@ -280,3 +280,22 @@ def test_a_stream_given_up_cancels_the_models_request(service: OpenAIService, mo
         assert status == 200 and json.loads(doc)["usage"]["completion_tokens"] == 2  # type: ignore[arg-type]
 
     LOOP.run_until_complete(run())
+
+
+def test_usage_counts_a_choice_the_model_ended_at_once_as_no_tokens() -> None:
+    from rayinfer.protocol import openai_responses as answers
+
+    made = answers.Choice(0, 3, input_tokens=4, output_tokens=3)
+    ended_at_once = answers.Choice(1, 3)  # no response with counts: the model's first token ended it
+    assert answers.usage([made, ended_at_once], [4]) == {"prompt_tokens": 4, "completion_tokens": 3,
+                                                         "total_tokens": 7}
+    assert answers.usage([answers.Choice(0, 3), answers.Choice(1, 3)], [None]) is None  # a model without counts
+
+
+@pytest.mark.parametrize("seed", [3, 168, 236])  # 168 and 236: a choice ends at [EOS] at once
+def test_a_streams_usage_is_given_whatever_its_choices_make(service: OpenAIService, seed: int) -> None:
+    _, _, events = call(service, "/v1/chat/completions", {
+        **CHAT, "max_tokens": 3, "stream": True, "n": 2, "stream_options": {"include_usage": True}, "seed": seed})
+    usage = events[-2]["usage"]
+    assert usage is not None and 0 <= usage["completion_tokens"] <= 6
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
