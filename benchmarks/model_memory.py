@@ -18,7 +18,8 @@ splits shared pages between the processes that share them, so the sum is the ser
 "Per model" is the growth from the first point to each later one divided by the models added.
 rayinfer runs with ``--replica-num-cpus 0.01`` so that every replica fits the 2 CPUs of this
 machine (each replica reserves that share; with the default 0.1 about 18 fit beside the server's
-own). Both run in a private network namespace. Writes the table to docs/benchmarks.md.
+own). Both run in a private network namespace; run it alone (every Ray process started meanwhile
+counts). Writes the table to docs/benchmarks.md.
 """
 
 from __future__ import annotations

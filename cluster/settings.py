@@ -365,15 +365,16 @@ class ServerSettings(BaseSettings):
     )
     gpu_wait_secs: float = Field(
         180.0, gt=0,
-        description="How long a model waits for GPUs the cluster does not have (an autoscaler may add a GPU "
-        "node) before it is UNAVAILABLE with the missing resource as its reason.",
+        description="How long a model waits for GPUs the cluster does not have free (an autoscaler may add a GPU "
+        "node), counted from when Ray reports its replicas waiting (a few seconds into the load), before it is "
+        "UNAVAILABLE with the missing resource as its reason.",
     )
     resource_wait_secs: float = Field(
         180.0, gt=0,
         description="How long a model waits for CPU, memory or a custom resource the cluster does not have free "
-        "(every replica reserves --replica-num-cpus; an autoscaler may add a node) before it is UNAVAILABLE with "
-        "the missing resource and what to change as its reason. The wait is logged, and shown in the repository "
-        "index, as soon as it is seen.",
+        "(every replica reserves --replica-num-cpus; an autoscaler may add a node), counted from when Ray reports "
+        "its replicas waiting, before it is UNAVAILABLE with the missing resource and what to change as its "
+        "reason. The wait is logged, and shown in the repository index, as soon as it is seen.",
     )
     dashboard_port: int | None = Field(
         None,

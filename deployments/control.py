@@ -320,9 +320,12 @@ def _wait_for_apps(apps: dict[str, str], timeout_s: float, gpu_wait_s: float = D
         status = serve_applications()
         for name in list(pending):
             app = status.get(name) if now - start > min(5.0, gpu_wait_s, resource_wait_s) else None
-            shortage = resource_shortage(app) if app is not None else None
+            shortage = resource_shortage(app, status) if app is not None else None
             if shortage is None:
-                short_since.pop(name, None)
+                # The wait ends when every replica is placed, not when one look finds none waiting
+                # (a replica starting elsewhere makes Ray's pending demand ambiguous for a moment).
+                if app is not None and not any(d.unplaced for d in app.deployments.values()):
+                    short_since.pop(name, None)
                 continue
             wait_s = gpu_wait_s if shortage.gpu else resource_wait_s
             if name not in short_since:

@@ -113,15 +113,16 @@ def kv_put(key: bytes, value: bytes, namespace: str, overwrite: bool = True) -> 
     _internal_kv_put(key, value, overwrite=overwrite, namespace=namespace)
 
 
-def pending_resource_shapes() -> list[dict[str, float]]:
+def pending_resource_shapes(timeout_s: int = 2) -> list[tuple[dict[str, float], int]]:
     """The resource shapes ({resource: amount}) of the tasks and actors that wait for resources
-    the cluster does not have free (a GCS round trip, about 3 ms; Ray must be connected). An actor
-    whose resources were granted and whose worker is starting is not among them."""
+    the cluster does not have free, each with how many wait (a GCS round trip, about 3 ms; Ray
+    must be connected; raises when the GCS does not answer within ``timeout_s``). An actor whose
+    resources were granted and whose worker is starting is not among them."""
     import ray
     from ray.autoscaler.v2.sdk import get_cluster_status
 
-    status = get_cluster_status(ray.get_runtime_context().gcs_address)
-    return [{name: float(amount) for name, amount in request.bundle.items() if amount}
+    status = get_cluster_status(ray.get_runtime_context().gcs_address, timeout=timeout_s)
+    return [({name: float(amount) for name, amount in request.bundle.items() if amount}, int(request.count))
             for demand in status.resource_demands.ray_task_actor_demand
             for request in demand.bundles_by_count if request.count > 0]
 

@@ -9,6 +9,7 @@ serve`` or by ``serve deploy``.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +20,8 @@ from rayinfer.deployments.serve_internals import pending_resource_shapes, serve_
 from rayinfer.repository.scanner import RepositoryScan
 from rayinfer.serving.model_control import ModelController
 from rayinfer.serving.router import VersionSplit, choose_version
+
+logger = logging.getLogger(__name__)
 
 _CACHE_S = 0.5
 _SERVE_STATE = {
@@ -91,58 +94,74 @@ def cluster_gpus() -> float:
     return float(ray.cluster_resources().get("GPU", 0.0)) if ray.is_initialized() else 0.0
 
 
-def resource_shortage(app: ApplicationState) -> Shortage | None:
-    """Why ``app``'s replicas are not all placed, when they wait for GPUs, or for other
-    resources the cluster does not have free (else None)."""
-    import ray
-
+def resource_shortage(app: ApplicationState, apps: dict[str, ApplicationState] | None = None) -> Shortage | None:
+    """Why some of ``app``'s replicas are not placed, when they wait for resources the cluster
+    does not have free (else None). A replica Serve has not seen placed (no node) may be waiting
+    for resources or starting its worker on the node that granted them: it counts as waiting
+    only while Ray's pending demand holds as many requests of its resource shape as all the
+    unplaced replicas of that shape in ``apps`` (every application; default: ``app`` alone), so
+    that a replica still starting is never reported."""
+    figures = _cluster_figures()
+    if figures is None:  # Ray's figures could not be read: nothing is known to be missing
+        return None
+    free, total, pending = figures
     for deployment in app.deployments.values():
-        running = deployment.replica_states.get("RUNNING", 0)
-        if deployment.num_gpus and running < deployment.target_replicas:
-            free = float(ray.available_resources().get("GPU", 0.0))
-            if free < deployment.num_gpus:
-                return Shortage("GPU", f"{deployment.target_replicas - running} of its {deployment.target_replicas} "
-                                       f"replicas need {deployment.num_gpus:g} GPU each; the cluster has "
-                                       f"{cluster_gpus():g} GPU(s), {free:g} free")
         if not deployment.unplaced:
             continue
-        free_now, total = ray.available_resources(), ray.cluster_resources()
-        short = [name for name, need in deployment.required.items()
-                 if name != "GPU" and need > 0 and float(free_now.get(name, 0.0)) + 1e-9 < need]
-        # Ray's pending demand tells a replica waiting for resources from one whose worker starts.
-        if short and _same_shape(deployment.required, _pending_shapes()):
-            needs = ", ".join(_amount(name, deployment.required[name]) for name in short)
-            has = ", ".join(f"{_amount(name, float(total.get(name, 0.0)))} ({_amount(name, float(free_now.get(name, 0.0)))} "
-                            f"free)" for name in short)
-            return Shortage(" and ".join(short), (
-                f"{deployment.unplaced} of its {deployment.target_replicas} replicas need {needs} each; the cluster "
-                f"has {has}. Unload a model, lower --replica-num-cpus or the model's instance count, or add a node"))
+        shape = _shape(deployment.required)
+        waiting = sum(count for pending_shape, count in pending if pending_shape == shape)
+        unplaced = sum(d.unplaced for other in (apps or {"": app}).values() for d in other.deployments.values()
+                       if _shape(d.required) == shape)
+        if not waiting or waiting < unplaced:
+            continue
+        short = [name for name, need in shape.items() if free.get(name, 0.0) + 1e-9 < need] or list(shape)
+        if "GPU" in short:
+            return Shortage("GPU", f"{deployment.unplaced} of its {deployment.target_replicas} replicas need "
+                                   f"{deployment.num_gpus:g} GPU each; the cluster has {total.get('GPU', 0.0):g} "
+                                   f"GPU(s), {free.get('GPU', 0.0):g} free")
+        needs = ", ".join(_amount(name, shape[name]) for name in short)
+        has = ", ".join(f"{_amount(name, total.get(name, 0.0))} ({_amount(name, free.get(name, 0.0))} free)"
+                        for name in short)
+        return Shortage(" and ".join(short), (
+            f"{deployment.unplaced} of its {deployment.target_replicas} replicas need {needs} each; the cluster "
+            f"has {has}. Unload a model, lower --replica-num-cpus or the model's instance count, or add a node"))
     return None
 
 
-_pending: tuple[float, list[dict[str, float]]] = (-1.0, [])
+# Ray's free and total resources, and its pending demand (each shape and how many wait).
+ClusterFigures = tuple[dict[str, float], dict[str, float], list[tuple[dict[str, float], int]]]
+_figures: tuple[float, ClusterFigures | None] = (-1.0, None)  # (when read, what was read), kept for _CACHE_S
 
 
-def _pending_shapes() -> list[dict[str, float]]:
-    """Ray's pending demand (:func:`pending_resource_shapes`), read at most every half second."""
-    global _pending
+def _cluster_figures() -> ClusterFigures | None:
+    """Ray's free and total resources and its pending demand (:func:`pending_resource_shapes`),
+    read at most every half second; None when they cannot be read."""
+    global _figures
     now = time.monotonic()
-    if now - _pending[0] > _CACHE_S:
-        _pending = (now, pending_resource_shapes())
-    return _pending[1]
+    if now - _figures[0] > _CACHE_S:
+        import ray
+
+        try:
+            figures: ClusterFigures | None = (
+                {k: float(v) for k, v in ray.available_resources().items()},
+                {k: float(v) for k, v in ray.cluster_resources().items()},
+                [(_shape(shape), count) for shape, count in pending_resource_shapes()])
+        except Exception as exc:  # no connected Ray, or its GCS did not answer in time
+            logger.debug("could not read the cluster's resources: %s", exc)
+            figures = None
+        _figures = (now, figures)
+    return _figures[1]
 
 
-def _same_shape(required: dict[str, float], pending: list[dict[str, float]]) -> bool:
-    """Whether a replica needing ``required`` is among the ``pending`` demand's shapes."""
-    wanted = {name: amount for name, amount in required.items() if amount}
-    return any(shape.keys() == wanted.keys() and all(abs(shape[k] - wanted[k]) < 1e-6 for k in wanted)
-               for shape in pending)
+def _shape(resources: dict[str, float]) -> dict[str, float]:
+    """A resource request's shape: its non-zero amounts, rounded so that equal requests compare equal."""
+    return {name: round(amount, 6) for name, amount in resources.items() if amount}
 
 
 def _amount(resource: str, value: float) -> str:
     """A resource amount as a person reads it: memory in GiB, others as counts."""
     if resource in ("memory", "object_store_memory"):
-        return f"{value / 2**30:.2g} GiB {resource.replace('_', ' ')}"
+        return f"{value / 2**30:.1f} GiB {resource.replace('_', ' ')}"
     return f"{value:g} {resource}"
 
 
@@ -298,7 +317,7 @@ class ServeState:
                     else:
                         row.update(state="UNAVAILABLE", reason=failure_reason(app))
                     if status == "DEPLOYING":
-                        shortage = resource_shortage(app)
+                        shortage = resource_shortage(app, apps)
                         if shortage is not None:
                             row["reason"] = f"waiting for {shortage.resources} resources: {shortage.text}"
                     # A served version being updated (DEPLOYING) keeps serving from its old

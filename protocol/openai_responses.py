@@ -93,9 +93,11 @@ def _logprobs(value: Any) -> list[dict[str, Any]] | None:
 
 def usage(choices: list[Choice], prompt_tokens: list[int | None]) -> dict[str, int] | None:
     """OpenAI's usage of a request's choices (``prompt_tokens``: each prompt's count, once); None
-    when the model gives no counts. A choice without a count of its own, where the others have
-    one, made no token (a model that ended it at once): it counts 0."""
+    when the model gives no counts. A choice with no text and no count of its own, where others
+    have one, made no token (the model ended it at once): it counts 0."""
     if all(c.output_tokens is None for c in choices) or any(p is None for p in prompt_tokens):
+        return None
+    if any(c.output_tokens is None and c.text for c in choices):  # text the model gave no count for
         return None
     prompt = sum(p or 0 for p in prompt_tokens)
     completion = sum(c.output_tokens or 0 for c in choices)

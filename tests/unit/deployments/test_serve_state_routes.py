@@ -34,7 +34,7 @@ def test_a_version_is_routed_while_a_replica_of_it_runs(tmp_path: Path, monkeypa
     write_example_repository(tmp_path)
     apps = {model_app_name("simple", 1, True): app(status, running, "replica died")}
     monkeypatch.setattr(serve_state, "serve_applications", lambda: apps)
-    monkeypatch.setattr(serve_state, "resource_shortage", lambda application: None)
+    monkeypatch.setattr(serve_state, "resource_shortage", lambda application, apps=None: None)
     state_of = ServeState(tmp_path, ModelController(tmp_path, deployer=None))  # type: ignore[arg-type]  # never deploys
     (row,) = [r for r in asyncio.run(state_of.refresh()) if r["name"] == "simple"]
     assert row["state"] == state

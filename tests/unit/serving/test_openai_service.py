@@ -290,6 +290,7 @@ def test_usage_counts_a_choice_the_model_ended_at_once_as_no_tokens() -> None:
     assert answers.usage([made, ended_at_once], [4]) == {"prompt_tokens": 4, "completion_tokens": 3,
                                                          "total_tokens": 7}
     assert answers.usage([answers.Choice(0, 3), answers.Choice(1, 3)], [None]) is None  # a model without counts
+    assert answers.usage([made, answers.Choice(1, 3, text="words")], [4]) is None  # text with no count: unknown
 
 
 @pytest.mark.parametrize("seed", [3, 168, 236])  # 168 and 236: a choice ends at [EOS] at once
