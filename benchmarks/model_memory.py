@@ -27,9 +27,11 @@ from __future__ import annotations
 import argparse
 import platform
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from compare_triton import (ANCHORS, PYTHON_MODEL, ROOT, ensure_anchor, in_private_netns, processes, reexec_in_netns,
@@ -75,36 +77,35 @@ def server_pss_mib(before: set[int], marks: tuple[str, ...]) -> tuple[float, int
     return total / 1024, count
 
 
-def measure_rayinfer(repo: Path, work: Path) -> tuple[float, int, float]:
-    """(PSS MiB, processes, seconds to ready) of rayinfer serving ``repo``."""
+def measure(start: Callable[[], subprocess.Popen], stop: Callable[[subprocess.Popen], None], port: int,
+            marks: tuple[str, ...]) -> tuple[float, int, float]:
+    """(PSS MiB, processes, seconds to ready) of the server ``start`` starts on ``port``: its
+    processes are those new since the start whose command line holds one of ``marks``."""
     before = set(processes())
     started = time.monotonic()
-    proc = start_rayinfer(repo, RAYINFER_PORT, work / "rayinfer.log",
-                          ("--replica-num-cpus", "0.01", "--startup-timeout-s", str(READY_TIMEOUT_S)))
+    proc = start()
     try:
-        wait_ready(RAYINFER_PORT, proc, READY_TIMEOUT_S)
+        wait_ready(port, proc, READY_TIMEOUT_S)
         ready_s = time.monotonic() - started
         time.sleep(SETTLE_S)
-        pss, count = server_pss_mib(before, ("ray", "haproxy"))
+        pss, count = server_pss_mib(before, marks)
         return pss, count, ready_s
     finally:
-        stop_server(proc)
+        stop(proc)
+
+
+def measure_rayinfer(repo: Path, work: Path) -> tuple[float, int, float]:
+    """rayinfer serving ``repo`` (:func:`measure`)."""
+    flags = ("--replica-num-cpus", "0.01", "--startup-timeout-s", str(READY_TIMEOUT_S))
+    return measure(lambda: start_rayinfer(repo, RAYINFER_PORT, work / "rayinfer.log", flags), stop_server,
+                   RAYINFER_PORT, ("ray", "haproxy"))
 
 
 def measure_triton(repo: Path, work: Path) -> tuple[float, int, float]:
-    """(PSS MiB, processes, seconds to ready) of the anchor's tritonserver serving ``repo``."""
+    """The anchor's tritonserver serving ``repo`` (:func:`measure`)."""
     ensure_anchor()
-    before = set(processes())
-    started = time.monotonic()
-    proc = start_triton(repo, TRITON_PORT, work / "triton.log")
-    try:
-        wait_ready(TRITON_PORT, proc, READY_TIMEOUT_S)
-        ready_s = time.monotonic() - started
-        time.sleep(SETTLE_S)
-        pss, count = server_pss_mib(before, ("tritonserver", "triton_python_backend_stub"))
-        return pss, count, ready_s
-    finally:
-        stop_triton(proc)
+    return measure(lambda: start_triton(repo, TRITON_PORT, work / "triton.log"), stop_triton, TRITON_PORT,
+                   ("tritonserver", "triton_python_backend_stub"))
 
 
 def per_model(points: dict[int, tuple[float, int, float]], count: int) -> str:
