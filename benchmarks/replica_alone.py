@@ -39,7 +39,7 @@ def serve(model: str, port_file: Path) -> None:
     import uvloop
 
     from rayinfer.adapters.loader import load_runner
-    from rayinfer.serving.replica_listener import ReplicaListener
+    from rayinfer.transport.replica_listener import ReplicaListener
     from rayinfer.serving import model_grpc, model_http
     from rayinfer.serving.model_core import ModelCore
     from rayinfer.serving.routes import parse_model_route

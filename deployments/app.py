@@ -68,7 +68,7 @@ def server_application(
     and gRPC connections go straight to a model's replica (--direct-connections, :mod:`acceptor`).
     ``front_on_every_node``: the front's ports on every node with model replicas too
     (:mod:`node_fronts`). ``tls``: TLS on the front's ports by kind ("grpc", "http"; the
-    fields of :class:`~rayinfer.serving.front_config.TlsSettings`).
+    fields of :class:`~rayinfer.transport.front_config.TlsSettings`).
     """
     control = control or ModelControl()
     deployment = ServerDeployment.options(

@@ -32,7 +32,7 @@ from rayinfer.repository.ensemble import check_members, decoupled_members, parse
 from rayinfer.repository.model_config import CONFIG_FILENAME, ModelConfig, ModelSpec, spec_from_config
 from rayinfer.repository.scanner import scan_model
 from rayinfer.serving.ensemble import EnsembleExecutor
-from rayinfer.serving.router import Replica, VersionSplit, choose_replica, choose_version
+from rayinfer.transport.router import Replica, VersionSplit, choose_replica, choose_version
 
 logger = logging.getLogger(__name__)
 

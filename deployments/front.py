@@ -43,11 +43,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from rayinfer.serving import front_config, front_supervisor
-from rayinfer.serving.front_config import LUA, Endpoint, TlsSettings
-from rayinfer.serving.acceptor import AcceptorLimits
-from rayinfer.serving.front_maps import MapPaths, routes_on_disk, splits_on_disk
-from rayinfer.serving.front_paths import FrontPaths
+from rayinfer.transport import front_config, front_supervisor
+from rayinfer.transport.front_config import LUA, Endpoint, TlsSettings
+from rayinfer.transport.acceptor import AcceptorLimits
+from rayinfer.transport.front_maps import MapPaths, routes_on_disk, splits_on_disk
+from rayinfer.transport.front_paths import FrontPaths
 from rayinfer.protocol.limits import (
     DEFAULT_CONNECTION_LIMITS, DEFAULT_HTTP_MAX_INPUT_SIZE, DEFAULT_MAX_INFLIGHT_REQUESTS, ConnectionLimits,
 )

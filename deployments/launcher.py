@@ -13,7 +13,7 @@ from ray.serve.schema import ServeDeploySchema
 
 from rayinfer.deployments.app import openai_application, server_application
 from rayinfer.deployments.control import DEFAULT_GPU_WAIT_S, DEFAULT_RESOURCE_WAIT_S, ModelControl, deploy_models
-from rayinfer.serving.front_supervisor import stop_fronts
+from rayinfer.transport.front_supervisor import stop_fronts
 from rayinfer.deployments.grpc_service import SERVICER_FUNCTION
 from rayinfer.deployments.names import (
     OPENAI_APP,

@@ -42,7 +42,7 @@ from rayinfer.deployments.control_channel import (
 from rayinfer.deployments.names import SERVER_APP, SERVER_DEPLOYMENT
 from rayinfer.deployments.serve_internals import replica_id
 from rayinfer.deployments.replica_streams import ReplicaStreams
-from rayinfer.serving.replica_listener import ReplicaListener
+from rayinfer.transport.replica_listener import ReplicaListener
 from rayinfer.protocol import log_settings
 from rayinfer.protocol.errors import NotFoundError, ServingError, UnavailableError, UnsupportedError, as_serving_error
 from rayinfer.protocol.http_codec import parse_json_body
@@ -62,7 +62,7 @@ from rayinfer.serving.sequence_routing import FORWARDED_HEADER, SequenceRoutes
 from rayinfer.serving.protocol_stamps import StreamTrace, stamp_http_request
 from rayinfer.serving.trace import TraceSettings
 from rayinfer.serving.routes import keep_request_headers, parse_model_route
-from rayinfer.serving.replica_routes import ReplicaRoutes
+from rayinfer.transport.replica_routes import ReplicaRoutes
 
 logger = logging.getLogger(__name__)
 

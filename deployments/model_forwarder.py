@@ -19,7 +19,7 @@ from rayinfer.protocol.errors import InvalidArgError, ServingError
 from rayinfer.serving.model_grpc import MODEL_RPCS
 from rayinfer.serving.protocol_stamps import StreamTrace, wall_clock_offset_ns
 from rayinfer.serving.stream_infer import AsTheyCome, Traced
-from rayinfer.serving.router import choose_version, sticky_value
+from rayinfer.transport.router import choose_version, sticky_value
 
 if TYPE_CHECKING:
     from rayinfer.deployments.v2_api import V2Api
@@ -118,7 +118,7 @@ class ModelRoutes:
     (``ServerDeployment.model_routes``: Triton's error when the version is not served), each kept
     for :attr:`TTL_S`: a model replica's BLS calls and stream requests look their model up here.
     A model in a rollout's version-less requests are split here, each by itself
-    (:func:`~rayinfer.serving.router.choose_version`; ``headers``: the request's, for a
+    (:func:`~rayinfer.transport.router.choose_version`; ``headers``: the request's, for a
     sticky split). ``server``: a handle to the ``/v2`` deployment (the caller's, for the loop it
     routes on)."""
 

@@ -1,5 +1,5 @@
 """A model replica's answers to the gRPC streams (``ModelStreamInfer``) clients start on connections
-it holds (:mod:`~rayinfer.serving.h2_stream`).
+it holds (:mod:`~rayinfer.transport.h2_stream`).
 
 Each request of the stream goes where the ``/v2`` replica says its model version is served (the
 route asked once a second per model, as for a Python model's BLS calls): this replica's own
@@ -24,7 +24,7 @@ from rayinfer.protocol.errors import InvalidArgError
 from rayinfer.serving import model_grpc
 from rayinfer.serving.model_core import ModelCore
 from rayinfer.serving.protocol_stamps import TRACEPARENT, StreamTrace, wall_clock_offset_ns
-from rayinfer.serving.replica_listener import ReplicaListener
+from rayinfer.transport.replica_listener import ReplicaListener
 from rayinfer.serving.stream_infer import Traced, answer_stream, ends_on_error
 
 logger = logging.getLogger(__name__)

@@ -14,7 +14,7 @@ from typing import Any
 from rayinfer.deployments.serve_internals import kv_get, kv_put
 from rayinfer.repository.rollout_config import RolloutSettings
 from rayinfer.serving.rollout_analysis import VersionFigures
-from rayinfer.serving.router import VersionSplit
+from rayinfer.transport.router import VersionSplit
 
 logger = logging.getLogger(__name__)
 

@@ -42,7 +42,7 @@ from rayinfer.deployments.serve_state import deployed_versions
 from rayinfer.repository.scanner import scan_model
 from rayinfer.serving.rollout_analysis import VersionFigures, figures_since, judge, version_figures
 from rayinfer.serving.shadow import ShadowCounts
-from rayinfer.serving.router import VersionSplit
+from rayinfer.transport.router import VersionSplit
 
 if TYPE_CHECKING:
     from rayinfer.deployments.v2_api import V2Api
@@ -391,7 +391,7 @@ class Rollouts:
     def split_of(self, model: str, version: str) -> dict[str, Any] | None:
         """The split a replica of ``model`` at ``version`` takes part in (the fields of its
         :class:`VersionSplit`), or None: it answers the version-less requests the acceptor places
-        on it by their turns (:class:`~rayinfer.serving.router.ConnectionTurn`)."""
+        on it by their turns (:class:`~rayinfer.transport.router.ConnectionTurn`)."""
         split = self.split_for(model)
         return asdict(split) if split is not None and version in (split.stable, split.candidate) else None
 

@@ -19,7 +19,7 @@ from rayinfer.deployments.names import deployment_version, model_app_name, model
 from rayinfer.deployments.serve_internals import pending_resource_shapes, serve_details
 from rayinfer.repository.scanner import RepositoryScan
 from rayinfer.serving.model_control import ModelController
-from rayinfer.serving.router import VersionSplit, choose_version
+from rayinfer.transport.router import VersionSplit, choose_version
 
 logger = logging.getLogger(__name__)
 

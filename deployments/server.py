@@ -20,7 +20,7 @@ from tritonclient.grpc import service_pb2 as pb
 
 from rayinfer.deployments import asgi
 from rayinfer.deployments.control import ModelControl, ServeDeployer
-from rayinfer.serving.front_config import TlsSettings
+from rayinfer.transport.front_config import TlsSettings
 from rayinfer.deployments.grpc_service import RPC_NAMES, GrpcInferenceService, loopback_port, want_loopback_port
 from rayinfer.deployments.metrics_endpoint import MetricsEndpoint
 from rayinfer.deployments.model_forwarder import ModelForwarder

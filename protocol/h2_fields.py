@@ -3,7 +3,7 @@ requires before anything reads or relays them.
 
 A request whose fields break these rules is *malformed* (section 8.1.1): its stream is reset
 with PROTOCOL_ERROR and nothing of it goes further. The checks matter beyond the RFC: a
-replica relays some calls to the front as HTTP/1.1 (:mod:`rayinfer.serving.client_relay`), on
+replica relays some calls to the front as HTTP/1.1 (:mod:`rayinfer.transport.client_relay`), on
 connections that other clients' calls share, so a CR, LF or NUL in a name or value would let
 one client write framing of its own there.
 

@@ -1,7 +1,7 @@
-"""The Ray-free part of serving: one serving core per model version, the model-control logic,
-a model replica's listener for clients' connections, and the front's processes on each node
-(HAProxy's configuration, its supervisor and the acceptor).
+"""The Ray-free serving core: one :class:`~rayinfer.serving.model_core.ModelCore` per model
+version (its batcher, sequencer and executor), the translators from HTTP and gRPC to it, the
+model-control logic, rollouts' analysis, tracing and the response cache.
 
-HTTP, gRPC, the replica listener and Serve's ingress (``rayinfer.deployments``) are thin
-translators over :class:`~rayinfer.serving.model_core.ModelCore`. See docs/architecture.md.
+It knows nothing of clients' connections: those are :mod:`rayinfer.transport`'s. See
+docs/architecture.md.
 """

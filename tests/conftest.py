@@ -134,7 +134,7 @@ def front_folder(server: dict) -> Path:
     ``replicas.map`` (``<model>/<version>`` -> replica count; the default version's key is
     ``<model>/``) and ``listeners.map`` (``<model>/<version>/<n>`` -> ``<host>|<port>``).
     Folders of earlier, stopped fronts are removed when a front starts."""
-    from rayinfer.serving.front_supervisor import serves
+    from rayinfer.transport.front_supervisor import serves
 
     host, _, port = server["grpc_url"].rpartition(":")
     (front,) = [p.parent for p in Path(tempfile.gettempdir()).glob("rayinfer-front-*/haproxy.cfg")

@@ -12,7 +12,7 @@ import tritonclient.grpc as grpcclient
 from tritonclient.grpc import service_pb2 as pb
 
 from rayinfer.deployments.front import Front
-from rayinfer.serving.replica_listener import ReplicaListener
+from rayinfer.transport.replica_listener import ReplicaListener
 from rayinfer.protocol.errors import NotFoundError
 
 UNICODE_ERROR = "Request for unknown model: 'm\u00fc' is not found (100% sure)"

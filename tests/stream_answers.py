@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rayinfer.serving.front_config import EVENTS_RING
+from rayinfer.transport.front_config import EVENTS_RING
 
 
 def stream_answers(received: queue.Queue, count: int, server: dict, timeout_s: float = 60.0) -> list[Any]:

@@ -31,7 +31,7 @@ from rollout_models import ROLLOUT_MODEL, rollout_config, write_rollout_models
 from trace_files import ORDER, trace_files, traces_by_id
 from rayinfer.cluster.example_repository import SIMPLE_CONFIG, add_sub_model, write_model
 from rayinfer.cluster.settings import RAY_ENVIRONMENT
-from rayinfer.serving.front_maps import splits_on_disk
+from rayinfer.transport.front_maps import splits_on_disk
 from second_host import HERE_IP, THERE_IP, SecondHost
 from waiting import wait_until
 

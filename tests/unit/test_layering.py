@@ -12,8 +12,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 # Each layer may import the layers after it, never the ones before it.
-ORDER = ["cluster", "deployments", "serving", "adapters", "repository", "protocol"]
-RAY_FREE = {"serving", "adapters", "repository", "protocol"}
+ORDER = ["cluster", "deployments", "transport", "serving", "adapters", "repository", "protocol"]
+RAY_FREE = {"transport", "serving", "adapters", "repository", "protocol"}
 
 
 def imports_of(path: Path) -> set[str]:

@@ -34,8 +34,8 @@ from front_stand_ins import (
 )
 from rayinfer.deployments import grpc_service
 from rayinfer.deployments.front import Front
-from rayinfer.serving.front_config import EVENTS_RING
-from rayinfer.serving.front_supervisor import stop_fronts
+from rayinfer.transport.front_config import EVENTS_RING
+from rayinfer.transport.front_supervisor import stop_fronts
 from rayinfer.protocol.grpc_wire import grpc_message_header, unframe
 from rayinfer.serving.sequence_routing import SLOTS, slot_of
 from conftest import front_command

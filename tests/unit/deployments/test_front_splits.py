@@ -13,8 +13,8 @@ import tritonclient.grpc as grpcclient
 
 from front_stand_ins import TEST_FRONT_KEY, Replica, free_port, get, http_exchange, post
 from rayinfer.deployments.front import Front
-from rayinfer.serving.front_maps import splits_on_disk
-from rayinfer.serving.router import VersionSplit, pick_version
+from rayinfer.transport.front_maps import splits_on_disk
+from rayinfer.transport.router import VersionSplit, pick_version
 
 
 @pytest.fixture(scope="module")

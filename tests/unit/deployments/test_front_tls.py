@@ -20,9 +20,9 @@ from cryptography.x509.oid import NameOID
 from tritonclient.utils import InferenceServerException
 
 from front_stand_ins import TEST_FRONT_KEY, Replica, free_port, infer, publish
-from rayinfer.serving import front_supervisor
+from rayinfer.transport import front_supervisor
 from rayinfer.deployments.front import Front
-from rayinfer.serving.front_config import TlsSettings
+from rayinfer.transport.front_config import TlsSettings
 
 
 def _certificate(name: str, key, issuer_key=None, issuer=None, ca: bool = False) -> x509.Certificate:

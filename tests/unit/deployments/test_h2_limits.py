@@ -19,7 +19,7 @@ from hyperframe.frame import Frame
 from tritonclient.grpc import service_pb2 as pb
 
 from front_stand_ins import TEST_FRONT_KEY, Replica, free_port, infer, publish
-from rayinfer.serving.replica_routes import ReplicaRoutes
+from rayinfer.transport.replica_routes import ReplicaRoutes
 from rayinfer.deployments.front import Front
 from rayinfer.protocol.grpc_wire import (
     CONTINUATION, DATA, END_HEADERS, END_STREAM, ENHANCE_YOUR_CALM, FLOW_CONTROL_ERROR, FRAME_SIZE_ERROR, GOAWAY, HEADERS, PING,

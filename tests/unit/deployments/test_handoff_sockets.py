@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from rayinfer.serving.acceptor import Acceptor
-from rayinfer.serving.handoff import ReplicaHandoff, give_back, return_name, same_user
-from rayinfer.serving.handoff_messages import GiveBack, HandOff
+from rayinfer.transport.acceptor import Acceptor
+from rayinfer.transport.handoff import ReplicaHandoff, give_back, return_name, same_user
+from rayinfer.transport.handoff_messages import GiveBack, HandOff
 from waiting import wait_until
 
 pytestmark = pytest.mark.skipif(os.getuid() != 0, reason="needs root to start a process as another user")

@@ -12,7 +12,7 @@ from onnx import TensorProto
 
 from rayinfer.adapters.loader import load_runner
 from rayinfer.cluster.example_repository import SIMPLE_CONFIG, SIMPLE_STRING_CONFIG, add_sub_model, write_model
-from rayinfer.serving.replica_listener import ReplicaListener
+from rayinfer.transport.replica_listener import ReplicaListener
 from rayinfer.protocol.errors import Code, ServingError, UnavailableError
 from rayinfer.protocol.listener_client import ListenerClient, front_key_header
 from rayinfer.protocol.types import InferInput, InferRequest, RequestedOutput

@@ -12,7 +12,7 @@ import zlib
 import numpy as np
 import pytest
 
-from rayinfer.serving.replica_listener import ReplicaListener
+from rayinfer.transport.replica_listener import ReplicaListener
 from rayinfer.protocol.compression import decompress_body, inflate
 from rayinfer.protocol.dtypes import element_count
 from rayinfer.protocol.errors import InvalidArgError

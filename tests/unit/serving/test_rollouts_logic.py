@@ -16,7 +16,7 @@ from rayinfer.repository.rollout_config import RolloutSettings, rollout_settings
 from rayinfer.serving.rollout_analysis import VersionFigures, figures_since, judge, shadow_verdict, version_figures
 from rayinfer.protocol.types import InferOutput, InferResponse
 from rayinfer.serving.shadow import ShadowCounts, answers_agree, labels_agree
-from rayinfer.serving.router import (
+from rayinfer.transport.router import (
     MAX_RUN_REQUESTS,
     RUN_REQUESTS,
     ConnectionTurn,

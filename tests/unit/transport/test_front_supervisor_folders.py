@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from front_stand_ins import free_port
-from rayinfer.serving import front_supervisor
+from rayinfer.transport import front_supervisor
 
 needs_root = pytest.mark.skipif(os.getuid() != 0, reason="giving a folder to another user needs root")
 
@@ -45,7 +45,7 @@ def running(command: list[str]) -> Iterator[subprocess.Popen]:
 
 def fake_supervisor(folder: Path) -> list[str]:
     """A process whose command line is the front supervisor's for ``folder`` (it only sleeps)."""
-    return [sys.executable, "-c", "import time; time.sleep(30)", "-m", "rayinfer.serving.front_supervisor",
+    return [sys.executable, "-c", "import time; time.sleep(30)", "-m", "rayinfer.transport.front_supervisor",
             str(folder), "haproxy"]
 
 

@@ -1,4 +1,4 @@
-"""gRPC calls a replica relays to the front as HTTP/1.1 (serving/client_relay.py: relay_grpc):
+"""gRPC calls a replica relays to the front as HTTP/1.1 (transport/client_relay.py: relay_grpc):
 one after another on one kept connection; a kept connection that closes before it answers is
 replaced (the call is sent again on a new one); one that closes mid-answer fails the call with
 UNAVAILABLE, never sent twice. An asyncio Unix-socket server stands in for HAProxy's relay socket,
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httptools
 
-from rayinfer.serving import client_relay
+from rayinfer.transport import client_relay
 
 _ANSWER = (b"HTTP/1.1 200 OK\r\ncontent-type: application/grpc\r\ntransfer-encoding: chunked\r\n\r\n"
            b"5\r\nhello\r\n0\r\ngrpc-status: 0\r\n\r\n")

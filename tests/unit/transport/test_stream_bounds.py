@@ -25,9 +25,9 @@ from rayinfer.protocol.limits import DEFAULT_CONNECTION_LIMITS, ConnectionLimits
 from rayinfer.protocol.types import InferOutput, InferResponse
 from rayinfer.serving import model_http
 from rayinfer.serving.executor import ResponseSender
-from rayinfer.serving.listener_responses import StreamedResponse
+from rayinfer.transport.listener_responses import StreamedResponse
 from rayinfer.serving.model_core import ModelCore
-from rayinfer.serving.replica_listener import ReplicaListener
+from rayinfer.transport.replica_listener import ReplicaListener
 from rayinfer.serving.routes import parse_model_route
 from rayinfer.serving.stream_infer import answer_stream
 from front_stand_ins import publish

@@ -26,8 +26,8 @@ import httptools
 
 from rayinfer.protocol.front_key import FRONT_KEY_HEADER
 from rayinfer.protocol.listener_client import STREAM_HEADER, TRACE_PARENT_HEADER
-from rayinfer.serving import handoff
-from rayinfer.serving.handoff_messages import Splice
+from rayinfer.transport import handoff
+from rayinfer.transport.handoff_messages import Splice
 from rayinfer.serving.sequence_routing import FORWARDED_HEADER
 
 # Headers of a client's request not copied when it is relayed (names compared in lower case):

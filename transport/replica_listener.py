@@ -38,16 +38,16 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any
 
-from rayinfer.serving import handoff
-from rayinfer.serving.listener_connection import SERVICE_PATH, ListenerConnection
-from rayinfer.serving.listener_responses import StreamedResponse, grpc_error, grpc_response, http_response
-from rayinfer.serving.h2_stream import StreamHandler
-from rayinfer.serving.front_paths import GRPC_RELAY_SOCKET
-from rayinfer.serving.handoff import ReplicaHandoff
-from rayinfer.serving.handoff_messages import GiveBack, HandOff
-from rayinfer.serving.replica_h2 import H2Connection
-from rayinfer.serving.client_connection import ClientConnection
-from rayinfer.serving.replica_routes import ConnectionRoute, ReplicaRoutes
+from rayinfer.transport import handoff
+from rayinfer.transport.listener_connection import SERVICE_PATH, ListenerConnection
+from rayinfer.transport.listener_responses import StreamedResponse, grpc_error, grpc_response, http_response
+from rayinfer.transport.h2_stream import StreamHandler
+from rayinfer.transport.front_paths import GRPC_RELAY_SOCKET
+from rayinfer.transport.handoff import ReplicaHandoff
+from rayinfer.transport.handoff_messages import GiveBack, HandOff
+from rayinfer.transport.replica_h2 import H2Connection
+from rayinfer.transport.client_connection import ClientConnection
+from rayinfer.transport.replica_routes import ConnectionRoute, ReplicaRoutes
 from rayinfer.protocol.errors import NotFoundError, UnavailableError, UnsupportedError
 from rayinfer.protocol.front_key import front_key_matches
 from rayinfer.protocol.grpc_wire import SERVICE, unframe_off_loop

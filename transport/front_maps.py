@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import astuple, dataclass
 from pathlib import Path
 
-from rayinfer.serving.front_paths import FrontPaths
-from rayinfer.serving.router import VersionSplit
+from rayinfer.transport.front_paths import FrontPaths
+from rayinfer.transport.router import VersionSplit
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,5 +1,5 @@
 """The messages that travel with client connections between a front's acceptor and the model
-replicas of its machine (over the abstract Unix sockets of :mod:`rayinfer.serving.handoff`),
+replicas of its machine (over the abstract Unix sockets of :mod:`rayinfer.transport.handoff`),
 each a dataclass encoded and decoded here only.
 
 - :class:`HandOff`, acceptor to replica, with one client connection.
@@ -21,7 +21,7 @@ class HandOff:
     """A connection for a replica: ``relay``, HAProxy's socket the replica relays the requests
     that are not its own to; ``route_key``, the route (``<model>/<version>``) it was placed for;
     ``run_left``, the version-less requests of its run at a rollout's split it answers there (0:
-    none: :mod:`rayinfer.serving.router`)."""
+    none: :mod:`rayinfer.transport.router`)."""
 
     relay: str
     route_key: str

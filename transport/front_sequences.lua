@@ -175,7 +175,7 @@ core.register_fetches("rayinfer_http_sequence", function(txn)
 end)
 
 -- The value of the header a model in a rollout picks its version by (its name, lowercase, in
--- txn.split_header: serving/router.py), whole and as last given; "" when it is absent.
+-- txn.split_header: transport/router.py), whole and as last given; "" when it is absent.
 core.register_fetches("rayinfer_split_key", function(txn)
     local name = txn:get_var("txn.split_header")
     if not name or name == "" then

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rayinfer.serving.handoff_messages import GiveBack, HandOff, Splice, decode_returned
+from rayinfer.transport.handoff_messages import GiveBack, HandOff, Splice, decode_returned
 
 
 @pytest.mark.parametrize("message", [

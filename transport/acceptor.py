@@ -46,12 +46,12 @@ from pathlib import Path
 
 from rayinfer.protocol.grpc_wire import INCOMPLETE, PREFACE, settings
 from rayinfer.protocol.limits import MAX_REQUEST_HEAD_BYTES
-from rayinfer.serving.front_maps import RouteMaps
-from rayinfer.serving.front_paths import FrontPaths
-from rayinfer.serving.handoff import handoff_name, return_name, same_user
-from rayinfer.serving.handoff_messages import HandOff, Splice, decode_returned
-from rayinfer.serving.request_heads import bad_request_head, grpc_route_key, head_fields, protocol_of, refuse, route_key
-from rayinfer.serving.router import ConnectionPlacement
+from rayinfer.transport.front_maps import RouteMaps
+from rayinfer.transport.front_paths import FrontPaths
+from rayinfer.transport.handoff import handoff_name, return_name, same_user
+from rayinfer.transport.handoff_messages import HandOff, Splice, decode_returned
+from rayinfer.transport.request_heads import bad_request_head, grpc_route_key, head_fields, protocol_of, refuse, route_key
+from rayinfer.transport.router import ConnectionPlacement
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """The handoff of client connections between the front's acceptor and model replicas.
 
-The acceptor (:mod:`rayinfer.serving.acceptor`) passes a client's connection to the replica
+The acceptor (:mod:`rayinfer.transport.acceptor`) passes a client's connection to the replica
 whose listener will read it (``SCM_RIGHTS`` over an abstract Unix socket named after the
 listener: :func:`handoff_name`, :class:`ReplicaHandoff`); a replica gives connections back to the
 acceptor between two requests and when it stops (:func:`give_back` to :func:`return_name`).
@@ -21,12 +21,12 @@ import socket
 import struct
 from collections.abc import Callable
 
-from rayinfer.serving.handoff_messages import GiveBack, HandOff, Splice
+from rayinfer.transport.handoff_messages import GiveBack, HandOff, Splice
 
 logger = logging.getLogger(__name__)
 
 # HAProxy's HTTP and gRPC frontends listen on Unix sockets in the front's folder
-# (:class:`rayinfer.serving.front_paths.FrontPaths`): the connections the acceptor passes HAProxy
+# (:class:`rayinfer.transport.front_paths.FrontPaths`): the connections the acceptor passes HAProxy
 # arrive on the first (HAProxy's socket pair is relayed to it), the requests replicas relay on the
 # others. A replica has read and checked the head of each request it relays (as the acceptor
 # checks a connection's first), so HAProxy does not count the two headers a relay adds against the

@@ -3,7 +3,7 @@ holds, answered by that replica.
 
 The stream's requests are read from its DATA frames (gRPC's length-prefixed messages, each at
 most gRPC's maximum message size) and handed to the replica's stream handler
-(:attr:`~rayinfer.serving.replica_listener.ReplicaListener.stream_grpc`: its own model's
+(:attr:`~rayinfer.transport.replica_listener.ReplicaListener.stream_grpc`: its own model's
 requests answered in the replica, another model's sent to a replica of that model by deployment
 handle, :mod:`stream_infer`). The client's flow-control window is given back as the handler takes
 each request (and as a request arrives while the handler waits for it, so that a message larger
@@ -13,7 +13,7 @@ written as the client's windows allow, and the handler waits while more than a w
 waits to be sent. A client that resets the stream or goes away cancels its requests.
 
 :class:`ServedStream` reads a stream's requests and runs the handler; the connection
-(:class:`StreamConnection`: :class:`~rayinfer.serving.replica_h2.H2Connection`) writes its answers
+(:class:`StreamConnection`: :class:`~rayinfer.transport.replica_h2.H2Connection`) writes its answers
 as the windows allow.
 """
 
@@ -38,7 +38,7 @@ StreamHandler = Callable[[AsyncIterator[Any], Fields], AsyncGenerator[bytes, Non
 
 
 class StreamConnection(Protocol):
-    """What a served stream asks of the connection it is on (:class:`~rayinfer.serving.replica_h2.H2Connection`).
+    """What a served stream asks of the connection it is on (:class:`~rayinfer.transport.replica_h2.H2Connection`).
     A ``call`` is the connection's call of the stream."""
 
     @property

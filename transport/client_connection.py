@@ -4,14 +4,14 @@ it holds: HTTP/1.1 (:mod:`listener_connection`) and a client's HTTP/2 (:mod:`rep
 - :class:`ClientConnection`: what the listener asks of every connection as it stops or
   rebalances (whether it is a client's from the acceptor, whether it is between two requests,
   give it back, close it). A connection joins the listener's set with
-  :meth:`~rayinfer.serving.replica_listener.ReplicaListener.admit` and leaves it with
-  :meth:`~rayinfer.serving.replica_listener.ReplicaListener.release`.
+  :meth:`~rayinfer.transport.replica_listener.ReplicaListener.admit` and leaves it with
+  :meth:`~rayinfer.transport.replica_listener.ReplicaListener.release`.
 - :class:`WriteFlow`: the flow control of a connection's answers, as asyncio's transport signals
   it (``pause_writing`` past the write buffer's high-water mark, ``resume_writing`` below its low
   one), with the send timeout's deadline (``--client-send-timeout``), for both protocols.
 
 Where a connection's requests go (this replica, or relayed to the front) is not the connection's
-to decide: it asks its :class:`~rayinfer.serving.replica_routes.ConnectionRoute`.
+to decide: it asks its :class:`~rayinfer.transport.replica_routes.ConnectionRoute`.
 """
 
 from __future__ import annotations

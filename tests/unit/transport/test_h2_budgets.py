@@ -9,7 +9,7 @@ import pytest
 
 from rayinfer.protocol.grpc_wire import ENHANCE_YOUR_CALM, H2ProtocolError
 from rayinfer.protocol.limits import DEFAULT_CONNECTION_LIMITS
-from rayinfer.serving.h2_budgets import FrameBudgets
+from rayinfer.transport.h2_budgets import FrameBudgets
 
 LIMITS = replace(DEFAULT_CONNECTION_LIMITS, max_control_frames=100)
 

@@ -1,6 +1,6 @@
 """Keeps the front's HAProxy running for as long as a ``/v2`` replica owns it, and a while after.
 
-Run as ``python -m rayinfer.serving.front_supervisor <folder> <haproxy binary>`` (in a session
+Run as ``python -m rayinfer.transport.front_supervisor <folder> <haproxy binary>`` (in a session
 of its own). It starts HAProxy on ``<folder>/haproxy.cfg`` as its child, which dies with
 it. The ``/v2`` replica that owns the front writes its PID to ``<folder>/owner``. If that
 process dies (a crash, Ray's memory monitor), the supervisor and HAProxy stay up, so that inference
@@ -36,14 +36,14 @@ import time
 from pathlib import Path
 
 from rayinfer.protocol.private_folders import ownership_problem
-from rayinfer.serving.acceptor import HANDOFF_FD_VARIABLES, Acceptor, AcceptorLimits, listening_socket
-from rayinfer.serving.front_paths import FrontPaths
+from rayinfer.transport.acceptor import HANDOFF_FD_VARIABLES, Acceptor, AcceptorLimits, listening_socket
+from rayinfer.transport.front_paths import FrontPaths
 
 logger = logging.getLogger(__name__)
 
 DIR_PREFIX = "rayinfer-front-"
 # How the front runs this module (its name is __main__ in the supervisor itself).
-MODULE = "rayinfer.serving.front_supervisor"
+MODULE = "rayinfer.transport.front_supervisor"
 ORPHAN_GRACE_S = float(os.environ.get("RAYINFER_FRONT_ORPHAN_GRACE_S", "60"))
 _PR_SET_PDEATHSIG = 1
 

@@ -45,11 +45,11 @@ from typing import Any
 
 import httptools
 
-from rayinfer.serving import handoff
-from rayinfer.serving.handoff_messages import GiveBack
-from rayinfer.serving.client_connection import WriteFlow
-from rayinfer.serving.client_relay import RelayedRequest
-from rayinfer.serving.listener_responses import StreamedResponse, grpc_error, http_response
+from rayinfer.transport import handoff
+from rayinfer.transport.handoff_messages import GiveBack
+from rayinfer.transport.client_connection import WriteFlow
+from rayinfer.transport.client_relay import RelayedRequest
+from rayinfer.transport.listener_responses import StreamedResponse, grpc_error, http_response
 from rayinfer.protocol.errors import UnavailableError
 from rayinfer.protocol.front_key import FRONT_KEY_HEADER, forbidden_body
 from rayinfer.protocol.http_codec import error_response
@@ -70,7 +70,7 @@ from rayinfer.protocol.listener_client import STREAM_HEADER, TRACE_PARENT_HEADER
 from rayinfer.serving.protocol_stamps import PROTOCOL_STAMPS, TRACEPARENT, ProtocolStamps
 from rayinfer.serving.routes import REQUEST_HEADERS
 from rayinfer.serving.sequence_routing import FORWARDED_HEADER
-from rayinfer.serving.replica_routes import ConnectionRoute
+from rayinfer.transport.replica_routes import ConnectionRoute
 
 # The replica's ReplicaListener (replica_listener imports this module, so its type is not named here).
 ReplicaListener = Any

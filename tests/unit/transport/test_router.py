@@ -1,4 +1,4 @@
-"""The router's guarantees (rayinfer.serving.router's docstring), each as a property."""
+"""The router's guarantees (rayinfer.transport.router's docstring), each as a property."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rayinfer.serving.router import (
+from rayinfer.transport.router import (
     ConnectionPlacement,
     ModelRoute,
     Replica,

@@ -18,7 +18,7 @@ import pytest
 from front_stand_ins import TEST_FRONT_KEY, Replica, free_port, http_exchange, publish
 from rayinfer.deployments.front import Front
 from rayinfer.protocol.limits import DEFAULT_CONNECTION_LIMITS
-from rayinfer.serving import front_config
+from rayinfer.transport import front_config
 from test_acceptor import _serves_model, acceptor  # noqa: F401  (acceptor: the front's acceptor, a fixture)
 from waiting import wait_until
 

@@ -12,9 +12,9 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from rayinfer.serving.acceptor import HANDOFF_FD_VARIABLES
-from rayinfer.serving.front_maps import MapPaths
-from rayinfer.serving.front_paths import FrontPaths
+from rayinfer.transport.acceptor import HANDOFF_FD_VARIABLES
+from rayinfer.transport.front_maps import MapPaths
+from rayinfer.transport.front_paths import FrontPaths
 from rayinfer.protocol.front_key import FRONT_KEY_HEADER, is_front_key
 from rayinfer.protocol.grpc_wire import ROUTED_RPCS, SERVICE
 from rayinfer.protocol.limits import (
@@ -46,7 +46,7 @@ from rayinfer.serving.sequence_routing import FORWARDED_HEADER
 
 # HAProxy's Lua fetches reading a sequence request's correlation id (copied to the front's folder).
 LUA = Path(__file__).with_name("front_sequences.lua")
-# The maps of the rollouts' splits (serving/router.py), each "<model> <value>".
+# The maps of the rollouts' splits (transport/router.py), each "<model> <value>".
 # (address, port) a front port binds to, and (host, port) of Serve's ingress behind it.
 Endpoint = tuple[str, int, str, int]
 
@@ -189,7 +189,7 @@ _USE_REPLICA = "    use_backend replica if { var(txn.listener) -m found }\n"
 # "split_versions": -> the candidate's version, "split_headers": -> the header whose value picks
 # the version): a {what} naming no version goes to the candidate when its bucket (CRC-32 of that
 # header's value, or chance, modulo 100) is below the weight, else on to "<model>/", the stable
-# version (serving/router.py picks alike for the Python paths).
+# version (transport/router.py picks alike for the Python paths).
 _SPLIT = """\
     http-request set-var(txn.weight) var(txn.model),map_str_int({splits},0) if {condition}
     http-request set-var(txn.split_header) var(txn.model),map({split_headers}) if {{ var(txn.weight) -m int gt 0 }}

@@ -13,8 +13,8 @@ from pathlib import Path
 from front_stand_ins import TEST_FRONT_KEY, Replica, free_port
 from rayinfer.deployments.front import Front
 from rayinfer.protocol.limits import DEFAULT_CONNECTION_LIMITS
-from rayinfer.serving import front_config
-from rayinfer.serving.acceptor import Acceptor, AcceptorLimits, listening_socket
+from rayinfer.transport import front_config
+from rayinfer.transport.acceptor import Acceptor, AcceptorLimits, listening_socket
 
 _HEALTH = b"GET /v2/health/ready HTTP/1.1\r\nhost: x\r\n\r\n"
 

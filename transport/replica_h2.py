@@ -44,10 +44,10 @@ from typing import Any
 import hpack
 from hyperframe.exceptions import HyperframeError, InvalidFrameError
 
-from rayinfer.serving.client_connection import WriteFlow
-from rayinfer.serving.client_relay import relay_grpc
-from rayinfer.serving.h2_budgets import FrameBudgets
-from rayinfer.serving.h2_stream import ServedStream
+from rayinfer.transport.client_connection import WriteFlow
+from rayinfer.transport.client_relay import relay_grpc
+from rayinfer.transport.h2_budgets import FrameBudgets
+from rayinfer.transport.h2_stream import ServedStream
 from rayinfer.protocol.errors import UnavailableError
 from rayinfer.protocol.h2_fields import MalformedFields, check_request, check_trailers
 from rayinfer.protocol.grpc_wire import (
@@ -63,7 +63,7 @@ from rayinfer.protocol.grpc_wire import (
 )
 from rayinfer.protocol.limits import ConnectionLimits, inflight_limit_message, message_too_large
 from rayinfer.serving.protocol_stamps import PROTOCOL_STAMPS, ProtocolStamps
-from rayinfer.serving.replica_routes import ConnectionRoute, GrpcPlace
+from rayinfer.transport.replica_routes import ConnectionRoute, GrpcPlace
 
 logger = logging.getLogger(__name__)
 
@@ -109,7 +109,7 @@ class H2Connection(asyncio.Protocol):
     gets more window: the others hold at most their stream window each."""
 
     def __init__(self, listener: Any, relay: str, route: ConnectionRoute) -> None:
-        """``listener``: the replica's :class:`~rayinfer.serving.replica_listener.ReplicaListener`."""
+        """``listener``: the replica's :class:`~rayinfer.transport.replica_listener.ReplicaListener`."""
         self._listener = listener
         self._route = route
         self._limits: ConnectionLimits = listener.limits
@@ -698,7 +698,7 @@ class H2Connection(asyncio.Protocol):
         """``frames`` DATA frames went out (their WINDOW_UPDATEs are free: :class:`FrameBudgets`)."""
         self._budgets.data_sent(frames)
 
-    # streams (:class:`~rayinfer.serving.h2_stream.StreamConnection`)
+    # streams (:class:`~rayinfer.transport.h2_stream.StreamConnection`)
 
     def _start_stream(self, stream: int, headers: list[tuple[bytes, bytes]], ended: bool) -> None:
         """A stream: answered here while the replica has fewer than --max-inflight-requests

@@ -2,7 +2,7 @@
 
 A node's front keeps its files in one private folder: HAProxy's configuration, its admin socket
 and log, the PID files its supervisor checks, the Unix sockets by which HAProxy relays what the
-acceptor and the replicas give back, and the route maps (:mod:`rayinfer.serving.front_maps`).
+acceptor and the replicas give back, and the route maps (:mod:`rayinfer.transport.front_maps`).
 """
 
 from __future__ import annotations

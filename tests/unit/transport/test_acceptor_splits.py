@@ -18,10 +18,10 @@ import tritonclient.grpc as grpcclient
 
 from front_stand_ins import TEST_FRONT_KEY, Replica, free_port
 from rayinfer.deployments.front import Front
-from rayinfer.serving import client_relay
-from rayinfer.serving.front_paths import FrontPaths
-from rayinfer.serving.replica_routes import ReplicaRoutes
-from rayinfer.serving.router import RUN_REQUESTS, VersionSplit, minority_run, pick_version
+from rayinfer.transport import client_relay
+from rayinfer.transport.front_paths import FrontPaths
+from rayinfer.transport.replica_routes import ReplicaRoutes
+from rayinfer.transport.router import RUN_REQUESTS, VersionSplit, minority_run, pick_version
 from test_acceptor import _Client, _direct_connections, acceptor  # noqa: F401  (acceptor: a fixture)
 
 _NAMES = {"1": "one", "2": "two"}
@@ -123,7 +123,7 @@ def test_a_client_beside_another_gets_both_versions_by_weight(loop, acceptor):
 def test_a_run_goes_on_where_a_rebalanced_connection_is_placed_again(loop, acceptor, monkeypatch):
     """A connection given back in the middle of its run (here after every request, as when it is
     rebalanced or its replica stops) carries the rest of its run to the acceptor and back."""
-    from rayinfer.serving import listener_connection
+    from rayinfer.transport import listener_connection
 
     monkeypatch.setattr(listener_connection, "_REBALANCE_S", 0.0)
     front, port = acceptor

@@ -20,11 +20,11 @@ from tritonclient.grpc import service_pb2 as pb
 from tritonclient.utils import InferenceServerException
 
 from front_stand_ins import TEST_FRONT_KEY, UNICODE_ERROR, Replica, free_port, infer, publish
-from rayinfer.serving.replica_routes import ReplicaRoutes
-from rayinfer.serving import replica_h2
+from rayinfer.transport.replica_routes import ReplicaRoutes
+from rayinfer.transport import replica_h2
 from rayinfer.deployments.front import Front
-from rayinfer.serving.request_heads import grpc_route_key
-from rayinfer.serving.replica_h2 import H2Connection
+from rayinfer.transport.request_heads import grpc_route_key
+from rayinfer.transport.replica_h2 import H2Connection
 from rayinfer.protocol.grpc_wire import DATA, END_HEADERS, END_STREAM, HEADERS, INCOMPLETE, PREFACE, frame, goaway, settings
 from waiting import wait_until
 

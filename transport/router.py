@@ -6,10 +6,10 @@ rollout's sticky header), its sequence id and the node it arrives on, and the cu
 node, their load and the model versions they hold), :meth:`RouteTable.pick` names the version
 and the replica. Every path asks it: BLS calls and ensemble steps, streams, the ``/v2``
 application's forwarded calls, the front's acceptor (:class:`ConnectionPlacement`) and the
-replicas holding clients' connections (:mod:`rayinfer.serving.replica_routes`); the front's
+replicas holding clients' connections (:mod:`rayinfer.transport.replica_routes`); the front's
 HAProxy applies the same version rule, rendered into its configuration from the split's
-:meth:`VersionSplit.front_entry` (:mod:`rayinfer.serving.front_config`). Its guarantees
-(tests/unit/serving/test_router.py checks each as a property):
+:meth:`VersionSplit.front_entry` (:mod:`rayinfer.transport.front_config`). Its guarantees
+(tests/unit/transport/test_router.py checks each as a property):
 
 - **Named version**: a request naming a version goes to it (no split applies).
 - **Shares**: a version-less request to a model in a rollout goes to the candidate with
@@ -30,7 +30,7 @@ HAProxy applies the same version rule, rendered into its configuration from the 
   replicas, not another path.
 
 **Connections at a split.** A client's HTTP/1.1 connection that the front's acceptor hands to a
-model replica (:mod:`rayinfer.serving.acceptor`) is not proxied request by request: the acceptor
+model replica (:mod:`rayinfer.transport.acceptor`) is not proxied request by request: the acceptor
 places it on one version (:class:`ConnectionPlacement`), and the replica answers a *run* of its
 version-less requests there (:class:`ConnectionTurn`, :func:`run_length`), then gives it back to
 the acceptor, which places it again for the next run. The minority version's runs are

@@ -1,11 +1,11 @@
 """Which requests on the clients' connections a model replica holds are its own.
 
 The front's acceptor hands a client's connection to a replica of the model version its first
-request names (:mod:`rayinfer.serving.acceptor`); the replica answers the requests on it that the
+request names (:mod:`rayinfer.transport.acceptor`); the replica answers the requests on it that the
 front would have routed to it and relays the others to the front (:mod:`listener_connection`,
 :mod:`replica_h2`). A version-less request is the default version's, on a connection given for
 it ("<model>/"), unless a rollout splits the model's version-less requests between two versions
-(:mod:`rayinfer.serving.router`): then an HTTP/1.1 connection's are this version's by the
+(:mod:`rayinfer.transport.router`): then an HTTP/1.1 connection's are this version's by the
 connection's turn, and so are a gRPC connection's (its sticky calls by their value, the other
 version's relayed naming it).
 
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rayinfer.serving.routes import POST_ACTIONS, front_routed
-from rayinfer.serving.router import ConnectionTurn, VersionSplit, sticky_value
+from rayinfer.transport.router import ConnectionTurn, VersionSplit, sticky_value
 
 Headers = list[tuple[bytes, bytes]]
 

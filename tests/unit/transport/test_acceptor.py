@@ -11,10 +11,10 @@ import socket
 import pytest
 
 from front_stand_ins import TEST_FRONT_KEY, Replica, free_port, publish
-from rayinfer.serving.replica_routes import ReplicaRoutes
+from rayinfer.transport.replica_routes import ReplicaRoutes
 from rayinfer.deployments.front import Front
-from rayinfer.serving.acceptor import listening_socket
-from rayinfer.serving.request_heads import route_key
+from rayinfer.transport.acceptor import listening_socket
+from rayinfer.transport.request_heads import route_key
 from waiting import wait_until
 
 
@@ -233,7 +233,7 @@ def test_a_replica_that_is_gone_gets_no_connections(loop, acceptor):
 def test_connections_are_rebalanced_over_the_replicas(loop, acceptor, monkeypatch):
     """A replica gives its connection back to the acceptor between two requests once it is due to be
     rebalanced: one keep-alive client reaches both replicas (one started later, as after a scale-up)."""
-    from rayinfer.serving import listener_connection
+    from rayinfer.transport import listener_connection
 
     monkeypatch.setattr(listener_connection, "_REBALANCE_S", 0.0)
     front, port = acceptor
@@ -253,7 +253,7 @@ def test_connections_are_rebalanced_over_the_replicas(loop, acceptor, monkeypatc
 
 
 def test_a_relay_the_front_does_not_answer_is_a_502(loop, tmp_path):
-    from rayinfer.serving.client_relay import RelayedRequest
+    from rayinfer.transport.client_relay import RelayedRequest
 
     class Sink:  # what the relay writes to the client's connection
         written = b""
