@@ -2,7 +2,7 @@
 """Memory against the number of small models: the whole server's PSS with 1, 10, 25 ... models,
 rayinfer beside the Triton anchor on the same repository, and what each model adds.
 
-    .venv/bin/python benchmarks/model_memory.py [--counts 1,10,25] [--kinds onnx,python] [--no-triton]
+    .venv/bin/python benchmarks/model_memory.py [--counts 1,10,25] [--kinds onnx,onnx-pool,python] [--no-triton]
 
 Each point is a fresh server on a repository of ``count`` copies of one small model under their
 own names, every one loaded at start (Triton's and rayinfer's default, model control none):
@@ -10,6 +10,8 @@ own names, every one loaded at start (Triton's and rayinfer's default, model con
 - ``onnx``: the example repository's ``simple`` (an ONNX add/sub of two 16-element INT32
   vectors). rayinfer only: the Triton anchor has the Python backend alone.
 - ``python``: the anchor's ``identity_fp32`` (``model.py`` unmodified), for both servers.
+- ``onnx-pool``: the ``onnx`` repository served with ``--model-hosting pool``: every model in the
+  model pool's one replica instead of a replica each.
 
 Memory is the PSS of every process the server started (for rayinfer: Ray's GCS, raylet and
 agents, Serve's controller and proxy, the ``/v2`` replica, the front, every model replica; for
@@ -53,8 +55,8 @@ def write_repository(root: Path, kind: str, count: int) -> Path:
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
     for i in range(count):
-        name = f"{kind}_{i:03d}"
-        if kind == "onnx":
+        name = f"{kind.replace('-', '_')}_{i:03d}"
+        if kind.startswith("onnx"):
             write_model(root, name, SIMPLE_CONFIG.replace('name: "simple"', f'name: "{name}"'),
                         add_sub_model(TensorProto.INT32))
         else:
@@ -94,9 +96,10 @@ def measure(start: Callable[[], subprocess.Popen], stop: Callable[[subprocess.Po
         stop(proc)
 
 
-def measure_rayinfer(repo: Path, work: Path) -> tuple[float, int, float]:
-    """rayinfer serving ``repo`` (:func:`measure`)."""
-    flags = ("--replica-num-cpus", "0.01", "--startup-timeout-s", str(READY_TIMEOUT_S))
+def measure_rayinfer(repo: Path, work: Path, pooled: bool = False) -> tuple[float, int, float]:
+    """rayinfer serving ``repo`` (:func:`measure`), its models in the pool when ``pooled``."""
+    flags = ("--replica-num-cpus", "0.01", "--startup-timeout-s", str(READY_TIMEOUT_S),
+             *(("--model-hosting", "pool") if pooled else ()))
     return measure(lambda: start_rayinfer(repo, RAYINFER_PORT, work / "rayinfer.log", flags), stop_server,
                    RAYINFER_PORT, ("ray", "haproxy"))
 
@@ -127,7 +130,7 @@ def render(results: dict[tuple[str, str], dict[int, tuple[float, int, float]]], 
     ]
     for kind in args.kinds:
         ours, theirs = results.get(("rayinfer", kind), {}), results.get(("triton", kind), {})
-        for count in args.counts:
+        for count in counts_of(args, kind):
             row = [f"`{kind}`", str(count)]
             for points in (ours, theirs):
                 if count in points:
@@ -136,19 +139,27 @@ def render(results: dict[tuple[str, str], dict[int, tuple[float, int, float]]], 
                 else:
                     row += ["-"] * 4
             lines.append("| " + " | ".join(row) + " |")
+    pool_counts = f" --pool-counts {','.join(map(str, args.pool_counts))}" if args.pool_counts != args.counts else ""
     lines += ["", f"Reproduce: `.venv/bin/python benchmarks/model_memory.py --counts "
-                  f"{','.join(map(str, args.counts))} --kinds {','.join(args.kinds)}`", MARKS[1]]
+                  f"{','.join(map(str, args.counts))}{pool_counts} --kinds {','.join(args.kinds)}`", MARKS[1]]
     return "\n".join(lines)
+
+
+def counts_of(args: argparse.Namespace, kind: str) -> list[int]:
+    """The model counts measured for ``kind`` (the pooled kind's own, given --pool-counts)."""
+    return args.pool_counts if kind.endswith("-pool") else args.counts
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--counts", default="1,10,25", help="model counts, comma-separated")
-    parser.add_argument("--kinds", default="onnx,python", help="onnx and/or python")
+    parser.add_argument("--pool-counts", default="", help="model counts for onnx-pool (default: --counts)")
+    parser.add_argument("--kinds", default="onnx,onnx-pool,python", help="onnx, onnx-pool and/or python")
     parser.add_argument("--no-triton", action="store_true", help="measure rayinfer only")
     parser.add_argument("--output", type=Path, default=ROOT / "docs" / "benchmarks.md")
     args = parser.parse_args()
     args.counts = sorted(int(c) for c in args.counts.split(","))
+    args.pool_counts = sorted(int(c) for c in args.pool_counts.split(",")) if args.pool_counts else args.counts
     args.kinds = [k for k in args.kinds.split(",") if k]
     args.cores = len(__import__("os").sched_getaffinity(0))
     if not args.no_triton:
@@ -159,9 +170,10 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="model-memory-") as tmp:
         work = Path(tmp)
         for kind in args.kinds:
-            for count in args.counts:
+            for count in counts_of(args, kind):
                 repo = write_repository(work / "repository", kind, count)
-                results.setdefault(("rayinfer", kind), {})[count] = point = measure_rayinfer(repo, work)
+                results.setdefault(("rayinfer", kind), {})[count] = point = measure_rayinfer(repo, work,
+                                                                                      kind.endswith("-pool"))
                 print(f"rayinfer {kind} x{count}: {point[0]:,.0f} MiB PSS, {point[1]} processes, ready in "
                       f"{point[2]:.0f} s", flush=True)
                 if kind == "python" and not args.no_triton:

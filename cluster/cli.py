@@ -143,6 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("--front-on-every-node", type=_bool, nargs="?", const=True)
         sub.add_argument("--gpu-wait-secs", type=float)
         sub.add_argument("--resource-wait-secs", type=float)
+        sub.add_argument("--model-hosting", choices=["dedicated", "pool"])
+        sub.add_argument("--pool-replicas", type=int)
         sub.add_argument("--ray-metrics-port", type=int)
         sub.add_argument("--dashboard-port", type=int)
         sub.add_argument("--dashboard-address")
@@ -254,7 +256,10 @@ def serve_config_text(settings: ServerSettings, *, relative_paths: bool = False)
     from rayinfer.cluster.serve_config import render_serve_config
     from rayinfer.deployments.launcher import validate_serve_config
 
-    doc = render_serve_config(settings, relative_paths=relative_paths)
+    try:
+        doc = render_serve_config(settings, relative_paths=relative_paths)
+    except ValueError as exc:  # what a Serve config cannot express
+        raise SystemExit(f"error: {exc}") from None
     validate_serve_config(doc)
     return yaml.safe_dump(doc, sort_keys=False)
 
@@ -306,6 +311,8 @@ def serve(settings: ServerSettings) -> int:
             gpu_fallback=settings.gpu_fallback == "cpu",
             gpu_wait_s=settings.gpu_wait_secs,
             resource_wait_s=settings.resource_wait_secs,
+            model_hosting=settings.model_hosting,
+            pool_replicas=settings.pool_replicas,
             gpu_fraction=settings.gpu_fraction_per_model,
             replica_ray_metrics=settings.replica_ray_metrics,
             cache_size_bytes=response_cache_bytes(settings),

@@ -57,6 +57,9 @@ def render_serve_config(
     The model repository is written as an absolute path, or with ``relative_paths`` relative to
     the current directory (replicas then resolve it from their own working directory).
     """
+    if settings.model_hosting != "dedicated":
+        raise ValueError("--model-hosting pool is for rayinfer serve: a Serve config lists one application per model "
+                         "version (its models are served dedicated)")
     repository = repository_source(settings)
     if relative_paths and not is_remote(repository):
         repository = os.path.relpath(repository).replace(os.sep, "/")

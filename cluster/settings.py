@@ -376,6 +376,19 @@ class ServerSettings(BaseSettings):
         "its replicas waiting, before it is UNAVAILABLE with the missing resource and what to change as its "
         "reason. The wait is logged, and shown in the repository index, as soon as it is seen.",
     )
+    model_hosting: Literal["dedicated", "pool"] = Field(
+        "dedicated",
+        description="Where a model without a 'hosting' parameter in its config runs: 'dedicated', replicas of its "
+        "own (a process each); or 'pool', in the model pool's replicas, which hold many models in one process "
+        "each. Only a model that needs nothing of its own is pooled (one CPU instance, no sequence batching, "
+        "not decoupled, not an ensemble or a Python model, no pip environment or autoscaling); the others "
+        "stay dedicated. A model's 'hosting' parameter ('dedicated' or 'pool') overrides this.",
+    )
+    pool_replicas: int = Field(
+        1, ge=1,
+        description="How many replicas the model pool has (--model-hosting pool, or models whose 'hosting' "
+        "parameter is 'pool'); each holds every pooled model and reserves --replica-num-cpus.",
+    )
     dashboard_port: int | None = Field(
         None,
         description="Start the embedded Ray's dashboard on this port (Ray's default is 8265), bound to "

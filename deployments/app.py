@@ -216,4 +216,6 @@ def _control_from_args(args: dict[str, Any]) -> ModelControl:
         grpc_restricted=tuple(str(v) for v in args.get("grpc_restricted_protocol") or ()),
         gpu_fraction=gpu_fraction_arg(args),
         replica_ray_metrics=parse_bool(args.get("replica_ray_metrics", False)),
+        hosting=str(args.get("model_hosting", "dedicated")),
+        pool_replicas=int(args.get("pool_replicas", 1)),
     )

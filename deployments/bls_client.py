@@ -25,6 +25,7 @@ from typing import Any
 from rayinfer.deployments.model_forwarder import ModelRoutes
 from rayinfer.deployments.names import SERVER_APP, SERVER_DEPLOYMENT
 from rayinfer.deployments.serve_internals import new_handle
+from rayinfer.deployments.model_handles import model_handle
 from rayinfer.protocol.errors import ServingError, as_serving_error
 from rayinfer.protocol.types import InferRequest, InferResponse, StreamEnd
 from rayinfer.serving.model_core import ModelCore
@@ -109,7 +110,7 @@ class ReplicaBlsClient:
         on the event loop it was first used on."""
         handle = self._handles.get(route)
         if handle is None:
-            handle = self._handles[route] = new_handle(route[0], route[1])
+            handle = self._handles[route] = model_handle(route, new_handle)
         return handle
 
     # ---- the client's event loop ------------------------------------------------------------

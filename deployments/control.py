@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,25 +22,32 @@ from ray.serve.schema import LoggingConfig
 
 from rayinfer.adapters.base import backend_uses_gpus
 from rayinfer.deployments.autoscaling import serve_autoscaling_config
+from rayinfer.deployments.hosted_model import HostingOptions
 from rayinfer.deployments.model import ModelDeployment
 from rayinfer.deployments.names import (
     DEFAULT_REPLICA_NUM_CPUS,
+    POOL_APP,
     model_app_name,
     model_apps,
     model_deployment_name,
     model_route_prefix,
 )
 from rayinfer.deployments.serve_internals import delete_application
+from rayinfer.deployments.pool import HostedSpec, hosted_spec, pool_application
+from rayinfer.deployments.pool_reports import read_reports, spec_digest
 from rayinfer.deployments.serve_state import (
     cluster_gpus,
     failure_reason,
+    pooled_specs,
     resource_shortage,
+    running_replicas,
     serve_applications,
     status_name,
 )
 from rayinfer.protocol.errors import ModelConfigError
 from rayinfer.protocol.limits import DEFAULT_HTTP_MAX_INPUT_SIZE
 from rayinfer.repository.autoscaling import autoscaling_spec
+from rayinfer.repository.hosting import DEDICATED, POOL, model_hosting
 from rayinfer.repository.ensemble import dependency_waves, member_names
 from rayinfer.repository.instance_groups import replica_plan
 from rayinfer.repository.object_store import local_repository
@@ -133,6 +141,10 @@ class ModelControl:
     replica_ray_metrics: bool = False
     # Limits on clients' connections to model replicas (ConnectionLimits' fields; the connection flags).
     connection_limits: tuple[tuple[str, float], ...] = ()
+    # Where a model without a ``hosting`` parameter runs (--model-hosting: dedicated or pool), and
+    # how many replicas the pool has (--pool-replicas).
+    hosting: str = DEDICATED
+    pool_replicas: int = 1
 
 
 def model_application(
@@ -244,9 +256,14 @@ def _deploy_wave(model_repository: str, folder: Path, versions: list[tuple[str, 
     """Deploy model versions that do not depend on each other, at once; {model: reason} of failures."""
     targets = {}
     refused: dict[str, str] = {}
+    pooled: dict[str, tuple[str, HostedSpec]] = {}  # application -> (model, spec)
     for model, version, is_default in versions:
         name = model_app_name(model, version, is_default)
         try:
+            if version_hosting(folder, model, version, config_overrides.get(model), control) == POOL:
+                pooled[name] = (model, hosted_spec(model_repository, model, version, hosting_options(
+                    folder, model, version, config_overrides.get(model), control)))
+                continue
             app = model_application(
                 model_repository, model, version, is_default,
                 replica_num_cpus=control.replica_num_cpus, auto_complete=control.auto_complete,
@@ -262,7 +279,16 @@ def _deploy_wave(model_repository: str, folder: Path, versions: list[tuple[str, 
             continue
         targets[name] = (model, serve.RunTarget(app, name=name, route_prefix=model_route_prefix(model, version, is_default)))
     if targets:
+        # A version moving from the pool to replicas of its own leaves the pool first.
+        leaving = set(targets) & set(pooled_specs())
+        if leaving:
+            deploy_pool(control, drop=leaving)
         serve.run_many([t for _, t in targets.values()], wait_for_applications_running=False)
+    if pooled:
+        for name in set(pooled) & set(serve_applications()):  # moving into the pool: its own replicas go
+            if not serve_applications()[name].pooled:
+                delete_application(name, wait=True)
+        refused.update(deploy_pool(control, add=dict(pooled)))
     load_errors = _wait_for_apps({name: model for name, (model, _) in targets.items()}, control.timeout_s,
                                  gpu_wait_s=control.gpu_wait_s, resource_wait_s=control.resource_wait_s)
     # Gone before the failure is answered: while a failed application exists, Serve's HTTP
@@ -273,6 +299,103 @@ def _deploy_wave(model_repository: str, folder: Path, versions: list[tuple[str, 
     for name in load_errors:
         delete_application(name, wait=True)
     return {**refused, **{targets[name][0]: reason for name, reason in load_errors.items()}}
+
+
+def version_hosting(folder: Path, model: str, version: int, override: str | None, control: ModelControl) -> str:
+    """``dedicated`` or ``pool`` for one version (:func:`~rayinfer.repository.hosting.model_hosting`);
+    raises :class:`ModelConfigError` for a config that cannot be read or a wrong ``hosting``."""
+    entry = scan_model(folder / model, override)
+    if entry.config is None:
+        raise ModelConfigError(entry.error or f"model '{model}' cannot be read")
+    auto_gpu = cluster_gpus() > 0 and backend_uses_gpus(entry.config.backend)
+    plan = replica_plan(entry.config, entry.path / "config.pbtxt", auto_gpu=auto_gpu,
+                        gpu_fallback=control.gpu_fallback, gpu_fraction=control.gpu_fraction)
+    return model_hosting(entry.config, entry.path / "config.pbtxt", plan, control.hosting)
+
+
+def hosting_options(folder: Path, model: str, version: int, override: str | None,
+                    control: ModelControl) -> HostingOptions:
+    """How a pool replica loads one version: the options a dedicated replica is given."""
+    entry = scan_model(folder / model, override)
+    return HostingOptions(
+        auto_complete=control.auto_complete, config_override=override, cache_size_bytes=control.cache_size_bytes,
+        max_input_size=control.max_input_size,
+        restricted=(("http", tuple(control.http_restricted)), ("grpc", tuple(control.grpc_restricted))),
+        any_version=int(version) not in entry.versions,
+    )
+
+
+def pool_version(control: ModelControl) -> str:
+    """The pool's code version: the same for every deploy with these options, so that a new list
+    of models reconfigures the pool's replicas in place."""
+    options = (control.pool_replicas, control.replica_num_cpus, control.log_level,
+               control.log_settings, control.replica_ray_metrics)
+    return f"pool-{zlib.crc32(repr(options).encode()):08x}"
+
+
+def deploy_pool(control: ModelControl, *, add: dict[str, tuple[str, HostedSpec]] | None = None,
+                drop: set[str] | None = None) -> dict[str, str]:
+    """Deploy the pool with its versions less ``drop`` plus ``add`` ({application: (model, spec)})
+    and wait until its replicas hold them; returns {model: reason} for those of ``add`` that
+    failed, which are left out of the pool again."""
+    add = add or {}
+    specs = {name: spec for name, spec in pooled_specs().items() if name not in (drop or set())}
+    specs.update({name: spec for name, (_, spec) in add.items()})
+    _run_pool(control, specs)
+    if not add:
+        return {}
+    failed = _wait_for_pool({name: spec for name, (_, spec) in add.items()}, control)
+    for name, reason in failed.items():
+        logger.error("model '%s' failed to load: %s", add[name][0], reason)
+    if failed:
+        _run_pool(control, {name: spec for name, spec in specs.items() if name not in failed})
+    for name in set(add) - set(failed):
+        logger.info("model '%s' is ready (in the pool, as '%s')", add[name][0], name)
+    return {add[name][0]: reason for name, reason in failed.items()}
+
+
+def _run_pool(control: ModelControl, specs: dict[str, HostedSpec]) -> None:
+    options: dict[str, Any] = {}
+    if not control.replica_ray_metrics:
+        options["runtime_env"] = {"env_vars": dict(RAY_METRICS_OFF)}
+        if ray.is_initialized():
+            options["runtime_env"] = with_callers_runtime_env(options["runtime_env"],
+                                                              ray.get_runtime_context().runtime_env)
+    app = pool_application(
+        specs, replicas=control.pool_replicas, num_cpus=control.replica_num_cpus,
+        actor_options=options, log_level=control.log_level, log_settings_at_start=dict(control.log_settings),
+        max_ongoing_requests=4 * MIN_ONGOING_REQUESTS, version=pool_version(control),
+    )
+    serve.run_many([serve.RunTarget(app, name=POOL_APP, route_prefix=None)], wait_for_applications_running=False)
+
+
+def _wait_for_pool(names: dict[str, HostedSpec], control: ModelControl) -> dict[str, str]:
+    """Wait until every running pool replica reports each of ``names`` ({application: spec})
+    loaded or failed with that spec; {name: reason} of the failures (all of them, with the
+    pool's reason, if the pool itself failed)."""
+    wanted = {name: spec_digest(spec) for name, spec in names.items()}
+    deadline = time.monotonic() + control.timeout_s
+    while time.monotonic() < deadline:
+        pool = serve_applications().get(POOL_APP)
+        if pool is not None and status_name(pool.status) in ("DEPLOY_FAILED", "UNHEALTHY"):
+            return {name: f"the model pool failed: {failure_reason(pool)}" for name in names}
+        replicas = [key.split("/", 1)[1] for key in running_replicas() if key.startswith(f"{POOL_APP}/")]
+        reports = read_reports(replicas) if replicas else {}
+        if replicas and len(reports) == len(replicas):
+            failed: dict[str, str] = {}
+            done = True
+            for report in reports.values():
+                for name, digest in wanted.items():
+                    if report["loaded"].get(name) == digest:
+                        continue
+                    if (report["failed"].get(name) or [None])[0] == digest:
+                        failed[name] = report["failed"][name][1]
+                        continue
+                    done = False
+            if done:
+                return failed
+        time.sleep(0.2)
+    return {name: f"not loaded in the pool after {control.timeout_s:.0f} s" for name in names}
 
 
 def trial_load(model_repository: str, versions: list[tuple[str, int, bool]], control: ModelControl,
@@ -368,18 +491,23 @@ class ServeDeployer:
     def deploy(self, root: str, model: str, versions: list[tuple[str, int, bool]], override: str | None) -> str | None:
         failures = deploy_models(root, versions, self._control, {model: override} if override else None)
         wanted = {model_app_name(*v) for v in versions}
-        for name in model_apps(model, serve_applications()):
-            if name not in wanted:
-                delete_application(name, wait=False)
+        self._remove_apps([name for name in model_apps(model, serve_applications()) if name not in wanted])
         return failures.get(model)
 
     def remove_version(self, model: str, version: int) -> None:
-        delete_application(model_app_name(model, version, False), wait=False)
+        self._remove_apps([model_app_name(model, version, False)])
+
+    def _remove_apps(self, names: list[str]) -> None:
+        """Remove these applications: their own (at once), or their versions from the pool."""
+        pooled = set(names) & set(pooled_specs())
+        if pooled:
+            deploy_pool(self._control, drop=pooled)
+        for name in set(names) - pooled:
+            delete_application(name, wait=False)
 
     def remove(self, model: str) -> None:
         names = model_apps(model, serve_applications())
-        for name in names:
-            delete_application(name, wait=False)
+        self._remove_apps(names)
         deadline = time.monotonic() + 60
         while names and time.monotonic() < deadline:
             apps = serve_applications()

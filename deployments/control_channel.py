@@ -24,6 +24,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from rayinfer.deployments.names import replica_of
+
 logger = logging.getLogger(__name__)
 
 # The kinds of message: the server's trace settings (TraceSettings.as_dict()), a shared-memory
@@ -125,7 +127,8 @@ class ControlChannel:
         """Give ``message`` to each of ``replicas``; returns once each has taken it, or after
         ``timeout_s``: the replicas that had not (they take it on their next poll)."""
         waits = {}
-        for replica in set(replicas):
+        # A pooled model version's key names its pool replica's mailbox (one poll per replica).
+        for replica in {replica_of(key) for key in replicas}:
             box = self._boxes.setdefault(replica, _Mailbox())
             waits[replica] = box.taken(box.put(message))
         if not waits:

@@ -23,6 +23,7 @@ import ray
 from google.protobuf import json_format
 from ray import serve
 
+from rayinfer.deployments.model_handles import model_handle
 from rayinfer.deployments.names import SERVER_APP, SERVER_DEPLOYMENT
 from rayinfer.deployments.steps_in_place import InPlaceMembers
 from rayinfer.protocol.errors import ModelConfigError, ServingError, UnavailableError, as_serving_error
@@ -158,7 +159,7 @@ class EnsembleMembers:
     def _handle(self, route: tuple[str, str]) -> Any:
         handle = self._handles.get(route)
         if handle is None:
-            handle = self._handles[route] = serve.get_deployment_handle(route[1], route[0])
+            handle = self._handles[route] = model_handle(route)
         return handle
 
     def _server_handle(self) -> Any:

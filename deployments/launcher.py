@@ -18,6 +18,7 @@ from rayinfer.deployments.grpc_service import SERVICER_FUNCTION
 from rayinfer.deployments.names import (
     OPENAI_APP,
     OPENAI_ROUTE_PREFIX,
+    POOL_APP,
     SERVER_APP,
     SERVER_DEPLOYMENT,
     SERVER_ROUTE_PREFIX,
@@ -81,6 +82,8 @@ def deploy_repository(
     grpc_restricted: list[str] | None = None,
     front_on_head: bool = False,
     front_on_every_node: bool = False,
+    model_hosting: str = "dedicated",
+    pool_replicas: int = 1,
 ) -> dict[str, str]:
     """Deploy the ``/v2`` app, one app per model version and, given ``openai``, the ``/v1`` app
     (the OpenAI-compatible API); returns models that failed to load.
@@ -97,6 +100,7 @@ def deploy_repository(
         log_settings=tuple((log_settings or {}).items()), http_restricted=tuple(http_restricted or ()),
         grpc_restricted=tuple(grpc_restricted or ()), gpu_fraction=gpu_fraction,
         replica_ray_metrics=replica_ray_metrics, connection_limits=tuple((connection_limits or {}).items()),
+        hosting=model_hosting, pool_replicas=pool_replicas,
     )
     launch_version = f"rayinfer-{uuid.uuid4().hex}"
 
@@ -176,10 +180,13 @@ def stop(models: list[str], *, whole_serve: bool, fronts: list[tuple[str, int]] 
         if whole_serve:
             serve.shutdown()
             return
-        running = list(serve_applications())
+        apps = serve_applications()
+        running = [name for name, app in apps.items() if not app.pooled]
         for model in models:
             for name in model_apps(model, running):
                 delete_application(name, wait=False)
+        if POOL_APP in running:
+            delete_application(POOL_APP, wait=False)
         if OPENAI_APP in running:
             delete_application(OPENAI_APP, wait=False)
         serve.delete(SERVER_APP)

@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 import ray
-from ray import serve
 from tritonclient.grpc import service_pb2 as pb
 
+from rayinfer.deployments.model_handles import model_handle
 from rayinfer.protocol.errors import InvalidArgError, ServingError
 from rayinfer.serving.model_grpc import MODEL_RPCS
 from rayinfer.serving.protocol_stamps import StreamTrace, wall_clock_offset_ns
@@ -92,7 +92,7 @@ class ModelForwarder:
 
     def _new_handle(self, route: tuple[str, str]) -> Any:
         """A deployment handle to ``route`` (application, deployment), kept for later calls."""
-        handle = self._handles[route] = serve.get_deployment_handle(route[1], route[0])
+        handle = self._handles[route] = model_handle(route)
         return handle
 
 

@@ -11,6 +11,11 @@ SERVER_APP = "rayinfer"
 SERVER_DEPLOYMENT = "ServerDeployment"
 SERVER_ROUTE_PREFIX = "/v2"
 MODEL_DEPLOYMENT = "ModelDeployment"
+# The pool of replicas that hosts the pooled model versions (deployments/pool.py), and what
+# separates a pool replica from the model version in the key a hosted model registers under.
+POOL_APP = "rayinfer-pool"
+POOL_DEPLOYMENT = "PoolDeployment"
+POOL_KEY_SEP = "#"
 # The OpenAI-compatible API (deployments/openai_app.py).
 OPENAI_APP = "openai"
 OPENAI_ROUTE_PREFIX = "/v1"
@@ -53,6 +58,16 @@ def model_apps(model: str, app_names: Iterable[str]) -> list[str]:
     """The applications of ``model`` among ``app_names`` (every version, default or not)."""
     served = serve_name(model)
     return [name for name in app_names if name == served or name.startswith(f"{served}@v")]
+
+
+def pool_key(replica_key: str, app: str) -> str:
+    """The key a model version hosted by a pool replica registers its listener under."""
+    return f"{replica_key}{POOL_KEY_SEP}{app}"
+
+
+def replica_of(key: str) -> str:
+    """The replica (``<application>/<replica id>``) a listener's registration key names."""
+    return key.split(POOL_KEY_SEP, 1)[0]
 
 
 def model_route_prefix(model: str, version: int, is_default: bool) -> str:

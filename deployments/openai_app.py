@@ -20,6 +20,7 @@ from ray import serve
 from rayinfer.deployments import asgi
 from rayinfer.deployments.model_forwarder import ModelRoutes
 from rayinfer.deployments.names import SERVER_APP, SERVER_DEPLOYMENT
+from rayinfer.deployments.model_handles import model_handle
 from rayinfer.protocol.limits import DEFAULT_HTTP_MAX_INPUT_SIZE
 from rayinfer.protocol.openai_requests import ModelInterface, model_interface
 from rayinfer.protocol.openai_responses import encode
@@ -48,7 +49,7 @@ class ServeModelAccess:
     def _handle(self, route: tuple[str, str]) -> Any:
         handle = self._handles.get(route)
         if handle is None:
-            handle = self._handles[route] = serve.get_deployment_handle(route[1], route[0])
+            handle = self._handles[route] = model_handle(route)
         return handle
 
     async def ready_models(self) -> list[str]:

@@ -16,9 +16,9 @@ import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
-from ray import serve
 from tritonclient.grpc import service_pb2 as pb
 
+from rayinfer.deployments.model_handles import model_handle
 from rayinfer.deployments.model_forwarder import ModelRoutes, stream_by_handle
 from rayinfer.protocol.errors import InvalidArgError
 from rayinfer.serving import model_grpc
@@ -72,7 +72,7 @@ class ReplicaStreams:
     def _handle(self, route: tuple[str, str]) -> Any:
         handle = self._handles.get(route)
         if handle is None:
-            handle = self._handles[route] = serve.get_deployment_handle(route[1], route[0])
+            handle = self._handles[route] = model_handle(route)
         return handle
 
     def _sent(self, token: str, stamps: list[tuple[str, int]]) -> None:

@@ -21,7 +21,7 @@ from typing import Any
 
 from rayinfer.deployments.control_channel import SEQUENCE_SLOTS, ControlChannel, ControlMessage
 from rayinfer.deployments.front import route_key_is_safe
-from rayinfer.deployments.names import model_apps
+from rayinfer.deployments.names import model_apps, replica_of
 from rayinfer.deployments.serve_internals import actor_death
 from rayinfer.deployments.serve_state import ServeState, running_replicas
 from rayinfer.serving.sequence_routing import assign_slots, previous_owners
@@ -87,6 +87,13 @@ class RouteTable:
                 self._routes(set())
                 await self._tell_slots()
 
+    def _forget_poller(self, key: str) -> None:
+        """Drop the mailbox of the replica ``key`` names once none of its listeners is registered
+        (a pool replica polls once for all the versions it hosts)."""
+        poller = replica_of(key)
+        if not any(replica_of(other) == poller for other in self._listeners):
+            self.channel.forget(poller)
+
     def slot_table(self, app: str) -> dict[str, Any] | None:
         """A sequence model application's slot table as last published: ``listeners``, one per
         slot, and ``previous``, the listener of the replica each slot was taken from, or None."""
@@ -111,7 +118,7 @@ class RouteTable:
         entry = self._listeners.pop(replica, None)
         self._actors.pop(replica, None)
         self._gone[replica] = time.monotonic()
-        self.channel.forget(replica)
+        self._forget_poller(replica)
         if entry is not None and not any(model_apps(model, [entry[0]]) for model in self._withdrawn):
             await self.publish()
 
@@ -195,7 +202,7 @@ class RouteTable:
             del self._gone[replica]
         for replica in [k for k, v in self._listeners.items() if now - v[3] >= LISTENER_TTL_S]:
             app, host, port, _ = self._listeners.pop(replica)
-            self.channel.forget(replica)
+            self._forget_poller(replica)
             actor = self._actors.pop(replica, None)
             if actor is not None:
                 task = asyncio.get_running_loop().create_task(self._report_lost(replica, app, f"{host}:{port}", actor))
@@ -257,4 +264,4 @@ class RouteTable:
         except Exception as exc:  # keep routing to every registered replica
             logger.debug("could not read the replicas' states: %s", exc)
             return set()
-        return {replica for replica in self._listeners if replica not in replicas}
+        return {replica for replica in self._listeners if replica_of(replica) not in replicas}

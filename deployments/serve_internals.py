@@ -113,6 +113,13 @@ def kv_put(key: bytes, value: bytes, namespace: str, overwrite: bool = True) -> 
     _internal_kv_put(key, value, overwrite=overwrite, namespace=namespace)
 
 
+def kv_delete(key: bytes, namespace: str) -> None:
+    """Remove a value from Ray's key-value store (none there: nothing happens)."""
+    from ray.experimental.internal_kv import _internal_kv_del
+
+    _internal_kv_del(key, namespace=namespace)
+
+
 def pending_resource_shapes(timeout_s: int = 2) -> list[tuple[dict[str, float], int]]:
     """The resource shapes ({resource: amount}) of the tasks and actors that wait for resources
     the cluster does not have free, each with how many wait (a GCS round trip, about 3 ms; Ray

@@ -15,7 +15,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rayinfer.deployments.names import deployment_version, model_app_name, model_apps, model_deployment_name
+from rayinfer.deployments.names import (
+    POOL_APP,
+    POOL_DEPLOYMENT,
+    deployment_version,
+    model_app_name,
+    model_apps,
+    model_deployment_name,
+)
+from rayinfer.deployments.pool_reports import read_reports, spec_digest
 from rayinfer.deployments.serve_internals import pending_resource_shapes, serve_details
 from rayinfer.repository.scanner import RepositoryScan
 from rayinfer.serving.model_control import ModelController
@@ -71,6 +79,8 @@ class ApplicationState:
     status: str
     message: str
     deployments: dict[str, DeploymentState]
+    # A pooled model version (deployments/pool.py): the pool's state, under the version's names.
+    pooled: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,8 +120,8 @@ def resource_shortage(app: ApplicationState, apps: dict[str, ApplicationState] |
             continue
         shape = _shape(deployment.required)
         waiting = sum(count for pending_shape, count in pending if pending_shape == shape)
-        unplaced = sum(d.unplaced for other in (apps or {"": app}).values() for d in other.deployments.values()
-                       if _shape(d.required) == shape)
+        unplaced = sum(d.unplaced for other in (apps or {"": app}).values() if not other.pooled
+                       for d in other.deployments.values() if _shape(d.required) == shape)
         if not waiting or waiting < unplaced:
             continue
         short = [name for name, need in shape.items() if free.get(name, 0.0) + 1e-9 < need] or list(shape)
@@ -192,7 +202,47 @@ def serve_applications() -> dict[str, ApplicationState]:
                 int(deployment.get("target_num_replicas") or 0), required.get("GPU", 0.0), required, unplaced,
             )
         apps[name] = ApplicationState(status_name(app.get("status")), app.get("message") or "", deployments)
+    pool = apps.get(POOL_APP)
+    if pool is not None and POOL_DEPLOYMENT in pool.deployments:
+        apps.update(_pooled_applications(details, pool))
     return apps
+
+
+def _pooled_applications(details: dict[str, Any], pool: ApplicationState) -> dict[str, ApplicationState]:
+    """Each version the pool hosts as an application of its own: RUNNING once a serving pool
+    replica reports it loaded with its current spec, DEPLOY_FAILED with the reason one gave,
+    else the pool's own state while it loads (a pool that failed fails them all)."""
+    replicas = [str(r.get("replica_id")) for r in
+                (details["applications"][POOL_APP]["deployments"][POOL_DEPLOYMENT].get("replicas") or [])
+                if status_name(r.get("state")) in SERVING_STATES]
+    try:
+        reports = list(read_reports(replicas).values()) if replicas else []
+    except Exception as exc:  # noqa: BLE001  # Ray's store unreadable: as if nothing were loaded yet
+        logger.debug("could not read the pool's reports: %s", exc)
+        reports = []
+    apps = {}
+    for name, spec in pooled_specs(details).items():
+        digest = spec_digest(spec)
+        failed = next((r["failed"][name][1] for r in reports if (r["failed"].get(name) or [None])[0] == digest), None)
+        if any(r["loaded"].get(name) == digest for r in reports):
+            status, message = "RUNNING", ""
+        elif failed is not None:
+            status, message = "DEPLOY_FAILED", failed
+        else:
+            status, message = ("DEPLOYING" if pool.status == "RUNNING" else pool.status), pool.message
+        apps[name] = ApplicationState(status, message, {model_deployment_name(spec[0], int(spec[1])):
+                                                        pool.deployments[POOL_DEPLOYMENT]}, pooled=True)
+    return apps
+
+
+def pooled_specs(details: dict[str, Any] | None = None) -> dict[str, tuple[str, int, dict[str, Any]]]:
+    """The model versions the pool hosts, as its user_config lists them ({application: spec})."""
+    details = serve_details() if details is None else details
+    app = ((details or {}).get("applications") or {}).get(POOL_APP) or {}
+    deployment = (app.get("deployments") or {}).get(POOL_DEPLOYMENT) or {}
+    config = deployment.get("deployment_config") or {}
+    models = (config.get("user_config") or {}).get("models") or {}
+    return {name: (str(spec[0]), int(spec[1]), dict(spec[2])) for name, spec in models.items()}
 
 
 def deployed_versions(model: str) -> list[int]:
@@ -205,8 +255,13 @@ def deployed_versions(model: str) -> list[int]:
     return sorted(versions)
 
 
+# Replica states that serve: UPDATING is a running replica being reconfigured in place (the
+# model pool's, while it loads or unloads a version: its other versions serve on).
+SERVING_STATES = ("RUNNING", "UPDATING")
+
+
 def running_replicas() -> set[str]:
-    """``<application>/<replica id>`` of every replica Serve reports RUNNING."""
+    """``<application>/<replica id>`` of every replica Serve reports RUNNING (or UPDATING)."""
     details = serve_details()
     if details is None:
         raise RuntimeError("not connected to Serve")
@@ -215,7 +270,7 @@ def running_replicas() -> set[str]:
         for app_name, app in details.get("applications", {}).items()
         for deployment in app.get("deployments", {}).values()
         for replica in deployment.get("replicas", [])
-        if replica.get("state") == "RUNNING"  # a str enum or its value
+        if status_name(replica.get("state")) in SERVING_STATES  # a str enum or its value
     }
 
 
@@ -309,9 +364,9 @@ class ServeState:
                     row.update(state="UNAVAILABLE", reason="unloaded")
                 else:
                     status = status_name(app.status)
-                    route = (app_name, model_deployment_name(entry.name, version))
-                    deployment = app.deployments.get(route[1])
-                    replicas = deployment.replica_states.get("RUNNING", 0) if deployment else 0
+                    deployment = app.deployments.get(model_deployment_name(entry.name, version))
+                    route = (app_name, POOL_DEPLOYMENT if app.pooled else model_deployment_name(entry.name, version))
+                    replicas = sum(deployment.replica_states.get(state, 0) for state in SERVING_STATES) if deployment else 0
                     if status in _SERVE_STATE:
                         row.update(state=_SERVE_STATE[status], reason="")
                     else:

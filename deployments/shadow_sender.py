@@ -12,8 +12,7 @@ import logging
 import random
 from typing import Any
 
-from ray import serve
-
+from rayinfer.deployments.model_handles import model_handle
 from rayinfer.protocol.types import InferRequest, InferResponse
 from rayinfer.serving.shadow import MAX_SHADOW_IN_FLIGHT, ShadowCounts
 
@@ -58,7 +57,7 @@ class ShadowSender:
         self._in_flight += 1
         try:
             if self._handle is None:
-                self._handle = serve.get_deployment_handle(target["deployment"], target["app"])
+                self._handle = model_handle((target["app"], target["deployment"]))
             answer = await self._handle.bls_infer.remote(request)
         except Exception as exc:  # noqa: BLE001  # the candidate's failure is a figure, not an error here
             if target is self.target:

@@ -101,6 +101,10 @@ ON_DEMAND_MODELS = tuple(f"on_demand_{suffix}" for suffix in (
     "poll_added",      # test_poll_mode: copied into the poll server's own repository
     "bls_control",     # test_python_bls: loaded and unloaded by a Python model (pb_utils)
     "replica_loss",    # test_model_control: one of two replicas killed under traffic
+    "pool_a",          # test_model_pool: served in the model pool (a config override asks for it)
+    "pool_b",
+    "pool_c",
+    "pool_broken",     # test_model_pool: fails to load in the pool, its neighbours serve on
 ))
 
 

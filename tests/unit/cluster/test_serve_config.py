@@ -338,3 +338,12 @@ def test_restricted_groups_reach_every_model_replica(example_repository: Path) -
     plain = render_serve_config(settings_from_args(build_parser().parse_args(
         ["config", "--model-repository", str(example_repository)])))
     assert "http_restricted_api" not in plain["applications"][1]["args"]
+
+
+def test_a_serve_config_refuses_the_model_pool_saying_where_it_works(example_repository: Path) -> None:
+    """A Serve config lists an application per model version: the pool is rayinfer serve's."""
+    settings = settings_from_args(build_parser().parse_args(
+        ["config", "--model-repository", str(example_repository), "--model-hosting", "pool"]))
+    assert settings.model_hosting == "pool" and settings.pool_replicas == 1
+    with pytest.raises(ValueError, match="--model-hosting pool is for rayinfer serve"):
+        render_serve_config(settings)

@@ -60,11 +60,11 @@ def forwarder(monkeypatch: pytest.MonkeyPatch):
         handles = [_Handle(error) for error in errors]
         made = list(handles)
 
-        def new_handle(deployment: str, app: str) -> _Handle:
-            assert (app, deployment) == ("m", "m_v1")
+        def new_handle(route: tuple[str, str]) -> _Handle:
+            assert route == ("m", "m_v1")
             return made.pop(0)
 
-        monkeypatch.setattr(model_forwarder, "serve", SimpleNamespace(get_deployment_handle=new_handle))
+        monkeypatch.setattr(model_forwarder, "model_handle", new_handle)
         return ModelForwarder(_Api()), handles  # type: ignore[arg-type]  # a stand-in V2Api
 
     return make

@@ -1,0 +1,74 @@
+"""Where a model version runs: replicas of its own (dedicated) or a pool shared with other models.
+
+A model chooses with its config's ``hosting`` parameter::
+
+    parameters { key: "hosting" value: { string_value: "pool" } }
+
+and without one takes the server's ``--model-hosting`` (``dedicated`` by default). A pool
+replica holds many models in one process, so a model is pooled only when it needs nothing a
+shared process cannot give it: one CPU instance (the pool's replicas are its instances), no
+GPU, no sequence batching (sequences are held per replica), not decoupled, not an ensemble (its
+steps call other models), not a Python model (``model.py`` modules and
+``triton_python_backend_utils`` are process-wide), no pip environment of its own and no
+autoscaling of its own. A model that asks for the pool and cannot have it fails to load with
+the reason; one that only inherits the server's choice is served dedicated.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rayinfer.protocol.errors import ModelConfigError
+from rayinfer.repository.autoscaling import PREFIX as AUTOSCALING_PREFIX
+from rayinfer.repository.ensemble import is_ensemble
+from rayinfer.repository.instance_groups import ReplicaPlan
+from rayinfer.repository.model_config import ModelConfig
+from rayinfer.repository.python_env import PIP_PARAMETER
+
+HOSTING_PARAMETER = "hosting"
+DEDICATED = "dedicated"
+POOL = "pool"
+HOSTINGS = (DEDICATED, POOL)
+
+
+def pool_obstacle(config: ModelConfig, plan: ReplicaPlan) -> str | None:
+    """Why the model cannot share a pool's replicas (None when it can)."""
+    if is_ensemble(config):
+        return "it is an ensemble"
+    if config.backend == "python":
+        return "it is a Python model (model.py and triton_python_backend_utils are process-wide)"
+    if config.HasField("sequence_batching"):
+        return "it has sequence batching"
+    if config.model_transaction_policy.decoupled:
+        return "it is decoupled"
+    if plan.kind != "KIND_CPU":
+        return "it has GPU instances"
+    if plan.replicas != 1:
+        return f"it has {plan.replicas} instances (a pool's replicas are every pooled model's instances)"
+    if PIP_PARAMETER in config.parameters:
+        return f"it has its own pip environment ('{PIP_PARAMETER}')"
+    if any(key.startswith(AUTOSCALING_PREFIX) for key in config.parameters):
+        return "it has autoscaling parameters"
+    return None
+
+
+def model_hosting(config: ModelConfig, path: Path, plan: ReplicaPlan, server_hosting: str) -> str:
+    """``dedicated`` or ``pool`` for a (defaults-filled) config at ``path``: its ``hosting``
+    parameter, else ``server_hosting`` (--model-hosting) where the model can be pooled.
+    :class:`ModelConfigError` naming the file for an unknown value, or for a model that asks
+    for the pool and cannot be pooled."""
+    asked = config.parameters.get(HOSTING_PARAMETER)
+    if asked is None:
+        if server_hosting == POOL and pool_obstacle(config, plan) is None:
+            return POOL
+        return DEDICATED
+    value = asked.string_value.strip().lower()
+    if value not in HOSTINGS:
+        raise ModelConfigError(f"{path}: parameter '{HOSTING_PARAMETER}' must be one of {', '.join(HOSTINGS)}, "
+                               f"got '{asked.string_value}'")
+    if value == POOL:
+        obstacle = pool_obstacle(config, plan)
+        if obstacle is not None:
+            raise ModelConfigError(f"{path}: parameter '{HOSTING_PARAMETER}' asks for the pool, but {obstacle}; "
+                                   f"serve it '{DEDICATED}'")
+    return value

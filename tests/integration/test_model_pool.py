@@ -1,0 +1,131 @@
+"""Pooled hosting on the real test server: model versions whose config asks for the pool share
+the pool's replica process, each answering, counting and failing as its own model."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+from conftest import LOAD_TIMEOUT_S, add_sub_inputs, http_json, metric_value, pids_titled
+from model_factory import on_demand
+from waiting import wait_until
+
+POOLED = [on_demand("pool_a"), on_demand("pool_b"), on_demand("pool_c")]
+BROKEN = on_demand("pool_broken")
+POOL_REPLICAS = "ServeReplica:rayinfer-pool:"
+
+
+def config(name: str, **extra) -> str:
+    """The on-demand add/sub model's config, asking for the pool."""
+    doc = {
+        "name": name, "platform": "onnxruntime_onnx", "max_batch_size": 8,
+        "input": [{"name": n, "data_type": "TYPE_INT32", "dims": [16]} for n in ("INPUT0", "INPUT1")],
+        "output": [{"name": n, "data_type": "TYPE_INT32", "dims": [16]} for n in ("OUTPUT0", "OUTPUT1")],
+        "parameters": {"hosting": {"string_value": "pool"}},
+    }
+    doc.update(extra)
+    return json.dumps(doc)
+
+
+def index_row(name: str) -> dict:
+    status, rows = http_json("POST", "/v2/repository/index")
+    assert status == 200
+    (row,) = [r for r in rows if r["name"] == name]
+    return row
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    c = httpclient.InferenceServerClient(server["url"], network_timeout=LOAD_TIMEOUT_S)
+    for name in POOLED:
+        c.load_model(name, config=config(name))
+    yield c
+    for name in [*POOLED, BROKEN]:
+        c.unload_model(name)
+    c.close()
+
+
+def add_sub(c, model: str, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    a = np.full((1, 16), seed, dtype=np.int32)
+    b = np.arange(16, dtype=np.int32).reshape(1, 16)
+    result = c.infer(model, add_sub_inputs(a, b))
+    return result.as_numpy("OUTPUT0"), result.as_numpy("OUTPUT1")
+
+
+def test_pooled_models_share_one_process_and_each_answers_over_both_protocols(server, client):
+    assert len(pids_titled(POOL_REPLICAS)) == 1
+    for name in POOLED:
+        assert not pids_titled(f"ServeReplica:{name}:"), f"{name} has a replica of its own"
+        assert index_row(name)["state"] == "READY"
+        total, difference = add_sub(client, name, 7)
+        assert (total == 7 + np.arange(16)).all() and (difference == 7 - np.arange(16)).all()
+    grpc = grpcclient.InferenceServerClient(server["grpc_url"])
+    try:
+        for name in POOLED:
+            a = grpcclient.InferInput("INPUT0", [1, 16], "INT32")
+            a.set_data_from_numpy(np.ones((1, 16), np.int32))
+            b = grpcclient.InferInput("INPUT1", [1, 16], "INT32")
+            b.set_data_from_numpy(np.ones((1, 16), np.int32))
+            assert (grpc.infer(name, [a, b]).as_numpy("OUTPUT0") == 2).all()
+            assert grpc.is_model_ready(name)
+            assert grpc.get_model_metadata(name).name == name
+            assert grpc.get_model_config(name).config.parameters["hosting"].string_value == "pool"
+    finally:
+        grpc.close()
+
+
+def test_each_pooled_model_keeps_its_own_statistics_and_metrics(server, client):
+    before = {name: client.get_inference_statistics(name)["model_stats"][0]["inference_stats"]["success"]["count"]
+              for name in POOLED[:2]}
+    for _ in range(5):
+        add_sub(client, POOLED[0], 1)
+    for _ in range(3):
+        add_sub(client, POOLED[1], 1)
+
+    def counts() -> dict[str, int]:
+        return {name: client.get_inference_statistics(name)["model_stats"][0]["inference_stats"]["success"]["count"]
+                - before[name] for name in POOLED[:2]}
+
+    wait_until(lambda: counts() == {POOLED[0]: 5, POOLED[1]: 3}, "each model's own success count")
+    wait_until(lambda: metric_value(server, f'nv_inference_request_success{{model="{POOLED[1]}",version="1"}}')
+               >= 3, "the metric of the second pooled model")
+
+
+def test_a_model_that_fails_in_the_pool_leaves_its_neighbours_serving(server, client):
+    pool = pids_titled(POOL_REPLICAS)
+    with pytest.raises(InferenceServerException) as failure:
+        # An input the ONNX model does not have: the model's own load fails, in the pool's replica.
+        client.load_model(BROKEN, config=config(BROKEN, input=[
+            {"name": "NOT_AN_INPUT", "data_type": "TYPE_INT32", "dims": [16]},
+            {"name": "INPUT1", "data_type": "TYPE_INT32", "dims": [16]}]))
+    assert "NOT_AN_INPUT" in str(failure.value)
+    row = index_row(BROKEN)
+    assert row["state"] == "UNAVAILABLE" and "NOT_AN_INPUT" in row["reason"]
+    assert pids_titled(POOL_REPLICAS) == pool  # the pool was not restarted
+    for name in POOLED:
+        assert (add_sub(client, name, 2)[0] == 2 + np.arange(16)).all()
+
+
+def test_a_model_that_asks_for_the_pool_and_cannot_have_it_is_refused_with_the_reason(client):
+    with pytest.raises(InferenceServerException) as failure:
+        client.load_model(BROKEN, config=config(BROKEN, instance_group=[{"count": 2, "kind": "KIND_CPU"}]))
+    assert "asks for the pool" in str(failure.value) and "2 instances" in str(failure.value)
+
+
+def test_unloading_a_pooled_model_keeps_the_others_in_the_same_process(server, client):
+    pool = pids_titled(POOL_REPLICAS)
+    client.unload_model(POOLED[2])
+    assert index_row(POOLED[2])["state"] == "UNAVAILABLE"
+    with pytest.raises(InferenceServerException):
+        add_sub(client, POOLED[2], 1)
+    for name in POOLED[:2]:
+        assert (add_sub(client, name, 3)[0] == 3 + np.arange(16)).all()
+    assert pids_titled(POOL_REPLICAS) == pool
+    client.load_model(POOLED[2], config=config(POOLED[2]))
+    assert (add_sub(client, POOLED[2], 4)[0] == 4 + np.arange(16)).all()
+    assert pids_titled(POOL_REPLICAS) == pool
