@@ -22,6 +22,7 @@ from ray.serve.schema import LoggingConfig
 
 from rayinfer.adapters.base import backend_uses_gpus
 from rayinfer.deployments.autoscaling import serve_autoscaling_config
+from rayinfer.deployments.front import route_key_is_safe
 from rayinfer.deployments.hosted_model import HostingOptions
 from rayinfer.deployments.model import ModelDeployment
 from rayinfer.deployments.names import (
@@ -47,7 +48,7 @@ from rayinfer.deployments.serve_state import (
 from rayinfer.protocol.errors import ModelConfigError
 from rayinfer.protocol.limits import DEFAULT_HTTP_MAX_INPUT_SIZE
 from rayinfer.repository.autoscaling import autoscaling_spec
-from rayinfer.repository.hosting import DEDICATED, POOL, model_hosting
+from rayinfer.repository.hosting import DEDICATED, HOSTING_PARAMETER, POOL, model_hosting
 from rayinfer.repository.ensemble import dependency_waves, member_names
 from rayinfer.repository.instance_groups import replica_plan
 from rayinfer.repository.object_store import local_repository
@@ -303,14 +304,22 @@ def _deploy_wave(model_repository: str, folder: Path, versions: list[tuple[str, 
 
 def version_hosting(folder: Path, model: str, version: int, override: str | None, control: ModelControl) -> str:
     """``dedicated`` or ``pool`` for one version (:func:`~rayinfer.repository.hosting.model_hosting`);
-    raises :class:`ModelConfigError` for a config that cannot be read or a wrong ``hosting``."""
+    raises :class:`ModelConfigError` for a config that cannot be read or a wrong ``rayinfer_hosting``."""
     entry = scan_model(folder / model, override)
     if entry.config is None:
         raise ModelConfigError(entry.error or f"model '{model}' cannot be read")
     auto_gpu = cluster_gpus() > 0 and backend_uses_gpus(entry.config.backend)
     plan = replica_plan(entry.config, entry.path / "config.pbtxt", auto_gpu=auto_gpu,
                         gpu_fallback=control.gpu_fallback, gpu_fraction=control.gpu_fraction)
-    return model_hosting(entry.config, entry.path / "config.pbtxt", plan, control.hosting)
+    hosting = model_hosting(entry.config, entry.path / "config.pbtxt", plan, control.hosting)
+    if hosting == POOL and not route_key_is_safe(f"{model}/{version}"):
+        # The front cannot route such a name to a listener, and a pooled version has no route of
+        # its own at Serve's HTTP ingress to fall back on.
+        if HOSTING_PARAMETER in entry.config.parameters:
+            raise ModelConfigError(f"{entry.path / 'config.pbtxt'}: model '{model}' cannot be pooled: its name has "
+                                   "whitespace, ';', '#' or '\\'")
+        return DEDICATED
+    return hosting
 
 
 def hosting_options(folder: Path, model: str, version: int, override: str | None,
@@ -342,6 +351,8 @@ def deploy_pool(control: ModelControl, *, add: dict[str, tuple[str, HostedSpec]]
     specs = {name: spec for name, spec in pooled_specs().items() if name not in (drop or set())}
     specs.update({name: spec for name, (_, spec) in add.items()})
     _run_pool(control, specs)
+    if drop:
+        _wait_dropped(drop, control)
     if not add:
         return {}
     failed = _wait_for_pool({name: spec for name, (_, spec) in add.items()}, control)
@@ -396,6 +407,18 @@ def _wait_for_pool(names: dict[str, HostedSpec], control: ModelControl) -> dict[
                 return failed
         time.sleep(0.2)
     return {name: f"not loaded in the pool after {control.timeout_s:.0f} s" for name in names}
+
+
+def _wait_dropped(names: set[str], control: ModelControl) -> None:
+    """Wait until no serving pool replica reports any of ``names`` loaded (they were drained and
+    closed), for at most a minute."""
+    deadline = time.monotonic() + min(60.0, control.timeout_s)
+    while time.monotonic() < deadline:
+        replicas = [key.split("/", 1)[1] for key in running_replicas() if key.startswith(f"{POOL_APP}/")]
+        if not any(names & set(report["loaded"]) for report in read_reports(replicas).values()):
+            return
+        time.sleep(0.2)
+    logger.warning("the model pool still hosts %s a minute after they were dropped", ", ".join(sorted(names)))
 
 
 def trial_load(model_repository: str, versions: list[tuple[str, int, bool]], control: ModelControl,

@@ -162,7 +162,9 @@ class HostedModel:
         self._routes = ReplicaRoutes(self.core.name, self.core.version)
         self.listener.routes = self._routes
         self.listener.restrict(*restrictions)
-        self.listener.stream_grpc = ReplicaStreams(self.core, self._deployment, self._server, self.listener).answer
+        # This version's route: a pooled version's names its own application and the pool's deployment.
+        own = (self.app_name, self._deployment)
+        self.listener.stream_grpc = ReplicaStreams(self.core, own, self._server, self.listener).answer
         host = ray.util.get_node_ip_address()
         self.listener_address = (host, await self.listener.start(host))
         # A sequence model's replicas each hold their own sequences: a request of another

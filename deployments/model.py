@@ -14,6 +14,7 @@ and takes the ``/v2`` replica's changes from the control channel.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
 import time
@@ -115,8 +116,9 @@ class ModelDeployment:
         ``exec(decoupled=True)``, an ensemble's step to a decoupled member, the OpenAI API's):
         each response as it comes; ``mark_final_alone``: then ``StreamEnd.FINAL_ALONE`` if a
         decoupled model sent its final flag on its own (a BLS iterator's last response)."""
-        async for message in self._model.bls_stream(request, mark_final_alone):
-            yield message
+        async with contextlib.aclosing(self._model.bls_stream(request, mark_final_alone)) as messages:
+            async for message in messages:  # a caller that gives up closes the model's stream at once
+                yield message
 
     async def grpc_stream(self, payload: bytes, trace_context: str | None = None,
                           read_walls: tuple[int, int] | None = None) -> Any:
@@ -125,8 +127,9 @@ class ModelDeployment:
         (``trace_context``: the client's traceparent, for the opentelemetry trace mode;
         ``read_walls``: when, on the wall clock in ns, the ``/v2`` replica began and ended reading
         it)."""
-        async for message in self._model.grpc_stream(payload, trace_context, read_walls):
-            yield message
+        async with contextlib.aclosing(self._model.grpc_stream(payload, trace_context, read_walls)) as messages:
+            async for message in messages:
+                yield message
 
     # ---- the /v2 replica: statistics and the listener's registration ------------------------
 

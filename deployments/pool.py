@@ -20,10 +20,12 @@ version's application name as Serve's multiplexed model id (:mod:`model_handles`
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import json
 import logging
 import time
+import uuid
 from typing import Any
 
 import ray
@@ -87,6 +89,8 @@ class PoolDeployment:
             for app in gone:
                 self._specs.pop(app, None)
                 self._failures.pop(app, None)
+            # A failing close or report never fails the reconfiguration (Serve would replace the
+            # replica, and every pooled version with it): each is logged.
             await asyncio.gather(*(self._close(app) for app in gone))
             limit = asyncio.Semaphore(_LOADS_AT_ONCE)
 
@@ -100,9 +104,16 @@ class PoolDeployment:
         gc.collect()
 
     async def _publish_report(self) -> None:
-        """This replica's hosting report, to Ray's key-value store (:mod:`pool_reports`)."""
+        """This replica's hosting report, to Ray's key-value store (:mod:`pool_reports`); tried
+        three times, then logged (the deployer waits on it, up to its timeout)."""
         report = json.dumps(self.hosting_report()).encode()
-        await asyncio.to_thread(kv_put, report_key(self._replica_id), report, KV_NAMESPACE)
+        for attempt in range(3):
+            try:
+                await asyncio.to_thread(kv_put, report_key(self._replica_id), report, KV_NAMESPACE)
+                return
+            except Exception as exc:  # noqa: BLE001  # the GCS did not answer: again, shortly
+                logger.warning("could not publish the pool's report (attempt %d): %s", attempt + 1, exc)
+                await asyncio.sleep(0.5)
 
     async def _load(self, app: str, spec: HostedSpec) -> None:
         model, version, options = spec
@@ -120,23 +131,19 @@ class PoolDeployment:
             logger.error("model '%s' version %d failed to load in the pool: %s", model, version, reason)
             self._specs[app] = spec
             self._failures[app] = reason
-            old = self._hosted.pop(app, None)
-            if old is not None:
-                await old.close()
+            self._registered_at.pop(app, None)
+            await _close_quietly(self._hosted.pop(app, None))
             return
         old = self._hosted.get(app)
         self._hosted[app] = hosted
         self._specs[app] = spec
-        self._registered_at.pop(app, None)
-        if old is not None:
-            await old.close()
+        # A reload: the new load registers its listener before the old one withdraws and drains.
         await self._register(app, hosted)
+        await _close_quietly(old)
 
     async def _close(self, app: str) -> None:
-        hosted = self._hosted.pop(app, None)
         self._registered_at.pop(app, None)
-        if hosted is not None:
-            await hosted.close()
+        await _close_quietly(self._hosted.pop(app, None))
 
     # ---- handle calls (the hosted version: Serve's multiplexed model id) --------------------
 
@@ -169,13 +176,15 @@ class PoolDeployment:
         return self._model().config_json()
 
     async def bls_stream(self, request: InferRequest, mark_final_alone: bool = False) -> Any:
-        async for message in self._model().bls_stream(request, mark_final_alone):
-            yield message
+        async with contextlib.aclosing(self._model().bls_stream(request, mark_final_alone)) as messages:
+            async for message in messages:  # a caller that gives up closes the model's stream at once
+                yield message
 
     async def grpc_stream(self, payload: bytes, trace_context: str | None = None,
                           read_walls: tuple[int, int] | None = None) -> Any:
-        async for message in self._model().grpc_stream(payload, trace_context, read_walls):
-            yield message
+        async with contextlib.aclosing(self._model().grpc_stream(payload, trace_context, read_walls)) as messages:
+            async for message in messages:
+                yield message
 
     # ---- the /v2 replica --------------------------------------------------------------------
 
@@ -189,7 +198,8 @@ class PoolDeployment:
             settings = await self._server_handle().register_listener.remote(
                 hosted.replica_key, app, *hosted.listener_address, False, ray.get_runtime_context().current_actor,
             )
-            self._registered_at[app] = time.monotonic()
+            if self._hosted.get(app) is hosted:  # not one replaced meanwhile (a reload)
+                self._registered_at[app] = time.monotonic()
             hosted.take_settings(settings)
         except Exception as exc:  # the server app may not be deployed (yet)
             logger.debug("could not register the listener of '%s': %s", app, exc)
@@ -225,6 +235,12 @@ class PoolDeployment:
             for hosted in list(self._hosted.values()):
                 await hosted.report_shadow()
                 for key, core in hosted.reported_cores():
+                    traces = core.tracer.collect()
+                    if traces:
+                        try:
+                            await self._server_handle().report_traces.remote(core.name, traces)
+                        except Exception as exc:  # the server app may be gone: those traces are lost
+                            logger.debug("could not report traces: %s", exc)
                     snapshot = core.snapshot()
                     if change_key(snapshot) == hosted.pushed.get(key):
                         continue
@@ -247,18 +263,29 @@ class PoolDeployment:
                 logger.debug("could not remove the pool's report: %s", exc)
 
 
+async def _close_quietly(hosted: HostedModel | None) -> None:
+    """Close a hosted version; a failure is logged (the pool's other versions serve on)."""
+    if hosted is None:
+        return
+    try:
+        await hosted.close()
+    except Exception:
+        logger.exception("could not close model '%s' cleanly", getattr(getattr(hosted, "core", None), "name", "?"))
+
+
 def _options(values: dict[str, Any]) -> dict[str, Any]:
-    """HostingOptions' fields from a spec's JSON-able values."""
-    out = {key: value for key, value in values.items() if key != "repository"}
+    """HostingOptions' fields from a spec's JSON-able values (less the repository and the load)."""
+    out = {key: value for key, value in values.items() if key not in ("repository", "load")}
     out["restricted"] = tuple((kind, tuple(v)) for kind, v in dict(values.get("restricted") or {}).items())
     return out
 
 
 def hosted_spec(model_repository: str, model: str, version: int, options: HostingOptions) -> HostedSpec:
     """One hosted version (of ``model_repository``: the server's, or a load request's files) as
-    the pool's ``user_config`` carries it."""
+    the pool's ``user_config`` carries it. ``load`` is new for every load, so that loading a
+    version again (its files changed) reloads it, and its report is told from an earlier one's."""
     return (model, int(version), {
-        "repository": str(model_repository),
+        "repository": str(model_repository), "load": uuid.uuid4().hex,
         "auto_complete": options.auto_complete, "config_override": options.config_override,
         "cache_size_bytes": options.cache_size_bytes, "max_input_size": options.max_input_size,
         "restricted": {kind: list(values) for kind, values in options.restricted},

@@ -31,10 +31,10 @@ logger = logging.getLogger(__name__)
 
 
 class ReplicaStreams:
-    """Answers the streams on a replica's connections; ``own``: the replica's deployment name,
-    ``server``: a handle to the ``/v2`` deployment."""
+    """Answers the streams on a replica's connections; ``own``: the route (application,
+    deployment) of the model version served here, ``server``: a handle to the ``/v2`` deployment."""
 
-    def __init__(self, core: ModelCore, own: str, server: Callable[[], Any], listener: ReplicaListener) -> None:
+    def __init__(self, core: ModelCore, own: tuple[str, str], server: Callable[[], Any], listener: ReplicaListener) -> None:
         self._core, self._own, self._server, self._listener = core, own, server, listener
         self._routes = ModelRoutes(server)
         self._handles: dict[tuple[str, str], Any] = {}
@@ -56,7 +56,7 @@ class ReplicaStreams:
         if not request.model_name:
             raise InvalidArgError("the request does not name a model")
         route = await self._routes.route(request.model_name, request.model_version, headers)
-        if route[1] != self._own:
+        if tuple(route) != self._own:  # another version (a pool's route names the pool's deployment for all)
             async for item in stream_by_handle(self._handle(route), request.SerializeToString(), trace_context, read):
                 yield item
             return

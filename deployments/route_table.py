@@ -88,11 +88,11 @@ class RouteTable:
                 await self._tell_slots()
 
     def _forget_poller(self, key: str) -> None:
-        """Drop the mailbox of the replica ``key`` names once none of its listeners is registered
-        (a pool replica polls once for all the versions it hosts)."""
-        poller = replica_of(key)
-        if not any(replica_of(other) == poller for other in self._listeners):
-            self.channel.forget(poller)
+        """Drop the mailbox of the replica ``key`` names (a dedicated one's, which withdrew or
+        died). A pool replica's is kept: it polls on while it hosts no version, and a new mailbox
+        would count its messages afresh under the acknowledgements it already sent."""
+        if replica_of(key) == key:
+            self.channel.forget(key)
 
     def slot_table(self, app: str) -> dict[str, Any] | None:
         """A sequence model application's slot table as last published: ``listeners``, one per

@@ -1,8 +1,8 @@
 """Where a model version runs: replicas of its own (dedicated) or a pool shared with other models.
 
-A model chooses with its config's ``hosting`` parameter::
+A model chooses with its config's ``rayinfer_hosting`` parameter::
 
-    parameters { key: "hosting" value: { string_value: "pool" } }
+    parameters { key: "rayinfer_hosting" value: { string_value: "pool" } }
 
 and without one takes the server's ``--model-hosting`` (``dedicated`` by default). A pool
 replica holds many models in one process, so a model is pooled only when it needs nothing a
@@ -25,7 +25,7 @@ from rayinfer.repository.instance_groups import ReplicaPlan
 from rayinfer.repository.model_config import ModelConfig
 from rayinfer.repository.python_env import PIP_PARAMETER
 
-HOSTING_PARAMETER = "hosting"
+HOSTING_PARAMETER = "rayinfer_hosting"
 DEDICATED = "dedicated"
 POOL = "pool"
 HOSTINGS = (DEDICATED, POOL)
@@ -53,7 +53,7 @@ def pool_obstacle(config: ModelConfig, plan: ReplicaPlan) -> str | None:
 
 
 def model_hosting(config: ModelConfig, path: Path, plan: ReplicaPlan, server_hosting: str) -> str:
-    """``dedicated`` or ``pool`` for a (defaults-filled) config at ``path``: its ``hosting``
+    """``dedicated`` or ``pool`` for a (defaults-filled) config at ``path``: its ``rayinfer_hosting``
     parameter, else ``server_hosting`` (--model-hosting) where the model can be pooled.
     :class:`ModelConfigError` naming the file for an unknown value, or for a model that asks
     for the pool and cannot be pooled."""

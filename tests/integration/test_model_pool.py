@@ -26,7 +26,7 @@ def config(name: str, **extra) -> str:
         "name": name, "platform": "onnxruntime_onnx", "max_batch_size": 8,
         "input": [{"name": n, "data_type": "TYPE_INT32", "dims": [16]} for n in ("INPUT0", "INPUT1")],
         "output": [{"name": n, "data_type": "TYPE_INT32", "dims": [16]} for n in ("OUTPUT0", "OUTPUT1")],
-        "parameters": {"hosting": {"string_value": "pool"}},
+        "parameters": {"rayinfer_hosting": {"string_value": "pool"}},
     }
     doc.update(extra)
     return json.dumps(doc)
@@ -74,7 +74,7 @@ def test_pooled_models_share_one_process_and_each_answers_over_both_protocols(se
             assert (grpc.infer(name, [a, b]).as_numpy("OUTPUT0") == 2).all()
             assert grpc.is_model_ready(name)
             assert grpc.get_model_metadata(name).name == name
-            assert grpc.get_model_config(name).config.parameters["hosting"].string_value == "pool"
+            assert grpc.get_model_config(name).config.parameters["rayinfer_hosting"].string_value == "pool"
     finally:
         grpc.close()
 
@@ -128,4 +128,36 @@ def test_unloading_a_pooled_model_keeps_the_others_in_the_same_process(server, c
     assert pids_titled(POOL_REPLICAS) == pool
     client.load_model(POOLED[2], config=config(POOLED[2]))
     assert (add_sub(client, POOLED[2], 4)[0] == 4 + np.arange(16)).all()
+    assert pids_titled(POOL_REPLICAS) == pool
+
+
+def test_one_grpc_stream_reaches_each_pooled_model_it_names(server, client):
+    """A stream's requests for several pooled models, on one connection: each is answered by the
+    model it names (the pool's versions share one deployment, not one route)."""
+    import queue
+
+    answers: queue.Queue = queue.Queue()
+    grpc = grpcclient.InferenceServerClient(server["grpc_url"])
+    try:
+        grpc.start_stream(callback=lambda result, error: answers.put((result, error)))
+        for i, name in enumerate([*POOLED, *POOLED]):
+            a = grpcclient.InferInput("INPUT0", [1, 16], "INT32")
+            a.set_data_from_numpy(np.full((1, 16), i, np.int32))
+            b = grpcclient.InferInput("INPUT1", [1, 16], "INT32")
+            b.set_data_from_numpy(np.zeros((1, 16), np.int32))
+            grpc.async_stream_infer(name, [a, b], request_id=str(i))
+        got = [answers.get(timeout=30) for _ in range(2 * len(POOLED))]
+        grpc.stop_stream()
+    finally:
+        grpc.close()
+    assert all(error is None for _, error in got), [error for _, error in got if error is not None][:1]
+    named = {r.get_response().id: r.get_response().model_name for r, _ in got}
+    assert named == {str(i): name for i, name in enumerate([*POOLED, *POOLED])}
+
+
+def test_loading_a_pooled_model_again_reloads_it_in_the_same_process(client):
+    pool = pids_titled(POOL_REPLICAS)
+    client.load_model(POOLED[0], config=config(POOLED[0], max_batch_size=4))
+    assert client.get_model_config(POOLED[0])["max_batch_size"] == 4
+    assert (add_sub(client, POOLED[0], 5)[0] == 5 + np.arange(16)).all()
     assert pids_titled(POOL_REPLICAS) == pool

@@ -1,4 +1,4 @@
-"""Which models the pool may host, and the ``hosting`` parameter's rules."""
+"""Which models the pool may host, and the ``rayinfer_hosting`` parameter's rules."""
 
 from __future__ import annotations
 
@@ -44,16 +44,16 @@ def test_the_server_default_pools_only_models_that_need_nothing_of_their_own() -
 
 
 def test_the_models_parameter_overrides_the_server() -> None:
-    asks_pool = ONNX + 'parameters { key: "hosting" value: { string_value: "Pool" } }\n'
-    asks_own = ONNX + 'parameters { key: "hosting" value: { string_value: "dedicated" } }\n'
+    asks_pool = ONNX + 'parameters { key: "rayinfer_hosting" value: { string_value: "Pool" } }\n'
+    asks_own = ONNX + 'parameters { key: "rayinfer_hosting" value: { string_value: "dedicated" } }\n'
     assert hosting(asks_pool) == "pool"
     assert hosting(asks_own, "pool") == "dedicated"
 
 
 def test_a_model_that_asks_for_the_pool_and_cannot_have_it_is_refused_naming_the_file_and_why() -> None:
-    text = ONNX + 'parameters { key: "hosting" value: { string_value: "pool" } }\n'
+    text = ONNX + 'parameters { key: "rayinfer_hosting" value: { string_value: "pool" } }\n'
     with pytest.raises(ModelConfigError, match=r"/models/m/config.pbtxt: .*asks for the pool, but it has 3 instances"):
         hosting(text, plan=ReplicaPlan(3, "KIND_CPU"))
     with pytest.raises(ModelConfigError, match="must be one of dedicated, pool, got 'shared'"):
-        hosting(ONNX + 'parameters { key: "hosting" value: { string_value: "shared" } }\n')
+        hosting(ONNX + 'parameters { key: "rayinfer_hosting" value: { string_value: "shared" } }\n')
     assert "Python model" in (pool_obstacle(config('backend: "python"\n'), ONE_CPU) or "")
