@@ -405,7 +405,7 @@ def _wait_for_pool(names: dict[str, HostedSpec], control: ModelControl) -> dict[
                     done = False
             if done:
                 return failed
-        time.sleep(0.2)
+        time.sleep(0.2)  # the reports change only when a pool replica finishes a load: poll them
     return {name: f"not loaded in the pool after {control.timeout_s:.0f} s" for name in names}
 
 
@@ -417,7 +417,7 @@ def _wait_dropped(names: set[str], control: ModelControl) -> None:
         replicas = [key.split("/", 1)[1] for key in running_replicas() if key.startswith(f"{POOL_APP}/")]
         if not any(names & set(report["loaded"]) for report in read_reports(replicas).values()):
             return
-        time.sleep(0.2)
+        time.sleep(0.2)  # Ray's store tells of no change: poll it, until the deadline
     logger.warning("the model pool still hosts %s a minute after they were dropped", ", ".join(sorted(names)))
 
 

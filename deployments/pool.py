@@ -113,7 +113,7 @@ class PoolDeployment:
                 return
             except Exception as exc:  # noqa: BLE001  # the GCS did not answer: again, shortly
                 logger.warning("could not publish the pool's report (attempt %d): %s", attempt + 1, exc)
-                await asyncio.sleep(0.5)
+                await asyncio.sleep(0.5)  # a GCS that did not answer: give it a moment, three tries in all
 
     async def _load(self, app: str, spec: HostedSpec) -> None:
         model, version, options = spec
@@ -212,6 +212,7 @@ class PoolDeployment:
                 answer_epoch, messages = await self._server_handle().control_poll.remote(self._replica_key, epoch, acked)
             except Exception as exc:
                 logger.debug("could not poll the control channel: %s", exc)
+                # The /v2 app is not deployed yet, or restarts: poll again as registration does.
                 await asyncio.sleep(_LISTENER_REGISTER_INTERVAL_S)
                 continue
             if answer_epoch != epoch:
