@@ -145,6 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("--resource-wait-secs", type=float)
         sub.add_argument("--model-hosting", choices=["dedicated", "pool"])
         sub.add_argument("--pool-replicas", type=int)
+        sub.add_argument("--pool-max-models", type=int)
+        sub.add_argument("--pool-load-timeout-secs", type=float)
         sub.add_argument("--ray-metrics-port", type=int)
         sub.add_argument("--dashboard-port", type=int)
         sub.add_argument("--dashboard-address")
@@ -313,6 +315,8 @@ def serve(settings: ServerSettings) -> int:
             resource_wait_s=settings.resource_wait_secs,
             model_hosting=settings.model_hosting,
             pool_replicas=settings.pool_replicas,
+            pool_max_models=settings.pool_max_models,
+            pool_load_timeout_s=settings.pool_load_timeout_secs,
             gpu_fraction=settings.gpu_fraction_per_model,
             replica_ray_metrics=settings.replica_ray_metrics,
             cache_size_bytes=response_cache_bytes(settings),

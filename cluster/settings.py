@@ -389,6 +389,18 @@ class ServerSettings(BaseSettings):
         description="How many replicas the model pool has (--model-hosting pool, or models whose 'hosting' "
         "parameter is 'pool'); each holds every pooled model and reserves --replica-num-cpus.",
     )
+    pool_max_models: int = Field(
+        0, ge=0,
+        description="How many pooled model versions each model pool replica keeps loaded at once (0: every "
+        "one). Past it, a replica unloads the least recently used version that has no request in flight; a "
+        "request for a version that is not loaded loads it again and waits (--pool-load-timeout-secs). Every "
+        "pooled version is loaded once when it is loaded into the server, so that a broken one fails then.",
+    )
+    pool_load_timeout_secs: float = Field(
+        60.0, gt=0,
+        description="How long a request for a pooled model version that its pool replica does not hold "
+        "(--pool-max-models) waits for the version to load before it fails UNAVAILABLE.",
+    )
     dashboard_port: int | None = Field(
         None,
         description="Start the embedded Ray's dashboard on this port (Ray's default is 8265), bound to "

@@ -218,4 +218,6 @@ def _control_from_args(args: dict[str, Any]) -> ModelControl:
         replica_ray_metrics=parse_bool(args.get("replica_ray_metrics", False)),
         hosting=str(args.get("model_hosting", "dedicated")),
         pool_replicas=int(args.get("pool_replicas", 1)),
+        pool_max_models=int(args.get("pool_max_models", 0)),
+        pool_load_timeout_s=float(args.get("pool_load_timeout_secs", 60.0)),
     )

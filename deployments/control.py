@@ -143,9 +143,13 @@ class ModelControl:
     # Limits on clients' connections to model replicas (ConnectionLimits' fields; the connection flags).
     connection_limits: tuple[tuple[str, float], ...] = ()
     # Where a model without a ``hosting`` parameter runs (--model-hosting: dedicated or pool), and
-    # how many replicas the pool has (--pool-replicas).
+    # how many replicas the pool has (--pool-replicas), how many versions each keeps loaded
+    # (--pool-max-models, 0: all) and how long a request waits for one to load again
+    # (--pool-load-timeout-secs).
     hosting: str = DEDICATED
     pool_replicas: int = 1
+    pool_max_models: int = 0
+    pool_load_timeout_s: float = 60.0
 
 
 def model_application(
@@ -373,7 +377,8 @@ def _run_pool(control: ModelControl, specs: dict[str, HostedSpec]) -> None:
             options["runtime_env"] = with_callers_runtime_env(options["runtime_env"],
                                                               ray.get_runtime_context().runtime_env)
     app = pool_application(
-        specs, replicas=control.pool_replicas, num_cpus=control.replica_num_cpus,
+        specs, replicas=control.pool_replicas, max_models=control.pool_max_models,
+        load_timeout_s=control.pool_load_timeout_s, num_cpus=control.replica_num_cpus,
         actor_options=options, log_level=control.log_level, log_settings_at_start=dict(control.log_settings),
         max_ongoing_requests=4 * MIN_ONGOING_REQUESTS, version=pool_version(control),
     )
@@ -397,7 +402,7 @@ def _wait_for_pool(names: dict[str, HostedSpec], control: ModelControl) -> dict[
             done = True
             for report in reports.values():
                 for name, digest in wanted.items():
-                    if report["loaded"].get(name) == digest:
+                    if digest in (report["loaded"].get(name), report.get("evicted", {}).get(name)):
                         continue
                     if (report["failed"].get(name) or [None])[0] == digest:
                         failed[name] = report["failed"][name][1]

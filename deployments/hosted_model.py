@@ -56,7 +56,7 @@ from rayinfer.serving.executor import Result
 from rayinfer.serving.model_core import ModelCore
 from rayinfer.serving.protocol_stamps import StreamTrace, stamp_http_request
 from rayinfer.serving.response_cache import ResponseCache, model_fingerprint
-from rayinfer.serving.routes import keep_request_headers, parse_model_route
+from rayinfer.serving.routes import ModelRoute, keep_request_headers, parse_model_route
 from rayinfer.serving.sequence_routing import FORWARDED_HEADER, SequenceRoutes
 from rayinfer.serving.trace import TraceSettings
 from rayinfer.transport.replica_listener import ReplicaListener
@@ -111,6 +111,8 @@ class HostedModel:
         self._sequence_client: ListenerClient | None = None
         self._limit_values: Any = None
         # A Python model's calls to other models (set before loading: initialize may call).
+        # Calls by deployment handle in flight (the model pool counts them, to drain them).
+        self.handle_calls = 0
         self._bls = ReplicaBlsClient(deployment)
         bls.set_client(self._bls)
         self._deployment = deployment
@@ -238,6 +240,27 @@ class HostedModel:
             return await model_http.stream_forwarded(self.core, headers, body, self._max_input_size)
         return await model_http.respond(self.core, method, route, headers, body, self._max_input_size)
 
+    async def http_forwarded(self, method: str, route: ModelRoute, headers: dict[bytes, bytes],
+                             body: bytes) -> model_http.HttpResponse:
+        """A model route the ``/v2`` replica forwards by handle (the front had no listener of the
+        model for it); a streamed answer comes whole."""
+        status, extra, payload = await model_http.respond(self.core, method, route, headers, body,
+                                                          self._max_input_size)
+        if not isinstance(payload, bytes):
+            payload = b"".join([chunk async for chunk in payload])
+        return status, extra, payload
+
+    @property
+    def busy(self) -> bool:
+        """Whether a request is in flight here: on its listener or by deployment handle."""
+        listener = getattr(self, "listener", None)
+        return bool(self.handle_calls or (listener is not None and listener.in_flight))
+
+    @property
+    def last_inference_s(self) -> float:
+        """When (Unix time, seconds) it last answered a request; 0 if it has not."""
+        return self.core.executor.stats.last_inference_ms / 1000
+
     async def _listener_grpc(self, method: str, payload: bytes) -> bytes:
         """A model RPC the front relayed to this replica's listener."""
         return await model_grpc.call_serialized(self.core, method, payload)
@@ -361,6 +384,26 @@ class HostedModel:
             self._shadow_reported = counts
         except Exception as exc:  # the server app may be gone: the counts go with the next report
             logger.debug("could not report shadow counts: %s", exc)
+
+    async def report(self) -> None:
+        """Send the ``/v2`` replica what changed since the last report: the shadow counts, the
+        traces collected, the statistics of this model and of an ensemble's in-place members."""
+        await self.report_shadow()
+        for key, core in self.reported_cores():
+            traces = core.tracer.collect()  # an in-place member's: its steps' child traces
+            if traces:
+                try:
+                    await self._server().report_traces.remote(core.name, traces)
+                except Exception as exc:  # the server app may be gone: those traces are lost
+                    logger.debug("could not report traces: %s", exc)
+            snapshot = core.snapshot()
+            if change_key(snapshot) == self.pushed.get(key):
+                continue
+            try:
+                await self._server().report_statistics.remote(key, core.name, core.version, snapshot)
+                self.pushed[key] = change_key(snapshot)
+            except Exception as exc:  # the server app may not be deployed (yet)
+                logger.debug("could not publish statistics: %s", exc)
 
     def reported_cores(self) -> list[tuple[str, ModelCore]]:
         """(key, core) of this model and of an ensemble's members running here, whose figures

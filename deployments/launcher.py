@@ -84,6 +84,8 @@ def deploy_repository(
     front_on_every_node: bool = False,
     model_hosting: str = "dedicated",
     pool_replicas: int = 1,
+    pool_max_models: int = 0,
+    pool_load_timeout_s: float = 60.0,
 ) -> dict[str, str]:
     """Deploy the ``/v2`` app, one app per model version and, given ``openai``, the ``/v1`` app
     (the OpenAI-compatible API); returns models that failed to load.
@@ -100,7 +102,8 @@ def deploy_repository(
         log_settings=tuple((log_settings or {}).items()), http_restricted=tuple(http_restricted or ()),
         grpc_restricted=tuple(grpc_restricted or ()), gpu_fraction=gpu_fraction,
         replica_ray_metrics=replica_ray_metrics, connection_limits=tuple((connection_limits or {}).items()),
-        hosting=model_hosting, pool_replicas=pool_replicas,
+        hosting=model_hosting, pool_replicas=pool_replicas, pool_max_models=pool_max_models,
+        pool_load_timeout_s=pool_load_timeout_s,
     )
     launch_version = f"rayinfer-{uuid.uuid4().hex}"
 

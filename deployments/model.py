@@ -25,12 +25,13 @@ from ray import serve
 
 from rayinfer.deployments import asgi
 from rayinfer.deployments.autoscaling import LISTENER_ONGOING
-from rayinfer.deployments.hosted_model import HostedModel, HostingOptions, change_key
+from rayinfer.deployments.hosted_model import HostedModel, HostingOptions
 from rayinfer.deployments.names import SERVER_APP, SERVER_DEPLOYMENT
 from rayinfer.deployments.serve_internals import replica_id
 from rayinfer.protocol import log_settings
 from rayinfer.protocol.limits import DEFAULT_HTTP_MAX_INPUT_SIZE
 from rayinfer.protocol.types import InferRequest, InferResponse
+from rayinfer.serving.routes import ModelRoute
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +94,12 @@ class ModelDeployment:
         """A model RPC the ``/v2`` replica forwards by handle: messages travel serialized
         (protobuf messages do not pickle); errors travel as ServingError."""
         return await self._model.grpc_forwarded(method, payload)
+
+    async def http_forwarded(self, method: str, route: ModelRoute, headers: dict[bytes, bytes],
+                             body: bytes) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+        """A model route the ``/v2`` replica forwards by handle (its listener is not registered
+        with the front yet): Triton's HTTP answer."""
+        return await self._model.http_forwarded(method, route, headers, body)
 
     async def bls_infer(self, request: InferRequest) -> InferResponse:
         """A Python model's BLS request (``exec`` / ``async_exec``) to this model."""
@@ -176,22 +183,7 @@ class ModelDeployment:
                 except Exception as exc:  # the server app may not be deployed (yet)
                     logger.debug("could not register the listener: %s", exc)
             await asyncio.sleep(_STATS_PUSH_INTERVAL_S)
-            await model.report_shadow()
-            for key, core in model.reported_cores():
-                traces = core.tracer.collect()  # an in-place member's: its steps' child traces
-                if traces:
-                    try:
-                        await self._server_handle().report_traces.remote(core.name, traces)
-                    except Exception as exc:  # the server app may be gone: those traces are lost
-                        logger.debug("could not report traces: %s", exc)
-                snapshot = core.snapshot()
-                if change_key(snapshot) == model.pushed.get(key):
-                    continue
-                try:
-                    await self._server_handle().report_statistics.remote(key, core.name, core.version, snapshot)
-                    model.pushed[key] = change_key(snapshot)
-                except Exception as exc:  # the server app may not be deployed (yet)
-                    logger.debug("could not publish statistics: %s", exc)
+            await model.report()
 
     async def __del__(self) -> None:
         """Serve stops the replica: out of the front's routes first, then drain."""

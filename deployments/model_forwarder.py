@@ -18,6 +18,7 @@ from rayinfer.deployments.model_handles import model_handle
 from rayinfer.protocol.errors import InvalidArgError, ServingError
 from rayinfer.serving.model_grpc import MODEL_RPCS
 from rayinfer.serving.protocol_stamps import StreamTrace, wall_clock_offset_ns
+from rayinfer.serving.routes import ModelRoute
 from rayinfer.serving.stream_infer import AsTheyCome, Traced
 from rayinfer.transport.router import choose_version, sticky_value
 
@@ -89,6 +90,12 @@ class ModelForwarder:
     def forget(self, model: str) -> None:
         """Drop the handles to the applications of an unloaded model."""
         self._handles = {route: h for route, h in self._handles.items() if route[1].rpartition("_v")[0] != model}
+
+    async def http(self, route: tuple[str, str], method: str, model_route: ModelRoute, headers: dict[bytes, bytes],
+                   body: bytes) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+        """A model route's HTTP answer (status, headers, body) from a replica of ``route``."""
+        handle = self._handles.get(route) or self._new_handle(route)
+        return await handle.http_forwarded.remote(method, model_route, headers, body)
 
     def _new_handle(self, route: tuple[str, str]) -> Any:
         """A deployment handle to ``route`` (application, deployment), kept for later calls."""

@@ -13,8 +13,16 @@ place (:meth:`PoolDeployment.reconfigure`) without restarting them or the other 
 version that fails to load is kept out with its reason (:meth:`PoolDeployment.hosting_report`),
 which the deployer reads and reports as the model's load error; its neighbours go on serving.
 
-Handle calls (the ``/v2`` replica's forwarded RPCs, BLS, streams, an ensemble's steps) carry the
-version's application name as Serve's multiplexed model id (:mod:`model_handles`).
+Handle calls (the ``/v2`` replica's forwarded RPCs and HTTP requests, BLS, streams, an
+ensemble's steps) carry the version's application name as Serve's multiplexed model id
+(:mod:`model_handles`); each replica tells Serve which versions it holds, so that Serve's router
+sends a call to a replica that holds its version first.
+
+With ``max_models`` (--pool-max-models) a replica holds at most that many versions loaded: past
+it, it unloads the least recently used version with nothing in flight (its listener withdrawn
+and drained, its handle calls ended first), and keeps its spec. A request for an unloaded version
+reaches the replica by handle (the front has no listener for it: the ``/v2`` replica forwards
+it), which loads the version again while the request waits (--pool-load-timeout-secs).
 """
 
 from __future__ import annotations
@@ -26,19 +34,28 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import AsyncIterator
 from typing import Any
 
 import ray
 from ray import serve
 from ray.serve.schema import LoggingConfig
+from tritonclient.grpc import service_pb2 as pb
 
-from rayinfer.deployments.hosted_model import HostedModel, HostingOptions, change_key
+from rayinfer.deployments.hosted_model import HostedModel, HostingOptions
 from rayinfer.deployments.names import POOL_DEPLOYMENT, POOL_KEY_SEP, SERVER_APP, SERVER_DEPLOYMENT, pool_key
 from rayinfer.deployments.pool_reports import KV_NAMESPACE, report_key, spec_digest
-from rayinfer.deployments.serve_internals import kv_delete, kv_put, replica_id, with_code_version
+from rayinfer.deployments.serve_internals import (
+    kv_delete,
+    kv_put,
+    publish_multiplexed_models,
+    replica_id,
+    with_code_version,
+)
 from rayinfer.protocol import log_settings
 from rayinfer.protocol.errors import UnavailableError
 from rayinfer.protocol.types import InferRequest, InferResponse
+from rayinfer.serving.routes import ModelRoute
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +64,8 @@ _LISTENER_REGISTER_INTERVAL_S = 2.0
 # Versions a pool replica loads at once (each load runs in a thread: file reads, a framework
 # session).
 _LOADS_AT_ONCE = 4
+# How long a version being unloaded waits for the calls it is answering (as a listener drains).
+_DRAIN_S = 10.0
 
 # (model, version, options: the repository and HostingOptions' fields): one hosted version, by
 # application name.
@@ -55,20 +74,31 @@ HostedSpec = tuple[str, int, dict[str, Any]]
 
 @serve.deployment(name=POOL_DEPLOYMENT)
 class PoolDeployment:
-    """Hosts the pooled model versions its ``user_config`` lists."""
+    """Hosts the pooled model versions its ``user_config`` lists, at most ``max_models`` of them
+    loaded at once (0: all)."""
 
     async def __init__(self, start_log_settings: dict[str, Any] | None = None) -> None:
         log_settings.write_lines_here()
         if start_log_settings:
             log_settings.apply({**log_settings.default_settings(), **start_log_settings})
         context = serve.get_replica_context()
+        self._context = context
         self._replica_id = replica_id(context)
         self._replica_key = f"{context.app_name}/{self._replica_id}"
         self._deployment = context.deployment
         self._server: Any = None
-        self._hosted: dict[str, HostedModel] = {}
+        # Every version this replica hosts (its user_config's), and those of them loaded now.
         self._specs: dict[str, HostedSpec] = {}
+        self._hosted: dict[str, HostedModel] = {}
         self._failures: dict[str, str] = {}
+        # Versions loaded once with their spec and unloaded since to keep within max_models:
+        # the next request for one loads it again.
+        self._evicted: set[str] = set()
+        self._used: dict[str, float] = {}  # when a handle call last asked for a version (Unix time)
+        self._loading: dict[str, asyncio.Task[None]] = {}  # loads again that requests wait for
+        self._locks: dict[str, asyncio.Lock] = {}  # one load, reload or unload of a version at a time
+        self._max_models = 0
+        self._load_timeout_s = 60.0
         self._changing = asyncio.Lock()
         self._registered_at: dict[str, float] = {}
         # Each load of a version registers under a key of its own: the load that replaces it
@@ -80,28 +110,38 @@ class PoolDeployment:
 
     async def reconfigure(self, user_config: dict[str, Any]) -> None:
         """Host exactly the versions ``user_config["models"]`` lists ({application: spec}): new
-        ones are loaded, changed ones loaded again and swapped in, gone ones drained and closed."""
+        ones are loaded, changed ones loaded again and swapped in, gone ones drained and closed;
+        then the least recently used are unloaded down to ``user_config["max_models"]``."""
         wanted: dict[str, HostedSpec] = {app: (str(s[0]), int(s[1]), dict(s[2]))
                                          for app, s in dict(user_config.get("models") or {}).items()}
+        self._max_models = int(user_config.get("max_models") or 0)
+        self._load_timeout_s = float(user_config.get("load_timeout_s") or 60.0)
         async with self._changing:
             gone = [app for app in self._specs if app not in wanted]
             changed = [app for app, spec in wanted.items() if self._specs.get(app) != spec]
             for app in gone:
                 self._specs.pop(app, None)
                 self._failures.pop(app, None)
+                self._evicted.discard(app)
+                self._used.pop(app, None)
             # A failing close or report never fails the reconfiguration (Serve would replace the
             # replica, and every pooled version with it): each is logged.
-            await asyncio.gather(*(self._close(app) for app in gone))
+            await asyncio.gather(*(self._unload(app) for app in gone))
             limit = asyncio.Semaphore(_LOADS_AT_ONCE)
 
             async def load(app: str) -> None:
-                async with limit:
+                async with limit, self._lock(app):
                     await self._load(app, wanted[app])
+                await self._fit(keep=app)  # within max_models as it goes: a broken version fails now
                 await self._publish_report()  # each version is ready as soon as it is loaded
 
             await asyncio.gather(*(load(app) for app in changed))
+            await self._fit()
             await self._publish_report()
         gc.collect()
+
+    def _lock(self, app: str) -> asyncio.Lock:
+        return self._locks.setdefault(app, asyncio.Lock())
 
     async def _publish_report(self) -> None:
         """This replica's hosting report, to Ray's key-value store (:mod:`pool_reports`); tried
@@ -115,7 +155,16 @@ class PoolDeployment:
                 logger.warning("could not publish the pool's report (attempt %d): %s", attempt + 1, exc)
                 await asyncio.sleep(0.5)  # a GCS that did not answer: give it a moment, three tries in all
 
+    def _publish_resident(self) -> None:
+        """The versions loaded here, for Serve's router: a handle call for one goes to a replica
+        that holds it first, one for a version no replica holds to the replica holding fewest."""
+        try:
+            publish_multiplexed_models(self._context, sorted(self._hosted))
+        except Exception as exc:  # noqa: BLE001  # Serve routes without it (to any replica)
+            logger.debug("could not tell Serve which models this replica holds: %s", exc)
+
     async def _load(self, app: str, spec: HostedSpec) -> None:
+        """Load ``app`` with ``spec`` (the caller holds its lock), replacing a loaded one."""
         model, version, options = spec
         self._failures.pop(app, None)
         self._loads += 1
@@ -131,58 +180,169 @@ class PoolDeployment:
             logger.error("model '%s' version %d failed to load in the pool: %s", model, version, reason)
             self._specs[app] = spec
             self._failures[app] = reason
+            self._evicted.discard(app)
             self._registered_at.pop(app, None)
             await _close_quietly(self._hosted.pop(app, None))
+            self._publish_resident()
             return
         old = self._hosted.get(app)
         self._hosted[app] = hosted
         self._specs[app] = spec
+        self._evicted.discard(app)
+        self._used[app] = time.time()
+        self._publish_resident()
         # A reload: the new load registers its listener before the old one withdraws and drains.
         await self._register(app, hosted)
-        await _close_quietly(old)
+        await self._retire(old)
 
-    async def _close(self, app: str) -> None:
-        self._registered_at.pop(app, None)
-        await _close_quietly(self._hosted.pop(app, None))
+    async def _unload(self, app: str) -> None:
+        async with self._lock(app):
+            self._registered_at.pop(app, None)
+            hosted = self._hosted.pop(app, None)
+            self._publish_resident()
+            await self._retire(hosted)
 
-    # ---- handle calls (the hosted version: Serve's multiplexed model id) --------------------
+    async def _retire(self, hosted: HostedModel | None) -> None:
+        """Close a version no longer in ``_hosted``: its handle calls in flight end first (up to
+        the listener's drain time), then its listener drains and the model closes."""
+        if hosted is None:
+            return
+        deadline = time.monotonic() + _DRAIN_S
+        while hosted.handle_calls and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)  # the calls' ends are not signalled: look again shortly, up to the deadline
+        await _close_quietly(hosted)
 
-    def _model(self) -> HostedModel:
-        app = serve.get_multiplexed_model_id()
+    # ---- within max_models ------------------------------------------------------------------
+
+    async def _fit(self, keep: str | None = None) -> None:
+        """Unload the least recently used versions with nothing in flight while more than
+        ``max_models`` are loaded (never ``keep``, the version just loaded); with every one busy,
+        the report loop tries again."""
+        while self._max_models and len(self._hosted) > self._max_models:
+            idle = [app for app, hosted in self._hosted.items()
+                    if app != keep and not hosted.busy and not self._lock(app).locked()]
+            if not idle:
+                return
+            app = min(idle, key=lambda a: max(self._used.get(a, 0.0), self._hosted[a].last_inference_s))
+            await self._evict(app)
+
+    async def _evict(self, app: str) -> None:
+        async with self._lock(app):
+            hosted = self._hosted.get(app)
+            if hosted is None or hosted.busy:  # a request came meanwhile: it stays
+                return
+            del self._hosted[app]
+            self._evicted.add(app)
+            self._registered_at.pop(app, None)
+            self._publish_resident()
+            logger.info("model '%s' version %d unloaded from the pool to keep within --pool-max-models %d "
+                        "(it loads again on its next request)", hosted.core.name, self._specs[app][1], self._max_models)
+            await hosted.report()  # its last figures: the /v2 replica keeps them
+            await self._retire(hosted)
+
+    async def _resident(self, app: str) -> HostedModel:
+        """The loaded version ``app``; one unloaded to keep within max_models is loaded again
+        (the caller waits up to load_timeout_s)."""
         hosted = self._hosted.get(app)
         if hosted is None:
-            reason = self._failures.get(app)
-            raise UnavailableError(f"model application '{app}' is not hosted by this pool replica"
-                                   + (f": {reason}" if reason else ""))
+            if app not in self._specs or app in self._failures:
+                reason = self._failures.get(app)
+                raise UnavailableError(f"model application '{app}' is not hosted by this pool replica"
+                                       + (f": {reason}" if reason else ""))
+            task = self._loading.get(app)
+            if task is None:
+                task = asyncio.get_running_loop().create_task(self._load_again(app))
+                self._loading[app] = task
+                task.add_done_callback(lambda _, app=app: self._loading.pop(app, None))
+            model, version, _ = self._specs[app]
+            try:
+                await asyncio.wait_for(asyncio.shield(task), self._load_timeout_s)
+            except asyncio.TimeoutError:
+                raise UnavailableError(f"model '{model}' version {version} did not load in the model pool within "
+                                       f"{self._load_timeout_s:g} s (--pool-load-timeout-secs)") from None
+            hosted = self._hosted.get(app)
+            if hosted is None:
+                reason = self._failures.get(app, "it was unloaded")
+                raise UnavailableError(f"model '{model}' version {version} could not be loaded again: {reason}")
+        self._used[app] = time.time()
         return hosted
 
+    async def _load_again(self, app: str) -> None:
+        started = time.perf_counter()
+        async with self._lock(app):
+            spec = self._specs.get(app)
+            if app in self._hosted or spec is None or app in self._failures:
+                return
+            await self._load(app, spec)
+        if app in self._hosted:
+            logger.info("model '%s' version %d loaded again in the pool in %.0f ms", spec[0], spec[1],
+                        (time.perf_counter() - started) * 1000)
+        try:
+            await self._fit(keep=app)
+            await self._publish_report()
+        except Exception:  # the version is loaded: what failed is tried again by the report loop
+            logger.exception("could not unload idle models after loading '%s'", app)
+
+    @contextlib.asynccontextmanager
+    async def _call(self) -> AsyncIterator[HostedModel]:
+        """The hosted version a handle call names (Serve's multiplexed model id), counted in
+        flight while the call lasts."""
+        hosted = await self._resident(serve.get_multiplexed_model_id())
+        hosted.handle_calls += 1
+        try:
+            yield hosted
+        finally:
+            hosted.handle_calls -= 1
+
     def hosting_report(self) -> dict[str, Any]:
-        """What this replica hosts: {"loaded": {application: spec digest}, "failed": {application:
-        [spec digest, reason]}}."""
+        """What this replica hosts: {"loaded": {application: spec digest}, "evicted": {application:
+        spec digest}, "failed": {application: [spec digest, reason]}}."""
         return {"loaded": {app: spec_digest(self._specs[app]) for app in self._hosted if app in self._specs},
+                "evicted": {app: spec_digest(self._specs[app]) for app in self._evicted if app in self._specs},
                 "failed": {app: [spec_digest(self._specs[app]), reason] for app, reason in self._failures.items()
                            if app in self._specs}}
 
+    # ---- handle calls (the hosted version: Serve's multiplexed model id) --------------------
+
+    def _held_elsewhere(self, app: str) -> bool:
+        """Whether ``app`` is a version this replica serves without holding it loaded now."""
+        return app not in self._hosted and app in self._specs and app not in self._failures
+
     async def grpc_forwarded(self, method: str, payload: bytes) -> bytes:
-        return await self._model().grpc_forwarded(method, payload)
+        if method == "ModelReady" and self._held_elsewhere(serve.get_multiplexed_model_id()):
+            return pb.ModelReadyResponse(ready=True).SerializeToString()  # it loads on its next request
+        async with self._call() as hosted:
+            return await hosted.grpc_forwarded(method, payload)
+
+    async def http_forwarded(self, method: str, route: ModelRoute, headers: dict[bytes, bytes],
+                             body: bytes) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+        async with self._call() as hosted:
+            return await hosted.http_forwarded(method, route, headers, body)
 
     async def bls_infer(self, request: InferRequest) -> InferResponse:
-        return await self._model().bls_infer(request)
+        async with self._call() as hosted:
+            return await hosted.bls_infer(request)
 
     async def model_ready(self) -> bool:
-        return await self._model().core.ready()
+        if self._held_elsewhere(serve.get_multiplexed_model_id()):
+            return True
+        async with self._call() as hosted:
+            return await hosted.core.ready()
 
-    def model_config_json(self) -> str:
-        return self._model().config_json()
+    async def model_config_json(self) -> str:
+        async with self._call() as hosted:
+            return hosted.config_json()
 
     async def bls_stream(self, request: InferRequest, mark_final_alone: bool = False) -> Any:
-        async with contextlib.aclosing(self._model().bls_stream(request, mark_final_alone)) as messages:
+        async with self._call() as hosted, \
+                contextlib.aclosing(hosted.bls_stream(request, mark_final_alone)) as messages:
             async for message in messages:  # a caller that gives up closes the model's stream at once
                 yield message
 
     async def grpc_stream(self, payload: bytes, trace_context: str | None = None,
                           read_walls: tuple[int, int] | None = None) -> Any:
-        async with contextlib.aclosing(self._model().grpc_stream(payload, trace_context, read_walls)) as messages:
+        async with self._call() as hosted, \
+                contextlib.aclosing(hosted.grpc_stream(payload, trace_context, read_walls)) as messages:
             async for message in messages:
                 yield message
 
@@ -198,7 +358,7 @@ class PoolDeployment:
             settings = await self._server_handle().register_listener.remote(
                 hosted.replica_key, app, *hosted.listener_address, False, ray.get_runtime_context().current_actor,
             )
-            if self._hosted.get(app) is hosted:  # not one replaced meanwhile (a reload)
+            if self._hosted.get(app) is hosted:  # not one replaced or unloaded meanwhile
                 self._registered_at[app] = time.monotonic()
             hosted.take_settings(settings)
         except Exception as exc:  # the server app may not be deployed (yet)
@@ -226,7 +386,8 @@ class PoolDeployment:
                 acked = max(acked, seq)
 
     async def _report_forever(self) -> None:
-        """Register each hosted version's listener every few seconds; push statistics that changed."""
+        """Register each hosted version's listener every few seconds; push what changed; unload
+        versions that were busy when max_models was passed, once they are idle."""
         while True:
             now = time.monotonic()
             for app, hosted in list(self._hosted.items()):
@@ -234,22 +395,13 @@ class PoolDeployment:
                     await self._register(app, hosted)
             await asyncio.sleep(_STATS_PUSH_INTERVAL_S)
             for hosted in list(self._hosted.values()):
-                await hosted.report_shadow()
-                for key, core in hosted.reported_cores():
-                    traces = core.tracer.collect()
-                    if traces:
-                        try:
-                            await self._server_handle().report_traces.remote(core.name, traces)
-                        except Exception as exc:  # the server app may be gone: those traces are lost
-                            logger.debug("could not report traces: %s", exc)
-                    snapshot = core.snapshot()
-                    if change_key(snapshot) == hosted.pushed.get(key):
-                        continue
-                    try:
-                        await self._server_handle().report_statistics.remote(key, core.name, core.version, snapshot)
-                        hosted.pushed[key] = change_key(snapshot)
-                    except Exception as exc:
-                        logger.debug("could not publish statistics: %s", exc)
+                await hosted.report()
+            if self._max_models and len(self._hosted) > self._max_models and not self._changing.locked():
+                try:
+                    await self._fit()
+                    await self._publish_report()
+                except Exception:  # noqa: BLE001  # tried again on the next round
+                    logger.exception("could not unload idle models from the pool")
 
     async def __del__(self) -> None:
         for name in ("_report_task", "_control_task"):
@@ -294,17 +446,21 @@ def hosted_spec(model_repository: str, model: str, version: int, options: Hostin
     })
 
 
-def pool_application(models: dict[str, HostedSpec], *, replicas: int, num_cpus: float,
+def pool_application(models: dict[str, HostedSpec], *, replicas: int, max_models: int, load_timeout_s: float,
+                     num_cpus: float,
                      actor_options: dict[str, Any], log_level: str, log_settings_at_start: dict[str, Any] | None,
                      max_ongoing_requests: int, version: str) -> Any:
-    """The pool's application, hosting ``models`` ({application: spec}) on ``replicas`` replicas.
+    """The pool's application, hosting ``models`` ({application: spec}) on ``replicas`` replicas,
+    each holding at most ``max_models`` loaded (0: all; a request for another waits up to
+    ``load_timeout_s`` for it to load).
     ``version``: the pool's code version, the same for every deploy of one server, so that a new
     list of models reconfigures the running replicas instead of replacing them."""
     deployment = PoolDeployment.options(
         num_replicas=replicas,
         max_ongoing_requests=max_ongoing_requests,
         ray_actor_options={**actor_options, "num_cpus": num_cpus},
-        user_config={"models": {app: list(spec) for app, spec in sorted(models.items())}},
+        user_config={"models": {app: list(spec) for app, spec in sorted(models.items())},
+                     "max_models": max_models, "load_timeout_s": load_timeout_s},
         health_check_period_s=5.0,
         graceful_shutdown_timeout_s=10.0,
         graceful_shutdown_wait_loop_s=0.2,

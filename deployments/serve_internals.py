@@ -9,6 +9,8 @@ is checked as the CLI starts and as the ``/v2`` application is built, and says w
 - :func:`new_handle`: a deployment handle of the caller's own (``DeploymentHandle``'s
   constructor), which routes on the event loop it is first used on.
 - :func:`replica_id`: the unique id of the replica the code runs in.
+- :func:`publish_multiplexed_models`: the model ids a replica holds, for Serve's routing of
+  handle calls that carry a multiplexed model id (what ``@serve.multiplexed`` reports).
 - :func:`kv_get` and :func:`kv_put`: Ray's key-value store in the GCS (``internal_kv``).
 - :func:`pending_resource_shapes`: the resources of the tasks and actors waiting for resources
   the cluster does not have free (the GCS's pending demand, as ``ray status`` shows it, read
@@ -97,6 +99,17 @@ def new_handle(app: str, deployment: str) -> Any:
 def replica_id(context: Any) -> str:
     """The unique id of the replica of ``context`` (``serve.get_replica_context()``)."""
     return str(context.replica_id.unique_id)
+
+
+def publish_multiplexed_models(context: Any, model_ids: list[str]) -> None:
+    """Tell Serve's controller which multiplexed model ids the replica of ``context`` holds, so
+    that Serve's router sends a handle call with one of them to a replica that holds it first
+    (as ``@serve.multiplexed`` does for the models it loaded; not blocking)."""
+    from ray.serve._private.common import RequestRoutingInfo
+    from ray.serve.context import _get_global_client
+
+    _get_global_client().record_request_routing_info(
+        RequestRoutingInfo(replica_id=context.replica_id, multiplexed_model_ids=list(model_ids)))
 
 
 def kv_get(key: bytes, namespace: str) -> bytes | None:

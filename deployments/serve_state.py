@@ -208,9 +208,14 @@ def serve_applications() -> dict[str, ApplicationState]:
     return apps
 
 
+# The index's reason for a pooled version no pool replica holds loaded now (--pool-max-models).
+NOT_RESIDENT = "not loaded now (--pool-max-models): loads on its next request"
+
+
 def _pooled_applications(details: dict[str, Any], pool: ApplicationState) -> dict[str, ApplicationState]:
     """Each version the pool hosts as an application of its own: RUNNING once a serving pool
-    replica reports it loaded with its current spec, DEPLOY_FAILED with the reason one gave,
+    replica reports it loaded with its current spec (or loaded once and unloaded since to keep
+    within --pool-max-models: its message says so), DEPLOY_FAILED with the reason one gave,
     else the pool's own state while it loads (a pool that failed fails them all)."""
     replicas = [str(r.get("replica_id")) for r in
                 (details["applications"][POOL_APP]["deployments"][POOL_DEPLOYMENT].get("replicas") or [])
@@ -226,6 +231,8 @@ def _pooled_applications(details: dict[str, Any], pool: ApplicationState) -> dic
         failed = next((r["failed"][name][1] for r in reports if (r["failed"].get(name) or [None])[0] == digest), None)
         if any(r["loaded"].get(name) == digest for r in reports):
             status, message = "RUNNING", ""
+        elif any(r.get("evicted", {}).get(name) == digest for r in reports):
+            status, message = "RUNNING", NOT_RESIDENT
         elif failed is not None:
             status, message = "DEPLOY_FAILED", failed
         else:
@@ -384,7 +391,7 @@ class ServeState:
                     ):
                         routes[f"{entry.name}/{version}"] = route
                         running[app_name] = replicas
-                        row.update(state="READY", reason="")
+                        row.update(state="READY", reason=app.message if app.pooled else "")
                         if version == default_version or (version == latest and f"{entry.name}/" not in routes):
                             routes[f"{entry.name}/"] = route
                 rows.append(row)

@@ -41,7 +41,7 @@ from rayinfer.repository.object_store import local_repository
 from rayinfer.serving import response_cache
 from rayinfer.serving.model_control import ModelController
 from rayinfer.serving.trace import parse_update, settings_from_flags
-from rayinfer.serving.routes import ModelRoute
+from rayinfer.serving.routes import POST_ACTIONS, ModelRoute, keep_request_headers
 
 # How often the front's routes are compared with the served versions and their replicas.
 _ROUTES_REFRESH_S = 2.0
@@ -264,11 +264,27 @@ class ServerDeployment:
     def __serve_build_asgi_app__(self) -> Any:
         return v2_router(self._api, self._max_input_size, self._restrictions, self.unrouted_model)  # deployments/v2_http.py
 
-    async def unrouted_model(self, route: ModelRoute, method: str, send: asgi.Send) -> None:
+    async def unrouted_model(self, route: ModelRoute, scope: asgi.Scope, receive: asgi.Receive,
+                             send: asgi.Send) -> None:
         """A model route the front had no replica for: the model is unknown, unavailable or still
         loading (Triton's "not ready" at once), or its replicas run but are not registered with
-        the front yet (answered through a deployment handle, as over gRPC)."""
-        name, version = route.model, route.version
+        the front (yet: a dedicated replica starting; a pooled version that its pool replica
+        unloaded loads again), answered through a deployment handle, as over gRPC."""
+        name, version, method = route.model, route.version, scope["method"]
+        if method == "POST" and route.action in POST_ACTIONS:
+            target = await self._forwarder.route(name, version)
+            if target is None:
+                raise await self._api.unavailable_model(name, version or None)
+            body = await asgi.read_body(receive, self._max_input_size)
+            try:
+                status, headers, payload = await self._forwarder.http(
+                    target, method, route, keep_request_headers(scope["headers"]), body)
+            except ServingError:
+                raise
+            except Exception as exc:  # the replica's failure, as Ray raises it
+                raise as_serving_error(exc) from None
+            await asgi.send_bytes(send, status, payload, headers)
+            return
         routed = method == "GET" and route.action != "infer" and await self._forwarder.route(name, version) is not None
         if route.action == "ready" and method == "GET":
             answer = await self._grpc.ModelReady(pb.ModelReadyRequest(name=name, version=version)) if routed else None

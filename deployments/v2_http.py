@@ -62,7 +62,7 @@ class _Endpoint:
 
 
 def v2_router(api: V2Api, limit: int, restrictions: tuple[Restrictions, Restrictions] | None,
-              unrouted_model: Callable[[ModelRoute, str, asgi.Send], Awaitable[None]],
+              unrouted_model: Callable[[ModelRoute, asgi.Scope, asgi.Receive, asgi.Send], Awaitable[None]],
               ) -> Callable[[asgi.Scope, asgi.Receive, asgi.Send], Awaitable[None]]:
     """The ASGI app of the ``/v2`` replica's HTTP routes: ``api``'s operations, request bodies up
     to ``limit`` bytes, ``restrictions`` (--http-restricted-api, --grpc-restricted-protocol),
@@ -129,7 +129,7 @@ def v2_router(api: V2Api, limit: int, restrictions: tuple[Restrictions, Restrict
         route = parse_model_route(scope["path"])
         if route is None:
             raise _not_found(scope)
-        await unrouted_model(route, scope["method"], send)
+        await unrouted_model(route, scope, receive, send)
 
     def shared_memory(kind: str, action: str) -> _Endpoint:
         method = "GET" if action == "status" else "POST"

@@ -30,6 +30,8 @@ SERVE_HTTP_PORT = HTTP_PORT + 10
 # How long an HTTP client waits for a model's load (tritonclient's default, 60 s, is shorter than
 # starting replica processes has taken on a busy 2-core machine).
 LOAD_TIMEOUT_S = 300.0
+# The shared server's model pool keeps at most this many versions loaded (test_model_pool evicts past it).
+POOL_MAX_MODELS = 3
 
 
 def http(method: str, path: str, body: bytes | None = None, headers: dict | None = None,
@@ -368,7 +370,7 @@ def server(model_repository: Path, tmp_path_factory: pytest.TempPathFactory):
         "--grpc-port", str(GRPC_PORT), "--serve-grpc-port", str(SERVE_GRPC_PORT), "--serve-http-port", str(SERVE_HTTP_PORT),
         "--cache-config", "local,size=1048576", "--trace-config", f"triton,file={trace_file}",
         "--ray-metrics-port", str(RAY_METRICS_PORT), "--metrics-config", "summary_latencies=true",
-        "--metrics-config", "histogram_latencies=true",
+        "--metrics-config", "histogram_latencies=true", "--pool-max-models", str(POOL_MAX_MODELS),
     ])
     _SHARED["server"] = proc
     try:

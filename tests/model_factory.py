@@ -104,6 +104,7 @@ ON_DEMAND_MODELS = tuple(f"on_demand_{suffix}" for suffix in (
     "pool_a",          # test_model_pool: served in the model pool (a config override asks for it)
     "pool_b",
     "pool_c",
+    "pool_d",          # test_model_pool: one more than --pool-max-models (3) on the test server
     "pool_broken",     # test_model_pool: fails to load in the pool, its neighbours serve on
 ))
 

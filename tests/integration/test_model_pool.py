@@ -4,6 +4,7 @@ the pool's replica process, each answering, counting and failing as its own mode
 from __future__ import annotations
 
 import json
+import threading
 
 import numpy as np
 import pytest
@@ -11,12 +12,15 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from conftest import LOAD_TIMEOUT_S, add_sub_inputs, http_json, metric_value, pids_titled
+from conftest import LOAD_TIMEOUT_S, POOL_MAX_MODELS, add_sub_inputs, http_json, metric_value, pids_titled
 from model_factory import on_demand
 from waiting import wait_until
 
 POOLED = [on_demand("pool_a"), on_demand("pool_b"), on_demand("pool_c")]
 BROKEN = on_demand("pool_broken")
+EXTRA = on_demand("pool_d")  # one past the pool's --pool-max-models with POOLED
+# The index's reason for a pooled version its replica does not hold loaded now.
+NOT_LOADED = "not loaded now (--pool-max-models)"
 POOL_REPLICAS = "ServeReplica:rayinfer-pool:"
 
 
@@ -45,7 +49,7 @@ def client(server):
     for name in POOLED:
         c.load_model(name, config=config(name))
     yield c
-    for name in [*POOLED, BROKEN]:
+    for name in [*POOLED, BROKEN, EXTRA]:
         c.unload_model(name)
     c.close()
 
@@ -160,4 +164,102 @@ def test_loading_a_pooled_model_again_reloads_it_in_the_same_process(client):
     client.load_model(POOLED[0], config=config(POOLED[0], max_batch_size=4))
     assert client.get_model_config(POOLED[0])["max_batch_size"] == 4
     assert (add_sub(client, POOLED[0], 5)[0] == 5 + np.arange(16)).all()
+    assert pids_titled(POOL_REPLICAS) == pool
+
+
+def loaded(name: str) -> bool:
+    """Whether the pool holds ``name`` loaded now (the index says which it does not)."""
+    return NOT_LOADED not in index_row(name).get("reason", "")
+
+
+def success_count(c, name: str) -> int:
+    return c.get_inference_statistics(name)["model_stats"][0]["inference_stats"]["success"]["count"]
+
+
+def grpc_add_sub(grpc, name: str, seed: int) -> np.ndarray:
+    a = grpcclient.InferInput("INPUT0", [1, 16], "INT32")
+    a.set_data_from_numpy(np.full((1, 16), seed, np.int32))
+    b = grpcclient.InferInput("INPUT1", [1, 16], "INT32")
+    b.set_data_from_numpy(np.arange(16, dtype=np.int32).reshape(1, 16))
+    return grpc.infer(name, [a, b]).as_numpy("OUTPUT0")
+
+
+def test_past_max_models_the_least_recently_used_model_is_unloaded_and_loads_again_when_asked(server, client):
+    assert len(POOLED) == POOL_MAX_MODELS
+    pool = pids_titled(POOL_REPLICAS)
+    for name in POOLED:  # POOLED[0] is now the least recently used
+        add_sub(client, name, 1)
+    client.load_model(EXTRA, config=config(EXTRA))
+    wait_until(lambda: not loaded(POOLED[0]), "the least recently used model unloaded")
+    assert index_row(POOLED[0])["state"] == "READY"
+    assert all(loaded(name) for name in (*POOLED[1:], EXTRA))
+    assert client.is_model_ready(POOLED[0])  # ready (it loads on its next request) ...
+    assert not loaded(POOLED[0])  # ... and asking did not load it
+    before = success_count(client, POOLED[0])
+    # Its next request, over HTTP, loads it again; another idle model makes room.
+    total, difference = add_sub(client, POOLED[0], 6)
+    assert (total == 6 + np.arange(16)).all() and (difference == 6 - np.arange(16)).all()
+    wait_until(lambda: loaded(POOLED[0]) and not loaded(POOLED[1]), "the next least recently used one unloaded")
+    # Its figures go on from before it was unloaded.
+    wait_until(lambda: success_count(client, POOLED[0]) == before + 1, "the statistics kept across the unload")
+    # An unloaded model asked over gRPC loads again too.
+    grpc = grpcclient.InferenceServerClient(server["grpc_url"])
+    try:
+        assert (grpc_add_sub(grpc, POOLED[1], 8) == 8 + np.arange(16)).all()
+        assert grpc.get_model_metadata(POOLED[1]).name == POOLED[1]
+    finally:
+        grpc.close()
+    assert pids_titled(POOL_REPLICAS) == pool
+
+
+def test_models_unloaded_and_loaded_again_under_load_lose_no_request(server, client):
+    """Three clients cycle over four pooled models (one more than the pool keeps loaded), each
+    request over HTTP or gRPC in turn: models are unloaded and loaded again all along, and every
+    request is answered, and answered right."""
+    models = [*POOLED, EXTRA]
+    pool = pids_titled(POOL_REPLICAS)
+    errors: list[str] = []
+    answered: list[int] = []
+    unloaded_seen: set[str] = set()
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set():
+            status, rows = http_json("POST", "/v2/repository/index")
+            unloaded_seen.update(r["name"] for r in rows if NOT_LOADED in r.get("reason", ""))
+            stop.wait(0.05)
+
+    def work(worker: int) -> None:
+        http = httpclient.InferenceServerClient(server["url"], network_timeout=120)
+        grpc = grpcclient.InferenceServerClient(server["grpc_url"])
+        try:
+            for i in range(20):
+                name, seed = models[(worker + i) % len(models)], worker * 100 + i
+                try:
+                    if i % 2:
+                        total = grpc_add_sub(grpc, name, seed)
+                    else:
+                        total = add_sub(http, name, seed)[0]
+                except Exception as exc:  # noqa: BLE001  # every failure is reported below
+                    errors.append(f"{name} ({'gRPC' if i % 2 else 'HTTP'}): {exc}")
+                    continue
+                if not (total == seed + np.arange(16)).all():
+                    errors.append(f"{name}: a wrong answer {total}")
+                answered.append(1)
+        finally:
+            http.close()
+            grpc.close()
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    workers = [threading.Thread(target=work, args=(w,)) for w in range(3)]
+    for thread in workers:
+        thread.start()
+    for thread in workers:
+        thread.join()
+    stop.set()
+    watcher.join()
+    assert not errors, errors[:5]
+    assert len(answered) == 60
+    assert unloaded_seen, "no model was unloaded while the clients ran"
     assert pids_titled(POOL_REPLICAS) == pool

@@ -55,8 +55,8 @@ class _Server:
         self._restrictions = None
         self.unrouted: list[tuple] = []
 
-    async def unrouted_model(self, route, method: str, send) -> None:
-        self.unrouted.append((route.model, route.version, route.action, method))
+    async def unrouted_model(self, route, scope, receive, send) -> None:
+        self.unrouted.append((route.model, route.version, route.action, scope["method"]))
         await send({"type": "http.response.start", "status": 200, "headers": []})
         await send({"type": "http.response.body", "body": b""})
 
