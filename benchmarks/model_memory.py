@@ -21,7 +21,7 @@ splits shared pages between the processes that share them, so the sum is the ser
 rayinfer runs with ``--replica-num-cpus 0.01`` so that every replica fits the 2 CPUs of this
 machine (each replica reserves that share; with the default 0.1 about 18 fit beside the server's
 own). Both run in a private network namespace; run it alone (every Ray process started meanwhile
-counts). Writes the table to docs/benchmarks.md.
+counts). Writes the table to docs/benchmarks.md and its plot to docs/images/model_memory.png.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from compare_triton import (ANCHORS, PYTHON_MODEL, ROOT, ensure_anchor, in_private_netns, processes, reexec_in_netns,
+from compare_triton import (ANCHORS, PYTHON_MODEL, ROOT, ensure_anchor, ensure_installed, in_private_netns, processes, reexec_in_netns,
                             start_rayinfer, start_triton, stop_server, stop_triton, wait_ready, write_doc)
 from scaling import memory_kib
 
@@ -145,6 +145,36 @@ def render(results: dict[tuple[str, str], dict[int, tuple[float, int, float]]], 
     return "\n".join(lines)
 
 
+def plot(results: dict[tuple[str, str], dict[int, tuple[float, int, float]]], path: Path) -> None:
+    """Memory (PSS, MiB) against the number of models, one line per server and kind, on log axes."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    styles = {("rayinfer", "onnx"): ("tab:blue", "-", "rayinfer, ONNX, a replica each"),
+              ("rayinfer", "onnx-pool"): ("tab:blue", "--", "rayinfer, ONNX, pooled"),
+              ("rayinfer", "python"): ("tab:orange", "-", "rayinfer, Python, a replica each"),
+              ("triton", "python"): ("tab:green", "-", "Triton 2.51, Python")}
+    for key, (color, line, label) in styles.items():
+        points = results.get(key)
+        if points:
+            counts = sorted(points)
+            ax.plot(counts, [points[c][0] for c in counts], line, color=color, marker="o", label=label)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("models loaded")
+    ax.set_ylabel("PSS of every server process (MiB)")
+    ax.set_title("Memory against the number of small models")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def counts_of(args: argparse.Namespace, kind: str) -> list[int]:
     """The model counts measured for ``kind`` (the pooled kind's own, given --pool-counts)."""
     return args.pool_counts if kind.endswith("-pool") else args.counts
@@ -164,6 +194,7 @@ def main() -> int:
     args.cores = len(__import__("os").sched_getaffinity(0))
     if not args.no_triton:
         ensure_anchor()  # before the network goes away
+    ensure_installed()  # the plotting library, likewise
     if not in_private_netns():
         reexec_in_netns()
     results: dict[tuple[str, str], dict[int, tuple[float, int, float]]] = {}
@@ -183,6 +214,7 @@ def main() -> int:
     section = render(results, args)
     print(section)
     write_doc(section, args.output, MARKS)
+    plot(results, args.output.parent / "images" / "model_memory.png")
     return 0
 
 

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from compare_triton import (ROOT, in_private_netns, perf_analyzer, reexec_in_netns, start_rayinfer, stop_server,
+from compare_triton import (ROOT, ensure_anchor, in_private_netns, perf_analyzer, reexec_in_netns, start_rayinfer, stop_server,
                             wait_ready, write_doc)
 from model_memory import write_repository
 
@@ -105,6 +105,7 @@ def main() -> int:
     parser.add_argument("--doc", type=Path, default=ROOT / "docs" / "benchmarks.md")
     args = parser.parse_args()
     if not in_private_netns():
+        ensure_anchor()  # perf_analyzer, installed while the package registries can be reached
         reexec_in_netns()
     if args.max_models >= args.models:
         parser.error("--max-models must be below --models for the cold loads")

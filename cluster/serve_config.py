@@ -29,7 +29,7 @@ from rayinfer.deployments.names import (
     model_deployment_name,
     model_route_prefix,
 )
-from rayinfer.deployments.control import replica_count, replica_resources
+from rayinfer.deployments.replica_options import replica_count, replica_resources
 from rayinfer.protocol.errors import ModelConfigError
 from rayinfer.repository.object_store import is_remote
 from rayinfer.repository.scanner import ModelEntry, scan_repository

@@ -11,7 +11,13 @@ from typing import Any
 from ray.serve import Application
 from ray.serve.schema import LoggingConfig
 
-from rayinfer.deployments.control import DEFAULT_GPU_WAIT_S, DEFAULT_RESOURCE_WAIT_S, MIN_ONGOING_REQUESTS, ModelControl, model_application
+from rayinfer.deployments.control import model_application
+from rayinfer.deployments.replica_options import (
+    DEFAULT_GPU_WAIT_S,
+    DEFAULT_RESOURCE_WAIT_S,
+    MIN_ONGOING_REQUESTS,
+    ModelControl,
+)
 from rayinfer.deployments.control_channel import MAX_POLLING_REPLICAS
 from rayinfer.deployments.names import DEFAULT_REPLICA_NUM_CPUS, parse_bool
 from rayinfer.deployments.openai_app import OpenAIDeployment

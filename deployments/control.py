@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import logging
 import time
-import zlib
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,137 +18,42 @@ from ray import serve
 from ray.serve import Application
 from ray.serve.schema import LoggingConfig
 
-from rayinfer.adapters.base import backend_uses_gpus
-from rayinfer.deployments.autoscaling import serve_autoscaling_config
-from rayinfer.deployments.front import route_key_is_safe
-from rayinfer.deployments.hosted_model import HostingOptions
 from rayinfer.deployments.model import ModelDeployment
 from rayinfer.deployments.names import (
     DEFAULT_REPLICA_NUM_CPUS,
-    POOL_APP,
     model_app_name,
     model_apps,
     model_deployment_name,
     model_route_prefix,
 )
 from rayinfer.deployments.serve_internals import delete_application
-from rayinfer.deployments.pool import HostedSpec, hosted_spec, pool_application
-from rayinfer.deployments.pool_reports import read_reports, spec_digest
+from rayinfer.deployments.pool import HostedSpec
+from rayinfer.deployments.pool_control import deploy_pool, hosted_spec, hosting_options, version_hosting
+from rayinfer.deployments.replica_options import (
+    DEFAULT_GPU_WAIT_S,
+    DEFAULT_RESOURCE_WAIT_S,
+    MIN_ONGOING_REQUESTS,
+    ModelControl,
+    replica_count,
+    replica_resources,
+    with_callers_runtime_env,
+)
 from rayinfer.deployments.serve_state import (
     cluster_gpus,
     failure_reason,
     pooled_specs,
     resource_shortage,
-    running_replicas,
     serve_applications,
     status_name,
 )
 from rayinfer.protocol.errors import ModelConfigError
 from rayinfer.protocol.limits import DEFAULT_HTTP_MAX_INPUT_SIZE
-from rayinfer.repository.autoscaling import autoscaling_spec
-from rayinfer.repository.hosting import DEDICATED, HOSTING_PARAMETER, POOL, model_hosting
+from rayinfer.repository.hosting import POOL
 from rayinfer.repository.ensemble import dependency_waves, member_names
-from rayinfer.repository.instance_groups import replica_plan
 from rayinfer.repository.object_store import local_repository
-from rayinfer.repository.scanner import ModelEntry, scan_model
+from rayinfer.repository.scanner import scan_model
 
 logger = logging.getLogger(__name__)
-
-# Ongoing requests a replica accepts; at least twice the largest batch so batches can fill.
-MIN_ONGOING_REQUESTS = 256
-DEFAULT_GPU_WAIT_S = 180.0
-DEFAULT_RESOURCE_WAIT_S = 180.0
-
-
-def replica_resources(entry: ModelEntry, version: int, replica_num_cpus: float, *, cluster_has_gpus: bool,
-                      gpu_fallback: bool, gpu_fraction: float = 1.0,
-                      ray_metrics: bool = False) -> tuple[int, dict[str, Any]]:
-    """How many replicas serve a (readable) model version and the ``ray_actor_options`` of each:
-    CPUs, a share of a GPU for GPU instance groups, and (unless ``ray_metrics``) Ray's metrics
-    off in the replica's process. Raises :class:`ModelConfigError` for instance groups Serve
-    cannot express."""
-    assert entry.config is not None
-    # Triton's KIND_AUTO: GPU instances where there are GPUs and the backend can use them (an
-    # ONNX model with onnxruntime's CPU build runs on CPU instances, as it would in Triton).
-    auto_gpu = cluster_has_gpus and backend_uses_gpus(entry.config.backend)
-    plan = replica_plan(entry.config, entry.path / "config.pbtxt", auto_gpu=auto_gpu, gpu_fallback=gpu_fallback,
-                        gpu_fraction=gpu_fraction)
-    options: dict[str, Any] = {"num_cpus": replica_num_cpus}
-    if plan.num_gpus:
-        options["num_gpus"] = plan.num_gpus
-    if not ray_metrics:
-        # Ray keeps the series of every process that reported metrics after it exits (in its
-        # dashboard agent and Serve's processes): each reload would add a replica's (about 80).
-        options["runtime_env"] = {"env_vars": dict(RAY_METRICS_OFF)}
-    return plan.replicas, options
-
-
-RAY_METRICS_OFF = {"RAY_enable_metrics_collection": "0"}
-
-
-def with_callers_runtime_env(own: dict[str, Any], caller: dict[str, Any] | None) -> dict[str, Any]:
-    """A replica's ``runtime_env`` on top of the deploying process's (``caller``), as Serve merges
-    an application's with its deployments' (env vars joined, ours winning): Serve gives a
-    deployment the caller's runtime_env only when the deployment sets none."""
-    caller = dict(caller or {})
-    env_vars = {**(caller.get("env_vars") or {}), **(own.get("env_vars") or {})}
-    return {**caller, **own, **({"env_vars": env_vars} if env_vars else {})}
-
-
-def replica_count(entry: ModelEntry, replicas: int) -> dict[str, Any]:
-    """Serve's ``num_replicas``: the instance groups' count; or, for a model whose parameters
-    ask for autoscaling, an ``autoscaling_config`` starting from that count."""
-    assert entry.config is not None
-    spec = autoscaling_spec(entry.config, entry.path / "config.pbtxt")
-    if spec is None:
-        return {"num_replicas": replicas}
-    return {"autoscaling_config": serve_autoscaling_config(spec, replicas)}
-
-
-@dataclass(frozen=True)
-class ModelControl:
-    """How models are (re)deployed: the control mode and the options of every model application."""
-
-    mode: str = "none"  # none, poll or explicit
-    replica_num_cpus: float = DEFAULT_REPLICA_NUM_CPUS
-    auto_complete: bool = True
-    timeout_s: float = 600.0
-    poll_secs: float = 15.0
-    log_level: str = "WARNING"
-    # KIND_GPU groups run as CPU replicas (--gpu-fallback cpu).
-    gpu_fallback: bool = False
-    # How long a model waits for GPUs the cluster does not have before it is UNAVAILABLE.
-    gpu_wait_s: float = DEFAULT_GPU_WAIT_S
-    # The same for other resources (CPU, memory, a custom resource) the cluster does not have free.
-    resource_wait_s: float = DEFAULT_RESOURCE_WAIT_S
-    # The response cache's size on each node (--cache-config local,size=N); 0: no cache.
-    cache_size_bytes: int = 0
-    # tritonserver's --trace-config values (the trace extension's settings at start).
-    trace_config: tuple[str, ...] = ()
-    # tritonserver's --http-max-input-size: the largest HTTP body, decompressed, in bytes.
-    max_input_size: int = DEFAULT_HTTP_MAX_INPUT_SIZE
-    # The logging extension's settings at start (tritonserver's --log-* flags), as (key, value)
-    # pairs; those not given keep Triton's defaults.
-    log_settings: tuple[tuple[str, Any], ...] = ()
-    # tritonserver's --http-restricted-api and --grpc-restricted-protocol values, which model
-    # replicas check too.
-    http_restricted: tuple[str, ...] = ()
-    grpc_restricted: tuple[str, ...] = ()
-    # The share of a GPU each model version's GPU instances reserve together (--gpu-fraction-per-model).
-    gpu_fraction: float = 1.0
-    # Model replicas report Ray's own metrics too (--replica-ray-metrics).
-    replica_ray_metrics: bool = False
-    # Limits on clients' connections to model replicas (ConnectionLimits' fields; the connection flags).
-    connection_limits: tuple[tuple[str, float], ...] = ()
-    # Where a model without a ``hosting`` parameter runs (--model-hosting: dedicated or pool), and
-    # how many replicas the pool has (--pool-replicas), how many versions each keeps loaded
-    # (--pool-max-models, 0: all) and how long a request waits for one to load again
-    # (--pool-load-timeout-secs).
-    hosting: str = DEDICATED
-    pool_replicas: int = 1
-    pool_max_models: int = 0
-    pool_load_timeout_s: float = 60.0
-
 
 def model_application(
     model_repository: str,
@@ -304,126 +207,6 @@ def _deploy_wave(model_repository: str, folder: Path, versions: list[tuple[str, 
     for name in load_errors:
         delete_application(name, wait=True)
     return {**refused, **{targets[name][0]: reason for name, reason in load_errors.items()}}
-
-
-def version_hosting(folder: Path, model: str, version: int, override: str | None, control: ModelControl) -> str:
-    """``dedicated`` or ``pool`` for one version (:func:`~rayinfer.repository.hosting.model_hosting`);
-    raises :class:`ModelConfigError` for a config that cannot be read or a wrong ``rayinfer_hosting``."""
-    entry = scan_model(folder / model, override)
-    if entry.config is None:
-        raise ModelConfigError(entry.error or f"model '{model}' cannot be read")
-    auto_gpu = cluster_gpus() > 0 and backend_uses_gpus(entry.config.backend)
-    plan = replica_plan(entry.config, entry.path / "config.pbtxt", auto_gpu=auto_gpu,
-                        gpu_fallback=control.gpu_fallback, gpu_fraction=control.gpu_fraction)
-    hosting = model_hosting(entry.config, entry.path / "config.pbtxt", plan, control.hosting)
-    if hosting == POOL and not route_key_is_safe(f"{model}/{version}"):
-        # The front cannot route such a name to a listener, and a pooled version has no route of
-        # its own at Serve's HTTP ingress to fall back on.
-        if HOSTING_PARAMETER in entry.config.parameters:
-            raise ModelConfigError(f"{entry.path / 'config.pbtxt'}: model '{model}' cannot be pooled: its name has "
-                                   "whitespace, ';', '#' or '\\'")
-        return DEDICATED
-    return hosting
-
-
-def hosting_options(folder: Path, model: str, version: int, override: str | None,
-                    control: ModelControl) -> HostingOptions:
-    """How a pool replica loads one version: the options a dedicated replica is given."""
-    entry = scan_model(folder / model, override)
-    return HostingOptions(
-        auto_complete=control.auto_complete, config_override=override, cache_size_bytes=control.cache_size_bytes,
-        max_input_size=control.max_input_size,
-        restricted=(("http", tuple(control.http_restricted)), ("grpc", tuple(control.grpc_restricted))),
-        any_version=int(version) not in entry.versions,
-    )
-
-
-def pool_version(control: ModelControl) -> str:
-    """The pool's code version: the same for every deploy with these options, so that a new list
-    of models reconfigures the pool's replicas in place."""
-    options = (control.pool_replicas, control.replica_num_cpus, control.log_level,
-               control.log_settings, control.replica_ray_metrics)
-    return f"pool-{zlib.crc32(repr(options).encode()):08x}"
-
-
-def deploy_pool(control: ModelControl, *, add: dict[str, tuple[str, HostedSpec]] | None = None,
-                drop: set[str] | None = None) -> dict[str, str]:
-    """Deploy the pool with its versions less ``drop`` plus ``add`` ({application: (model, spec)})
-    and wait until its replicas hold them; returns {model: reason} for those of ``add`` that
-    failed, which are left out of the pool again."""
-    add = add or {}
-    specs = {name: spec for name, spec in pooled_specs().items() if name not in (drop or set())}
-    specs.update({name: spec for name, (_, spec) in add.items()})
-    _run_pool(control, specs)
-    if drop:
-        _wait_dropped(drop, control)
-    if not add:
-        return {}
-    failed = _wait_for_pool({name: spec for name, (_, spec) in add.items()}, control)
-    for name, reason in failed.items():
-        logger.error("model '%s' failed to load: %s", add[name][0], reason)
-    if failed:
-        _run_pool(control, {name: spec for name, spec in specs.items() if name not in failed})
-    for name in set(add) - set(failed):
-        logger.info("model '%s' is ready (in the pool, as '%s')", add[name][0], name)
-    return {add[name][0]: reason for name, reason in failed.items()}
-
-
-def _run_pool(control: ModelControl, specs: dict[str, HostedSpec]) -> None:
-    options: dict[str, Any] = {}
-    if not control.replica_ray_metrics:
-        options["runtime_env"] = {"env_vars": dict(RAY_METRICS_OFF)}
-        if ray.is_initialized():
-            options["runtime_env"] = with_callers_runtime_env(options["runtime_env"],
-                                                              ray.get_runtime_context().runtime_env)
-    app = pool_application(
-        specs, replicas=control.pool_replicas, max_models=control.pool_max_models,
-        load_timeout_s=control.pool_load_timeout_s, num_cpus=control.replica_num_cpus,
-        actor_options=options, log_level=control.log_level, log_settings_at_start=dict(control.log_settings),
-        max_ongoing_requests=4 * MIN_ONGOING_REQUESTS, version=pool_version(control),
-    )
-    serve.run_many([serve.RunTarget(app, name=POOL_APP, route_prefix=None)], wait_for_applications_running=False)
-
-
-def _wait_for_pool(names: dict[str, HostedSpec], control: ModelControl) -> dict[str, str]:
-    """Wait until every running pool replica reports each of ``names`` ({application: spec})
-    loaded or failed with that spec; {name: reason} of the failures (all of them, with the
-    pool's reason, if the pool itself failed)."""
-    wanted = {name: spec_digest(spec) for name, spec in names.items()}
-    deadline = time.monotonic() + control.timeout_s
-    while time.monotonic() < deadline:
-        pool = serve_applications().get(POOL_APP)
-        if pool is not None and status_name(pool.status) in ("DEPLOY_FAILED", "UNHEALTHY"):
-            return {name: f"the model pool failed: {failure_reason(pool)}" for name in names}
-        replicas = [key.split("/", 1)[1] for key in running_replicas() if key.startswith(f"{POOL_APP}/")]
-        reports = read_reports(replicas) if replicas else {}
-        if replicas and len(reports) == len(replicas):
-            failed: dict[str, str] = {}
-            done = True
-            for report in reports.values():
-                for name, digest in wanted.items():
-                    if digest in (report["loaded"].get(name), report.get("evicted", {}).get(name)):
-                        continue
-                    if (report["failed"].get(name) or [None])[0] == digest:
-                        failed[name] = report["failed"][name][1]
-                        continue
-                    done = False
-            if done:
-                return failed
-        time.sleep(0.2)  # the reports change only when a pool replica finishes a load: poll them
-    return {name: f"not loaded in the pool after {control.timeout_s:.0f} s" for name in names}
-
-
-def _wait_dropped(names: set[str], control: ModelControl) -> None:
-    """Wait until no serving pool replica reports any of ``names`` loaded (they were drained and
-    closed), for at most a minute."""
-    deadline = time.monotonic() + min(60.0, control.timeout_s)
-    while time.monotonic() < deadline:
-        replicas = [key.split("/", 1)[1] for key in running_replicas() if key.startswith(f"{POOL_APP}/")]
-        if not any(names & set(report["loaded"]) for report in read_reports(replicas).values()):
-            return
-        time.sleep(0.2)  # Ray's store tells of no change: poll it, until the deadline
-    logger.warning("the model pool still hosts %s a minute after they were dropped", ", ".join(sorted(names)))
 
 
 def trial_load(model_repository: str, versions: list[tuple[str, int, bool]], control: ModelControl,

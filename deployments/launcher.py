@@ -12,7 +12,8 @@ from ray import serve
 from ray.serve.schema import ServeDeploySchema
 
 from rayinfer.deployments.app import openai_application, server_application
-from rayinfer.deployments.control import DEFAULT_GPU_WAIT_S, DEFAULT_RESOURCE_WAIT_S, ModelControl, deploy_models
+from rayinfer.deployments.control import deploy_models
+from rayinfer.deployments.replica_options import DEFAULT_GPU_WAIT_S, DEFAULT_RESOURCE_WAIT_S, ModelControl
 from rayinfer.transport.front_supervisor import stop_fronts
 from rayinfer.deployments.grpc_service import SERVICER_FUNCTION
 from rayinfer.deployments.names import (

@@ -7,9 +7,9 @@ keeps what a dedicated replica gives it: its own core (batcher, statistics, conf
 own listener, registered under its own application name (so the front, the route table and the
 index see it as they see a dedicated replica), and its own statistics key.
 
-Which versions the pool hosts is its ``user_config`` (:func:`pool_application`): a load or an
-unload deploys the pool again with the new list, and Serve reconfigures the running replicas in
-place (:meth:`PoolDeployment.reconfigure`) without restarting them or the other models. A
+Which versions the pool hosts is its ``user_config``
+(:func:`~rayinfer.deployments.pool_control.pool_application`): a load or an unload deploys the
+pool again with the new list, and Serve reconfigures the running replicas in place (:meth:`PoolDeployment.reconfigure`) without restarting them or the other models. A
 version that fails to load is kept out with its reason (:meth:`PoolDeployment.hosting_report`),
 which the deployer reads and reports as the model's load error; its neighbours go on serving.
 
@@ -33,13 +33,11 @@ import gc
 import json
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
 import ray
 from ray import serve
-from ray.serve.schema import LoggingConfig
 from tritonclient.grpc import service_pb2 as pb
 
 from rayinfer.deployments.hosted_model import HostedModel, HostingOptions
@@ -50,7 +48,6 @@ from rayinfer.deployments.serve_internals import (
     kv_put,
     publish_multiplexed_models,
     replica_id,
-    with_code_version,
 )
 from rayinfer.protocol import log_settings
 from rayinfer.protocol.errors import UnavailableError
@@ -96,6 +93,7 @@ class PoolDeployment:
         self._evicted: set[str] = set()
         self._used: dict[str, float] = {}  # when a handle call last asked for a version (Unix time)
         self._loading: dict[str, asyncio.Task[None]] = {}  # loads again that requests wait for
+        self._retiring: set[asyncio.Task[None]] = set()  # versions draining after an unload or reload
         self._locks: dict[str, asyncio.Lock] = {}  # one load, reload or unload of a version at a time
         self._max_models = 0
         self._load_timeout_s = 60.0
@@ -193,20 +191,31 @@ class PoolDeployment:
         self._publish_resident()
         # A reload: the new load registers its listener before the old one withdraws and drains.
         await self._register(app, hosted)
-        await self._retire(old)
+        self._retire_later(old)
 
     async def _unload(self, app: str) -> None:
         async with self._lock(app):
             self._registered_at.pop(app, None)
             hosted = self._hosted.pop(app, None)
             self._publish_resident()
-            await self._retire(hosted)
+        await self._retire(hosted)
 
-    async def _retire(self, hosted: HostedModel | None) -> None:
-        """Close a version no longer in ``_hosted``: its handle calls in flight end first (up to
-        the listener's drain time), then its listener drains and the model closes."""
+    def _retire_later(self, hosted: HostedModel | None, report: bool = False) -> None:
+        """:meth:`_retire` without waiting for it: a version's drain never holds up a load (its
+        own again, or another's whose calls come over this version's connections)."""
+        if hosted is not None:
+            task = asyncio.get_running_loop().create_task(self._retire(hosted, report))
+            self._retiring.add(task)
+            task.add_done_callback(self._retiring.discard)
+
+    async def _retire(self, hosted: HostedModel | None, report: bool = False) -> None:
+        """Close a version no longer in ``_hosted`` (``report``: its last figures first, which the
+        ``/v2`` replica keeps): its handle calls in flight end first (up to the listener's drain
+        time), then its listener drains and the model closes."""
         if hosted is None:
             return
+        if report:
+            await hosted.report()
         deadline = time.monotonic() + _DRAIN_S
         while hosted.handle_calls and time.monotonic() < deadline:
             await asyncio.sleep(0.01)  # the calls' ends are not signalled: look again shortly, up to the deadline
@@ -237,8 +246,11 @@ class PoolDeployment:
             self._publish_resident()
             logger.info("model '%s' version %d unloaded from the pool to keep within --pool-max-models %d "
                         "(it loads again on its next request)", hosted.core.name, self._specs[app][1], self._max_models)
-            await hosted.report()  # its last figures: the /v2 replica keeps them
-            await self._retire(hosted)
+        # Drained without the version's lock: a request for it meanwhile loads it again at once.
+        # (Drained under it, a client's connection that this version's listener holds, carrying
+        # calls for another version being unloaded the same way, would wait on that version's
+        # drain, and it on this one.)
+        self._retire_later(hosted, report=True)
 
     async def _resident(self, app: str) -> HostedModel:
         """The loaded version ``app``; one unloaded to keep within max_models is loaded again
@@ -408,7 +420,8 @@ class PoolDeployment:
             task = getattr(self, name, None)
             if task is not None:
                 task.cancel()
-        await asyncio.gather(*(hosted.close() for hosted in getattr(self, "_hosted", {}).values()))
+        await asyncio.gather(*(hosted.close() for hosted in getattr(self, "_hosted", {}).values()),
+                             *getattr(self, "_retiring", ()), return_exceptions=True)
         if hasattr(self, "_replica_id"):
             try:
                 await asyncio.to_thread(kv_delete, report_key(self._replica_id), KV_NAMESPACE)
@@ -431,40 +444,3 @@ def _options(values: dict[str, Any]) -> dict[str, Any]:
     out = {key: value for key, value in values.items() if key not in ("repository", "load")}
     out["restricted"] = tuple((kind, tuple(v)) for kind, v in dict(values.get("restricted") or {}).items())
     return out
-
-
-def hosted_spec(model_repository: str, model: str, version: int, options: HostingOptions) -> HostedSpec:
-    """One hosted version (of ``model_repository``: the server's, or a load request's files) as
-    the pool's ``user_config`` carries it. ``load`` is new for every load, so that loading a
-    version again (its files changed) reloads it, and its report is told from an earlier one's."""
-    return (model, int(version), {
-        "repository": str(model_repository), "load": uuid.uuid4().hex,
-        "auto_complete": options.auto_complete, "config_override": options.config_override,
-        "cache_size_bytes": options.cache_size_bytes, "max_input_size": options.max_input_size,
-        "restricted": {kind: list(values) for kind, values in options.restricted},
-        "any_version": options.any_version,
-    })
-
-
-def pool_application(models: dict[str, HostedSpec], *, replicas: int, max_models: int, load_timeout_s: float,
-                     num_cpus: float,
-                     actor_options: dict[str, Any], log_level: str, log_settings_at_start: dict[str, Any] | None,
-                     max_ongoing_requests: int, version: str) -> Any:
-    """The pool's application, hosting ``models`` ({application: spec}) on ``replicas`` replicas,
-    each holding at most ``max_models`` loaded (0: all; a request for another waits up to
-    ``load_timeout_s`` for it to load).
-    ``version``: the pool's code version, the same for every deploy of one server, so that a new
-    list of models reconfigures the running replicas instead of replacing them."""
-    deployment = PoolDeployment.options(
-        num_replicas=replicas,
-        max_ongoing_requests=max_ongoing_requests,
-        ray_actor_options={**actor_options, "num_cpus": num_cpus},
-        user_config={"models": {app: list(spec) for app, spec in sorted(models.items())},
-                     "max_models": max_models, "load_timeout_s": load_timeout_s},
-        health_check_period_s=5.0,
-        graceful_shutdown_timeout_s=10.0,
-        graceful_shutdown_wait_loop_s=0.2,
-        max_constructor_retry_count=1,
-        logging_config=LoggingConfig(enable_access_log=False, log_level=log_level),
-    )
-    return with_code_version(deployment, version).bind(log_settings_at_start or None)

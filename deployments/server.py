@@ -19,13 +19,14 @@ from ray import serve
 from tritonclient.grpc import service_pb2 as pb
 
 from rayinfer.deployments import asgi
-from rayinfer.deployments.control import ModelControl, ServeDeployer
+from rayinfer.deployments.control import ServeDeployer
 from rayinfer.transport.front_config import TlsSettings
 from rayinfer.deployments.grpc_service import RPC_NAMES, GrpcInferenceService, loopback_port, want_loopback_port
 from rayinfer.deployments.metrics_endpoint import MetricsEndpoint
 from rayinfer.deployments.model_forwarder import ModelForwarder
 from rayinfer.deployments.names import SERVER_APP, app_model
 from rayinfer.deployments.rollouts import Rollouts
+from rayinfer.deployments.replica_options import ModelControl
 from rayinfer.deployments.route_table import RouteTable
 from rayinfer.deployments.serve_state import ServeState
 from rayinfer.deployments.v2_api import V2Api

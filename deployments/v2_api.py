@@ -20,7 +20,7 @@ from typing import Any
 import rayinfer
 from rayinfer.deployments.control_channel import SHM_FORGET, TRACE_SETTINGS, ControlMessage
 from rayinfer.deployments.route_table import RouteTable
-from rayinfer.deployments.serve_state import ServeState, cluster_gpus
+from rayinfer.deployments.serve_state import NOT_RESIDENT, ServeState, cluster_gpus
 from rayinfer.protocol.custom_metrics import CustomMetricsCollector
 from rayinfer.protocol.errors import InvalidArgError, NotFoundError, ServingError, UnavailableError
 from rayinfer.protocol.host_figures import CpuFigures, GpuFigures
@@ -228,8 +228,9 @@ class V2Api:
             asked = self.state.deployed | set(self.controller.load_errors)
             rows = [row for row in rows if row["name"] in asked and row.get("reason") != "unloaded"]
         # A ready model is also routed by the front (when there is one): its first request
-        # goes straight to a replica.
-        return all(row["state"] == "READY" and self.routes.routes_version(row["name"], row["version"])
+        # goes straight to a replica; a pooled one the pool unloaded has no listener until then.
+        return all(row["state"] == "READY" and (row.get("reason") == NOT_RESIDENT
+                                                or self.routes.routes_version(row["name"], row["version"]))
                    for row in rows)
 
     async def index(self, ready_only: bool = False) -> list[dict[str, Any]]:

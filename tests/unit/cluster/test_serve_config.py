@@ -127,7 +127,7 @@ def test_log_flags_become_the_logging_extensions_settings_at_start(example_repos
     """tritonserver's --log-info, --log-warning, --log-error, --log-format, --log-file and
     --log-verbose reach the /v2 app, which starts the logging extension with them."""
     from rayinfer.deployments.app import build_server_app
-    from rayinfer.deployments.control import ModelControl
+    from rayinfer.deployments.replica_options import ModelControl
 
     settings = settings_from_args(build_parser().parse_args([
         "config", "--model-repository", str(example_repository), "--log-info", "false", "--log-warning=false",
@@ -256,7 +256,7 @@ def test_model_replicas_report_rays_own_metrics_only_when_asked(tmp_path: Path) 
     every reload) run with Ray's metrics off; --replica-ray-metrics turns them on, in the
     replicas' options and in the args ``serve deploy`` builds the applications from."""
     from rayinfer.deployments.app import build_model_app, build_server_app
-    from rayinfer.deployments.control import with_callers_runtime_env
+    from rayinfer.deployments.replica_options import with_callers_runtime_env
 
     write_example_repository(tmp_path)
     for flag, env in ((False, {"runtime_env": RAY_METRICS_OFF}), (True, {})):
@@ -319,8 +319,8 @@ def test_restricted_groups_reach_every_model_replica(example_repository: Path) -
     """--http-restricted-api and --grpc-restricted-protocol reach the model applications (whose
     listeners check them too) and the /v2 app's model control (models loaded later)."""
     from rayinfer.deployments.app import build_model_app, build_server_app
-    from rayinfer.deployments.control import with_callers_runtime_env
-    from rayinfer.deployments.control import ModelControl
+    from rayinfer.deployments.replica_options import with_callers_runtime_env
+    from rayinfer.deployments.replica_options import ModelControl
 
     settings = settings_from_args(build_parser().parse_args([
         "config", "--model-repository", str(example_repository), "--http-restricted-api", "inference:key=v",
