@@ -218,6 +218,13 @@ def model_repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
 _START_TIMEOUT_S = 600
 
 
+def port_flags(base: int) -> list[str]:
+    """A server's ports from ``base``: HTTP on it, gRPC + 1, metrics + 2, Serve's own HTTP and
+    gRPC ingress + 10 and + 11 (as the shared server's)."""
+    return ["--http-port", str(base), "--grpc-port", str(base + 1), "--metrics-port", str(base + 2),
+            "--serve-http-port", str(base + 10), "--serve-grpc-port", str(base + 11)]
+
+
 def start_server(repository: Path | str, log_path: Path, args: list[str]) -> subprocess.Popen:
     """``rayinfer serve`` on ``repository`` (a folder or a URL) with ``args``; returns once it printed that
     HTTP is up."""

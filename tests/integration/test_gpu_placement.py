@@ -17,7 +17,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from conftest import HTTP_PORT, start_server, stop_server, stop_shared_server
+from conftest import HTTP_PORT, port_flags, start_server, stop_server, stop_shared_server
 from onnx import TensorProto
 
 from rayinfer.adapters.base import backend_uses_gpus
@@ -85,9 +85,7 @@ def gpu_server(tmp_path_factory):
         "--num-gpus", "1", "--gpu-fraction-per-model", "0.5", "--gpu-wait-secs", str(GPU_WAIT_S),
         "--replica-num-cpus", str(REPLICA_CPUS), "--resource-wait-secs", str(RESOURCE_WAIT_S),
         "--model-control-mode", "explicit",
-        "--load-model", "gpu_probe", "--load-model", "cpu_probe", "--http-port", str(PORT),
-        "--grpc-port", str(PORT + 1), "--metrics-port", str(PORT + 2), "--serve-grpc-port", str(PORT + 11),
-        "--serve-http-port", str(PORT + 10),
+        "--load-model", "gpu_probe", "--load-model", "cpu_probe", *port_flags(PORT),
     ])
     try:
         client = httpclient.InferenceServerClient(f"127.0.0.1:{PORT}", network_timeout=120.0)

@@ -15,7 +15,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
-from conftest import HTTP_PORT, add_sub_inputs, http_json, pids_titled, start_server, stop_server, stop_shared_server
+from conftest import HTTP_PORT, add_sub_inputs, http_json, pids_titled, port_flags, start_server, stop_server, stop_shared_server
 from waiting import wait_until
 
 pytestmark = pytest.mark.own_cluster
@@ -43,9 +43,7 @@ def many(tmp_path_factory):
     repo = write_repository(tmp_path_factory.mktemp("many_models"))
     log = tmp_path_factory.mktemp("many_server") / "rayinfer.log"
     proc = start_server(repo, log, [
-        "--model-hosting", "pool", "--pool-max-models", str(MAX_MODELS), "--http-port", str(PORT),
-        "--grpc-port", str(PORT + 1), "--metrics-port", str(PORT + 2), "--serve-grpc-port", str(PORT + 11),
-        "--serve-http-port", str(PORT + 10),
+        "--model-hosting", "pool", "--pool-max-models", str(MAX_MODELS), *port_flags(PORT),
     ])
     try:
         yield log

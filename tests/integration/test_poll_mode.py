@@ -11,7 +11,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from conftest import HTTP_PORT, add_sub_inputs, http_json, start_server, stop_server, stop_shared_server
+from conftest import HTTP_PORT, add_sub_inputs, http_json, port_flags, start_server, stop_server, stop_shared_server
 from model_factory import on_demand
 from rollout_models import ROLLOUT_MODEL
 from rayinfer.protocol.errors import Code, grpc_status_name, http_status
@@ -29,8 +29,7 @@ def poll_server(model_repository, tmp_path_factory):
     shutil.copytree(model_repository / "simple", repo / "simple")
     log = tmp_path_factory.mktemp("poll_server") / "rayinfer.log"
     proc = start_server(repo, log, [
-        "--model-control-mode", "poll", "--repository-poll-secs", "1", "--http-port", str(PORT),
-        "--grpc-port", str(PORT + 1), "--metrics-port", str(PORT + 2), "--serve-grpc-port", str(PORT + 11), "--serve-http-port", str(PORT + 10),
+        "--model-control-mode", "poll", "--repository-poll-secs", "1", *port_flags(PORT),
     ])
     try:
         yield repo, httpclient.InferenceServerClient(f"127.0.0.1:{PORT}", network_timeout=120.0), \

@@ -17,7 +17,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from conftest import HTTP_PORT, start_server, stop_server, stop_shared_server
+from conftest import HTTP_PORT, port_flags, start_server, stop_server, stop_shared_server
 from rayinfer.cluster.example_repository import SIMPLE_CONFIG, add_sub_model, write_model, write_python_model
 from waiting import wait_until
 
@@ -142,8 +142,7 @@ def gpu_server(tmp_path_factory):
     log = tmp_path_factory.mktemp("real_gpu_server") / "rayinfer.log"
     proc = start_server(repo, log, [
         "--model-control-mode", "explicit", "--gpu-wait-secs", "20",
-        "--http-port", str(PORT), "--grpc-port", str(PORT + 1), "--metrics-port", str(PORT + 2),
-        "--serve-grpc-port", str(PORT + 11), "--serve-http-port", str(PORT + 10),
+        *port_flags(PORT),
     ])
     try:
         yield httpclient.InferenceServerClient(f"127.0.0.1:{PORT}", network_timeout=120.0), log

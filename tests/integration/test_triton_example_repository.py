@@ -26,7 +26,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from conftest import HTTP_PORT, LOAD_TIMEOUT_S, ReadinessWatch, start_server, stop_server, stop_shared_server, tensor
+from conftest import HTTP_PORT, LOAD_TIMEOUT_S, ReadinessWatch, port_flags, start_server, stop_server, stop_shared_server, tensor
 from otlp_receiver import OtlpReceiver
 from rayinfer.cluster.example_repository import write_example_repository
 from waiting import wait_until
@@ -102,9 +102,7 @@ def example_server(tmp_path_factory, otlp):
         "--trace-config", "opentelemetry,bsp_schedule_delay=200", "--trace-config", "level=TIMESTAMPS",
         "--trace-config", "rate=1000000",
         "--log-file", str(log_file),
-        "--http-port", str(PORT),
-        "--grpc-port", str(PORT + 1), "--metrics-port", str(PORT + 2), "--serve-grpc-port", str(PORT + 11),
-        "--serve-http-port", str(PORT + 10),
+        *port_flags(PORT),
     ])
     watch.stop()
     try:

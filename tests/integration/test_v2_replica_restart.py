@@ -18,7 +18,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
-from conftest import HTTP_PORT, front_folder, front_stat, pids_titled, start_server, stop_server, stop_shared_server
+from conftest import HTTP_PORT, front_folder, front_stat, pids_titled, port_flags, start_server, stop_server, stop_shared_server
 from rayinfer.cluster.example_repository import write_example_repository
 from waiting import wait_until
 
@@ -40,9 +40,7 @@ def server(tmp_path_factory):
                       + "version_policy: { latest: { num_versions: 2 } }\n")
     log = tmp_path_factory.mktemp("restart_server") / "rayinfer.log"
     proc = start_server(repo, log, [
-        "--model-control-mode", "explicit", "--load-model", "simple", "--http-port", str(PORT),
-        "--grpc-port", str(PORT + 1), "--metrics-port", str(PORT + 2), "--serve-grpc-port", str(PORT + 11),
-        "--serve-http-port", str(PORT + 10),
+        "--model-control-mode", "explicit", "--load-model", "simple", *port_flags(PORT),
     ])
     try:
         yield proc

@@ -13,7 +13,7 @@ import urllib.request
 import numpy as np
 import pytest
 
-from conftest import HTTP_PORT, start_server, stop_server, stop_shared_server
+from conftest import HTTP_PORT, port_flags, start_server, stop_server, stop_shared_server
 
 torch = pytest.importorskip("torch", reason="needs PyTorch (the torch or test extra)")
 pytestmark = [
@@ -60,9 +60,7 @@ def vllm_server(tmp_path_factory):
     (repo / "tiny_llama" / "1" / "model.json").write_text(json.dumps({
         "model": str(weights), "gpu_memory_utilization": 0.3, "enforce_eager": True, "max_model_len": 128}))
     log = tmp_path_factory.mktemp("vllm_server") / "rayinfer.log"
-    proc = start_server(repo, log, ["--http-port", str(PORT), "--grpc-port", str(PORT + 1),
-                                    "--metrics-port", str(PORT + 2), "--serve-http-port", str(PORT + 10),
-                                    "--serve-grpc-port", str(PORT + 11)])
+    proc = start_server(repo, log, [*port_flags(PORT)])
     try:
         yield f"127.0.0.1:{PORT}"
     finally:
