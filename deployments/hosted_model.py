@@ -96,8 +96,12 @@ class HostingOptions:
 class HostedModel:
     """One model version served in this replica (build it with :meth:`load`)."""
 
-    def __init__(self, replica_key: str, app_name: str, deployment: str, server: Callable[[], Any]) -> None:
+    def __init__(self, replica_key: str, app_name: str, deployment: str, server: Callable[[], Any],
+                 stats_key: str | None = None) -> None:
         self.replica_key = replica_key  # the registration key of this model in this replica
+        # The key its statistics are reported under (the model pool keeps one per version across
+        # its loads; else the registration key).
+        self.stats_key = stats_key or replica_key
         self.app_name = app_name
         self._server = server  # the /v2 application's handle
         # The statistics last pushed, by the key they were reported under (reported_cores).
@@ -119,9 +123,10 @@ class HostedModel:
 
     @classmethod
     async def load(cls, model_repository: str, model_name: str, version: int, options: HostingOptions, *,
-                   replica_key: str, app_name: str, deployment: str, server: Callable[[], Any]) -> HostedModel:
+                   replica_key: str, app_name: str, deployment: str, server: Callable[[], Any],
+                   stats_key: str | None = None) -> HostedModel:
         """Load ``model_name`` at ``version`` from the repository and start its listener."""
-        hosted = cls(replica_key, app_name, deployment, server)
+        hosted = cls(replica_key, app_name, deployment, server, stats_key)
         await hosted._load(model_repository, model_name, version, options)
         return hosted
 
@@ -366,9 +371,9 @@ class HostedModel:
         this replica's own figures when the ``/v2`` app is absent (a hand-written Serve config)."""
         try:
             merged = await self._server().report_statistics.remote(
-                self.replica_key, self.core.name, self.core.version, snapshot, version
+                self.stats_key, self.core.name, self.core.version, snapshot, version
             )
-            self.pushed[self.replica_key] = change_key(snapshot)
+            self.pushed[self.stats_key] = change_key(snapshot)
             return merged
         except Exception as exc:
             logger.debug("falling back to this replica's statistics: %s", exc)
@@ -408,9 +413,9 @@ class HostedModel:
     def reported_cores(self) -> list[tuple[str, ModelCore]]:
         """(key, core) of this model and of an ensemble's members running here, whose figures
         count as those of one more replica of the member."""
-        cores = [(self.replica_key, self.core)]
+        cores = [(self.stats_key, self.core)]
         if self._members is not None and self._members.in_place is not None:
-            cores += [(f"{self.replica_key}/in-place/{core.name}", core) for core in self._members.in_place.cores()]
+            cores += [(f"{self.stats_key}/in-place/{core.name}", core) for core in self._members.in_place.cores()]
         return cores
 
     async def close(self) -> None:

@@ -93,7 +93,15 @@ class PoolDeployment:
         self._evicted: set[str] = set()
         self._used: dict[str, float] = {}  # when a handle call last asked for a version (Unix time)
         self._loading: dict[str, asyncio.Task[None]] = {}  # loads again that requests wait for
-        self._retiring: set[asyncio.Task[None]] = set()  # versions draining after an unload or reload
+        self._waiting: dict[str, int] = {}  # requests waiting for a version's load again (it is not unloaded meanwhile)
+        self._load_errors: dict[str, str] = {}  # why a version's last load again failed (the next request tries again)
+        # Each version's statistics, carried from one load of it to the next and reported under
+        # one key per version, so that its figures go on across an unload.
+        self._stats: dict[str, Any] = {}
+        self._load_limit = asyncio.Semaphore(_LOADS_AT_ONCE)  # loads at start, on a change and again
+        # What the replica runs on its own: versions draining after an unload or a reload, and
+        # unloads down to max_models after a load again.
+        self._background: set[asyncio.Task[None]] = set()
         self._locks: dict[str, asyncio.Lock] = {}  # one load, reload or unload of a version at a time
         self._max_models = 0
         self._load_timeout_s = 60.0
@@ -122,13 +130,14 @@ class PoolDeployment:
                 self._failures.pop(app, None)
                 self._evicted.discard(app)
                 self._used.pop(app, None)
+                self._load_errors.pop(app, None)
+                self._stats.pop(app, None)
             # A failing close or report never fails the reconfiguration (Serve would replace the
             # replica, and every pooled version with it): each is logged.
             await asyncio.gather(*(self._unload(app) for app in gone))
-            limit = asyncio.Semaphore(_LOADS_AT_ONCE)
 
             async def load(app: str) -> None:
-                async with limit, self._lock(app):
+                async with self._load_limit, self._lock(app):
                     await self._load(app, wanted[app])
                 await self._fit(keep=app)  # within max_models as it goes: a broken version fails now
                 await self._publish_report()  # each version is ready as soon as it is loaded
@@ -161,10 +170,13 @@ class PoolDeployment:
         except Exception as exc:  # noqa: BLE001  # Serve routes without it (to any replica)
             logger.debug("could not tell Serve which models this replica holds: %s", exc)
 
-    async def _load(self, app: str, spec: HostedSpec) -> None:
-        """Load ``app`` with ``spec`` (the caller holds its lock), replacing a loaded one."""
+    async def _load(self, app: str, spec: HostedSpec, again: bool = False) -> None:
+        """Load ``app`` with ``spec`` (the caller holds its lock), replacing a loaded one;
+        ``again``: a version unloaded to keep within max_models, for a request (a failure fails
+        the requests waiting for it, and the next request tries again)."""
         model, version, options = spec
-        self._failures.pop(app, None)
+        if not again:
+            self._failures.pop(app, None)
         self._loads += 1
         try:
             hosted = await HostedModel.load(
@@ -172,9 +184,14 @@ class PoolDeployment:
                 replica_key=pool_key(self._replica_key, f"{app}{POOL_KEY_SEP}{self._loads}"), app_name=app,
                 deployment=self._deployment,
                 server=self._server_handle,
+                stats_key=pool_key(self._replica_key, app),
             )
         except Exception as exc:  # this version only: its neighbours go on serving
             reason = str(exc) or type(exc).__name__
+            if again:
+                logger.error("model '%s' version %d failed to load again in the pool: %s", model, version, reason)
+                self._load_errors[app] = reason
+                return
             logger.error("model '%s' version %d failed to load in the pool: %s", model, version, reason)
             self._specs[app] = spec
             self._failures[app] = reason
@@ -183,6 +200,12 @@ class PoolDeployment:
             await _close_quietly(self._hosted.pop(app, None))
             self._publish_resident()
             return
+        if again and self._specs.get(app) != spec:  # unloaded from the server (or changed) meanwhile
+            await _close_quietly(hosted)
+            return
+        # Its figures go on from its last load's.
+        hosted.core.executor.stats = self._stats.setdefault(app, hosted.core.executor.stats)
+        self._load_errors.pop(app, None)
         old = self._hosted.get(app)
         self._hosted[app] = hosted
         self._specs[app] = spec
@@ -204,22 +227,25 @@ class PoolDeployment:
         """:meth:`_retire` without waiting for it: a version's drain never holds up a load (its
         own again, or another's whose calls come over this version's connections)."""
         if hosted is not None:
-            task = asyncio.get_running_loop().create_task(self._retire(hosted, report))
-            self._retiring.add(task)
-            task.add_done_callback(self._retiring.discard)
+            self._in_background(self._retire(hosted, report))
 
     async def _retire(self, hosted: HostedModel | None, report: bool = False) -> None:
-        """Close a version no longer in ``_hosted`` (``report``: its last figures first, which the
-        ``/v2`` replica keeps): its handle calls in flight end first (up to the listener's drain
-        time), then its listener drains and the model closes."""
+        """Close a version no longer in ``_hosted``: its handle calls in flight end first (up to
+        the listener's drain time), then its listener drains and the model closes (``report``:
+        then its last figures, which the ``/v2`` replica keeps)."""
         if hosted is None:
             return
-        if report:
-            await hosted.report()
-        deadline = time.monotonic() + _DRAIN_S
-        while hosted.handle_calls and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)  # the calls' ends are not signalled: look again shortly, up to the deadline
-        await _close_quietly(hosted)
+        try:
+            deadline = time.monotonic() + _DRAIN_S
+            while hosted.handle_calls and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)  # the calls' ends are not signalled: look again shortly, up to the deadline
+            await _close_quietly(hosted)
+        finally:
+            if report:
+                try:
+                    await hosted.report()
+                except Exception as exc:  # noqa: BLE001  # the /v2 app may be gone with the server
+                    logger.debug("could not report the last figures of '%s': %s", hosted.app_name, exc)
 
     # ---- within max_models ------------------------------------------------------------------
 
@@ -228,8 +254,8 @@ class PoolDeployment:
         ``max_models`` are loaded (never ``keep``, the version just loaded); with every one busy,
         the report loop tries again."""
         while self._max_models and len(self._hosted) > self._max_models:
-            idle = [app for app, hosted in self._hosted.items()
-                    if app != keep and not hosted.busy and not self._lock(app).locked()]
+            idle = [app for app, hosted in self._hosted.items() if app != keep and not hosted.busy
+                    and not self._waiting.get(app) and not self._lock(app).locked()]
             if not idle:
                 return
             app = min(idle, key=lambda a: max(self._used.get(a, 0.0), self._hosted[a].last_inference_s))
@@ -238,14 +264,16 @@ class PoolDeployment:
     async def _evict(self, app: str) -> None:
         async with self._lock(app):
             hosted = self._hosted.get(app)
-            if hosted is None or hosted.busy:  # a request came meanwhile: it stays
+            if hosted is None or hosted.busy or self._waiting.get(app):  # a request came meanwhile: it stays
                 return
             del self._hosted[app]
-            self._evicted.add(app)
+            if app in self._specs:  # (not one being unloaded from the server)
+                self._evicted.add(app)
             self._registered_at.pop(app, None)
             self._publish_resident()
-            logger.info("model '%s' version %d unloaded from the pool to keep within --pool-max-models %d "
-                        "(it loads again on its next request)", hosted.core.name, self._specs[app][1], self._max_models)
+            logger.info("model '%s' version %s unloaded from the pool to keep within --pool-max-models %d "
+                        "(it loads again on its next request)", hosted.core.name, hosted.core.version,
+                        self._max_models)
         # Drained without the version's lock: a request for it meanwhile loads it again at once.
         # (Drained under it, a client's connection that this version's listener holds, carrying
         # calls for another version being unloaded the same way, would wait on that version's
@@ -254,46 +282,66 @@ class PoolDeployment:
 
     async def _resident(self, app: str) -> HostedModel:
         """The loaded version ``app``; one unloaded to keep within max_models is loaded again
-        (the caller waits up to load_timeout_s)."""
+        (the caller waits up to load_timeout_s, counted as waiting so that it is not unloaded
+        again before the caller has it)."""
         hosted = self._hosted.get(app)
         if hosted is None:
-            if app not in self._specs or app in self._failures:
-                reason = self._failures.get(app)
-                raise UnavailableError(f"model application '{app}' is not hosted by this pool replica"
-                                       + (f": {reason}" if reason else ""))
-            task = self._loading.get(app)
-            if task is None:
-                task = asyncio.get_running_loop().create_task(self._load_again(app))
-                self._loading[app] = task
-                task.add_done_callback(lambda _, app=app: self._loading.pop(app, None))
-            model, version, _ = self._specs[app]
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + self._load_timeout_s
+            self._waiting[app] = self._waiting.get(app, 0) + 1
             try:
-                await asyncio.wait_for(asyncio.shield(task), self._load_timeout_s)
-            except asyncio.TimeoutError:
-                raise UnavailableError(f"model '{model}' version {version} did not load in the model pool within "
-                                       f"{self._load_timeout_s:g} s (--pool-load-timeout-secs)") from None
-            hosted = self._hosted.get(app)
-            if hosted is None:
-                reason = self._failures.get(app, "it was unloaded")
-                raise UnavailableError(f"model '{model}' version {version} could not be loaded again: {reason}")
+                while (hosted := self._hosted.get(app)) is None:
+                    spec = self._specs.get(app)
+                    if spec is None or app in self._failures:
+                        reason = self._failures.get(app)
+                        raise UnavailableError(f"model application '{app}' is not hosted by this pool replica"
+                                               + (f": {reason}" if reason else ""))
+                    task = self._loading.get(app) or self._start_load_again(app)
+                    try:
+                        await asyncio.wait_for(asyncio.shield(task), max(deadline - loop.time(), 0.0))
+                    except asyncio.TimeoutError:
+                        raise UnavailableError(f"model '{spec[0]}' version {spec[1]} did not load in the model pool "
+                                               f"within {self._load_timeout_s:g} s (--pool-load-timeout-secs)") from None
+                    if app not in self._hosted and app in self._load_errors:
+                        raise UnavailableError(f"model '{spec[0]}' version {spec[1]} could not be loaded again: "
+                                               f"{self._load_errors[app]}")
+            finally:
+                self._waiting[app] -= 1
+                if not self._waiting[app]:
+                    del self._waiting[app]
         self._used[app] = time.time()
         return hosted
 
+    def _start_load_again(self, app: str) -> asyncio.Task[None]:
+        task = asyncio.get_running_loop().create_task(self._load_again(app))
+        self._loading[app] = task
+        task.add_done_callback(lambda _, app=app: self._loading.pop(app, None))
+        return task
+
     async def _load_again(self, app: str) -> None:
         started = time.perf_counter()
-        async with self._lock(app):
+        async with self._load_limit, self._lock(app):
             spec = self._specs.get(app)
             if app in self._hosted or spec is None or app in self._failures:
                 return
-            await self._load(app, spec)
+            await self._load(app, spec, again=True)
         if app in self._hosted:
             logger.info("model '%s' version %d loaded again in the pool in %.0f ms", spec[0], spec[1],
                         (time.perf_counter() - started) * 1000)
+        # The requests waiting for it go on now; the unloads down to max_models follow.
+        self._in_background(self._settle(app))
+
+    async def _settle(self, app: str) -> None:
         try:
             await self._fit(keep=app)
             await self._publish_report()
         except Exception:  # the version is loaded: what failed is tried again by the report loop
             logger.exception("could not unload idle models after loading '%s'", app)
+
+    def _in_background(self, work: Any) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     @contextlib.asynccontextmanager
     async def _call(self) -> AsyncIterator[HostedModel]:
@@ -421,7 +469,7 @@ class PoolDeployment:
             if task is not None:
                 task.cancel()
         await asyncio.gather(*(hosted.close() for hosted in getattr(self, "_hosted", {}).values()),
-                             *getattr(self, "_retiring", ()), return_exceptions=True)
+                             *list(getattr(self, "_background", ())), return_exceptions=True)
         if hasattr(self, "_replica_id"):
             try:
                 await asyncio.to_thread(kv_delete, report_key(self._replica_id), KV_NAMESPACE)

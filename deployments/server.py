@@ -273,7 +273,8 @@ class ServerDeployment:
         unloaded loads again), answered through a deployment handle, as over gRPC."""
         name, version, method = route.model, route.version, scope["method"]
         if method == "POST" and route.action in POST_ACTIONS:
-            target = await self._forwarder.route(name, version)
+            # (A rollout's sticky header picks the version, as the front would.)
+            target = await self._forwarder.route(name, version, dict(scope["headers"]))
             if target is None:
                 raise await self._api.unavailable_model(name, version or None)
             body = await asgi.read_body(receive, self._max_input_size)

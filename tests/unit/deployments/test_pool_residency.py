@@ -1,0 +1,160 @@
+"""The model pool's replica keeping within --pool-max-models, without Ray: its class with
+stand-in hosted models (HostedModel.load replaced), so that loads, unloads and requests can be
+interleaved at will. The real thing: tests/integration/test_model_pool.py."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from rayinfer.deployments import pool as pool_module
+from rayinfer.deployments.pool import PoolDeployment
+from rayinfer.protocol.errors import UnavailableError
+
+Pool = PoolDeployment.func_or_class
+
+
+class _Stats:
+    last_inference_ms = 0
+
+
+class _StandIn:
+    """What the pool reads of a HostedModel."""
+
+    def __init__(self, app: str) -> None:
+        self.app_name = app
+        self.handle_calls = 0
+        self.busy_calls = 0
+        self.closed = False
+        self.core = type("Core", (), {"name": app, "version": "1"})()
+        self.core.executor = type("Executor", (), {"stats": _Stats()})()
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.handle_calls or self.busy_calls)
+
+    @property
+    def last_inference_s(self) -> float:
+        return 0.0
+
+    async def report(self) -> None:
+        pass
+
+    async def close(self) -> None:
+        self.closed = True
+
+
+def _pool(monkeypatch, max_models: int, load_s: float = 0.02, fail: set[str] | None = None) -> Any:
+    """A pool replica's object holding ``max_models`` at most, whose loads take ``load_s``."""
+    loads: list[str] = []
+
+    async def load(repository, model, version, options, *, replica_key, app_name, deployment, server,
+                   stats_key=None):
+        loads.append(app_name)
+        await asyncio.sleep(load_s)
+        if fail and app_name in fail:
+            raise RuntimeError(f"{app_name} cannot be read")
+        return _StandIn(app_name)
+
+    monkeypatch.setattr(pool_module.HostedModel, "load", load)
+    replica = object.__new__(Pool)
+    replica._replica_id, replica._replica_key, replica._deployment = "r1", "rayinfer-pool/r1", "PoolDeployment"
+    replica._server = None
+    for name in ("_specs", "_hosted", "_failures", "_used", "_loading", "_waiting", "_load_errors", "_stats",
+                 "_locks", "_registered_at"):
+        setattr(replica, name, {})
+    replica._evicted, replica._background = set(), set()
+    replica._max_models, replica._load_timeout_s, replica._loads = max_models, 5.0, 0
+    replica._changing = asyncio.Lock()
+    replica._load_limit = asyncio.Semaphore(4)
+    replica.loads = loads
+
+    async def nothing(*args: Any) -> None:
+        pass
+
+    replica._publish_report = nothing
+    replica._register = nothing
+    replica._publish_resident = lambda: None
+    return replica
+
+
+def _config(*apps: str, max_models: int) -> dict[str, Any]:
+    return {"models": {app: [app, 1, {"repository": "/repo"}] for app in apps}, "max_models": max_models}
+
+
+def run(coroutine: Any) -> Any:
+    return asyncio.run(coroutine)
+
+
+def test_past_max_models_the_least_recently_used_idle_version_is_unloaded(monkeypatch):
+    async def scenario() -> None:
+        replica = _pool(monkeypatch, 2)
+        await replica.reconfigure(_config("a", "b", "c", max_models=2))
+        assert len(replica._hosted) == 2 and len(replica._evicted) == 1
+        busy = replica._hosted[next(iter(replica._hosted))]
+        busy.busy_calls = 1  # a request in flight: never unloaded
+        unloaded = next(iter(replica._evicted))
+        assert (await replica._resident(unloaded)).app_name == unloaded
+        await asyncio.sleep(0.05)  # the unload down to max_models follows the load
+        assert busy.app_name in replica._hosted and unloaded in replica._hosted
+        assert len(replica._hosted) == 2
+
+    run(scenario())
+
+
+def test_a_version_loaded_again_for_a_request_is_not_unloaded_before_the_request_has_it(monkeypatch):
+    """Two requests at once for two unloaded versions, room for one: each request gets its
+    version (neither load unloads the other's before its request has it)."""
+    async def scenario() -> None:
+        replica = _pool(monkeypatch, 1)
+        await replica.reconfigure(_config("a", "b", "c", max_models=1))
+        unloaded = sorted(replica._evicted)[:2]
+        got = await asyncio.gather(*(replica._resident(app) for app in unloaded))
+        assert [hosted.app_name for hosted in got] == unloaded
+
+    run(scenario())
+
+
+def test_a_failed_load_again_fails_its_requests_and_the_next_request_tries_again(monkeypatch):
+    async def scenario() -> None:
+        replica = _pool(monkeypatch, 1)
+        await replica.reconfigure(_config("a", "b", max_models=1))
+        unloaded = next(iter(replica._evicted))
+        broken = {unloaded}
+        monkeypatch.setattr(pool_module.HostedModel, "load", _failing_then_working(broken))
+        with pytest.raises(UnavailableError, match="could not be loaded again: .* cannot be read"):
+            await replica._resident(unloaded)
+        assert unloaded not in replica._failures  # not failed for good
+        broken.clear()
+        assert (await replica._resident(unloaded)).app_name == unloaded
+
+    run(scenario())
+
+
+def test_a_version_unloaded_from_the_server_while_it_loads_again_does_not_come_back(monkeypatch):
+    async def scenario() -> None:
+        replica = _pool(monkeypatch, 1, load_s=0.1)
+        await replica.reconfigure(_config("a", "b", max_models=1))
+        unloaded = next(iter(replica._evicted))
+        other = next(app for app in ("a", "b") if app != unloaded)
+        request = asyncio.create_task(replica._resident(unloaded))
+        await asyncio.sleep(0.02)  # its load again has begun
+        await replica.reconfigure(_config(other, max_models=1))
+        with pytest.raises(UnavailableError):
+            await request
+        assert unloaded not in replica._hosted and unloaded not in replica._specs
+
+    run(scenario())
+
+
+def _failing_then_working(broken: set[str]) -> Any:
+    async def load(repository, model, version, options, *, replica_key, app_name, deployment, server,
+                   stats_key=None):
+        await asyncio.sleep(0.01)
+        if app_name in broken:
+            raise RuntimeError(f"{app_name} cannot be read")
+        return _StandIn(app_name)
+
+    return load
