@@ -13,7 +13,14 @@ from rayinfer.deployments import pool as pool_module
 from rayinfer.deployments.pool import PoolDeployment
 from rayinfer.protocol.errors import UnavailableError
 
-Pool = PoolDeployment.func_or_class
+
+
+class Pool(PoolDeployment.func_or_class):  # type: ignore[misc, valid-type]
+    """The replica's class, less its Serve shutdown (an ``async def __del__``, which Python's
+    own finalizer would call and never await)."""
+
+    def __del__(self) -> None:
+        pass
 
 
 class _Stats:
