@@ -364,12 +364,12 @@ class PoolDeployment:
 
     # ---- handle calls (the hosted version: Serve's multiplexed model id) --------------------
 
-    def _held_elsewhere(self, app: str) -> bool:
-        """Whether ``app`` is a version this replica serves without holding it loaded now."""
+    def _unloaded(self, app: str) -> bool:
+        """Whether ``app`` is a version this replica serves that it unloaded (it loads on its next request)."""
         return app not in self._hosted and app in self._specs and app not in self._failures
 
     async def grpc_forwarded(self, method: str, payload: bytes) -> bytes:
-        if method == "ModelReady" and self._held_elsewhere(serve.get_multiplexed_model_id()):
+        if method == "ModelReady" and self._unloaded(serve.get_multiplexed_model_id()):
             return pb.ModelReadyResponse(ready=True).SerializeToString()  # it loads on its next request
         async with self._call() as hosted:
             return await hosted.grpc_forwarded(method, payload)
@@ -384,7 +384,7 @@ class PoolDeployment:
             return await hosted.bls_infer(request)
 
     async def model_ready(self) -> bool:
-        if self._held_elsewhere(serve.get_multiplexed_model_id()):
+        if self._unloaded(serve.get_multiplexed_model_id()):
             return True
         async with self._call() as hosted:
             return await hosted.core.ready()

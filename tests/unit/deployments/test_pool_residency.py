@@ -60,7 +60,7 @@ def _pool(monkeypatch, max_models: int, load_s: float = 0.02, fail: set[str] | N
     async def load(repository, model, version, options, *, replica_key, app_name, deployment, server,
                    stats_key=None):
         loads.append(app_name)
-        await asyncio.sleep(load_s)
+        await asyncio.sleep(load_s)  # a load's own time, for requests and changes to overlap it
         if fail and app_name in fail:
             raise RuntimeError(f"{app_name} cannot be read")
         return _StandIn(app_name)
@@ -104,7 +104,7 @@ def test_past_max_models_the_least_recently_used_idle_version_is_unloaded(monkey
         busy.busy_calls = 1  # a request in flight: never unloaded
         unloaded = next(iter(replica._evicted))
         assert (await replica._resident(unloaded)).app_name == unloaded
-        await asyncio.sleep(0.05)  # the unload down to max_models follows the load
+        await asyncio.gather(*list(replica._background))  # the unload down to max_models follows the load
         assert busy.app_name in replica._hosted and unloaded in replica._hosted
         assert len(replica._hosted) == 2
 
@@ -147,7 +147,7 @@ def test_a_version_unloaded_from_the_server_while_it_loads_again_does_not_come_b
         unloaded = next(iter(replica._evicted))
         other = next(app for app in ("a", "b") if app != unloaded)
         request = asyncio.create_task(replica._resident(unloaded))
-        await asyncio.sleep(0.02)  # its load again has begun
+        await _until(lambda: unloaded in replica.loads[2:])  # its load again has begun
         await replica.reconfigure(_config(other, max_models=1))
         with pytest.raises(UnavailableError):
             await request
@@ -159,9 +159,17 @@ def test_a_version_unloaded_from_the_server_while_it_loads_again_does_not_come_b
 def _failing_then_working(broken: set[str]) -> Any:
     async def load(repository, model, version, options, *, replica_key, app_name, deployment, server,
                    stats_key=None):
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(0.01)  # a load's own time
         if app_name in broken:
             raise RuntimeError(f"{app_name} cannot be read")
         return _StandIn(app_name)
 
     return load
+
+
+async def _until(condition: Any, timeout_s: float = 5.0) -> None:
+    """Yield to the loop until ``condition()`` holds (a failure after ``timeout_s``)."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "the condition did not come"
+        await asyncio.sleep(0)
