@@ -2,7 +2,7 @@
 """Memory against the number of small models: the whole server's PSS with 1, 10, 25 ... models,
 rayinfer beside the Triton anchor on the same repository, and what each model adds.
 
-    .venv/bin/python benchmarks/model_memory.py [--counts 1,10,25] [--kinds onnx,onnx-pool,python] [--no-triton]
+    .venv/bin/python benchmarks/model_memory.py [--counts 1,10,25] [--kinds onnx,onnx-pool,python,python-pool] [--no-triton]
 
 Each point is a fresh server on a repository of ``count`` copies of one small model under their
 own names, every one loaded at start (Triton's and rayinfer's default, model control none):
@@ -10,8 +10,8 @@ own names, every one loaded at start (Triton's and rayinfer's default, model con
 - ``onnx``: the example repository's ``simple`` (an ONNX add/sub of two 16-element INT32
   vectors). rayinfer only: the Triton anchor has the Python backend alone.
 - ``python``: the anchor's ``identity_fp32`` (``model.py`` unmodified), for both servers.
-- ``onnx-pool``: the ``onnx`` repository served with ``--model-hosting pool``: every model in the
-  model pool's one replica instead of a replica each.
+- ``onnx-pool`` and ``python-pool``: the same repositories served with ``--model-hosting pool``:
+  every model in the model pool's one replica instead of a replica each.
 
 Memory is the PSS of every process the server started (for rayinfer: Ray's GCS, raylet and
 agents, Serve's controller and proxy, the ``/v2`` replica, the front, every model replica; for
@@ -129,7 +129,7 @@ def render(results: dict[tuple[str, str], dict[int, tuple[float, int, float]]], 
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for kind in args.kinds:
-        ours, theirs = results.get(("rayinfer", kind), {}), results.get(("triton", kind), {})
+        ours, theirs = results.get(("rayinfer", kind), {}), results.get(("triton", kind.removesuffix("-pool")), {})
         for count in counts_of(args, kind):
             row = [f"`{kind}`", str(count)]
             for points in (ours, theirs):
@@ -156,6 +156,7 @@ def plot(results: dict[tuple[str, str], dict[int, tuple[float, int, float]]], pa
     styles = {("rayinfer", "onnx"): ("tab:blue", "-", "rayinfer, ONNX, a replica each"),
               ("rayinfer", "onnx-pool"): ("tab:blue", "--", "rayinfer, ONNX, pooled"),
               ("rayinfer", "python"): ("tab:orange", "-", "rayinfer, Python, a replica each"),
+              ("rayinfer", "python-pool"): ("tab:orange", "--", "rayinfer, Python, pooled"),
               ("triton", "python"): ("tab:green", "-", "Triton 2.51, Python")}
     for key, (color, line, label) in styles.items():
         points = results.get(key)
@@ -183,8 +184,9 @@ def counts_of(args: argparse.Namespace, kind: str) -> list[int]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--counts", default="1,10,25", help="model counts, comma-separated")
-    parser.add_argument("--pool-counts", default="", help="model counts for onnx-pool (default: --counts)")
-    parser.add_argument("--kinds", default="onnx,onnx-pool,python", help="onnx, onnx-pool and/or python")
+    parser.add_argument("--pool-counts", default="", help="model counts for the pooled kinds (default: --counts)")
+    parser.add_argument("--kinds", default="onnx,onnx-pool,python,python-pool",
+                        help="onnx, onnx-pool, python and/or python-pool")
     parser.add_argument("--no-triton", action="store_true", help="measure rayinfer only")
     parser.add_argument("--output", type=Path, default=ROOT / "docs" / "benchmarks.md")
     args = parser.parse_args()
@@ -207,7 +209,7 @@ def main() -> int:
                                                                                       kind.endswith("-pool"))
                 print(f"rayinfer {kind} x{count}: {point[0]:,.0f} MiB PSS, {point[1]} processes, ready in "
                       f"{point[2]:.0f} s", flush=True)
-                if kind == "python" and not args.no_triton:
+                if kind == "python" and not args.no_triton:  # python-pool: the same repository
                     results.setdefault(("triton", kind), {})[count] = point = measure_triton(repo, work)
                     print(f"triton {kind} x{count}: {point[0]:,.0f} MiB PSS, {point[1]} processes, ready in "
                           f"{point[2]:.0f} s", flush=True)

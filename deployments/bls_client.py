@@ -34,8 +34,10 @@ from rayinfer.serving.model_core import ModelCore
 class ReplicaBlsClient:
     """Sends a Python model's BLS requests and model-control calls from its replica."""
 
-    def __init__(self, own_deployment: str) -> None:
-        self._own_deployment = own_deployment
+    def __init__(self, own_route: tuple[str, str]) -> None:
+        """``own_route``: (application, deployment) of the calling model version (a pooled
+        version's names its own application and the pool's deployment)."""
+        self._own_route = own_route
         self.core: ModelCore | None = None  # set once the model is loaded
         self._routes = ModelRoutes(lambda: self._handle((SERVER_APP, SERVER_DEPLOYMENT)))
         self._handles: dict[tuple[str, str], Any] = {}
@@ -103,7 +105,7 @@ class ReplicaBlsClient:
         return self.core.execute_here(request)
 
     def _is_self(self, route: tuple[str, str]) -> bool:
-        return route[1] == self._own_deployment
+        return tuple(route) == self._own_route
 
     def _handle(self, route: tuple[str, str]) -> Any:
         """A handle to ``route`` (application, deployment) of the client's own: a handle routes

@@ -38,6 +38,7 @@ from rayinfer.deployments.control_channel import (
 )
 from rayinfer.deployments.ensemble_members import EnsembleMembers, load_ensemble
 from rayinfer.deployments.front_key_store import cluster_front_key
+from rayinfer.deployments.names import POOL_DEPLOYMENT
 from rayinfer.deployments.replica_streams import ReplicaStreams
 from rayinfer.deployments.shadow_sender import ShadowSender
 from rayinfer.protocol import log_settings
@@ -117,7 +118,7 @@ class HostedModel:
         # A Python model's calls to other models (set before loading: initialize may call).
         # Calls by deployment handle in flight (the model pool counts them, to drain them).
         self.handle_calls = 0
-        self._bls = ReplicaBlsClient(deployment)
+        self._bls = ReplicaBlsClient((app_name, deployment))
         bls.set_client(self._bls)
         self._deployment = deployment
 
@@ -155,13 +156,17 @@ class HostedModel:
             repository = await asyncio.to_thread(local_repository, model_repository)
             runner, entry = await load_ensemble(repository, model_name, int(version), override, self._members)
         else:
-            runner, entry = await asyncio.to_thread(
-                load_runner, repository, model_name, int(version), options.auto_complete, override, on_gpu,
-                options.any_version,
-            )
+            with bls.loading_with(self._bls):  # a Python model keeps its own (the pool holds many)
+                runner, entry = await asyncio.to_thread(
+                    load_runner, repository, model_name, int(version), options.auto_complete, override, on_gpu,
+                    options.any_version,
+                )
         cache = _response_cache(repository / model_name, runner, options.cache_size_bytes)
         self.core = self._bls.core = ModelCore(runner, entry.versions, self._merged_statistics,
                                                SharedMemoryRegistry(self._shared_memory_region), cache)
+        if self._deployment == POOL_DEPLOYMENT and getattr(runner, "calls_models", False):
+            # Its BLS calls may go to a neighbour in this replica, whose answer needs this loop.
+            self.core.inline_executions = False
         self._max_input_size = options.max_input_size
         self.listener = ReplicaListener(self._listener_grpc, self._listener_http, options.max_input_size,
                                         self.core.name, front_key)

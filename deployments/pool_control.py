@@ -53,7 +53,7 @@ def version_hosting(folder: Path, model: str, version: int, override: str | None
     auto_gpu = cluster_gpus() > 0 and backend_uses_gpus(entry.config.backend)
     plan = replica_plan(entry.config, entry.path / "config.pbtxt", auto_gpu=auto_gpu,
                         gpu_fallback=control.gpu_fallback, gpu_fraction=control.gpu_fraction)
-    hosting = model_hosting(entry.config, entry.path / "config.pbtxt", plan, control.hosting)
+    hosting = model_hosting(entry.config, entry.path / "config.pbtxt", plan, control.hosting, version)
     if hosting == POOL and not route_key_is_safe(f"{model}/{version}"):
         # The front cannot route such a name to a listener, and a pooled version has no route of
         # its own at Serve's HTTP ingress to fall back on.

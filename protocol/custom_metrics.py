@@ -7,6 +7,7 @@ renders them beside Triton's ``nv_*`` families, under the names the model gave.
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -16,6 +17,10 @@ from prometheus_client.metrics_core import Metric
 # each metric {"labels": {...}, "value": float} or, for a histogram, {"labels": {...},
 # "buckets": [upper bounds], "counts": [observations per bucket], "sum": float, "count": int}.
 Family = dict[str, Any]
+
+# This process, in its reports: a process's families are every model's in it (Triton's rule:
+# one family of a name, whichever model made it), so each process counts once.
+PROCESS_KEY = uuid.uuid4().hex
 
 
 def merge_families(reports: Iterable[list[Family]]) -> list[Family]:

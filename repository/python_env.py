@@ -18,6 +18,7 @@ from rayinfer.repository.model_config import ModelConfig
 
 REQUIREMENTS_FILE = "requirements.txt"
 PIP_PARAMETER = "pip_requirements"
+ENV_PARAMETER = "EXECUTION_ENV_PATH"  # a conda-pack environment (adapters/python_backend/environment.py)
 
 
 def model_requirements(model_dir: Path, version: int, config: ModelConfig) -> list[str]:
@@ -53,3 +54,22 @@ def _absolute(lines: list[str], folder: Path) -> list[str]:
             tokens.append(f"{prefix}={value}" if prefix else value)
         out.append(" ".join(tokens))
     return out
+
+
+def own_modules(folder: Path, model_file: Path) -> bool:
+    """Whether ``folder`` holds Python a model can import besides its model file: a module
+    (``*.py``, a compiled extension) or a package (a folder of modules)."""
+    try:
+        entries = list(folder.iterdir())
+    except OSError:
+        return False
+    for entry in entries:
+        if entry == model_file or not entry.name.split(".", 1)[0].isidentifier():
+            continue  # a version folder ("1") or a hidden file cannot be imported
+        if entry.name == "__pycache__":
+            continue
+        if entry.is_file() and entry.suffix in (".py", ".so", ".pyd", ".pyc"):
+            return True
+        if entry.is_dir() and any(entry.glob("*.py")):
+            return True
+    return False

@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from rayinfer.adapters.model_runner import LateAnswer
+from rayinfer.protocol.custom_metrics import PROCESS_KEY
 from rayinfer.protocol.errors import InternalError, InvalidArgError, ServingError, UnavailableError, as_serving_error
 from rayinfer.protocol.limits import DEFAULT_CONNECTION_LIMITS
 from rayinfer.protocol.shared_memory import SharedMemoryRegistry
@@ -77,6 +78,10 @@ class ModelCore:
         # Unknown until measured: the first executions run on the thread.
         self._execution_s_avg = float("inf")
         self._on_thread = 0  # executions handed to the model thread and not finished
+        # Short executions may run on the loop (see _execute). Not for a model whose execute may
+        # wait on this process's own loop: a Python model's BLS call in the model pool, whose
+        # target may be a neighbour in the same replica.
+        self.inline_executions = True
         # An executor that runs each request on the loop itself, without batcher or thread.
         self._execute_async = getattr(executor, "execute_async", None)
         batching = spec.dynamic_batching
@@ -357,7 +362,8 @@ class ModelCore:
         one at a time either way (a model instance executes one batch at a time, as in Triton):
         not on the loop while the thread still has executions. A decoupled model's always run on
         the thread: its sends past --max-queued-responses wait there for the loop to take them."""
-        if self._execution_s_avg < INLINE_EXECUTION_LIMIT_S and not self._on_thread and not self.decoupled:
+        if (self._execution_s_avg < INLINE_EXECUTION_LIMIT_S and not self._on_thread and not self.decoupled
+                and self.inline_executions):
             results, elapsed = self._timed_execute(batch)
         else:
             loop = asyncio.get_running_loop()
@@ -418,6 +424,7 @@ class ModelCore:
         custom_metrics = getattr(self.executor, "custom_metrics", None)
         if custom_metrics is not None:  # the model's own metric families (a Python model's)
             snapshot["custom_metrics_version"], snapshot["custom_metrics"] = custom_metrics()
+            snapshot["custom_metrics_process"] = PROCESS_KEY  # the families are the process's
         return snapshot
 
     async def statistics(self, version: str) -> list[tuple[str, dict[str, Any]]]:

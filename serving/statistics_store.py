@@ -30,10 +30,20 @@ class StatisticsStore:
         return sum(s.get("pending_request_count", 0) for s in self._snapshots.get((model, version), {}).values())
 
     def custom_metrics(self) -> list[Family]:
-        """Every model's own metric families, summed over replicas."""
-        return merge_families(
-            snapshot.get("custom_metrics", []) for replicas in self._snapshots.values() for snapshot in replicas.values()
-        )
+        """Every model's own metric families, summed over processes. A process's families are
+        all its models' (a pool replica holds many Python models, and reports them with each):
+        each process counts once, by its newest report."""
+        newest: dict[str, tuple[int, list[Family]]] = {}
+        for replicas in self._snapshots.values():
+            for key, snapshot in replicas.items():
+                families = snapshot.get("custom_metrics")
+                if not families:
+                    continue
+                process = snapshot.get("custom_metrics_process") or key
+                version = snapshot.get("custom_metrics_version", 0)
+                if process not in newest or version > newest[process][0]:
+                    newest[process] = (version, families)
+        return merge_families(families for _, families in newest.values())
 
     def forget(self, model: str) -> None:
         """Drop every version of an unloaded model."""

@@ -19,7 +19,8 @@ from python_rules_models import RULES_MODELS
 
 ANCHOR_MODELS = Path(__file__).resolve().parents[2] / "shared" / "anchors" / "models"
 # Loaded by tests through the repository API, not at start.
-NOT_LOADED_AT_START = ("py_init_fail", "py_env_broken", "py_autoscaled", "py_scale_to_zero", *QA_MODELS)
+NOT_LOADED_AT_START = ("py_init_fail", "py_env_broken", "py_autoscaled", "py_scale_to_zero", "py_pooled_a",
+                       "py_pooled_b", *QA_MODELS)
 
 MODELS: dict[str, tuple[str, str]] = {}
 
@@ -421,6 +422,59 @@ MODELS["py_scale_to_zero"] = (MODELS["py_autoscaled"][0].replace("py_autoscaled"
     'parameters { key: "autoscaling_max_replicas" value: { string_value: "1" } }\n'
     'parameters { key: "autoscaling_downscale_to_zero_delay_s" value: { string_value: "1" } }'),
     MODELS["py_autoscaled"][1])
+
+# test_model_pool: two Python models in the model pool's one process. OUT = IN + the config's
+# offset (a: 1, b: 10), or with the request parameter "via", IN + offset + what that model answers
+# for IN (a BLS call); DIR is pb_utils.get_model_dir(); each request counts in a custom metric
+# labelled with the model and the request parameter "tag".
+POOLED_PY = """import json
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        config = json.loads(args["model_config"])
+        self.offset = int(config["parameters"]["offset"]["string_value"])
+        self.family = pb_utils.MetricFamily("pooled_python_requests", "requests of a pooled Python model",
+                                            pb_utils.MetricFamily.COUNTER)
+        self.name = args["model_name"]
+        self.requests = {}  # the metric of each request parameter "tag"
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            parameters = json.loads(request.parameters())
+            tag = parameters.get("tag", "")
+            if tag not in self.requests:
+                self.requests[tag] = self.family.Metric(labels={"model": self.name, "tag": tag})
+            self.requests[tag].increment(1)
+            value = pb_utils.get_input_tensor_by_name(request, "IN").as_numpy() + self.offset
+            via = parameters.get("via")
+            if via:
+                answer = pb_utils.InferenceRequest(model_name=via, requested_output_names=["OUT"],
+                                                   inputs=[pb_utils.get_input_tensor_by_name(request, "IN")]).exec()
+                if answer.has_error():
+                    responses.append(pb_utils.InferenceResponse(error=answer.error()))
+                    continue
+                value = value + pb_utils.get_output_tensor_by_name(answer, "OUT").as_numpy()
+            folder = np.array([[pb_utils.get_model_dir().encode()]] * len(value), dtype=np.object_)
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", value.astype(np.int32)),
+                                                         pb_utils.Tensor("DIR", folder)]))
+        return responses
+"""
+
+for _name, _offset in (("py_pooled_a", 1), ("py_pooled_b", 10)):
+    MODELS[_name] = (f"""name: "{_name}"
+backend: "python"
+max_batch_size: 4
+input [ {{ name: "IN" data_type: TYPE_INT32 dims: [ 1 ] }} ]
+output [ {{ name: "OUT" data_type: TYPE_INT32 dims: [ 1 ] }}, {{ name: "DIR" data_type: TYPE_STRING dims: [ 1 ] }} ]
+parameters {{ key: "offset" value: {{ string_value: "{_offset}" }} }}
+parameters {{ key: "rayinfer_hosting" value: {{ string_value: "pool" }} }}
+""", POOLED_PY)
+
 
 def write_python_models(root: Path) -> None:
     """Write the models above, and the Triton anchor's Python models when ../shared is there

@@ -39,7 +39,8 @@ from rayinfer.adapters.model_runner import (
     keep_state,
     trace_compute,
 )
-from rayinfer.adapters.python_backend import environment
+from rayinfer.adapters.python_backend import bls, environment, model_context
+from rayinfer.adapters.python_backend.model_context import ModelContext
 from rayinfer.adapters.python_backend.readiness import ReadinessCheck
 from rayinfer.adapters.python_backend.sender_answer import SenderAnswer
 from rayinfer.adapters.python_backend.requirements import activate_requirements
@@ -50,7 +51,7 @@ from rayinfer.protocol.errors import Code, InternalError, InvalidArgError, Model
 from rayinfer.protocol.types import InferOutput, InferResponse
 from rayinfer.repository.instance_groups import runs_on_gpu
 from rayinfer.repository.model_config import ModelConfig, config_to_json
-from rayinfer.repository.python_env import model_requirements
+from rayinfer.repository.python_env import model_requirements, own_modules
 from rayinfer.repository.sequence_config import sequence_flags
 
 logger = logging.getLogger(__name__)
@@ -64,6 +65,7 @@ class PythonBackendAdapter:
     def __init__(self) -> None:
         self.model: Any = None
         self.model_dir = ""
+        self.context: ModelContext | None = None  # what pb_utils answers for this model
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread: threading.Thread | None = None
         self._loop_lock = threading.Lock()
@@ -79,7 +81,8 @@ class PythonBackendAdapter:
     def load(self, model_dir: Path, version: int, config: ModelConfig, auto_complete: bool) -> None:
         path = self.model_path(model_dir, version, config)
         self.model_dir = str(model_dir)
-        pb_utils.set_model_dir(self.model_dir)
+        self.context = ModelContext(self.model_dir, bls.loading_client())
+        model_context.loaded(self.context)
         sys.modules.setdefault(_PB_UTILS, pb_utils)
         env = config.parameters.get(environment.PARAMETER)
         if env is not None and env.string_value:  # a conda-pack environment's packages
@@ -87,9 +90,10 @@ class PythonBackendAdapter:
         packages = model_requirements(model_dir, version, config)
         if packages:  # requirements.txt or the pip_requirements parameter
             activate_requirements(packages, config.name)
-        for folder in (str(model_dir), str(path.parent)):
-            if folder not in sys.path:
-                sys.path.insert(0, folder)
+        for folder in (model_dir, path.parent):  # only where the model has modules to import:
+            # a pool replica holds hundreds of models, and every import reads every folder on sys.path
+            if str(folder) not in sys.path and own_modules(folder, path):
+                sys.path.insert(0, str(folder))
         module_name = f"rayinfer_python_model_{config.name}_{version}"
         spec = importlib.util.spec_from_file_location(module_name, path)
         if spec is None or spec.loader is None:
@@ -108,9 +112,10 @@ class PythonBackendAdapter:
         model_class = getattr(module, "TritonPythonModel", None)
         if model_class is None:
             raise ModelConfigError(f"{path}: defines no class 'TritonPythonModel'")
-        if auto_complete and hasattr(model_class, "auto_complete_config"):
-            _auto_complete(model_class, config, path)
-        self.model = model_class()
+        with model_context.entered(self.context):
+            if auto_complete and hasattr(model_class, "auto_complete_config"):
+                _auto_complete(model_class, config, path)
+            self.model = model_class()
         args = {
             "model_config": json.dumps(config_to_json(config)),
             # A GPU replica sees its one GPU as device 0 (Ray sets CUDA_VISIBLE_DEVICES).
@@ -131,17 +136,19 @@ class PythonBackendAdapter:
         """The model's ``execute`` on one batch, awaited on the backend's loop when async. With
         ``background`` (a decoupled model) an async execute is left running on that loop and its
         future returned: the next batch starts while it awaits, as in Triton."""
-        result = model_code(self.model.execute, requests)
-        if not inspect.isawaitable(result):
-            return result
-        if background and threading.current_thread() is not self._loop_thread:
-            return asyncio.run_coroutine_threadsafe(_awaited(result), self._event_loop())
-        return self._wait(result)
+        with model_context.entered(self.context):  # an async execute's task copies it
+            result = model_code(self.model.execute, requests)
+            if not inspect.isawaitable(result):
+                return result
+            if background and threading.current_thread() is not self._loop_thread:
+                return asyncio.run_coroutine_threadsafe(_awaited(result), self._event_loop())
+            return self._wait(result)
 
     def call(self, method: Any, *args: Any) -> Any:
         """Call one of the model's methods; a coroutine is run on the backend's loop."""
-        result = model_code(method, *args)
-        return self._wait(result) if inspect.isawaitable(result) else result
+        with model_context.entered(self.context):
+            result = model_code(method, *args)
+            return self._wait(result) if inspect.isawaitable(result) else result
 
     def _wait(self, awaitable: Any) -> Any:
         if threading.current_thread() is self._loop_thread:
@@ -212,6 +219,8 @@ def _auto_complete(model_class: Any, config: ModelConfig, path: Path) -> None:
 class PythonModelRunner(ModelRunner):
     """The executor of a Python model: validates as every model does, then hands the whole batch
     to ``execute`` as Triton's requests, one response (or error) per request."""
+
+    calls_models = True  # execute may call other models (BLS) and wait for their answers
 
     def __init__(self, spec: Any, adapter: Any, version: int) -> None:
         super().__init__(spec, adapter, version)

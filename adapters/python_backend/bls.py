@@ -11,9 +11,12 @@ through that model's own batcher, and the answer comes back as a ``pb_utils.Infe
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any, Protocol
 
+from rayinfer.adapters.python_backend import model_context
 from rayinfer.adapters.python_backend.errors import TRITON_CODES, TritonError, TritonModelException
 from rayinfer.protocol.dtypes import wire_datatype
 from rayinfer.protocol.errors import Code, ServingError, as_serving_error
@@ -44,19 +47,40 @@ class BlsClient(Protocol):
     def is_model_ready(self, name: str, version: str) -> bool: ...
 
 
-_client: BlsClient | None = None
+_client: BlsClient | None = None  # the replica's: for a model loaded without one of its own
+_loading: ContextVar[BlsClient | None] = ContextVar("rayinfer_bls_loading", default=None)
 
 
 def set_client(client: BlsClient | None) -> None:
-    """Set by the replica that serves the model (one model per replica process)."""
+    """Set by the replica that serves the model: the client of every model loaded in the
+    process without one of its own (:func:`loading_with`)."""
     global _client
     _client = client
 
 
+@contextlib.contextmanager
+def loading_with(client: BlsClient) -> Iterator[None]:
+    """A model loaded in this block calls other models through ``client`` (the replica's, set
+    by the deployment that loads it): the model's :class:`~.model_context.ModelContext` keeps it."""
+    token = _loading.set(client)
+    try:
+        yield
+    finally:
+        _loading.reset(token)
+
+
+def loading_client() -> BlsClient | None:
+    """The client of the model being loaded (None outside :func:`loading_with`)."""
+    return _loading.get()
+
+
 def client() -> BlsClient:
-    if _client is None:
+    """The running model's client (:mod:`.model_context`), else the replica's."""
+    context = model_context.current()
+    found = (context.bls if context is not None else None) or _client
+    if found is None:
         raise TritonModelException("BLS and model control need a running rayinfer server: none is reachable here")
-    return _client
+    return found
 
 
 def to_infer_request(request: InferenceRequest) -> InferRequest:

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from rayinfer.adapters.python_backend import bls as _bls
+from rayinfer.adapters.python_backend import model_context as _model_context
 
 # Re-exported: a model reaches every name through this module.
 from rayinfer.adapters.python_backend.auto_complete import ModelConfig as ModelConfig
@@ -52,7 +53,6 @@ _CONFIG_TO_NUMPY = {
     "TYPE_STRING": np.object_,
 }
 
-_model_dir = ""
 _logger = logging.getLogger("triton_python_backend_utils")
 
 
@@ -472,12 +472,7 @@ def is_model_ready(model_name: str, model_version: str = "") -> bool:
 
 
 def get_model_dir() -> str:
-    """The model's folder (``<repository>/<model>``): a replica process serves one model."""
-    return _model_dir
-
-
-def set_model_dir(path: str) -> None:
-    """Set by the backend when it loads the model."""
-    global _model_dir
-    _model_dir = path
+    """The running model's folder (``<repository>/<model>``; :mod:`.model_context`)."""
+    context = _model_context.current()
+    return context.model_dir if context is not None else ""
 

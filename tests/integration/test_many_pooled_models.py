@@ -1,8 +1,8 @@
-"""Two hundred small ONNX models on a server of its own, as a user would serve them: default
-model control, ``--model-hosting pool --pool-max-models 50``. The server is ready with most of
-them unloaded, and every model answers right over HTTP and gRPC (most of them loading again on
-the way) and counts its own statistics and metrics. (A model failing in the pool beside its
-neighbours: test_model_pool.py.)"""
+"""Two hundred small models (a hundred ONNX, a hundred Python) on a server of its own, as a user
+would serve them: default model control, ``--model-hosting pool --pool-max-models 50``. The
+server is ready with most of them unloaded, and every model answers right over HTTP and gRPC
+(most of them loading again on the way) and counts its own statistics and metrics. (A model
+failing in the pool beside its neighbours: test_model_pool.py.)"""
 
 from __future__ import annotations
 
@@ -22,6 +22,19 @@ pytestmark = pytest.mark.own_cluster
 
 PORT = HTTP_PORT + 900
 MODELS = [f"tiny_{i:03d}" for i in range(200)]
+PYTHON = MODELS[100:]  # the same add/sub in a model.py of its own
+ADD_SUB_PY = """import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            a = pb_utils.get_input_tensor_by_name(request, "INPUT0").as_numpy()
+            b = pb_utils.get_input_tensor_by_name(request, "INPUT1").as_numpy()
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0", a + b),
+                                                         pb_utils.Tensor("OUTPUT1", a - b)]))
+        return responses
+"""
 MAX_MODELS = 50
 NOT_LOADED = "not loaded now (--pool-max-models)"
 
@@ -33,7 +46,13 @@ def write_repository(root):
 
     model = add_sub_model(TensorProto.INT32)
     for name in MODELS:
-        write_model(root, name, SIMPLE_CONFIG.replace('name: "simple"', f'name: "{name}"'), model)
+        config = SIMPLE_CONFIG.replace('name: "simple"', f'name: "{name}"')
+        if name in PYTHON:
+            (root / name / "1").mkdir(parents=True)
+            (root / name / "config.pbtxt").write_text(config.replace('platform: "onnxruntime_onnx"', 'backend: "python"'))
+            (root / name / "1" / "model.py").write_text(ADD_SUB_PY)
+        else:
+            write_model(root, name, config, model)
     return root
 
 

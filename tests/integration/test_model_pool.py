@@ -263,3 +263,61 @@ def test_models_unloaded_and_loaded_again_under_load_lose_no_request(server, cli
     assert len(answered) == 60
     assert unloaded_seen, "no model was unloaded while the clients ran"
     assert pids_titled(POOL_REPLICAS) == pool
+
+
+PY_POOLED = ("py_pooled_a", "py_pooled_b")  # tests/python_models.py: OUT = IN + 1 (a), IN + 10 (b)
+
+
+def py_ask(c, model: str, value: int, **parameters) -> tuple[int, str]:
+    """(OUT, DIR) of one pooled Python model for IN = value, over HTTP or gRPC (``c``'s module)."""
+    module = grpcclient if isinstance(c, grpcclient.InferenceServerClient) else httpclient
+    tensor = module.InferInput("IN", [1, 1], "INT32")
+    tensor.set_data_from_numpy(np.array([[value]], np.int32))
+    result = c.infer(model, [tensor], parameters=parameters or None)
+    return int(result.as_numpy("OUT")[0][0]), result.as_numpy("DIR")[0][0].decode()
+
+
+@pytest.fixture(scope="module")
+def py_pooled(client):
+    for name in PY_POOLED:
+        client.load_model(name)
+    yield PY_POOLED
+    for name in PY_POOLED:
+        client.unload_model(name)
+
+
+def test_python_models_share_the_pool_each_with_its_own_folder_and_bls_calls(server, client, py_pooled):
+    """Two Python models in the pool's one process: each answers with its own config and its own
+    pb_utils.get_model_dir(), and one calls the other by BLS (loaded again if the pool had
+    unloaded it), over HTTP and gRPC."""
+    pool = pids_titled(POOL_REPLICAS)
+    assert not pids_titled("ServeReplica:py_pooled_")  # no replica of their own
+    grpc = grpcclient.InferenceServerClient(server["grpc_url"])
+    try:
+        for c in (client, grpc):
+            for name, offset in zip(PY_POOLED, (1, 10)):
+                out, folder = py_ask(c, name, 5)
+                assert out == 5 + offset and folder.endswith(f"/{name}"), (name, out, folder)
+            assert py_ask(c, "py_pooled_a", 5, via="py_pooled_b") == (5 + 1 + 5 + 10, py_ask(c, "py_pooled_a", 0)[1])
+        # The pool keeps three models loaded: with the three add/sub models asked, both Python
+        # models are unloaded; a's next request loads it again, and its BLS call loads b again.
+        for name in POOLED:
+            add_sub(client, name, 1)
+        wait_until(lambda: not loaded("py_pooled_a") and not loaded("py_pooled_b"), "both Python models unloaded")
+        assert py_ask(grpc, "py_pooled_a", 2, via="py_pooled_b")[0] == 2 + 1 + 2 + 10
+        wait_until(lambda: loaded("py_pooled_a") and loaded("py_pooled_b"), "both loaded again")
+    finally:
+        grpc.close()
+    assert pids_titled(POOL_REPLICAS) == pool
+
+
+def test_python_models_in_one_process_count_their_own_metric_family_once(server, client, py_pooled):
+    """Both models report the process's families with their statistics; each request counts
+    once (a label of this test's own starts at zero)."""
+    def requests(name: str) -> float:
+        return metric_value(server, f'pooled_python_requests{{model="{name}",tag="once"}}')
+
+    for _ in range(3):
+        py_ask(client, "py_pooled_a", 1, tag="once")
+    py_ask(client, "py_pooled_b", 1, tag="once")
+    wait_until(lambda: (requests("py_pooled_a"), requests("py_pooled_b")) == (3, 1), "one count per request")

@@ -1,0 +1,55 @@
+"""Which Python model the running code belongs to, where one process holds many (the model pool).
+
+A dedicated replica holds one Python model. A pool replica holds many in one interpreter, so
+what ``triton_python_backend_utils`` answers for "this model" (``get_model_dir``, and the BLS
+client, which calls the model itself in place and every other model by handle) cannot be the
+process's. Each model's calls into its code (``auto_complete_config``, ``initialize``,
+``execute``, ``is_ready``, ``finalize``) run inside the model's :class:`ModelContext`, a context
+variable: code those calls run, the coroutines an async ``execute`` awaits and the threads it
+starts with ``asyncio.to_thread`` see it. A thread the model starts with ``threading`` begins
+without it (Python's rule for context variables) and sees the process's last loaded model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ModelContext:
+    """One loaded model's: its folder (``<repository>/<model>``) and its BLS client."""
+
+    model_dir: str
+    bls: Any = None
+
+
+_current: ContextVar[ModelContext | None] = ContextVar("rayinfer_python_model", default=None)
+_last: ModelContext | None = None  # the process's last loaded model (a thread of its own sees it)
+
+
+def current() -> ModelContext | None:
+    """The running model's context: the one entered, else the process's last loaded model's."""
+    return _current.get() or _last
+
+
+def loaded(context: ModelContext) -> None:
+    """``context``'s model is loaded: it is the process's, for code outside any model's call."""
+    global _last
+    _last = context
+
+
+@contextlib.contextmanager
+def entered(context: ModelContext | None) -> Iterator[None]:
+    """Run the block as ``context``'s model (nothing changes for None)."""
+    if context is None:
+        yield
+        return
+    token = _current.set(context)
+    try:
+        yield
+    finally:
+        _current.reset(token)
