@@ -380,7 +380,7 @@ class ServerSettings(BaseSettings):
         "dedicated",
         description="Where a model without a 'rayinfer_hosting' parameter in its config runs: 'dedicated', replicas of its "
         "own (a process each); or 'pool', in the model pool's replicas, which hold many models in one process "
-        "each. Only a model that needs nothing of its own is pooled (one CPU instance, no sequence batching, "
+        "each. Only a model that needs nothing of its own is pooled (one CPU instance, "
         "not decoupled, not an ensemble, no pip or conda environment or autoscaling, and for a Python model no "
         "modules of its own beside model.py); the others stay dedicated. A model's 'rayinfer_hosting' parameter ('dedicated' or 'pool') overrides this.",
     )

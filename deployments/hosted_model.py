@@ -262,9 +262,12 @@ class HostedModel:
 
     @property
     def busy(self) -> bool:
-        """Whether a request is in flight here: on its listener or by deployment handle."""
+        """Whether a request is in flight here (on its listener or by deployment handle), or a
+        sequence is open here (its state would go with the model)."""
         listener = getattr(self, "listener", None)
-        return bool(self.handle_calls or (listener is not None and listener.in_flight))
+        core = getattr(self, "core", None)
+        return bool(self.handle_calls or (listener is not None and listener.in_flight)
+                    or (core is not None and core.open_sequences))
 
     @property
     def last_inference_s(self) -> float:

@@ -416,7 +416,8 @@ class PoolDeployment:
     async def _register(self, app: str, hosted: HostedModel) -> None:
         try:
             settings = await self._server_handle().register_listener.remote(
-                hosted.replica_key, app, *hosted.listener_address, False, ray.get_runtime_context().current_actor,
+                hosted.replica_key, app, *hosted.listener_address, hosted.routes_sequences,
+                ray.get_runtime_context().current_actor,
             )
             if self._hosted.get(app) is hosted:  # not one replaced or unloaded meanwhile
                 self._registered_at[app] = time.monotonic()

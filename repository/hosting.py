@@ -7,12 +7,14 @@ A model chooses with its config's ``rayinfer_hosting`` parameter::
 and without one takes the server's ``--model-hosting`` (``dedicated`` by default). A pool
 replica holds many models in one process, so a model is pooled only when it needs nothing a
 shared process cannot give it: one CPU instance (the pool's replicas are its instances), no
-GPU, no sequence batching (sequences are held per replica), not decoupled, not an ensemble (its
+GPU, not decoupled, not an ensemble (its
 steps call other models), no pip or conda environment of its own and no autoscaling of its own.
 A Python model is pooled only when its folders hold no modules of its own besides ``model.py``:
 the pool's models share one interpreter's ``sys.modules``, where two models' ``utils.py`` would
-be one module. A model that asks for the pool and cannot have it fails to load with
-the reason; one that only inherits the server's choice is served dedicated.
+be one module. A sequence model is pooled like any other: the pool never unloads it while it
+holds an open sequence (``--pool-max-models`` may be exceeded meanwhile). A model that asks for
+the pool and cannot have it fails to load with the reason; one that only inherits the server's
+choice is served dedicated.
 """
 
 from __future__ import annotations
@@ -40,8 +42,6 @@ def pool_obstacle(config: ModelConfig, plan: ReplicaPlan, folder: Path, version:
         obstacle = _python_obstacle(config, folder, version)
         if obstacle is not None:
             return obstacle
-    if config.HasField("sequence_batching"):
-        return "it has sequence batching"
     if config.model_transaction_policy.decoupled:
         return "it is decoupled"
     if plan.kind != "KIND_CPU":

@@ -410,6 +410,11 @@ class ModelCore:
         check = getattr(self.executor, "is_ready", None)
         return True if check is None else await asyncio.to_thread(check)
 
+    @property
+    def open_sequences(self) -> int:
+        """Sequences this core holds (a sequence model's, started and not ended or timed out)."""
+        return self._sequencer.open_sequences if self._sequencer is not None else 0
+
     # ---- statistics -------------------------------------------------------------------------
 
     def snapshot(self) -> dict[str, Any]:

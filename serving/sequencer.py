@@ -108,6 +108,11 @@ class SequenceBatcher:
     def active_sequences(self) -> int:
         return sum(1 for s in self._slots if s is not None)
 
+    @property
+    def open_sequences(self) -> int:
+        """Sequences started here and not ended (holding a slot or waiting for one)."""
+        return sum(1 for s in self._sequences.values() if not s.ended)
+
     def holds(self, corrid: CorrelationId) -> bool:
         """Whether a sequence with this correlation id runs here (started, not ended)."""
         sequence = self._sequences.get(corrid)

@@ -366,10 +366,11 @@ def server(model_repository: Path, tmp_path_factory: pytest.TempPathFactory):
     from python_models import NOT_LOADED_AT_START
     from backend_models import BACKEND_NOT_LOADED_AT_START
     from rollout_models import ROLLOUT_NOT_LOADED_AT_START
+    from sequence_models import SEQUENCE_NOT_LOADED_AT_START
 
     # Explicit model control: every model but the on-demand ones loads at start (--load-model each).
     later = (ON_DEMAND_MODELS + NOT_LOADED_AT_START + ENSEMBLE_NOT_LOADED_AT_START + BACKEND_NOT_LOADED_AT_START
-             + ROLLOUT_NOT_LOADED_AT_START)
+             + ROLLOUT_NOT_LOADED_AT_START + SEQUENCE_NOT_LOADED_AT_START)
     load = [arg for p in sorted(model_repository.iterdir()) if p.is_dir() and p.name not in later
             for arg in ("--load-model", p.name)]
     proc = start_server(model_repository, log_path, [

@@ -118,6 +118,12 @@ ENSEMBLES = {
         _step("ens_pid_double", {"INPUT": "SUM"}, {"OUTPUT": "SUM2", "PID": "PID"}),
     ], extra='parameters { key: "steps_in_place" value: { string_value: "true" } }\n'
              'parameters { key: "max_queue_delay_microseconds" value: { string_value: "5000" } }\n'),
+    # test_model_pool: its two steps are pooled Python models (tests/python_models.py): OUT = IN + 11.
+    "ens_pooled": _ensemble("ens_pooled", ['{ name: "IN" data_type: TYPE_INT32 dims: [ 1 ] }'],
+                            ['{ name: "OUT" data_type: TYPE_INT32 dims: [ 1 ] }'], [
+        _step("py_pooled_a", {"IN": "IN"}, {"OUT": "PLUS_ONE"}),
+        _step("py_pooled_b", {"IN": "PLUS_ONE"}, {"OUT": "OUT"}),
+    ], max_batch_size=4),
     # Broken: each load fails with a message naming the step.
     "ensbad_unknown_model": _ensemble("ensbad_unknown_model", [_int("A")], [_int("Z")],
                                       [_step("no_such_model", {"INPUT": "A"}, {"OUTPUT": "Z"})]),
@@ -186,7 +192,7 @@ NLP_MODELS = ("nlp_tokenizer", "nlp_encoder", "nlp_head", "nlp_ensemble")
 # test_triton_example_repository's own server.
 ENSEMBLE_NOT_LOADED_AT_START = (
     "ensbad_unknown_model", "ensbad_dtype", "ensbad_unmapped", "ensbad_batch", "ensbad_cycle", "ensbad_unused",
-    "ens_on_demand", "ens_on_demand_member", *NLP_MODELS,
+    "ens_on_demand", "ens_on_demand_member", "ens_pooled", *NLP_MODELS,
 )
 # Unloaded when test_ensembles ends, so that the tests after it do not share the two cores with
 # these replicas (they load at start, in parallel, which costs less than loading them one by one).

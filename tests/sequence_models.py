@@ -42,6 +42,14 @@ output [ { name: "OUTPUT" data_type: TYPE_INT32 dims: [ 1 ] } ]
 instance_group [ { count: 2 kind: KIND_CPU } ]
 """
 
+# test_model_pool: the same accumulator in the model pool (one instance), loaded by the test; its
+# sequences stay open for a minute of idleness while the test makes the pool unload others.
+SEQ_POOLED_CONFIG = (SEQ_STATE_DIRECT_CONFIG.replace('name: "seq_state_direct"', 'name: "seq_pooled"')
+                     .replace("direct { }", "direct { }\n  max_sequence_idle_microseconds: 60000000")
+                     .replace("count: 2 kind: KIND_CPU", "count: 1 kind: KIND_CPU")
+                     + 'parameters { key: "rayinfer_hosting" value: { string_value: "pool" } }\n')
+SEQUENCE_NOT_LOADED_AT_START = ("seq_pooled",)
+
 SEQ_PYTHON_CONFIG = """name: "seq_python"
 backend: "python"
 max_batch_size: 4
@@ -245,9 +253,10 @@ def write_sequence_test_models(root: Path) -> None:
     for name, scheduling, policy in (("iter_countdown", ITERATIVE, ""), ("iter_stream", ITERATIVE, decoupled),
                                      ("iter_not_iterative", "", "")):
         write_python_model(root, name, ITER_CONFIG.format(name=name, scheduling=scheduling, policy=policy), ITER_MODEL)
-    folder = write_model(root, "seq_state_direct", SEQ_STATE_DIRECT_CONFIG, seq_state_direct_model())
-    (folder / "initial_state").mkdir(exist_ok=True)
-    (folder / "initial_state" / "start_value").write_bytes(np.array([INITIAL_VALUE], "<i4").tobytes())
+    for name, config in (("seq_state_direct", SEQ_STATE_DIRECT_CONFIG), ("seq_pooled", SEQ_POOLED_CONFIG)):
+        folder = write_model(root, name, config, seq_state_direct_model())
+        (folder / "initial_state").mkdir(exist_ok=True)
+        (folder / "initial_state" / "start_value").write_bytes(np.array([INITIAL_VALUE], "<i4").tobytes())
     write_python_model(root, "seq_python", SEQ_PYTHON_CONFIG, SEQ_PYTHON_MODEL)
     write_model(root, "seq_growing", SEQ_GROWING_CONFIG, seq_growing_model())
     write_python_model(root, "seq_stream", SEQ_STREAM_CONFIG, SEQ_STREAM_MODEL)

@@ -159,11 +159,44 @@ def test_one_grpc_stream_reaches_each_pooled_model_it_names(server, client):
     assert named == {str(i): name for i, name in enumerate([*POOLED, *POOLED])}
 
 
-def test_loading_a_pooled_model_again_reloads_it_in_the_same_process(client):
+def test_loading_a_pooled_model_again_reloads_it_in_the_same_process_under_traffic(server, client):
+    """A reload of a pooled model while clients call it over HTTP and gRPC: the new load takes
+    over with no request failed, in the same process."""
     pool = pids_titled(POOL_REPLICAS)
-    client.load_model(POOLED[0], config=config(POOLED[0], max_batch_size=4))
-    assert client.get_model_config(POOLED[0])["max_batch_size"] == 4
-    assert (add_sub(client, POOLED[0], 5)[0] == 5 + np.arange(16)).all()
+    errors: list[str] = []
+    answered = [0]
+    stop = threading.Event()
+
+    def traffic(use_grpc: bool) -> None:
+        c = (grpcclient.InferenceServerClient(server["grpc_url"]) if use_grpc else
+             httpclient.InferenceServerClient(server["url"], network_timeout=60))
+        try:
+            while not stop.is_set():
+                try:
+                    total = grpc_add_sub(c, POOLED[0], 5) if use_grpc else add_sub(c, POOLED[0], 5)[0]
+                    if not (total == 5 + np.arange(16)).all():
+                        errors.append(f"a wrong answer {total}")
+                    answered[0] += 1
+                except Exception as exc:  # noqa: BLE001  # every failure is reported below
+                    errors.append(f"{'gRPC' if use_grpc else 'HTTP'}: {exc}")
+        finally:
+            c.close()
+
+    threads = [threading.Thread(target=traffic, args=(use_grpc,)) for use_grpc in (False, True)]
+    for thread in threads:
+        thread.start()
+    try:
+        wait_until(lambda: answered[0] > 10, "the traffic to start")
+        for batch in (4, 8):
+            client.load_model(POOLED[0], config=config(POOLED[0], max_batch_size=batch))
+            assert client.get_model_config(POOLED[0])["max_batch_size"] == batch
+        seen = answered[0]
+        wait_until(lambda: answered[0] > seen + 10, "the traffic to go on after the reloads")
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join()
+    assert not errors, errors[:5]
     assert pids_titled(POOL_REPLICAS) == pool
 
 
@@ -286,6 +319,17 @@ def py_pooled(client):
         client.unload_model(name)
 
 
+def crowd_out(c, names: tuple[str, ...]) -> None:
+    """Ask the three add/sub models until the pool (three loaded) has unloaded ``names`` (a
+    request may still reach an unloaded model's listener while it drains, loading nothing)."""
+    def unloaded() -> bool:
+        for name in POOLED:
+            add_sub(c, name, 1)
+        return not any(loaded(name) for name in names)
+
+    wait_until(unloaded, f"{', '.join(names)} unloaded")
+
+
 def test_python_models_share_the_pool_each_with_its_own_folder_and_bls_calls(server, client, py_pooled):
     """Two Python models in the pool's one process: each answers with its own config and its own
     pb_utils.get_model_dir(), and one calls the other by BLS (loaded again if the pool had
@@ -301,9 +345,7 @@ def test_python_models_share_the_pool_each_with_its_own_folder_and_bls_calls(ser
             assert py_ask(c, "py_pooled_a", 5, via="py_pooled_b") == (5 + 1 + 5 + 10, py_ask(c, "py_pooled_a", 0)[1])
         # The pool keeps three models loaded: with the three add/sub models asked, both Python
         # models are unloaded; a's next request loads it again, and its BLS call loads b again.
-        for name in POOLED:
-            add_sub(client, name, 1)
-        wait_until(lambda: not loaded("py_pooled_a") and not loaded("py_pooled_b"), "both Python models unloaded")
+        crowd_out(client, PY_POOLED)
         assert py_ask(grpc, "py_pooled_a", 2, via="py_pooled_b")[0] == 2 + 1 + 2 + 10
         wait_until(lambda: loaded("py_pooled_a") and loaded("py_pooled_b"), "both loaded again")
     finally:
@@ -321,3 +363,57 @@ def test_python_models_in_one_process_count_their_own_metric_family_once(server,
         py_ask(client, "py_pooled_a", 1, tag="once")
     py_ask(client, "py_pooled_b", 1, tag="once")
     wait_until(lambda: (requests("py_pooled_a"), requests("py_pooled_b")) == (3, 1), "one count per request")
+
+
+def test_an_ensemble_of_pooled_models_loads_its_unloaded_steps_again(server, client, py_pooled):
+    """ens_pooled's two steps are the pooled Python models: with both unloaded past
+    --pool-max-models, the ensemble's next request loads them again, over HTTP and gRPC."""
+    client.load_model("ens_pooled")
+    grpc = grpcclient.InferenceServerClient(server["grpc_url"])
+    try:
+        for c in (client, grpc):
+            assert ens_pooled(c, 5) == 5 + 1 + 10
+        for c in (grpc, client):
+            crowd_out(client, PY_POOLED)
+            assert ens_pooled(c, 7) == 7 + 1 + 10
+    finally:
+        grpc.close()
+        client.unload_model("ens_pooled")
+
+
+def ens_pooled(c, value: int) -> int:
+    module = grpcclient if isinstance(c, grpcclient.InferenceServerClient) else httpclient
+    tensor = module.InferInput("IN", [1, 1], "INT32")
+    tensor.set_data_from_numpy(np.array([[value]], np.int32))
+    return int(c.infer("ens_pooled", [tensor]).as_numpy("OUT")[0][0])
+
+
+def seq_pooled(c, sequence_id: int, value: int, start: bool = False, end: bool = False) -> int:
+    """One request of a seq_pooled sequence: the sequence's running sum from 100."""
+    module = grpcclient if isinstance(c, grpcclient.InferenceServerClient) else httpclient
+    tensor = module.InferInput("INPUT", [1, 1], "INT32")
+    tensor.set_data_from_numpy(np.array([[value]], np.int32))
+    result = c.infer("seq_pooled", [tensor], sequence_id=sequence_id, sequence_start=start, sequence_end=end)
+    return int(result.as_numpy("OUTPUT")[0][0])
+
+
+def test_a_pooled_sequence_model_is_not_unloaded_while_it_holds_a_sequence(server, client):
+    """seq_pooled keeps each sequence's sum in its implicit state: with two sequences open, the
+    pool unloads others past --pool-max-models, never it; once they end it is unloaded as any."""
+    client.load_model("seq_pooled")
+    grpc = grpcclient.InferenceServerClient(server["grpc_url"])
+    try:
+        assert not pids_titled("ServeReplica:seq_pooled:")
+        assert seq_pooled(grpc, 9001, 5, start=True) == 105
+        assert seq_pooled(client, 9002, 1, start=True) == 101
+        for _ in range(3):  # each round loads add/sub models again, past the budget
+            for name in (*POOLED, EXTRA):
+                add_sub(client, name, 1)
+        assert loaded("seq_pooled")
+        assert seq_pooled(grpc, 9001, 5) == 110 and seq_pooled(client, 9002, 1) == 102
+        assert seq_pooled(grpc, 9001, 5, end=True) == 115 and seq_pooled(client, 9002, 1, end=True) == 103
+        crowd_out(client, ("seq_pooled",))
+        assert seq_pooled(grpc, 9003, 7, start=True, end=True) == 107  # loaded again, a new sequence
+    finally:
+        grpc.close()
+        client.unload_model("seq_pooled")

@@ -11,7 +11,8 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from conftest import HTTP_PORT, add_sub_inputs, http_json, port_flags, start_server, stop_server, stop_shared_server
+from conftest import (HTTP_PORT, add_sub_inputs, http_json, pids_titled, port_flags, start_server, stop_server,
+                      stop_shared_server)
 from model_factory import on_demand
 from rollout_models import ROLLOUT_MODEL
 from rayinfer.protocol.errors import Code, grpc_status_name, http_status
@@ -66,6 +67,29 @@ def test_poll_adds_changes_and_removes_models(poll_server, model_repository):
                "the poll to unload the removed 'added' (over HTTP and gRPC)")
     wait_until(lambda: "added" not in {m["name"] for m in http.get_model_repository_index()},
                "'added' to leave the repository index")
+    assert http.is_model_ready("simple")
+
+
+def test_poll_adds_changes_and_removes_a_pooled_model(poll_server, model_repository):
+    """A model whose config asks for the model pool: loaded into the pool's replica, reloaded
+    there when its config changes, unloaded when its folder goes."""
+    repo, http, grpc = poll_server
+    shutil.copytree(model_repository / on_demand("poll_added"), repo / "pooled")
+    config = repo / "pooled" / "config.pbtxt"
+    config.write_text(config.read_text() + 'parameters { key: "rayinfer_hosting" value: { string_value: "pool" } }\n')
+    wait_until(lambda: http.is_model_ready("pooled") and grpc.is_model_ready("pooled"), "the poll to load 'pooled'")
+    assert len(pids_titled("ServeReplica:rayinfer-pool:")) == 1 and not pids_titled("ServeReplica:pooled:")
+    a = np.arange(16, dtype=np.int32).reshape(1, 16)
+    np.testing.assert_array_equal(http.infer("pooled", add_sub_inputs(a, a)).as_numpy("OUTPUT1"), a * 0)
+
+    config.write_text(config.read_text().replace("max_batch_size: 8", "max_batch_size: 4"))
+    wait_until(lambda: http.get_model_config("pooled")["max_batch_size"] == 4
+               and grpc.get_model_config("pooled").config.max_batch_size == 4, "the poll to reload 'pooled'")
+    np.testing.assert_array_equal(http.infer("pooled", add_sub_inputs(a, a)).as_numpy("OUTPUT0"), a * 2)
+
+    shutil.rmtree(repo / "pooled")
+    wait_until(lambda: not http.is_model_ready("pooled") and not grpc.is_model_ready("pooled"),
+               "the poll to unload the removed 'pooled'")
     assert http.is_model_ready("simple")
 
 

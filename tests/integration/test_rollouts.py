@@ -16,7 +16,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from conftest import LOAD_TIMEOUT_S, http, http_json
+from conftest import LOAD_TIMEOUT_S, http, http_json, pids_titled
 from rollout_models import FAILURE, ROLLOUT_MODEL, rollout_config
 from waiting import wait_until
 
@@ -205,6 +205,26 @@ def test_rollout_requests_are_refused_with_triton_errors(two_versions):
     _start(steps="10,100", automatic="false")
     status, doc = http_json("POST", f"{ROLLOUT}/weight", {"weight": 101})
     assert status == 400 and "between 0 and 100" in doc["error"]
+def test_a_rollout_splits_between_two_versions_in_the_model_pool(server, loaded):
+    """Both versions hosted by the model pool (rayinfer_hosting: pool): the split, a sticky key
+    and the abort work as between dedicated versions, over HTTP and gRPC."""
+    h, g = loaded
+    h.load_model(MODEL, config=rollout_config(rayinfer_hosting="pool"))
+    wait_until(lambda: not pids_titled(f"ServeReplica:{MODEL}"), "the dedicated replicas gone")  # pooled only
+    _start(steps="50,100", automatic="false", sticky_header="x-user-id", **_NOT_ON_LATENCY)
+    served = Counter(_version(h, httpclient) for _ in range(400))
+    assert 0.4 <= served["2"] / 400 <= 0.6, served
+    served = Counter(_version(g, grpcclient) for _ in range(200))
+    assert 0.3 <= served["2"] / 200 <= 0.7, served
+    for n in range(10):
+        headers = {"x-user-id": f"user-{n}"}
+        assert len({_version(h, httpclient, headers) for _ in range(3)}) == 1
+    status, doc = http_json("POST", f"{ROLLOUT}/abort")
+    assert status == 200 and doc["state"] == "ABORTED"
+    wait_until(lambda: {_version(h, httpclient) for _ in range(50)} == {"1"}, "version 1 to answer every request",
+               timeout_s=30)
+
+
 def test_a_failing_candidate_is_rolled_back_within_its_first_step(server, loaded):
     h, _ = loaded
     doc, outcomes = _rolled_back(server, h, "failing")

@@ -33,13 +33,16 @@ def test_the_server_default_pools_only_models_that_need_nothing_of_their_own() -
     assert hosting(ONNX) == "dedicated"
     assert hosting(ONNX, "pool") == "pool"
     for text, plan in [
-        (ONNX + "sequence_batching { }\n", ONE_CPU),
         ('platform: "ensemble"\n', ONE_CPU),
         (ONNX, ReplicaPlan(2, "KIND_CPU")),
         (ONNX, ReplicaPlan(1, "KIND_GPU", 1.0)),
         (ONNX + 'parameters { key: "autoscaling_max_replicas" value: { string_value: "4" } }\n', ONE_CPU),
     ]:
         assert hosting(text, "pool", plan) == "dedicated", text
+
+
+def test_a_sequence_model_is_pooled() -> None:
+    assert hosting(ONNX + "sequence_batching { }\n", "pool") == "pool"
 
 
 def test_the_models_parameter_overrides_the_server() -> None:
