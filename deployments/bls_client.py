@@ -26,7 +26,7 @@ from rayinfer.deployments.model_forwarder import ModelRoutes
 from rayinfer.deployments.names import SERVER_APP, SERVER_DEPLOYMENT
 from rayinfer.deployments.serve_internals import new_handle
 from rayinfer.deployments.model_handles import model_handle
-from rayinfer.protocol.errors import ServingError, as_serving_error
+from rayinfer.protocol.errors import ServingError, UnavailableError, as_serving_error
 from rayinfer.protocol.types import InferRequest, InferResponse, StreamEnd
 from rayinfer.serving.model_core import ModelCore
 
@@ -43,6 +43,7 @@ class ReplicaBlsClient:
         self._handles: dict[tuple[str, str], Any] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._lock = threading.Lock()
+        self._closed = False
 
     # ---- the BlsClient interface (adapters/python_backend/bls.py) ----------------------------
 
@@ -119,10 +120,13 @@ class ReplicaBlsClient:
 
     def _submit(self, coroutine: Any) -> concurrent.futures.Future:
         with self._lock:
+            if self._closed:
+                coroutine.close()
+                raise UnavailableError(f"model '{self._own_route[0]}' was unloaded: its calls to other models end")
             if self._loop is None:
                 self._loop = asyncio.new_event_loop()
-                threading.Thread(target=self._loop.run_forever, name="bls-client", daemon=True).start()
-        return asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+                threading.Thread(target=_run_until_stopped, args=(self._loop,), name="bls-client", daemon=True).start()
+            return asyncio.run_coroutine_threadsafe(coroutine, self._loop)
 
     def _run(self, coroutine: Any) -> Any:
         """Block the calling thread (never the client's own) until ``coroutine`` is done."""
@@ -132,8 +136,27 @@ class ReplicaBlsClient:
             raise as_serving_error(exc) from None
 
     def close(self) -> None:
-        if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._loop.stop)
+        """The model is unloaded: later calls fail at once; the loop stops and is closed, and the
+        handles go with it."""
+        with self._lock:
+            self._closed = True
+            if self._loop is not None:
+                self._loop.call_soon_threadsafe(self._loop.stop)
+            self._handles.clear()
+
+
+def _run_until_stopped(loop: asyncio.AbstractEventLoop) -> None:
+    """The client's loop thread: the loop runs until :meth:`ReplicaBlsClient.close` stops it;
+    what it still held is cancelled and the loop closed."""
+    try:
+        loop.run_forever()
+        pending = asyncio.all_tasks(loop)
+        for task in pending:
+            task.cancel()  # their callers' futures end cancelled, not waiting for ever
+        if pending:
+            loop.run_until_complete(asyncio.wait(pending, timeout=5.0))
+    finally:
+        loop.close()
 
 
 _END = object()

@@ -52,6 +52,11 @@ class ControlMessage:
     body: dict[str, Any]
 
 
+def _app(message: ControlMessage) -> str | None:
+    """The application a message is for, when it names one."""
+    return message.body.get("app")
+
+
 @dataclass(slots=True)
 class _Mailbox:
     """One model replica's messages not yet acknowledged, and the senders waiting for them."""
@@ -62,8 +67,9 @@ class _Mailbox:
     waiters: list[tuple[int, asyncio.Future]] = field(default_factory=list)
 
     def put(self, message: ControlMessage) -> int:
-        if message.kind in _FULL_STATE:
-            self.pending = [(seq, m) for seq, m in self.pending if m.kind != message.kind]
+        if message.kind in _FULL_STATE:  # replaces the one of its kind (and application: a pool
+            # replica's mailbox holds every hosted version's sequence slots)
+            self.pending = [(seq, m) for seq, m in self.pending if (m.kind, _app(m)) != (message.kind, _app(message))]
         if len(self.pending) >= MAX_PENDING:
             logger.warning("a model replica has not taken %d control messages: dropping the oldest (%s)",
                            len(self.pending), self.pending[0][1].kind)

@@ -42,7 +42,8 @@ from rayinfer.deployments.names import POOL_DEPLOYMENT
 from rayinfer.deployments.replica_streams import ReplicaStreams
 from rayinfer.deployments.shadow_sender import ShadowSender
 from rayinfer.protocol import log_settings
-from rayinfer.protocol.errors import NotFoundError, ServingError, UnavailableError, UnsupportedError, as_serving_error
+from rayinfer.protocol.errors import (ModelConfigError, NotFoundError, ServingError, UnavailableError, UnsupportedError,
+                                      as_serving_error)
 from rayinfer.protocol.http_codec import parse_json_body
 from rayinfer.protocol.limits import DEFAULT_HTTP_MAX_INPUT_SIZE, ConnectionLimits
 from rayinfer.protocol.listener_client import STREAM_HEADER, ListenerClient, front_key_header
@@ -164,6 +165,10 @@ class HostedModel:
         cache = _response_cache(repository / model_name, runner, options.cache_size_bytes)
         self.core = self._bls.core = ModelCore(runner, entry.versions, self._merged_statistics,
                                                SharedMemoryRegistry(self._shared_memory_region), cache)
+        if self._deployment == POOL_DEPLOYMENT and getattr(runner, "decoupled", False):
+            await self.core.aclose()  # its auto_complete_config made it decoupled, which the pool does not host
+            raise ModelConfigError(f"model '{model_name}' cannot be pooled: it is decoupled (its "
+                                   "auto_complete_config says so); serve it 'dedicated'")
         if self._deployment == POOL_DEPLOYMENT and getattr(runner, "calls_models", False):
             # Its BLS calls may go to a neighbour in this replica, whose answer needs this loop.
             self.core.inline_executions = False
@@ -356,7 +361,8 @@ class HostedModel:
             self.trace_settings(message.body)
         elif message.kind == SHM_FORGET:  # a region unregistered (every one of its kind for "")
             self.core.shm.unregister(message.body["name"], message.body["kind"])
-        elif message.kind == SEQUENCE_SLOTS and self._sequences is not None:
+        elif message.kind == SEQUENCE_SLOTS and self._sequences is not None \
+                and message.body.get("app", self.app_name) == self.app_name:  # a pool replica gets every version's
             self._sequences.update(message.body)
         elif message.kind == ROLLOUT_SPLIT and message.body["model"] == self.core.name:
             # A rollout of this model changed (Rollouts.split_message): its stable and candidate
@@ -437,7 +443,7 @@ class HostedModel:
             await listener.close(_LISTENER_DRAIN_S)
         core = getattr(self, "core", None)
         if core is not None:
-            core.close()
+            await core.aclose()
         if self._members is not None:
             self._members.close()
         for client in (self._bls, self._sequence_client):

@@ -40,6 +40,7 @@ import ray
 from ray import serve
 from tritonclient.grpc import service_pb2 as pb
 
+from rayinfer.adapters.python_backend import model_context
 from rayinfer.deployments.hosted_model import HostedModel, HostingOptions
 from rayinfer.deployments.names import POOL_DEPLOYMENT, POOL_KEY_SEP, SERVER_APP, SERVER_DEPLOYMENT, pool_key
 from rayinfer.deployments.pool_reports import KV_NAMESPACE, report_key, spec_digest
@@ -80,6 +81,7 @@ class PoolDeployment:
             log_settings.apply({**log_settings.default_settings(), **start_log_settings})
         context = serve.get_replica_context()
         self._context = context
+        model_context.share_process()  # a Python model's pb_utils answers by its calls, not the process
         self._replica_id = replica_id(context)
         self._replica_key = f"{context.app_name}/{self._replica_id}"
         self._deployment = context.deployment

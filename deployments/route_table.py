@@ -104,7 +104,7 @@ class RouteTable:
         (before the front routes by it: a replica that still gets a call by the old table sends
         it on by the new one)."""
         changed = [(app, table) for app, table in self._tables.items() if table != self._sent.get(app)]
-        late = await asyncio.gather(*(self.channel.send(self.replicas(app), ControlMessage(SEQUENCE_SLOTS, table),
+        late = await asyncio.gather(*(self.channel.send(self.replicas(app), ControlMessage(SEQUENCE_SLOTS, {**table, "app": app}),
                                                         _TELL_TIMEOUT_S) for app, table in changed))
         for replica in (replica for replicas in late for replica in replicas):
             # It takes them when it next polls, and reads the table again when it next registers.

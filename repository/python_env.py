@@ -70,6 +70,6 @@ def own_modules(folder: Path, model_file: Path) -> bool:
             continue
         if entry.is_file() and entry.suffix in (".py", ".so", ".pyd", ".pyc"):
             return True
-        if entry.is_dir() and any(entry.glob("*.py")):
-            return True
+        if entry.is_dir() and any(any(entry.rglob(pattern)) for pattern in ("*.py", "*.so", "*.pyc")):
+            return True  # a package, a namespace package or a compiled one
     return False

@@ -453,6 +453,18 @@ class ModelCore:
         finally:
             self._thread.shutdown(wait=False)
 
+    async def aclose(self) -> None:
+        """:meth:`close` from the replica's loop: the model's own unloading (a Python model's
+        ``finalize``, which may call other models) runs in a thread, not on the loop."""
+        close = getattr(self.executor, "close", None)
+        if self._sequencer is not None:
+            self._sequencer.close()
+        try:
+            if close is not None:
+                await asyncio.to_thread(close)
+        finally:
+            self._thread.shutdown(wait=False)
+
 
 def _metadata(spec: Any, versions: list[str]) -> dict[str, Any]:
     """The model's metadata document (Triton's HTTP form; the gRPC message is built from it)."""

@@ -37,8 +37,9 @@ class StatisticsStore:
         for replicas in self._snapshots.values():
             for key, snapshot in replicas.items():
                 families = snapshot.get("custom_metrics")
-                if not families:
+                if families is None:  # not a model with families of its own
                     continue
+                # The newest report of a process counts, even an empty one (its families deleted).
                 process = snapshot.get("custom_metrics_process") or key
                 version = snapshot.get("custom_metrics_version", 0)
                 if process not in newest or version > newest[process][0]:

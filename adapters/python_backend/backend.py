@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextvars
 import functools
 import importlib.util
 import inspect
@@ -67,6 +68,7 @@ class PythonBackendAdapter:
         self.model: Any = None
         self.model_dir = ""
         self.context: ModelContext | None = None  # what pb_utils answers for this model
+        self._modules: tuple[str, str, Any] | None = None  # (its module's name, its file's, the module)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread: threading.Thread | None = None
         self._loop_lock = threading.Lock()
@@ -91,9 +93,9 @@ class PythonBackendAdapter:
         packages = model_requirements(model_dir, version, config)
         if packages:  # requirements.txt or the pip_requirements parameter
             activate_requirements(packages, config.name)
-        for folder in (model_dir, path.parent):  # only where the model has modules to import:
-            # a pool replica holds hundreds of models, and every import reads every folder on sys.path
-            if str(folder) not in sys.path and own_modules(folder, path):
+        for folder in (model_dir, path.parent):  # in the pool, only where the model has modules to
+            # import: a pool replica holds hundreds of models, and every import reads every folder on sys.path
+            if str(folder) not in sys.path and (not model_context.process_shared() or own_modules(folder, path)):
                 sys.path.insert(0, str(folder))
         module_name = f"rayinfer_python_model_{config.name}_{version}"
         spec = importlib.util.spec_from_file_location(module_name, path)
@@ -106,8 +108,10 @@ class PythonBackendAdapter:
         # of the worker process (unittest and argparse in a model read it).
         sys.modules.setdefault(path.stem, module)
         sys.argv = [""]
+        self._modules = (module_name, path.stem, module)
         try:
-            spec.loader.exec_module(module)
+            with model_context.entered(self.context):  # the module's own code may ask for its folder
+                spec.loader.exec_module(module)
         except Exception as exc:
             raise ModelConfigError(f"{path}: failed to import: {type(exc).__name__}: {exc}") from None
         model_class = getattr(module, "TritonPythonModel", None)
@@ -155,8 +159,8 @@ class PythonBackendAdapter:
         if threading.current_thread() is self._loop_thread:
             # An async execute calling its own model with a blocking exec(): its loop is busy
             # with the caller, so this execution gets a loop of its own.
-            with ThreadPoolExecutor(1) as pool:
-                return pool.submit(asyncio.run, _awaited(awaitable)).result()
+            with ThreadPoolExecutor(1) as pool:  # in this model's context, as the caller
+                return pool.submit(contextvars.copy_context().run, asyncio.run, _awaited(awaitable)).result()
         return asyncio.run_coroutine_threadsafe(_awaited(awaitable), self._event_loop()).result()
 
     def _event_loop(self) -> asyncio.AbstractEventLoop:
@@ -174,6 +178,13 @@ class PythonBackendAdapter:
         self.model = None
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self._loop.stop)
+        if self._modules is not None:  # nothing of the process keeps the model's module (a pool
+            # replica loads and unloads models all along)
+            for name in self._modules[:2]:  # not a reload's new module of the same name
+                if sys.modules.get(name) is self._modules[2]:
+                    del sys.modules[name]
+        if self.context is not None:
+            model_context.unloaded(self.context)
 
 
 class ModelExit(Exception):

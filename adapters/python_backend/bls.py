@@ -77,6 +77,11 @@ def loading_client() -> BlsClient | None:
 def client() -> BlsClient:
     """The running model's client (:mod:`.model_context`), else the replica's."""
     context = model_context.current()
+    if context is None and model_context.process_shared():
+        raise TritonModelException(
+            "a BLS call from outside the model's own calls (a thread it started itself) in the model pool, which "
+            "holds many models in one process: start the thread with contextvars.copy_context().run, or use "
+            "asyncio.to_thread, so that the call is the model's")
     found = (context.bls if context is not None else None) or _client
     if found is None:
         raise TritonModelException("BLS and model control need a running rayinfer server: none is reachable here")

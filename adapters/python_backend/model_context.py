@@ -3,11 +3,13 @@
 A dedicated replica holds one Python model. A pool replica holds many in one interpreter, so
 what ``triton_python_backend_utils`` answers for "this model" (``get_model_dir``, and the BLS
 client, which calls the model itself in place and every other model by handle) cannot be the
-process's. Each model's calls into its code (``auto_complete_config``, ``initialize``,
-``execute``, ``is_ready``, ``finalize``) run inside the model's :class:`ModelContext`, a context
-variable: code those calls run, the coroutines an async ``execute`` awaits and the threads it
-starts with ``asyncio.to_thread`` see it. A thread the model starts with ``threading`` begins
-without it (Python's rule for context variables) and sees the process's last loaded model.
+process's. Each model's calls into its code (its module's import, ``auto_complete_config``,
+``initialize``, ``execute``, ``is_ready``, ``finalize``) run inside the model's
+:class:`ModelContext`, a context variable: code those calls run, the coroutines an async
+``execute`` awaits and the threads it starts with ``asyncio.to_thread`` (or
+``contextvars.copy_context().run``) see it. In a dedicated replica, code outside any call (a
+thread the model starts with ``threading``) sees the process's one model; in a pool replica it
+sees none, and a BLS call from it fails saying so rather than calling as another model.
 """
 
 from __future__ import annotations
@@ -29,17 +31,35 @@ class ModelContext:
 
 _current: ContextVar[ModelContext | None] = ContextVar("rayinfer_python_model", default=None)
 _last: ModelContext | None = None  # the process's last loaded model (a thread of its own sees it)
+_shared = False  # this process holds many models (a pool replica): no model is "the process's"
+
+
+def share_process() -> None:
+    """This process hosts many models (the model pool's replica)."""
+    global _shared
+    _shared = True
+
+
+def process_shared() -> bool:
+    return _shared
 
 
 def current() -> ModelContext | None:
-    """The running model's context: the one entered, else the process's last loaded model's."""
-    return _current.get() or _last
+    """The running model's context: the one entered, else (a dedicated replica) the process's."""
+    return _current.get() or (None if _shared else _last)
 
 
 def loaded(context: ModelContext) -> None:
     """``context``'s model is loaded: it is the process's, for code outside any model's call."""
     global _last
     _last = context
+
+
+def unloaded(context: ModelContext) -> None:
+    """``context``'s model is unloaded: nothing refers to it any more."""
+    global _last
+    if _last is context:
+        _last = None
 
 
 @contextlib.contextmanager

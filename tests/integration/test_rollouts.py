@@ -205,6 +205,8 @@ def test_rollout_requests_are_refused_with_triton_errors(two_versions):
     _start(steps="10,100", automatic="false")
     status, doc = http_json("POST", f"{ROLLOUT}/weight", {"weight": 101})
     assert status == 400 and "between 0 and 100" in doc["error"]
+
+
 def test_a_rollout_splits_between_two_versions_in_the_model_pool(server, loaded):
     """Both versions hosted by the model pool (rayinfer_hosting: pool): the split, a sticky key
     and the abort work as between dedicated versions, over HTTP and gRPC."""

@@ -5,13 +5,17 @@ count once however many of its models report them."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextvars
 import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from rayinfer.adapters.loader import load_runner
 from rayinfer.adapters.python_backend import bls, model_context
+from rayinfer.adapters.python_backend import triton_python_backend_utils as pb_utils
 from rayinfer.protocol.types import InferInput, InferRequest, InferResponse
 from rayinfer.serving.model_core import ModelCore
 from rayinfer.serving.statistics_store import StatisticsStore
@@ -61,6 +65,13 @@ def ask(core: ModelCore) -> tuple[str, str]:
     return tuple(output.data.reshape(-1)[0].decode() for output in answer.outputs)
 
 
+@pytest.fixture(autouse=True)
+def shared_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This process as a pool replica, for the test only (what it loads is the process's until then)."""
+    monkeypatch.setattr(model_context, "_shared", True)
+    monkeypatch.setattr(model_context, "_last", None)
+
+
 def test_each_model_sees_its_own_folder_and_client_and_its_folders_stay_off_sys_path(tmp_path: Path) -> None:
     names = {"plain": False, "coroutine": True, "third": False}
     for name, asynchronous in names.items():
@@ -82,9 +93,16 @@ def test_each_model_sees_its_own_folder_and_client_and_its_folders_stay_off_sys_
                 folder = str(tmp_path / core.name)
                 assert ask(core) == (f"{folder}|{folder}", f"client of {core.name}")
         assert sys.path == path_before  # nothing to import beside model.py: no folder added
-        # Outside any model's call, the process's last loaded model answers (a thread of its own).
-        assert model_context.current() is not None
-        assert bls.client().name.startswith("client of ")
+        # Outside any model's call (a thread a model started itself), no model is the process's:
+        # a BLS call says so instead of calling as another model.
+        assert model_context.current() is None
+        with pytest.raises(pb_utils.TritonModelException, match="outside the model's own calls"):
+            bls.client()
+        # A thread started in a model's context is the model's.
+        with model_context.entered(cores[0].executor.adapter.context):
+            seen = contextvars.copy_context().run(lambda: concurrent.futures.ThreadPoolExecutor(1).submit(
+                contextvars.copy_context().run, pb_utils.get_model_dir).result())
+        assert seen == str(tmp_path / cores[0].name)
 
         # All three report the process's one family; it counts once (3 models x 2 calls).
         store = StatisticsStore()
@@ -126,6 +144,7 @@ def test_a_model_kept_off_the_loop_executes_on_its_thread_however_short(tmp_path
     async def threads(inline: bool) -> set[str]:
         core = ModelCore(load_runner(tmp_path, "who", 1)[0], [1])
         core.inline_executions = inline
+        core._execution_s_avg = 0.0  # measured short
         request = InferRequest("who", inputs=[InferInput("IN", "INT32", (1,), np.array([1], dtype=np.int32))])
         try:
             return {(await core.infer(core.prepare(request))).outputs[0].data.reshape(-1)[0].decode() for _ in range(20)}

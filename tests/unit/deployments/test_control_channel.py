@@ -9,6 +9,7 @@ import asyncio
 from rayinfer.deployments import control_channel
 from waiting import wait_until_async
 from rayinfer.deployments.control_channel import (
+    SEQUENCE_SLOTS,
     SHM_FORGET,
     TRACE_SETTINGS,
     ControlChannel,
@@ -64,6 +65,18 @@ def test_full_state_messages_replace_older_ones_and_pending_messages_are_bounded
         _, messages = await channel.poll("a", None, 0, wait_s=0.0)
         # The last trace settings only (then dropped as the oldest), and the newest regions.
         assert [m.body.get("name") for _, m in messages] == ["2", "3", "4", "5"]
+
+    asyncio.run(scenario())
+
+
+def test_a_sequence_table_replaces_the_older_one_of_its_own_application_only():
+    """A pool replica's one mailbox holds the slot tables of every sequence model it hosts."""
+    async def scenario() -> None:
+        channel = ControlChannel()
+        for app, version in (("s1", 1), ("s2", 1), ("s1", 2)):
+            await channel.send(["pool"], ControlMessage(SEQUENCE_SLOTS, {"app": app, "listeners": version}), 0.0)
+        _, messages = await channel.poll("pool", None, 0, wait_s=0.0)
+        assert [(m.body["app"], m.body["listeners"]) for _, m in messages] == [("s2", 1), ("s1", 2)]
 
     asyncio.run(scenario())
 

@@ -120,7 +120,8 @@ def test_the_route_table_publishes_a_listener_per_slot_and_tells_the_replicas():
         slots = front.published["s/1"]
         assert len(slots) == SLOTS and Counter(slots) == {("127.0.0.1", 1): 32, ("127.0.0.1", 2): 32}
         # The replicas took the new table before the front routed by it.
-        assert told["s/r1"][-1] == told["s/r2"][-1] == table.slot_table("s")
+        # Each table names its application (a pool replica's mailbox holds every version's).
+        assert told["s/r1"][-1] == told["s/r2"][-1] == {**table.slot_table("s"), "app": "s"}
         assert [tuple(a) for a in table.slot_table("s")["listeners"]] == slots and table.slot_table("m") is None
         await table.register("s/r3", "s", "127.0.0.1", 5, sequences=True)
         moved = [(before, after) for before, after in zip(slots, front.published["s/"]) if before != after]
@@ -133,8 +134,8 @@ def test_the_route_table_publishes_a_listener_per_slot_and_tells_the_replicas():
         assert ("127.0.0.1", 1) not in front.published["s/"]
         assert [tuple(a) for a in table.slot_table("s")["listeners"]] == front.published["s/"]
         assert ["127.0.0.1", 1] not in table.slot_table("s")["previous"]
-        assert told["s/r2"][-1] == told["s/r3"][-1] == table.slot_table("s")
-        assert told["s/r1"][-1] != table.slot_table("s")  # withdrawn: told nothing more
+        assert told["s/r2"][-1] == told["s/r3"][-1] == {**table.slot_table("s"), "app": "s"}
+        assert told["s/r1"][-1] != {**table.slot_table("s"), "app": "s"}  # withdrawn: told nothing more
         # No model replica of "m" hears of sequence slots.
         assert "m/r1" not in told and "m/r2" not in told
         for poller in pollers:
