@@ -1,8 +1,8 @@
 """Loads a Triton ``model.py`` and runs its ``TritonPythonModel`` as the serving core's executor.
 
 Loading follows Triton's rules: the module is ``default_model_filename`` (``model.py``) of the
-version folder, with the version folder and the model folder on ``sys.path`` (each where it holds
-modules of the model's own to import);
+version folder, with the version folder and the model folder on ``sys.path`` (in a pool replica, only where
+it holds modules of the model's own to import);
 ``triton_python_backend_utils`` is this package's module; ``auto_complete_config`` completes the
 config before it is read; ``initialize(args)`` gets Triton's keys. ``execute`` receives the whole
 dynamic batch as a list of requests and returns one response per request (a decoupled model:

@@ -42,15 +42,13 @@ NOT_LOADED = "not loaded now (--pool-max-models)"
 def write_repository(root):
     from onnx import TensorProto
 
-    from rayinfer.cluster.example_repository import SIMPLE_CONFIG, add_sub_model, write_model
+    from rayinfer.cluster.example_repository import SIMPLE_CONFIG, add_sub_model, write_model, write_python_model
 
     model = add_sub_model(TensorProto.INT32)
     for name in MODELS:
         config = SIMPLE_CONFIG.replace('name: "simple"', f'name: "{name}"')
         if name in PYTHON:
-            (root / name / "1").mkdir(parents=True)
-            (root / name / "config.pbtxt").write_text(config.replace('platform: "onnxruntime_onnx"', 'backend: "python"'))
-            (root / name / "1" / "model.py").write_text(ADD_SUB_PY)
+            write_python_model(root, name, config.replace('platform: "onnxruntime_onnx"', 'backend: "python"'), ADD_SUB_PY)
         else:
             write_model(root, name, config, model)
     return root

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from rayinfer.adapters.loader import load_runner
+from rayinfer.cluster.model_files import write_python_model
 from rayinfer.adapters.python_backend import bls, model_context
 from rayinfer.adapters.python_backend import triton_python_backend_utils as pb_utils
 from rayinfer.protocol.types import InferInput, InferRequest, InferResponse
@@ -53,9 +54,8 @@ class NamedClient:
 
 
 def write(root: Path, name: str, asynchronous: bool) -> None:
-    (root / name / "1").mkdir(parents=True)
-    (root / name / "config.pbtxt").write_text(f'name: "{name}"\nbackend: "python"\n{IO}')
-    (root / name / "1" / "model.py").write_text(WHO_AM_I.replace("{kind}", "async " if asynchronous else ""))
+    write_python_model(root, name, f'name: "{name}"\nbackend: "python"\n{IO}',
+                       WHO_AM_I.replace("{kind}", "async " if asynchronous else ""))
 
 
 def ask(core: ModelCore) -> tuple[str, str]:
@@ -137,9 +137,7 @@ class TritonPythonModel:
 def test_a_model_kept_off_the_loop_executes_on_its_thread_however_short(tmp_path: Path) -> None:
     """Short executions run on the replica's loop, except a model's whose calls to other models
     could wait on that loop (a pooled Python model's): those always run on its own thread."""
-    (tmp_path / "who" / "1").mkdir(parents=True)
-    (tmp_path / "who" / "config.pbtxt").write_text(f'name: "who"\nbackend: "python"\n{IO}')
-    (tmp_path / "who" / "1" / "model.py").write_text(THREAD_NAME)
+    write_python_model(tmp_path, "who", f'name: "who"\nbackend: "python"\n{IO}', THREAD_NAME)
 
     async def threads(inline: bool) -> set[str]:
         core = ModelCore(load_runner(tmp_path, "who", 1)[0], [1])

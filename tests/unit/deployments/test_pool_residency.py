@@ -12,6 +12,7 @@ import pytest
 from rayinfer.deployments import pool as pool_module
 from rayinfer.deployments.pool import PoolDeployment
 from rayinfer.protocol.errors import UnavailableError
+from waiting import wait_until_async
 
 
 
@@ -147,7 +148,7 @@ def test_a_version_unloaded_from_the_server_while_it_loads_again_does_not_come_b
         unloaded = next(iter(replica._evicted))
         other = next(app for app in ("a", "b") if app != unloaded)
         request = asyncio.create_task(replica._resident(unloaded))
-        await _until(lambda: unloaded in replica.loads[2:])  # its load again has begun
+        await wait_until_async(lambda: unloaded in replica.loads[2:], "its load again to begin")
         await replica.reconfigure(_config(other, max_models=1))
         with pytest.raises(UnavailableError):
             await request
@@ -166,10 +167,3 @@ def _failing_then_working(broken: set[str]) -> Any:
 
     return load
 
-
-async def _until(condition: Any, timeout_s: float = 5.0) -> None:
-    """Yield to the loop until ``condition()`` holds (a failure after ``timeout_s``)."""
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not condition():
-        assert asyncio.get_running_loop().time() < deadline, "the condition did not come"
-        await asyncio.sleep(0)
