@@ -147,6 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("--pool-replicas", type=int)
         sub.add_argument("--pool-max-models", type=int)
         sub.add_argument("--pool-load-timeout-secs", type=float)
+        sub.add_argument("--pool-scale-up-rpm", type=float)
         sub.add_argument("--ray-metrics-port", type=int)
         sub.add_argument("--dashboard-port", type=int)
         sub.add_argument("--dashboard-address")
@@ -317,6 +318,7 @@ def serve(settings: ServerSettings) -> int:
             pool_replicas=settings.pool_replicas,
             pool_max_models=settings.pool_max_models,
             pool_load_timeout_s=settings.pool_load_timeout_secs,
+            pool_scale_up_rpm=settings.pool_scale_up_rpm,
             gpu_fraction=settings.gpu_fraction_per_model,
             replica_ray_metrics=settings.replica_ray_metrics,
             cache_size_bytes=response_cache_bytes(settings),

@@ -396,6 +396,13 @@ class ServerSettings(BaseSettings):
         "request for a version that is not loaded loads it again and waits (--pool-load-timeout-secs). Every "
         "pooled version is loaded once when it is loaded into the server, so that a broken one fails then.",
     )
+    pool_scale_up_rpm: float = Field(
+        2000.0, ge=0,
+        description="With several model pool replicas and --pool-max-models, a pooled model version gets one more "
+        "loaded copy (on the pool replica holding fewest versions) for every this many requests per minute it "
+        "receives, over the last 10 s, as ModelMesh's scaleup_rpm_threshold; the front and Serve's router then "
+        "spread its requests over its copies. 0: a version is loaded only where a request asks for it.",
+    )
     pool_load_timeout_secs: float = Field(
         60.0, gt=0,
         description="How long a request for a pooled model version that its pool replica does not hold "

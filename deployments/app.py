@@ -226,4 +226,5 @@ def _control_from_args(args: dict[str, Any]) -> ModelControl:
         pool_replicas=int(args.get("pool_replicas", 1)),
         pool_max_models=int(args.get("pool_max_models", 0)),
         pool_load_timeout_s=float(args.get("pool_load_timeout_secs", 60.0)),
+        pool_scale_up_rpm=float(args.get("pool_scale_up_rpm", 2000.0)),
     )

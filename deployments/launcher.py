@@ -87,6 +87,7 @@ def deploy_repository(
     pool_replicas: int = 1,
     pool_max_models: int = 0,
     pool_load_timeout_s: float = 60.0,
+    pool_scale_up_rpm: float = 0.0,
 ) -> dict[str, str]:
     """Deploy the ``/v2`` app, one app per model version and, given ``openai``, the ``/v1`` app
     (the OpenAI-compatible API); returns models that failed to load.
@@ -104,7 +105,7 @@ def deploy_repository(
         grpc_restricted=tuple(grpc_restricted or ()), gpu_fraction=gpu_fraction,
         replica_ray_metrics=replica_ray_metrics, connection_limits=tuple((connection_limits or {}).items()),
         hosting=model_hosting, pool_replicas=pool_replicas, pool_max_models=pool_max_models,
-        pool_load_timeout_s=pool_load_timeout_s,
+        pool_load_timeout_s=pool_load_timeout_s, pool_scale_up_rpm=pool_scale_up_rpm,
     )
     launch_version = f"rayinfer-{uuid.uuid4().hex}"
 

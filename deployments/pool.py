@@ -43,7 +43,8 @@ from tritonclient.grpc import service_pb2 as pb
 from rayinfer.adapters.python_backend import model_context
 from rayinfer.deployments.hosted_model import HostedModel, HostingOptions
 from rayinfer.deployments.names import POOL_DEPLOYMENT, POOL_KEY_SEP, SERVER_APP, SERVER_DEPLOYMENT, pool_key
-from rayinfer.deployments.pool_reports import KV_NAMESPACE, report_key, spec_digest
+from rayinfer.deployments.pool_reports import KV_NAMESPACE, read_every_report, report_key, spec_digest
+from rayinfer.deployments.pool_spread import RequestRates, busy_versions, spread
 from rayinfer.deployments.serve_internals import (
     kv_delete,
     kv_put,
@@ -59,6 +60,9 @@ logger = logging.getLogger(__name__)
 
 _STATS_PUSH_INTERVAL_S = 0.5
 _LISTENER_REGISTER_INTERVAL_S = 2.0
+# How often a replica samples its versions' request rates and, with --pool-scale-up-rpm, spreads
+# busy versions (:mod:`pool_spread`).
+_SPREAD_INTERVAL_S = 2.0
 # Versions a pool replica loads at once (each load runs in a thread: file reads, a framework
 # session).
 _LOADS_AT_ONCE = 4
@@ -107,6 +111,12 @@ class PoolDeployment:
         self._locks: dict[str, asyncio.Lock] = {}  # one load, reload or unload of a version at a time
         self._max_models = 0
         self._load_timeout_s = 60.0
+        # --pool-scale-up-rpm (0: never) and how many replicas the pool has: a busy version's
+        # copies (pool_spread); each version's requests per minute here.
+        self._scale_up_rpm = 0.0
+        self._replicas = 1
+        self._rates = RequestRates()
+        self._spread_at = 0.0
         self._changing = asyncio.Lock()
         self._registered_at: dict[str, float] = {}
         # Each load of a version registers under a key of its own: the load that replaces it
@@ -124,6 +134,8 @@ class PoolDeployment:
                                          for app, s in dict(user_config.get("models") or {}).items()}
         self._max_models = int(user_config.get("max_models") or 0)
         self._load_timeout_s = float(user_config.get("load_timeout_s") or 60.0)
+        self._scale_up_rpm = float(user_config.get("scale_up_rpm") or 0.0)
+        self._replicas = int(user_config.get("replicas") or 1)
         async with self._changing:
             gone = [app for app in self._specs if app not in wanted]
             changed = [app for app, spec in wanted.items() if self._specs.get(app) != spec]
@@ -358,11 +370,37 @@ class PoolDeployment:
 
     def hosting_report(self) -> dict[str, Any]:
         """What this replica hosts: {"loaded": {application: spec digest}, "evicted": {application:
-        spec digest}, "failed": {application: [spec digest, reason]}}."""
+        spec digest}, "failed": {application: [spec digest, reason]}, "rpm": {application: its
+        requests per minute here}, "at": Unix time}."""
         return {"loaded": {app: spec_digest(self._specs[app]) for app in self._hosted if app in self._specs},
                 "evicted": {app: spec_digest(self._specs[app]) for app in self._evicted if app in self._specs},
                 "failed": {app: [spec_digest(self._specs[app]), reason] for app, reason in self._failures.items()
-                           if app in self._specs}}
+                           if app in self._specs},
+                "rpm": {app: round(rpm, 1) for app, rpm in self._rates.per_minute().items()},
+                "at": time.time()}
+
+    # ---- busy versions on several replicas (--pool-scale-up-rpm) -----------------------------
+
+    async def _spread(self) -> None:
+        """Sample this replica's request counts; with --pool-scale-up-rpm, several replicas and a
+        budget (without one every replica holds every version), publish them, keep the copies
+        of busy versions here used, and load the busy versions :func:`pool_spread.spread` gives
+        this replica."""
+        self._rates.sample({app: _requests(self._stats[app]) for app in self._hosted if app in self._stats})
+        if not (self._scale_up_rpm and self._max_models and self._replicas > 1):
+            return
+        await self._publish_report()
+        reports = await asyncio.to_thread(read_every_report)
+        now = time.time()
+        for app in busy_versions(reports, self._scale_up_rpm, now) & set(self._hosted):
+            self._used[app] = now  # the budget unloads others first
+        for app in sorted(spread(reports, self._scale_up_rpm, now).get(self._replica_id, ())):
+            spec = self._specs.get(app)
+            if spec is None or app in self._hosted or app in self._failures or app in self._loading:
+                continue
+            logger.info("model '%s' version %d is busy: loading a copy of it here too (--pool-scale-up-rpm %g)",
+                        spec[0], spec[1], self._scale_up_rpm)
+            self._start_load_again(app)
 
     # ---- handle calls (the hosted version: Serve's multiplexed model id) --------------------
 
@@ -459,6 +497,12 @@ class PoolDeployment:
             await asyncio.sleep(_STATS_PUSH_INTERVAL_S)
             for hosted in list(self._hosted.values()):
                 await hosted.report()
+            if time.monotonic() - self._spread_at >= _SPREAD_INTERVAL_S:
+                self._spread_at = time.monotonic()
+                try:
+                    await self._spread()
+                except Exception as exc:  # noqa: BLE001  # Ray's store did not answer: the next round tries again
+                    logger.warning("could not spread busy models over the pool's replicas: %s", exc)
             if self._max_models and len(self._hosted) > self._max_models and not self._changing.locked():
                 try:
                     await self._fit()
@@ -488,6 +532,11 @@ async def _close_quietly(hosted: HostedModel | None) -> None:
         await hosted.close()
     except Exception:
         logger.exception("could not close model '%s' cleanly", getattr(getattr(hosted, "core", None), "name", "?"))
+
+
+def _requests(stats: Any) -> int:
+    """A version's requests answered so far (successes and failures) by its statistics."""
+    return int(stats.durations["success"][0] + stats.durations["fail"][0])
 
 
 def _options(values: dict[str, Any]) -> dict[str, Any]:

@@ -116,7 +116,7 @@ def _run_pool(control: ModelControl, specs: dict[str, HostedSpec]) -> None:
                                                               ray.get_runtime_context().runtime_env)
     app = pool_application(
         specs, replicas=control.pool_replicas, max_models=control.pool_max_models,
-        load_timeout_s=control.pool_load_timeout_s, num_cpus=control.replica_num_cpus,
+        load_timeout_s=control.pool_load_timeout_s, scale_up_rpm=control.pool_scale_up_rpm, num_cpus=control.replica_num_cpus,
         actor_options=options, log_level=control.log_level, log_settings_at_start=dict(control.log_settings),
         max_ongoing_requests=4 * MIN_ONGOING_REQUESTS, version=pool_version(control),
     )
@@ -178,12 +178,13 @@ def hosted_spec(model_repository: str, model: str, version: int, options: Hostin
 
 
 def pool_application(models: dict[str, HostedSpec], *, replicas: int, max_models: int, load_timeout_s: float,
-                     num_cpus: float,
+                     num_cpus: float, scale_up_rpm: float = 0.0,
                      actor_options: dict[str, Any], log_level: str, log_settings_at_start: dict[str, Any] | None,
                      max_ongoing_requests: int, version: str) -> Any:
     """The pool's application, hosting ``models`` ({application: spec}) on ``replicas`` replicas,
     each holding at most ``max_models`` loaded (0: all; a request for another waits up to
-    ``load_timeout_s`` for it to load).
+    ``load_timeout_s`` for it to load; past ``scale_up_rpm`` requests per minute a version gets
+    another copy, :mod:`pool_spread`).
     ``version``: the pool's code version, the same for every deploy of one server, so that a new
     list of models reconfigures the running replicas instead of replacing them."""
     deployment = PoolDeployment.options(
@@ -191,7 +192,8 @@ def pool_application(models: dict[str, HostedSpec], *, replicas: int, max_models
         max_ongoing_requests=max_ongoing_requests,
         ray_actor_options={**actor_options, "num_cpus": num_cpus},
         user_config={"models": {app: list(spec) for app, spec in sorted(models.items())},
-                     "max_models": max_models, "load_timeout_s": load_timeout_s},
+                     "max_models": max_models, "load_timeout_s": load_timeout_s,
+                     "scale_up_rpm": scale_up_rpm, "replicas": replicas},
         health_check_period_s=5.0,
         graceful_shutdown_timeout_s=10.0,
         graceful_shutdown_wait_loop_s=0.2,

@@ -12,16 +12,19 @@ import json
 import zlib
 from typing import Any
 
-from rayinfer.deployments.serve_internals import kv_get
+from rayinfer.deployments.serve_internals import kv_get, kv_keys
 
 # Each pool replica's last reconfiguration's outcome, in Ray's key-value store (read by the
 # deployer, which may run in a process whose deployment handles cannot be called: the CLI's).
 KV_NAMESPACE = "rayinfer"
 
 
+_REPORT_PREFIX = "pool-report/"
+
+
 def report_key(replica: str) -> bytes:
     """The key of pool replica ``replica``'s (its id's) hosting report."""
-    return f"pool-report/{replica}".encode()
+    return f"{_REPORT_PREFIX}{replica}".encode()
 
 
 def spec_digest(spec: tuple[Any, ...] | list[Any]) -> str:
@@ -37,3 +40,10 @@ def read_reports(replicas: list[str]) -> dict[str, dict[str, Any]]:
         if raw is not None:
             reports[replica] = json.loads(raw)
     return reports
+
+
+def read_every_report() -> dict[str, dict[str, Any]]:
+    """Every pool replica's hosting report in the store (blocking), by replica id: a stopped
+    replica's may be among them until it is removed (each report says when it was written)."""
+    replicas = [key.decode()[len(_REPORT_PREFIX):] for key in kv_keys(_REPORT_PREFIX.encode(), KV_NAMESPACE)]
+    return read_reports(replicas)

@@ -61,11 +61,13 @@ class ModelControl:
     # Where a model without a ``hosting`` parameter runs (--model-hosting: dedicated or pool), and
     # how many replicas the pool has (--pool-replicas), how many versions each keeps loaded
     # (--pool-max-models, 0: all) and how long a request waits for one to load again
-    # (--pool-load-timeout-secs).
+    # (--pool-load-timeout-secs), and past how many requests per minute a busy version gets
+    # another copy (--pool-scale-up-rpm, 0: never).
     hosting: str = DEDICATED
     pool_replicas: int = 1
     pool_max_models: int = 0
     pool_load_timeout_s: float = 60.0
+    pool_scale_up_rpm: float = 0.0
 
 
 def replica_resources(entry: ModelEntry, version: int, replica_num_cpus: float, *, cluster_has_gpus: bool,

@@ -126,6 +126,13 @@ def kv_put(key: bytes, value: bytes, namespace: str, overwrite: bool = True) -> 
     _internal_kv_put(key, value, overwrite=overwrite, namespace=namespace)
 
 
+def kv_keys(prefix: bytes, namespace: str) -> list[bytes]:
+    """The keys of Ray's key-value store that start with ``prefix`` (blocking: a GCS round trip)."""
+    from ray.experimental.internal_kv import _internal_kv_list
+
+    return list(_internal_kv_list(prefix, namespace=namespace))
+
+
 def kv_delete(key: bytes, namespace: str) -> None:
     """Remove a value from Ray's key-value store (none there: nothing happens)."""
     from ray.experimental.internal_kv import _internal_kv_del

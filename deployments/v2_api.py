@@ -17,6 +17,8 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
+from prometheus_client.core import GaugeMetricFamily
+
 import rayinfer
 from rayinfer.deployments.control_channel import SHM_FORGET, TRACE_SETTINGS, ControlMessage
 from rayinfer.deployments.route_table import RouteTable
@@ -285,7 +287,15 @@ class V2Api:
             for r in await self.state.refresh() if r["state"] == "READY"
         ]
         custom = CustomMetricsCollector(self.statistics.custom_metrics())
-        extra: list[Any] = [custom] if self.rollouts is None else [custom, self.rollouts]
+        copies = GaugeMetricFamily("rayinfer_model_copies", "Loaded copies of a model version whose listeners the "
+                                   "front routes to: its replicas, or the model pool's replicas that hold it loaded",
+                                   labels=["model", "version"])
+        for figure in figures:
+            app, _ = self.state.routes.get(f"{figure.name}/{figure.version}") or ("", "")
+            copies.add_metric([figure.name, figure.version], len(self.routes.listeners(app)) if app else 0)
+        extra: list[Any] = [custom, _Families([copies])]
+        if self.rollouts is not None:
+            extra.append(self.rollouts)
 
         def rendered() -> str:
             cache = None
@@ -369,6 +379,16 @@ class V2Api:
             finally:
                 # Poll mode is periodic by definition: Triton's --repository-poll-secs.
                 await asyncio.sleep(self._poll_secs)
+
+
+class _Families:
+    """A prometheus_client collector of families built already."""
+
+    def __init__(self, families: list[GaugeMetricFamily]) -> None:
+        self._families = families
+
+    def collect(self) -> Any:
+        return iter(self._families)
 
 
 def _truthy(value: Any) -> bool:

@@ -427,9 +427,10 @@ class ModelCore:
         if self._cache is not None:
             snapshot["cache_evictions"] = self._cache.evictions
         custom_metrics = getattr(self.executor, "custom_metrics", None)
-        if custom_metrics is not None:  # the model's own metric families (a Python model's)
-            snapshot["custom_metrics_version"], snapshot["custom_metrics"] = custom_metrics()
-            snapshot["custom_metrics_process"] = PROCESS_KEY  # the families are the process's
+        families = custom_metrics() if custom_metrics is not None else None
+        if families is not None:  # the process's own metric families (a Python model's), if it reports them
+            snapshot["custom_metrics_version"], snapshot["custom_metrics"] = families
+            snapshot["custom_metrics_process"] = PROCESS_KEY
         return snapshot
 
     async def statistics(self, version: str) -> list[tuple[str, dict[str, Any]]]:

@@ -341,8 +341,11 @@ class PythonModelRunner(ModelRunner):
         check = getattr(model, "is_ready", None) or getattr(model, "is_model_ready", None)
         return True if check is None else self._readiness.ask(lambda: self.adapter.call(check))
 
-    def custom_metrics(self) -> tuple[int, list[dict[str, Any]]]:
-        """The model's own metric families (``pb_utils.MetricFamily``) and their update count."""
+    def custom_metrics(self) -> tuple[int, list[dict[str, Any]]] | None:
+        """The process's own metric families (``pb_utils.MetricFamily``) and their update count;
+        None where another model of the process reports them (a pool replica)."""
+        if not model_context.reports_process_metrics(self.adapter.context):
+            return None
         return pb_utils.metrics_snapshot()
 
     def _request(self, prepared: PreparedRequest) -> pb_utils.InferenceRequest:

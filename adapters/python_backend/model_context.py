@@ -31,6 +31,7 @@ class ModelContext:
 
 _current: ContextVar[ModelContext | None] = ContextVar("rayinfer_python_model", default=None)
 _last: ModelContext | None = None  # the process's last loaded model (a thread of its own sees it)
+_loaded: list[ModelContext] = []  # the process's loaded models, oldest first
 _shared = False  # this process holds many models (a pool replica): no model is "the process's"
 
 
@@ -53,6 +54,7 @@ def loaded(context: ModelContext) -> None:
     """``context``'s model is loaded: it is the process's, for code outside any model's call."""
     global _last
     _last = context
+    _loaded.append(context)
 
 
 def unloaded(context: ModelContext) -> None:
@@ -60,6 +62,17 @@ def unloaded(context: ModelContext) -> None:
     global _last
     if _last is context:
         _last = None
+    for i, each in enumerate(_loaded):
+        if each is context:
+            del _loaded[i]
+            break
+
+
+def reports_process_metrics(context: ModelContext | None) -> bool:
+    """Whether ``context``'s model is the one whose statistics carry the process's own metric
+    families (``pb_utils.MetricFamily``): in a pool replica the oldest loaded model, so that a
+    change is pushed once, not once per model; in a dedicated replica its one model."""
+    return not _shared or bool(_loaded) and _loaded[0] is context
 
 
 @contextlib.contextmanager

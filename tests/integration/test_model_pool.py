@@ -205,6 +205,11 @@ def loaded(name: str) -> bool:
     return NOT_LOADED not in index_row(name).get("reason", "")
 
 
+def copies(server, name: str) -> float:
+    """The version's loaded copies, by the metrics port (absent: 0)."""
+    return metric_value(server, f'rayinfer_model_copies{{model="{name}",version="1"}}')
+
+
 def success_count(c, name: str) -> int:
     return c.get_inference_statistics(name)["model_stats"][0]["inference_stats"]["success"]["count"]
 
@@ -225,6 +230,8 @@ def test_past_max_models_the_least_recently_used_model_is_unloaded_and_loads_aga
     client.load_model(EXTRA, config=config(EXTRA))
     wait_until(lambda: not loaded(POOLED[0]), "the least recently used model unloaded")
     assert index_row(POOLED[0])["state"] == "READY"
+    wait_until(lambda: copies(server, POOLED[0]) == 0 and copies(server, EXTRA) == 1,
+               "the metrics port to count the copies loaded")
     assert all(loaded(name) for name in (*POOLED[1:], EXTRA))
     assert client.is_model_ready(POOLED[0])  # ready (it loads on its next request) ...
     assert not loaded(POOLED[0])  # ... and asking did not load it

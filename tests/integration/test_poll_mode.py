@@ -1,9 +1,13 @@
 """Poll model control on a server of its own: models added, changed and removed on disk are
-loaded, reloaded and unloaded, and the load API is refused with Triton's message."""
+loaded, reloaded and unloaded, and the load API is refused with Triton's message. Its model pool
+has two replicas, each keeping one version loaded, so that a busy pooled version is seen
+getting a second copy (--pool-scale-up-rpm)."""
 
 from __future__ import annotations
 
 import shutil
+import time
+import urllib.request
 
 import numpy as np
 import pytest
@@ -21,6 +25,7 @@ from waiting import wait_until
 pytestmark = pytest.mark.own_cluster
 
 PORT = HTTP_PORT + 100
+SCALE_UP_RPM = 60  # one request a second: a second copy for a version asked more often
 
 
 @pytest.fixture(scope="module")
@@ -31,6 +36,7 @@ def poll_server(model_repository, tmp_path_factory):
     log = tmp_path_factory.mktemp("poll_server") / "rayinfer.log"
     proc = start_server(repo, log, [
         "--model-control-mode", "poll", "--repository-poll-secs", "1", *port_flags(PORT),
+        "--pool-replicas", "2", "--pool-max-models", "1", "--pool-scale-up-rpm", str(SCALE_UP_RPM),
     ])
     try:
         yield repo, httpclient.InferenceServerClient(f"127.0.0.1:{PORT}", network_timeout=120.0), \
@@ -78,7 +84,7 @@ def test_poll_adds_changes_and_removes_a_pooled_model(poll_server, model_reposit
     config = repo / "pooled" / "config.pbtxt"
     config.write_text(config.read_text() + 'parameters { key: "rayinfer_hosting" value: { string_value: "pool" } }\n')
     wait_until(lambda: http.is_model_ready("pooled") and grpc.is_model_ready("pooled"), "the poll to load 'pooled'")
-    assert len(pids_titled("ServeReplica:rayinfer-pool:")) == 1 and not pids_titled("ServeReplica:pooled:")
+    assert len(pids_titled("ServeReplica:rayinfer-pool:")) == 2 and not pids_titled("ServeReplica:pooled:")
     a = np.arange(16, dtype=np.int32).reshape(1, 16)
     np.testing.assert_array_equal(http.infer("pooled", add_sub_inputs(a, a)).as_numpy("OUTPUT1"), a * 0)
 
@@ -139,3 +145,51 @@ def test_a_new_version_folder_starts_its_own_rollout_and_is_promoted(poll_server
     wait_until(lambda: not http.is_model_ready("rolled", "1"), "version 1 to be unloaded (latest 1)")
     assert http.infer("rolled", [tensor]).get_response()["model_version"] == "2"
     shutil.rmtree(model)
+
+
+def copies(name: str) -> float:
+    """A version's loaded copies, by the metrics port (absent: 0)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{PORT + 2}/metrics", timeout=10) as response:
+        for line in response.read().decode().splitlines():
+            if line.startswith(f'rayinfer_model_copies{{model="{name}",version="1"}} '):
+                return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_a_busy_pooled_model_gets_a_copy_on_the_other_pool_replica(poll_server, model_repository):
+    """Two pooled models, two pool replicas keeping one loaded each: the one with fewer copies,
+    asked about ten times a second on new connections (past --pool-scale-up-rpm 60), gets a copy
+    on each replica, and no request fails while the copy loads."""
+    repo, _, _ = poll_server
+    names = ("spread_a", "spread_b")
+    for name in names:
+        shutil.copytree(model_repository / on_demand("poll_added"), repo / name)
+        config = repo / name / "config.pbtxt"
+        config.write_text(config.read_text() + 'parameters { key: "rayinfer_hosting" value: { string_value: "pool" } }\n')
+    try:
+        wait_until(lambda: all(http_json("GET", f"/v2/models/{name}/ready", port=PORT)[0] == 200 for name in names),
+                   "the poll to load both models into the pool")
+        target = min(names, key=copies)  # each replica keeps one: at most one copy of this one
+        assert copies(target) <= 1
+        a = np.arange(16, dtype=np.int32).reshape(1, 16)
+        asked = 0
+
+        def busy_until_copied() -> bool:
+            nonlocal asked
+            for _ in range(10):
+                client = httpclient.InferenceServerClient(f"127.0.0.1:{PORT}", network_timeout=60.0)
+                try:  # a new connection each time: the front spreads connections over the copies
+                    np.testing.assert_array_equal(client.infer(target, add_sub_inputs(a, a)).as_numpy("OUTPUT0"), a * 2)
+                finally:
+                    client.close()
+                asked += 1
+                time.sleep(0.05)
+            return copies(target) == 2
+
+        wait_until(busy_until_copied, f"a second copy of the busy '{target}'", timeout_s=90)
+        assert asked >= 10
+    finally:
+        for name in names:
+            shutil.rmtree(repo / name)
+    wait_until(lambda: all(http_json("GET", f"/v2/models/{name}/ready", port=PORT)[0] != 200 for name in names),
+               "the poll to unload both")

@@ -70,6 +70,7 @@ def shared_process(monkeypatch: pytest.MonkeyPatch) -> None:
     """This process as a pool replica, for the test only (what it loads is the process's until then)."""
     monkeypatch.setattr(model_context, "_shared", True)
     monkeypatch.setattr(model_context, "_last", None)
+    monkeypatch.setattr(model_context, "_loaded", [])
 
 
 def test_each_model_sees_its_own_folder_and_client_and_its_folders_stay_off_sys_path(tmp_path: Path) -> None:
@@ -104,7 +105,9 @@ def test_each_model_sees_its_own_folder_and_client_and_its_folders_stay_off_sys_
                 contextvars.copy_context().run, pb_utils.get_model_dir).result())
         assert seen == str(tmp_path / cores[0].name)
 
-        # All three report the process's one family; it counts once (3 models x 2 calls).
+        # The process's one family rides on the oldest model's statistics only (a change is
+        # pushed once, not once per model); it counts once (3 models x 2 calls).
+        [carrier] = [core for core in cores if "custom_metrics" in core.snapshot()]
         store = StatisticsStore()
         for core in cores:
             store.report(f"replica-1/{core.name}", core.name, "1", core.snapshot())
@@ -112,10 +115,14 @@ def test_each_model_sees_its_own_folder_and_client_and_its_folders_stay_off_sys_
         assert family["name"] == "pooled_calls"
         assert {m["labels"]["model"]: m["value"] for m in family["metrics"]} == {name: 2.0 for name in names}
         # A second process's report adds to it.
-        other = {**cores[0].snapshot(), "custom_metrics_process": "another process"}
+        other = {**carrier.snapshot(), "custom_metrics_process": "another process"}
         store.report("replica-2/plain", "plain", "1", other)
         [family] = store.custom_metrics()
         assert {m["labels"]["model"]: m["value"] for m in family["metrics"]} == {name: 4.0 for name in names}
+        # That model unloaded, another one carries them.
+        carrier.close()
+        cores.remove(carrier)
+        assert sorted("custom_metrics" in core.snapshot() for core in cores) == [False, True]
     finally:
         for core in cores:
             core.close()

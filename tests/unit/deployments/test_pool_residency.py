@@ -25,7 +25,9 @@ class Pool(PoolDeployment.func_or_class):  # type: ignore[misc, valid-type]
 
 
 class _Stats:
-    last_inference_ms = 0
+    def __init__(self) -> None:
+        self.last_inference_ms = 0
+        self.durations = {"success": [0, 0], "fail": [0, 0]}
 
 
 class _StandIn:
@@ -77,6 +79,7 @@ def _pool(monkeypatch, max_models: int, load_s: float = 0.02, fail: set[str] | N
     replica._max_models, replica._load_timeout_s, replica._loads = max_models, 5.0, 0
     replica._changing = asyncio.Lock()
     replica._load_limit = asyncio.Semaphore(4)
+    replica._scale_up_rpm, replica._replicas, replica._rates = 0.0, 1, pool_module.RequestRates()
     replica.loads = loads
 
     async def nothing(*args: Any) -> None:
@@ -167,3 +170,42 @@ def _failing_then_working(broken: set[str]) -> Any:
 
     return load
 
+
+
+def test_a_busy_version_held_elsewhere_is_loaded_here_and_kept_while_busy(monkeypatch):
+    """--pool-scale-up-rpm: another replica's report says version ``b`` gets 5,000 requests a
+    minute there (two copies' worth at 2,000); this replica, which unloaded ``b``, loads it
+    again and keeps it over ``a``, its own idle version."""
+    async def scenario() -> None:
+        replica = _pool(monkeypatch, 1)
+        await replica.reconfigure({**_config("a", "b", max_models=1), "scale_up_rpm": 2000, "replicas": 2})
+        await replica._resident("a")
+        await asyncio.gather(*list(replica._background))
+        assert set(replica._hosted) == {"a"} and replica._evicted == {"b"}
+        digests = replica.hosting_report()["evicted"]
+        other = {"loaded": {"b": digests["b"]}, "evicted": {}, "failed": {}, "rpm": {"b": 5000.0},
+                 "at": pool_module.time.time()}
+        monkeypatch.setattr(pool_module, "read_every_report",
+                            lambda: {"r0": other, "r1": replica.hosting_report()})
+        await replica._spread()
+        await wait_until_async(lambda: "b" in replica._hosted, "the busy version to load here")
+        await asyncio.gather(*list(replica._background))
+        assert set(replica._hosted) == {"b"}  # the idle one made room
+        other["rpm"] = {"b": 100.0}  # no longer busy: nothing more loads
+        before = list(replica.loads)
+        await replica._spread()
+        assert replica.loads == before
+
+    run(scenario())
+
+
+def test_without_a_budget_or_a_second_replica_nothing_is_spread(monkeypatch):
+    async def scenario() -> None:
+        replica = _pool(monkeypatch, 0)
+        await replica.reconfigure({**_config("a", "b", max_models=0), "scale_up_rpm": 2000, "replicas": 2})
+        monkeypatch.setattr(pool_module, "read_every_report", lambda: pytest.fail("reports read"))
+        await replica._spread()
+        replica._max_models, replica._replicas = 1, 1
+        await replica._spread()
+
+    run(scenario())
