@@ -326,7 +326,17 @@ def stop_shared_server() -> None:
 
 
 def pytest_collection_modifyitems(config, items) -> None:
-    items.sort(key=lambda item: item.get_closest_marker("own_cluster") is not None)
+    """Unit tests first (they need no server, and run faster before the session server's
+    replicas start taking their share of the CPU), then the tests of the session server, those
+    that disturb it last (``session_server_last``), then those with a Ray cluster of their own."""
+    def order(item) -> int:
+        if item.get_closest_marker("own_cluster") is not None:
+            return 3
+        if item.get_closest_marker("session_server_last") is not None:
+            return 2
+        return 0 if Path(str(item.fspath)).is_relative_to(Path(__file__).parent / "unit") else 1
+
+    items.sort(key=order)
 
 
 @pytest.fixture(scope="module")

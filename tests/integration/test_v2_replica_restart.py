@@ -1,13 +1,14 @@
-"""The /v2 replica killed under load, on a server of its own: the front (HAProxy, kept by its
-supervisor process) goes on relaying inference calls to the model replicas while Serve starts a new
-/v2 replica, which takes the running front over; no inference call fails meanwhile."""
+"""The /v2 replica killed under load: the front (HAProxy, kept by its supervisor process) goes on
+relaying inference calls to the model replicas while Serve starts a new /v2 replica, which takes
+the running front over; no inference call fails meanwhile. On the session server, after every
+other test of it (the ``session_server_last`` marker): the new /v2 replica takes over its
+whole repository's replicas."""
 
 from __future__ import annotations
 
 import json
 import os
 import queue
-import shutil
 import signal
 import threading
 import time
@@ -18,34 +19,13 @@ import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
-from conftest import HTTP_PORT, front_folder, front_stat, pids_titled, port_flags, start_server, stop_server, stop_shared_server
-from rayinfer.cluster.example_repository import write_example_repository
+from conftest import HTTP_PORT, LOAD_TIMEOUT_S, front_folder, front_stat, pids_titled
+from rollout_models import ROLLOUT_MODEL, rollout_config
 from waiting import wait_until
 
-pytestmark = pytest.mark.own_cluster
+pytestmark = pytest.mark.session_server_last
 
-PORT = HTTP_PORT + 300
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    stop_shared_server()  # one Ray cluster at a time on a small machine
-    repo = tmp_path_factory.mktemp("restart_repo")
-    write_example_repository(repo)
-    # "simple" twice over, as versions 1 and 2 of "rolled" (for a rollout that outlives the replica).
-    shutil.copytree(repo / "simple", repo / "rolled")
-    shutil.copytree(repo / "rolled" / "1", repo / "rolled" / "2")
-    config = repo / "rolled" / "config.pbtxt"
-    config.write_text(config.read_text().replace('name: "simple"', 'name: "rolled"')
-                      + "version_policy: { latest: { num_versions: 2 } }\n")
-    log = tmp_path_factory.mktemp("restart_server") / "rayinfer.log"
-    proc = start_server(repo, log, [
-        "--model-control-mode", "explicit", "--load-model", "simple", *port_flags(PORT),
-    ])
-    try:
-        yield proc
-    finally:
-        stop_server(proc)
+PORT = HTTP_PORT
 
 
 V2_REPLICA = "ServeReplica:rayinfer:ServerDeployment"
@@ -102,7 +82,7 @@ def test_inference_goes_on_while_the_v2_replica_restarts(server):
     wait_until(lambda: answers_200("/v2"), "a new /v2 replica to answer", timeout_s=120, interval_s=0.2)
     restart_s = time.monotonic() - killed_at
     # Calls go on while the model replica registers with the new /v2 replica, which then routes it.
-    wait_until(lambda: load.ok > served_while_down + 100 and answers_200("/v2/health/ready"),
+    wait_until(lambda: load.ok > served_while_down + 100 and answers_200("/v2/models/simple/ready"),
                "the new /v2 replica to route the model",
                timeout_s=60, interval_s=0.2)
     load.stopping.set()
@@ -111,7 +91,7 @@ def test_inference_goes_on_while_the_v2_replica_restarts(server):
     assert pids_titled(V2_REPLICA) and before not in pids_titled(V2_REPLICA)
     # The new replica gives the front its own gRPC server's port: a stream and a server call
     # reach it there again, not through Serve's ingress.
-    front = front_folder({"grpc_url": f"127.0.0.1:{PORT + 1}"})
+    front = front_folder(server)
     wait_until(lambda: front_stat(front, "serve_grpc")["v2"]["status"] == "UP",
                "the front's way to the new /v2 replica's gRPC server", timeout_s=30, interval_s=0.2)
     through_serve = front_stat(front, "serve_grpc")["serve"]["stot"]
@@ -135,7 +115,7 @@ def test_inference_goes_on_while_the_v2_replica_restarts(server):
 
 
 def _rollout(method: str, action: str = "", doc: dict | None = None) -> dict:
-    path = f"http://127.0.0.1:{PORT}/v2/repository/models/rolled/rollout" + (f"/{action}" if action else "")
+    path = f"http://127.0.0.1:{PORT}/v2/repository/models/{ROLLOUT_MODEL}/rollout" + (f"/{action}" if action else "")
     data = None if doc is None else json.dumps(doc).encode()
     with urllib.request.urlopen(urllib.request.Request(path, data=data, method=method), timeout=120) as answer:
         return json.loads(answer.read())
@@ -144,22 +124,19 @@ def _rollout(method: str, action: str = "", doc: dict | None = None) -> dict:
 def test_a_rollout_outlives_the_v2_replica(server):
     """A rollout is kept in Ray's key-value store: the new /v2 replica takes it up as it was and
     the front goes on splitting by it."""
-    client = httpclient.InferenceServerClient(f"127.0.0.1:{PORT}", network_timeout=300)
-    client.load_model("rolled")
-    _rollout("POST", "start", {"parameters": {"rollout_steps": "30,100", "rollout_automatic": "false"}})
+    client = httpclient.InferenceServerClient(f"127.0.0.1:{PORT}", network_timeout=LOAD_TIMEOUT_S)
+    client.load_model(ROLLOUT_MODEL, config=rollout_config())
+    _rollout("POST", "start", {"stable_version": "1", "candidate_version": "2",
+                               "parameters": {"rollout_steps": "30,100", "rollout_automatic": "false"}})
     (before,) = pids_titled(V2_REPLICA)
     os.kill(before, signal.SIGKILL)
-    wait_until(lambda: pids_titled(V2_REPLICA) - {before} and answers_200("/v2/repository/models/rolled/rollout"),
+    wait_until(lambda: pids_titled(V2_REPLICA) - {before} and answers_200(f"/v2/repository/models/{ROLLOUT_MODEL}/rollout"),
                "a new /v2 replica to answer for the rollout", timeout_s=120, interval_s=0.2)
     doc = _rollout("GET")
     assert (doc["state"], doc["weight"], doc["stable_version"], doc["candidate_version"]) == ("PROGRESSING", 30, "1", "2")
-    a = np.arange(16, dtype=np.int32).reshape(1, 16)
-    inputs = []
-    for name in ("INPUT0", "INPUT1"):
-        tensor = httpclient.InferInput(name, [1, 16], "INT32")
-        tensor.set_data_from_numpy(a)
-        inputs.append(tensor)
-    served = [client.infer("rolled", inputs).get_response()["model_version"] for _ in range(300)]
+    tensor = httpclient.InferInput("INPUT0", [1, 1], "FP32")
+    tensor.set_data_from_numpy(np.ones((1, 1), np.float32))
+    served = [client.infer(ROLLOUT_MODEL, [tensor]).get_response()["model_version"] for _ in range(300)]
     assert 0.18 <= served.count("2") / 300 <= 0.42, served.count("2")
-    client.unload_model("rolled")
+    client.unload_model(ROLLOUT_MODEL)
     client.close()
