@@ -392,12 +392,20 @@ class PoolDeployment:
         await self._publish_report()
         reports = await asyncio.to_thread(read_every_report)
         now = time.time()
-        for app in busy_versions(reports, self._scale_up_rpm, now) & set(self._hosted):
+        busy = busy_versions(reports, self._scale_up_rpm, now)
+        for app in busy & set(self._hosted):
             self._used[app] = now  # the budget unloads others first
+        # Room for copies: free places, and versions that are not busy (each copy unloads one).
+        # A replica full of busy versions adds none (one would push out another busy one, which
+        # would come back the next round).
+        room = self._max_models - len(self._hosted) + sum(app not in busy for app in self._hosted)
         for app in sorted(spread(reports, self._scale_up_rpm, now).get(self._replica_id, ())):
             spec = self._specs.get(app)
             if spec is None or app in self._hosted or app in self._failures or app in self._loading:
                 continue
+            if room <= 0:
+                break
+            room -= 1
             logger.info("model '%s' version %d is busy: loading a copy of it here too (--pool-scale-up-rpm %g)",
                         spec[0], spec[1], self._scale_up_rpm)
             self._start_load_again(app)

@@ -209,3 +209,23 @@ def test_without_a_budget_or_a_second_replica_nothing_is_spread(monkeypatch):
         await replica._spread()
 
     run(scenario())
+
+
+def test_a_replica_full_of_busy_versions_adds_no_copy(monkeypatch):
+    """Room for one, and the version it holds is busy too: loading a copy of the other busy one
+    would push it out (and it would come back the next round), so nothing loads."""
+    async def scenario() -> None:
+        replica = _pool(monkeypatch, 1)
+        await replica.reconfigure({**_config("a", "b", max_models=1), "scale_up_rpm": 2000, "replicas": 2})
+        await replica._resident("a")
+        await asyncio.gather(*list(replica._background))
+        digests = {**replica.hosting_report()["evicted"], **replica.hosting_report()["loaded"]}
+        other = {"loaded": {"a": digests["a"], "b": digests["b"]}, "evicted": {}, "failed": {},
+                 "rpm": {"a": 5000.0, "b": 5000.0}, "at": pool_module.time.time()}
+        monkeypatch.setattr(pool_module, "read_every_report",
+                            lambda: {"r0": other, "r1": replica.hosting_report()})
+        before = list(replica.loads)
+        await replica._spread()
+        assert replica.loads == before and set(replica._hosted) == {"a"}
+
+    run(scenario())
