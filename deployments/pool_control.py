@@ -5,6 +5,7 @@ with a new list of versions (:mod:`pool`) and waiting for its replicas' reports
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import uuid
 import zlib
@@ -42,6 +43,13 @@ from rayinfer.repository.instance_groups import replica_plan
 from rayinfer.repository.scanner import scan_model
 
 logger = logging.getLogger(__name__)
+
+# Changes to the pool's list of versions, one at a time in this process, and the list this
+# process deployed last: Serve's details show a new user_config only once its controller has
+# applied it, so two loads at once would otherwise each start from the list before both, and
+# the second would drop the first's version.
+_CHANGING = threading.Lock()
+_deployed: dict[str, HostedSpec] | None = None
 
 
 def version_hosting(folder: Path, model: str, version: int, override: str | None, control: ModelControl) -> str:
@@ -90,9 +98,7 @@ def deploy_pool(control: ModelControl, *, add: dict[str, tuple[str, HostedSpec]]
     and wait until its replicas hold them; returns {model: reason} for those of ``add`` that
     failed, which are left out of the pool again."""
     add = add or {}
-    specs = {name: spec for name, spec in pooled_specs().items() if name not in (drop or set())}
-    specs.update({name: spec for name, (_, spec) in add.items()})
-    _run_pool(control, specs)
+    _change_pool(control, add={name: spec for name, (_, spec) in add.items()}, drop=drop or set())
     if drop:
         _wait_dropped(drop, control)
     if not add:
@@ -101,10 +107,23 @@ def deploy_pool(control: ModelControl, *, add: dict[str, tuple[str, HostedSpec]]
     for name, reason in failed.items():
         logger.error("model '%s' failed to load: %s", add[name][0], reason)
     if failed:
-        _run_pool(control, {name: spec for name, spec in specs.items() if name not in failed})
+        _change_pool(control, drop=set(failed))
     for name in set(add) - set(failed):
         logger.info("model '%s' is ready (in the pool, as '%s')", add[name][0], name)
     return {add[name][0]: reason for name, reason in failed.items()}
+
+
+def _change_pool(control: ModelControl, *, add: dict[str, HostedSpec] | None = None,
+                 drop: set[str] | None = None) -> None:
+    """Deploy the pool with the versions it has (as this process last deployed them, else as
+    Serve has them) less ``drop`` plus ``add``."""
+    global _deployed
+    with _CHANGING:
+        specs = {name: spec for name, spec in (pooled_specs() if _deployed is None else _deployed).items()
+                 if name not in (drop or set())}
+        specs.update(add or {})
+        _run_pool(control, specs)
+        _deployed = specs
 
 
 def _run_pool(control: ModelControl, specs: dict[str, HostedSpec]) -> None:

@@ -3,6 +3,7 @@ the pool's replica process, each answering, counting and failing as its own mode
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import threading
 
@@ -46,8 +47,13 @@ def index_row(name: str) -> dict:
 @pytest.fixture(scope="module")
 def client(server):
     c = httpclient.InferenceServerClient(server["url"], network_timeout=LOAD_TIMEOUT_S)
-    for name in POOLED:
-        c.load_model(name, config=config(name))
+
+    def load(name: str) -> None:
+        with httpclient.InferenceServerClient(server["url"], network_timeout=LOAD_TIMEOUT_S) as own:
+            own.load_model(name, config=config(name))
+
+    with concurrent.futures.ThreadPoolExecutor(len(POOLED)) as loads:  # at once: each ends in the pool
+        list(loads.map(load, POOLED))
     yield c
     for name in [*POOLED, BROKEN, EXTRA]:
         c.unload_model(name)
