@@ -23,7 +23,7 @@ from rayinfer.deployments.control_channel import SEQUENCE_SLOTS, ControlChannel,
 from rayinfer.deployments.front import route_key_is_safe
 from rayinfer.deployments.names import model_apps, replica_of
 from rayinfer.deployments.serve_internals import actor_death
-from rayinfer.deployments.serve_state import ServeState, running_replicas
+from rayinfer.deployments.serve_state import NOT_RESIDENT, ServeState, running_replicas
 from rayinfer.serving.sequence_routing import assign_slots, previous_owners
 
 logger = logging.getLogger(__name__)
@@ -160,11 +160,16 @@ class RouteTable:
             self._state.invalidate()
 
     async def wait_routed(self, *models: str, timeout_s: float = 15.0) -> None:
-        """Wait (a little) until the front routes every served version of ``models``."""
+        """Wait (a little) until the front routes every served version of ``models`` (but pooled
+        versions the pool holds unloaded: they have no listener until their next request)."""
         deadline = time.monotonic() + timeout_s
         while self._front is not None and time.monotonic() < deadline:
             await self.publish()
-            wanted = {k for k in self._state.routes if k.split("/", 1)[0] in models}
+            rows = await self._state.refresh()
+            unloaded = {self._state.routes.get(f"{row['name']}/{row['version']}", ("",))[0] for row in rows
+                        if row.get("reason") == NOT_RESIDENT}
+            wanted = {k for k, (app, *_) in self._state.routes.items()
+                      if k.split("/", 1)[0] in models and app not in unloaded}
             if wanted <= set(self._front.published):
                 return
             # New replicas register their listener on their own schedule: look again shortly

@@ -74,3 +74,26 @@ def test_a_registration_that_arrives_after_its_replica_withdrew_is_dropped():
         assert table.listeners("m") == [("10.0.0.1", 1001)]
 
     asyncio.run(scenario())
+
+
+def test_the_start_waits_for_routes_but_not_for_pooled_versions_the_pool_holds_unloaded():
+    """``rayinfer serve`` waits for the front to route what it deployed before it says it started;
+    a pooled version unloaded past --pool-max-models has no listener until its next request, so
+    waiting for it would hold the start for the whole timeout."""
+    from rayinfer.deployments.serve_state import NOT_RESIDENT
+
+    class _Pooled(_State):
+        async def refresh(self) -> list[dict]:
+            return [{"name": "m", "version": "1", "state": "READY", "reason": ""},
+                    {"name": "other", "version": "1", "state": "READY", "reason": NOT_RESIDENT}]
+
+    async def scenario() -> None:
+        front = _Front()
+        table = RouteTable(_Pooled(), front)  # type: ignore[arg-type]  # stand-ins
+        await table.register("m/r1", "m", "10.0.0.1", 1000)
+        started = asyncio.get_running_loop().time()
+        await table.wait_routed("m", "other", timeout_s=5.0)
+        assert asyncio.get_running_loop().time() - started < 1.0
+        assert set(front.published) == {"m/1", "m/"}
+
+    asyncio.run(scenario())
