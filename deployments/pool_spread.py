@@ -76,13 +76,7 @@ def spread(reports: dict[str, dict[str, Any]], threshold_rpm: float,
     their loaded or unloaded versions with the same spec) and do not hold it, those holding
     fewest versions first, then by id.
     """
-    now = time.time() if now is None else now
-    live = {replica: report for replica, report in reports.items()
-            if now - float(report.get("at") or 0.0) <= REPORT_TTL_S}
-    totals: dict[str, float] = {}
-    for report in live.values():
-        for app, rpm in (report.get("rpm") or {}).items():
-            totals[app] = totals.get(app, 0.0) + float(rpm)
+    live, totals = _live_rates(reports, now)
     wanted: dict[str, set[str]] = {}
     loads = {replica: len(report.get("loaded") or {}) for replica, report in live.items()}
     for app, rpm in sorted(totals.items()):
@@ -102,10 +96,18 @@ def spread(reports: dict[str, dict[str, Any]], threshold_rpm: float,
 
 def busy_versions(reports: dict[str, dict[str, Any]], threshold_rpm: float, now: float | None = None) -> set[str]:
     """The versions busy enough to want more than one copy (their copies are kept loaded)."""
+    live, totals = _live_rates(reports, now)
+    return {app for app, rpm in totals.items() if copies_wanted(rpm, threshold_rpm, len(live)) > 1}
+
+
+def _live_rates(reports: dict[str, dict[str, Any]],
+                now: float | None) -> tuple[dict[str, dict[str, Any]], dict[str, float]]:
+    """The reports of replicas still reporting, and each version's requests per minute over them."""
     now = time.time() if now is None else now
-    live = [report for report in reports.values() if now - float(report.get("at") or 0.0) <= REPORT_TTL_S]
+    live = {replica: report for replica, report in reports.items()
+            if now - float(report.get("at") or 0.0) <= REPORT_TTL_S}
     totals: dict[str, float] = {}
-    for report in live:
+    for report in live.values():
         for app, rpm in (report.get("rpm") or {}).items():
             totals[app] = totals.get(app, 0.0) + float(rpm)
-    return {app for app, rpm in totals.items() if copies_wanted(rpm, threshold_rpm, len(live)) > 1}
+    return live, totals

@@ -183,7 +183,7 @@ def test_a_busy_pooled_model_gets_a_copy_on_the_other_pool_replica(poll_server, 
                 finally:
                     client.close()
                 asked += 1
-                time.sleep(0.05)
+                time.sleep(0.05)  # paces the load (about ten a second): a rate, not a wait for an event
             return copies(target) == 2
 
         wait_until(busy_until_copied, f"a second copy of the busy '{target}'", timeout_s=90)
