@@ -118,6 +118,7 @@ class PoolDeployment:
         self._rates = RequestRates()
         self._spread_at = 0.0
         self._changing = asyncio.Lock()
+        self._publishing = asyncio.Lock()  # one report put at a time (the last put is the newest)
         self._registered_at: dict[str, float] = {}
         # Each load of a version registers under a key of its own: the load that replaces it
         # (a reload) registers before the old one withdraws.
@@ -167,14 +168,17 @@ class PoolDeployment:
     async def _publish_report(self) -> None:
         """This replica's hosting report, to Ray's key-value store (:mod:`pool_reports`); tried
         three times, then logged (the deployer waits on it, up to its timeout)."""
-        report = json.dumps(self.hosting_report()).encode()
-        for attempt in range(3):
-            try:
-                await asyncio.to_thread(kv_put, report_key(self._replica_id), report, KV_NAMESPACE)
-                return
-            except Exception as exc:  # noqa: BLE001  # the GCS did not answer: again, shortly
-                logger.warning("could not publish the pool's report (attempt %d): %s", attempt + 1, exc)
-                await asyncio.sleep(0.5)  # a GCS that did not answer: give it a moment, three tries in all
+        # One at a time, each taken when its turn comes: puts from threads at once could land in
+        # any order, and an older report landing last would stand until the next change.
+        async with self._publishing:
+            report = json.dumps(self.hosting_report()).encode()
+            for attempt in range(3):
+                try:
+                    await asyncio.to_thread(kv_put, report_key(self._replica_id), report, KV_NAMESPACE)
+                    return
+                except Exception as exc:  # noqa: BLE001  # the GCS did not answer: again, shortly
+                    logger.warning("could not publish the pool's report (attempt %d): %s", attempt + 1, exc)
+                    await asyncio.sleep(0.5)  # a GCS that did not answer: give it a moment, three tries in all
 
     def _publish_resident(self) -> None:
         """The versions loaded here, for Serve's router: a handle call for one goes to a replica

@@ -5,6 +5,8 @@ interleaved at will. The real thing: tests/integration/test_model_pool.py."""
 from __future__ import annotations
 
 import asyncio
+import json
+import time
 from typing import Any
 
 import pytest
@@ -77,7 +79,7 @@ def _pool(monkeypatch, max_models: int, load_s: float = 0.02, fail: set[str] | N
         setattr(replica, name, {})
     replica._evicted, replica._background = set(), set()
     replica._max_models, replica._load_timeout_s, replica._loads = max_models, 5.0, 0
-    replica._changing = asyncio.Lock()
+    replica._changing, replica._publishing = asyncio.Lock(), asyncio.Lock()
     replica._load_limit = asyncio.Semaphore(4)
     replica._scale_up_rpm, replica._replicas, replica._rates = 0.0, 1, pool_module.RequestRates()
     replica.loads = loads
@@ -227,5 +229,29 @@ def test_a_replica_full_of_busy_versions_adds_no_copy(monkeypatch):
         before = list(replica.loads)
         await replica._spread()
         assert replica.loads == before and set(replica._hosted) == {"a"}
+
+    run(scenario())
+
+
+def test_reports_published_at_once_land_newest_last(monkeypatch):
+    """Two reports put at once, the first one's put slow: Ray's store ends with the newer (the
+    index reads it, and an older one would stand until the next change)."""
+    stored: list[bytes] = []
+
+    def put(key: str, value: bytes, namespace: str) -> None:
+        time.sleep(0.2 if not stored and b'"b"' not in value else 0.0)  # the first put is slow
+        stored.append(value)
+
+    async def scenario() -> None:
+        replica = _pool(monkeypatch, 2)
+        del replica._publish_report  # the class's own
+        monkeypatch.setattr(pool_module, "kv_put", put)
+        replica._specs = {app: (app, 1, {"repository": "/repo"}) for app in ("a", "b")}
+        replica._hosted["a"] = _StandIn("a")
+        first = asyncio.create_task(replica._publish_report())
+        await asyncio.sleep(0.05)  # its put has started
+        replica._hosted["b"] = _StandIn("b")
+        await asyncio.gather(first, replica._publish_report())
+        assert sorted(json.loads(stored[-1])["loaded"]) == ["a", "b"]
 
     run(scenario())
