@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rayinfer.adapters.loader import load_runner
-from rayinfer.deployments.names import deployment_version
+from rayinfer.deployments.names import POOL_DEPLOYMENT, deployment_version
 from rayinfer.protocol.types import InferRequest, InferResponse
 from rayinfer.repository.ensemble import is_ensemble
 from rayinfer.repository.model_config import ModelSpec
@@ -91,9 +91,10 @@ class InPlaceMembers:
                    spec: ModelSpec) -> None:
         """Load ``key``'s member here when it can run here; log why not otherwise (its steps
         then go to its replicas)."""
-        reason = reason_not_in_place(spec, self._python not in (None, key))
+        reason = ("it is pooled (the model pool's replicas load it)" if route[1] == POOL_DEPLOYMENT
+                  else reason_not_in_place(spec, self._python not in (None, key)))
         if reason is not None:
-            logger.info("member '%s' runs in its own replicas: %s", key[0], reason)
+            logger.info("member '%s' does not run in place, its steps go to its replicas: %s", key[0], reason)
             return
         if await self._install(key, route, listeners) and spec.config.backend == "python":
             self._python = key

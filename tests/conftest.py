@@ -30,8 +30,6 @@ SERVE_HTTP_PORT = HTTP_PORT + 10
 # How long an HTTP client waits for a model's load (tritonclient's default, 60 s, is shorter than
 # starting replica processes has taken on a busy 2-core machine).
 LOAD_TIMEOUT_S = 300.0
-# The shared server's model pool keeps at most this many versions loaded (test_model_pool evicts past it).
-POOL_MAX_MODELS = 3
 
 
 def http(method: str, path: str, body: bytes | None = None, headers: dict | None = None,
@@ -368,7 +366,12 @@ def proto(request, server):
 
 @pytest.fixture(scope="session")
 def server(model_repository: Path, tmp_path_factory: pytest.TempPathFactory):
-    """``rayinfer serve`` on the test repository, started once; stopped with SIGINT at the end."""
+    """``rayinfer serve`` on the test repository, started once; stopped with SIGINT at the end.
+
+    With ``--model-hosting pool``: every model that can be pooled shares the pool's replica (half
+    the replica processes on two cores). A model whose tests need a process of its own says
+    ``rayinfer_hosting: dedicated``; decoupled models, ensembles and the others that cannot be
+    pooled have replicas of their own anyway."""
     log_path = tmp_path_factory.mktemp("server") / "rayinfer.log"
     trace_file = log_path.parent / "trace.json"  # the trace extension's file (tracing is off at start)
     from model_factory import ON_DEMAND_MODELS
@@ -388,7 +391,7 @@ def server(model_repository: Path, tmp_path_factory: pytest.TempPathFactory):
         "--grpc-port", str(GRPC_PORT), "--serve-grpc-port", str(SERVE_GRPC_PORT), "--serve-http-port", str(SERVE_HTTP_PORT),
         "--cache-config", "local,size=1048576", "--trace-config", f"triton,file={trace_file}",
         "--ray-metrics-port", str(RAY_METRICS_PORT), "--metrics-config", "summary_latencies=true",
-        "--metrics-config", "histogram_latencies=true", "--pool-max-models", str(POOL_MAX_MODELS),
+        "--metrics-config", "histogram_latencies=true", "--model-hosting", "pool",
     ])
     _SHARED["server"] = proc
     try:

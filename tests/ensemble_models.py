@@ -158,10 +158,12 @@ class TritonPythonModel:
 '''
 
 
-# ens_double's model with one more output: the PID of the process that executed it.
+# ens_double's model with one more output: the PID of the process that executed it. Dedicated on
+# the session server (which pools what it can): a pooled member does not run in place.
 PID_DOUBLE_CONFIG = DOUBLE_CONFIG.replace("{name}", "ens_pid_double").replace(
     'output [ { name: "OUTPUT" data_type: TYPE_INT32 dims: [ 16 ] } ]',
-    'output [ { name: "OUTPUT" data_type: TYPE_INT32 dims: [ 16 ] }, { name: "PID" data_type: TYPE_INT64 dims: [ 1 ] } ]')
+    'output [ { name: "OUTPUT" data_type: TYPE_INT32 dims: [ 16 ] }, { name: "PID" data_type: TYPE_INT64 dims: [ 1 ] } ]'
+) + 'parameters { key: "rayinfer_hosting" value: { string_value: "dedicated" } }\n'  # in place: not pooled
 PID_DOUBLE_MODEL = DOUBLE_MODEL.replace("import numpy as np", "import os\n\nimport numpy as np").replace(
     '[pb_utils.Tensor("OUTPUT", (2 * x).astype(np.int32))]',
     '[pb_utils.Tensor("OUTPUT", (2 * x).astype(np.int32)),\n'

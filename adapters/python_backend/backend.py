@@ -106,7 +106,7 @@ class PythonBackendAdapter:
         # As in Triton's stub: the model's module is importable by its file's name (a model
         # running ``unittest.main('model')`` finds its own tests), and argv holds no arguments
         # of the worker process (unittest and argparse in a model read it).
-        sys.modules.setdefault(path.stem, module)
+        model_context.register_module(self.context, path.stem, module)
         sys.argv = [""]
         self._modules = (module_name, path.stem, module)
         try:

@@ -15,18 +15,54 @@ sees none, and a BLS call from it fails saying so rather than calling as another
 from __future__ import annotations
 
 import contextlib
+import sys
+import types
 from collections.abc import Iterator
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 
 @dataclass(frozen=True)
 class ModelContext:
-    """One loaded model's: its folder (``<repository>/<model>``) and its BLS client."""
+    """One loaded model's: its folder (``<repository>/<model>``), its BLS client, and (in a pool
+    replica) its module by its file's name, for :class:`RunningModelModule`."""
 
     model_dir: str
     bls: Any = None
+    modules: dict[str, types.ModuleType] = field(default_factory=dict, compare=False, hash=False)
+
+
+class RunningModelModule(types.ModuleType):
+    """``sys.modules["model"]`` in a pool replica: what Triton's stub gives a model, its own
+    module by its file's name (``unittest.main('model')`` imports it to find the model's
+    tests), where one interpreter holds many models' files of that name. Each attribute is the
+    running model's (:func:`current`); outside any model's call there is none."""
+
+    def _running(self) -> types.ModuleType:
+        context = current()
+        module = context.modules.get(self.__name__) if context is not None else None
+        if module is None:
+            raise AttributeError(f"module {self.__name__!r}: no Python model of this pool replica is running here")
+        return module
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._running(), name)
+
+    def __dir__(self) -> list[str]:
+        return dir(self._running())
+
+
+def register_module(context: ModelContext, file_name: str, module: types.ModuleType) -> None:
+    """``module`` is ``context``'s model's, importable by ``file_name`` as in Triton's stub: in a
+    dedicated replica the module itself (the first loaded keeps the name), in a pool replica
+    the running model's (:class:`RunningModelModule`)."""
+    if not _shared:
+        sys.modules.setdefault(file_name, module)
+        return
+    context.modules[file_name] = module
+    if not isinstance(sys.modules.get(file_name), RunningModelModule):
+        sys.modules[file_name] = RunningModelModule(file_name)
 
 
 _current: ContextVar[ModelContext | None] = ContextVar("rayinfer_python_model", default=None)

@@ -1,5 +1,7 @@
-"""Pooled hosting on the real test server: model versions whose config asks for the pool share
-the pool's replica process, each answering, counting and failing as its own model."""
+"""Pooled hosting on a server of its own (the test repository, nothing loaded at start,
+``--pool-max-models 3``): model versions whose config asks for the pool share the pool's
+replica process, each answering, counting and failing as its own model, and the pool keeps
+within its budget. (The session server pools every model it can, with no budget.)"""
 
 from __future__ import annotations
 
@@ -13,10 +15,14 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from conftest import LOAD_TIMEOUT_S, POOL_MAX_MODELS, add_sub_inputs, http_json, metric_value, pids_titled
+from conftest import (HTTP_PORT, LOAD_TIMEOUT_S, add_sub_inputs, http_json, metric_value, pids_titled, port_flags,
+                      start_server, stop_server, stop_shared_server)
 from model_factory import on_demand
 from waiting import wait_until
 
+pytestmark = pytest.mark.own_cluster
+
+POOL_MAX_MODELS = 3  # this server's --pool-max-models
 POOLED = [on_demand("pool_a"), on_demand("pool_b"), on_demand("pool_c")]
 BROKEN = on_demand("pool_broken")
 EXTRA = on_demand("pool_d")  # one past the pool's --pool-max-models with POOLED
@@ -42,6 +48,23 @@ def index_row(name: str) -> dict:
     assert status == 200
     (row,) = [r for r in rows if r["name"] == name]
     return row
+
+
+@pytest.fixture(scope="module")
+def server(model_repository, tmp_path_factory):
+    """This module's server, on the session server's ports (which it stops first: one Ray
+    cluster at a time on a small machine)."""
+    stop_shared_server()
+    log = tmp_path_factory.mktemp("pool_server") / "rayinfer.log"
+    proc = start_server(model_repository, log, [
+        "--model-control-mode", "explicit", *port_flags(HTTP_PORT), "--pool-max-models", str(POOL_MAX_MODELS),
+    ])
+    try:
+        yield {"url": f"127.0.0.1:{HTTP_PORT}", "grpc_url": f"127.0.0.1:{HTTP_PORT + 1}",
+               "metrics_url": f"http://127.0.0.1:{HTTP_PORT + 2}/metrics"}
+    finally:
+        stop_server(proc)
+    assert proc.returncode == 0, log.read_text()[-3000:]
 
 
 @pytest.fixture(scope="module")

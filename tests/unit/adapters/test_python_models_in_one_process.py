@@ -158,3 +158,43 @@ def test_a_model_kept_off_the_loop_executes_on_its_thread_however_short(tmp_path
 
     assert "MainThread" in asyncio.run(threads(True))  # measured short: on the loop's thread
     assert asyncio.run(threads(False)) == {"who-v1_0"}
+
+
+# Finds its own tests as Triton's python_unittest models do: by importing its module by its file's name.
+OWN_TESTS = '''import unittest
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+WHO = "{name}"
+
+class {name}Tests(unittest.TestCase):
+    def test_one(self):
+        pass
+
+class TritonPythonModel:
+    def execute(self, requests):
+        import model
+        tests = unittest.defaultTestLoader.loadTestsFromModule(model).countTestCases()
+        named = unittest.defaultTestLoader.loadTestsFromName("{name}Tests", model).countTestCases()
+        who = f"{{model.WHO}} {{tests}} {{named}}".encode()
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("DIR", np.array([who], dtype=np.object_)),
+                                            pb_utils.Tensor("CLIENT", np.array([b""], dtype=np.object_))])
+                for _ in requests]
+'''
+
+
+def test_each_model_imports_its_own_module_by_its_files_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``import model`` in a pooled model is the model's own module (Triton's stub gives each
+    model a process, and ``unittest.main('model')`` relies on it), whichever was loaded first."""
+    monkeypatch.delitem(sys.modules, "model", raising=False)
+    for name in ("First", "Second"):
+        write_python_model(tmp_path, name, f'name: "{name}"\nbackend: "python"\n{IO}', OWN_TESTS.format(name=name))
+    cores = [ModelCore(load_runner(tmp_path, name, 1)[0], [1]) for name in ("First", "Second")]
+    try:
+        for core in (*cores, *reversed(cores)):
+            assert ask(core)[0] == f"{core.name} 1 1"
+        with pytest.raises(AttributeError, match="no Python model of this pool replica is running here"):
+            sys.modules["model"].WHO
+    finally:
+        for core in cores:
+            core.close()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +14,7 @@ from google.protobuf import text_format
 from onnx import TensorProto
 
 from rayinfer.cluster.example_repository import SIMPLE_CONFIG, add_sub_model, write_model
+from rayinfer.deployments.names import POOL_DEPLOYMENT
 from rayinfer.deployments.steps_in_place import InPlaceMembers, reason_not_in_place
 from rayinfer.protocol.errors import InvalidArgError
 from rayinfer.protocol.types import InferInput, InferRequest
@@ -44,6 +46,22 @@ def test_one_python_member_per_process_and_no_nested_ensembles():
     assert reason_not_in_place(spec(SIMPLE_CONFIG), python_taken=True) is None
     ensemble = PYTHON.replace('backend: "python"', 'platform: "ensemble"')
     assert reason_not_in_place(spec(ensemble), python_taken=False) == "it is an ensemble"
+
+
+def test_a_pooled_member_keeps_to_the_pool(tmp_path: Path, caplog):
+    """A member the model pool hosts is not loaded in place (its route is the pool's): its steps
+    go to the pool, and the log says why."""
+    async def config_source(route: tuple[str, str]) -> str:
+        raise AssertionError("a pooled member's config is not read")
+
+    async def scenario() -> None:
+        members = InPlaceMembers(tmp_path, config_source)
+        await members.load(("simple", ""), ("simple", POOL_DEPLOYMENT), [("10.0.0.1", 1000)], spec(SIMPLE_CONFIG))
+        assert members.cores() == []
+
+    with caplog.at_level(logging.INFO, logger="rayinfer.deployments.steps_in_place"):
+        asyncio.run(scenario())
+    assert "member 'simple' does not run in place, its steps go to its replicas: it is pooled" in caplog.text
 
 
 def request(a: np.ndarray) -> InferRequest:
