@@ -14,7 +14,9 @@ import tempfile
 import threading
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -226,6 +228,13 @@ def port_flags(base: int) -> list[str]:
 def start_server(repository: Path | str, log_path: Path, args: list[str]) -> subprocess.Popen:
     """``rayinfer serve`` on ``repository`` (a folder or a URL) with ``args``; returns once it printed that
     HTTP is up."""
+    proc = launch_server(repository, log_path, args)
+    wait_started(proc, log_path)
+    return proc
+
+
+def launch_server(repository: Path | str, log_path: Path, args: list[str]) -> subprocess.Popen:
+    """``rayinfer serve`` started, not waited for (:func:`wait_started`)."""
     log = log_path.open("w")
     proc = subprocess.Popen(
         [sys.executable, "-m", "rayinfer.cluster.cli", "serve", "--model-repository", str(repository),
@@ -233,7 +242,11 @@ def start_server(repository: Path | str, log_path: Path, args: list[str]) -> sub
         stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )
     log.close()
+    return proc
 
+
+def wait_started(proc: subprocess.Popen, log_path: Path) -> None:
+    """Wait until the server printed that HTTP is up; fail with its log if it exits or takes too long."""
     def started() -> bool:
         if proc.poll() is not None:
             pytest.fail(f"rayinfer exited with {proc.returncode}:\n{log_path.read_text()[-4000:]}")
@@ -244,7 +257,6 @@ def start_server(repository: Path | str, log_path: Path, args: list[str]) -> sub
     except WaitTimeout as exc:
         stop_server(proc)
         pytest.fail(f"{exc}:\n{log_path.read_text()[-4000:]}")
-    return proc
 
 
 class ReadinessWatch(threading.Thread):
@@ -314,7 +326,7 @@ def stop_server(proc: subprocess.Popen) -> None:
 # The session server's process, so that a test needing a Ray cluster of its own can stop it
 # first (this machine runs one Ray cluster at a time); such tests are marked ``own_cluster``
 # and run last.
-_SHARED: dict[str, subprocess.Popen] = {}
+_SHARED: dict[str, Any] = {}  # "server": its process until stopped; "launched": (process, log)
 
 
 def stop_shared_server() -> None:
@@ -324,9 +336,9 @@ def stop_shared_server() -> None:
 
 
 def pytest_collection_modifyitems(config, items) -> None:
-    """Unit tests first (they need no server, and run faster before the session server's
-    replicas start taking their share of the CPU), then the tests of the session server, those
-    that disturb it last (``session_server_last``), then those with a Ray cluster of their own."""
+    """Unit tests first (they need no server: the session server starts meanwhile), then the
+    tests of the session server, those that disturb it last (``session_server_last``), then those
+    with a Ray cluster of their own."""
     def order(item) -> int:
         if item.get_closest_marker("own_cluster") is not None:
             return 3
@@ -364,14 +376,24 @@ def proto(request, server):
     client.close()
 
 
-@pytest.fixture(scope="session")
-def server(model_repository: Path, tmp_path_factory: pytest.TempPathFactory):
-    """``rayinfer serve`` on the test repository, started once; stopped with SIGINT at the end.
+@pytest.fixture(scope="session", autouse=True)
+def session_server_starts_early(request: pytest.FixtureRequest) -> Iterator[None]:
+    """When the run has tests of the session server, start it before the first test: its start
+    (about a minute of replica processes starting) overlaps the unit tests, which run first.
+    Stopped at the end of the run even if none of those tests asked for it."""
+    if any("server" in item.fixturenames and item.get_closest_marker("own_cluster") is None
+           for item in request.session.items):
+        _launch_session_server(request.getfixturevalue("model_repository"),
+                               request.getfixturevalue("tmp_path_factory"))
+    yield
+    stop_shared_server()
 
-    With ``--model-hosting pool``: every model that can be pooled shares the pool's replica (half
-    the replica processes on two cores). A model whose tests need a process of its own says
-    ``rayinfer_hosting: dedicated``; decoupled models, ensembles and the others that cannot be
-    pooled have replicas of their own anyway."""
+
+def _launch_session_server(model_repository: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[
+        subprocess.Popen, Path]:
+    """The session server's process and log, launched on the first call (not waited for)."""
+    if "launched" in _SHARED:
+        return _SHARED["launched"]
     log_path = tmp_path_factory.mktemp("server") / "rayinfer.log"
     trace_file = log_path.parent / "trace.json"  # the trace extension's file (tracing is off at start)
     from model_factory import ON_DEMAND_MODELS
@@ -386,7 +408,7 @@ def server(model_repository: Path, tmp_path_factory: pytest.TempPathFactory):
              + ROLLOUT_NOT_LOADED_AT_START + SEQUENCE_NOT_LOADED_AT_START)
     load = [arg for p in sorted(model_repository.iterdir()) if p.is_dir() and p.name not in later
             for arg in ("--load-model", p.name)]
-    proc = start_server(model_repository, log_path, [
+    proc = launch_server(model_repository, log_path, [
         "--model-control-mode", "explicit", *load, "--http-port", str(HTTP_PORT), "--metrics-port", str(METRICS_PORT),
         "--grpc-port", str(GRPC_PORT), "--serve-grpc-port", str(SERVE_GRPC_PORT), "--serve-http-port", str(SERVE_HTTP_PORT),
         "--cache-config", "local,size=1048576", "--trace-config", f"triton,file={trace_file}",
@@ -394,6 +416,22 @@ def server(model_repository: Path, tmp_path_factory: pytest.TempPathFactory):
         "--metrics-config", "histogram_latencies=true", "--model-hosting", "pool",
     ])
     _SHARED["server"] = proc
+    _SHARED["launched"] = (proc, log_path)
+    return proc, log_path
+
+
+@pytest.fixture(scope="session")
+def server(model_repository: Path, tmp_path_factory: pytest.TempPathFactory):
+    """``rayinfer serve`` on the test repository, started once (before the unit tests, when the
+    run has both); stopped with SIGINT at the end.
+
+    With ``--model-hosting pool``: every model that can be pooled shares the pool's replica (half
+    the replica processes on two cores). A model whose tests need a process of its own says
+    ``rayinfer_hosting: dedicated``; decoupled models, ensembles and the others that cannot be
+    pooled have replicas of their own anyway."""
+    proc, log_path = _launch_session_server(model_repository, tmp_path_factory)
+    trace_file = log_path.parent / "trace.json"
+    wait_started(proc, log_path)
     try:
         yield {
             "url": f"127.0.0.1:{HTTP_PORT}",

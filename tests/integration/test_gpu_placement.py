@@ -85,7 +85,7 @@ def gpu_server(tmp_path_factory):
         "--num-gpus", "1", "--gpu-fraction-per-model", "0.5", "--gpu-wait-secs", str(GPU_WAIT_S),
         "--replica-num-cpus", str(REPLICA_CPUS), "--resource-wait-secs", str(RESOURCE_WAIT_S),
         "--model-control-mode", "explicit",
-        "--load-model", "gpu_probe", "--load-model", "cpu_probe", *port_flags(PORT),
+        "--load-model", "gpu_probe", "--load-model", "cpu_probe", *port_flags(PORT), "--openai-api=false",
     ])
     try:
         client = httpclient.InferenceServerClient(f"127.0.0.1:{PORT}", network_timeout=120.0)

@@ -60,7 +60,7 @@ def many(tmp_path_factory):
     repo = write_repository(tmp_path_factory.mktemp("many_models"))
     log = tmp_path_factory.mktemp("many_server") / "rayinfer.log"
     proc = start_server(repo, log, [
-        "--model-hosting", "pool", "--pool-max-models", str(MAX_MODELS), *port_flags(PORT),
+        "--model-hosting", "pool", "--pool-max-models", str(MAX_MODELS), *port_flags(PORT), "--openai-api=false",
     ])
     try:
         yield log

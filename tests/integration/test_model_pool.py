@@ -58,6 +58,7 @@ def server(model_repository, tmp_path_factory):
     log = tmp_path_factory.mktemp("pool_server") / "rayinfer.log"
     proc = start_server(model_repository, log, [
         "--model-control-mode", "explicit", *port_flags(HTTP_PORT), "--pool-max-models", str(POOL_MAX_MODELS),
+        "--openai-api=false",  # (no /v1 here: one replica less)
     ])
     try:
         yield {"url": f"127.0.0.1:{HTTP_PORT}", "grpc_url": f"127.0.0.1:{HTTP_PORT + 1}",

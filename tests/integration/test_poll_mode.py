@@ -35,7 +35,7 @@ def poll_server(model_repository, tmp_path_factory):
     shutil.copytree(model_repository / "simple", repo / "simple")
     log = tmp_path_factory.mktemp("poll_server") / "rayinfer.log"
     proc = start_server(repo, log, [
-        "--model-control-mode", "poll", "--repository-poll-secs", "1", *port_flags(PORT),
+        "--model-control-mode", "poll", "--repository-poll-secs", "1", *port_flags(PORT), "--openai-api=false",
         "--pool-replicas", "2", "--pool-max-models", "1", "--pool-scale-up-rpm", str(SCALE_UP_RPM),
     ])
     try:

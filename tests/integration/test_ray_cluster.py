@@ -94,7 +94,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory):
         try:
             yield repo, env
         finally:
-            subprocess.run([str(BIN / "ray"), "stop"], env=env, capture_output=True, timeout=120)
+            subprocess.run([str(BIN / "ray"), "stop", "--force"], env=env, capture_output=True, timeout=120)  # nothing to drain
 
 
 def serve_cli(env: dict[str, str], *args: str) -> str:

@@ -60,7 +60,7 @@ def two_nodes():
                   "--num-cpus", "2", "--disable-usage-stats"], env=env, check=True, capture_output=True, timeout=120)
         yield host, env
     finally:
-        subprocess.run([str(BIN / "ray"), "stop"], env=env, capture_output=True, timeout=120)
+        subprocess.run([str(BIN / "ray"), "stop", "--force"], env=env, capture_output=True, timeout=120)  # nothing to drain
         host.close()
 
 

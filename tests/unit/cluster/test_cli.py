@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import pytest
@@ -143,6 +144,10 @@ def test_serve_passes_the_flags_to_the_launcher_and_exits_on_error(
     monkeypatch.setattr(ray, "init", lambda **kwargs: calls.setdefault("ray.init", kwargs))
     monkeypatch.setattr(ray, "shutdown", lambda: calls.setdefault("ray.shutdown", True))
     monkeypatch.setattr(cli.signal, "signal", lambda *args: None)
+    # The embedded Ray node's processes, which serve() stops after ray.shutdown(): stood in too
+    # (this process's own children, the session server among them, are not the test's to stop).
+    monkeypatch.setattr(cli, "descendants", lambda pid: [(pid, "node")])
+    monkeypatch.setattr(cli, "stop_processes", lambda processes: calls.setdefault("stop_processes", processes))
     monkeypatch.setattr(launcher, "start_serve", lambda *args: None)
     monkeypatch.setattr(launcher, "stop", lambda names, whole_serve, fronts: calls.setdefault("stop", (names, whole_serve,
                                                                                                     fronts)))
@@ -162,6 +167,7 @@ def test_serve_passes_the_flags_to_the_launcher_and_exits_on_error(
     # The front is stopped by its ports, in case its /v2 replica went without stopping it.
     assert calls["stop"] == (["simple"], True, [("127.0.0.1", 8000), ("127.0.0.1", 8001)])
     assert calls["ray.shutdown"] is True
+    assert calls["stop_processes"] == [(os.getpid(), "node")]
     err = capsys.readouterr().err
     assert "--exit-on-error" in err and "simple" in err
 
