@@ -217,7 +217,16 @@ class TritonPythonModel:
             piece = " " + self.words[token]
             entry = self.logprob_entry(log_probs[row], token, generation) if generation.with_logprobs else None
             if generation.stream:
-                generation.sender.send(self.answer(generation, piece, 1, [entry] if entry else None))
+                try:
+                    generation.sender.send(self.answer(generation, piece, 1, [entry] if entry else None))
+                except pb_utils.TritonModelException:
+                    if not generation.sender.is_cancelled():
+                        raise
+                    # Cancelled while its send waited for the client to take the responses
+                    # before it: this generation ends here, the others go on.
+                    self.cancelled.increment(1)
+                    self.finish(generation)
+                    continue
             else:
                 generation.text += piece
                 if entry:
@@ -268,7 +277,14 @@ class TritonPythonModel:
         return pb_utils.InferenceResponse(outputs)
 
     def fail(self, sender, message, code):
-        sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code)))
+        """The error as the request's last response; a request whose client is gone gets only
+        the final flag (a send for it raises, and the generation loop must go on)."""
+        try:
+            if not sender.is_cancelled():
+                sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code)))
+        except pb_utils.TritonModelException:
+            if not sender.is_cancelled():
+                raise
         sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
     def finalize(self):

@@ -20,13 +20,14 @@ from rayinfer.cluster.example_llm import write_language_model
 from rayinfer.cluster.example_nlp import write_nlp_pipeline
 from rayinfer.protocol.errors import NotFoundError, ServingError
 from rayinfer.protocol.openai_requests import ModelInterface, model_interface
-from rayinfer.protocol.types import InferRequest, InferResponse
+from rayinfer.protocol.types import InferInput, InferRequest, InferResponse
 from rayinfer.repository.ensemble import parse_ensemble
 from rayinfer.repository.model_config import config_to_json, spec_from_config
 from rayinfer.repository.scanner import scan_model
 from rayinfer.serving.ensemble import EnsembleExecutor
 from rayinfer.serving.model_core import ModelCore
 from rayinfer.serving.openai_service import OpenAIOptions, OpenAIService
+from waiting import wait_until_async
 
 MEMBERS = ("nlp_tokenizer", "nlp_encoder")
 
@@ -300,3 +301,38 @@ def test_a_streams_usage_is_given_whatever_its_choices_make(service: OpenAIServi
     usage = events[-2]["usage"]
     assert usage is not None and 0 <= usage["completion_tokens"] <= 6
     assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+
+
+def test_a_stream_cancelled_while_the_model_waits_for_room_ends_alone_and_is_counted(models: ExampleModels) -> None:
+    """tiny_llm's send waits while --max-queued-responses of its responses are not taken (here
+    2); the client goes away meanwhile: that send raises, the generation ends counted in
+    tiny_llm_cancelled, and the model's loop serves on (it used to fail every generation under
+    way and stop)."""
+    core = models.llm
+    cancelled = core.executor.adapter.model.cancelled
+    limit = core.max_queued_responses
+    core.max_queued_responses = 2
+
+    async def run() -> None:
+        before = cancelled.value()
+        prepared = core.prepare(_llm_request(4000, stream=True))
+        responses = core.stream(prepared)
+        await responses.__anext__()
+        await wait_until_async(lambda: prepared.sender._queued >= 2, "the model's send to wait for room")
+        await responses.aclose()  # the client went away
+        await wait_until_async(lambda: cancelled.value() == before + 1, "the generation counted as cancelled")
+        answered = [r async for r in core.stream(core.prepare(_llm_request(2)))]
+        assert answered and all(isinstance(r, InferResponse) for r in answered)  # no error
+
+    try:
+        LOOP.run_until_complete(run())
+    finally:
+        core.max_queued_responses = limit
+
+
+def _llm_request(max_tokens: int, stream: bool = False) -> InferRequest:
+    settings = json.dumps({"max_tokens": max_tokens, "ignore_eos": True}).encode()
+    return InferRequest("tiny_llm", inputs=[
+        InferInput("text_input", "BYTES", (1,), np.array([b"go"], dtype=np.object_)),
+        InferInput("stream", "BOOL", (1,), np.array([stream])),
+        InferInput("sampling_parameters", "BYTES", (1,), np.array([settings], dtype=np.object_))])
