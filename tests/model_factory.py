@@ -109,6 +109,12 @@ ON_DEMAND_MODELS = tuple(f"on_demand_{suffix}" for suffix in (
 ))
 
 
+# Served dedicated whatever the session server's --model-hosting (pool): the default hosting's
+# own mechanisms (a reload's new replicas, replicas started and stopped) under traffic.
+DEDICATED_ON_DEMAND = ("on_demand_load_unload", "on_demand_reload_http", "on_demand_reload_grpc")
+DEDICATED = 'parameters { key: "rayinfer_hosting" value: { string_value: "dedicated" } }\n'
+
+
 def on_demand(suffix: str) -> str:
     """The name of the on-demand model ``on_demand_<suffix>`` (one of ``ON_DEMAND_MODELS``)."""
     name = f"on_demand_{suffix}"
@@ -124,7 +130,7 @@ def build_test_repository(root: Path) -> Path:
     for name in ("batched", "preferred", "versioned", "corrupt", "cached"):
         write_model(root, name, CONFIGS[name], add_sub)
     for name in ON_DEMAND_MODELS:
-        write_model(root, name, CONFIGS["on_demand"], add_sub)
+        write_model(root, name, CONFIGS["on_demand"] + (DEDICATED if name in DEDICATED_ON_DEMAND else ""), add_sub)
     write_model(root, "nobatch", CONFIGS["nobatch"], add_sub_model(TensorProto.INT32, batch=False))
     write_model(root, "versioned", None, mul_sub_model(), version=2)
     write_model(root, "vardims", CONFIGS["vardims"], double_model())

@@ -82,6 +82,7 @@ def test_loads_and_unloads_in_a_row_under_traffic(server, client):
         for _ in range(2):
             try:
                 client.load_model(model)  # answers when the model is ready, as Triton does
+                assert pids_titled(f"ServeReplica:{model}:")  # replicas of its own (DEDICATED_ON_DEMAND)
                 classes.append(ray_actor_classes(server))
                 assert client.is_model_ready(model)
                 assert index_row(model)["state"] == "READY"
@@ -160,6 +161,7 @@ def test_reloading_a_changed_model_under_traffic_fails_no_request(server, client
 
     try:
         client.load_model(model)
+        assert pids_titled(f"ServeReplica:{model}:")  # replicas of its own (DEDICATED_ON_DEMAND): Serve's redeploy
         old = wait_until(lambda: front_listeners(server, model), f"the front to route '{model}' to its replica",
                          timeout_s=30)
         config.write_text(original + "dynamic_batching { max_queue_delay_microseconds: 100 }\n")
