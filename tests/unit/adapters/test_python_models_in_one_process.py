@@ -169,7 +169,7 @@ WHO = "{name}"
 
 class {name}Tests(unittest.TestCase):
     def test_one(self):
-        pass
+        self.assertEqual(WHO, "{name}")
 
 class TritonPythonModel:
     def execute(self, requests):

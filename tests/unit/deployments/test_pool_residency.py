@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
+import threading
 from typing import Any
 
 import pytest
@@ -234,12 +234,16 @@ def test_a_replica_full_of_busy_versions_adds_no_copy(monkeypatch):
 
 
 def test_reports_published_at_once_land_newest_last(monkeypatch):
-    """Two reports put at once, the first one's put slow: Ray's store ends with the newer (the
-    index reads it, and an older one would stand until the next change)."""
+    """Two reports put at once, the first one's put held until the second was asked for: Ray's
+    store ends with the newer (the index reads it, and an older one would stand until the next
+    change)."""
     stored: list[bytes] = []
+    first_started, release_first = threading.Event(), threading.Event()
 
     def put(key: str, value: bytes, namespace: str) -> None:
-        time.sleep(0.2 if not stored and b'"b"' not in value else 0.0)  # the first put is slow
+        if not first_started.is_set():
+            first_started.set()
+            release_first.wait(10)
         stored.append(value)
 
     async def scenario() -> None:
@@ -249,9 +253,12 @@ def test_reports_published_at_once_land_newest_last(monkeypatch):
         replica._specs = {app: (app, 1, {"repository": "/repo"}) for app in ("a", "b")}
         replica._hosted["a"] = _StandIn("a")
         first = asyncio.create_task(replica._publish_report())
-        await asyncio.sleep(0.05)  # its put has started
+        await wait_until_async(first_started.is_set, "the first put to start")
         replica._hosted["b"] = _StandIn("b")
-        await asyncio.gather(first, replica._publish_report())
+        second = asyncio.create_task(replica._publish_report())
+        await asyncio.sleep(0)  # the second publish asks for its turn (it runs up to the lock or its put)
+        release_first.set()
+        await asyncio.gather(first, second)
         assert sorted(json.loads(stored[-1])["loaded"]) == ["a", "b"]
 
     run(scenario())
