@@ -83,6 +83,7 @@ def server_application(
         ray_actor_options={"num_cpus": num_cpus, **({"resources": {HEAD_NODE_RESOURCE: 0.001}} if front_on_head else {})},
         user_config={"load_errors": load_errors or {}, "startup_models": sorted(startup_models or ())},
         graceful_shutdown_timeout_s=10.0,
+        graceful_shutdown_wait_loop_s=0.2,
         logging_config=LoggingConfig(log_level="DEBUG" if control.log_level == "DEBUG" else "INFO"),
     )
     if version is not None:
@@ -107,6 +108,7 @@ def openai_application(options: OpenAIOptions, *, num_cpus: float = 0.1, max_ong
         max_queued_requests=max_ongoing_requests,
         ray_actor_options={"num_cpus": num_cpus},
         graceful_shutdown_timeout_s=10.0,
+        graceful_shutdown_wait_loop_s=0.2,
     )
     if version is not None:
         deployment = with_code_version(deployment, version)

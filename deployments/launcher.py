@@ -33,6 +33,10 @@ from rayinfer.serving.openai_service import OpenAIOptions
 
 logger = logging.getLogger(__name__)
 
+# How long a stop waits for rayinfer's applications to be deleted (their replicas drain for up
+# to their graceful_shutdown_timeout_s, 10 s) before Serve's shutdown.
+_STOP_WAIT_S = 15.0
+
 
 def validate_serve_config(doc: dict[str, Any]) -> None:
     """Raise if ``doc`` is not a valid Serve config (Ray's own schema)."""
@@ -183,6 +187,15 @@ def stop(models: list[str], *, whole_serve: bool, fronts: list[tuple[str, int]] 
     have been stopped without stopping it (its supervisor would otherwise stop it a minute later)."""
     try:
         if whole_serve:
+            # Serve's own shutdown stops deployments in tiers, callers first, about 1.5 s a
+            # tier. The models, the pool and /v1 stop at once (their replicas drain as they
+            # stop, withdrawing their listeners from the /v2 replica), then Serve with /v2.
+            for name in serve_applications():
+                if name != SERVER_APP:
+                    delete_application(name, wait=False)
+            deadline = time.monotonic() + _STOP_WAIT_S
+            while set(serve_applications()) - {SERVER_APP} and time.monotonic() < deadline:
+                time.sleep(0.1)
             serve.shutdown()
             return
         apps = serve_applications()
