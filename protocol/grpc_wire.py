@@ -217,8 +217,8 @@ def parse_frame(view: memoryview, at: int, length: int) -> Any:
     answer) are read here when they take their plain form, by hyperframe's rules (a DATA or
     HEADERS frame on stream 0, or a WINDOW_UPDATE whose body is not 4 bytes or whose increment is
     not 1..2^31-1, goes to hyperframe, which refuses it); every other frame is hyperframe's own.
-    hyperframe builds an object with a flag set per frame, about 2.5 us, four times per call
-    (docs/architecture.md, "Client connections"); tests/unit/protocol/test_grpc_wire_frames.py
+    hyperframe builds an object with a flag set per frame, about 2.5 us, four times per call;
+    tests/unit/protocol/test_grpc_wire_frames.py
     checks that both read every such frame alike."""
     kind, bits = view[at + 3], view[at + 4]
     stream = int.from_bytes(view[at + 5:at + 9], "big") & MAX_WINDOW

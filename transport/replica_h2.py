@@ -30,8 +30,9 @@ the client's receive windows enforced and a call's window held back while the co
 more than its bound, budgets for reset streams and control frames, and timeouts for a header
 block, an idle connection and a client that does not read. A connection that breaks one gets a
 ``GOAWAY`` with the RFC's error code and is closed; its calls are cancelled. The ``h2`` library
-would do all of this at about 90 us of CPU per unary call (docs/architecture.md, "Client
-connections").
+(4.4.1, its header validation on) takes about 94 us of CPU per unary call on a 2-core machine
+(60 us to read a call's frames, 34 us to send its answer), more than this replica spends on a
+whole gRPC call.
 """
 
 from __future__ import annotations
