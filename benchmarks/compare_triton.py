@@ -309,7 +309,8 @@ def render(results: Results, limits: list[dict[int, float]], points: list[Point]
     lines = [
         MARK_BEGIN,
         f"Measured {time.strftime('%Y-%m-%d')} on {os.cpu_count()} cores ({platform.processor() or platform.machine()}), "
-        f"Python {platform.python_version()}, median of {args.rounds} round(s), servers alternated, perf_analyzer on the "
+        f"Python {platform.python_version()}, median of {args.rounds} round(s) (each round's infer/s in brackets), "
+        "servers alternated, perf_analyzer on the "
         "same cores, batch 1 per request, model `mlp_onnx` (256->1024->1024->10 FP32), max_batch_size 64, one "
         "instance, one intra-op thread; batching on: dynamic batching with a 500 us queue delay, off: none; "
         f"`{PYTHON_MODEL}`: the anchor's Python model (FP32 [16] identity, max_batch_size 32, 500 us delay). "
@@ -322,10 +323,17 @@ def render(results: Results, limits: list[dict[int, float]], points: list[Point]
         "| queue / compute (us), rayinfer |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    def rounds(server: str, point: Point) -> str:
+        """The median, and each round's figure when there are several (the noise)."""
+        values = [run[point]["infer_s"] for run in results[server]]
+        each = f" ({' / '.join(f'{v:,.0f}' for v in values)})" if len(values) > 1 else ""
+        return f"{statistics.median(values):,.0f}{each}"
+
     for point in points:
         t, r = m("triton", point, "infer_s"), m("rayinfer", point, "infer_s")
         lines.append(
-            f"| {point[0]} | {LABELS[point[1]]} | {point[2]} | {t:,.0f} | {r:,.0f} | {r / t:.2f}x "
+            f"| {point[0]} | {LABELS[point[1]]} | {point[2]} | {rounds('triton', point)} | {rounds('rayinfer', point)} "
+            f"| {r / t:.2f}x "
             f"| {m('triton', point, 'p50_us'):,.0f} / {m('triton', point, 'p99_us'):,.0f} "
             f"| {m('rayinfer', point, 'p50_us'):,.0f} / {m('rayinfer', point, 'p99_us'):,.0f} "
             f"| {m('rayinfer', point, 'p99_us') / m('triton', point, 'p99_us'):.2f}x "
