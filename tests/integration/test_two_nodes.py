@@ -60,6 +60,9 @@ def two_nodes():
                   "--num-cpus", "2", "--disable-usage-stats"], env=env, check=True, capture_output=True, timeout=120)
         yield host, env
     finally:
+        # Serve first, as a user stops it on a cluster of their own: its proxies stop their
+        # HAProxy processes, which `ray stop --force` would leave running.
+        subprocess.run([str(BIN / "serve"), "shutdown", "-y"], env=env, capture_output=True, timeout=120)
         subprocess.run([str(BIN / "ray"), "stop", "--force"], env=env, capture_output=True, timeout=120)  # nothing to drain
         host.close()
 
