@@ -195,6 +195,8 @@ def stop(models: list[str], *, whole_serve: bool, fronts: list[tuple[str, int]] 
                     delete_application(name, wait=False)
             deadline = time.monotonic() + _STOP_WAIT_S
             while set(serve_applications()) - {SERVER_APP} and time.monotonic() < deadline:
+                # Serve signals no deletion's end (its own blocking delete polls the status too,
+                # once a second); its controller's loop runs every 0.1 s.
                 time.sleep(0.1)
             serve.shutdown()
             return

@@ -246,9 +246,19 @@ def test_reports_published_at_once_land_newest_last(monkeypatch):
             release_first.wait(10)
         stored.append(value)
 
+    class CountedLock(asyncio.Lock):
+        """The pool's publishing lock, counting the publishes that asked for their turn."""
+
+        asked = 0
+
+        async def acquire(self) -> bool:
+            self.asked += 1
+            return await super().acquire()
+
     async def scenario() -> None:
         replica = _pool(monkeypatch, 2)
         del replica._publish_report  # the class's own
+        replica._publishing = lock = CountedLock()
         monkeypatch.setattr(pool_module, "kv_put", put)
         replica._specs = {app: (app, 1, {"repository": "/repo"}) for app in ("a", "b")}
         replica._hosted["a"] = _StandIn("a")
@@ -256,7 +266,7 @@ def test_reports_published_at_once_land_newest_last(monkeypatch):
         await wait_until_async(first_started.is_set, "the first put to start")
         replica._hosted["b"] = _StandIn("b")
         second = asyncio.create_task(replica._publish_report())
-        await asyncio.sleep(0)  # the second publish asks for its turn (it runs up to the lock or its put)
+        await wait_until_async(lambda: lock.asked == 2, "the second publish to ask for its turn")
         release_first.set()
         await asyncio.gather(first, second)
         assert sorted(json.loads(stored[-1])["loaded"]) == ["a", "b"]
