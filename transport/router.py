@@ -61,10 +61,10 @@ from rayinfer.serving.sequence_routing import slot_of
 BUCKETS = 100
 # The version-less requests a connection sends in a row to the version with the smaller weight.
 RUN_REQUESTS = 32
-# A connection whose run ends with a new connection (gRPC): RUN_REQUESTS for each this many
-# percent of the minority's weight, up to MAX_RUN_REQUESTS.
-RUN_STEP_PERCENT = 10
-MAX_RUN_REQUESTS = 4 * RUN_REQUESTS
+# A connection whose run ends with a new connection (gRPC): its minority run at 50%, shorter in
+# proportion to a smaller weight (at least RUN_REQUESTS), so that such a connection is replaced
+# about once every GRPC_RUN_REQUESTS calls at any weight.
+GRPC_RUN_REQUESTS = 512
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,13 +207,14 @@ def choose_replica(replicas: Sequence[Replica], slots: Sequence[Hashable] | None
 def minority_run(split: VersionSplit, reconnects: bool = False) -> int:
     """The run at the version with the smaller weight. ``reconnects``: a run that ends with a new
     connection (a gRPC one: a TCP and HTTP/2 handshake, with the client's next calls waiting on
-    it) is :data:`RUN_REQUESTS` for each :data:`RUN_STEP_PERCENT` percent of that weight, up to
-    :data:`MAX_RUN_REQUESTS`: a run's end costs more, and less often near 50%, while a small
-    weight keeps its share over a few hundred calls."""
+    it) is :data:`GRPC_RUN_REQUESTS` at 50% and in proportion to a smaller weight, at least
+    :data:`RUN_REQUESTS`: both runs together are then about twice GRPC_RUN_REQUESTS, so a client
+    opens a new connection about once every GRPC_RUN_REQUESTS calls whatever the weight, and the
+    shares hold over a few thousand calls per connection."""
     if not reconnects:
         return RUN_REQUESTS
     minority = min(split.weight, BUCKETS - split.weight)
-    return min(max(minority // RUN_STEP_PERCENT, 1) * RUN_REQUESTS, MAX_RUN_REQUESTS)
+    return max(GRPC_RUN_REQUESTS * minority // (BUCKETS // 2), RUN_REQUESTS)
 
 
 def run_length(split: VersionSplit, version: str, reconnects: bool = False) -> int:

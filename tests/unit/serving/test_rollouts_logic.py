@@ -17,7 +17,7 @@ from rayinfer.serving.rollout_analysis import VersionFigures, figures_since, jud
 from rayinfer.protocol.types import InferOutput, InferResponse
 from rayinfer.serving.shadow import ShadowCounts, answers_agree, labels_agree
 from rayinfer.transport.router import (
-    MAX_RUN_REQUESTS,
+    GRPC_RUN_REQUESTS,
     RUN_REQUESTS,
     ConnectionTurn,
     SplitPlacement,
@@ -175,23 +175,28 @@ def test_a_turn_carries_its_rest_cuts_it_on_a_new_weight_and_leaves_sticky_value
 
 
 def test_runs_that_end_with_a_new_connection_grow_with_the_minoritys_weight():
-    """A gRPC connection's minority run: RUN_REQUESTS a RUN_STEP_PERCENT of its weight, at
-    least one and at most MAX_RUN_REQUESTS; the majority's keeps the weights' ratio."""
-    for weight, run in ((1, RUN_REQUESTS), (10, RUN_REQUESTS), (30, 3 * RUN_REQUESTS), (50, MAX_RUN_REQUESTS),
-                        (80, 2 * RUN_REQUESTS), (95, RUN_REQUESTS)):
+    """A gRPC connection's minority run: GRPC_RUN_REQUESTS at 50%, in proportion to a smaller
+    weight, at least RUN_REQUESTS; the majority's keeps the weights' ratio, so that both runs
+    together are about twice GRPC_RUN_REQUESTS at any weight the floor does not reach."""
+    for weight, run in ((1, RUN_REQUESTS), (5, GRPC_RUN_REQUESTS // 10), (10, GRPC_RUN_REQUESTS // 5),
+                        (30, GRPC_RUN_REQUESTS * 3 // 5), (50, GRPC_RUN_REQUESTS), (80, GRPC_RUN_REQUESTS * 2 // 5),
+                        (99, RUN_REQUESTS)):
         split = VersionSplit("1", "2", weight)
         assert minority_run(split, reconnects=True) == run and minority_run(split) == RUN_REQUESTS
         minority, majority = ("2", "1") if weight <= 50 else ("1", "2")
         assert run_length(split, minority, reconnects=True) == run
         mean = sum(run_length(split, majority, reconnects=True) for _ in range(2000)) / 2000
         assert mean == pytest.approx(run * max(weight, 100 - weight) / min(weight, 100 - weight), rel=0.01)
+        if run > RUN_REQUESTS:
+            assert run + mean == pytest.approx(2 * GRPC_RUN_REQUESTS, rel=0.01)
     # Placed and carried the same way: a reconnecting turn's new weight cuts its run to that length.
     _, length = SplitPlacement(expire_s=10, reconnects=True).place("m/", VersionSplit("1", "2", 50), None, 0.0)
-    assert length == MAX_RUN_REQUESTS
+    assert length == GRPC_RUN_REQUESTS
     turn = ConnectionTurn(reconnects=True)
     turn.serves(VersionSplit("1", "2", 1), "1", None)
     turn.serves(VersionSplit("1", "2", 40), "1", None)
-    assert turn.left == MAX_RUN_REQUESTS * 60 // 40 - 1
+    mean = GRPC_RUN_REQUESTS * 40 // 50 * 60 / 40  # (chance rounds a fractional mean)
+    assert turn.left in (int(mean) - 1, int(mean))
 
 
 def test_figures_come_from_the_statistics_and_count_from_a_start():
