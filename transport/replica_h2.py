@@ -34,6 +34,9 @@ block, an idle connection and a client that does not read. A connection that bre
 (60 us to read a call's frames, 34 us to send its answer), against 112 us that a replica
 spends on a whole gRPC call of the Python identity model, this module's part included
 (``benchmarks/cpu_per_request.py --protocols grpc --concurrency 8 --model identity_fp32``).
+Every gRPC connection through HAProxy instead (as with TLS) costs HAProxy about 52 us per call
+while the replica's part drops only from 96 to 92 us (the same model at concurrency 16): 6,171
+infer/s against 8,589 on the same machine and sitting.
 """
 
 from __future__ import annotations
