@@ -60,7 +60,7 @@ from rayinfer.serving.sequence_routing import slot_of
 
 BUCKETS = 100
 # The version-less requests a connection sends in a row to the version with the smaller weight.
-RUN_REQUESTS = 32
+RUN_REQUESTS = 64
 # A connection whose run ends with a new connection (gRPC): its minority run at 50%, shorter in
 # proportion to a smaller weight (at least RUN_REQUESTS), so that such a connection is replaced
 # about once every GRPC_RUN_REQUESTS calls at any weight.
