@@ -5,12 +5,8 @@ answers: OUTPUT0 = INPUT0)."""
 
 from __future__ import annotations
 
-import concurrent.futures
 import json
-from collections import Counter
 from pathlib import Path
-
-import numpy as np
 
 ROLLOUT_MODEL = "rollout_py"
 ROLLOUT_NOT_LOADED_AT_START = (ROLLOUT_MODEL,)
@@ -76,26 +72,3 @@ def write_rollout_models(root: Path) -> None:
         'instance_group [ { kind: KIND_CPU count: 1 } ]\n'
         'version_policy: { latest: { num_versions: 2 } }\n')
     assert config["name"] == ROLLOUT_MODEL
-
-
-def answered_version(client, module, headers: dict | None = None) -> str:
-    """The version of :data:`ROLLOUT_MODEL` that answered a version-less request on ``client``
-    (tritonclient's ``module``, HTTP or gRPC): its model_version and its output agree."""
-    tensor = module.InferInput("INPUT0", [1, 1], "FP32")
-    tensor.set_data_from_numpy(np.ones((1, 1), np.float32))
-    # (tritonclient's HTTP client adds its own headers to the dict it is given.)
-    result = client.infer(ROLLOUT_MODEL, [tensor], headers=dict(headers) if headers else None)
-    response = result.get_response()
-    version = response["model_version"] if isinstance(response, dict) else response.model_version
-    assert float(result.as_numpy("OUTPUT0")[0, 0]) == float(version)
-    return version
-
-
-def versions_answered(client, module, calls: int, at_once: int = 1) -> Counter:
-    """The versions that answered ``calls`` version-less requests on ``client``, ``at_once`` at
-    a time (a gRPC connection's runs at a split are long: many calls, sooner). tritonclient's
-    HTTP client answers only in the thread that made it: ``at_once`` 1 calls from this one."""
-    if at_once == 1:
-        return Counter(answered_version(client, module) for _ in range(calls))
-    with concurrent.futures.ThreadPoolExecutor(at_once) as pool:
-        return Counter(pool.map(lambda _: answered_version(client, module), range(calls)))

@@ -7,6 +7,7 @@ started again."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import queue
@@ -27,7 +28,7 @@ from onnx import TensorProto
 from tritonclient.utils import InferenceServerException
 
 from conftest import HTTP_PORT, add_sub_inputs, start_server, stop_server, stop_shared_server
-from rollout_models import ROLLOUT_MODEL, rollout_config, versions_answered, write_rollout_models
+from rollout_models import ROLLOUT_MODEL, rollout_config, write_rollout_models
 from trace_files import ORDER, trace_files, traces_by_id
 from rayinfer.cluster.example_repository import SIMPLE_CONFIG, add_sub_model, write_model
 from rayinfer.cluster.settings import RAY_ENVIRONMENT
@@ -255,9 +256,19 @@ def _versions(ip: str, count: int, grpc_count: int) -> tuple[Counter, Counter]:
     h = httpclient.InferenceServerClient(f"{ip}:{PORT}", network_timeout=60.0)
     g = grpcclient.InferenceServerClient(f"{ip}:{PORT + 1}")
 
+    def version(client, module) -> str:
+        tensor = module.InferInput("INPUT0", [1, 1], "FP32")
+        tensor.set_data_from_numpy(np.ones((1, 1), np.float32))
+        result = client.infer(ROLLOUT_MODEL, [tensor])
+        response = result.get_response()
+        answered = response["model_version"] if isinstance(response, dict) else response.model_version
+        assert float(result.as_numpy("OUTPUT0")[0, 0]) == float(answered)
+        return answered
+
     try:
-        http_seen = versions_answered(h, httpclient, count)
-        grpc_seen = versions_answered(g, grpcclient, grpc_count, at_once=8)
+        http_seen = Counter(version(h, httpclient) for _ in range(count))
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            grpc_seen = Counter(pool.map(lambda _: version(g, grpcclient), range(grpc_count)))
     finally:
         h.close()
         g.close()
