@@ -47,7 +47,7 @@ def server_application(
     http_front: tuple[str, int, str, int] | None = None,
     front_threads: int | None = None,
     max_inflight: int | None = None,
-    version: str | None = None,
+    launch: str | None = None,
     startup_models: list[str] | None = None,
     http_restricted: list[str] | None = None,
     grpc_restricted: list[str] | None = None,
@@ -62,11 +62,10 @@ def server_application(
     given, with ``front_threads`` HAProxy threads (default: half the cores, 1 to 4) relaying at most
     ``max_inflight`` calls to model replicas at once (--max-inflight-requests).
 
-    ``version``: the deployment's code version. ``serve.run`` gives a deployment without one a
-    new random version each time, which restarts its replica; the CLI passes one version per
-    launch, so that running the app again with new ``load_errors`` only reconfigures the
-    replica (which keeps its metrics port and the front's routes). ``startup_models``: the
+    ``launch``: the ``rayinfer serve`` run deploying it, which tells the replica when its start
+    ended (:meth:`ServerDeployment.startup_ended`); none for a Serve config. ``startup_models``: the
     models the server loads at start; it is not ready before each is served or failed.
+    ``load_errors``: those of them that could not be read, with the reason.
     ``http_restricted`` / ``grpc_restricted``: the values of --http-restricted-api and
     --grpc-restricted-protocol (the front enforces them). ``front_on_head``: place the replica,
     and so the front's ports, on the Ray head node (Ray's ``node:__internal_head__`` resource),
@@ -81,17 +80,15 @@ def server_application(
         num_replicas=1,
         max_ongoing_requests=MIN_ONGOING_REQUESTS + MAX_POLLING_REPLICAS,  # a control_poll per model replica
         ray_actor_options={"num_cpus": num_cpus, **({"resources": {HEAD_NODE_RESOURCE: 0.001}} if front_on_head else {})},
-        user_config={"load_errors": load_errors or {}, "startup_models": sorted(startup_models or ())},
         graceful_shutdown_timeout_s=10.0,
         graceful_shutdown_wait_loop_s=0.2,
         logging_config=LoggingConfig(log_level="DEBUG" if control.log_level == "DEBUG" else "INFO"),
     )
-    if version is not None:
-        deployment = with_code_version(deployment, version)
     return deployment.bind(
         str(model_repository), server_id, strict_readiness, metrics, control, grpc_front, http_front, front_threads,
         list(http_restricted or ()), list(grpc_restricted or ()), max_inflight, direct_connections,
         front_on_every_node, dict(tls or {}),
+        startup_models=sorted(startup_models or ()), load_errors=dict(load_errors or {}), launch=launch,
     )
 
 

@@ -111,45 +111,38 @@ def deploy_repository(
         hosting=model_hosting, pool_replicas=pool_replicas, pool_max_models=pool_max_models,
         pool_load_timeout_s=pool_load_timeout_s, pool_scale_up_rpm=pool_scale_up_rpm,
     )
-    launch_version = f"rayinfer-{uuid.uuid4().hex}"
-
-    def run_server_app(errors: dict[str, str], starting: bool = True) -> None:
-        # Only user_config (the load errors, the models to wait for) differs between runs, and the
-        # code version is this launch's: the replica is reconfigured, not restarted, so it keeps
-        # its metrics port.
-        serve.run(
-            server_application(
-                model_repository, server_id=server_id, strict_readiness=strict_readiness,
-                load_errors=errors, metrics=metrics, control=control, grpc_front=grpc_front,
-                http_front=http_front, front_threads=front_threads, max_inflight=max_inflight, version=launch_version,
-                direct_connections=direct_connections, tls=tls,
-                startup_models=sorted({model for model, _, _ in versions}) if starting else [],
-                http_restricted=http_restricted, grpc_restricted=grpc_restricted, front_on_head=front_on_head,
-                front_on_every_node=front_on_every_node,
-            ),
-            name=SERVER_APP,
-            route_prefix=SERVER_ROUTE_PREFIX,
-        )
-
+    launch = f"rayinfer-{uuid.uuid4().hex}"
     unreadable = dict(load_errors or {})
-    run_server_app(unreadable)
+    serve.run(
+        server_application(
+            model_repository, server_id=server_id, strict_readiness=strict_readiness,
+            load_errors=unreadable, metrics=metrics, control=control, grpc_front=grpc_front,
+            http_front=http_front, front_threads=front_threads, max_inflight=max_inflight, launch=launch,
+            direct_connections=direct_connections, tls=tls,
+            startup_models=sorted({model for model, _, _ in versions}),
+            http_restricted=http_restricted, grpc_restricted=grpc_restricted, front_on_head=front_on_head,
+            front_on_every_node=front_on_every_node,
+        ),
+        name=SERVER_APP,
+        route_prefix=SERVER_ROUTE_PREFIX,
+    )
     if openai is not None:  # starts while the models load
         app = openai_application(openai, max_input_size=max_input_size, http_restricted=http_restricted,
                                  max_ongoing_requests=max_inflight or DEFAULT_MAX_INFLIGHT_REQUESTS,
-                                 version=launch_version)
+                                 version=launch)
         serve.run_many([serve.RunTarget(app, name=OPENAI_APP, route_prefix=OPENAI_ROUTE_PREFIX)],
                        wait_for_applications_running=False)
     by_model = {**unreadable, **deploy_models(model_repository, versions, control)}
-    # Every startup model is deployed or failed now: a /v2 replica Serve restarts later (or this
-    # one, reconfigured) has none to wait for, even one unloaded since.
-    run_server_app(by_model, starting=False)
     served = sorted({model for model, _, _ in versions if model not in by_model})
     if openai is not None:
         _wait_running(OPENAI_APP, 60.0)
-    try:  # the front routes what was deployed before the server says it started
-        asyncio.run(_wait_routed(served, 30.0))
+    # Every startup model is deployed or failed now: the /v2 replica (and one Serve starts again
+    # later) has none to wait for, even one unloaded since. It answers once the front routes what
+    # was deployed, before the server says it started.
+    try:
+        asyncio.run(_startup_ended(by_model, served, 30.0))
     except Exception as exc:  # the /v2 app answers for models the front does not route yet
-        logger.warning("the front does not route every model yet: %s", exc)
+        logger.warning("the /v2 replica did not confirm the end of the start: %s", exc)
     return by_model
 
 
@@ -166,13 +159,14 @@ def _wait_running(app: str, timeout_s: float) -> None:
     logger.warning("the '%s' application is not running: %s", app, serve.status().applications.get(app))
 
 
-async def _wait_routed(models: list[str], timeout_s: float) -> None:
-    """Ask the ``/v2`` replica to return once the front routes ``models``. In a loop of its own:
-    with Serve's throughput-optimized settings a handle routes on the running event loop, and
-    a blocking call from outside one fails at once."""
+async def _startup_ended(load_errors: dict[str, str], models: list[str], timeout_s: float) -> None:
+    """Tell the ``/v2`` replica that the start ended with ``load_errors``, and wait (up to
+    ``timeout_s``) for the front to route ``models``. In a loop of its own: with Serve's
+    throughput-optimized settings a handle routes on the running event loop, and a blocking call
+    from outside one fails at once."""
     handle = serve.get_deployment_handle(SERVER_DEPLOYMENT, SERVER_APP)
     try:
-        await asyncio.wait_for(handle.wait_routed.remote(models), timeout_s)
+        await asyncio.wait_for(handle.startup_ended.remote(load_errors, models), timeout_s)
     finally:
         # The handle's router runs on this loop, which closes after this call: shut it down (and
         # out of Serve's handle cache) here. Else serve.shutdown() at Ctrl-C fails on the closed

@@ -29,6 +29,7 @@ from rayinfer.deployments.rollouts import Rollouts
 from rayinfer.deployments.replica_options import ModelControl
 from rayinfer.deployments.route_table import RouteTable
 from rayinfer.deployments.serve_state import ServeState
+from rayinfer.deployments.startup_record import save_startup_ended, saved_load_errors
 from rayinfer.deployments.v2_api import V2Api
 from rayinfer.deployments.v2_http import v2_router
 from rayinfer.protocol import log_settings
@@ -72,9 +73,17 @@ class ServerDeployment:
         direct_connections: bool = True,
         front_on_every_node: bool = False,
         tls: dict[str, dict[str, Any]] | None = None,
+        startup_models: list[str] | None = None,
+        load_errors: dict[str, str] | None = None,
+        launch: str | None = None,
     ):
         """``front_on_every_node``: the front runs on every node with model replicas too
-        (:mod:`node_fronts`), not only on this replica's."""
+        (:mod:`node_fronts`), not only on this replica's. ``startup_models``: the models the
+        server loads at start (it is not ready before each is served or failed);
+        ``load_errors``: those of them that could not be read, with the reason. ``launch``: the
+        ``rayinfer serve`` run that deployed this replica, which tells it when its start ended
+        (:meth:`startup_ended`); a replica Serve starts again for the same launch reads that
+        from :mod:`startup_record` instead."""
         control = control or ModelControl()
         log_settings.write_lines_here()  # rayinfer's lines: Triton's format (see log_settings)
         # An s3:// repository is read from its copy on this node, brought up to date on each poll
@@ -111,6 +120,10 @@ class ServerDeployment:
         self._api = V2Api(server_id, strict_readiness, self._controller, state, RouteTable(state, self._front),
                           control.poll_secs,
                           settings_from_flags(list(control.trace_config)))
+        self._server_id, self._launch = server_id, launch
+        ended = saved_load_errors(server_id, launch) if launch else None
+        self._controller.load_errors = dict(load_errors or {}) if ended is None else ended
+        self._api.startup_pending = set(startup_models or ()) if ended is None else set()
         # --log-verbose and the --log-* flags (a Serve config written before them: --log-verbose alone).
         start = log_settings.default_settings(verbose_level=1 if control.log_level == "DEBUG" else 0)
         self._api.set_log_settings({**start, **dict(control.log_settings)})
@@ -144,12 +157,6 @@ class ServerDeployment:
         if name in RPC_NAMES and "_grpc" in self.__dict__:
             return self._grpc.rpc(name)
         raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
-
-    def reconfigure(self, user_config: dict[str, Any]) -> None:
-        """``load_errors``: models whose start-up load failed, with the reason (set by the CLI)."""
-        self._controller.load_errors = dict(user_config.get("load_errors") or {})
-        self._api.startup_pending = set(user_config.get("startup_models") or ())
-        self._api.state.invalidate()
 
     # ---- calls from model replicas ----------------------------------------------------------
 
@@ -230,11 +237,18 @@ class ServerDeployment:
         assert route is not None
         return route, None
 
-    async def wait_routed(self, models: list[str]) -> None:
-        """``rayinfer serve`` at start: return once the front routes the models it deployed
+    async def startup_ended(self, load_errors: dict[str, str], models: list[str]) -> None:
+        """``rayinfer serve``, once each model it loads at start is deployed or failed:
+        ``load_errors`` (the failed ones, with the reason) count against readiness and no
+        startup model is waited for any more, in this replica and (by :mod:`startup_record`)
+        in one Serve starts again. Returns once the front routes ``models``, those it deployed
         (their replicas register their listeners every 2 s), so that a client told the server
         started finds them ready (up to 15 s; after that the ``/v2`` app answers for them)."""
+        self._controller.load_errors = dict(load_errors)
+        self._api.startup_pending = set()
         self._api.state.invalidate()
+        if self._launch:
+            await asyncio.to_thread(save_startup_ended, self._server_id, self._launch, dict(load_errors))
         await self._api.routes.wait_routed(*models)
 
     async def member_listeners(self, name: str, version: str) -> tuple[str, str, list[tuple[str, int]]]:

@@ -285,7 +285,9 @@ class ReadinessWatch(threading.Thread):
         except OSError:  # not listening yet
             return None
 
-    def stop(self) -> None:
+    def stop(self, first_ready_within_s: float = 0.0) -> None:
+        """Stop polling, once /v2/health/ready answered 200 or ``first_ready_within_s`` passed."""
+        self.join(first_ready_within_s)
         self._stopping.set()
         self.join()
 

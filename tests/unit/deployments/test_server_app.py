@@ -7,15 +7,14 @@ from pathlib import Path
 from rayinfer.deployments.app import server_application
 
 
-def test_a_rerun_with_new_load_errors_keeps_the_code_version(tmp_path: Path) -> None:
-    """``rayinfer serve`` runs the app again once models failed to load: with this launch's
-    version and only ``user_config`` changed, Serve reconfigures the replica in place."""
-    first = server_application(str(tmp_path), version="launch-1", startup_models=["m"])._bound_deployment
-    again = server_application(str(tmp_path), load_errors={"m": "broken"}, version="launch-1",
-                               startup_models=["m"])._bound_deployment
-    assert first.version == again.version == "launch-1"
-    assert (first.user_config, again.user_config) == ({"load_errors": {}, "startup_models": ["m"]},
-                                                      {"load_errors": {"m": "broken"}, "startup_models": ["m"]})
-    assert first.init_args == again.init_args
-    # Without a version (Serve configs), Serve keeps choosing the version itself.
-    assert server_application(str(tmp_path))._bound_deployment.version is None
+def test_the_start_reaches_the_replica_as_arguments_not_as_user_config(tmp_path: Path) -> None:
+    """One ``serve.run`` per launch: the models to wait for, those that could not be read and the
+    launch are the replica's arguments (the end of the start is a call, :meth:`startup_ended`);
+    Serve has no user_config to reconfigure it with."""
+    deployment = server_application(str(tmp_path), load_errors={"m": "broken"}, launch="launch-1",
+                                    startup_models=["n", "m"])._bound_deployment
+    assert deployment.user_config is None
+    assert deployment.init_kwargs == {"startup_models": ["m", "n"], "load_errors": {"m": "broken"}, "launch": "launch-1"}
+    # A Serve config has no launch: nothing tells its replica when the start ended.
+    assert server_application(str(tmp_path))._bound_deployment.init_kwargs == {
+        "startup_models": [], "load_errors": {}, "launch": None}
