@@ -33,7 +33,7 @@ import tritonclient.http as httpclient
 import yaml
 from onnx import TensorProto
 
-from conftest import HTTP_PORT, add_sub_inputs, start_server, stop_server, stop_shared_server
+from conftest import HTTP_PORT, SUITE_RAY_ENVIRONMENT, add_sub_inputs, start_server, stop_server, stop_shared_server
 from rayinfer.cluster.example_repository import SIMPLE_CONFIG, add_sub_model, write_model
 from rayinfer.cluster.settings import RAY_ENVIRONMENT
 from rayinfer.repository.object_store import MOUNT_DIRECTORY_VARIABLE
@@ -80,7 +80,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory):
     (repo / "simple" / "2" / "model.onnx").write_bytes((repo / "simple" / "1" / "model.onnx").read_bytes())
     # The S3 credentials (and where to copy an s3:// repository) reach the replicas the way README
     # says: in the environment of `ray start`.
-    env = {**os.environ, **RAY_ENVIRONMENT, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32),
+    env = {**os.environ, **RAY_ENVIRONMENT, **SUITE_RAY_ENVIRONMENT, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32),
            **CREDENTIALS, MOUNT_DIRECTORY_VARIABLE: str(tmp_path_factory.mktemp("s3_copy"))}
     with pytest.MonkeyPatch.context() as patch:
         for key, value in env.items():

@@ -27,7 +27,7 @@ import tritonclient.http as httpclient
 from onnx import TensorProto
 from tritonclient.utils import InferenceServerException
 
-from conftest import HTTP_PORT, add_sub_inputs, start_server, stop_server, stop_shared_server
+from conftest import HTTP_PORT, SUITE_RAY_ENVIRONMENT, add_sub_inputs, start_server, stop_server, stop_shared_server
 from rollout_models import ROLLOUT_MODEL, rollout_config, write_rollout_models
 from trace_files import ORDER, trace_files, traces_by_id
 from rayinfer.cluster.example_repository import SIMPLE_CONFIG, add_sub_model, write_model
@@ -53,7 +53,7 @@ def two_nodes():
     except OSError as exc:
         pytest.skip(f"needs root (CAP_NET_ADMIN) to give a second Ray node a network of its own: {exc}")
     # Ray turns token authentication on for a head not on loopback: the nodes share one token.
-    env = {**os.environ, **RAY_ENVIRONMENT, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
+    env = {**os.environ, **RAY_ENVIRONMENT, **SUITE_RAY_ENVIRONMENT, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
     try:
         subprocess.run([str(BIN / "ray"), "start", "--head", "--node-ip-address", HERE_IP, "--num-cpus", "1",
                         "--disable-usage-stats", "--dashboard-host", "127.0.0.1"],
