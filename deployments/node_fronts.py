@@ -67,7 +67,7 @@ class NodeFront:
         import ray
 
         from rayinfer.deployments.front import Front
-        from rayinfer.deployments.front_key_store import cluster_front_key
+        from rayinfer.deployments.cluster_records import cluster_front_key
 
         node_ip = ray.util.get_node_ip_address()
         self._front = Front(node_endpoint(http, own_ip, node_ip), node_endpoint(grpc, own_ip, node_ip), **options,

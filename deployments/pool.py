@@ -41,16 +41,11 @@ from ray import serve
 from tritonclient.grpc import service_pb2 as pb
 
 from rayinfer.adapters.python_backend import model_context
+from rayinfer.deployments.cluster_records import delete_report, read_every_report, spec_digest, write_report
 from rayinfer.deployments.hosted_model import HostedModel, HostingOptions
 from rayinfer.deployments.names import POOL_DEPLOYMENT, POOL_KEY_SEP, SERVER_APP, SERVER_DEPLOYMENT, pool_key
-from rayinfer.deployments.pool_reports import KV_NAMESPACE, read_every_report, report_key, spec_digest
 from rayinfer.deployments.pool_spread import RequestRates, busy_versions, spread
-from rayinfer.deployments.serve_internals import (
-    kv_delete,
-    kv_put,
-    publish_multiplexed_models,
-    replica_id,
-)
+from rayinfer.deployments.serve_internals import publish_multiplexed_models, replica_id
 from rayinfer.protocol import log_settings
 from rayinfer.protocol.errors import UnavailableError
 from rayinfer.protocol.types import InferRequest, InferResponse
@@ -166,7 +161,7 @@ class PoolDeployment:
         return self._locks.setdefault(app, asyncio.Lock())
 
     async def _publish_report(self) -> None:
-        """This replica's hosting report, to Ray's key-value store (:mod:`pool_reports`); tried
+        """This replica's hosting report, to Ray's key-value store (:mod:`cluster_records`); tried
         three times, then logged (the deployer waits on it, up to its timeout)."""
         # One at a time, each taken when its turn comes: puts from threads at once could land in
         # any order, and an older report landing last would stand until the next change.
@@ -174,7 +169,7 @@ class PoolDeployment:
             report = json.dumps(self.hosting_report()).encode()
             for attempt in range(3):
                 try:
-                    await asyncio.to_thread(kv_put, report_key(self._replica_id), report, KV_NAMESPACE)
+                    await asyncio.to_thread(write_report, self._replica_id, report)
                     return
                 except Exception as exc:  # noqa: BLE001  # the GCS did not answer: again, shortly
                     logger.warning("could not publish the pool's report (attempt %d): %s", attempt + 1, exc)
@@ -531,7 +526,7 @@ class PoolDeployment:
                              *list(getattr(self, "_background", ())), return_exceptions=True)
         if hasattr(self, "_replica_id"):
             try:
-                await asyncio.to_thread(kv_delete, report_key(self._replica_id), KV_NAMESPACE)
+                await asyncio.to_thread(delete_report, self._replica_id)
             except Exception as exc:  # noqa: BLE001  # the GCS may be going away with the server
                 logger.debug("could not remove the pool's report: %s", exc)
 

@@ -1,6 +1,6 @@
 """The model pool's side of model control: which versions are pooled, and deploying the pool
 with a new list of versions (:mod:`pool`) and waiting for its replicas' reports
-(:mod:`pool_reports`)."""
+(:mod:`cluster_records`)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from rayinfer.deployments.front import route_key_is_safe
 from rayinfer.deployments.hosted_model import HostingOptions
 from rayinfer.deployments.names import POOL_APP
 from rayinfer.deployments.pool import HostedSpec, PoolDeployment
-from rayinfer.deployments.pool_reports import read_reports, spec_digest
+from rayinfer.deployments.cluster_records import read_reports, spec_digest
 from rayinfer.deployments.replica_options import (
     MIN_ONGOING_REQUESTS,
     RAY_METRICS_OFF,

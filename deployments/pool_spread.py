@@ -11,7 +11,7 @@ While the version stays that busy, its copies count as used (the budget unloads 
 once it cools, the budget unloads the extra copies as any idle version.
 
 Each replica decides alone, from every replica's hosting report in Ray's key-value store
-(:mod:`pool_reports`: the versions loaded and each one's requests per minute there); the
+(:mod:`cluster_records`: the versions loaded and each one's requests per minute there); the
 decision is a pure function of the reports, so replicas that read the same reports pick the
 same replicas, and one load per version is all a round adds.
 """

@@ -1,28 +1,21 @@
-"""A rollout's record (:class:`Rollout`: its versions, settings, state, weight, step and decisions)
-and where the ``/v2`` replica keeps the server's rollouts: Ray's key-value store (the GCS), saved
-at each change and read back by a new ``/v2`` replica (:mod:`rayinfer.deployments.rollouts`)."""
+"""A rollout's record (:class:`Rollout`: its versions, settings, state, weight, step and decisions),
+as the ``/v2`` replica keeps it (:mod:`rayinfer.deployments.rollouts`) and saves it at each change
+(:mod:`rayinfer.deployments.cluster_records`)."""
 
 from __future__ import annotations
 
-import json
-import logging
 import math
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from rayinfer.deployments.serve_internals import kv_get, kv_put
 from rayinfer.repository.rollout_config import RolloutSettings
 from rayinfer.serving.rollout_analysis import VersionFigures
 from rayinfer.transport.router import VersionSplit
-
-logger = logging.getLogger(__name__)
 
 PROGRESSING, PROMOTED, ROLLED_BACK, ABORTED = "PROGRESSING", "PROMOTED", "ROLLED_BACK", "ABORTED"
 STATES = (PROGRESSING, PROMOTED, ROLLED_BACK, ABORTED)
 # Decisions kept per rollout (the oldest go first).
 MAX_DECISIONS = 100
-_KV_NAMESPACE = "rayinfer"
 
 
 @dataclass
@@ -82,26 +75,3 @@ def counts_of(figures: VersionFigures) -> dict[str, int]:
 def figures_of(counts: dict[str, int]) -> VersionFigures:
     """The figures of counts a rollout kept (:func:`counts_of`)."""
     return VersionFigures(counts.get("successes", 0), counts.get("failures", 0), counts.get("queue_ns", 0))
-
-
-def saved_rollouts(key: bytes) -> list[dict[str, Any]]:
-    """The rollouts saved under ``key`` (each as :meth:`Rollout.as_dict` gives it; none without
-    a connected Ray, or when what is saved cannot be read)."""
-    raw = kv_get(key, _KV_NAMESPACE) if _ray_connected() else None
-    try:
-        return json.loads(raw) if raw else []
-    except ValueError:
-        logger.error("the saved rollouts cannot be read; starting with none")
-        return []
-
-
-def save_rollouts(key: bytes, rollouts: Iterable[Rollout]) -> None:
-    """Save ``rollouts`` under ``key`` (nothing without a connected Ray)."""
-    if _ray_connected():
-        kv_put(key, json.dumps([r.as_dict() for r in rollouts]).encode(), _KV_NAMESPACE)
-
-
-def _ray_connected() -> bool:
-    import ray
-
-    return ray.is_initialized()

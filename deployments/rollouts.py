@@ -31,10 +31,10 @@ from typing import TYPE_CHECKING, Any
 
 from prometheus_client.core import GaugeMetricFamily
 
+from rayinfer.deployments.cluster_records import save_rollouts, saved_rollouts
 from rayinfer.deployments.control_channel import ROLLOUT_SPLIT, ControlMessage
 from rayinfer.deployments.rollout_store import (
-    ABORTED, MAX_DECISIONS, PROGRESSING, PROMOTED, ROLLED_BACK, STATES, Rollout, counts_of, figures_of, save_rollouts,
-    saved_rollouts,
+    ABORTED, MAX_DECISIONS, PROGRESSING, PROMOTED, ROLLED_BACK, STATES, Rollout, counts_of, figures_of,
 )
 from rayinfer.protocol.errors import InvalidArgError, NotFoundError
 from rayinfer.repository.rollout_config import RolloutSettings, rollout_settings, settings_from
@@ -62,12 +62,12 @@ class Rollouts:
 
     def __init__(self, api: V2Api, server_id: str) -> None:
         self._api = api
-        self._key = f"rollouts/{server_id}".encode()
+        self._server_id = server_id
         self._rollouts: dict[str, Rollout] = {}
         # model -> the stable version's replicas' shadow counts (for its rollout's candidate)
         self._shadow: dict[str, dict[str, ShadowCounts]] = {}
         self._changes = asyncio.Lock()
-        for doc in saved_rollouts(self._key):
+        for doc in saved_rollouts(server_id):
             rollout = Rollout.from_dict(doc)
             self._rollouts[rollout.model] = rollout
         if self._rollouts:
@@ -232,7 +232,7 @@ class Rollouts:
         if self._rollouts.pop(model, None) is not None:
             logger.info("model '%s' was unloaded: its rollout ends", model)
             self._apply()
-            save_rollouts(self._key, self._rollouts.values())
+            save_rollouts(self._server_id, [r.as_dict() for r in self._rollouts.values()])
 
     # ---- judging --------------------------------------------------------------------------------
 
@@ -332,7 +332,7 @@ class Rollouts:
         """Route by the rollouts as they are now, on every front and in the model replicas that
         hold clients' connections (told at once, as the fronts are); save them."""
         self._apply()
-        save_rollouts(self._key, self._rollouts.values())
+        save_rollouts(self._server_id, [r.as_dict() for r in self._rollouts.values()])
         await asyncio.gather(self._api.routes.publish(), *(self._tell_split(model) for model in list(self._rollouts)))
 
     def split_message(self, model: str) -> dict[str, Any]:

@@ -23,7 +23,7 @@ from rayinfer.deployments.names import (
     model_apps,
     model_deployment_name,
 )
-from rayinfer.deployments.pool_reports import read_reports, spec_digest
+from rayinfer.deployments.cluster_records import read_reports, spec_digest
 from rayinfer.deployments.serve_internals import pending_resource_shapes, serve_details
 from rayinfer.repository.scanner import RepositoryScan
 from rayinfer.serving.model_control import ModelController

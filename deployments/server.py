@@ -29,7 +29,7 @@ from rayinfer.deployments.rollouts import Rollouts
 from rayinfer.deployments.replica_options import ModelControl
 from rayinfer.deployments.route_table import RouteTable
 from rayinfer.deployments.serve_state import ServeState
-from rayinfer.deployments.startup_record import save_startup_ended, saved_load_errors
+from rayinfer.deployments.cluster_records import save_startup_ended, saved_load_errors
 from rayinfer.deployments.v2_api import V2Api
 from rayinfer.deployments.v2_http import v2_router
 from rayinfer.protocol import log_settings
@@ -83,7 +83,7 @@ class ServerDeployment:
         ``load_errors``: those of them that could not be read, with the reason. ``launch``: the
         ``rayinfer serve`` run that deployed this replica, which tells it when its start ended
         (:meth:`startup_ended`); a replica Serve starts again for the same launch reads that
-        from :mod:`startup_record` instead."""
+        from :mod:`cluster_records` instead."""
         control = control or ModelControl()
         log_settings.write_lines_here()  # rayinfer's lines: Triton's format (see log_settings)
         # An s3:// repository is read from its copy on this node, brought up to date on each poll
@@ -97,7 +97,7 @@ class ServerDeployment:
                               parse_restrictions(grpc_restricted or [], "--grpc-restricted-protocol"))
         if grpc_front is not None or http_front is not None:
             from rayinfer.deployments.front import Front
-            from rayinfer.deployments.front_key_store import cluster_front_key
+            from rayinfer.deployments.cluster_records import cluster_front_key
 
             options = {
                 "server_app": SERVER_APP, "threads": front_threads, "max_input_size": control.max_input_size,
@@ -240,7 +240,7 @@ class ServerDeployment:
     async def startup_ended(self, load_errors: dict[str, str], models: list[str]) -> None:
         """``rayinfer serve``, once each model it loads at start is deployed or failed:
         ``load_errors`` (the failed ones, with the reason) count against readiness and no
-        startup model is waited for any more, in this replica and (by :mod:`startup_record`)
+        startup model is waited for any more, in this replica and (by :mod:`cluster_records`)
         in one Serve starts again. Returns once the front routes ``models``, those it deployed
         (their replicas register their listeners every 2 s), so that a client told the server
         started finds them ready (up to 15 s; after that the ``/v2`` app answers for them)."""

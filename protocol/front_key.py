@@ -7,7 +7,7 @@ that address could too. Every request the server's parts send there carries the 
 it), and the listener serves a request that arrived over its port only when it carries the key
 (:func:`front_key_matches`); a client's connection that the front's acceptor hands it is the
 client's own and needs none. One key is made per cluster, kept in Ray's key-value store
-(``deployments/front_key_store.py``).
+(``deployments/cluster_records.py``).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from rayinfer.protocol.errors import NotFoundError
 
 UNICODE_ERROR = "Request for unknown model: 'm\u00fc' is not found (100% sure)"
 # The front key of the fronts and stand-in listeners of the unit tests (a real one is random:
-# deployments/front_key_store.py).
+# deployments/cluster_records.py).
 TEST_FRONT_KEY = "0123456789abcdef" * 4
 
 

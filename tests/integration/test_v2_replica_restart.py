@@ -91,7 +91,7 @@ def test_inference_goes_on_while_the_v2_replica_restarts(server):
     load.join(30)
     assert load.failures == [], load.failures[:5]
     assert pids_titled(V2_REPLICA) and before not in pids_titled(V2_REPLICA)
-    # The new replica knows that the start ended (startup_record): it waits for no startup model,
+    # The new replica knows that the start ended (cluster_records): it waits for no startup model,
     # even one unloaded since, so it is as ready as the first one was.
     wait_until(lambda: answers_200("/v2/health/ready") == ready, f"the server's readiness to be {ready} again",
                timeout_s=30)

@@ -240,7 +240,7 @@ def test_reports_published_at_once_land_newest_last(monkeypatch):
     stored: list[bytes] = []
     first_started, release_first = threading.Event(), threading.Event()
 
-    def put(key: str, value: bytes, namespace: str) -> None:
+    def put(replica: str, value: bytes) -> None:
         if not first_started.is_set():
             first_started.set()
             release_first.wait(10)
@@ -259,7 +259,7 @@ def test_reports_published_at_once_land_newest_last(monkeypatch):
         replica = _pool(monkeypatch, 2)
         del replica._publish_report  # the class's own
         replica._publishing = lock = CountedLock()
-        monkeypatch.setattr(pool_module, "kv_put", put)
+        monkeypatch.setattr(pool_module, "write_report", put)
         replica._specs = {app: (app, 1, {"repository": "/repo"}) for app in ("a", "b")}
         replica._hosted["a"] = _StandIn("a")
         first = asyncio.create_task(replica._publish_report())
