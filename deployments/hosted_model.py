@@ -276,8 +276,8 @@ class HostedModel:
 
     @property
     def last_inference_s(self) -> float:
-        """When (Unix time, seconds) it last answered a request; 0 if it has not."""
-        return self.core.executor.stats.last_inference_ms / 1000
+        """When (Unix time, seconds, full precision) it last answered a request; 0 if it has not."""
+        return self.core.executor.stats.last_inference_s
 
     async def _listener_grpc(self, method: str, payload: bytes) -> bytes:
         """A model RPC the front relayed to this replica's listener."""

@@ -97,3 +97,19 @@ def test_stats_to_json_shape() -> None:
     assert [b["batch_size"] for b in doc["batch_stats"]] == [2, 5]
     assert doc["batch_stats"][1]["compute_infer"] == {"count": 1, "ns": 100}
     assert set(doc["batch_stats"][0]) == {"batch_size", "compute_input", "compute_infer", "compute_output"}
+
+
+def test_the_last_inference_keeps_its_order_within_one_millisecond(monkeypatch) -> None:
+    """Triton's last_inference is in whole ms; the full-precision time tells two versions that
+    answered within one millisecond apart (a pool unloads the one used least recently)."""
+    import rayinfer.protocol.statistics as statistics
+
+    first, second = ModelStatistics(), ModelStatistics()
+    for stats, now in ((first, 1_000.0002), (second, 1_000.0006)):
+        monkeypatch.setattr(statistics.time, "time", lambda now=now: now)
+        stats.record_success(request_ns=300, queue_ns=50)
+    assert first.last_inference_ms == second.last_inference_ms == 1_000_000
+    assert first.last_inference_s < second.last_inference_s
+    monkeypatch.setattr(statistics.time, "time", lambda: 1_000.0009)
+    first.record_failure(request_ns=7)
+    assert first.last_inference_s > second.last_inference_s and first.last_inference_ms == 1_000_000
