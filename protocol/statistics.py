@@ -29,9 +29,8 @@ class ModelStatistics:
 
     inference_count: int = 0
     execution_count: int = 0
-    last_inference_ms: int = 0
-    # The same moment at full precision (Unix time, s): which of a pool's versions was used least
-    # recently, when several answered within one millisecond.
+    # When it last answered (Unix time, s, full precision: a pool unloads the version used least
+    # recently, and several may answer within one millisecond); Triton reports it in whole ms.
     last_inference_s: float = 0.0
     durations: dict[str, list[int]] = field(default_factory=lambda: {k: [0, 0] for k in _DURATIONS})
     batch_stats: dict[int, dict[str, list[int]]] = field(default_factory=dict)
@@ -55,7 +54,7 @@ class ModelStatistics:
         self._add("success", request_ns)
         self._add("queue", queue_ns)
         now = time.time()
-        self.last_inference_s, self.last_inference_ms = now, int(now * 1000)
+        self.last_inference_s = now
         self.summaries["request"].record(request_ns / 1000, now)
         self.summaries["queue"].record(queue_ns / 1000, now)
         if not self.decoupled:
@@ -68,8 +67,12 @@ class ModelStatistics:
             self.failure_reasons[reason] = self.failure_reasons.get(reason, 0) + 1
         elif not self.decoupled:  # its error is its response
             self.record_first_response(request_ns)
-        now = time.time()
-        self.last_inference_s, self.last_inference_ms = now, int(now * 1000)
+        self.last_inference_s = time.time()
+
+    @property
+    def last_inference_ms(self) -> int:
+        """Triton's ``last_inference``: :attr:`last_inference_s` in whole milliseconds."""
+        return int(self.last_inference_s * 1000)
 
     def record_first_response(self, ns: int) -> None:
         """A request's first response, ``ns`` after the request arrived (counted in whole ms, as Triton does)."""
